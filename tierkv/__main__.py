@@ -1,0 +1,3 @@
+from tierkv.cli import main
+
+raise SystemExit(main())

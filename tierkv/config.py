@@ -1,0 +1,115 @@
+"""Configuration: frozen dataclasses, one per tier, composed into :class:`StoreConfig`.
+
+Defaults live here and only here; ``docs/configuration.md`` describes each one.
+Every ``__post_init__`` names the bad field and its value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _positive(section: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{section}.{name} must be a positive number, got {value!r}")
+
+
+def _non_negative(section: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{section}.{name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CpuTierConfig:
+    """The pinned CPU slab: one allocation, carved into chunk slots."""
+
+    max_bytes: int = 4 * GiB
+    pin_memory: str = "auto"  # "auto" (pin when CUDA is present), "always", "never"
+    spill_ahead_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        _positive("cpu", "max_bytes", self.max_bytes)
+        if self.pin_memory not in ("auto", "always", "never"):
+            raise ConfigError(
+                f"cpu.pin_memory must be 'auto', 'always' or 'never', got {self.pin_memory!r}"
+            )
+        if not 0.0 <= self.spill_ahead_fraction <= 1.0:
+            raise ConfigError(
+                f"cpu.spill_ahead_fraction must be within [0, 1], got {self.spill_ahead_fraction!r}"
+            )
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """The LMDB disk tier. ``path=None`` turns the tier off."""
+
+    path: Path | None = None
+    max_bytes: int = 64 * GiB
+    write_through: bool = False
+    write_batch_bytes: int = 8 * MiB
+    sync_mode: str = "periodic"  # "periodic", "always" (fsync each txn), "close"
+    sync_every_bytes: int = 256 * MiB
+    sync_every_seconds: float = 5.0
+    retry_after_full_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not isinstance(self.path, Path):
+            object.__setattr__(self, "path", Path(self.path))
+        _positive("disk", "max_bytes", self.max_bytes)
+        _positive("disk", "write_batch_bytes", self.write_batch_bytes)
+        _positive("disk", "sync_every_bytes", self.sync_every_bytes)
+        _positive("disk", "sync_every_seconds", self.sync_every_seconds)
+        _non_negative("disk", "retry_after_full_seconds", self.retry_after_full_seconds)
+        if self.sync_mode not in ("periodic", "always", "close"):
+            raise ConfigError(
+                f"disk.sync_mode must be 'periodic', 'always' or 'close', got {self.sync_mode!r}"
+            )
+        if not isinstance(self.write_through, bool):
+            raise ConfigError(f"disk.write_through must be a bool, got {self.write_through!r}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything a :class:`tierkv.engine.store.TierKVStore` needs besides the KV tensors."""
+
+    blocks_per_chunk: int = 16
+    cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    device: str = "auto"  # "auto", "cpu", "cuda"
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.blocks_per_chunk, bool) or not isinstance(self.blocks_per_chunk, int):
+            raise ConfigError(f"blocks_per_chunk must be an int, got {self.blocks_per_chunk!r}")
+        _positive("store", "blocks_per_chunk", self.blocks_per_chunk)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError(f"rank must be an int >= 0, got {self.rank!r}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StoreConfig:
+        """Build from plain data (JSON, vLLM extra config): ``{"cpu": {...}, "disk": {...}}``."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        kwargs = dict(raw)
+        for name, sub in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
+            if name in kwargs and isinstance(kwargs[name], dict):
+                sub_known = {f.name for f in fields(sub)}
+                bad = set(kwargs[name]) - sub_known
+                if bad:
+                    raise ConfigError(
+                        f"unknown setting(s) {sorted(f'{name}.{b}' for b in bad)}; "
+                        f"known: {sorted(sub_known)}"
+                    )
+                kwargs[name] = sub(**kwargs[name])
+        return cls(**kwargs)

@@ -1,0 +1,540 @@
+"""BlockIndex: the scheduler side's one source of truth about where every chunk is.
+
+Primitives (all pure and single-threaded; plain data in and out):
+
+- ``lookup(keys)`` -> :class:`Lookup`: the ready, contiguous prefix of ``keys`` across
+  tiers (CPU READY, or on disk only). A key being promoted stops the walk and answers
+  ``pending`` ("not yet": ask again next step). No side effects.
+- ``prepare_store(keys, protected)`` -> :class:`StorePlan`: skips keys already present,
+  allocates a slot per new key (evicting only READY chunks with no readers that are
+  clean or droppable, and never a protected key). When nothing can be freed it stops and
+  counts "no room": a value, never an exception, never eviction of data in use.
+- ``complete_store(completion)``: STORING -> READY, or back out on failure.
+- ``prepare_load(keys)`` -> :class:`LoadPlan`: readers += 1 on CPU chunks; a slot and
+  PROMOTING for disk-only chunks (the worker reads disk into the slot, then copies).
+- ``complete_load(completion)``: readers -= 1; promoted chunks become READY (or are
+  dropped; corrupt ones are gone from disk).
+- ``take_spills(flush=False)`` -> :class:`SpillSpec` | None: write-back. Dirty READY
+  chunks (not on disk) are spilled, oldest first, so that a fraction of the slots stays
+  clean (evictable at once); with write-through, or when flushing, every dirty chunk.
+  Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
+- ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
+  ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
+- ``add_on_disk(keys)``: rebuild from the disk tier on open (a restart is warm).
+- ``check()``: every invariant, for tests after each step.
+
+Recency: one LRU of clean READY chunks and one of dirty READY chunks. A chunk whose spill
+completes joins the clean LRU at its oldest end (it was spilled because it was old).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from itertools import islice
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tierkv.core.jobs import (
+    ChunkCopy,
+    Completion,
+    JobId,
+    JobIds,
+    JobKind,
+    SlotId,
+    SpillSpec,
+)
+from tierkv.core.lru import LRUPolicy
+from tierkv.core.slots import SlotAllocator
+from tierkv.core.state import CpuState, DiskState, Entry
+
+
+@dataclass(frozen=True)
+class Lookup:
+    num_hits: int  # contiguous ready chunks from the start of the keys
+    pending: bool  # the walk stopped at a chunk being promoted: ask again later
+    num_on_cpu: int = 0  # of the hits, chunks ready in the CPU tier
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    job_id: JobId | None
+    chunks: tuple[tuple[bytes, SlotId], ...]
+    num_present: int
+    num_no_room: int
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    job_id: JobId | None
+    chunks: tuple[tuple[bytes, SlotId, bool], ...]  # (key, slot, from_disk)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    ok_keys: tuple[bytes, ...]
+    failed_keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    num_slots: int
+    free_slots: int
+    cpu_ready: int
+    storing: int
+    promoting: int
+    spilling: int
+    on_disk: int
+    disk_capacity: int
+    stores_planned: int
+    stores_present: int
+    stores_no_room: int
+    stores_failed: int
+    loads_cpu: int
+    loads_disk: int
+    loads_failed: int
+    loads_no_room: int
+    corrupt: int
+    cpu_evictions: int
+    dirty_dropped: int
+    disk_evictions: int
+    spills_ok: int
+    spills_failed: int
+    disk_no_room: int
+
+
+@dataclass
+class _Counters:
+    stores_planned: int = 0
+    stores_present: int = 0
+    stores_no_room: int = 0
+    stores_failed: int = 0
+    loads_cpu: int = 0
+    loads_disk: int = 0
+    loads_failed: int = 0
+    loads_no_room: int = 0
+    corrupt: int = 0
+    cpu_evictions: int = 0
+    dirty_dropped: int = 0
+    disk_evictions: int = 0
+    spills_ok: int = 0
+    spills_failed: int = 0
+    disk_no_room: int = 0
+
+
+@dataclass
+class _Job:
+    kind: JobKind
+    keys: tuple[bytes, ...]
+    from_disk: tuple[bool, ...] = ()
+    deletes: tuple[bytes, ...] = field(default=())
+
+
+class BlockIndex:
+    def __init__(
+        self,
+        num_slots: int,
+        disk_capacity: int = 0,
+        *,
+        write_through: bool = False,
+        spill_ahead_fraction: float = 0.25,
+        retry_after_full_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        job_ids: JobIds | None = None,
+    ) -> None:
+        self.num_slots = num_slots
+        self.disk_capacity = disk_capacity  # in chunks; 0 = no disk tier
+        self.write_through = write_through
+        self._clean_target = math.ceil(spill_ahead_fraction * num_slots)
+        self._retry_after_full = retry_after_full_seconds
+        self._clock = clock
+        self._job_ids = job_ids or JobIds()
+        self._slots = SlotAllocator(num_slots)
+        self._entries: dict[bytes, Entry] = {}
+        self._clean = LRUPolicy()  # READY, safe to evict now (on disk, or no disk tier)
+        self._dirty = LRUPolicy()  # READY, not on disk, disk tier on, no spill in flight
+        self._disk = LRUPolicy()  # ON_DISK
+        self._disk_used = 0  # ON_DISK + SPILLING
+        self._num_spilling = 0
+        self._pending_deletes: list[bytes] = []
+        self._disk_retry_at = -math.inf
+        self._jobs: dict[JobId, _Job] = {}
+        self._counters = _Counters()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def has_disk(self) -> bool:
+        return self.disk_capacity > 0
+
+    def lookup(self, keys: Sequence[bytes]) -> Lookup:
+        hits = 0
+        on_cpu = 0
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                break
+            cpu = entry.cpu
+            if cpu is CpuState.READY:
+                on_cpu += 1
+            elif cpu is None and entry.disk is DiskState.ON_DISK:
+                pass
+            elif cpu is CpuState.PROMOTING:
+                return Lookup(hits, True, on_cpu)
+            else:
+                break
+            hits += 1
+        return Lookup(hits, False, on_cpu)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def entry(self, key: bytes) -> Entry | None:
+        """The entry for ``key`` (read-only use: tests, inspection)."""
+        return self._entries.get(key)
+
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def job_kind(self, job_id: JobId) -> JobKind | None:
+        job = self._jobs.get(job_id)
+        return job.kind if job is not None else None
+
+    # ------------------------------------------------------------------ stores
+    def prepare_store(self, keys: Sequence[bytes], protected: Iterable[bytes] = ()) -> StorePlan:
+        counters = self._counters
+        guard = set(protected)
+        guard.update(keys)
+        chunks: list[tuple[bytes, SlotId]] = []
+        present = 0
+        no_room = 0
+        for position, key in enumerate(keys):
+            if key in self._entries:
+                present += 1
+                continue
+            slot = self._take_slot(guard)
+            if slot is None:
+                no_room = len(keys) - position
+                break
+            self._entries[key] = Entry(key, slot, CpuState.STORING)
+            chunks.append((key, slot))
+        counters.stores_present += present
+        counters.stores_no_room += no_room
+        if not chunks:
+            return StorePlan(None, (), present, no_room)
+        counters.stores_planned += len(chunks)
+        job_id = self._job_ids.allocate()
+        self._jobs[job_id] = _Job(JobKind.STORE, tuple(k for k, _ in chunks))
+        return StorePlan(job_id, tuple(chunks), present, no_room)
+
+    def complete_store(self, completion: Completion) -> None:
+        job = self._pop_job(completion.job_id, JobKind.STORE)
+        failed = set(completion.failed_keys)
+        for key in job.keys:
+            entry = self._entries[key]
+            assert entry.cpu is CpuState.STORING
+            if completion.ok and key not in failed:
+                entry.cpu = CpuState.READY
+                self._file_ready(entry)
+            else:
+                self._counters.stores_failed += 1
+                self._release_slot(entry)
+                del self._entries[key]
+
+    # ------------------------------------------------------------------ loads
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        guard = set(keys)
+        chunks: list[tuple[bytes, SlotId, bool]] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                break
+            if entry.cpu is CpuState.READY:
+                assert entry.slot is not None
+                entry.readers += 1
+                self._touch_ready(entry)
+                chunks.append((key, entry.slot, False))
+                self._counters.loads_cpu += 1
+            elif entry.cpu is None and entry.disk is DiskState.ON_DISK:
+                slot = self._take_slot(guard)
+                if slot is None:
+                    self._counters.loads_no_room += 1
+                    break
+                entry.slot = slot
+                entry.cpu = CpuState.PROMOTING
+                entry.readers = 1
+                self._disk.touch(key)
+                chunks.append((key, slot, True))
+                self._counters.loads_disk += 1
+            else:
+                break
+        if not chunks:
+            return LoadPlan(None, ())
+        job_id = self._job_ids.allocate()
+        self._jobs[job_id] = _Job(
+            JobKind.LOAD, tuple(k for k, _, _ in chunks), tuple(d for _, _, d in chunks)
+        )
+        return LoadPlan(job_id, tuple(chunks))
+
+    def complete_load(self, completion: Completion) -> LoadResult:
+        job = self._pop_job(completion.job_id, JobKind.LOAD)
+        corrupt = set(completion.corrupt_keys)
+        failed = set(completion.failed_keys) | corrupt
+        ok_keys: list[bytes] = []
+        failed_keys: list[bytes] = []
+        for key, from_disk in zip(job.keys, job.from_disk):
+            entry = self._entries[key]
+            entry.readers -= 1
+            assert entry.readers >= 0
+            landed = completion.ok and key not in failed
+            (ok_keys if landed else failed_keys).append(key)
+            if not landed:
+                self._counters.loads_failed += 1
+            if not from_disk:
+                continue
+            assert entry.cpu is CpuState.PROMOTING and entry.readers == 0
+            if landed:
+                entry.cpu = CpuState.READY
+                self._file_ready(entry)
+                continue
+            self._release_slot(entry)
+            if key in corrupt:  # the worker deleted it on disk
+                self._counters.corrupt += 1
+                self._drop_disk(entry)
+                del self._entries[key]
+        return LoadResult(tuple(ok_keys), tuple(failed_keys))
+
+    # ------------------------------------------------------------------ spills
+    def take_spills(self, flush: bool = False) -> SpillSpec | None:
+        if not self.has_disk:
+            return None
+        writes: list[tuple[bytes, SlotId]] = []
+        if flush or self._clock() >= self._disk_retry_at:
+            if flush or self.write_through:
+                want = len(self._dirty)
+            else:
+                clean_now = self._slots.num_free + len(self._clean) + self._num_spilling
+                want = min(len(self._dirty), self._clean_target - clean_now)
+            for key in list(islice(self._dirty.oldest_first(), max(want, 0))):
+                if self._disk_used >= self.disk_capacity and not self._evict_disk():
+                    self._counters.disk_no_room += 1
+                    break
+                entry = self._entries[key]
+                assert entry.slot is not None
+                self._dirty.discard(key)
+                entry.disk = DiskState.SPILLING
+                self._disk_used += 1
+                self._num_spilling += 1
+                writes.append((key, entry.slot))
+        deletes = tuple(self._pending_deletes)
+        self._pending_deletes.clear()
+        if not writes and not deletes:
+            return None
+        job_id = self._job_ids.allocate()
+        self._jobs[job_id] = _Job(JobKind.SPILL, tuple(k for k, _ in writes), deletes=deletes)
+        return SpillSpec(job_id, tuple(writes), deletes)
+
+    def complete_spill(self, completion: Completion) -> None:
+        job = self._pop_job(completion.job_id, JobKind.SPILL)
+        full = set(completion.full_keys)
+        failed = set(completion.failed_keys) | full
+        if full:
+            self._disk_retry_at = self._clock() + self._retry_after_full
+            self._counters.disk_no_room += len(full)
+        for key in job.keys:
+            entry = self._entries[key]
+            assert entry.disk is DiskState.SPILLING and entry.cpu is CpuState.READY
+            self._num_spilling -= 1
+            if completion.ok and key not in failed:
+                entry.disk = DiskState.ON_DISK
+                self._disk.touch(key)
+                self._counters.spills_ok += 1
+                self._clean.touch(key)
+                self._clean.move_to_oldest(key)
+            else:
+                entry.disk = None
+                self._disk_used -= 1
+                self._counters.spills_failed += 1
+                self._dirty.touch(key)
+                self._dirty.move_to_oldest(key)
+
+    def add_on_disk(self, keys: Iterable[bytes]) -> int:
+        """Register chunks found on disk at open, oldest first. Chunks over the disk
+        capacity are queued for deletion (sent with the next spill job)."""
+        added = 0
+        for key in keys:
+            if key in self._entries:
+                continue
+            if self._disk_used >= self.disk_capacity:
+                self._pending_deletes.append(key)
+                continue
+            self._entries[key] = Entry(key, disk=DiskState.ON_DISK)
+            self._disk.touch(key)
+            self._disk_used += 1
+            added += 1
+        return added
+
+    # ------------------------------------------------------------------ completion
+    def complete(self, completion: Completion) -> LoadResult | None:
+        """Route a completion to the matching ``complete_*`` by the job's kind."""
+        kind = self.job_kind(completion.job_id)
+        if kind is JobKind.STORE:
+            self.complete_store(completion)
+        elif kind is JobKind.LOAD:
+            return self.complete_load(completion)
+        elif kind is JobKind.SPILL:
+            self.complete_spill(completion)
+        else:
+            raise KeyError(f"block index: no job {completion.job_id} in flight")
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _pop_job(self, job_id: JobId, kind: JobKind) -> _Job:
+        job = self._jobs.pop(job_id, None)
+        if job is None or job.kind is not kind:
+            raise KeyError(f"block index: no {kind.value} job {job_id} in flight")
+        return job
+
+    def _file_ready(self, entry: Entry) -> None:
+        """Put a READY entry into the LRU that matches its disk state."""
+        if entry.disk is DiskState.SPILLING:
+            return
+        if entry.disk is DiskState.ON_DISK or not self.has_disk:
+            self._clean.touch(entry.key)
+        else:
+            self._dirty.touch(entry.key)
+
+    def _touch_ready(self, entry: Entry) -> None:
+        if entry.key in self._clean:
+            self._clean.touch(entry.key)
+        elif entry.key in self._dirty:
+            self._dirty.touch(entry.key)
+
+    def _take_slot(self, guard: set[bytes]) -> SlotId | None:
+        slot = self._slots.allocate()
+        if slot is not None:
+            return slot
+        victim = self._pick_victim(self._clean, guard)
+        if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
+            victim = self._pick_victim(self._dirty, guard)
+            if victim is not None:
+                self._counters.dirty_dropped += 1
+        if victim is None:
+            return None
+        self._counters.cpu_evictions += 1
+        slot = victim.slot
+        assert slot is not None
+        self._clean.discard(victim.key)
+        self._dirty.discard(victim.key)
+        victim.slot = None
+        victim.cpu = None
+        if victim.disk is None:
+            del self._entries[victim.key]
+        return slot
+
+    def _pick_victim(self, lru: LRUPolicy, guard: set[bytes]) -> Entry | None:
+        for key in lru.oldest_first():
+            entry = self._entries[key]
+            if entry.readers == 0 and key not in guard:
+                return entry
+        return None
+
+    def _evict_disk(self) -> bool:
+        for key in self._disk.oldest_first():
+            entry = self._entries[key]
+            if entry.cpu is CpuState.PROMOTING:
+                continue
+            self._pending_deletes.append(key)
+            self._counters.disk_evictions += 1
+            self._drop_disk(entry)
+            if entry.cpu is None:
+                del self._entries[key]
+            elif entry.cpu is CpuState.READY:
+                self._clean.discard(key)
+                self._file_ready(entry)
+            return True
+        return False
+
+    def _drop_disk(self, entry: Entry) -> None:
+        if entry.disk is DiskState.ON_DISK:
+            self._disk.discard(entry.key)
+            self._disk_used -= 1
+        entry.disk = None
+
+    def _release_slot(self, entry: Entry) -> None:
+        assert entry.slot is not None
+        self._slots.free(entry.slot)
+        entry.slot = None
+        entry.cpu = None
+
+    # ------------------------------------------------------------------ reports
+    def statistics(self) -> IndexStats:
+        states = [e.cpu for e in self._entries.values()]
+        return IndexStats(
+            num_slots=self.num_slots,
+            free_slots=self._slots.num_free,
+            cpu_ready=states.count(CpuState.READY),
+            storing=states.count(CpuState.STORING),
+            promoting=states.count(CpuState.PROMOTING),
+            spilling=self._num_spilling,
+            on_disk=len(self._disk),
+            disk_capacity=self.disk_capacity,
+            **vars(self._counters),
+        )
+
+    def check(self) -> None:
+        """Assert every invariant (tests call this after each step)."""
+        used: set[SlotId] = set()
+        spilling = 0
+        for key, entry in self._entries.items():
+            assert entry.key == key
+            assert (entry.slot is None) == (entry.cpu is None), entry
+            assert entry.cpu is not None or entry.disk is not None, f"empty entry {entry}"
+            assert entry.readers >= 0, entry
+            if entry.readers:
+                assert entry.cpu in (CpuState.READY, CpuState.PROMOTING), entry
+            if entry.cpu is CpuState.PROMOTING:
+                assert entry.readers == 1 and entry.disk is DiskState.ON_DISK, entry
+            if entry.slot is not None:
+                assert entry.slot not in used, f"slot {entry.slot} held twice"
+                assert not self._slots.is_free(entry.slot), entry
+                used.add(entry.slot)
+            if entry.disk is DiskState.SPILLING:
+                assert entry.cpu is CpuState.READY, entry
+                spilling += 1
+            ready = entry.cpu is CpuState.READY
+            spill = entry.disk is DiskState.SPILLING
+            clean = ready and not spill and (entry.disk is DiskState.ON_DISK or not self.has_disk)
+            dirty = ready and not spill and entry.disk is None and self.has_disk
+            assert (key in self._clean) == clean, entry
+            assert (key in self._dirty) == dirty, entry
+            assert (key in self._disk) == (entry.disk is DiskState.ON_DISK), entry
+        assert len(used) + self._slots.num_free == self.num_slots
+        assert spilling == self._num_spilling
+        assert self._disk_used == len(self._disk) + spilling
+        assert self._disk_used <= max(self.disk_capacity, 0)
+        readers: dict[bytes, int] = {}
+        for job in self._jobs.values():
+            for i, key in enumerate(job.keys):
+                entry = self._entries[key]
+                if job.kind is JobKind.STORE:
+                    assert entry.cpu is CpuState.STORING, entry
+                elif job.kind is JobKind.SPILL:
+                    assert entry.disk is DiskState.SPILLING, entry
+                else:
+                    readers[key] = readers.get(key, 0) + 1
+                    if job.from_disk[i]:
+                        assert entry.cpu is CpuState.PROMOTING, entry
+        for key, entry in self._entries.items():
+            assert entry.readers == readers.get(key, 0), entry
+
+
+__all__ = [
+    "BlockIndex",
+    "ChunkCopy",
+    "IndexStats",
+    "LoadPlan",
+    "LoadResult",
+    "Lookup",
+    "StorePlan",
+]

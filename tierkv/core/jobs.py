@@ -1,0 +1,147 @@
+"""Plain-data job specs and completions: the only things that cross the seam between
+the scheduler side (decides) and the worker side (moves bytes).
+
+- :class:`StoreSpec`  GPU blocks -> CPU slots (one chunk per slot).
+- :class:`LoadSpec`   CPU slots -> GPU blocks; a chunk with ``from_disk`` is first read
+  from the disk tier into its slot.
+- :class:`SpillSpec`  CPU slots -> disk tier, plus disk deletes chosen by the scheduler
+  side (deletes run before writes).
+- :class:`Completion` what the worker reports for one job.
+
+Job ids are allocated by :class:`JobIds` (monotonic, never reused in one process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NewType
+
+JobId = NewType("JobId", int)
+SlotId = NewType("SlotId", int)
+GpuBlockId = NewType("GpuBlockId", int)
+Key = bytes
+
+
+class JobKind(Enum):
+    STORE = "store"
+    LOAD = "load"
+    SPILL = "spill"
+
+
+@dataclass(frozen=True)
+class ChunkCopy:
+    """One chunk moving between GPU blocks and a CPU slot."""
+
+    key: Key
+    slot: SlotId
+    block_ids: tuple[int, ...]
+    from_disk: bool = False  # loads only: read the disk tier into the slot first
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    job_id: JobId
+    chunks: tuple[ChunkCopy, ...]
+    kind: JobKind = JobKind.STORE
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    job_id: JobId
+    chunks: tuple[ChunkCopy, ...]
+    kind: JobKind = JobKind.LOAD
+
+
+@dataclass(frozen=True)
+class SpillSpec:
+    job_id: JobId
+    writes: tuple[tuple[Key, SlotId], ...]
+    deletes: tuple[Key, ...] = ()
+    kind: JobKind = JobKind.SPILL
+
+
+JobSpec = StoreSpec | LoadSpec | SpillSpec
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished job. ``failed_keys`` did not land; ``corrupt_keys`` (loads) failed their
+    checks on disk and were deleted there; ``full_keys`` (spills) found the disk full."""
+
+    job_id: JobId
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    failed_keys: tuple[Key, ...] = ()
+    corrupt_keys: tuple[Key, ...] = ()
+    full_keys: tuple[Key, ...] = ()
+    error: str | None = None
+
+
+class JobIds:
+    """Monotonic job ids."""
+
+    def __init__(self, start: int = 1) -> None:
+        self._next = start
+
+    def allocate(self) -> JobId:
+        job_id = JobId(self._next)
+        self._next += 1
+        return job_id
+
+
+@dataclass
+class _Pending:
+    reports: int = 0
+    completions: list[Completion] = field(default_factory=list)
+
+
+class CompletionTracker:
+    """A job is complete only when every one of ``world_size`` workers reported it.
+
+    ``report`` returns the merged completion once the last rank reports, else None.
+    The merge is ok only if every rank was ok; failed/corrupt/full keys are unioned.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._pending: dict[JobId, _Pending] = {}
+
+    def report(self, completion: Completion) -> Completion | None:
+        if self.world_size == 1:
+            return completion
+        pending = self._pending.setdefault(completion.job_id, _Pending())
+        pending.reports += 1
+        pending.completions.append(completion)
+        if pending.reports < self.world_size:
+            return None
+        del self._pending[completion.job_id]
+        return merge_completions(pending.completions)
+
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+
+def _union(groups: list[tuple[Key, ...]]) -> tuple[Key, ...]:
+    seen: dict[Key, None] = {}
+    for group in groups:
+        for key in group:
+            seen[key] = None
+    return tuple(seen)
+
+
+def merge_completions(parts: list[Completion]) -> Completion:
+    errors = [p.error for p in parts if p.error]
+    return Completion(
+        job_id=parts[0].job_id,
+        ok=all(p.ok for p in parts),
+        num_bytes=sum(p.num_bytes for p in parts),
+        seconds=max(p.seconds for p in parts),
+        failed_keys=_union([p.failed_keys for p in parts]),
+        corrupt_keys=_union([p.corrupt_keys for p in parts]),
+        full_keys=_union([p.full_keys for p in parts]),
+        error="; ".join(errors) if errors else None,
+    )

@@ -1,0 +1,38 @@
+"""CPU slot allocator: which slab slots are free. Knows nothing of keys or recency.
+
+- ``allocate()`` a free slot, or None when none is free (a value, not an error).
+- ``free(slot)`` returns it; freeing a free slot is an internal invariant violation.
+"""
+
+from __future__ import annotations
+
+from tierkv.core.jobs import SlotId
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        # Reverse so that slot 0 is handed out first (easier to read in tests).
+        self._free: list[SlotId] = [SlotId(s) for s in reversed(range(num_slots))]
+        self._is_free = [True] * num_slots
+
+    def allocate(self) -> SlotId | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = False
+        return slot
+
+    def free(self, slot: SlotId) -> None:
+        assert not self._is_free[slot], f"slot {slot} freed twice"
+        self._is_free[slot] = True
+        self._free.append(slot)
+
+    def is_free(self, slot: SlotId) -> bool:
+        return self._is_free[slot]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)

@@ -1,0 +1,42 @@
+"""Per-chunk states on the scheduler side (an enum, never a bare -1).
+
+CPU side:  STORING (slot allocated, GPU->CPU copy in flight: not a hit)
+           -> READY (a hit; evictable when no load reads it)
+           READY with ``readers = n > 0`` is LOADING(n): not evictable.
+           PROMOTING (disk -> CPU -> GPU in flight for one load: "not yet" to lookups).
+Disk side: SPILLING (CPU -> disk write in flight; the CPU slot is pinned until it ends)
+           -> ON_DISK.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from tierkv.core.jobs import SlotId
+
+
+class CpuState(Enum):
+    STORING = "storing"
+    READY = "ready"
+    PROMOTING = "promoting"
+
+
+class DiskState(Enum):
+    SPILLING = "spilling"
+    ON_DISK = "on_disk"
+
+
+@dataclass(slots=True)
+class Entry:
+    """Where one chunk is. ``slot is None`` exactly when ``cpu is None``."""
+
+    key: bytes
+    slot: SlotId | None = None
+    cpu: CpuState | None = None
+    readers: int = 0
+    disk: DiskState | None = None
+
+    @property
+    def on_disk(self) -> bool:
+        return self.disk is DiskState.ON_DISK

@@ -1,0 +1,1 @@
+"""Orchestration: the one-process library store, the engine adapter and the worker adapter."""

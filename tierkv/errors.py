@@ -1,0 +1,48 @@
+"""The error tree of tierkv.
+
+Backpressure is a value ("no room" is counted, never raised); failure is an exception.
+Every message names the tier, the chunk key (short hex) where there is one, and the
+setting to change.
+"""
+
+from __future__ import annotations
+
+
+class TierKVError(Exception):
+    """Root of every error tierkv raises on purpose."""
+
+
+class ConfigError(TierKVError, ValueError):
+    """A setting has a bad value; the message names the setting and the value."""
+
+
+class ClosedError(TierKVError):
+    """The store, tier or engine was closed by its owner and used afterwards."""
+
+
+class BrokenError(TierKVError):
+    """A device, disk or thread underneath failed; the component cannot go on."""
+
+
+class NotFoundError(TierKVError, KeyError):
+    """A chunk that was expected to be present is not."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptChunkError(TierKVError):
+    """A stored value failed its checks (checksum, length, header, key)."""
+
+
+class TransferError(TierKVError):
+    """A copy between tiers failed."""
+
+
+class NamespaceMismatchError(TierKVError):
+    """Persistent data was written under another namespace (model, layout, format)."""
+
+
+def short_key(key: bytes) -> str:
+    """The first 8 hex digits of a key, as messages print it."""
+    return key[:4].hex()

@@ -1,0 +1,103 @@
+"""Chunk keys and namespaces.
+
+A *chunk* is `blocks_per_chunk` consecutive engine blocks of one request. Its key
+fingerprints the whole token prefix up to and including the chunk, so equal keys mean
+equal KV (under one namespace).
+
+Custom engines use :func:`chunk_keys`: a chained sha256 over a canonical msgpack
+encoding of ``[parent_key, token_ids, extra]``. The first chunk's parent is
+:data:`ROOT_KEY` (32 zero bytes) unless the caller passes a salt-derived root (tenant
+isolation: :func:`salted_root`). Never Python's ``hash()``; no per-process seeds.
+
+A :class:`Namespace` names everything that makes KV bytes incompatible: model,
+dtype, KV layout, page bytes, tokens per chunk, parallel layout, hash scheme and the
+tierkv format version. Persistent data lives under its namespace's fingerprint, and a
+store opened under another namespace never serves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NewType
+
+import msgpack
+
+from tierkv.errors import ConfigError
+
+ChunkKey = NewType("ChunkKey", bytes)
+
+FORMAT_VERSION = 1
+KEY_BYTES = 32
+ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
+HASH_SCHEME = "tierkv-sha256-msgpack-v1"
+
+
+def _canonical(obj: Any) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+def chunk_key(parent: bytes, token_ids: Sequence[int], extra: Any = None) -> ChunkKey:
+    """Key of one chunk: sha256(msgpack([parent, list(token_ids), extra]))."""
+    if len(parent) != KEY_BYTES:
+        raise ConfigError(f"keys: parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    payload = _canonical([bytes(parent), [int(t) for t in token_ids], extra])
+    return ChunkKey(hashlib.sha256(payload).digest())
+
+
+def salted_root(salt: str | bytes) -> ChunkKey:
+    """A root key per tenant salt: prefixes under different salts never share keys."""
+    raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+    return ChunkKey(hashlib.sha256(_canonical(["tierkv-salt", raw])).digest())
+
+
+def chunk_keys(
+    token_ids: Sequence[int],
+    tokens_per_chunk: int,
+    parent: bytes = ROOT_KEY,
+    extra: Any = None,
+) -> list[ChunkKey]:
+    """Keys of every *full* chunk of ``token_ids``; a partial tail chunk has no key."""
+    if tokens_per_chunk <= 0:
+        raise ConfigError(f"keys: tokens_per_chunk must be > 0, got {tokens_per_chunk}")
+    keys: list[ChunkKey] = []
+    prev: bytes = parent
+    for start in range(0, len(token_ids) - tokens_per_chunk + 1, tokens_per_chunk):
+        prev = chunk_key(prev, token_ids[start : start + tokens_per_chunk], extra)
+        keys.append(ChunkKey(prev))
+    return keys
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes stored KV bytes incompatible with another store's."""
+
+    model_id: str
+    dtype: str
+    kv_layout: str
+    page_bytes: int
+    tokens_per_chunk: int
+    num_layers: int = 1
+    tp_size: int = 1
+    rank_layout: str = "tp"
+    hash_scheme: str = HASH_SCHEME
+    format_version: int = FORMAT_VERSION
+    extra: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("page_bytes", "tokens_per_chunk", "num_layers", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"namespace: {name} must be a positive int, got {value!r}")
+        if not self.model_id:
+            raise ConfigError("namespace: model_id must not be empty")
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def fingerprint(self) -> str:
+        """32 hex digits of sha256 over the canonical encoding of every field."""
+        fields = sorted(self.describe().items())
+        return hashlib.sha256(_canonical(fields)).hexdigest()[:32]

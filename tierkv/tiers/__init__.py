@@ -1,0 +1,1 @@
+"""Tiers hold bytes: the pinned CPU slab and the LMDB disk tier."""

@@ -1,0 +1,1 @@
+"""Transfer engines move bytes: GPU <-> CPU slab (CUDA or CPU fallback) and slab <-> disk."""
