@@ -43,6 +43,7 @@ from tierkv.core.jobs import (
     JobKind,
     SlotId,
     SpillSpec,
+    failed_set,
 )
 from tierkv.core.lru import LRUPolicy
 from tierkv.core.slots import SlotAllocator
@@ -229,11 +230,11 @@ class BlockIndex:
 
     def complete_store(self, completion: Completion) -> None:
         job = self._pop_job(completion.job_id, JobKind.STORE)
-        failed = set(completion.failed_keys)
+        failed = failed_set(completion, job.keys)
         for key in job.keys:
             entry = self._entries[key]
             assert entry.cpu is CpuState.STORING
-            if completion.ok and key not in failed:
+            if key not in failed:
                 entry.cpu = CpuState.READY
                 self._file_ready(entry)
             else:
@@ -279,14 +280,14 @@ class BlockIndex:
     def complete_load(self, completion: Completion) -> LoadResult:
         job = self._pop_job(completion.job_id, JobKind.LOAD)
         corrupt = set(completion.corrupt_keys)
-        failed = set(completion.failed_keys) | corrupt
+        failed = failed_set(completion, job.keys)
         ok_keys: list[bytes] = []
         failed_keys: list[bytes] = []
         for key, from_disk in zip(job.keys, job.from_disk):
             entry = self._entries[key]
             entry.readers -= 1
             assert entry.readers >= 0
-            landed = completion.ok and key not in failed
+            landed = key not in failed
             (ok_keys if landed else failed_keys).append(key)
             if not landed:
                 self._counters.loads_failed += 1
@@ -337,7 +338,7 @@ class BlockIndex:
     def complete_spill(self, completion: Completion) -> None:
         job = self._pop_job(completion.job_id, JobKind.SPILL)
         full = set(completion.full_keys)
-        failed = set(completion.failed_keys) | full
+        failed = failed_set(completion, job.keys)
         if full:
             self._disk_retry_at = self._clock() + self._retry_after_full
             self._counters.disk_no_room += len(full)
@@ -345,7 +346,7 @@ class BlockIndex:
             entry = self._entries[key]
             assert entry.disk is DiskState.SPILLING and entry.cpu is CpuState.READY
             self._num_spilling -= 1
-            if completion.ok and key not in failed:
+            if key not in failed:
                 entry.disk = DiskState.ON_DISK
                 self._disk.touch(key)
                 self._counters.spills_ok += 1

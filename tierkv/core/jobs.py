@@ -79,6 +79,17 @@ class Completion:
     error: str | None = None
 
 
+def failed_set(completion: Completion, keys: tuple[Key, ...]) -> set[Key]:
+    """The keys of a job that did not land. A completion that is not ok and names no
+    keys failed as a whole; one that names keys failed for exactly those."""
+    named = set(completion.failed_keys) | set(completion.corrupt_keys) | set(completion.full_keys)
+    if completion.ok and not named:
+        return set()
+    if not named:
+        return set(keys)
+    return named
+
+
 class JobIds:
     """Monotonic job ids."""
 

@@ -1,0 +1,145 @@
+"""Scripted BlockIndex scenarios; each comment states the expected result."""
+
+from __future__ import annotations
+
+from tierkv.core.index import BlockIndex
+from tierkv.core.jobs import Completion
+from tierkv.core.state import CpuState, DiskState
+
+A, B, C, D = (bytes([i]) * 32 for i in range(1, 5))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def done(job_id, **kw) -> Completion:  # type: ignore[no-untyped-def]
+    return Completion(job_id, ok=not (kw.get("failed_keys") or kw.get("full_keys")), **kw)
+
+
+def test_storing_is_not_a_hit_until_complete() -> None:
+    index = BlockIndex(num_slots=4)
+    plan = index.prepare_store([A, B])
+    assert [k for k, _ in plan.chunks] == [A, B]
+    assert index.lookup([A, B]).num_hits == 0  # copies in flight: not hits yet
+    index.complete_store(done(plan.job_id))
+    assert index.lookup([A, B, C]).num_hits == 2  # contiguous ready prefix
+    assert index.lookup([B]).num_hits == 1
+    assert index.lookup([C, A]).num_hits == 0  # a miss first stops the walk
+    index.check()
+
+
+def test_lookup_has_no_side_effects() -> None:
+    index = BlockIndex(num_slots=1)
+    index.complete_store(done(index.prepare_store([A]).job_id))
+    for _ in range(3):
+        index.lookup([A])
+    plan = index.prepare_store([B])  # A is evictable: lookups added no readers
+    assert plan.chunks and plan.num_no_room == 0
+    assert index.entry(A) is None
+
+
+def test_present_keys_are_skipped_and_no_room_is_a_counted_value() -> None:
+    index = BlockIndex(num_slots=2)
+    first = index.prepare_store([A, B])
+    again = index.prepare_store([A, B, C])
+    assert again.num_present == 2  # A and B are already being stored
+    assert again.num_no_room == 1  # C: both slots hold STORING chunks, nothing evictable
+    assert again.job_id is None
+    assert index.statistics().stores_no_room == 1
+    index.complete_store(done(first.job_id))
+    index.check()
+
+
+def test_eviction_spares_readers_and_the_requests_own_keys() -> None:
+    index = BlockIndex(num_slots=2)
+    index.complete_store(done(index.prepare_store([A, B]).job_id))
+    load = index.prepare_load([A])  # A has a reader now: LOADING(1)
+    assert index.entry(A).readers == 1
+    plan = index.prepare_store([C], protected=[B])  # A in use, B protected: no victim
+    assert plan.num_no_room == 1
+    index.complete_load(done(load.job_id))
+    plan = index.prepare_store([C], protected=[B])  # now A is the victim
+    assert plan.chunks and index.entry(A) is None
+    index.check()
+
+
+def test_write_back_spills_oldest_dirty_then_evicts_clean() -> None:
+    clock = Clock()
+    index = BlockIndex(num_slots=2, disk_capacity=10, spill_ahead_fraction=0.5, clock=clock)
+    index.complete_store(done(index.prepare_store([A, B]).job_id))
+    # Both dirty, none free: the clean reserve (1 slot) asks for the oldest to spill.
+    spill = index.take_spills()
+    assert spill is not None and [k for k, _ in spill.writes] == [A]
+    assert index.prepare_store([C]).num_no_room == 1  # A pinned while spilling, B dirty
+    index.complete_spill(done(spill.job_id))
+    assert index.entry(A).disk is DiskState.ON_DISK
+    plan = index.prepare_store([C])  # A is clean now: evicted at once
+    assert plan.chunks
+    assert index.entry(A).cpu is None and index.entry(A).on_disk  # still a disk hit
+    assert index.lookup([A]).num_hits == 1
+    index.check()
+
+
+def test_promotion_answers_not_yet_then_hits_from_cpu() -> None:
+    index = BlockIndex(num_slots=2, disk_capacity=4)
+    index.add_on_disk([A, B])
+    assert index.lookup([A, B]).num_hits == 2  # disk hits count
+    load = index.prepare_load([A])
+    assert load.chunks[0][2] is True  # from disk
+    assert index.lookup([A, B]) == index.lookup([A, B]).__class__(0, True, 0)  # "not yet"
+    index.complete_load(done(load.job_id))
+    assert index.entry(A).cpu is CpuState.READY and index.entry(A).on_disk
+    assert index.lookup([A, B]).num_on_cpu == 1
+    index.check()
+
+
+def test_corrupt_chunk_is_gone_and_counted() -> None:
+    index = BlockIndex(num_slots=2, disk_capacity=4)
+    index.add_on_disk([A])
+    load = index.prepare_load([A])
+    result = index.complete_load(done(load.job_id, failed_keys=(A,), corrupt_keys=(A,)))
+    assert result.failed_keys == (A,)
+    assert index.entry(A) is None and index.lookup([A]).num_hits == 0
+    assert index.statistics().corrupt == 1 and index.statistics().free_slots == 2
+    index.check()
+
+
+def test_disk_full_backs_off_then_resumes() -> None:
+    clock = Clock()
+    index = BlockIndex(num_slots=2, disk_capacity=10, write_through=True,
+                       retry_after_full_seconds=1.0, clock=clock)
+    index.complete_store(done(index.prepare_store([A]).job_id))
+    spill = index.take_spills()
+    index.complete_spill(done(spill.job_id, full_keys=(A,), failed_keys=(A,)))
+    assert index.entry(A).disk is None and index.statistics().disk_no_room == 1
+    assert index.take_spills() is None  # backing off
+    clock.now += 1.5
+    spill = index.take_spills()  # space may have returned: try again
+    assert spill is not None and spill.writes[0][0] == A
+    index.complete_spill(done(spill.job_id))
+    assert index.entry(A).on_disk
+    index.check()
+
+
+def test_disk_capacity_deletes_ride_in_spill_jobs() -> None:
+    index = BlockIndex(num_slots=4, disk_capacity=1, write_through=True)
+    index.complete_store(done(index.prepare_store([A]).job_id))
+    index.complete_spill(done(index.take_spills().job_id))
+    index.complete_store(done(index.prepare_store([B]).job_id))
+    spill = index.take_spills()
+    assert spill.deletes == (A,) and [k for k, _ in spill.writes] == [B]
+    assert index.statistics().disk_evictions == 1
+    index.complete_spill(done(spill.job_id))
+    index.check()
+
+
+def test_over_capacity_on_open_is_deleted() -> None:
+    index = BlockIndex(num_slots=1, disk_capacity=2)
+    assert index.add_on_disk([A, B, C]) == 2
+    spill = index.take_spills()
+    assert spill is not None and spill.deletes == (C,) and not spill.writes

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
+from tierkv.errors import ConfigError
+from tierkv.keys import ROOT_KEY, Namespace, chunk_key, chunk_keys, salted_root
+
+
+def test_chunk_keys_chain_and_cover_only_full_chunks() -> None:
+    tokens = list(range(10))
+    keys = chunk_keys(tokens, 4)
+    assert len(keys) == 2  # 10 tokens = 2 full chunks of 4 + a partial tail
+    assert keys[0] == chunk_key(ROOT_KEY, [0, 1, 2, 3])
+    assert keys[1] == chunk_key(keys[0], [4, 5, 6, 7])
+    assert chunk_keys(tokens[:8], 4) == keys  # the tail does not change earlier keys
+    other = chunk_keys([9] + tokens[1:], 4)
+    assert other[0] != keys[0] and other[1] != keys[1]  # a prefix change changes all later keys
+
+
+def test_keys_are_stable_across_processes() -> None:
+    code = "from tierkv.keys import chunk_keys; print(chunk_keys(list(range(8)), 4)[1].hex())"
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"PYTHONHASHSEED": seed}, check=True).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1 and outs.pop().strip() == chunk_keys(list(range(8)), 4)[1].hex()
+
+
+def test_salts_and_extra_keys_separate_tenants() -> None:
+    tokens = list(range(8))
+    assert chunk_keys(tokens, 4, parent=salted_root("a")) != chunk_keys(tokens, 4, parent=salted_root("b"))
+    assert chunk_keys(tokens, 4, extra="lora-1") != chunk_keys(tokens, 4)
+
+
+def test_namespace_fingerprint_changes_with_every_field() -> None:
+    base = Namespace("m", "float16", "LBNHC", 4096, 256)
+    variants = [
+        Namespace("m2", "float16", "LBNHC", 4096, 256),
+        Namespace("m", "bfloat16", "LBNHC", 4096, 256),
+        Namespace("m", "float16", "BLNHC", 4096, 256),
+        Namespace("m", "float16", "LBNHC", 8192, 256),
+        Namespace("m", "float16", "LBNHC", 4096, 128),
+        Namespace("m", "float16", "LBNHC", 4096, 256, tp_size=2),
+        Namespace("m", "float16", "LBNHC", 4096, 256, format_version=2),
+    ]
+    prints = {base.fingerprint()} | {v.fingerprint() for v in variants}
+    assert len(prints) == len(variants) + 1
+
+
+@pytest.mark.parametrize(
+    "build, setting",
+    [
+        (lambda: CpuTierConfig(max_bytes=0), "cpu.max_bytes"),
+        (lambda: CpuTierConfig(pin_memory="sometimes"), "cpu.pin_memory"),
+        (lambda: CpuTierConfig(spill_ahead_fraction=2.0), "cpu.spill_ahead_fraction"),
+        (lambda: DiskTierConfig(max_bytes=-1), "disk.max_bytes"),
+        (lambda: DiskTierConfig(sync_mode="sometimes"), "disk.sync_mode"),
+        (lambda: DiskTierConfig(write_batch_bytes=0), "disk.write_batch_bytes"),
+        (lambda: StoreConfig(blocks_per_chunk=0), "blocks_per_chunk"),
+        (lambda: StoreConfig(device="tpu"), "device"),
+        (lambda: StoreConfig.from_dict({"cpu": {"max_bytez": 1}}), "cpu.max_bytez"),
+        (lambda: StoreConfig.from_dict({"nonsense": 1}), "nonsense"),
+        (lambda: Namespace("m", "f16", "L", 0, 16), "page_bytes"),
+    ],
+)
+def test_bad_settings_name_the_setting_and_value(build, setting) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert setting in str(info.value)
+
+
+def test_core_imports_no_torch_lmdb_or_threads() -> None:
+    code = (
+        "import sys, tierkv.core.index, tierkv.core.jobs;"
+        "bad = {'torch', 'lmdb', 'threading', 'numpy'} & set(sys.modules);"
+        "print(sorted(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

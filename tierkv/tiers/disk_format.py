@@ -1,0 +1,272 @@
+"""The disk tier's on-disk format and plain records (``docs/on-disk-format.md`` describes it byte by byte).
+
+Primitives and contracts:
+
+- A value is ``prefix | header | payload``: prefix ``"<2sH"`` (magic ``b"TK"``, header
+  length, at most :data:`MAX_HEADER_BYTES`), header the canonical msgpack array
+  ``[format_version, payload_len, seq, checksum]`` of unsigned ints, then the raw payload.
+- :func:`checksum` is xxh3_64 over ``key | <QQQ>(version, payload_len, seq) | payload``:
+  a value copied under another key, a changed header field or payload byte all fail it.
+- :class:`ValueWriter` builds values into one reused buffer.
+- :func:`check_value` accepts only a value this build would have written for that key and
+  payload size; it copies the payload into the caller's buffer and then verifies the
+  checksum there. It never unpickles or evaluates anything; msgpack input is bounded.
+- :func:`pack_index` / :func:`unpack_index`: the "index" sub-db value ``<QQ`` (payload
+  length, seq), so a restart rebuilds its index without reading payloads.
+- :func:`map_size_for`: LMDB ``map_size`` from the disk cap, with headroom.
+- Files are private to the user: directories 0o700, files 0o600.
+- :func:`list_namespaces` reads ``namespace.json`` files for operators.
+- The plain records the tier returns: :class:`ReadStatus`, :class:`PutResult`,
+  :class:`DiskRecord`, :class:`VerifyReport`, :class:`DiskStatistics`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import xxhash
+
+from tierkv.keys import FORMAT_VERSION
+
+logger = logging.getLogger("tierkv.disk")
+
+MiB = 1 << 20
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+MAGIC = b"TK"
+MAX_HEADER_BYTES = 64
+LMDB_PAGE_HEADER = 16  # bytes before the data on an LMDB overflow page
+_PREFIX = struct.Struct("<2sH")  # magic, msgpack header length
+_FIXED = struct.Struct("<QQQ")  # format version, payload length, seq: fed to the checksum
+_INDEX = struct.Struct("<QQ")  # "index" sub-db value: payload length, seq
+PREFIX_BYTES = _PREFIX.size
+MAX_VALUE_OVERHEAD = _PREFIX.size + MAX_HEADER_BYTES
+
+
+def checksum(key: bytes, version: int, payload_len: int, seq: int, payload: Any) -> int:
+    """xxh3_64 over the key, the header fields and the payload."""
+    hasher = xxhash.xxh3_64(key)
+    hasher.update(_FIXED.pack(version, payload_len, seq))
+    hasher.update(payload)
+    return int(hasher.intdigest())
+
+
+def pack_header(key: bytes, payload: Any, seq: int) -> bytes:
+    """Prefix and msgpack header of the value of ``key`` holding ``payload``."""
+    size = len(payload)
+    header = msgpack.packb(
+        [FORMAT_VERSION, size, seq, checksum(key, FORMAT_VERSION, size, seq, payload)])
+    return _PREFIX.pack(MAGIC, len(header)) + header
+
+
+class ValueWriter:
+    """Builds values in one reused buffer; one user at a time (the LMDB write lock holder)."""
+
+    def __init__(self, payload_bytes: int) -> None:
+        self._buffer = bytearray(MAX_VALUE_OVERHEAD + payload_bytes)
+        self._view = memoryview(self._buffer)
+
+    def build(self, key: bytes, payload: memoryview | bytes, seq: int) -> memoryview:
+        """The value as a view into the buffer, valid until the next ``build``."""
+        if isinstance(payload, memoryview) and payload.format != "B":
+            payload = payload.cast("B")
+        head = pack_header(key, payload, seq)
+        start = len(head)
+        self._view[:start] = head
+        self._view[start : start + len(payload)] = payload
+        return self._view[: start + len(payload)]
+
+
+def check_value(key: bytes, value: Any, payload_bytes: int, out: memoryview) -> str | None:
+    """None when ``value`` is a good value of ``key`` (its payload is then in ``out``),
+    else what is wrong with it."""
+    total = len(value)
+    if total < _PREFIX.size:
+        return f"value of {total} bytes is shorter than its prefix"
+    magic, header_len = _PREFIX.unpack_from(value, 0)
+    if magic != MAGIC:
+        return f"bad magic {bytes(magic)!r}"
+    if header_len > MAX_HEADER_BYTES:
+        return f"header length {header_len} > {MAX_HEADER_BYTES}"
+    start = _PREFIX.size + header_len
+    if start > total:
+        return f"value of {total} bytes truncated inside its header"
+    header = bytes(value[_PREFIX.size : start])
+    try:
+        fields = msgpack.unpackb(header, raw=False, max_array_len=8, max_map_len=0,
+                                 max_str_len=0, max_bin_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types; the input is at most 64 bytes
+        return f"header is not msgpack ({type(exc).__name__})"
+    if not (isinstance(fields, list) and len(fields) == 4
+            and all(type(item) is int and item >= 0 for item in fields)):
+        return "header is not an array of 4 unsigned ints"
+    if msgpack.packb(fields) != header:
+        return "header is not canonical msgpack"
+    version, payload_len, seq, expected = fields
+    if version != FORMAT_VERSION:
+        return f"format version {version}, this build reads {FORMAT_VERSION}"
+    if payload_len != payload_bytes:
+        return f"payload length field {payload_len}, the tier stores {payload_bytes}"
+    if total - start != payload_len:
+        return f"payload has {total - start} bytes, header says {payload_len}"
+    target = out[:payload_len]
+    target[:] = value[start:]
+    if checksum(key, version, payload_len, seq, target) != expected:
+        return "checksum mismatch"
+    return None
+
+
+def pack_index(payload_len: int, seq: int) -> bytes:
+    return _INDEX.pack(payload_len, seq)
+
+
+def unpack_index(raw: bytes) -> tuple[int, int] | None:
+    """(payload_len, seq), or None for a malformed entry."""
+    if len(raw) != _INDEX.size:
+        return None
+    payload_len, seq = _INDEX.unpack(raw)
+    return int(payload_len), int(seq)
+
+
+def map_size_for(max_bytes: int, payload_bytes: int, page_bytes: int = 4096) -> int:
+    """LMDB ``map_size`` for a disk cap of ``max_bytes`` of payloads.
+
+    ``chunks = ceil(max_bytes / payload_bytes)``; each value takes
+    ``ceil((payload + 68 + 16) / page)`` overflow pages (68: largest prefix + header, 16:
+    LMDB's page header); the two B-trees take under 256 bytes per chunk; then 25% for
+    copy-on-write and free-list fragmentation, plus 4 MiB for meta pages and roots, rounded
+    up to 1 MiB. 64 GiB of 2 MiB chunks gives 80.3 GiB (a sparse file: only written pages
+    take disk space).
+    """
+    num_chunks = -(-max_bytes // payload_bytes)
+    value_pages = -(-(payload_bytes + MAX_VALUE_OVERHEAD + LMDB_PAGE_HEADER) // page_bytes)
+    data = num_chunks * value_pages * page_bytes
+    total = data + data // 4 + num_chunks * 256 + 4 * MiB
+    return -(-total // MiB) * MiB
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``64 GiB``, ``1.5 MiB``, ``512 B``."""
+    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if num_bytes >= unit:
+            if num_bytes % unit == 0:
+                return f"{num_bytes // unit} {name}"
+            return f"{num_bytes / unit:.1f} {name}"
+    return f"{num_bytes} B"
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and parents) as 0o700; an existing directory is left as it is."""
+    if not path.is_dir():
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(path, DIR_MODE)
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically with a 0o600 file holding ``data``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, FILE_MODE)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What one ``put_many`` did. ``full`` keys found no room in the map (not an error)."""
+
+    written: tuple[bytes, ...]
+    full: tuple[bytes, ...] = ()
+    deleted: int = 0
+    num_bytes: int = 0
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    """One stored chunk as the index knows it (the value itself is checked on read)."""
+
+    key: bytes
+    payload_len: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """``bad_keys``: values failing any check, or index entries without a value."""
+
+    checked: int
+    bad_keys: tuple[bytes, ...]
+    repaired: int
+
+
+@dataclass(frozen=True)
+class DiskStatistics:
+    """Counters since open; ``chunks`` and ``map_size`` are current."""
+
+    chunks: int
+    bytes_written: int
+    bytes_read: int
+    puts: int
+    reads: int
+    hits: int
+    misses: int
+    corrupt: int
+    full: int
+    syncs: int
+    map_size: int
+    write_txns: int = 0
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One ``ns-<fingerprint>`` directory as ``namespace.json`` describes it."""
+
+    fingerprint: str
+    path: Path
+    description: dict[str, Any]
+    format_version: int
+    ranks: tuple[int, ...] = ()
+
+
+def namespace_record(fingerprint: str, description: dict[str, Any]) -> dict[str, Any]:
+    """What ``namespace.json`` and the "meta" sub-db hold."""
+    return {"fingerprint": fingerprint, "format_version": FORMAT_VERSION,
+            "namespace": description}
+
+
+def list_namespaces(root: Path) -> list[NamespaceInfo]:
+    """Namespaces under ``root`` from their ``namespace.json`` (unreadable ones are skipped)."""
+    infos: list[NamespaceInfo] = []
+    for ns_dir in sorted(Path(root).glob("ns-*")):
+        if not ns_dir.is_dir():
+            continue
+        try:
+            record = json.loads((ns_dir / "namespace.json").read_text())
+            description = dict(record["namespace"])
+            version = int(record["format_version"])
+            fingerprint = str(record["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("disk tier: skipping %s: unreadable namespace.json (%s)", ns_dir, exc)
+            continue
+        ranks = sorted(int(p.name[5:]) for p in ns_dir.glob("rank-*") if p.name[5:].isdigit())
+        infos.append(NamespaceInfo(fingerprint, ns_dir, description, version, tuple(ranks)))
+    return infos
