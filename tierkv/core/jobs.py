@@ -37,6 +37,9 @@ class ChunkCopy:
     slot: SlotId
     block_ids: tuple[int, ...]
     from_disk: bool = False  # loads only: read the disk tier into the slot first
+    # Loads only: the first ``skip_blocks`` blocks of the chunk are already on the GPU
+    # (the engine's local prefix hit) and must not be written.
+    skip_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,135 @@
+"""EngineAdapter planning, scripted (pure: completions are reported by hand)."""
+
+from __future__ import annotations
+
+from tierkv.core.index import BlockIndex
+from tierkv.core.jobs import Completion
+from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.keys import chunk_keys
+
+BLOCK = 4
+BPC = 2
+TPC = BLOCK * BPC  # 8 tokens per chunk
+
+
+def make(world_size: int = 1, **kw) -> EngineAdapter:  # type: ignore[no-untyped-def]
+    return EngineAdapter(BlockIndex(num_slots=64), AdapterConfig(BLOCK, BPC, world_size=world_size, **kw))
+
+
+def view(req_id: str, tokens: list[int], prompt: int, computed: int, keys_upto: int | None = None) -> RequestView:
+    known = tokens if keys_upto is None else tokens[:keys_upto]
+    return RequestView(req_id, chunk_keys(known, TPC), prompt, len(tokens), computed)
+
+
+def report(plan, rank: int = 0) -> WorkerReport:  # type: ignore[no-untyped-def]
+    jobs = [s.job_id for s in plan.stores] + [l.spec.job_id for l in plan.loads if l.spec]
+    return WorkerReport(rank, tuple(Completion(j, ok=True) for j in jobs))
+
+
+def stored_chunks(plan) -> int:  # type: ignore[no-untyped-def]
+    return sum(len(s.chunks) for s in plan.stores)
+
+
+def test_running_watermark_is_computed_plus_scheduled() -> None:
+    adapter = make()
+    tokens = list(range(20))
+    v = view("r", tokens, 20, 0)
+    plan = adapter.build_plan(StepInput({"r": v}, {"r": 12}, {"r": list(range(5))}, frozenset({"r"})))
+    assert stored_chunks(plan) == 1  # 12 tokens computed by this step: 1 full chunk of 8
+    adapter.complete(report(plan))
+    v = view("r", tokens, 20, 12)
+    plan = adapter.build_plan(StepInput({"r": v}, {"r": 8}, {}))
+    assert stored_chunks(plan) == 1  # 20 tokens: chunk 2 of [8, 16)
+
+
+def test_finished_request_stores_last_chunk_in_the_next_plan_not_the_last_token() -> None:
+    adapter = make()
+    tokens = list(range(17))  # prompt 15, then 2 sampled tokens: positions 15 and 16
+    # Keys lag one token (async scheduling): while position 15 is computed, the running
+    # plan cannot see chunk [8, 16) yet.
+    v = view("r", tokens[:16], 15, 15, keys_upto=15)
+    plan = adapter.build_plan(StepInput({"r": v}, {"r": 1}, {"r": list(range(5))}, frozenset({"r"})))
+    assert stored_chunks(plan) == 1  # only chunk [0, 8)
+    adapter.complete(report(plan))
+    # Finished: 17 tokens, 16 computed; the slot of the last token (16) was never written.
+    adapter.request_finished(view("r", tokens, 15, 16))
+    plan = adapter.build_plan(StepInput())
+    assert [c.key for s in plan.stores for c in s.chunks] == [chunk_keys(tokens, TPC)[1]]
+    assert adapter.has_request("r")  # its store is in flight: state survives
+    adapter.complete(report(plan))
+    assert not adapter.has_request("r")  # freed once no job of it is in flight
+
+
+def test_last_sampled_token_slot_is_never_stored() -> None:
+    adapter = make()
+    tokens = list(range(16))  # prompt 15, one sampled token at position 15 ends chunk 2
+    v = view("r", tokens[:15], 15, 0)
+    plan = adapter.build_plan(StepInput({"r": v}, {"r": 15}, {"r": list(range(4))}, frozenset({"r"})))
+    adapter.complete(report(plan))
+    adapter.request_finished(view("r", tokens, 15, 15))
+    plan = adapter.build_plan(StepInput())
+    assert stored_chunks(plan) == 0  # chunk [8, 16) would need position 15's KV
+
+
+def test_aborted_request_stores_only_computed_tokens() -> None:
+    adapter = make()
+    tokens = list(range(24))
+    v = view("r", tokens, 24, 0)
+    plan = adapter.build_plan(StepInput({"r": v}, {"r": 4}, {"r": list(range(6))}, frozenset({"r"})))
+    assert stored_chunks(plan) == 0
+    adapter.request_finished(view("r", tokens, 24, 9), aborted=True)
+    plan = adapter.build_plan(StepInput())
+    assert stored_chunks(plan) == 1  # 9 computed tokens: one full chunk, not three
+
+
+def test_reused_block_of_a_finished_store_is_flushed() -> None:
+    adapter = make()
+    tokens = list(range(17))
+    v = view("a", tokens[:16], 16, 0)
+    plan = adapter.build_plan(StepInput({"a": v}, {"a": 16}, {"a": [0, 1, 2, 3]}, frozenset({"a"})))
+    first = plan.stores[0].job_id  # in flight, reading blocks 0..3
+    adapter.request_finished(view("a", tokens, 16, 16))
+    # Block 2 is handed to request b this very step: the store reading it must finish first.
+    vb = view("b", list(range(100, 104)), 4, 0)
+    plan = adapter.build_plan(StepInput({"b": vb}, {"b": 4}, {"b": [2]}, frozenset({"b"})))
+    assert first in plan.jobs_to_flush
+
+
+def test_own_async_load_is_not_flushed_but_a_preempted_requests_jobs_are() -> None:
+    adapter = make()
+    tokens = list(range(24))
+    seed = view("s", tokens, 24, 0)
+    plan = adapter.build_plan(StepInput({"s": seed}, {"s": 24}, {"s": list(range(6))}, frozenset({"s"})))
+    adapter.complete(report(plan))
+    v = view("r", tokens, 24, 0)
+    assert adapter.lookup(v, 0) == 16  # 2 chunks; the last token stays to compute
+    adapter.update_state_after_alloc(v, [10, 11, 12, 13], 16, 0)
+    plan = adapter.build_plan(StepInput())
+    load = plan.loads[0].spec
+    assert load is not None and plan.jobs_to_flush == ()  # its own blocks: no flush
+    plan = adapter.build_plan(StepInput(preempted=("r",)))
+    assert load.job_id in plan.jobs_to_flush
+
+
+def test_local_hit_skips_blocks_already_on_the_gpu() -> None:
+    adapter = make()
+    tokens = list(range(24))
+    seed = view("s", tokens, 24, 0)
+    adapter.complete(report(adapter.build_plan(StepInput({"s": seed}, {"s": 24}, {"s": list(range(6))}, frozenset({"s"})))))
+    v = view("r", tokens, 24, 0)
+    assert adapter.lookup(v, 4) == 12  # local hit of one block: load the rest of 2 chunks
+    adapter.update_state_after_alloc(v, [20, 21, 22, 23], 12, 4)
+    load = adapter.build_plan(StepInput()).loads[0].spec
+    assert load is not None and load.chunks[0].skip_blocks == 1 and load.chunks[1].skip_blocks == 0
+
+
+def test_a_job_completes_only_when_every_worker_reported_it() -> None:
+    adapter = make(world_size=2)
+    tokens = list(range(8))
+    plan = adapter.build_plan(StepInput({"r": view("r", tokens, 8, 0)}, {"r": 8}, {"r": [0, 1]}, frozenset({"r"})))
+    key = chunk_keys(tokens, TPC)[0]
+    assert adapter.complete(report(plan, rank=0)) == []
+    assert adapter.index.lookup([key]).num_hits == 0  # rank 1 still copying
+    assert len(adapter.complete(report(plan, rank=1))) == 1
+    assert adapter.index.lookup([key]).num_hits == 1

@@ -1,0 +1,319 @@
+"""EngineAdapter: turns each scheduler step into tiered store and load jobs (scheduler side).
+
+It never blocks and never touches tensor bytes. Primitives:
+
+- ``lookup(view, num_local_tokens) -> int | None``: tokens of whole chunks, beyond the
+  engine's local hit, that the tiers can load; ``None`` = "not yet" (a chunk is being
+  promoted from disk: ask again next step), bounded by ``promotion_wait_seconds``.
+  Side-effect free on the index.
+- ``update_state_after_alloc(view, block_ids, num_external_tokens)``: the engine gave the
+  request its blocks; plans the load of the promised chunks (sent with the next plan).
+- ``request_finished(view, aborted=False)``: the request's state survives; the next plan
+  stores its last full chunk (watermark below) and frees the state only when none of its
+  jobs is in flight.
+- ``build_plan(step) -> StepPlan``: loads, stores up to each request's watermark,
+  spills, and ``jobs_to_flush`` (fences).
+- ``complete(report)``: a worker's report; a job counts once all ``world_size`` workers
+  reported it.
+
+Store watermark, in tokens: running ``num_computed_tokens + num_scheduled_tokens``;
+finished normally ``max(num_prompt_tokens, num_tokens - 1)`` (the last sampled token's
+slot was never written: storing it would poison the cache under a valid key), never past
+what was computed; aborted ``num_computed_tokens``; capped by ``offload_prompt_only``.
+
+Fence: every job in flight remembers its GPU blocks. When the engine hands one of them
+out again (``new_block_ids``), or preempts the owning request, the job goes into
+``jobs_to_flush``: the worker submits every pending store and waits for it before the
+forward pass may overwrite the block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tierkv.core.index import BlockIndex
+from tierkv.core.jobs import ChunkCopy, Completion, CompletionTracker, JobId, LoadSpec, StoreSpec
+from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
+from tierkv.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    tokens_per_block: int
+    blocks_per_chunk: int
+    world_size: int = 1
+    offload_prompt_only: bool = False
+    max_chunks_per_request: int | None = None
+    promotion_wait_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_block", "blocks_per_chunk", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"adapter.{name} must be a positive int, got {value!r}")
+        if self.max_chunks_per_request is not None and self.max_chunks_per_request < 0:
+            raise ConfigError(
+                f"adapter.max_chunks_per_request must be >= 0, got {self.max_chunks_per_request!r}"
+            )
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.tokens_per_block * self.blocks_per_chunk
+
+
+@dataclass
+class _Request:
+    view: RequestView
+    block_ids: list[int] = field(default_factory=list)
+    stored_chunks: int = 0  # chunks [0, stored_chunks) were planned for store (or present)
+    jobs: set[JobId] = field(default_factory=set)
+    finished: bool = False
+    aborted: bool = False
+
+
+@dataclass
+class AdapterStats:
+    lookups: int = 0
+    hit_tokens: int = 0
+    not_yet: int = 0
+    loads_planned: int = 0
+    loads_failed_chunks: int = 0
+    stores_planned: int = 0
+    flushes: int = 0
+    requests_freed: int = 0
+
+
+class EngineAdapter:
+    def __init__(
+        self,
+        index: BlockIndex,
+        config: AdapterConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.config = config
+        self._clock = clock
+        self._tracker = CompletionTracker(config.world_size)
+        self._requests: dict[str, _Request] = {}
+        self._job_owner: dict[JobId, str] = {}
+        self._job_blocks: dict[JobId, tuple[int, ...]] = {}
+        self._block_jobs: dict[int, set[JobId]] = {}
+        self._pending_since: dict[str, float] = {}
+        self._finished_queue: list[str] = []
+        self._pending_loads: list[LoadRequest] = []
+        self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
+        self.stats = AdapterStats()
+
+    # ------------------------------------------------------------------ lookup
+    def _chunk_range(self, view: RequestView, num_local_tokens: int) -> tuple[int, int]:
+        tpc = self.config.tokens_per_chunk
+        start = num_local_tokens // tpc
+        # At least one token must be left to compute, and only whole chunks load.
+        end = min((view.num_tokens - 1) // tpc, len(view.chunk_keys))
+        return start, max(end, start)
+
+    def lookup(self, view: RequestView, num_local_tokens: int) -> int | None:
+        self.stats.lookups += 1
+        start, end = self._chunk_range(view, num_local_tokens)
+        found = self.index.lookup(view.chunk_keys[start:end])
+        if found.pending:
+            since = self._pending_since.setdefault(view.req_id, self._clock())
+            if self._clock() - since < self.config.promotion_wait_seconds:
+                self.stats.not_yet += 1
+                return None
+        self._pending_since.pop(view.req_id, None)
+        tokens = (start + found.num_hits) * self.config.tokens_per_chunk - num_local_tokens
+        tokens = max(tokens, 0) if found.num_hits else 0
+        self.stats.hit_tokens += tokens
+        return tokens
+
+    def update_state_after_alloc(
+        self, view: RequestView, block_ids: Iterable[int], num_external_tokens: int, num_local_tokens: int
+    ) -> None:
+        state = self._requests.get(view.req_id)
+        if state is None:
+            state = self._requests[view.req_id] = _Request(view)
+        state.view = view
+        state.block_ids = list(block_ids)
+        first_new = num_local_tokens // self.config.tokens_per_block
+        self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
+        if num_external_tokens <= 0:
+            return
+        cfg = self.config
+        tpc, bpc = cfg.tokens_per_chunk, cfg.blocks_per_chunk
+        start = num_local_tokens // tpc
+        end = (num_local_tokens + num_external_tokens) // tpc
+        keys = list(view.chunk_keys[start:end])
+        plan = self.index.prepare_load(keys)
+        skip_first = (num_local_tokens - start * tpc) // cfg.tokens_per_block
+        chunks = []
+        for position, (key, slot, from_disk) in enumerate(plan.chunks):
+            chunk = start + position
+            blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
+            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip_first if position == 0 else 0))
+        lost_from = (start + len(plan.chunks)) * bpc
+        first_external_block = num_local_tokens // cfg.tokens_per_block
+        lost = tuple(state.block_ids[max(lost_from, first_external_block) : end * bpc])
+        spec = None
+        if plan.job_id is not None:
+            spec = LoadSpec(plan.job_id, tuple(chunks))
+            self._track(plan.job_id, view.req_id, tuple(b for c in chunks for b in c.block_ids[c.skip_blocks :]))
+            self.stats.loads_planned += len(chunks)
+        self.stats.loads_failed_chunks += end - start - len(plan.chunks)
+        self._pending_loads.append(LoadRequest(view.req_id, spec, lost))
+
+    def request_finished(self, view: RequestView, aborted: bool = False) -> None:
+        state = self._requests.get(view.req_id)
+        if state is None:
+            return
+        state.view = view
+        state.finished = True
+        state.aborted = aborted
+        self._pending_since.pop(view.req_id, None)
+        self._finished_queue.append(view.req_id)
+
+    # ------------------------------------------------------------------ planning
+    def _watermark(self, state: _Request, scheduled: int) -> int:
+        view = state.view
+        if state.aborted:
+            mark = view.num_computed_tokens
+        elif state.finished:
+            mark = min(max(view.num_prompt_tokens, view.num_tokens - 1), view.num_computed_tokens)
+        else:
+            mark = view.num_computed_tokens + scheduled
+        if self.config.offload_prompt_only:
+            mark = min(mark, view.num_prompt_tokens)
+        return mark
+
+    def _plan_stores(self, state: _Request, scheduled: int) -> StoreSpec | None:
+        cfg = self.config
+        target = min(self._watermark(state, scheduled) // cfg.tokens_per_chunk, len(state.view.chunk_keys))
+        target = min(target, len(state.block_ids) // cfg.blocks_per_chunk)
+        if cfg.max_chunks_per_request is not None:
+            target = min(target, cfg.max_chunks_per_request)
+        if target <= state.stored_chunks:
+            return None
+        first = state.stored_chunks
+        keys = list(state.view.chunk_keys[first:target])
+        state.stored_chunks = target
+        plan = self.index.prepare_store(keys, protected=state.view.chunk_keys[:target])
+        if plan.job_id is None:
+            return None
+        bpc = cfg.blocks_per_chunk
+        position = {key: first + i for i, key in enumerate(keys)}
+        chunks = tuple(
+            ChunkCopy(key, slot, tuple(state.block_ids[position[key] * bpc : (position[key] + 1) * bpc]))
+            for key, slot in plan.chunks
+        )
+        self._track(plan.job_id, state.view.req_id, tuple(b for c in chunks for b in c.block_ids))
+        self.stats.stores_planned += len(chunks)
+        return StoreSpec(plan.job_id, chunks)
+
+    def build_plan(self, step: StepInput) -> StepPlan:
+        flush: dict[JobId, None] = {}
+        for req_id in step.preempted:
+            state = self._requests.get(req_id)
+            if state is not None:
+                flush.update(dict.fromkeys(state.jobs))
+                state.block_ids = []
+        # Blocks handed out this step (scheduled requests and async loads alike): a job
+        # of another request still using one must finish before anything overwrites it.
+        allocated, self._allocated = self._allocated, {}
+        for req_id, blocks in step.new_block_ids.items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                if req_id in step.replaced_blocks:
+                    state.block_ids = list(blocks)
+                else:
+                    known = set(state.block_ids)
+                    state.block_ids.extend(b for b in blocks if b not in known)
+            allocated.update(dict.fromkeys(blocks, req_id))
+        for block, req_id in allocated.items():
+            for job_id in self._block_jobs.get(block, ()):
+                if self._job_owner.get(job_id) != req_id:
+                    flush[job_id] = None
+        stores: list[StoreSpec] = []
+        for req_id, view in step.requests.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                state = self._requests[req_id] = _Request(view, list(step.new_block_ids.get(req_id, ())))
+            state.view = view
+            spec = self._plan_stores(state, step.num_scheduled_tokens.get(req_id, 0))
+            if spec is not None:
+                stores.append(spec)
+        finished, self._finished_queue = self._finished_queue, []
+        for req_id in finished:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            spec = self._plan_stores(state, 0)
+            if spec is not None:
+                stores.append(spec)
+                # Its blocks went back to the engine: reused this step means overwritten
+                # by this step's forward, so the copy must finish before it.
+                if any(b in allocated for c in spec.chunks for b in c.block_ids):
+                    flush[spec.job_id] = None
+            self._maybe_free(req_id)
+        loads, self._pending_loads = tuple(self._pending_loads), []
+        spill = self.index.take_spills()
+        self.stats.flushes += len(flush)
+        return StepPlan(loads, tuple(stores), (spill,) if spill is not None else (), tuple(flush))
+
+    def take_flush_spills(self) -> StepPlan:
+        """A plan that writes every dirty CPU chunk to disk (clean shutdown)."""
+        spill = self.index.take_spills(flush=True)
+        return StepPlan(spills=(spill,) if spill is not None else ())
+
+    # ------------------------------------------------------------------ completions
+    def complete(self, report: WorkerReport) -> list[Completion]:
+        """Apply one worker's report; returns the jobs that are now complete everywhere."""
+        done: list[Completion] = []
+        for part in report.completions:
+            merged = self._tracker.report(part)
+            if merged is None:
+                continue
+            self.index.complete(merged)
+            self._untrack(merged.job_id)
+            done.append(merged)
+        return done
+
+    def _track(self, job_id: JobId, req_id: str, blocks: tuple[int, ...]) -> None:
+        self._job_owner[job_id] = req_id
+        self._job_blocks[job_id] = blocks
+        for block in blocks:
+            self._block_jobs.setdefault(block, set()).add(job_id)
+        self._requests[req_id].jobs.add(job_id)
+
+    def _untrack(self, job_id: JobId) -> None:
+        req_id = self._job_owner.pop(job_id, None)
+        for block in self._job_blocks.pop(job_id, ()):
+            jobs = self._block_jobs.get(block)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._block_jobs[block]
+        if req_id is None:
+            return
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.jobs.discard(job_id)
+            if state.finished:
+                self._maybe_free(req_id)
+
+    def _maybe_free(self, req_id: str) -> None:
+        state = self._requests.get(req_id)
+        if state is not None and state.finished and not state.jobs and req_id not in self._finished_queue:
+            del self._requests[req_id]
+            self.stats.requests_freed += 1
+
+    # ------------------------------------------------------------------ reports
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def jobs_in_flight(self) -> int:
+        return len(self._job_owner)
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests

@@ -1,0 +1,74 @@
+"""Engine-neutral inputs and outputs of the engine adapter (plain data only).
+
+- :class:`RequestView`  one request as the scheduler sees it now.
+- :class:`StepInput`    what the scheduler did this step.
+- :class:`LoadRequest`  a request's load: its job (if any) and blocks known to be lost.
+- :class:`StepPlan`     the adapter's answer: loads, stores, spills, ``jobs_to_flush``.
+- :class:`WorkerReport` what a worker tells the scheduler side after a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tierkv.core.jobs import Completion, JobId, LoadSpec, SpillSpec, StoreSpec
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """A request now. ``chunk_keys`` are the keys of its full chunks so far (they may grow
+    as tokens arrive). ``num_tokens`` counts prompt and output tokens, including the last
+    sampled token, whose KV no forward pass has written yet."""
+
+    req_id: str
+    chunk_keys: Sequence[bytes]
+    num_prompt_tokens: int
+    num_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One scheduler step.
+
+    ``requests`` holds a view of every scheduled request as of *before* this step's
+    tokens are computed; ``num_scheduled_tokens`` the tokens each computes this step.
+    ``new_block_ids`` lists blocks allocated to a request this step (appended to its
+    block list); for a request in ``replaced_blocks`` (new, or resumed after a
+    preemption) it is the request's whole block list. ``finished``: requests whose
+    ``request_finished`` was called since the last step; ``preempted``: requests whose
+    blocks the engine took back this step."""
+
+    requests: Mapping[str, RequestView] = field(default_factory=dict)
+    num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
+    new_block_ids: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    replaced_blocks: frozenset[str] = frozenset()
+    preempted: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    req_id: str
+    spec: LoadSpec | None  # None: nothing could be loaded; report at once
+    failed_block_ids: tuple[int, ...] = ()  # promised blocks the plan could not load
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    loads: tuple[LoadRequest, ...] = ()
+    stores: tuple[StoreSpec, ...] = ()
+    spills: tuple[SpillSpec, ...] = ()
+    jobs_to_flush: tuple[JobId, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.loads or self.stores or self.spills or self.jobs_to_flush)
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    rank: int
+    completions: tuple[Completion, ...] = ()
+    finished_loads: tuple[str, ...] = ()  # requests whose load finished (ok or not)
+    failed_block_ids: tuple[int, ...] = ()  # blocks the engine must recompute
