@@ -34,6 +34,7 @@ import time
 from itertools import islice
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tierkv.core.jobs import (
     ChunkCopy,
@@ -50,29 +51,25 @@ from tierkv.core.slots import SlotAllocator
 from tierkv.core.state import CpuState, DiskState, Entry
 
 
-@dataclass(frozen=True)
-class Lookup:
+class Lookup(NamedTuple):
     num_hits: int  # contiguous ready chunks from the start of the keys
     pending: bool  # the walk stopped at a chunk being promoted: ask again later
     num_on_cpu: int = 0  # of the hits, chunks ready in the CPU tier
 
 
-@dataclass(frozen=True)
-class StorePlan:
+class StorePlan(NamedTuple):
     job_id: JobId | None
     chunks: tuple[tuple[bytes, SlotId], ...]
     num_present: int
     num_no_room: int
 
 
-@dataclass(frozen=True)
-class LoadPlan:
+class LoadPlan(NamedTuple):
     job_id: JobId | None
     chunks: tuple[tuple[bytes, SlotId, bool], ...]  # (key, slot, from_disk)
 
 
-@dataclass(frozen=True)
-class LoadResult:
+class LoadResult(NamedTuple):
     ok_keys: tuple[bytes, ...]
     failed_keys: tuple[bytes, ...]
 
@@ -123,7 +120,7 @@ class _Counters:
     disk_no_room: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     kind: JobKind
     keys: tuple[bytes, ...]
@@ -142,6 +139,7 @@ class BlockIndex:
         retry_after_full_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         job_ids: JobIds | None = None,
+        record_events: bool = False,
     ) -> None:
         self.num_slots = num_slots
         self.disk_capacity = disk_capacity  # in chunks; 0 = no disk tier
@@ -161,6 +159,8 @@ class BlockIndex:
         self._disk_retry_at = -math.inf
         self._jobs: dict[JobId, _Job] = {}
         self._counters = _Counters()
+        # ("stored" | "removed", key) as chunks become hits and stop being hits.
+        self._events: list[tuple[str, bytes]] | None = [] if record_events else None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -202,22 +202,27 @@ class BlockIndex:
         return job.kind if job is not None else None
 
     # ------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[bytes], protected: Iterable[bytes] = ()) -> StorePlan:
+    def prepare_store(self, keys: Sequence[bytes], protected: Sequence[bytes] = ()) -> StorePlan:
         counters = self._counters
-        guard = set(protected)
-        guard.update(keys)
+        entries = self._entries
         chunks: list[tuple[bytes, SlotId]] = []
         present = 0
         no_room = 0
+        guard: set[bytes] | None = None  # built only when a slot must be freed
         for position, key in enumerate(keys):
-            if key in self._entries:
+            if key in entries:
                 present += 1
                 continue
-            slot = self._take_slot(guard)
+            slot = self._slots.allocate()
             if slot is None:
-                no_room = len(keys) - position
-                break
-            self._entries[key] = Entry(key, slot, CpuState.STORING)
+                if guard is None:
+                    guard = set(protected)
+                    guard.update(keys)
+                slot = self._evict_for(guard)
+                if slot is None:
+                    no_room = len(keys) - position
+                    break
+            entries[key] = Entry(key, slot, CpuState.STORING)
             chunks.append((key, slot))
         counters.stores_present += present
         counters.stores_no_room += no_room
@@ -237,6 +242,8 @@ class BlockIndex:
             if key not in failed:
                 entry.cpu = CpuState.READY
                 self._file_ready(entry)
+                if self._events is not None:
+                    self._events.append(("stored", key))
             else:
                 self._counters.stores_failed += 1
                 self._release_slot(entry)
@@ -302,7 +309,7 @@ class BlockIndex:
             if key in corrupt:  # the worker deleted it on disk
                 self._counters.corrupt += 1
                 self._drop_disk(entry)
-                del self._entries[key]
+                self._remove(key)
         return LoadResult(tuple(ok_keys), tuple(failed_keys))
 
     # ------------------------------------------------------------------ spills
@@ -415,6 +422,10 @@ class BlockIndex:
         slot = self._slots.allocate()
         if slot is not None:
             return slot
+        return self._evict_for(guard)
+
+    def _evict_for(self, guard: set[bytes]) -> SlotId | None:
+        """Free the slot of the least recently used evictable chunk outside ``guard``."""
         victim = self._pick_victim(self._clean, guard)
         if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
             victim = self._pick_victim(self._dirty, guard)
@@ -430,7 +441,7 @@ class BlockIndex:
         victim.slot = None
         victim.cpu = None
         if victim.disk is None:
-            del self._entries[victim.key]
+            self._remove(victim.key)
         return slot
 
     def _pick_victim(self, lru: LRUPolicy, guard: set[bytes]) -> Entry | None:
@@ -449,12 +460,24 @@ class BlockIndex:
             self._counters.disk_evictions += 1
             self._drop_disk(entry)
             if entry.cpu is None:
-                del self._entries[key]
+                self._remove(key)
             elif entry.cpu is CpuState.READY:
                 self._clean.discard(key)
                 self._file_ready(entry)
             return True
         return False
+
+    def _remove(self, key: bytes) -> None:
+        del self._entries[key]
+        if self._events is not None:
+            self._events.append(("removed", key))
+
+    def take_events(self) -> list[tuple[str, bytes]]:
+        """Drain ("stored" | "removed", key) events (empty unless ``record_events``)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def _drop_disk(self, entry: Entry) -> None:
         if entry.disk is DiskState.ON_DISK:

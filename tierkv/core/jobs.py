@@ -9,13 +9,15 @@ the scheduler side (decides) and the worker side (moves bytes).
 - :class:`Completion` what the worker reports for one job.
 
 Job ids are allocated by :class:`JobIds` (monotonic, never reused in one process).
+Specs are NamedTuples: immutable plain data, and about 3x cheaper to build than frozen
+dataclasses, which matters at one spec per request per scheduler step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NewType
+from typing import NamedTuple, NewType
 
 JobId = NewType("JobId", int)
 SlotId = NewType("SlotId", int)
@@ -29,8 +31,7 @@ class JobKind(Enum):
     SPILL = "spill"
 
 
-@dataclass(frozen=True)
-class ChunkCopy:
+class ChunkCopy(NamedTuple):
     """One chunk moving between GPU blocks and a CPU slot."""
 
     key: Key
@@ -42,22 +43,19 @@ class ChunkCopy:
     skip_blocks: int = 0
 
 
-@dataclass(frozen=True)
-class StoreSpec:
+class StoreSpec(NamedTuple):
     job_id: JobId
     chunks: tuple[ChunkCopy, ...]
     kind: JobKind = JobKind.STORE
 
 
-@dataclass(frozen=True)
-class LoadSpec:
+class LoadSpec(NamedTuple):
     job_id: JobId
     chunks: tuple[ChunkCopy, ...]
     kind: JobKind = JobKind.LOAD
 
 
-@dataclass(frozen=True)
-class SpillSpec:
+class SpillSpec(NamedTuple):
     job_id: JobId
     writes: tuple[tuple[Key, SlotId], ...]
     deletes: tuple[Key, ...] = ()
@@ -67,8 +65,7 @@ class SpillSpec:
 JobSpec = StoreSpec | LoadSpec | SpillSpec
 
 
-@dataclass(frozen=True)
-class Completion:
+class Completion(NamedTuple):
     """A finished job. ``failed_keys`` did not land; ``corrupt_keys`` (loads) failed their
     checks on disk and were deleted there; ``full_keys`` (spills) found the disk full."""
 

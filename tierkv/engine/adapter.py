@@ -21,10 +21,12 @@ finished normally ``max(num_prompt_tokens, num_tokens - 1)`` (the last sampled t
 slot was never written: storing it would poison the cache under a valid key), never past
 what was computed; aborted ``num_computed_tokens``; capped by ``offload_prompt_only``.
 
-Fence: every job in flight remembers its GPU blocks. When the engine hands one of them
-out again (``new_block_ids``), or preempts the owning request, the job goes into
-``jobs_to_flush``: the worker submits every pending store and waits for it before the
-forward pass may overwrite the block.
+Fence: a request that finished keeps its GPU block list until none of its jobs is in
+flight. When the engine hands one of those blocks out again (``new_block_ids``, or the
+blocks of an async load), every job of that request goes into ``jobs_to_flush``; so do
+the jobs of a preempted request. The worker submits every pending store and waits for
+them before the forward pass may overwrite the block. (Tracking per request, not per
+job and block, keeps the per-chunk cost of a step small.)
 """
 
 from __future__ import annotations
@@ -95,11 +97,16 @@ class EngineAdapter:
         self.index = index
         self.config = config
         self._clock = clock
+        self._tpc = config.tokens_per_chunk
+        self._bpc = config.blocks_per_chunk
+        self._prompt_only = config.offload_prompt_only
+        self._max_chunks = config.max_chunks_per_request if config.max_chunks_per_request is not None else 1 << 62
         self._tracker = CompletionTracker(config.world_size)
         self._requests: dict[str, _Request] = {}
         self._job_owner: dict[JobId, str] = {}
-        self._job_blocks: dict[JobId, tuple[int, ...]] = {}
-        self._block_jobs: dict[int, set[JobId]] = {}
+        # GPU blocks of requests that left (finished, aborted) while jobs of theirs may be
+        # in flight: block -> request. Written once per request, not per chunk.
+        self._released: dict[int, str] = {}
         self._pending_since: dict[str, float] = {}
         self._finished_queue: list[str] = []
         self._pending_loads: list[LoadRequest] = []
@@ -159,7 +166,7 @@ class EngineAdapter:
         spec = None
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
-            self._track(plan.job_id, view.req_id, tuple(b for c in chunks for b in c.block_ids[c.skip_blocks :]))
+            self._track(plan.job_id, view.req_id)
             self.stats.loads_planned += len(chunks)
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
         self._pending_loads.append(LoadRequest(view.req_id, spec, lost))
@@ -173,6 +180,7 @@ class EngineAdapter:
         state.aborted = aborted
         self._pending_since.pop(view.req_id, None)
         self._finished_queue.append(view.req_id)
+        self._released.update(dict.fromkeys(state.block_ids, view.req_id))
 
     # ------------------------------------------------------------------ planning
     def _watermark(self, state: _Request, scheduled: int) -> int:
@@ -183,31 +191,37 @@ class EngineAdapter:
             mark = min(max(view.num_prompt_tokens, view.num_tokens - 1), view.num_computed_tokens)
         else:
             mark = view.num_computed_tokens + scheduled
-        if self.config.offload_prompt_only:
-            mark = min(mark, view.num_prompt_tokens)
+        if self._prompt_only and mark > view.num_prompt_tokens:
+            mark = view.num_prompt_tokens
         return mark
 
     def _plan_stores(self, state: _Request, scheduled: int) -> StoreSpec | None:
-        cfg = self.config
-        target = min(self._watermark(state, scheduled) // cfg.tokens_per_chunk, len(state.view.chunk_keys))
-        target = min(target, len(state.block_ids) // cfg.blocks_per_chunk)
-        if cfg.max_chunks_per_request is not None:
-            target = min(target, cfg.max_chunks_per_request)
-        if target <= state.stored_chunks:
-            return None
+        all_keys = state.view.chunk_keys
+        bpc = self._bpc
+        target = self._watermark(state, scheduled) // self._tpc
+        target = min(target, len(all_keys), len(state.block_ids) // bpc, self._max_chunks)
         first = state.stored_chunks
-        keys = list(state.view.chunk_keys[first:target])
+        if target <= first:
+            return None
         state.stored_chunks = target
-        plan = self.index.prepare_store(keys, protected=state.view.chunk_keys[:target])
+        keys = all_keys[first:target]
+        plan = self.index.prepare_store(keys, all_keys[:first])
         if plan.job_id is None:
             return None
-        bpc = cfg.blocks_per_chunk
-        position = {key: first + i for i, key in enumerate(keys)}
-        chunks = tuple(
-            ChunkCopy(key, slot, tuple(state.block_ids[position[key] * bpc : (position[key] + 1) * bpc]))
-            for key, slot in plan.chunks
-        )
-        self._track(plan.job_id, state.view.req_id, tuple(b for c in chunks for b in c.block_ids))
+        blocks = state.block_ids
+        if plan.num_present:
+            where = {key: first + i for i, key in enumerate(keys)}
+            chunks = tuple(
+                ChunkCopy(key, slot, tuple(blocks[where[key] * bpc : (where[key] + 1) * bpc]))
+                for key, slot in plan.chunks
+            )
+        else:  # every key is new: positions follow the keys
+            chunks = tuple(
+                ChunkCopy(key, slot, tuple(blocks[(first + i) * bpc : (first + i + 1) * bpc]))
+                for i, (key, slot) in enumerate(plan.chunks)
+            )
+        self._job_owner[plan.job_id] = state.view.req_id
+        state.jobs.add(plan.job_id)
         self.stats.stores_planned += len(chunks)
         return StoreSpec(plan.job_id, chunks)
 
@@ -218,8 +232,6 @@ class EngineAdapter:
             if state is not None:
                 flush.update(dict.fromkeys(state.jobs))
                 state.block_ids = []
-        # Blocks handed out this step (scheduled requests and async loads alike): a job
-        # of another request still using one must finish before anything overwrites it.
         allocated, self._allocated = self._allocated, {}
         for req_id, blocks in step.new_block_ids.items():
             state = self._requests.get(req_id)
@@ -227,14 +239,28 @@ class EngineAdapter:
                 if req_id in step.replaced_blocks:
                     state.block_ids = list(blocks)
                 else:
-                    known = set(state.block_ids)
-                    state.block_ids.extend(b for b in blocks if b not in known)
-            allocated.update(dict.fromkeys(blocks, req_id))
-        for block, req_id in allocated.items():
-            for job_id in self._block_jobs.get(block, ()):
-                if self._job_owner.get(job_id) != req_id:
-                    flush[job_id] = None
+                    state.block_ids.extend(blocks)
+            if self._released:
+                allocated.update(dict.fromkeys(blocks, req_id))
         stores: list[StoreSpec] = []
+        # Finished requests first: their last full chunk is stored now.
+        finished, self._finished_queue = self._finished_queue, []
+        for req_id in finished:
+            state = self._requests.get(req_id)
+            if state is not None:
+                spec = self._plan_stores(state, 0)
+                if spec is not None:
+                    stores.append(spec)
+        # Fence: a block handed out this step (to a scheduled request or an async load)
+        # that a departed request's job may still use: that request's jobs finish first.
+        for block, req_id in allocated.items():
+            owner = self._released.get(block)
+            if owner is not None and owner != req_id:
+                owner_state = self._requests.get(owner)
+                if owner_state is not None:
+                    flush.update(dict.fromkeys(owner_state.jobs))
+        for req_id in finished:
+            self._maybe_free(req_id)
         for req_id, view in step.requests.items():
             state = self._requests.get(req_id)
             if state is None:
@@ -243,19 +269,6 @@ class EngineAdapter:
             spec = self._plan_stores(state, step.num_scheduled_tokens.get(req_id, 0))
             if spec is not None:
                 stores.append(spec)
-        finished, self._finished_queue = self._finished_queue, []
-        for req_id in finished:
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            spec = self._plan_stores(state, 0)
-            if spec is not None:
-                stores.append(spec)
-                # Its blocks went back to the engine: reused this step means overwritten
-                # by this step's forward, so the copy must finish before it.
-                if any(b in allocated for c in spec.chunks for b in c.block_ids):
-                    flush[spec.job_id] = None
-            self._maybe_free(req_id)
         loads, self._pending_loads = tuple(self._pending_loads), []
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)
@@ -279,34 +292,28 @@ class EngineAdapter:
             done.append(merged)
         return done
 
-    def _track(self, job_id: JobId, req_id: str, blocks: tuple[int, ...]) -> None:
+    def _track(self, job_id: JobId, req_id: str) -> None:
         self._job_owner[job_id] = req_id
-        self._job_blocks[job_id] = blocks
-        for block in blocks:
-            self._block_jobs.setdefault(block, set()).add(job_id)
         self._requests[req_id].jobs.add(job_id)
 
     def _untrack(self, job_id: JobId) -> None:
         req_id = self._job_owner.pop(job_id, None)
-        for block in self._job_blocks.pop(job_id, ()):
-            jobs = self._block_jobs.get(block)
-            if jobs is not None:
-                jobs.discard(job_id)
-                if not jobs:
-                    del self._block_jobs[block]
-        if req_id is None:
-            return
-        state = self._requests.get(req_id)
+        state = self._requests.get(req_id) if req_id is not None else None
         if state is not None:
             state.jobs.discard(job_id)
             if state.finished:
-                self._maybe_free(req_id)
+                self._maybe_free(state.view.req_id)
 
     def _maybe_free(self, req_id: str) -> None:
         state = self._requests.get(req_id)
-        if state is not None and state.finished and not state.jobs and req_id not in self._finished_queue:
-            del self._requests[req_id]
-            self.stats.requests_freed += 1
+        if state is None or not state.finished or state.jobs or req_id in self._finished_queue:
+            return
+        del self._requests[req_id]
+        released = self._released
+        for block in state.block_ids:
+            if released.get(block) == req_id:
+                del released[block]
+        self.stats.requests_freed += 1
 
     # ------------------------------------------------------------------ reports
     def num_requests(self) -> int:

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Scheduler-side cost of the engine adapter per step and per chunk decision.
+
+Workload: --requests running requests of --chunks chunks each. Every step each request
+computes one more chunk of its prompt (a prefill-heavy step: one store decision per
+request per step) and a lookup of its whole key list is made (the cost a new request
+pays). Jobs complete at once (the scheduler side alone is measured: no bytes move).
+
+Baseline in the same run: a bare dict doing the same decisions (key present? else insert
+with a slot id) for the same keys, which is the floor any bookkeeping pays in Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tierkv.core.index import BlockIndex
+from tierkv.core.jobs import Completion
+from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.keys import chunk_keys
+
+
+def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int) -> list[tuple[str, list[bytes]]]:
+    out = []
+    for r in range(num_requests):
+        tokens = [(r * 7919 + i) % 50_000 for i in range(num_chunks * tokens_per_chunk)]
+        out.append((f"req-{r}", chunk_keys(tokens, tokens_per_chunk)))
+    return out
+
+
+def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace) -> tuple[float, float, int]:
+    tpc = args.block_size * args.blocks_per_chunk
+    num_requests, num_chunks = len(views), len(views[0][1])
+    index = BlockIndex(num_slots=num_requests * num_chunks + 16, disk_capacity=0)
+    adapter = EngineAdapter(index, AdapterConfig(args.block_size, args.blocks_per_chunk))
+    blocks = {
+        req_id: list(range(r * num_chunks * args.blocks_per_chunk, (r + 1) * num_chunks * args.blocks_per_chunk))
+        for r, (req_id, _) in enumerate(views)
+    }
+    decisions = 0
+    plan_seconds = 0.0
+    lookup_seconds = 0.0
+    total_tokens = num_chunks * tpc
+    for step in range(num_chunks):
+        requests = {
+            req_id: RequestView(req_id, keys, total_tokens, total_tokens, step * tpc) for req_id, keys in views
+        }
+        scheduled = dict.fromkeys(requests, tpc)
+        new_blocks = {req_id: blocks[req_id] for req_id in requests} if step == 0 else {}
+        replaced = frozenset(requests) if step == 0 else frozenset()
+        t0 = time.perf_counter()
+        plan = adapter.build_plan(StepInput(requests, scheduled, new_blocks, replaced))
+        adapter.complete(WorkerReport(0, tuple(Completion(s.job_id, ok=True) for s in plan.stores)))
+        t1 = time.perf_counter()
+        for req_id, view in requests.items():
+            adapter.lookup(view, 0)
+        t2 = time.perf_counter()
+        plan_seconds += t1 - t0
+        lookup_seconds += t2 - t1
+        decisions += num_requests
+    return plan_seconds, lookup_seconds, decisions
+
+
+def run_baseline(views: list[tuple[str, list[bytes]]]) -> tuple[float, float, int]:
+    table: dict[bytes, int] = {}
+    num_chunks = len(views[0][1])
+    plan_seconds = 0.0
+    lookup_seconds = 0.0
+    decisions = 0
+    slot = 0
+    for step in range(num_chunks):
+        t0 = time.perf_counter()
+        for _, keys in views:
+            key = keys[step]
+            if key not in table:
+                table[key] = slot
+                slot += 1
+        t1 = time.perf_counter()
+        for _, keys in views:
+            hits = 0
+            for key in keys:
+                if key not in table:
+                    break
+                hits += 1
+        t2 = time.perf_counter()
+        plan_seconds += t1 - t0
+        lookup_seconds += t2 - t1
+        decisions += len(views)
+    return plan_seconds, lookup_seconds, decisions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--blocks-per-chunk", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    tpc = args.block_size * args.blocks_per_chunk
+    views = build_views(args.requests, args.chunks, tpc)
+    run_adapter(views[:8], args)  # warm-up
+    rows = {"adapter": [], "dict": []}
+    for _ in range(args.repeats):
+        plan, lookup, decisions = run_adapter(views, args)
+        rows["adapter"].append((plan, lookup, decisions))
+        plan, lookup, decisions = run_baseline(views)
+        rows["dict"].append((plan, lookup, decisions))
+    print(f"{args.requests} running requests x {args.chunks} chunks, {args.repeats} repeats (median [min-max])")
+    medians = {}
+    for name, runs in rows.items():
+        per_step = [p / args.chunks * 1e6 for p, _, _ in runs]
+        per_decision = [p / d * 1e6 for p, _, d in runs]
+        per_lookup_chunk = [lk / (args.requests * args.chunks * args.chunks) * 1e6 for _, lk, _ in runs]
+        medians[name] = statistics.median(per_decision)
+        print(
+            f"  {name:8s} plan {statistics.median(per_step):9.1f} us/step "
+            f"[{min(per_step):.1f}-{max(per_step):.1f}]  "
+            f"{statistics.median(per_decision):6.2f} us/chunk decision  "
+            f"lookup {statistics.median(per_lookup_chunk):6.3f} us/chunk"
+        )
+    print(f"adapter / bare dict per chunk decision: {medians['adapter'] / medians['dict']:.1f}x "
+          f"(target <= 2 us per decision: {'met' if medians['adapter'] <= 2.0 else 'missed'})")
+
+
+if __name__ == "__main__":
+    main()
