@@ -9,6 +9,10 @@ a pure function of the token prefix up to that position. Before each forward it 
 that every computed position of every scheduled request holds exactly its value, so a
 load of wrong bytes, or a block overwritten under a live request, fails at once.
 
+``key_lag_tokens=n`` hides the last n tokens from a running request's chunk keys (an
+engine whose block hashes lag the tokens): a chunk completed by the last computed tokens
+then gets its key only at finish, and only the finished-request path can store it.
+
 ``async_scheduling=True`` delays each sampled token by one step (a placeholder position
 is computed in the meantime), as vLLM's async scheduler does; the finish is seen a step
 late and the adapter must still store the request's last full chunk, and never the slot
@@ -76,6 +80,7 @@ class MiniEngine:
         num_blocks: int,
         token_budget: int = 64,
         async_scheduling: bool = False,
+        key_lag_tokens: int = 0,
         worker_order: Callable[[WorkerAdapter, StepPlan, Callable[[], None]], None] | None = None,
     ) -> None:
         self.adapter = adapter
@@ -87,6 +92,7 @@ class MiniEngine:
         self.free_blocks = list(reversed(range(num_blocks)))
         self.token_budget = token_budget
         self.async_scheduling = async_scheduling
+        self.key_lag_tokens = key_lag_tokens
         self.worker_order = worker_order or run_worker_in_order
         self.requests: dict[str, Req] = {}
         self.steps = 0
@@ -109,8 +115,9 @@ class MiniEngine:
         req.aborted = True
         self._finish(req)
 
-    def view(self, req: Req) -> RequestView:
-        keys = chunk_keys(req.tokens, self.tokens_per_chunk)
+    def view(self, req: Req, final: bool = False) -> RequestView:
+        known = req.tokens if final or not self.key_lag_tokens else req.tokens[: -self.key_lag_tokens]
+        keys = chunk_keys(known, self.tokens_per_chunk)
         for position, key in enumerate(keys):
             if key not in self.key_prefix:
                 self.key_prefix[key] = tuple(req.tokens[: (position + 1) * self.tokens_per_chunk])
@@ -118,7 +125,8 @@ class MiniEngine:
                            req.num_computed)
 
     def idle(self) -> bool:
-        return all(r.status == "done" for r in self.requests.values())
+        """No request left to run and nothing left for the adapter to do."""
+        return all(r.status == "done" for r in self.requests.values()) and not self.adapter.has_pending_work()
 
     # ------------------------------------------------------------------ scheduling
     def _allocate(self, req: Req, num_tokens: int) -> list[int] | None:
@@ -135,8 +143,11 @@ class MiniEngine:
         self.free_blocks.extend(reversed(req.block_ids))
         req.block_ids = []
 
-    def _preempt_one(self, keep: Req, preempted: list[str]) -> bool:
-        victims = [r for r in self.requests.values() if r.status == "running" and r is not keep]
+    def _preempt_one(self, keep: Req, preempted: list[str], scheduled: dict[str, int]) -> bool:
+        victims = [
+            r for r in self.requests.values()
+            if r.status == "running" and r is not keep and r.req_id not in scheduled
+        ]
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival)
@@ -166,7 +177,7 @@ class MiniEngine:
             if num <= 0:
                 continue
             blocks = self._allocate(req, req.num_computed + num)
-            while blocks is None and self._preempt_one(req, preempted):
+            while blocks is None and self._preempt_one(req, preempted, scheduled):
                 blocks = self._allocate(req, req.num_computed + num)
             if blocks is None:
                 continue
@@ -269,7 +280,7 @@ class MiniEngine:
         if req.placeholder is not None:  # async: the in-flight token is dropped
             req.placeholder = None
         req.num_computed = min(req.num_computed, len(req.tokens))
-        self.adapter.request_finished(self.view(req), aborted=req.aborted)
+        self.adapter.request_finished(self.view(req, final=True), aborted=req.aborted)
         req.status = "done"
         self._free(req)
 
@@ -277,6 +288,10 @@ class MiniEngine:
         while not self.idle():
             if self.steps >= max_steps:
                 raise AssertionError(f"not idle after {max_steps} steps")
+            if all(r.status in ("done", "loading") for r in self.requests.values()):
+                # Nothing to compute: block on the copies instead of spinning (a spinning
+                # loop can starve the copy thread of the GIL).
+                self.worker.wait_all()
             self.step()
 
     def expected_chunk(self, key: bytes) -> list[torch.Tensor]:

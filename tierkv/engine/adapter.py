@@ -227,11 +227,15 @@ class EngineAdapter:
 
     def build_plan(self, step: StepInput) -> StepPlan:
         flush: dict[JobId, None] = {}
+        # Loads planned since the last plan target blocks allocated since: never flushed
+        # (a request preempted and re-admitted in one step has such a load).
+        fresh = {load.spec.job_id for load in self._pending_loads if load.spec is not None}
         for req_id in step.preempted:
             state = self._requests.get(req_id)
             if state is not None:
-                flush.update(dict.fromkeys(state.jobs))
-                state.block_ids = []
+                flush.update(dict.fromkeys(j for j in state.jobs if j not in fresh))
+                if not state.jobs & fresh:
+                    state.block_ids = []
         allocated, self._allocated = self._allocated, {}
         for req_id, blocks in step.new_block_ids.items():
             state = self._requests.get(req_id)
@@ -258,7 +262,7 @@ class EngineAdapter:
             if owner is not None and owner != req_id:
                 owner_state = self._requests.get(owner)
                 if owner_state is not None:
-                    flush.update(dict.fromkeys(owner_state.jobs))
+                    flush.update(dict.fromkeys(j for j in owner_state.jobs if j not in fresh))
         for req_id in finished:
             self._maybe_free(req_id)
         for req_id, view in step.requests.items():
@@ -316,6 +320,11 @@ class EngineAdapter:
         self.stats.requests_freed += 1
 
     # ------------------------------------------------------------------ reports
+    def has_pending_work(self) -> bool:
+        """True while a finished request awaits its final plan or a job is in flight: the
+        engine should keep stepping (empty steps are fine) until this turns False."""
+        return bool(self._finished_queue or self._job_owner or self._pending_loads)
+
     def num_requests(self) -> int:
         return len(self._requests)
 
