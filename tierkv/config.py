@@ -58,6 +58,9 @@ class DiskTierConfig:
     sync_every_bytes: int = 256 * MiB
     sync_every_seconds: float = 5.0
     retry_after_full_seconds: float = 1.0
+    # Process-wide glibc malloc tuning so LMDB's page buffers are reused rather than faulted
+    # in afresh on every put (0.43x -> 0.77x of dd on durable writes). False opts out.
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, Path):
@@ -71,8 +74,9 @@ class DiskTierConfig:
             raise ConfigError(
                 f"disk.sync_mode must be 'periodic', 'always' or 'close', got {self.sync_mode!r}"
             )
-        if not isinstance(self.write_through, bool):
-            raise ConfigError(f"disk.write_through must be a bool, got {self.write_through!r}")
+        for name in ("write_through", "tune_malloc"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"disk.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

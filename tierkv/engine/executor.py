@@ -85,10 +85,12 @@ class JobExecutor:
         disk_chunks = [c for c in spec.chunks if c.from_disk]
 
         def on_done(outcome: ReadOutcome) -> None:
-            bad = set(outcome.missing_keys) | set(outcome.corrupt_keys)
+            bad = set(outcome.missing_keys) | set(outcome.corrupt_keys) | set(outcome.failed_keys)
+            if outcome.error is not None and not bad:  # failed as a whole: nothing landed
+                bad = {c.key for c in disk_chunks}
             landed = tuple(c for c in spec.chunks if c.key not in bad)
             with self._lock:
-                chained.failed = tuple(outcome.missing_keys) + tuple(outcome.corrupt_keys)
+                chained.failed = tuple(k for k in chained.keys if k in bad)
                 chained.corrupt = tuple(outcome.corrupt_keys)
                 chained.read_bytes = outcome.num_bytes
                 chained.read_seconds = outcome.seconds

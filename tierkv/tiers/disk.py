@@ -21,6 +21,8 @@ called from several threads: LMDB serializes write transactions, reads run concu
 - ``sync()``, ``sync_if_due()``, ``statistics()``, ``close()`` (idempotent; later calls raise
   :class:`ClosedError`).
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
+- Opening a tier tunes glibc malloc once per process (:func:`tune_malloc`, opt out with
+  ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``) so LMDB's per-put page buffers are not faulted in afresh.
 - An environment that is damaged (fails to open or fails its meta check) is moved aside to
   ``rank-<r>.broken-<timestamp>`` and rebuilt empty with a logged warning. A namespace
   mismatch raises :class:`NamespaceMismatchError`; other open failures raise
@@ -35,6 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -48,12 +51,13 @@ from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.disk_format import (FILE_MODE, DiskRecord, DiskStatistics, NamespaceInfo,
                                      PutResult, ReadStatus, ValueWriter, VerifyReport,
                                      check_value, format_bytes, list_namespaces,
-                                     make_private_dir, map_size_for, namespace_record,
-                                     pack_index, unpack_index, write_private_file)
+                                     make_private_dir, map_size_for, move_aside, namespace_record,
+                                     pack_index, tune_malloc, unpack_index,
+                                     write_private_file)
 
 __all__ = [
     "DiskRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult", "ReadStatus",
-    "VerifyReport", "list_namespaces", "map_size_for",
+    "VerifyReport", "list_namespaces", "map_size_for", "tune_malloc",
 ]
 
 logger = logging.getLogger("tierkv.disk")
@@ -61,14 +65,17 @@ logger = logging.getLogger("tierkv.disk")
 MAX_DBS = 4
 _META_NAMESPACE = b"namespace"
 _META_NEXT_SEQ = b"next_seq"
-# LMDB errors that mean the files are damaged (as opposed to permissions, locks, disk space).
-_DAMAGE_ERRORS: tuple[type[Exception], ...] = (
-    lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.PageNotFoundError,
-    lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError, lmdb.BadChecksumError)
 
 
 class _DamagedError(Exception):
     """The meta sub-db does not hold what tierkv writes there."""
+
+
+# Errors that mean the files are damaged (as opposed to permissions, locks, disk space).
+_DAMAGE_ERRORS: tuple[type[Exception], ...] = (
+    _DamagedError, lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
+    lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
+    lmdb.BadChecksumError)
 
 
 class DiskTier:
@@ -95,7 +102,7 @@ class DiskTier:
         self.fingerprint = namespace.fingerprint()
         self.namespace_dir = self.root / f"ns-{self.fingerprint}"
         self.path = self.namespace_dir / f"rank-{rank}"
-        self.map_size = map_size_for(config.max_bytes, payload_bytes)
+        self.map_size = map_size_for(config.max_bytes, payload_bytes, os.sysconf("SC_PAGE_SIZE"))
         self._name = f"disk tier (namespace {self.fingerprint[:8]}, rank {rank})"
         self._record = namespace_record(self.fingerprint, namespace.describe())
         self._expected_meta = msgpack.unpackb(msgpack.packb(self._record), raw=False)
@@ -107,6 +114,8 @@ class DiskTier:
         self._last_sync = clock()
         self._writer = ValueWriter(payload_bytes)
         self._closed = False
+        if config.tune_malloc:
+            tune_malloc(config.write_batch_bytes)
         make_private_dir(self.root)
         make_private_dir(self.namespace_dir)
         self._write_namespace_json()
@@ -122,15 +131,20 @@ class DiskTier:
                 return
             write_private_file(path, text.encode())
         except OSError as exc:
-            raise BrokenError(f"{self._name}: cannot write {path}: {exc} (check disk.path)") from exc
+            raise BrokenError(f"{self._name}: cannot write {path}: {exc} "
+                              f"(check disk.path)") from exc
 
     def _open(self) -> tuple[lmdb.Environment, Any, Any, Any, int]:
         try:
             return self._open_once()
         except NamespaceMismatchError:
             raise
-        except (_DamagedError, *_DAMAGE_ERRORS) as exc:
-            aside = self._move_aside()
+        except _DAMAGE_ERRORS as exc:
+            try:
+                aside = move_aside(self.path)
+            except OSError as err:
+                raise BrokenError(f"{self._name}: {self.path} is damaged ({exc}) and cannot be "
+                                  f"moved aside: {err} (remove it by hand)") from err
             logger.warning("%s: environment at %s is damaged (%s); moved it to %s and started "
                            "empty", self._name, self.path, exc, aside)
         except lmdb.Error as exc:
@@ -150,6 +164,7 @@ class DiskTier:
             max_dbs=MAX_DBS, lock=True,
         )
         try:
+            self._check_file_size(env)
             meta = env.open_db(b"meta")
             chunks = env.open_db(b"chunks")
             index = env.open_db(b"index")
@@ -161,6 +176,13 @@ class DiskTier:
             if (self.path / name).exists():
                 os.chmod(self.path / name, FILE_MODE)
         return env, chunks, index, meta, next_seq
+
+    def _check_file_size(self, env: lmdb.Environment) -> None:
+        """Damage: a data file shorter than its meta page says would SIGBUS past its end."""
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        actual = (self.path / "data.mdb").stat().st_size
+        if actual < needed:
+            raise _DamagedError(f"data.mdb has {actual} bytes, its meta page needs {needed}")
 
     def _check_meta(self, env: lmdb.Environment, meta: Any, chunks: Any) -> int:
         with env.begin(write=True) as txn:
@@ -187,20 +209,6 @@ class DiskTier:
                 raise _DamagedError("next_seq record missing or malformed")
             return int.from_bytes(seq_raw, "little")
 
-    def _move_aside(self) -> Path:
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        target = self.path.with_name(f"{self.path.name}.broken-{stamp}")
-        counter = 0
-        while target.exists():
-            counter += 1
-            target = self.path.with_name(f"{self.path.name}.broken-{stamp}-{counter}")
-        try:
-            os.rename(self.path, target)
-        except OSError as exc:
-            raise BrokenError(f"{self._name}: {self.path} is damaged and cannot be moved "
-                              f"aside: {exc} (remove it by hand)") from exc
-        return target
-
     # -- helpers ---------------------------------------------------------------------------
 
     def _live_env(self) -> lmdb.Environment:
@@ -213,6 +221,16 @@ class DiskTier:
             return ClosedError(f"{self._name}: closed while {action}")
         return BrokenError(f"{self._name}: LMDB failed {action} at {self.path}: {exc}")
 
+    @contextmanager
+    def _reading(self, action: str, **begin: Any) -> Iterator[Any]:
+        """A short read txn; LMDB errors become Broken/ClosedError naming ``action``."""
+        env = self._live_env()
+        try:
+            with env.begin(**begin) as txn:
+                yield txn
+        except lmdb.Error as exc:
+            raise self._failure(action, exc) from exc
+
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():
@@ -220,7 +238,8 @@ class DiskTier:
 
     def _check_key(self, key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-            raise ConfigError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, got {key!r:.40}")
+            raise ConfigError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
+                              f"got {key!r:.40}")
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -229,7 +248,11 @@ class DiskTier:
         items: Sequence[tuple[bytes, memoryview | bytes]],
         deletes: Sequence[bytes] = (),
     ) -> PutResult:
-        """Delete ``deletes`` then write ``items`` in one write transaction."""
+        """Delete ``deletes`` then write ``items`` in one write transaction.
+
+        When the map cannot take every item and there are deletes, the deletes are committed
+        first (LMDB reuses freed pages only two transactions later) and the items retried;
+        items that still do not fit come back in ``full``, the rest are written."""
         env = self._live_env()
         for key, payload in items:
             self._check_key(key)
@@ -240,7 +263,8 @@ class DiskTier:
             self._check_key(key)
         pending = list(items)
         full: list[bytes] = []
-        while True:
+        deletes, settled, deleted, failed_at = tuple(deletes), 0, 0, None
+        while pending or deletes:
             try:
                 failed_at, deleted = self._write_txn(env, pending, deletes)
             except lmdb.MapFullError:  # raised by commit: retry without the last item
@@ -249,12 +273,12 @@ class DiskTier:
                 raise self._failure("writing chunks", exc) from exc
             if failed_at is None:
                 break
-            if failed_at < 0:  # not even the deletes fit: leave everything as it was
-                logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now "
-                               "%s", self._name, len(deletes), format_bytes(self.config.max_bytes))
-                break
+            if deletes:  # LMDB reuses pages freed by txn T from txn T+2 on
+                settled, deletes = self._settle_deletes(env, deletes), ()
+                continue
             full[:0] = [key for key, _ in pending[failed_at:]]
             pending = pending[:failed_at]
+        deleted = (deleted if failed_at is None else 0) + settled
         written = tuple(key for key, _ in pending)
         num_bytes = len(written) * self.payload_bytes
         self._count(bytes_written=num_bytes, puts=len(written), full=len(full), write_txns=1)
@@ -287,7 +311,8 @@ class DiskTier:
                     txn.abort()
                     return position, 0
                 seq += 1
-            txn.put(_META_NEXT_SEQ, seq.to_bytes(8, "little"), db=self._meta)
+            if items:
+                txn.put(_META_NEXT_SEQ, seq.to_bytes(8, "little"), db=self._meta)
             txn.commit()
         except BaseException:
             txn.abort()
@@ -295,20 +320,39 @@ class DiskTier:
         self._next_seq = seq
         return None, deleted
 
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete ``keys`` (absent ones are ignored) in one write txn; returns how many existed."""
-        env = self._live_env()
-        for key in keys:
-            self._check_key(key)
+    def _settle_deletes(self, env: lmdb.Environment, deletes: Sequence[bytes]) -> int:
+        """Commit ``deletes`` alone, then one small txn, so the next txn can reuse their pages."""
+        deleted = self._delete_txn(env, deletes)
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(_META_NEXT_SEQ, self._next_seq.to_bytes(8, "little"), db=self._meta)
+        except lmdb.MapFullError:
+            pass  # the retry reports its keys as full
+        except lmdb.Error as exc:
+            raise self._failure("writing chunks", exc) from exc
+        return deleted
+
+    def _delete_txn(self, env: lmdb.Environment, keys: Sequence[bytes]) -> int:
         try:
             with env.begin(write=True) as txn:
                 deleted = 0
                 for key in keys:
                     deleted += bool(txn.delete(key, db=self._chunks))
                     txn.delete(key, db=self._index)
+            return deleted
+        except lmdb.MapFullError:  # copy-on-write needs a few pages even to delete
+            logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now %s",
+                           self._name, len(keys), format_bytes(self.config.max_bytes))
+            return 0
         except lmdb.Error as exc:
             raise self._failure("deleting chunks", exc) from exc
-        return deleted
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete ``keys`` (absent ones are ignored) in one write txn; returns how many existed."""
+        env = self._live_env()
+        for key in keys:
+            self._check_key(key)
+        return self._delete_txn(env, keys) if keys else 0
 
     def _after_commit(self, num_bytes: int) -> None:
         with self._stats_lock:
@@ -347,20 +391,16 @@ class DiskTier:
 
     def read_into(self, key: bytes, out: memoryview) -> ReadStatus:
         """Copy the verified payload of ``key`` into ``out[:payload_bytes]``."""
-        env = self._live_env()
         self._check_key(key)
         if len(out) < self.payload_bytes or out.readonly:
             raise ConfigError(f"{self._name}: read buffer for chunk {short_key(key)} must be "
                               f"writable and hold {self.payload_bytes} bytes, got {len(out)}")
-        try:
-            with env.begin(db=self._chunks, buffers=True) as txn:
-                value = txn.get(key)
-                problem = None if value is None else check_value(
-                    key, value, self.payload_bytes, out)
-                found = value is not None
-                del value
-        except lmdb.Error as exc:
-            raise self._failure(f"reading chunk {short_key(key)}", exc) from exc
+        with self._reading(f"reading chunk {short_key(key)}", db=self._chunks,
+                           buffers=True) as txn:
+            value = txn.get(key)
+            found = value is not None
+            problem = check_value(key, value, self.payload_bytes, out) if found else None
+            del value  # LMDB's buffer is valid only inside the txn
         if not found:
             self._count(reads=1, misses=1)
             return ReadStatus.MISSING
@@ -376,19 +416,15 @@ class DiskTier:
         """Key order batches, one short read txn each (resumes after the last key)."""
         last: bytes | None = None
         while True:
-            env = self._live_env()
             rows: list[tuple[bytes, bytes]] = []
-            try:
-                with env.begin(db=db) as txn:
-                    cursor = txn.cursor()
-                    more = cursor.set_range(last) if last is not None else cursor.first()
-                    if more and last is not None and cursor.key() == last:
-                        more = cursor.next()
-                    while more and len(rows) < batch:
-                        rows.append((cursor.key(), cursor.value() if values else b""))
-                        more = cursor.next()
-            except lmdb.Error as exc:
-                raise self._failure("scanning", exc) from exc
+            with self._reading("scanning", db=db) as txn:
+                cursor = txn.cursor()
+                more = cursor.set_range(last) if last is not None else cursor.first()
+                if more and last is not None and cursor.key() == last:
+                    more = cursor.next()
+                while more and len(rows) < batch:
+                    rows.append((cursor.key(), cursor.value() if values else b""))
+                    more = cursor.next()
             if rows:
                 yield rows
             if len(rows) < batch:
@@ -411,29 +447,21 @@ class DiskTier:
         checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
         for rows in self._batches(self._chunks, batch, values=False):
-            env = self._live_env()
-            try:
-                with env.begin(buffers=True) as txn:
-                    for key, _ in rows:
-                        checked += 1
-                        value = txn.get(key, db=self._chunks)
-                        entry = txn.get(key, db=self._index)
-                        problem = "vanished" if value is None else check_value(
-                            key, value, self.payload_bytes, scratch)
-                        if problem is None and (entry is None or unpack_index(bytes(entry)) is None):
-                            problem = "index entry missing or malformed"
-                        if problem is not None:
-                            bad[key] = None
-                        del value, entry
-            except lmdb.Error as exc:
-                raise self._failure("verifying", exc) from exc
-        for rows in self._batches(self._index, 1024, values=False):
-            env = self._live_env()
-            try:
-                with env.begin(db=self._chunks) as txn:
-                    bad.update((key, None) for key, _ in rows if txn.get(key) is None)
-            except lmdb.Error as exc:
-                raise self._failure("verifying", exc) from exc
+            with self._reading("verifying", buffers=True) as txn:
+                for key, _ in rows:
+                    checked += 1
+                    value = txn.get(key, db=self._chunks)
+                    entry = txn.get(key, db=self._index)
+                    problem = "vanished" if value is None else check_value(
+                        key, value, self.payload_bytes, scratch)
+                    if problem is None and unpack_index(bytes(entry or b"")) is None:
+                        problem = "index entry missing or malformed"
+                    if problem is not None:
+                        bad[key] = None
+                    del value, entry
+        for rows in self._batches(self._index, 1024, values=False):  # entries without values
+            with self._reading("verifying", db=self._chunks, buffers=True) as txn:
+                bad.update((key, None) for key, _ in rows if txn.get(key) is None)
         repaired = 0
         if repair and bad:
             self.delete_many(list(bad))
@@ -443,8 +471,7 @@ class DiskTier:
     # -- life cycle ------------------------------------------------------------------------
 
     def statistics(self) -> DiskStatistics:
-        env = self._live_env()
-        with env.begin(db=self._chunks) as txn:
+        with self._reading("counting chunks") as txn:
             chunks = int(txn.stat(self._chunks)["entries"])
         with self._stats_lock:
             counts = dict(self._counts)
@@ -456,8 +483,7 @@ class DiskTier:
             return
         try:
             self._env.sync(True)
-            with self._stats_lock:
-                self._counts["syncs"] += 1
+            self._count(syncs=1)
         finally:
             self._closed = True
             self._env.close()

@@ -1,0 +1,256 @@
+"""tierkv as a vLLM 0.33 KV connector: GPU -> pinned CPU slab (LRU) -> LMDB disk, and back.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cpu_bytes": 34359738368, "disk_path": "/var/cache/tierkv"}}'
+
+:class:`TierKVConnector` is one class for both of vLLM's roles. The scheduler role
+(EngineCore process) maps vLLM's ``Request`` / ``SchedulerOutput`` onto tierkv's
+:class:`~tierkv.engine.adapter.EngineAdapter` (:mod:`.vllm_scheduler`); the worker role
+(one per GPU rank) runs the plans on the rank's KV tensors (:mod:`.vllm_worker`). Plans go
+down in :class:`TierKVMetadata`; job completions come back in
+:class:`TierKVWorkerMetadata`, requests whose load finished in ``finished_recving``, and the
+blocks of chunks that failed to load in ``get_block_ids_with_load_errors``.
+
+Importing this module is light (vLLM imports it while it builds ``VllmConfig``): no LMDB,
+no CUDA, no threads; the worker role imports its transfer and disk code when it is built.
+``docs/vllm.md`` has the settings, the key derivation, the guarantees and the limits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from tierkv.integrations.vllm_config import check_vllm_version
+
+check_vllm_version(getattr(vllm, "__version__", "unknown"))
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from tierkv.errors import ConfigError, TierKVError  # noqa: E402
+from tierkv.integrations.vllm_config import (  # noqa: E402
+    ConnectorSettings,
+    UnsupportedVersionError,
+    build_geometry,
+    build_namespace,
+    check_hash_stability,
+    disk_rank,
+    parse_settings,
+)
+from tierkv.integrations.vllm_messages import (  # noqa: E402
+    TierKVConnectorStats,
+    TierKVMetadata,
+    TierKVWorkerMetadata,
+)
+from tierkv.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from tierkv.integrations.vllm_worker import WorkerSide
+
+log = logging.getLogger("tierkv.vllm")
+
+__all__ = [
+    "ConnectorSettings",
+    "TierKVConnector",
+    "TierKVConnectorStats",
+    "TierKVMetadata",
+    "TierKVWorkerMetadata",
+    "UnsupportedVersionError",
+]
+
+MEDIUM = "CPU"  # KV events: a "stored" chunk is a hit in the CPU tier
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """tierkv's vLLM connector (both roles); see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_vllm_version(getattr(vllm, "__version__", "unknown"))
+        transfer = self._kv_transfer_config
+        if transfer.kv_role != "kv_both":
+            raise ConfigError(f"tierkv vLLM connector: kv_role={transfer.kv_role!r}; tierkv "
+                              f"stores and loads, use kv_role='kv_both'")
+        self.settings = parse_settings(transfer.kv_connector_extra_config)
+        self.geometry = build_geometry(vllm_config, kv_cache_config, self.settings)
+        check_hash_stability(vllm_config.cache_config.prefix_caching_hash_algo, self.settings)
+        self.namespace = build_namespace(vllm_config, self.geometry, vllm.__version__)
+        self._fingerprint = self.namespace.fingerprint()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._checked_namespace = False
+        self._finished_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._completions: list[Any] = []
+        world = self.geometry.world_size
+        if role == KVConnectorRole.SCHEDULER:
+            events = vllm_config.kv_events_config
+            self._events_enabled = bool(events is not None and events.enable_kv_cache_events)
+            if transfer.kv_load_failure_policy != "recompute":
+                log.warning("tierkv: kv_load_failure_policy=%r ends a request with an error when "
+                            "a chunk fails to load (e.g. a corrupt disk value); set it to "
+                            "'recompute' to recompute those tokens instead",
+                            transfer.kv_load_failure_policy)
+            self._scheduler = SchedulerSide(
+                self.settings, self.geometry, self.namespace,
+                disk_ranks=[disk_rank(vllm_config, rank, world) for rank in range(world)],
+                record_events=self._events_enabled,
+            )
+        else:
+            from tierkv.integrations.vllm_worker import WorkerSide
+
+            rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+            self._worker = WorkerSide(self.settings, self.geometry, self.namespace,
+                                      num_blocks=int(kv_cache_config.num_blocks), rank=rank,
+                                      disk_rank=disk_rank(vllm_config, rank, world))
+
+    # ================================================================ both roles
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store dropped by a preemption is a future miss
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierKVConnectorStats:
+        return TierKVConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ================================================================ worker role
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise TierKVError("tierkv vLLM connector: worker method called on the scheduler role")
+        return self._worker
+
+    def _plan_of(self, metadata: KVConnectorMetadata | None) -> Any:
+        if not isinstance(metadata, TierKVMetadata):
+            raise TierKVError(f"tierkv vLLM connector: expected TierKVMetadata from the scheduler, "
+                              f"got {type(metadata).__name__}")
+        if not self._checked_namespace:
+            if metadata.namespace != self._fingerprint:
+                raise TierKVError(
+                    f"tierkv vLLM connector: the scheduler's namespace {metadata.namespace[:8]} "
+                    f"differs from worker rank {self._worker_side().rank}'s {self._fingerprint[:8]} "
+                    f"({self.namespace.describe()}); both processes must see the same model, "
+                    f"cache config and PYTHONHASHSEED")
+            self._checked_namespace = True
+        return metadata.plan
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker_side().handle_preemptions(self._plan_of(kv_connector_metadata))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # vLLM calls this before the forward only for synchronous loads (tierkv has none),
+        # else after it. Either way: loads target blocks of requests that wait in
+        # WAITING_FOR_REMOTE_KVS (no forward touches them), the plan's stores are only
+        # queued here and submitted by wait_for_save, after the forward.
+        self._worker_side().start(self._plan_of(self._get_connector_metadata()))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        self._worker_side().after_forward()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        report = self._worker_side().poll()
+        self._completions.extend(report.completions)
+        self._failed_blocks.update(report.failed_block_ids)
+        return None, (set(report.finished_loads) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None or not self._completions:
+            return None
+        completions, self._completions = self._completions, []
+        return TierKVWorkerMetadata(completions)
+
+    # ================================================================ scheduler role
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise TierKVError("tierkv vLLM connector: scheduler method called on the worker role")
+        return self._scheduler
+
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler_side().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        sources = self._scheduler_side().get_external_cache_hit_sources(request, num_external_tokens)
+        return {CacheHitSource(name): tokens for name, tokens in sources.items()}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # The blocks go back to vLLM now: tierkv fences instead of delaying frees (a job that
+        # still reads a block handed out again is waited for before the next forward).
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        self._scheduler_side().request_finished(request, aborted)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self._scheduler is None or not self._events_enabled:
+            return []
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        events: list[KVCacheEvent] = []
+        for kind, block_hash in self._scheduler.take_events():
+            if block_hash is None:
+                continue
+            hashes = [maybe_convert_block_hash(block_hash)]
+            if kind == "stored":
+                events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                          block_size=0, lora_id=None, medium=MEDIUM,
+                                          lora_name=None, group_idx=0))
+            else:
+                events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM, group_idx=0))
+        return events
+
+    def get_kv_connector_stats(self) -> TierKVConnectorStats | None:
+        if self._scheduler is not None:
+            return self._scheduler.stats_since_last()
+        if self._worker is not None:
+            data = self._worker.stats_since_last()
+            return TierKVConnectorStats(data=data) if data else None
+        return None

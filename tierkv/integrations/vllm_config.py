@@ -1,0 +1,343 @@
+"""Settings, geometry and namespace of tierkv's vLLM connector (no torch, no LMDB here).
+
+Primitives (each a pure function of vLLM's config objects; both connector roles call
+them and must get the same answer):
+
+- :func:`check_vllm_version`  refuses every vLLM but 0.33.x (:class:`UnsupportedVersionError`).
+- :func:`parse_settings`      ``kv_connector_extra_config`` -> :class:`ConnectorSettings`;
+  an unknown key or a bad value raises :class:`ConfigError` naming the key and the value.
+- :func:`build_geometry`      chunk size, slot count and disk capacity from the
+  ``KVCacheConfig`` (``chunk_bytes = page_bytes x layers x blocks_per_chunk``,
+  ``num_slots = cpu_bytes // (chunk_bytes x world_size)``). The worker recomputes
+  ``chunk_bytes`` from the tensors it registers and refuses to run if they differ.
+- :func:`check_hash_stability` refuses a disk tier when vLLM's block hashes change from
+  one process to the next (xxhash without ``PYTHONHASHSEED``).
+- :func:`build_namespace`     what makes stored chunks incompatible: model, cache dtype,
+  page geometry and order (NHD/HND), block size, tokens per chunk, layers, TP layout,
+  hash algorithm and seed fingerprint, vLLM minor version, tierkv format version.
+
+``cpu_bytes`` and ``disk_bytes`` are the engine's totals over all TP ranks, as vLLM's
+own ``cpu_bytes_to_use``: each rank holds ``1 / world_size`` of every chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tierkv.config import GiB
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.keys import FORMAT_VERSION, Namespace
+
+SUPPORTED_VLLM = (0, 33)
+DEFAULT_TOKENS_PER_CHUNK = 256
+# Per-chunk disk overhead assumed for capacity accounting; the same value as
+# tierkv.engine.store.DISK_OVERHEAD_BYTES (a test pins that they agree).
+DISK_OVERHEAD_BYTES = 8192
+# Layouts whose per-block page is one dense [H, N, C] region, and its memory order.
+PAGE_ORDER = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND",
+              "NHD": "NHD", "HND": "HND"}
+STABLE_HASHES = ("sha256", "sha256_cbor")
+KNOWN_HASHES = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+class UnsupportedVersionError(TierKVError, RuntimeError):
+    """The installed vLLM is not a version this connector was built and tested for."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Accept 0.33.x only: vLLM's connector API changes between minor versions."""
+    parts = version.split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        major_minor = None
+    if major_minor != SUPPORTED_VLLM:
+        want = ".".join(map(str, SUPPORTED_VLLM))
+        raise UnsupportedVersionError(
+            f"tierkv vLLM connector: vLLM {version} is not supported; tierkv.integrations.vllm "
+            f"targets vLLM {want}.x (pip install 'vllm=={want}.*', or use the tierkv release "
+            f"built for your vLLM)"
+        )
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` keys. The defaults here are the only ones."""
+
+    cpu_bytes: int = 4 * GiB  # pinned CPU tier, total over TP ranks
+    disk_path: str | None = None  # LMDB disk tier root; None = no disk tier
+    disk_bytes: int = 64 * GiB  # disk tier cap, total over TP ranks
+    tokens_per_chunk: int | None = None  # None: 256 rounded up to the block size
+    offload_prompt_only: bool = False  # True: never store decode tokens
+    write_through: bool = False  # spill every stored chunk at once (else write-back)
+    spill_ahead_fraction: float = 0.25  # share of CPU slots kept clean by early spills
+    disk_sync_mode: str = "periodic"  # "periodic", "always" (fsync each txn), "close"
+    max_chunks_per_request: int | None = None  # store at most this many chunks per request
+    promotion_wait_seconds: float = 5.0  # how long a request waits on a disk promotion
+    device: str = "auto"  # transfer engine: "auto", "cuda", "cpu"
+    pin_memory: str = "auto"  # CPU slab: "auto" (pin with CUDA), "always", "never"
+    flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
+
+
+def _bad(key: str, value: Any, need: str) -> ConfigError:
+    return ConfigError(f"tierkv vLLM connector: kv_connector_extra_config[{key!r}] = {value!r}: {need}")
+
+
+def _int(key: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(key, value, f"must be an int >= {low}")
+    return value
+
+
+def _number(key: str, value: Any, low: float, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low \
+            or (high is not None and value > high):
+        bound = f"within [{low}, {high}]" if high is not None else f">= {low}"
+        raise _bad(key, value, f"must be a number {bound}")
+    return float(value)
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _bad(key, value, f"must be one of {list(choices)}")
+    return str(value)
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(key, value, "must be true or false")
+    return value
+
+
+def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
+    """Validate ``kv_connector_extra_config``; unknown keys and bad values raise."""
+    raw = dict(raw or {})
+    known = {f.name for f in fields(ConnectorSettings)}
+    for key in raw:
+        if key not in known:
+            raise _bad(key, raw[key], f"unknown key; known keys: {sorted(known)}")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in ("cpu_bytes", "disk_bytes"):
+            out[key] = _int(key, value, 1)
+        elif key == "tokens_per_chunk":
+            out[key] = None if value is None else _int(key, value, 1)
+        elif key == "max_chunks_per_request":
+            out[key] = None if value is None else _int(key, value, 0)
+        elif key == "disk_path":
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise _bad(key, value, "must be a directory path (a non-empty string) or null")
+            out[key] = None if value is None else str(Path(value).expanduser())
+        elif key == "spill_ahead_fraction":
+            out[key] = _number(key, value, 0.0, 1.0)
+        elif key == "promotion_wait_seconds":
+            out[key] = _number(key, value, 0.0)
+        elif key == "disk_sync_mode":
+            out[key] = _choice(key, value, ("periodic", "always", "close"))
+        elif key == "device":
+            out[key] = _choice(key, value, ("auto", "cuda", "cpu"))
+        elif key == "pin_memory":
+            out[key] = _choice(key, value, ("auto", "always", "never"))
+        else:
+            out[key] = _flag(key, value)
+    return ConnectorSettings(**out)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes both roles derive from the KVCacheConfig (one full-attention group)."""
+
+    layer_names: tuple[str, ...]
+    block_size: int  # tokens per vLLM block
+    hash_block_size: int  # tokens per entry of request.block_hashes
+    blocks_per_chunk: int
+    page_bytes: int  # one block of one layer on one rank (unpadded)
+    num_heads: int
+    content_bytes: int  # C of the [H, N, C] page, in bytes
+    dtype: str
+    layout: str  # vLLM's KV cache layout name
+    page_order: str  # "NHD" or "HND": memory order of a page
+    world_size: int
+    num_slots: int
+    disk_capacity: int  # chunks; 0 without a disk tier
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk on one rank: page bytes x layers x blocks per chunk."""
+        return self.page_bytes * self.num_layers * self.blocks_per_chunk
+
+    @property
+    def hashes_per_chunk(self) -> int:
+        return self.tokens_per_chunk // self.hash_block_size
+
+
+def _unsupported(what: str) -> ConfigError:
+    return ConfigError(f"tierkv vLLM connector: {what}")
+
+
+def world_size_of(vllm_config: Any) -> int:
+    parallel = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size",
+                 "prefill_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size != 1:
+            raise _unsupported(f"{name}={size} is not supported (tensor parallelism only)")
+    return int(parallel.tensor_parallel_size)
+
+
+def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> Geometry:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise _unsupported(f"the model has {len(groups)} KV cache groups; tierkv supports "
+                           f"models with one full-attention group")
+    group = groups[0]
+    spec = group.kv_cache_spec
+    if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "real_page_size_bytes")) \
+            or type(spec).__name__ not in ("FullAttentionSpec",):
+        raise _unsupported(f"KV cache spec {type(spec).__name__} is not supported "
+                           f"(tierkv stores full-attention pages)")
+    layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+              or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "LBNHC")
+    if layout not in PAGE_ORDER:
+        raise _unsupported(f"KV cache layout {layout} is not supported; a block's page of one "
+                           f"layer must be one dense region (use LBNHC/NHD, LBHNC/HND, BLNHC or "
+                           f"BLHNC, e.g. VLLM_KV_CACHE_LAYOUT=LBNHC)")
+    block_size = int(spec.block_size)
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    tokens_per_chunk = settings.tokens_per_chunk
+    if tokens_per_chunk is None:
+        tokens_per_chunk = -(-DEFAULT_TOKENS_PER_CHUNK // block_size) * block_size
+    elif tokens_per_chunk % block_size or tokens_per_chunk % hash_block_size:
+        raise _bad("tokens_per_chunk", tokens_per_chunk,
+                   f"must be a multiple of vLLM's block size {block_size}")
+    world_size = world_size_of(vllm_config)
+    page_bytes = int(spec.real_page_size_bytes)
+    geometry = Geometry(
+        layer_names=tuple(group.layer_names),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        blocks_per_chunk=tokens_per_chunk // block_size,
+        page_bytes=page_bytes,
+        num_heads=int(getattr(spec, "num_heads", spec.num_kv_heads)),
+        content_bytes=int(getattr(spec, "state_content_size_bytes", 0)),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        layout=layout,
+        page_order=PAGE_ORDER[layout],
+        world_size=world_size,
+        num_slots=0,
+        disk_capacity=0,
+    )
+    chunk_bytes = geometry.chunk_bytes
+    num_slots = settings.cpu_bytes // (chunk_bytes * world_size)
+    if num_slots < 1:
+        raise _bad("cpu_bytes", settings.cpu_bytes,
+                   f"holds no chunk: one chunk of {tokens_per_chunk} tokens is {chunk_bytes} bytes "
+                   f"per rank x {world_size} rank(s); raise cpu_bytes or lower tokens_per_chunk")
+    disk_capacity = 0
+    if settings.disk_path is not None:
+        disk_capacity = settings.disk_bytes // ((chunk_bytes + DISK_OVERHEAD_BYTES) * world_size)
+        if disk_capacity < 1:
+            raise _bad("disk_bytes", settings.disk_bytes,
+                       f"holds no chunk of {chunk_bytes} bytes per rank x {world_size} rank(s)")
+    return _replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
+
+
+def _replace(geometry: Geometry, **changes: int) -> Geometry:
+    values = {f.name: getattr(geometry, f.name) for f in fields(Geometry)}
+    values.update(changes)
+    return Geometry(**values)
+
+
+def hash_seed_fingerprint(environ: Mapping[str, str] | None = None) -> str:
+    """``unset``, or 12 hex digits of sha256 over ``PYTHONHASHSEED`` (the value stays private)."""
+    seed = (os.environ if environ is None else environ).get("PYTHONHASHSEED")
+    if seed is None:
+        return "unset"
+    return hashlib.sha256(seed.encode()).hexdigest()[:12]
+
+
+def check_hash_stability(algorithm: str, settings: ConnectorSettings,
+                         environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a disk tier when vLLM's block hashes would differ after a restart."""
+    if settings.disk_path is None or algorithm in STABLE_HASHES:
+        return
+    seed_set = (os.environ if environ is None else environ).get("PYTHONHASHSEED") is not None
+    if algorithm in KNOWN_HASHES and seed_set:
+        return
+    raise ConfigError(
+        f"tierkv vLLM connector: prefix_caching_hash_algo={algorithm!r} without PYTHONHASHSEED "
+        f"gives block hashes that change on every start, so the disk tier "
+        f"(disk_path={settings.disk_path!r}) could never be hit after a restart. Set "
+        f"PYTHONHASHSEED to a fixed value in the vLLM server's environment, or use "
+        f"--prefix-caching-hash-algo sha256 (or sha256_cbor), or remove disk_path"
+    )
+
+
+def vllm_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
+                    environ: Mapping[str, str] | None = None) -> Namespace:
+    """The namespace of this engine's chunks; equal on every role and restart that can
+    share them. Pages in NHD order are the same bytes under LBNHC and BLNHC (and HND under
+    LBHNC and BLHNC), so those layouts share a namespace."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    model_id = str(model.model)
+    revision = getattr(model, "revision", None)
+    if revision:
+        model_id += f"@{revision}"
+    quantization = getattr(model, "quantization", None)
+    lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    hash_scheme = (f"vllm-{cache.prefix_caching_hash_algo}"
+                   f"/seed:{hash_seed_fingerprint(environ)}"
+                   f"/hash-block:{geometry.hash_block_size}/lookahead:{lookahead}"
+                   f"/key:tierkv-vllm-v1")
+    return Namespace(
+        model_id=model_id,
+        dtype=f"{geometry.dtype}/{getattr(cache, 'cache_dtype', 'auto')}",
+        kv_layout=(f"vllm-page {geometry.page_order} [H={geometry.num_heads}, "
+                   f"N={geometry.block_size}, C={geometry.content_bytes}B]"),
+        page_bytes=geometry.page_bytes,
+        tokens_per_chunk=geometry.tokens_per_chunk,
+        num_layers=geometry.num_layers,
+        tp_size=geometry.world_size,
+        rank_layout=f"tp{geometry.world_size}",
+        hash_scheme=hash_scheme,
+        format_version=FORMAT_VERSION,
+        extra=f"vllm-{vllm_minor(vllm_version)}" + (f"/quant:{quantization}" if quantization else ""),
+    )
+
+
+def disk_rank(vllm_config: Any, rank: int, world_size: int) -> int:
+    """The disk environment of one worker: data-parallel engines keep separate ones."""
+    parallel = vllm_config.parallel_config
+    dp_index = int(getattr(parallel, "data_parallel_index", None)
+                   or getattr(parallel, "data_parallel_rank", 0) or 0)
+    return dp_index * world_size + rank
+
+
+def disk_tier_config(settings: ConnectorSettings, geometry: Geometry) -> Any:
+    """The per-rank :class:`~tierkv.config.DiskTierConfig` (map sized for its share)."""
+    from tierkv.config import DiskTierConfig
+
+    return DiskTierConfig(
+        path=Path(settings.disk_path) if settings.disk_path else None,
+        max_bytes=max(settings.disk_bytes // geometry.world_size, 1),
+        write_through=settings.write_through,
+        sync_mode=settings.disk_sync_mode,
+    )

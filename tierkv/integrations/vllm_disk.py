@@ -1,0 +1,113 @@
+"""The disk tier as both vLLM connector roles see it (imported lazily: it loads LMDB).
+
+- :func:`acquire_tier` / :func:`release_tier`: one :class:`DiskTier` per environment path
+  and process, reference counted. LMDB forbids opening one environment twice in a process
+  (closing one handle drops the other's locks); with vLLM's single-process executor the
+  worker and the scheduler live in the EngineCore process and share the handle.
+- :func:`rebuild_keys`: the scheduler's view at start. It scans every rank's environment
+  (index records only, no payloads), keeps the keys that **every** rank holds, deletes the
+  others on the ranks that hold them (a chunk is only usable whole), trims the oldest
+  chunks beyond the disk capacity, and closes what it opened: the scheduler process never
+  keeps LMDB open, and never forks with it open.
+- :func:`write_chunks`: the worker's shutdown flush, in write transactions of about
+  ``write_batch_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tierkv.config import DiskTierConfig
+from tierkv.keys import Namespace
+from tierkv.tiers.cpu import CpuSlab
+from tierkv.tiers.disk import DiskTier
+
+log = logging.getLogger("tierkv.vllm")
+
+_LOCK = threading.Lock()
+_OPEN: dict[Path, tuple[DiskTier, int]] = {}
+
+
+def env_path(root: Path, namespace: Namespace, rank: int) -> Path:
+    return Path(root) / f"ns-{namespace.fingerprint()}" / f"rank-{rank}"
+
+
+def acquire_tier(root: Path, namespace: Namespace, rank: int, config: DiskTierConfig,
+                 payload_bytes: int) -> DiskTier:
+    path = env_path(root, namespace, rank).resolve()
+    with _LOCK:
+        entry = _OPEN.get(path)
+        if entry is not None:
+            tier, count = entry
+            _OPEN[path] = (tier, count + 1)
+            return tier
+        tier = DiskTier(Path(root), namespace, rank, config, payload_bytes)
+        _OPEN[tier.path.resolve()] = (tier, 1)
+        return tier
+
+
+def release_tier(tier: DiskTier) -> None:
+    path = tier.path.resolve()
+    with _LOCK:
+        entry = _OPEN.get(path)
+        if entry is None or entry[0] is not tier:
+            tier.close()
+            return
+        count = entry[1] - 1
+        if count:
+            _OPEN[path] = (tier, count)
+            return
+        del _OPEN[path]
+    tier.close()
+
+
+def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config: DiskTierConfig,
+                 payload_bytes: int, capacity: int) -> tuple[list[bytes], int]:
+    """Keys usable from disk, oldest first, at most ``capacity`` of them; and how many
+    chunks were deleted (held by only some ranks, or beyond the capacity)."""
+    tiers = [acquire_tier(root, namespace, rank, config, payload_bytes) for rank in ranks]
+    try:
+        seqs: dict[bytes, int] = {}
+        holders: dict[bytes, int] = {}
+        for tier in tiers:
+            for record in tier.scan():
+                holders[record.key] = holders.get(record.key, 0) + 1
+                seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
+        whole = [key for key, count in holders.items() if count == len(tiers)]
+        partial = [key for key, count in holders.items() if count != len(tiers)]
+        whole.sort(key=seqs.__getitem__)
+        excess = whole[: max(len(whole) - capacity, 0)]  # the oldest go first
+        keep = whole[len(excess):]
+        doomed = partial + excess
+        if doomed:
+            for tier in tiers:
+                tier.delete_many(doomed)
+            log.info("tierkv: deleted %d chunk(s) from %s at start (%d held by only some ranks, "
+                     "%d over disk_bytes)", len(doomed), root, len(partial), len(excess))
+        return keep, len(doomed)
+    finally:
+        for tier in tiers:
+            release_tier(tier)
+
+
+def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, int]], payload_bytes: int,
+                 write_batch_bytes: int, on_error: Callable[[Exception], None] | None = None) -> int:
+    """Write ``(key, slot)`` chunks from the slab; returns how many landed."""
+    per_txn = max(1, write_batch_bytes // payload_bytes)
+    written = 0
+    for start in range(0, len(chunks), per_txn):
+        batch = chunks[start : start + per_txn]
+        items = [(key, slab.memoryview(slot)[:payload_bytes]) for key, slot in batch]
+        try:
+            result = tier.put_many(items)
+        except Exception as exc:  # the engine is shutting down: report, do not raise
+            if on_error is not None:
+                on_error(exc)
+            break
+        written += len(result.written)
+        if result.full:
+            break
+    return written

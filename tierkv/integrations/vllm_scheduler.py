@@ -1,0 +1,341 @@
+"""The scheduler role of tierkv's vLLM connector: vLLM's Scheduler <-> EngineAdapter.
+
+It runs in vLLM's EngineCore process, never blocks and never touches KV bytes. vLLM's
+``SchedulerOutput`` carries block ids but no tokens, so requests are taken from the
+``Request`` objects vLLM hands to ``on_new_request`` and kept until ``request_finished``.
+
+Mapping (one :class:`SchedulerSide` per engine):
+
+- ``get_num_new_matched_tokens(request, local)`` -> ``adapter.lookup``: tokens of whole
+  ready chunks beyond vLLM's block-aligned local hit, ``None`` while a chunk is being
+  promoted from disk; loads are always asynchronous (``load_async = n > 0``).
+- ``update_state_after_alloc(request, blocks, n)`` -> ``adapter.update_state_after_alloc``
+  when ``n > 0`` (the load is planned now and sent with this step's metadata). vLLM also
+  calls it with ``n == 0``: for every admitted request, and again when a request whose
+  load finished is admitted; such a request is scheduled in the same step, so its block
+  table reaches the adapter through ``build_connector_meta`` and nothing is done here.
+- ``build_connector_meta(so)`` -> ``adapter.build_plan(StepInput)``: ``scheduled_new_reqs``
+  (full block tables, which is also how vLLM's v2 model runner sends resumed requests),
+  ``scheduled_cached_reqs`` (new block ids, or the whole table for ``resumed_req_ids``),
+  ``num_scheduled_tokens``, ``preempted_req_ids``.
+- ``request_finished(request)`` -> ``adapter.request_finished(view, aborted)``; returns
+  ``(False, None)``: the blocks go back to vLLM at once and the adapter fences (see
+  ``docs/vllm.md``, "Why blocks are freed at once").
+- ``update_connector_output(out)`` -> ``adapter.complete`` with the completions every
+  rank sent in :class:`TierKVWorkerMetadata`.
+- At start, with a disk tier, the index is rebuilt from every rank's environment
+  (:func:`tierkv.integrations.vllm_disk.rebuild_keys`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tierkv.core.index import BlockIndex
+from tierkv.core.state import CpuState
+from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, disk_tier_config
+from tierkv.integrations.vllm_keys import extend_chunk_keys, last_block_hash
+from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.keys import Namespace
+
+log = logging.getLogger("tierkv.vllm")
+
+STATS_INTERVAL_SECONDS = 1.0
+_INDEX_COUNTERS = (
+    "loads_failed", "loads_no_room", "stores_planned", "stores_present", "stores_no_room",
+    "stores_failed", "cpu_evictions", "dirty_dropped", "disk_evictions", "spills_ok",
+    "spills_failed", "disk_no_room", "corrupt",
+)
+_ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes")
+
+
+class _Tracked:
+    """A live request: vLLM's object and its chunk keys so far (they grow with it)."""
+
+    __slots__ = ("request", "keys")
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.keys: list[bytes] = []
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        geometry: Geometry,
+        namespace: Namespace,
+        *,
+        disk_ranks: Sequence[int] = (0,),
+        record_events: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.geometry = geometry
+        self.namespace = namespace
+        self.fingerprint = namespace.fingerprint()
+        self.index = BlockIndex(
+            geometry.num_slots,
+            geometry.disk_capacity,
+            write_through=settings.write_through,
+            spill_ahead_fraction=settings.spill_ahead_fraction,
+            clock=clock,
+            record_events=record_events,
+        )
+        self.adapter = EngineAdapter(
+            self.index,
+            AdapterConfig(
+                tokens_per_block=geometry.block_size,
+                blocks_per_chunk=geometry.blocks_per_chunk,
+                world_size=geometry.world_size,
+                offload_prompt_only=settings.offload_prompt_only,
+                max_chunks_per_request=settings.max_chunks_per_request,
+                promotion_wait_seconds=settings.promotion_wait_seconds,
+            ),
+            clock=clock,
+        )
+        self._clock = clock
+        self._tpc = geometry.tokens_per_chunk
+        self._hpc = geometry.hashes_per_chunk
+        self._tracked: dict[str, _Tracked] = {}
+        self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
+        self._sources: dict[str, tuple[int, int]] = {}  # (cpu, disk) tokens of the last load
+        self._record_events = record_events
+        self._event_hashes: dict[bytes, bytes] = {}  # key -> last block hash (events only)
+        self._prune_later: list[list[bytes]] = []  # keys of finished requests (events only)
+        self._step = 0
+        self._counts = {"hit_tokens_cpu": 0, "hit_tokens_disk": 0, "bytes_completed": 0,
+                        "waits_on_stores": 0}
+        self._wait_since: dict[str, float] = {}
+        # Keys of requests that finished since the last plan: their last chunk is planned
+        # at the next build_connector_meta.
+        self._finishing: set[bytes] = set()
+        self._reported: dict[str, int] = {}
+        self._last_report = -float("inf")
+        self.found_on_disk = 0
+        self.deleted_on_disk = 0
+        if settings.disk_path is not None:
+            self._rebuild_from_disk(disk_ranks)
+
+    # ------------------------------------------------------------------ start
+    def _rebuild_from_disk(self, ranks: Sequence[int]) -> None:
+        from tierkv.integrations.vllm_disk import rebuild_keys
+
+        assert self.settings.disk_path is not None
+        started = time.perf_counter()
+        keys, deleted = rebuild_keys(
+            Path(self.settings.disk_path), self.namespace, ranks,
+            disk_tier_config(self.settings, self.geometry), self.geometry.chunk_bytes,
+            self.geometry.disk_capacity,
+        )
+        self.found_on_disk = self.index.add_on_disk(keys)
+        self.deleted_on_disk = deleted
+        log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s",
+                 self.found_on_disk, self.fingerprint[:8], self.settings.disk_path,
+                 time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ requests
+    def _view(self, tracked: _Tracked) -> RequestView:
+        request = tracked.request
+        keys = tracked.keys
+        if len(request.block_hashes) >= (len(keys) + 1) * self._hpc:
+            first = len(keys)
+            extend_chunk_keys(keys, request.block_hashes, self._hpc)
+            if self._record_events:
+                for index in range(first, len(keys)):
+                    self._event_hashes.setdefault(
+                        keys[index], last_block_hash(request.block_hashes, index, self._hpc))
+        return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
+                           request.num_computed_tokens)
+
+    def _tracked_for(self, request: Any) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or tracked.request is not request:
+            tracked = self._tracked[request.request_id] = _Tracked(request)
+        return tracked
+
+    def on_new_request(self, request: Any) -> None:
+        self._tracked[request.request_id] = _Tracked(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        view = self._view(self._tracked_for(request))
+        tokens = self.adapter.lookup(view, num_computed_tokens)
+        if tokens is None or self._next_chunk_in_flight(view, num_computed_tokens, tokens):
+            return None, False
+        self._wait_since.pop(req_id, None)
+        self._local_hit[req_id] = num_computed_tokens
+        return tokens, tokens > 0
+
+    def _next_chunk_in_flight(self, view: RequestView, local: int, tokens: int) -> bool:
+        """Whether the hit stops at a chunk that is being stored (STORING), or that a request
+        which just finished is about to store (its last chunk is planned at the next
+        ``build_connector_meta``): then "not yet", so that e.g. the next turn of a chat hits
+        the chunks its previous turn completed. Bounded by ``promotion_wait_seconds``."""
+        tpc = self._tpc
+        stop = (local + tokens) // tpc if tokens else local // tpc
+        end = min((view.num_tokens - 1) // tpc, len(view.chunk_keys))
+        if stop >= end:
+            return False
+        key = view.chunk_keys[stop]
+        entry = self.index.entry(key)
+        in_flight = key in self._finishing if entry is None else entry.cpu is CpuState.STORING
+        if not in_flight:
+            return False
+        since = self._wait_since.setdefault(view.req_id, self._clock())
+        if self._clock() - since < self.settings.promotion_wait_seconds:
+            self._counts["waits_on_stores"] += 1
+            return True
+        return False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        if num_external_tokens <= 0:
+            self._local_hit.pop(req_id, None)
+            return
+        local = self._local_hit.pop(req_id, request.num_computed_tokens - num_external_tokens)
+        tracked = self._tracked_for(request)
+        view = self._view(tracked)
+        block_ids = blocks.get_block_ids()[0]
+        self.adapter.update_state_after_alloc(view, block_ids, num_external_tokens, local)
+        self._sources[req_id] = self._split_by_tier(tracked.keys, local, num_external_tokens)
+
+    def _split_by_tier(self, keys: Sequence[bytes], local: int, external: int) -> tuple[int, int]:
+        """Tokens of a planned load by the tier each chunk comes from (after prepare_load,
+        a disk chunk is PROMOTING and a CPU chunk READY)."""
+        tpc = self._tpc
+        end = local + external
+        cpu = disk = 0
+        for chunk in range(local // tpc, end // tpc):
+            entry = self.index.entry(keys[chunk])
+            if entry is None:
+                break
+            tokens = min((chunk + 1) * tpc, end) - max(chunk * tpc, local)
+            if entry.cpu is CpuState.READY:
+                cpu += tokens
+            else:
+                disk += tokens
+        self._counts["hit_tokens_cpu"] += cpu
+        self._counts["hit_tokens_disk"] += disk
+        return cpu, disk
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        cpu, disk = self._sources.pop(request.request_id, (0, 0))
+        if num_external_tokens <= 0:
+            return {}
+        cpu = min(cpu, num_external_tokens)
+        sources = {"host": cpu, "disk": num_external_tokens - cpu}
+        return {name: tokens for name, tokens in sources.items() if tokens}
+
+    def request_finished(self, request: Any, aborted: bool) -> None:
+        req_id = request.request_id
+        tracked = self._tracked.pop(req_id, None)
+        self._local_hit.pop(req_id, None)
+        self._sources.pop(req_id, None)
+        if tracked is None or tracked.request is not request:
+            tracked = _Tracked(request)
+        self._wait_since.pop(req_id, None)
+        view = self._view(tracked)
+        self._finishing.update(view.chunk_keys)
+        self.adapter.request_finished(view, aborted=aborted)
+        if self._record_events:
+            self._prune_later.append(tracked.keys)
+
+    # ------------------------------------------------------------------ steps
+    def build_meta(self, so: Any) -> TierKVMetadata:
+        self._step += 1
+        new_block_ids: dict[str, Sequence[int]] = {}
+        replaced: set[str] = set()
+        for new in so.scheduled_new_reqs:
+            new_block_ids[new.req_id] = new.block_ids[0]
+            replaced.add(new.req_id)
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
+            if blocks is not None:
+                new_block_ids[req_id] = blocks[0]
+            if req_id in resumed:
+                replaced.add(req_id)
+        tracked = self._tracked
+        views = {req_id: self._view(tracked[req_id]) for req_id in so.num_scheduled_tokens}
+        step = StepInput(
+            requests=views,
+            num_scheduled_tokens=so.num_scheduled_tokens,
+            new_block_ids=new_block_ids,
+            replaced_blocks=frozenset(replaced),
+            preempted=tuple(so.preempted_req_ids or ()),
+        )
+        prune, self._prune_later = self._prune_later, []
+        plan = self.adapter.build_plan(step)
+        self._finishing.clear()
+        for keys in prune:  # their last chunk is planned now: forget keys never stored
+            for key in keys:
+                if not self.index.contains(key):
+                    self._event_hashes.pop(key, None)
+        return TierKVMetadata(plan, self.fingerprint, self._step)
+
+    def update_connector_output(self, output: Any) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, TierKVWorkerMetadata) or not meta.completions:
+            return
+        done = self.adapter.complete(WorkerReport(rank=-1, completions=tuple(meta.completions)))
+        for completion in done:
+            self._counts["bytes_completed"] += completion.num_bytes
+            if not completion.ok and completion.error:
+                log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
+
+    def has_pending_push_work(self) -> bool:
+        """Jobs in flight (stores, loads, spills) or finished requests whose last chunk is
+        not planned yet: the engine keeps stepping until they settle."""
+        return bool(self.index.jobs_in_flight() or self.adapter.num_requests())
+
+    # ------------------------------------------------------------------ events
+    def take_events(self) -> list[tuple[str, bytes | None]]:
+        """``("stored" | "removed", last block hash)`` since the last call; the hash is None
+        for chunks found on disk at start (their block hashes are not stored)."""
+        events: list[tuple[str, bytes | None]] = []
+        for kind, key in self.index.take_events():
+            if kind == "removed":
+                events.append((kind, self._event_hashes.pop(key, None)))
+            else:
+                events.append((kind, self._event_hashes.get(key)))
+        return events
+
+    # ------------------------------------------------------------------ stats
+    def statistics(self) -> dict[str, int]:
+        """Cumulative counters (tests, benchmarks)."""
+        index = self.index.statistics()
+        adapter = self.adapter.stats
+        out = {name: getattr(index, name) for name in _INDEX_COUNTERS}
+        out.update({name: getattr(adapter, name) for name in _ADAPTER_COUNTERS})
+        out.update(self._counts)
+        out["hit_chunks_cpu"] = index.loads_cpu
+        out["hit_chunks_disk"] = index.loads_disk
+        return out
+
+    def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
+        """Counters since the last report, at most once per ``STATS_INTERVAL_SECONDS``
+        (``BlockIndex.statistics`` walks every entry)."""
+        now = self._clock()
+        if not force and now - self._last_report < STATS_INTERVAL_SECONDS:
+            return None
+        self._last_report = now
+        current = self.statistics()
+        delta = {name: value - self._reported.get(name, 0) for name, value in current.items()}
+        self._reported = current
+        stats = TierKVConnectorStats(data={name: value for name, value in delta.items() if value})
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if self.adapter.jobs_in_flight():
+            log.info("tierkv: scheduler shutting down with %d job(s) in flight; the workers "
+                     "finish them and flush unspilled chunks to disk", self.adapter.jobs_in_flight())
+
+
+__all__ = ["SchedulerSide"]

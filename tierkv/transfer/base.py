@@ -1,0 +1,193 @@
+"""TransferEngine: moves chunks between the engine's KV blocks (GPU) and CPU slab slots.
+
+Primitives and their contracts (every engine):
+- ``submit_store(spec: StoreSpec)``: copy each chunk's blocks (``chunk.block_ids``, exactly
+  ``blocks_per_chunk`` of them) into slot ``chunk.slot``, in the slot byte layout of
+  :mod:`tierkv.transfer.layout`. Returns at once; the copy completes later.
+- ``submit_load(spec: LoadSpec)``: copy each chunk's slot into its blocks, except the
+  first ``chunk.skip_blocks`` blocks (already on the GPU; never written). Returns at once.
+  ``from_disk`` is ignored: the caller has already read the disk tier into the slot.
+- Both are thread-safe (the disk reader thread submits loads). A job id may be submitted
+  once. A spec that cannot run (wrong block count, block id or slot out of range, a load
+  writing one block twice, one slot stored twice) is not raised: the job completes with
+  ``ok=False`` and ``error`` set, like a copy that raised. The engine keeps working.
+- ``poll_finished()``: non-blocking; every finished job exactly once, in submission order
+  per direction (stores among stores, loads among loads).
+- ``wait(job_ids, timeout=None)``: blocks until every one of those jobs finished. Finished
+  jobs are still returned by a later poll; a job already polled counts as finished (the
+  last ``remember_finished`` polled ids are remembered). A wait on a job id that was never
+  submitted raises :class:`TransferError`: that is the race tierkv exists to prevent (a
+  flush waiting on a store that was never started). ``timeout`` expiring raises too.
+- ``make_compute_wait(job_ids)``: orders the engine's compute work after those loads. On
+  CUDA the compute stream waits on the jobs' end events (no host sync); elsewhere it is a
+  host ``wait``. Call it before the forward pass that reads loaded blocks.
+- ``shutdown()``: waits for the jobs in flight, idempotent; submitting afterwards raises
+  :class:`ClosedError`. Polling afterwards still returns what finished.
+- ``Completion.num_bytes``: bytes that reached their destination (a store: whole chunks
+  into slots; a load: the blocks written); ``seconds``: copy time (CUDA: from events).
+
+Helpers shared by the engines: :func:`check_spec`, :func:`failed_completion`,
+:class:`JobBook` (which ids are live, which were polled).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Generic, TypeVar
+
+from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
+from tierkv.errors import ConfigError, TransferError, short_key
+from tierkv.tiers.cpu import CpuSlab
+from tierkv.transfer.layout import KVLayout
+
+DEFAULT_REMEMBER_FINISHED = 1 << 16
+
+RecordT = TypeVar("RecordT")
+
+
+class TransferEngine(ABC):
+    """GPU blocks <-> CPU slab slots; see the module docstring for the contract."""
+
+    def __init__(self, layout: KVLayout, slab: CpuSlab, blocks_per_chunk: int) -> None:
+        self.layout = layout
+        self.slab = slab
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunk_bytes = layout.chunk_bytes(blocks_per_chunk)
+        self.block_bytes = sum(layout.page_bytes)
+        if slab.slot_bytes < self.chunk_bytes:
+            raise ConfigError(
+                f"cpu tier: slots of {slab.slot_bytes} bytes cannot hold a chunk of "
+                f"{self.chunk_bytes} bytes ({blocks_per_chunk} blocks x {self.block_bytes} "
+                f"bytes); size the slab's slot_bytes from layout.chunk_bytes()"
+            )
+
+    @abstractmethod
+    def submit_store(self, spec: StoreSpec) -> None:
+        """Start copying each chunk's blocks into its slot; returns at once."""
+
+    @abstractmethod
+    def submit_load(self, spec: LoadSpec) -> None:
+        """Start copying each chunk's slot into its blocks; returns at once."""
+
+    @abstractmethod
+    def poll_finished(self) -> list[Completion]:
+        """Finished jobs, each once, FIFO per direction; never blocks."""
+
+    @abstractmethod
+    def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
+        """Block until all ``job_ids`` finished; unknown ids raise TransferError."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Wait for the jobs in flight and stop; idempotent."""
+
+    def make_compute_wait(self, job_ids: Iterable[JobId]) -> None:
+        """Order the compute work after these jobs (here: a host wait)."""
+        self.wait(job_ids)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.shutdown()
+
+
+def direction_name(spec: StoreSpec | LoadSpec) -> str:
+    return "gpu->cpu store" if isinstance(spec, StoreSpec) else "cpu->gpu load"
+
+
+def check_spec(spec: StoreSpec | LoadSpec, num_blocks: int, num_slots: int,
+               blocks_per_chunk: int) -> str | None:
+    """Why ``spec`` cannot run, or None when it can."""
+    is_load = isinstance(spec, LoadSpec)
+    slots: set[int] = set()
+    written: set[int] = set()
+    for chunk in spec.chunks:
+        where = f"chunk {short_key(chunk.key)}"
+        if len(chunk.block_ids) != blocks_per_chunk:
+            return (f"{where} has {len(chunk.block_ids)} block ids, "
+                    f"blocks_per_chunk is {blocks_per_chunk}")
+        if not 0 <= chunk.slot < num_slots:
+            return f"{where}: slot {chunk.slot} out of range [0, {num_slots})"
+        for block in chunk.block_ids:
+            if not 0 <= block < num_blocks:
+                return f"{where}: block id {block} out of range [0, {num_blocks})"
+        if is_load:
+            if not 0 <= chunk.skip_blocks <= blocks_per_chunk:
+                return f"{where}: skip_blocks {chunk.skip_blocks} out of [0, {blocks_per_chunk}]"
+            targets = chunk.block_ids[chunk.skip_blocks:]
+            if len(set(targets)) != len(targets) or not written.isdisjoint(targets):
+                return f"{where}: a load writes some block twice"
+            written.update(targets)
+        else:
+            if chunk.slot in slots:
+                return f"{where}: slot {chunk.slot} is stored twice in one job"
+            slots.add(chunk.slot)
+    return None
+
+
+def failed_completion(spec: StoreSpec | LoadSpec, error: str, first_failed: int = 0,
+                      num_bytes: int = 0, seconds: float = 0.0) -> Completion:
+    """A completion whose chunks from ``first_failed`` on did not land."""
+    return Completion(
+        job_id=spec.job_id,
+        ok=False,
+        num_bytes=num_bytes,
+        seconds=seconds,
+        failed_keys=tuple(chunk.key for chunk in spec.chunks[first_failed:]),
+        error=f"{direction_name(spec)} job {spec.job_id}: {error}",
+    )
+
+
+class JobBook(Generic[RecordT]):
+    """The job ids an engine knows. Live ids (submitted, not yet polled) map to the
+    engine's record; polled ids are remembered, the last ``remember`` of them, so that a
+    late wait on them returns at once. Not thread-safe: the engine holds its lock."""
+
+    def __init__(self, remember: int = DEFAULT_REMEMBER_FINISHED) -> None:
+        if remember < 0:
+            raise ConfigError(f"transfer: remember_finished must be >= 0, got {remember}")
+        self._live: dict[JobId, RecordT] = {}
+        self._polled: set[JobId] = set()
+        self._order: deque[JobId] = deque()
+        self._remember = remember
+
+    def add(self, job_id: JobId, record: RecordT) -> None:
+        if job_id in self._live or job_id in self._polled:
+            raise TransferError(f"transfer engine: job {job_id} was already submitted; "
+                                f"job ids are never reused")
+        self._live[job_id] = record
+
+    def retire(self, job_id: JobId) -> None:
+        """The job was returned by a poll."""
+        del self._live[job_id]
+        if self._remember == 0:
+            return
+        self._polled.add(job_id)
+        self._order.append(job_id)
+        if len(self._order) > self._remember:
+            self._polled.discard(self._order.popleft())
+
+    def resolve(self, job_ids: Iterable[JobId]) -> list[RecordT]:
+        """The live records of ``job_ids``; polled ids are skipped, unknown ones raise."""
+        records: list[RecordT] = []
+        for job_id in job_ids:
+            record = self._live.get(job_id)
+            if record is not None:
+                records.append(record)
+            elif job_id not in self._polled:
+                raise TransferError(
+                    f"transfer engine: wait on job {job_id}, which was never submitted "
+                    f"(submit every pending store before waiting on it)"
+                )
+        return records
+
+    def live_records(self) -> list[RecordT]:
+        return list(self._live.values())
+
+    def __len__(self) -> int:
+        return len(self._live)

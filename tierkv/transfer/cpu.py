@@ -1,0 +1,233 @@
+"""CpuTransferEngine: the :class:`TransferEngine` for KV tensors in CPU memory (no GPU, CI).
+
+One background worker thread runs the jobs from one FIFO queue, so the asynchrony is
+real and testable: ``submit_*`` returns at once, the copy completes later, ``wait``
+blocks. Completions come out in submission order (one queue, one worker).
+
+Primitives (contracts in :mod:`tierkv.transfer.base`):
+- ``submit_store`` / ``submit_load``: queue the job (thread-safe); ClosedError after
+  ``shutdown``, BrokenError once the worker thread died.
+- ``poll_finished``, ``wait(job_ids, timeout=None)``, ``shutdown`` (drains the queue).
+- ``before_copy(spec)``: a test hook run in the worker thread before each job's copy, to
+  slow a job down (a wide race window) or to raise (a failed copy, reported not raised).
+
+Copies, per copy group (layers sharing one buffer form one group, see
+:mod:`tierkv.transfer.layout`: a chunk of a block- or layer-outermost buffer is one group,
+separate per-layer tensors are one group each):
+- block ids in at most ``MAX_COPY_RUNS`` runs of consecutive ids: one copy per run,
+  through numpy views of the same memory (a numpy slice copy costs ~1 us of overhead, a
+  torch ``copy_`` 3-5 us: that decides speed when a chunk is 32 separate layers);
+- more scattered ids: a store gathers with one ``torch.index_select(..., out=slot)``, a
+  load scatters with one numpy fancy assignment (1.5-1.8x faster here than torch
+  ``index_put_`` / ``index_copy_``, which beat a copy per page).
+``docs/benchmarks/copy.md`` has the figures against one raw ``copy_``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
+from tierkv.errors import BrokenError, ClosedError, ConfigError, TransferError, short_key
+from tierkv.tiers.cpu import CpuSlab
+from tierkv.transfer.base import (
+    DEFAULT_REMEMBER_FINISHED,
+    JobBook,
+    TransferEngine,
+    check_spec,
+    failed_completion,
+)
+from tierkv.transfer.layout import KVLayout, consecutive_runs
+
+BeforeCopy = Callable[[StoreSpec | LoadSpec], None]
+
+# Block ids in more runs of consecutive ids than this are gathered by index_select and
+# scattered by numpy fancy assignment instead of one copy per run (docs/benchmarks/copy.md).
+MAX_COPY_RUNS = 2
+
+
+class _Job:
+    __slots__ = ("spec", "completion")
+
+    def __init__(self, spec: StoreSpec | LoadSpec) -> None:
+        self.spec = spec
+        self.completion: Completion | None = None
+
+
+class CpuTransferEngine(TransferEngine):
+    """KV tensors on the CPU <-> slab slots, copied by one worker thread."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        slab: CpuSlab,
+        blocks_per_chunk: int,
+        before_copy: BeforeCopy | None = None,
+        remember_finished: int = DEFAULT_REMEMBER_FINISHED,
+    ) -> None:
+        super().__init__(layout, slab, blocks_per_chunk)
+        if layout.device.type != "cpu":
+            raise ConfigError(
+                f"transfer: CpuTransferEngine copies CPU tensors, the KV cache is on "
+                f"{layout.device} (use device='cuda' or 'auto')"
+            )
+        self._views = layout.chunk_views(slab.tensor, blocks_per_chunk)
+        # The same memory as numpy arrays: (pages [G, B, words], rows, chunk pages of slots)
+        self._arrays = [(plan.pages.numpy(), plan.rows.numpy(), plan.chunk_pages.numpy())
+                        for plan in self._views.plans]
+        self._before_copy = before_copy
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._done: deque[Completion] = deque()
+        self._book: JobBook[_Job] = JobBook(remember_finished)
+        self._closed = False
+        self._broken: str | None = None
+        self._thread = threading.Thread(target=self._run, name="tierkv-transfer-cpu", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submit
+    def submit_store(self, spec: StoreSpec) -> None:
+        if not isinstance(spec, StoreSpec):
+            raise TransferError(f"transfer: submit_store takes a StoreSpec, "
+                                f"got {type(spec).__name__}")
+        self._submit(spec)
+
+    def submit_load(self, spec: LoadSpec) -> None:
+        if not isinstance(spec, LoadSpec):
+            raise TransferError(f"transfer: submit_load takes a LoadSpec, "
+                                f"got {type(spec).__name__}")
+        self._submit(spec)
+
+    def _submit(self, spec: StoreSpec | LoadSpec) -> None:
+        with self._cond:
+            if self._closed:
+                raise ClosedError(f"transfer engine: job {spec.job_id} submitted after shutdown")
+            if self._broken is not None:
+                raise BrokenError(f"transfer engine: the copy thread died ({self._broken})")
+            job = _Job(spec)
+            self._book.add(spec.job_id, job)
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closed:
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    job = self._queue[0]
+                completion = self._execute(job.spec)
+                with self._cond:
+                    self._queue.popleft()
+                    self._finish(job, completion)
+        except BaseException as exc:  # a bug or interpreter exit: fail what is left
+            with self._cond:
+                self._broken = f"{type(exc).__name__}: {exc}"
+                while self._queue:
+                    left = self._queue.popleft()
+                    self._finish(left, failed_completion(
+                        left.spec, f"the copy thread died ({self._broken})"))
+            raise
+
+    def _finish(self, job: _Job, completion: Completion) -> None:
+        job.completion = completion
+        self._done.append(completion)
+        self._cond.notify_all()
+
+    def _execute(self, spec: StoreSpec | LoadSpec) -> Completion:
+        error = check_spec(spec, self.layout.num_blocks, self.slab.num_slots, self.blocks_per_chunk)
+        if error is not None:
+            return failed_completion(spec, error)
+        if self._before_copy is not None:
+            try:
+                self._before_copy(spec)
+            except Exception as exc:
+                return failed_completion(spec, f"{type(exc).__name__}: {exc}")
+        is_store = isinstance(spec, StoreSpec)
+        moved = 0
+        start = time.perf_counter()
+        for position, chunk in enumerate(spec.chunks):
+            try:
+                if is_store:
+                    self._gather(chunk.slot, chunk.block_ids)
+                    moved += self.chunk_bytes
+                else:
+                    self._scatter(chunk.slot, chunk.block_ids, chunk.skip_blocks)
+                    moved += (len(chunk.block_ids) - chunk.skip_blocks) * self.block_bytes
+            except Exception as exc:
+                return failed_completion(
+                    spec, f"chunk {short_key(chunk.key)} (slot {chunk.slot}): "
+                    f"{type(exc).__name__}: {exc}", position, moved, time.perf_counter() - start)
+        return Completion(spec.job_id, True, moved, time.perf_counter() - start)
+
+    def _gather(self, slot: int, block_ids: tuple[int, ...]) -> None:
+        """Blocks ``block_ids`` into slot ``slot``."""
+        runs = consecutive_runs(block_ids)
+        if len(runs) > MAX_COPY_RUNS:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            self.layout.gather(self._views, slot, ids)
+            return
+        for pages, _, chunk_pages in self._arrays:
+            out = chunk_pages[slot]
+            for position, first, length in runs:
+                out[:, position:position + length] = pages[:, first:first + length]
+
+    def _scatter(self, slot: int, block_ids: tuple[int, ...], skip: int) -> None:
+        """Slot ``slot`` into ``block_ids[skip:]``; the first ``skip`` stay untouched."""
+        targets = block_ids[skip:]
+        runs = consecutive_runs(targets)
+        if len(runs) > MAX_COPY_RUNS:
+            ids = torch.tensor(targets, dtype=torch.int64)
+            for plan, (_, rows, chunk_pages) in zip(self._views.plans, self._arrays):
+                rows[self.layout.row_index(plan, ids).numpy()] = chunk_pages[slot, :, skip:]
+            return
+        for pages, _, chunk_pages in self._arrays:
+            source = chunk_pages[slot]
+            for position, first, length in runs:
+                start = skip + position
+                pages[:, first:first + length] = source[:, start:start + length]
+
+    # ------------------------------------------------------------------ completions
+    def poll_finished(self) -> list[Completion]:
+        with self._cond:
+            finished = list(self._done)
+            self._done.clear()
+            for completion in finished:
+                self._book.retire(completion.job_id)
+        return finished
+
+    def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            jobs = self._book.resolve(job_ids)
+            while any(job.completion is None for job in jobs):
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    pending = [job.spec.job_id for job in jobs if job.completion is None]
+                    raise TransferError(
+                        f"transfer engine: jobs {pending} still running after {timeout} s")
+                self._cond.wait(remaining)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Jobs submitted and not yet finished."""
+        with self._cond:
+            return len(self._queue)

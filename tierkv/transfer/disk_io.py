@@ -1,0 +1,373 @@
+"""Worker-side threads that move chunks between the CPU slab and the disk tier.
+
+Primitives and contracts:
+
+- ``submit_spill(spec)`` returns at once. One writer thread (the only one that writes to the
+  tier) runs spill jobs in submission order: each job's deletes, then its writes (bytes from
+  ``slab.memoryview(slot)``). Consecutive queued jobs share one write transaction up to
+  ``write_batch_bytes``; a job bigger than that runs alone over several transactions. A job is
+  reported only after the commit of its last transaction. A key the map could not take is in
+  ``full_keys`` and ``failed_keys`` of the job's :class:`Completion` (``ok`` is then False).
+- ``submit_read(job_id, chunks, on_done)`` returns at once. One reader thread runs read jobs
+  in submission order: each ``chunk.key`` is read into slot ``chunk.slot``, then
+  ``on_done(ReadOutcome)`` runs in the reader thread (chain the CPU -> GPU copy from there).
+  An exception from ``on_done`` is logged and the thread goes on.
+- ``poll_finished()`` spill completions in FIFO order, non-blocking.
+- ``wait(job_ids)`` blocks until those spill jobs completed; it does not consume them from
+  ``poll_finished``. Waiting on a job id that was never submitted raises :class:`ConfigError`
+  (the last 65536 completed ids are remembered).
+- ``flush()`` waits for everything submitted so far (spills, reads and their callbacks), then
+  syncs the tier. ``shutdown()`` flushes and stops both threads; idempotent. It does not close
+  the tier: its owner does, after ``shutdown()``.
+- An exception inside a thread never kills it: the job is reported failed with ``error``
+  set. A broken or closed tier underneath surfaces as :class:`BrokenError` on the next call.
+- In ``periodic`` sync mode the idle writer calls ``tier.sync_if_due()`` every
+  ``disk.sync_every_seconds``, so committed data is synced even when writes stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
+from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
+from tierkv.keys import KEY_BYTES
+from tierkv.tiers.cpu import CpuSlab
+from tierkv.tiers.disk import DiskTier, ReadStatus
+
+logger = logging.getLogger("tierkv.disk_io")
+
+_REMEMBER_DONE = 1 << 16
+
+
+@dataclass(frozen=True)
+class ReadOutcome:
+    """One finished read job. Every key is in exactly one of ``ok_keys`` (landed in its
+    slot), ``missing_keys`` (did not land) and ``corrupt_keys`` (failed its checks; deleted
+    from disk). ``failed_keys`` is the part of ``missing_keys`` that was not even looked up
+    because the tier failed (see ``error``)."""
+
+    job_id: JobId
+    ok_keys: tuple[Key, ...]
+    missing_keys: tuple[Key, ...]
+    corrupt_keys: tuple[Key, ...]
+    num_bytes: int
+    seconds: float
+    failed_keys: tuple[Key, ...] = ()
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing_keys or self.corrupt_keys)
+
+
+@dataclass(frozen=True)
+class DiskIOStatistics:
+    spill_jobs: int
+    write_txns: int
+    read_jobs: int
+    callback_errors: int
+
+
+@dataclass(frozen=True)
+class _ReadJob:
+    job_id: JobId
+    chunks: tuple[ChunkCopy, ...]
+    on_done: Callable[[ReadOutcome], None]
+
+
+class DiskIO:
+    """One writer and one reader thread over a :class:`DiskTier`. See the module docstring."""
+
+    def __init__(self, tier: DiskTier, slab: CpuSlab, write_batch_bytes: int) -> None:
+        if isinstance(write_batch_bytes, bool) or not isinstance(write_batch_bytes, int) \
+                or write_batch_bytes <= 0:
+            raise ConfigError(f"disk io: disk.write_batch_bytes must be a positive int, "
+                              f"got {write_batch_bytes!r}")
+        if slab.slot_bytes < tier.payload_bytes:
+            raise ConfigError(f"disk io: cpu slots of {slab.slot_bytes} bytes cannot hold "
+                              f"disk chunks of {tier.payload_bytes} bytes")
+        self.tier = tier
+        self.slab = slab
+        self.write_batch_bytes = write_batch_bytes
+        self._payload = tier.payload_bytes
+        self._cond = threading.Condition()
+        self._spills: deque[SpillSpec] = deque()
+        self._reads: deque[_ReadJob] = deque()
+        self._finished: deque[Completion] = deque()
+        self._in_flight: set[JobId] = set()
+        self._done_ids: set[JobId] = set()
+        self._done_order: deque[JobId] = deque()
+        self._spills_submitted = self._spills_done = 0  # spill jobs complete in FIFO order
+        self._reads_submitted = self._reads_done = 0
+        self._counts = {"spill_jobs": 0, "write_txns": 0, "read_jobs": 0, "callback_errors": 0}
+        self._broken: BaseException | None = None
+        self._stopping = False
+        self._closed = False
+        periodic = tier.config.sync_mode == "periodic"
+        self._idle_timeout = tier.config.sync_every_seconds if periodic else None
+        self._writer = threading.Thread(target=self._writer_main, name="tierkv-disk-writer",
+                                        daemon=True)
+        self._reader = threading.Thread(target=self._reader_main, name="tierkv-disk-reader",
+                                        daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    # -- caller side -----------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedError("disk io: used after shutdown(); create a new DiskIO")
+        if self._broken is not None:
+            raise BrokenError(f"disk io: the disk tier failed underneath ({self._broken}); "
+                              f"check disk.path, then restart the store") from self._broken
+
+    def _check_chunk(self, key: bytes, slot: int) -> None:
+        if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+            raise ConfigError(f"disk io: a chunk key must be {KEY_BYTES} bytes, got {key!r:.40}")
+        if not 0 <= slot < self.slab.num_slots:
+            raise ConfigError(f"disk io: slot {slot} out of range [0, {self.slab.num_slots})")
+
+    def submit_spill(self, spec: SpillSpec) -> None:
+        """Queue ``spec`` for the writer thread; returns at once."""
+        for key, slot in spec.writes:
+            self._check_chunk(key, slot)
+        for key in spec.deletes:
+            self._check_chunk(key, 0)
+        with self._cond:
+            self._check_usable()
+            if spec.job_id in self._in_flight:
+                raise ConfigError(f"disk io: spill job {spec.job_id} is already in flight")
+            self._in_flight.add(spec.job_id)
+            self._spills.append(spec)
+            self._spills_submitted += 1
+            self._cond.notify_all()
+
+    def submit_read(self, job_id: JobId, chunks: Sequence[ChunkCopy],
+                    on_done: Callable[[ReadOutcome], None]) -> None:
+        """Queue a read job for the reader thread; ``on_done`` runs there when it is done."""
+        for chunk in chunks:
+            self._check_chunk(chunk.key, chunk.slot)
+        with self._cond:
+            self._check_usable()
+            self._reads.append(_ReadJob(job_id, tuple(chunks), on_done))
+            self._reads_submitted += 1
+            self._cond.notify_all()
+
+    def poll_finished(self) -> list[Completion]:
+        """Spill completions since the last poll, in FIFO order."""
+        with self._cond:
+            finished = list(self._finished)
+            self._finished.clear()
+        return finished
+
+    def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
+        """Block until every job in ``job_ids`` completed (``TimeoutError`` after ``timeout``)."""
+        wanted = set(job_ids)
+        with self._cond:
+            unknown = wanted - self._in_flight - self._done_ids
+            if unknown:
+                raise ConfigError(f"disk io: wait on spill job(s) {sorted(unknown)} that were "
+                                  f"never submitted (submit before waiting)")
+            if not self._cond.wait_for(lambda: not wanted & self._in_flight, timeout):
+                raise TimeoutError(f"disk io: spill job(s) {sorted(wanted & self._in_flight)} "
+                                   f"not done after {timeout} s")
+
+    def flush(self) -> None:
+        """Wait for every job submitted so far (not later ones), then sync the tier."""
+        with self._cond:
+            spills, reads = self._spills_submitted, self._reads_submitted
+            self._cond.wait_for(
+                lambda: self._spills_done >= spills and self._reads_done >= reads)
+        self._check_usable()
+        self.tier.sync()
+
+    def shutdown(self) -> None:
+        """Flush, then stop both threads; idempotent. The tier stays open."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        except TierKVError as exc:
+            logger.warning("disk io: flush at shutdown failed: %s", exc)
+        finally:
+            with self._cond:
+                self._stopping = True
+                self._closed = True
+                self._cond.notify_all()
+            self._writer.join()
+            self._reader.join()
+
+    def statistics(self) -> DiskIOStatistics:
+        with self._cond:
+            return DiskIOStatistics(**self._counts)
+
+    # -- writer thread ---------------------------------------------------------------------
+
+    def _spill_bytes(self, spec: SpillSpec) -> int:
+        return len(spec.writes) * self._payload
+
+    def _take_spills(self) -> list[SpillSpec] | None:
+        """The next batch of jobs (empty when idle for ``sync_every_seconds``), or None to stop."""
+        with self._cond:
+            deadline = None if self._idle_timeout is None else time.monotonic() + self._idle_timeout
+            while not self._spills:
+                if self._stopping:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+            batch = [self._spills.popleft()]
+            total = self._spill_bytes(batch[0])
+            written = {key for key, _ in batch[0].writes}
+            while self._spills:
+                nxt = self._spills[0]
+                # a later delete of a key written earlier in the batch must not run first
+                if total + self._spill_bytes(nxt) > self.write_batch_bytes or \
+                        not written.isdisjoint(nxt.deletes):
+                    break
+                batch.append(self._spills.popleft())
+                total += self._spill_bytes(nxt)
+                written.update(key for key, _ in nxt.writes)
+            return batch
+
+    def _writer_main(self) -> None:
+        while True:
+            batch = self._take_spills()
+            if batch is None:
+                return
+            if not batch:
+                self._idle_sync()
+                continue
+            try:
+                completions = self._run_spills(batch)
+            except Exception as exc:  # never die silently: fail the batch
+                logger.exception("disk io: spill batch failed")
+                completions = [self._failed(spec, exc) for spec in batch]
+            with self._cond:
+                for completion in completions:
+                    self._finished.append(completion)
+                    self._in_flight.discard(completion.job_id)
+                    self._remember_done(completion.job_id)
+                self._counts["spill_jobs"] += len(batch)
+                self._spills_done += len(batch)
+                self._cond.notify_all()
+
+    def _idle_sync(self) -> None:
+        try:
+            self.tier.sync_if_due()
+        except TierKVError as exc:
+            self._mark_broken(exc)
+
+    def _remember_done(self, job_id: JobId) -> None:
+        self._done_ids.add(job_id)
+        self._done_order.append(job_id)
+        if len(self._done_order) > _REMEMBER_DONE:
+            self._done_ids.discard(self._done_order.popleft())
+
+    def _mark_broken(self, exc: BaseException) -> None:
+        if isinstance(exc, (BrokenError, ClosedError)):
+            with self._cond:
+                if self._broken is None:
+                    self._broken = exc
+                    logger.error("disk io: disk tier failed: %s", exc)
+
+    def _failed(self, spec: SpillSpec, exc: BaseException) -> Completion:
+        self._mark_broken(exc)
+        return Completion(job_id=spec.job_id, ok=False,
+                          failed_keys=tuple(key for key, _ in spec.writes),
+                          error=f"{type(exc).__name__}: {exc}")
+
+    def _run_spills(self, batch: list[SpillSpec]) -> list[Completion]:
+        start = time.perf_counter()
+        if len(batch) == 1 and self._spill_bytes(batch[0]) > self.write_batch_bytes:
+            per_txn = max(1, self.write_batch_bytes // self._payload)
+            writes = batch[0].writes
+            groups = [writes[i : i + per_txn] for i in range(0, len(writes), per_txn)]
+            plans = [(group, batch[0].deletes if i == 0 else ()) for i, group in enumerate(groups)]
+        else:
+            plans = [(tuple(w for spec in batch for w in spec.writes),
+                      tuple(d for spec in batch for d in spec.deletes))]
+        landed: set[Key] = set()
+        full: set[Key] = set()
+        error: BaseException | None = None
+        for writes, deletes in plans:
+            items = [(key, self.slab.memoryview(slot)[: self._payload]) for key, slot in writes]
+            try:
+                result = self.tier.put_many(items, deletes=deletes)
+            except Exception as exc:  # this and later transactions of the batch did not land
+                error = exc
+                logger.error("disk io: spill job(s) %s failed: %s",
+                             [spec.job_id for spec in batch], exc)
+                self._mark_broken(exc)
+                break
+            with self._cond:
+                self._counts["write_txns"] += 1
+            landed.update(result.written)
+            full.update(result.full)
+        seconds = time.perf_counter() - start
+        return [self._completion(spec, landed, full, error, seconds) for spec in batch]
+
+    def _completion(self, spec: SpillSpec, landed: set[Key], full: set[Key],
+                    error: BaseException | None, seconds: float) -> Completion:
+        keys = [key for key, _ in spec.writes]
+        failed = tuple(key for key in keys if key not in landed)
+        job_full = tuple(key for key in keys if key in full)
+        num_written = sum(1 for key in keys if key in landed)
+        return Completion(
+            job_id=spec.job_id, ok=not failed and error is None,
+            num_bytes=num_written * self._payload, seconds=seconds, failed_keys=failed,
+            full_keys=job_full,
+            error=None if error is None else f"{type(error).__name__}: {error}")
+
+    # -- reader thread ---------------------------------------------------------------------
+
+    def _reader_main(self) -> None:
+        while True:
+            with self._cond:
+                while not self._reads and not self._stopping:
+                    self._cond.wait()
+                if not self._reads:
+                    return
+                job = self._reads.popleft()
+            try:
+                outcome = self._run_read(job)
+                try:
+                    job.on_done(outcome)
+                except Exception:
+                    logger.exception("disk io: on_done of read job %s raised", job.job_id)
+                    with self._cond:
+                        self._counts["callback_errors"] += 1
+            finally:
+                with self._cond:
+                    self._reads_done += 1
+                    self._counts["read_jobs"] += 1
+                    self._cond.notify_all()
+
+    def _run_read(self, job: _ReadJob) -> ReadOutcome:
+        start = time.perf_counter()
+        found: dict[ReadStatus, list[Key]] = {status: [] for status in ReadStatus}
+        failed: list[Key] = []
+        error: str | None = None
+        for position, chunk in enumerate(job.chunks):
+            try:
+                status = self.tier.read_into(chunk.key, self.slab.memoryview(chunk.slot))
+            except Exception as exc:
+                self._mark_broken(exc)
+                logger.error("disk io: read job %s failed: %s", job.job_id, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                failed = [c.key for c in job.chunks[position:]]
+                break
+            found[status].append(chunk.key)
+        return ReadOutcome(
+            job_id=job.job_id, ok_keys=tuple(found[ReadStatus.OK]),
+            missing_keys=tuple(found[ReadStatus.MISSING]) + tuple(failed),
+            corrupt_keys=tuple(found[ReadStatus.CORRUPT]),
+            num_bytes=len(found[ReadStatus.OK]) * self._payload,
+            seconds=time.perf_counter() - start, failed_keys=tuple(failed), error=error)
