@@ -1,0 +1,183 @@
+"""CudaTransferEngine on a real GPU: byte-exact round trips for the four layouts, stream
+ordering against the compute stream, FIFO completions. Skipped without CUDA (see
+conftest.py). The reference for bytes is offset arithmetic on raw buffers, as in
+tests/unit/test_layout.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
+from tierkv.errors import ClosedError, TransferError
+from tierkv.tiers.cpu import CpuSlab
+from tierkv.transfer.cuda import CudaTransferEngine
+from tierkv.transfer.layout import KVLayout
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="CUDA not available: tests/gpu run only where a GPU exists"),
+]
+
+LAYERS, BLOCKS, BPC = 4, 64, 8
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: widens every race window
+
+
+class KV:
+    """Per layer a logical [B, H, N, C] bfloat16 CUDA tensor in one of the four layouts."""
+
+    def __init__(self, kind: str, separate: bool = False) -> None:
+        self.kind, self.separate = kind, separate
+        inner = (16, 4, 64) if kind.endswith("NHC") else (4, 16, 64)
+        self.page = 16 * 4 * 64 * 2
+        count = BLOCKS if separate else LAYERS * BLOCKS
+        self.raws = [torch.randint(0, 256, (count * self.page,), dtype=torch.uint8, device="cuda")
+                     for _ in range(LAYERS if separate else 1)]
+        typed = [r.view(torch.bfloat16) for r in self.raws]
+        if kind.startswith("LB"):
+            views = [typed[l].view(BLOCKS, *inner) if separate
+                     else typed[0].view(LAYERS, BLOCKS, *inner)[l] for l in range(LAYERS)]
+        else:
+            views = [typed[0].view(BLOCKS, LAYERS, *inner)[:, l] for l in range(LAYERS)]
+        self.tensors = [v.permute(0, 2, 1, 3) if kind.endswith("NHC") else v for v in views]
+
+    def page_at(self, layer: int, block: int) -> torch.Tensor:
+        if self.separate:
+            raw, index = self.raws[layer], block
+        elif self.kind.startswith("LB"):
+            raw, index = self.raws[0], layer * BLOCKS + block
+        else:
+            raw, index = self.raws[0], block * LAYERS + layer
+        return raw[index * self.page:(index + 1) * self.page]
+
+    def chunk(self, block_ids: tuple[int, ...]) -> torch.Tensor:
+        """Reference chunk bytes, on the CPU."""
+        torch.cuda.synchronize()
+        return torch.cat([self.page_at(l, b) for l in range(LAYERS) for b in block_ids]).cpu()
+
+
+def chunk(key: int, slot: int, blocks: tuple[int, ...], skip: int = 0) -> ChunkCopy:
+    return ChunkCopy(bytes([key]) * 32, SlotId(slot), blocks, skip_blocks=skip)
+
+
+def blocks_of(index: int) -> tuple[int, ...]:
+    return tuple((index * 5 + step * 3) % BLOCKS for step in range(BPC))  # scattered ids
+
+
+def make_engine(kv: KV, num_slots: int = 16, staging_chunks: float = 4,
+                pad: int = 0) -> CudaTransferEngine:
+    layout = KVLayout.from_tensors(kv.tensors)
+    chunk_bytes = layout.chunk_bytes(BPC)
+    slab = CpuSlab(num_slots, chunk_bytes + pad, pin_memory="always")
+    slab.tensor.zero_()
+    return CudaTransferEngine(layout, slab, BPC, staging_bytes=int(staging_chunks * chunk_bytes))
+
+
+def drain(engine: CudaTransferEngine, count: int) -> list[Completion]:
+    finished: list[Completion] = []
+    for _ in range(100_000):
+        finished.extend(engine.poll_finished())
+        if len(finished) >= count:
+            break
+    return finished
+
+
+KINDS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "LBHNC-separate"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("staging_chunks", "pad"), [(4, 0), (1.5, 0), (8, 512)],
+                         ids=["batched", "one-chunk-staging", "padded-slots"])
+def test_round_trip_is_byte_exact(kind: str, staging_chunks: float, pad: int) -> None:
+    kv = KV(kind.split("-")[0], separate=kind.endswith("separate"))
+    engine = make_engine(kv, staging_chunks=staging_chunks, pad=pad)
+    slots = [3, 4, 5, 0, 9, 10]  # runs of consecutive slots: 3-5, 0, 9-10
+    engine.submit_store(StoreSpec(JobId(1), tuple(
+        chunk(i, slot, blocks_of(i)) for i, slot in enumerate(slots))))
+    engine.wait([JobId(1)])
+    [done] = engine.poll_finished()
+    assert done.ok and done.num_bytes == len(slots) * engine.chunk_bytes and done.seconds > 0
+    expected = {slot: kv.chunk(blocks_of(i)) for i, slot in enumerate(slots)}
+    for slot, reference in expected.items():
+        assert torch.equal(engine.slab.view(slot)[:reference.numel()], reference), slot
+
+    targets = [tuple(range(i * BPC, (i + 1) * BPC))[::-1] for i in range(len(slots))]
+    before = kv.chunk(targets[0])
+    engine.submit_load(LoadSpec(JobId(2), tuple(
+        chunk(i, slot, targets[i], skip=2 if i == 0 else 0) for i, slot in enumerate(slots))))
+    engine.make_compute_wait([JobId(2)])
+    landed = [kv.chunk(t) for t in targets]
+    for i, slot in enumerate(slots):
+        if i == 0:  # skip_blocks=2: the first two blocks of the chunk are not written
+            per_layer = BPC * kv.page
+            for layer in range(LAYERS):
+                got = landed[0][layer * per_layer:(layer + 1) * per_layer]
+                want = expected[slot][layer * per_layer:(layer + 1) * per_layer]
+                assert torch.equal(got[2 * kv.page:], want[2 * kv.page:])
+                kept = before[layer * per_layer:(layer + 1) * per_layer]
+                assert torch.equal(got[:2 * kv.page], kept[:2 * kv.page])
+        else:
+            assert torch.equal(landed[i], expected[slot]), slot
+    engine.shutdown()
+
+
+def test_store_waits_for_the_compute_stream() -> None:
+    kv = KV("BLNHC")
+    engine = make_engine(kv)
+    # On the compute stream: a long kernel, then the "forward" writes the blocks.
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for step, block in enumerate(blocks_of(1)):
+        for layer in range(LAYERS):
+            kv.page_at(layer, block).fill_(step + 1)
+    engine.submit_store(StoreSpec(JobId(1), (chunk(1, 0, blocks_of(1)),)))
+    engine.wait([JobId(1)])  # no explicit sync between the forward and the store
+    slot = engine.slab.view(0).view(LAYERS, BPC, kv.page)
+    for step in range(BPC):
+        assert bool((slot[:, step] == step + 1).all()), step
+    engine.shutdown()
+
+
+def test_make_compute_wait_orders_the_forward_after_a_load() -> None:
+    kv = KV("LBHNC")
+    engine = make_engine(kv)
+    engine.slab.view(0).fill_(7)
+    with torch.cuda.stream(engine._load.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the load runs late
+    engine.submit_load(LoadSpec(JobId(1), (chunk(1, 0, blocks_of(2)),)))
+    engine.make_compute_wait([JobId(1)])
+    # read on the compute stream right away: ordered after the late load
+    seen = torch.stack([kv.page_at(l, b) for l in range(LAYERS) for b in blocks_of(2)])
+    assert bool((seen == 7).all())
+    engine.shutdown()
+
+
+def test_completions_are_fifo_per_direction_and_failures_reported() -> None:
+    kv = KV("BLHNC")
+    engine = make_engine(kv)
+    with torch.cuda.stream(engine._store.stream):
+        torch.cuda._sleep(10 * SLEEP_CYCLES)  # ~1 s: longer than the submits below, cold
+    for job in range(1, 9):
+        engine.submit_store(StoreSpec(JobId(job), (chunk(job, job, blocks_of(job)),)))
+    engine.submit_store(StoreSpec(JobId(9), (chunk(9, 99, blocks_of(9)),)))
+    assert engine.poll_finished() == []  # all held behind the sleep
+    with pytest.raises(TransferError, match="never submitted"):
+        engine.wait([JobId(42)])
+    finished = drain(engine, 9)
+    assert [c.job_id for c in finished] == list(range(1, 10))
+    assert all(c.ok for c in finished[:8]) and not finished[8].ok
+    assert finished[8].error is not None and "slot 99 out of range" in finished[8].error
+    engine.wait([JobId(3)])  # polled: returns at once
+    engine.shutdown()
+    engine.shutdown()
+    with pytest.raises(ClosedError):
+        engine.submit_store(StoreSpec(JobId(10), (chunk(1, 1, blocks_of(1)),)))
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_errors() -> Iterator[None]:
+    yield
+    torch.cuda.synchronize()
