@@ -14,9 +14,10 @@ Primitives (all pure and single-threaded; plain data in and out):
   PROMOTING for disk-only chunks (the worker reads disk into the slot, then copies).
 - ``complete_load(completion)``: readers -= 1; promoted chunks become READY (or are
   dropped; corrupt ones are gone from disk).
-- ``take_spills(flush=False)`` -> :class:`SpillSpec` | None: write-back. Dirty READY
-  chunks (not on disk) are spilled, oldest first, so that a fraction of the slots stays
-  clean (evictable at once); with write-through, or when flushing, every dirty chunk.
+- ``take_spills(flush=False, at_least=0)`` -> :class:`SpillSpec` | None: write-back. Dirty
+  READY chunks (not on disk) are spilled, oldest first, so that a fraction of the slots
+  stays clean (evictable at once), and at least ``at_least`` of them; with write-through,
+  or when flushing, every dirty chunk.
   Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
 - ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
   ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
@@ -187,6 +188,12 @@ class BlockIndex:
             hits += 1
         return Lookup(hits, False, on_cpu)
 
+    def shortfall(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (not yet present) would find neither a free slot nor a
+        clean chunk to evict: the chunks to write back first to make room for them."""
+        new = sum(1 for key in keys if key not in self._entries)
+        return max(new - self._slots.num_free - len(self._clean), 0) if self._dirty else 0
+
     def contains(self, key: bytes) -> bool:
         return key in self._entries
 
@@ -313,7 +320,7 @@ class BlockIndex:
         return LoadResult(tuple(ok_keys), tuple(failed_keys))
 
     # ------------------------------------------------------------------ spills
-    def take_spills(self, flush: bool = False) -> SpillSpec | None:
+    def take_spills(self, flush: bool = False, at_least: int = 0) -> SpillSpec | None:
         if not self.has_disk:
             return None
         writes: list[tuple[bytes, SlotId]] = []
@@ -322,7 +329,7 @@ class BlockIndex:
                 want = len(self._dirty)
             else:
                 clean_now = self._slots.num_free + len(self._clean) + self._num_spilling
-                want = min(len(self._dirty), self._clean_target - clean_now)
+                want = min(len(self._dirty), max(self._clean_target - clean_now, at_least))
             for key in list(islice(self._dirty.oldest_first(), max(want, 0))):
                 if self._disk_used >= self.disk_capacity and not self._evict_disk():
                     self._counters.disk_no_room += 1

@@ -13,8 +13,10 @@
 
 Primitives:
 - ``lookup(keys) -> int``: chunks in the ready, contiguous prefix (no side effects).
-- ``store(keys, block_ids) -> JobId | None``: copies the chunks not yet present; "no
-  room" is counted in ``statistics()``, never raised.
+- ``store(keys, block_ids) -> JobId | None``: copies the chunks not yet present. When
+  the CPU tier is full of chunks not yet on disk it writes the oldest back first (a
+  blocking disk write); when nothing can be freed, "no room" is counted in
+  ``statistics()``, never raised.
 - ``load(keys, block_ids) -> LoadHandle``: loads the ready prefix; the completion's
   ``failed_keys`` name chunks that did not land (recompute those; never a false hit).
 - ``poll() -> list[Completion]``: finished store and load jobs, each once.
@@ -157,6 +159,9 @@ class TierKVStore:
         self._check_open()
         per_chunk = self._split_blocks(keys, block_ids)
         self._pump()
+        short = self.index.shortfall(keys)
+        if short:
+            self._make_room(short)
         plan = self.index.prepare_store(keys)
         if plan.job_id is None:
             return None
@@ -268,6 +273,18 @@ class TierKVStore:
                 if not 0 <= block < num_blocks:
                     raise ConfigError(f"store: block id {block} out of range [0, {num_blocks})")
         return per_chunk
+
+    def _make_room(self, num_chunks: int) -> bool:
+        """Write back the oldest chunks not on disk yet and wait for them, so that their
+        slots can take new chunks. The library store blocks here (a disk write) rather
+        than drop a store; the engine adapter never blocks and relies on spill-ahead."""
+        spec = self.index.take_spills(at_least=num_chunks)
+        if spec is None:
+            return False
+        self.executor.submit(spec)
+        self.executor.wait([spec.job_id])
+        self._pump()
+        return True
 
     def _pump(self) -> None:
         """Apply finished jobs to the index and start the spills it asks for."""

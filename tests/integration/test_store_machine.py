@@ -1,0 +1,147 @@
+"""TierKVStore against a dict reference model (hypothesis state machine).
+
+KV tensors -> CPU slots -> disk -> CPU -> KV tensors in random orders, with a CPU tier of a
+few chunks and a small disk cap so that evictions, spills, promotions and disk deletes
+all happen; restarts reopen the same directory. Every chunk that lands must equal the
+bytes stored under its key; every hit must be a key that was stored; the index invariants
+hold after each step; after a drain no slot, reader or job is left.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tierkv.engine.store import TierKVStore
+
+from .test_store import BPC, NUM_BLOCKS, PAGE_SHAPE, keys_for, make_kv, open_store
+
+KEYS = keys_for(7, 10)  # a chain; rules use single chunks and short runs of it
+
+
+def content(key_index: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + key_index)
+    return [torch.randn((BPC, *PAGE_SHAPE), generator=gen).to(torch.float16) for _ in range(3)]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="tierkv-store-machine-"))
+        self.kv = make_kv()
+        self.store: TierKVStore | None = None
+        self.cpu_chunks = 3
+        self.disk_chunks = 6
+        self.stored: set[int] = set()  # key indexes whose store was submitted
+        self.pending: list[tuple[object, list[int], list[int]]] = []  # (handle, key idx, blocks)
+
+    def _open(self) -> None:
+        self.store = open_store(self.dir, self.kv, cpu_chunks=self.cpu_chunks, disk_chunks=self.disk_chunks)
+
+    @precondition(lambda self: self.store is None)
+    @rule(cpu=st.sampled_from([2, 3, 5]), disk=st.sampled_from([3, 6, 20]))
+    def open(self, cpu: int, disk: int) -> None:
+        self.cpu_chunks, self.disk_chunks = cpu, disk
+        self._open()
+
+    @precondition(lambda self: self.store is not None)
+    @rule(first=st.integers(0, 9), length=st.integers(1, 3), base=st.integers(0, NUM_BLOCKS // BPC - 3))
+    def store_chunks(self, first: int, length: int, base: int) -> None:
+        assert self.store is not None
+        idx = list(range(first, min(first + length, len(KEYS))))
+        blocks = list(range(base * BPC, (base + len(idx)) * BPC))
+        self._finish_loads()  # a pending load may still write these blocks
+        for position, key_index in enumerate(idx):
+            for layer, chunk in zip(self.kv, content(key_index)):
+                layer[blocks[position * BPC : (position + 1) * BPC]] = chunk
+        self.store.store([KEYS[i] for i in idx], blocks)
+        self.stored.update(idx)
+
+    @precondition(lambda self: self.store is not None and bool(self.stored))
+    @rule(data=st.data(), length=st.integers(1, 4), base=st.integers(0, NUM_BLOCKS // BPC - 4),
+          wait_now=st.booleans())
+    def load_chunks(self, data: st.DataObject, length: int, base: int, wait_now: bool) -> None:
+        assert self.store is not None
+        first = data.draw(st.sampled_from(sorted(self.stored)))  # mostly hits
+        self._finish_loads()
+        idx = list(range(first, min(first + length, len(KEYS))))
+        hits = self.store.lookup([KEYS[i] for i in idx])
+        assert set(idx[:hits]) <= self.stored, "a hit for a key never stored"
+        blocks = list(range(base * BPC, (base + len(idx)) * BPC))
+        for layer in self.kv:
+            layer[blocks] = 0
+        handle = self.store.load([KEYS[i] for i in idx], blocks)
+        self.pending.append((handle, idx[: handle.num_chunks], blocks))
+        if wait_now:
+            self._finish_loads()
+
+    def _finish_loads(self) -> None:
+        assert self.store is not None
+        if not self.pending:
+            return
+        self.store.wait([h.job_id for h, _, _ in self.pending])  # type: ignore[attr-defined]
+        done = {c.job_id: c for c in self.store.poll()}
+        for handle, idx, blocks in self.pending:
+            completion = done.get(handle.job_id)  # type: ignore[attr-defined]
+            if completion is None:
+                continue  # polled by an earlier call already: nothing left to check
+            failed = set(completion.failed_keys)
+            for position, key_index in enumerate(idx):
+                if KEYS[key_index] in failed:
+                    continue
+                for layer, chunk in zip(self.kv, content(key_index)):
+                    got = layer[blocks[position * BPC : (position + 1) * BPC]]
+                    assert torch.equal(got, chunk), f"chunk {key_index} landed with wrong bytes"
+        self.pending.clear()
+
+    @precondition(lambda self: self.store is not None)
+    @rule()
+    def poll(self) -> None:
+        self._finish_loads()
+
+    @precondition(lambda self: self.store is not None)
+    @rule()
+    def flush(self) -> None:
+        assert self.store is not None
+        self._finish_loads()
+        self.store.flush()
+
+    @precondition(lambda self: self.store is not None)
+    @rule()
+    def restart(self) -> None:
+        assert self.store is not None
+        self._finish_loads()
+        self.store.close()
+        self._open()
+
+    @invariant()
+    def index_holds(self) -> None:
+        if self.store is not None:
+            self.store.index.check()
+
+    def teardown(self) -> None:
+        try:
+            if self.store is not None:
+                self._finish_loads()
+                self.store.drain()
+                index = self.store.index
+                index.check()
+                stats = index.statistics()
+                assert stats.storing == stats.promoting == stats.spilling == 0
+                assert index.jobs_in_flight() == 0 and not self.store.executor.in_flight_ids()
+                for key in KEYS:
+                    entry = index.entry(key)
+                    assert entry is None or entry.readers == 0
+                self.store.close()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestStoreMachine = StoreMachine.TestCase
