@@ -40,6 +40,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.disk_chunks = 6
         self.stored: set[int] = set()  # key indexes whose store was submitted
         self.pending: list[tuple[object, list[int], list[int]]] = []  # (handle, key idx, blocks)
+        self.store_jobs: list[object] = []  # stores in flight: their blocks must not change
 
     def _open(self) -> None:
         self.store = open_store(self.dir, self.kv, cpu_chunks=self.cpu_chunks, disk_chunks=self.disk_chunks)
@@ -56,11 +57,11 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store is not None
         idx = list(range(first, min(first + length, len(KEYS))))
         blocks = list(range(base * BPC, (base + len(idx)) * BPC))
-        self._finish_loads()  # a pending load may still write these blocks
+        self._quiesce()  # a pending load or store may still use these blocks
         for position, key_index in enumerate(idx):
             for layer, chunk in zip(self.kv, content(key_index)):
                 layer[blocks[position * BPC : (position + 1) * BPC]] = chunk
-        self.store.store([KEYS[i] for i in idx], blocks)
+        self.store_jobs.append(self.store.store([KEYS[i] for i in idx], blocks))
         self.stored.update(idx)
 
     @precondition(lambda self: self.store is not None and bool(self.stored))
@@ -69,7 +70,7 @@ class StoreMachine(RuleBasedStateMachine):
     def load_chunks(self, data: st.DataObject, length: int, base: int, wait_now: bool) -> None:
         assert self.store is not None
         first = data.draw(st.sampled_from(sorted(self.stored)))  # mostly hits
-        self._finish_loads()
+        self._quiesce()
         idx = list(range(first, min(first + length, len(KEYS))))
         hits = self.store.lookup([KEYS[i] for i in idx])
         assert set(idx[:hits]) <= self.stored, "a hit for a key never stored"
@@ -80,6 +81,13 @@ class StoreMachine(RuleBasedStateMachine):
         self.pending.append((handle, idx[: handle.num_chunks], blocks))
         if wait_now:
             self._finish_loads()
+
+    def _quiesce(self) -> None:
+        """Like an engine's fence: blocks are rewritten only once no copy uses them."""
+        assert self.store is not None
+        self.store.wait(self.store_jobs)  # type: ignore[arg-type]
+        self.store_jobs.clear()
+        self._finish_loads()
 
     def _finish_loads(self) -> None:
         assert self.store is not None
@@ -116,7 +124,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule()
     def restart(self) -> None:
         assert self.store is not None
-        self._finish_loads()
+        self._quiesce()
         self.store.close()
         self._open()
 
