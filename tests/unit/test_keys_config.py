@@ -82,3 +82,15 @@ def test_core_imports_no_torch_lmdb_or_threads() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_configuration_doc_lists_every_setting() -> None:
+    from dataclasses import fields
+    from pathlib import Path
+
+    from tierkv.engine.adapter import AdapterConfig
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for cls in (StoreConfig, CpuTierConfig, DiskTierConfig, AdapterConfig):
+        for f in fields(cls):
+            assert f"`{f.name}`" in doc, f"docs/configuration.md does not describe {cls.__name__}.{f.name}"
