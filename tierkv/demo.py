@@ -20,7 +20,7 @@ import torch
 
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
-from tierkv.keys import chunk_keys
+from tierkv.keys import ChunkKey, chunk_keys
 
 MiB = 1 << 20
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 landed = handle.num_chunks
                 for completion in store.poll():
                     if completion.job_id == handle.job_id and completion.failed_keys:
-                        landed = keys.index(completion.failed_keys[0])
+                        landed = min(keys.index(ChunkKey(k)) for k in completion.failed_keys)
                 totals.chunks_asked += len(keys)
                 totals.hits_disk += min(handle.num_from_disk, landed)
                 totals.hits_cpu += landed - min(handle.num_from_disk, landed)

@@ -47,7 +47,7 @@ class CpuSlab:
     def memoryview(self, slot: SlotId | int) -> memoryview:
         self._check(slot)
         row: np.ndarray = self._array[slot]
-        return memoryview(row)
+        return memoryview(row)  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
     @property
     def nbytes(self) -> int:
