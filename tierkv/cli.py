@@ -21,6 +21,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = sub.add_parser("demo", help="multi-turn chat workload on CPU tensors")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(handler=demo.run)
+
+    from tierkv import tools, warmup_hf
+
+    warmup_parser = sub.add_parser(
+        "warmup", help="compute KV for a prompts file with a HF model and write it into a store",
+        description="Compute KV for every prompt of a JSONL file with a HF transformers model and "
+                    "write it into the store's disk tier, keyed and laid out as tierkv's vLLM "
+                    "connector stores it. Resumable; see docs/warmup.md.")
+    warmup_hf.add_arguments(warmup_parser)
+    warmup_parser.set_defaults(handler=warmup_hf.run)
+    inspect_parser = sub.add_parser("inspect", help="namespaces, chunks, bytes of a store (read-only)")
+    tools.add_inspect_arguments(inspect_parser)
+    inspect_parser.set_defaults(handler=tools.run_inspect)
+    verify_parser = sub.add_parser(
+        "verify", help="checksum every chunk of a store; exit 0 clean, 1 bad found, 2 error")
+    tools.add_verify_arguments(verify_parser)
+    verify_parser.set_defaults(handler=tools.run_verify)
     return parser
 
 

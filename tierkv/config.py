@@ -6,6 +6,9 @@ Every ``__post_init__`` names the bad field and its value.
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,13 +19,25 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+def _is_number(value: Any) -> bool:
+    """An int or float, not a bool, not NaN (NaN compares false with everything)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) \
+        and not math.isnan(value)
+
+
 def _positive(section: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if not _is_number(value) or value <= 0:
         raise ConfigError(f"{section}.{name} must be a positive number, got {value!r}")
 
 
+def _positive_int(section: str, name: str, value: Any) -> None:
+    """Byte counts: a float would reach slab and map sizes that need ints."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{section}.{name} must be a positive int (bytes), got {value!r}")
+
+
 def _non_negative(section: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if not _is_number(value) or value < 0:
         raise ConfigError(f"{section}.{name} must be >= 0, got {value!r}")
 
 
@@ -35,12 +50,13 @@ class CpuTierConfig:
     spill_ahead_fraction: float = 0.25
 
     def __post_init__(self) -> None:
-        _positive("cpu", "max_bytes", self.max_bytes)
+        _positive_int("cpu", "max_bytes", self.max_bytes)
         if self.pin_memory not in ("auto", "always", "never"):
             raise ConfigError(
                 f"cpu.pin_memory must be 'auto', 'always' or 'never', got {self.pin_memory!r}"
             )
-        if not 0.0 <= self.spill_ahead_fraction <= 1.0:
+        fraction = self.spill_ahead_fraction
+        if not _is_number(fraction) or not 0.0 <= fraction <= 1.0:
             raise ConfigError(
                 f"cpu.spill_ahead_fraction must be within [0, 1], got {self.spill_ahead_fraction!r}"
             )
@@ -63,11 +79,17 @@ class DiskTierConfig:
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
-        if self.path is not None and not isinstance(self.path, Path):
-            object.__setattr__(self, "path", Path(self.path))
-        _positive("disk", "max_bytes", self.max_bytes)
-        _positive("disk", "write_batch_bytes", self.write_batch_bytes)
-        _positive("disk", "sync_every_bytes", self.sync_every_bytes)
+        if self.path is not None:
+            raw = self.path
+            text = os.fspath(raw) if isinstance(raw, (str, os.PathLike)) else None
+            if not isinstance(text, str) or not text or "\0" in text:
+                raise ConfigError(f"disk.path must be a directory path (a non-empty str or "
+                                  f"Path) or None, got {raw!r}")
+            if not isinstance(raw, Path):
+                object.__setattr__(self, "path", Path(text))
+        _positive_int("disk", "max_bytes", self.max_bytes)
+        _positive_int("disk", "write_batch_bytes", self.write_batch_bytes)
+        _positive_int("disk", "sync_every_bytes", self.sync_every_bytes)
         _positive("disk", "sync_every_seconds", self.sync_every_seconds)
         _non_negative("disk", "retry_after_full_seconds", self.retry_after_full_seconds)
         if self.sync_mode not in ("periodic", "always", "close"):
@@ -97,17 +119,24 @@ class StoreConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(f"rank must be an int >= 0, got {self.rank!r}")
+        for name, cls in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__} (a dict in from_dict), "
+                                  f"got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StoreConfig:
         """Build from plain data (JSON, vLLM extra config): ``{"cpu": {...}, "disk": {...}}``."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"store settings must be a mapping of setting names to values, "
+                              f"got {raw!r}")
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
         kwargs = dict(raw)
         for name, sub in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
-            if name in kwargs and isinstance(kwargs[name], dict):
+            if name in kwargs and isinstance(kwargs[name], Mapping):
                 sub_known = {f.name for f in fields(sub)}
                 bad = set(kwargs[name]) - sub_known
                 if bad:

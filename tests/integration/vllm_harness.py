@@ -416,6 +416,12 @@ class FakeModelRunner:
         self.connector = connector
         self.scheduler = scheduler  # only for a block-table cross-check
         self.check = check
+        # Check a layer's earlier slots after writing this step's KV into it, as attention
+        # reads them (the KV write precedes attention within a layer). A request admitted with
+        # a local prefix hit on a block that another request of the same step is computing
+        # (vLLM caches blocks at allocation) reads that block's KV from this very forward;
+        # the default check-before-write flags it. Off by default.
+        self.write_before_check = False
         self.use_v2_model_runner = vllm_config.use_v2_model_runner
         self.block_size = cfg.block_size
         self.kernel_block_size = cfg.kernel_block_size or cfg.block_size
@@ -722,9 +728,11 @@ class FakeModelRunner:
                 if hooks:
                     assert connector is not None
                     connector.wait_for_layer_load(layer)
-                if self.check:
+                if self.check and not self.write_before_check:
                     self._pending_mismatches.extend(self._check_layer(planned, layer_index))
                 self._write_layer(planned, layer_index)
+                if self.check and self.write_before_check:
+                    self._pending_mismatches.extend(self._check_layer(planned, layer_index))
                 if hooks:
                     assert connector is not None
                     connector.save_kv_layer(layer, self.kv_caches[layer], attn_metadata[layer])

@@ -13,7 +13,7 @@ Primitives (all pure and single-threaded; plain data in and out):
 - ``prepare_load(keys)`` -> :class:`LoadPlan`: readers += 1 on CPU chunks; a slot and
   PROMOTING for disk-only chunks (the worker reads disk into the slot, then copies).
 - ``complete_load(completion)``: readers -= 1; promoted chunks become READY (or are
-  dropped; corrupt ones are gone from disk).
+  dropped; corrupt ones, and ones the disk did not have, are forgotten: no phantom hit).
 - ``take_spills(flush=False, at_least=0)`` -> :class:`SpillSpec` | None: write-back. Dirty
   READY chunks (not on disk) are spilled, oldest first, so that a fraction of the slots
   stays clean (evictable at once), and at least ``at_least`` of them; with write-through,
@@ -21,6 +21,7 @@ Primitives (all pure and single-threaded; plain data in and out):
   Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
 - ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
   ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
+- ``touch(keys)``: a request reused these chunks: make them most recently used.
 - ``add_on_disk(keys)``: rebuild from the disk tier on open (a restart is warm).
 - ``check()``: every invariant, for tests after each step.
 
@@ -94,6 +95,7 @@ class IndexStats:
     loads_failed: int
     loads_no_room: int
     corrupt: int
+    disk_missing: int
     cpu_evictions: int
     dirty_dropped: int
     disk_evictions: int
@@ -113,6 +115,7 @@ class _Counters:
     loads_failed: int = 0
     loads_no_room: int = 0
     corrupt: int = 0
+    disk_missing: int = 0
     cpu_evictions: int = 0
     dirty_dropped: int = 0
     disk_evictions: int = 0
@@ -294,6 +297,7 @@ class BlockIndex:
     def complete_load(self, completion: Completion) -> LoadResult:
         job = self._pop_job(completion.job_id, JobKind.LOAD)
         corrupt = set(completion.corrupt_keys)
+        missing = set(completion.missing_keys)
         failed = failed_set(completion, job.keys)
         ok_keys: list[bytes] = []
         failed_keys: list[bytes] = []
@@ -313,8 +317,11 @@ class BlockIndex:
                 self._file_ready(entry)
                 continue
             self._release_slot(entry)
-            if key in corrupt:  # the worker deleted it on disk
-                self._counters.corrupt += 1
+            if key in corrupt or key in missing:  # deleted on disk, or not there at all
+                if key in corrupt:
+                    self._counters.corrupt += 1
+                else:
+                    self._counters.disk_missing += 1
                 self._drop_disk(entry)
                 self._remove(key)
         return LoadResult(tuple(ok_keys), tuple(failed_keys))
@@ -372,6 +379,21 @@ class BlockIndex:
                 self._counters.spills_failed += 1
                 self._dirty.touch(key)
                 self._dirty.move_to_oldest(key)
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark chunks as just used (a request reused them, e.g. through the engine's own
+        prefix cache): READY chunks move to the recent end of their CPU LRU, chunks on disk
+        to the recent end of the disk LRU. Keys touched later count as more recent; absent
+        or in-flight keys are skipped. No other effect."""
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                continue
+            if entry.cpu is CpuState.READY:
+                self._touch_ready(entry)
+            if entry.disk is DiskState.ON_DISK:
+                self._disk.touch(key)
 
     def add_on_disk(self, keys: Iterable[bytes]) -> int:
         """Register chunks found on disk at open, oldest first. Chunks over the disk

@@ -67,7 +67,8 @@ JobSpec = StoreSpec | LoadSpec | SpillSpec
 
 class Completion(NamedTuple):
     """A finished job. ``failed_keys`` did not land; ``corrupt_keys`` (loads) failed their
-    checks on disk and were deleted there; ``full_keys`` (spills) found the disk full."""
+    checks on disk and were deleted there; ``full_keys`` (spills) found the disk full;
+    ``missing_keys`` (loads) were not on disk at all (gone behind the index's back)."""
 
     job_id: JobId
     ok: bool
@@ -77,6 +78,7 @@ class Completion(NamedTuple):
     corrupt_keys: tuple[Key, ...] = ()
     full_keys: tuple[Key, ...] = ()
     error: str | None = None
+    missing_keys: tuple[Key, ...] = ()
 
 
 def failed_set(completion: Completion, keys: tuple[Key, ...]) -> set[Key]:
@@ -155,4 +157,5 @@ def merge_completions(parts: list[Completion]) -> Completion:
         corrupt_keys=_union([p.corrupt_keys for p in parts]),
         full_keys=_union([p.full_keys for p in parts]),
         error="; ".join(errors) if errors else None,
+        missing_keys=_union([p.missing_keys for p in parts]),
     )

@@ -43,6 +43,7 @@ class _ChainedLoad:
         self.submitted_copy = False
         self.failed: tuple[bytes, ...] = ()
         self.corrupt: tuple[bytes, ...] = ()
+        self.missing: tuple[bytes, ...] = ()  # not on disk at all (not a tier failure)
         self.read_bytes = 0
         self.read_seconds = 0.0
 
@@ -92,6 +93,8 @@ class JobExecutor:
             with self._lock:
                 chained.failed = tuple(k for k in chained.keys if k in bad)
                 chained.corrupt = tuple(outcome.corrupt_keys)
+                tier_failed = set(outcome.failed_keys)
+                chained.missing = tuple(k for k in outcome.missing_keys if k not in tier_failed)
                 chained.read_bytes = outcome.num_bytes
                 chained.read_seconds = outcome.seconds
                 chained.submitted_copy = bool(landed)
@@ -124,6 +127,7 @@ class JobExecutor:
             failed_keys=failed,
             corrupt_keys=chained.corrupt,
             error=error,
+            missing_keys=chained.missing,
         )
 
     def poll_finished(self) -> list[Completion]:

@@ -94,7 +94,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._checked_namespace = False
-        self._finished_loads: set[str] = set()
+        self._events_enabled = False
         self._failed_blocks: set[int] = set()
         self._completions: list[Any] = []
         world = self.geometry.world_size
@@ -226,19 +226,27 @@ class TierKVConnector(KVConnectorBase_V1):
         self._scheduler_side().request_finished(request, aborted)
         return False, None
 
+    def reset_cache(self) -> bool:
+        # Chunks are keyed by token prefix, not by model weights: after a weight update they
+        # would be served stale. Clearing them while jobs are in flight is not supported, so
+        # say so (vLLM then reports the reset as failed) instead of pretending.
+        log.warning("tierkv: reset_cache is not supported; restart the server (and use a new "
+                    "disk_path, or remove the old one) after changing model weights")
+        return False
+
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         if self._scheduler is None or not self._events_enabled:
             return []
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
         events: list[KVCacheEvent] = []
         for kind, block_hash in self._scheduler.take_events():
             if block_hash is None:
                 continue
-            hashes = [maybe_convert_block_hash(block_hash)]
+            hashes = [maybe_convert_block_hash(BlockHash(block_hash))]
             if kind == "stored":
                 events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                                           block_size=0, lora_id=None, medium=MEDIUM,

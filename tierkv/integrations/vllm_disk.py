@@ -9,18 +9,25 @@
   others on the ranks that hold them (a chunk is only usable whole), trims the oldest
   chunks beyond the disk capacity, and closes what it opened: the scheduler process never
   keeps LMDB open, and never forks with it open.
+- :func:`claim_env` / :func:`unclaim_env`: a worker holds an exclusive ``flock`` on its
+  environment for its lifetime. Two engines on one environment (two servers given the same
+  ``disk_path``) would evict each other's chunks and turn hits into failed loads; the
+  second one is refused with a message instead. The lock dies with the process.
 - :func:`write_chunks`: the worker's shutdown flush, in write transactions of about
   ``write_batch_bytes``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierkv.config import DiskTierConfig
+from tierkv.errors import ConfigError
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
@@ -62,6 +69,33 @@ def release_tier(tier: DiskTier) -> None:
             return
         del _OPEN[path]
     tier.close()
+
+
+OWNER_FILE = "tierkv-owner.lock"
+
+
+def claim_env(tier: DiskTier) -> int:
+    """Take the environment for this worker; returns the lock's file descriptor."""
+    path = tier.path / OWNER_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(
+            f"tierkv vLLM connector: the disk tier at {tier.path} is in use by another tierkv "
+            f"worker (another vLLM server with the same model and disk_path?); give each server "
+            f"its own disk_path") from exc
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def unclaim_env(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config: DiskTierConfig,

@@ -27,9 +27,13 @@ from collections.abc import Sequence
 KEY_DOMAIN = b"tierkv/vllm/chunk-key/v1\x00"
 
 
+_GROUP0 = KEY_DOMAIN + bytes(4)
+
+
 def chunk_key(last_block_hash: bytes, group_id: int = 0) -> bytes:
     """The tierkv key of a chunk whose last block has ``last_block_hash``."""
-    return hashlib.sha256(KEY_DOMAIN + group_id.to_bytes(4, "big") + bytes(last_block_hash)).digest()
+    prefix = _GROUP0 if group_id == 0 else KEY_DOMAIN + group_id.to_bytes(4, "big")
+    return hashlib.sha256(prefix + bytes(last_block_hash)).digest()
 
 
 def extend_chunk_keys(keys: list[bytes], block_hashes: Sequence[bytes], hashes_per_chunk: int,

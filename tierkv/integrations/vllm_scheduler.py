@@ -40,7 +40,7 @@ from tierkv.core.state import CpuState
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, disk_tier_config
-from tierkv.integrations.vllm_keys import extend_chunk_keys, last_block_hash
+from tierkv.integrations.vllm_keys import chunk_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace
 
@@ -50,19 +50,21 @@ STATS_INTERVAL_SECONDS = 1.0
 _INDEX_COUNTERS = (
     "loads_failed", "loads_no_room", "stores_planned", "stores_present", "stores_no_room",
     "stores_failed", "cpu_evictions", "dirty_dropped", "disk_evictions", "spills_ok",
-    "spills_failed", "disk_no_room", "corrupt",
+    "spills_failed", "disk_no_room", "corrupt", "disk_missing",
 )
 _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes")
 
 
 class _Tracked:
-    """A live request: vLLM's object and its chunk keys so far (they grow with it)."""
+    """A live request: vLLM's object, its chunk keys so far (they grow with it) and the
+    block hash each key was derived from."""
 
-    __slots__ = ("request", "keys")
+    __slots__ = ("request", "keys", "sources")
 
     def __init__(self, request: Any) -> None:
         self.request = request
         self.keys: list[bytes] = []
+        self.sources: list[bytes] = []
 
 
 class SchedulerSide:
@@ -118,6 +120,7 @@ class SchedulerSide:
         self._finishing: set[bytes] = set()
         self._reported: dict[str, int] = {}
         self._last_report = -float("inf")
+        self.stats_interval = STATS_INTERVAL_SECONDS
         self.found_on_disk = 0
         self.deleted_on_disk = 0
         if settings.disk_path is not None:
@@ -143,16 +146,34 @@ class SchedulerSide:
     # ------------------------------------------------------------------ requests
     def _view(self, tracked: _Tracked) -> RequestView:
         request = tracked.request
-        keys = tracked.keys
-        if len(request.block_hashes) >= (len(keys) + 1) * self._hpc:
-            first = len(keys)
-            extend_chunk_keys(keys, request.block_hashes, self._hpc)
-            if self._record_events:
-                for index in range(first, len(keys)):
-                    self._event_hashes.setdefault(
-                        keys[index], last_block_hash(request.block_hashes, index, self._hpc))
+        keys, sources, hashes, hpc = tracked.keys, tracked.sources, request.block_hashes, self._hpc
+        if sources:
+            last = len(sources) * hpc - 1
+            if len(hashes) <= last or (hashes[last] is not sources[-1] and hashes[last] != sources[-1]):
+                self._rewind(tracked)
+        if len(hashes) >= (len(keys) + 1) * hpc:
+            for index in range(len(keys), len(hashes) // hpc):
+                source = hashes[(index + 1) * hpc - 1]
+                sources.append(source)
+                keys.append(chunk_key(source))
+                if self._record_events:
+                    self._event_hashes.setdefault(keys[-1], bytes(source))
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
                            request.num_computed_tokens)
+
+    def _rewind(self, tracked: _Tracked) -> None:
+        """vLLM rewrote block hashes (a streaming-input session dropped its last sampled
+        token): drop the keys from the first chunk whose last block hash changed. The list
+        is edited in place, so the adapter's view of the request follows."""
+        hashes, hpc = tracked.request.block_hashes, self._hpc
+        keep = 0
+        for index, source in enumerate(tracked.sources):
+            position = (index + 1) * hpc - 1
+            if position >= len(hashes) or hashes[position] != source:
+                break
+            keep = index + 1
+        del tracked.keys[keep:]
+        del tracked.sources[keep:]
 
     def _tracked_for(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
@@ -196,11 +217,14 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
-        if num_external_tokens <= 0:
-            self._local_hit.pop(req_id, None)
-            return
-        local = self._local_hit.pop(req_id, request.num_computed_tokens - num_external_tokens)
+        local = self._local_hit.pop(req_id, None)
         tracked = self._tracked_for(request)
+        if local:  # chunks served by vLLM's GPU prefix cache are being reused: refresh them
+            self.index.touch(reversed(tracked.keys[: local // self._tpc]))
+        if num_external_tokens <= 0:
+            return
+        if local is None:
+            local = request.num_computed_tokens - num_external_tokens
         view = self._view(tracked)
         block_ids = blocks.get_block_ids()[0]
         self.adapter.update_state_after_alloc(view, block_ids, num_external_tokens, local)
@@ -243,6 +267,10 @@ class SchedulerSide:
         self._wait_since.pop(req_id, None)
         view = self._view(tracked)
         self._finishing.update(view.chunk_keys)
+        # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache):
+        # refresh them, tail first, so the prefix head is the most recent (evicting a chain
+        # from its tail keeps the rest a usable prefix).
+        self.index.touch(reversed(view.chunk_keys))
         self.adapter.request_finished(view, aborted=aborted)
         if self._record_events:
             self._prune_later.append(tracked.keys)
@@ -312,7 +340,7 @@ class SchedulerSide:
         """Cumulative counters (tests, benchmarks)."""
         index = self.index.statistics()
         adapter = self.adapter.stats
-        out = {name: getattr(index, name) for name in _INDEX_COUNTERS}
+        out = {name: getattr(index, name, 0) for name in _INDEX_COUNTERS}
         out.update({name: getattr(adapter, name) for name in _ADAPTER_COUNTERS})
         out.update(self._counts)
         out["hit_chunks_cpu"] = index.loads_cpu
@@ -320,10 +348,10 @@ class SchedulerSide:
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
-        """Counters since the last report, at most once per ``STATS_INTERVAL_SECONDS``
+        """Counters since the last report, at most once per ``stats_interval`` seconds
         (``BlockIndex.statistics`` walks every entry)."""
         now = self._clock()
-        if not force and now - self._last_report < STATS_INTERVAL_SECONDS:
+        if not force and now - self._last_report < self.stats_interval:
             return None
         self._last_report = now
         current = self.statistics()

@@ -72,7 +72,7 @@ def regroup_layer(name: str, view: torch.Tensor, num_blocks: int, page_order: st
             f"tierkv vLLM connector: layer {name!r} is split into {rows // num_blocks} kernel "
             f"blocks per block with HND pages, whose bytes differ from an unsplit page; use an "
             f"NHD layout (VLLM_KV_CACHE_LAYOUT=LBNHC) with this attention backend")
-    return view.unflatten(0, (num_blocks, rows // num_blocks))
+    return view.view(num_blocks, rows // num_blocks, *view.shape[1:])  # splitting dim 0: a view
 
 
 class WorkerSide:
@@ -99,6 +99,7 @@ class WorkerSide:
         self._unspilled: set[bytes] = set()
         self._counts: dict[str, float] = {}
         self._reported: dict[str, float] = {}
+        self._owner_fd: int | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ registration
@@ -127,15 +128,21 @@ class WorkerSide:
         settings = self.settings
         self.layout = layout
         self.slab = CpuSlab(geometry.num_slots, chunk_bytes, settings.pin_memory)
-        transfer = make_transfer_engine(settings.device, layout, self.slab, geometry.blocks_per_chunk)
         disk_io = None
         if settings.disk_path is not None:
-            from tierkv.integrations.vllm_disk import acquire_tier
+            from tierkv.integrations.vllm_disk import acquire_tier, claim_env, release_tier
 
             config = disk_tier_config(settings, geometry)
             self.disk = acquire_tier(Path(settings.disk_path), self.namespace, self.disk_rank,
                                      config, chunk_bytes)
+            try:
+                self._owner_fd = claim_env(self.disk)
+            except BaseException:
+                release_tier(self.disk)
+                self.disk = None
+                raise
             disk_io = DiskIO(self.disk, self.slab, config.write_batch_bytes)
+        transfer = make_transfer_engine(settings.device, layout, self.slab, geometry.blocks_per_chunk)
         self.executor = JobExecutor(transfer, disk_io)
         self.worker = WorkerAdapter(self.executor, self.rank)
         log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
@@ -267,9 +274,12 @@ class WorkerSide:
                 if self.settings.flush_on_shutdown and self._unspilled:
                     flushed = self._flush_unspilled()
             finally:
-                from tierkv.integrations.vllm_disk import release_tier
+                from tierkv.integrations.vllm_disk import release_tier, unclaim_env
 
                 release_tier(self.disk)
+                if self._owner_fd is not None:
+                    unclaim_env(self._owner_fd)
+                    self._owner_fd = None
         return flushed
 
     def _flush_unspilled(self) -> int:

@@ -1,0 +1,739 @@
+"""tierkv's vLLM connector under the real vLLM 0.33 Scheduler, on CPU.
+
+Every run goes through ``vllm_harness``: vLLM's own Scheduler (sync or async scheduling)
+and connector factory, the worker role registered on KV views built with vLLM's
+``allocate_kv_cache``, and a fake model runner that calls the worker connector in the
+model runner's order and, before every layer of every step, checks every earlier KV slot
+of every scheduled request against a value that depends only on the token prefix. A
+wrong byte loaded from the CPU or the disk tier fails the run (KVMismatchError), and each
+request's output tokens are compared with ``reference_generate``.
+
+Hit counts are asserted where they are deterministic: with vLLM's GPU prefix cache off,
+every reused token is an external hit, and a later turn of a chat must hit every full
+chunk its previous turn computed (the chunk completed by the last decoded tokens too).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vllm installed")
+
+try:  # pytest puts this directory on sys.path while tests/ is not a package
+    import vllm_harness as harness_lib
+except ImportError:  # tests/ became a package
+    from tests.integration import vllm_harness as harness_lib  # type: ignore[no-redef]
+
+from vllm.config import KVEventsConfig, KVTransferConfig
+from vllm.distributed.kv_events import BlockStored
+
+from tierkv.errors import ConfigError
+from tierkv.integrations import vllm as tierkv_vllm
+from tierkv.integrations import vllm_config
+from tierkv.integrations.vllm_keys import chunk_key, chunk_keys_from_block_hashes
+
+HarnessConfig = harness_lib.HarnessConfig
+MultiTurnWorkload = harness_lib.MultiTurnWorkload
+RequestSpec = harness_lib.RequestSpec
+
+TPC = 32  # tokens per chunk in these tests: 2 blocks of 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The harness's KV checks are many small tensor ops; on a 2-core VM torch's intra-op
+    threads make them 2-10x slower, so the module runs with one."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=["v2", "v1"])
+def model_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if request.param == "v2" else "0")
+    return str(request.param)
+
+
+def tierkv_config(**extra: Any) -> KVTransferConfig:
+    settings: dict[str, Any] = {"cpu_bytes": 8 << 20, "tokens_per_chunk": TPC}
+    settings.update(extra)
+    return KVTransferConfig(
+        kv_connector="TierKVConnector",
+        kv_connector_module_path="tierkv.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=settings,
+    )
+
+
+class Run:
+    """One harness with tierkv: records the external tokens vLLM accepted per request and
+    checks the block index's invariants after every step."""
+
+    def __init__(self, cfg: HarnessConfig, check: bool = True) -> None:
+        self.cfg = cfg
+        self.harness = harness_lib.build_harness(cfg, check=check)
+        self.engine = harness_lib.HarnessEngine(self.harness)
+        self.connector: Any = self.harness.scheduler_connector
+        self.side = self.connector._scheduler
+        self.external: dict[str, int] = {}
+        original = self.connector.update_state_after_alloc
+
+        def spy(request: Any, blocks: Any, num_external_tokens: int) -> None:
+            if num_external_tokens:
+                self.external[request.request_id] = num_external_tokens
+            original(request, blocks, num_external_tokens)
+
+        self.connector.update_state_after_alloc = spy
+        self.engine.on_step_end = lambda engine: self.side.index.check()
+
+    def run(self, workload: harness_lib.Workload, max_steps: int = 3000) -> harness_lib.RunResult:
+        result = self.engine.run(workload, max_steps=max_steps)
+        self.assert_drained()
+        return result
+
+    def assert_drained(self) -> None:
+        assert self.side.adapter.jobs_in_flight() == 0
+        assert self.side.adapter.num_requests() == 0
+        assert self.side.index.jobs_in_flight() == 0
+        assert not self.connector.has_pending_push_work()
+
+    def shutdown(self) -> None:
+        worker = self.harness.worker_connector
+        assert worker is not None
+        worker.shutdown()
+        self.harness.scheduler.shutdown()
+
+
+def assert_clean(result: harness_lib.RunResult, vocab_size: int, skip: set[str] = frozenset()) -> None:
+    bad = [req for req in result.mismatched_outputs(vocab_size) if req not in skip]
+    assert bad == []
+    assert result.num_checked_slots > 0
+
+
+def expected_chat_hits(result: harness_lib.RunResult, user_turn_len: int) -> dict[str, int]:
+    """Turn k+1's prompt is turn k's tokens plus new ones: every full chunk of turn k whose
+    KV was computed (all but the last sampled token), and that leaves a token to compute."""
+    expected = {}
+    for req_id, spec in result.prompts.items():
+        if req_id.endswith("-turn0"):
+            continue
+        previous = len(spec.prompt_token_ids) - user_turn_len
+        chunks = min((previous - 1) // TPC, (len(spec.prompt_token_ids) - 1) // TPC)
+        expected[req_id] = chunks * TPC
+    return expected
+
+
+CHAT = dict(num_conversations=3, num_turns=3, system_prompt_len=30, first_user_len=30,
+            user_turn_len=26, max_tokens=8)
+
+
+# (1) multi-turn chat ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_chat_turns_hit_every_chunk_of_the_previous_turn(async_scheduling: bool) -> None:
+    cfg = HarnessConfig(async_scheduling=async_scheduling, enable_prefix_caching=False,
+                        num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    result = run.run(MultiTurnWorkload(**CHAT))
+    assert_clean(result, cfg.vocab_size)
+
+    expected = expected_chat_hits(result, CHAT["user_turn_len"])
+    got = {req: run.external.get(req, 0) for req in expected}
+    assert got == expected
+    # Turn 0 ends at 60 + 8 tokens: its second chunk (tokens 32-63) was completed by the
+    # decoded tokens, and turn 1 hits it too.
+    assert all(got[f"conv{c}-turn1"] == 2 * TPC for c in range(3))
+    assert all(got[f"conv{c}-turn2"] == 3 * TPC for c in range(3))
+    stats = run.side.statistics()
+    assert stats["hit_tokens_cpu"] == sum(expected.values()) and stats["hit_tokens_disk"] == 0
+    assert stats["loads_failed"] == stats["stores_failed"] == 0
+    # Each request waited in WAITING_FOR_REMOTE_KVS, then resumed on the loaded KV.
+    recved = {req for r in result.records if r.kv_connector_output
+              for req in r.kv_connector_output.finished_recving or ()}
+    assert recved == set(expected)
+    # What crosses processes in vLLM's multiprocess executor is pickled.
+    import pickle
+
+    metas = [r.kv_connector_metadata for r in result.records]
+    assert pickle.loads(pickle.dumps(metas)) == metas
+    worker_metas = [r.kv_connector_output.kv_connector_worker_meta for r in result.records
+                    if r.kv_connector_output and r.kv_connector_output.kv_connector_worker_meta]
+    assert worker_metas and pickle.loads(pickle.dumps(worker_metas)) == worker_metas
+
+
+def test_chat_with_vllm_prefix_cache_and_the_v1_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    cfg = HarnessConfig(num_gpu_blocks=16, max_num_batched_tokens=48,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    result = run.run(MultiTurnWorkload(**{**CHAT, "num_conversations": 4}))
+    assert_clean(result, cfg.vocab_size)
+    assert not run.harness.scheduler.use_v2_model_runner
+    # Local GPU hits and tierkv's together cover at least what tierkv alone would.
+    first = {}
+    for record in result.records:
+        for req, start in record.computed_before.items():
+            first.setdefault(req, start)
+    for req, tokens in expected_chat_hits(result, CHAT["user_turn_len"]).items():
+        assert first[req] >= tokens, req
+    assert sum(run.external.values()) > 0
+
+
+class _Tenants(harness_lib.Workload):
+    """One prompt sent by tenant a, then by tenant b, then by tenant a again."""
+
+    def __init__(self) -> None:
+        self.prompt = [(31 * i) % 991 for i in range(100)]
+
+    def initial_requests(self) -> list[RequestSpec]:
+        return [RequestSpec("a1", self.prompt, 4, cache_salt="a")]
+
+    def on_finished(self, request_id: str, all_token_ids: list[int]) -> list[RequestSpec]:
+        follow = {"a1": RequestSpec("b1", self.prompt, 4, cache_salt="b"),
+                  "b1": RequestSpec("a2", self.prompt, 4, cache_salt="a")}
+        return [follow[request_id]] if request_id in follow else []
+
+
+def test_cache_salts_keep_tenants_apart() -> None:
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    result = run.run(_Tenants())
+    assert_clean(result, cfg.vocab_size)
+    assert "b1" not in run.external  # another tenant's chunks are never offered
+    assert run.external["a2"] == 3 * TPC
+
+
+# (2) preemptions --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemptions_with_a_small_gpu_block_pool(model_runner: str, async_scheduling: bool) -> None:
+    cfg = HarnessConfig(async_scheduling=async_scheduling, num_gpu_blocks=20,
+                        max_num_batched_tokens=48, max_num_seqs=8,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    workload = MultiTurnWorkload(num_conversations=5, num_turns=2, max_tokens=20, first_user_len=40)
+    result = run.run(workload)
+    assert_clean(result, cfg.vocab_size)
+    assert result.num_preemptions > 0
+    assert sum(run.external.values()) > 0
+
+
+# (3) restart over the same disk path -----------------------------------------------------------
+
+
+class _Resend(harness_lib.Workload):
+    """Each earlier request's full token sequence, plus a few new tokens."""
+
+    def __init__(self, sequences: dict[str, list[int]]) -> None:
+        self.sequences = sequences
+
+    def initial_requests(self) -> list[RequestSpec]:
+        return [RequestSpec(f"again-{req}", tokens + [7, 7, 7], max_tokens=4)
+                for req, tokens in self.sequences.items()]
+
+
+def _sequences(run: Run, result: harness_lib.RunResult) -> dict[str, list[int]]:
+    return {req: list(spec.prompt_token_ids) + result.outputs[req] for req, spec in result.prompts.items()}
+
+
+def test_restart_serves_hits_from_disk(tmp_path: Path) -> None:
+    transfer = tierkv_config(disk_path=str(tmp_path), disk_bytes=64 << 20)
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=transfer)
+    first = Run(cfg)
+    result = first.run(MultiTurnWorkload(**{**CHAT, "num_turns": 2}))
+    assert_clean(result, cfg.vocab_size)
+    stored = first.side.index.statistics()
+    assert stored.spills_ok < stored.stores_planned  # most chunks were never spilled ...
+    unspilled = len(first.harness.worker_connector._worker.unspilled_chunks())  # type: ignore[union-attr]
+    assert unspilled > 0
+    first.shutdown()  # ... the worker writes them at shutdown
+
+    second = Run(cfg)  # a new scheduler and worker over the same disk path
+    assert second.side.found_on_disk == stored.stores_planned - stored.stores_failed
+    sequences = _sequences(first, result)
+    again = second.run(_Resend(sequences))
+    assert_clean(again, cfg.vocab_size)
+    expected = {f"again-{req}": (len(tokens) - 1) // TPC * TPC for req, tokens in sequences.items()}
+    assert second.external == expected
+    stats = second.side.statistics()
+    assert stats["hit_tokens_disk"] + stats["hit_tokens_cpu"] == sum(expected.values())
+    # Each distinct chunk came from disk once; a request sharing it with one that promoted
+    # it first waited ("not yet") and then hit the CPU tier.
+    distinct = {key for req in expected
+                for key in chunk_keys_from_block_hashes(second.engine.requests[req].block_hashes, 2)[
+                    : expected[req] // TPC]}
+    assert stats["hit_tokens_disk"] == len(distinct) * TPC
+    second.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_small_cpu_tier_spills_and_promotes_through_disk(tmp_path: Path, async_scheduling: bool) -> None:
+    chunk_bytes = 2 * 2 * 1024 * 2  # 2 blocks x 2 layers x 1 KiB pages
+    cfg = HarnessConfig(async_scheduling=async_scheduling, enable_prefix_caching=False,
+                        num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config(cpu_bytes=6 * chunk_bytes,
+                                                         disk_path=str(tmp_path)))
+    run = Run(cfg)
+    result = run.run(MultiTurnWorkload(**{**CHAT, "num_conversations": 4}))
+    assert_clean(result, cfg.vocab_size)
+    stats = run.side.statistics()
+    assert stats["spills_ok"] > 0 and stats["cpu_evictions"] > 0
+    # Every later turn still hits every chunk of its previous turn.
+    expected = expected_chat_hits(result, CHAT["user_turn_len"])
+    assert {req: run.external.get(req, 0) for req in expected} == expected
+    # The first turns' chunks left the 6-slot CPU tier long ago: they come back from disk.
+    sequences = {req: tokens for req, tokens in _sequences(run, result).items() if req.endswith("turn0")}
+    again = run.run(_Resend(sequences))
+    assert_clean(again, cfg.vocab_size)
+    assert all(run.external[f"again-{req}"] == (len(tokens) - 1) // TPC * TPC
+               for req, tokens in sequences.items())
+    stats = run.side.statistics()
+    assert stats["hit_tokens_disk"] > 0 and stats["loads_failed"] == 0
+    run.shutdown()
+
+
+# (4) aborts -------------------------------------------------------------------------------------
+
+
+def test_aborts_mid_prefill_and_while_loading() -> None:
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=32,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    engine = run.engine
+    prompt = [(17 * i) % 997 for i in range(150)]
+    state: dict[str, int] = {}
+
+    def on_step_end(engine: harness_lib.HarnessEngine) -> None:
+        run.side.index.check()
+        long = engine.requests["long"]
+        if "aborted_at" not in state and long.num_computed_tokens >= 96:
+            state["aborted_at"] = long.num_computed_tokens
+            engine.abort_request("long")  # mid-prefill: 150 tokens, 32 per step
+            engine.add_request(RequestSpec("same", prompt, max_tokens=4))
+        loader = engine.requests.get("same")
+        if loader is not None and "loading" not in state and loader.status.name == "WAITING_FOR_REMOTE_KVS":
+            state["loading"] = 1
+            engine.abort_request("same")  # while its load is in flight
+            engine.add_request(RequestSpec("third", prompt, max_tokens=4))
+
+    engine.on_step_end = on_step_end
+    result = run.run(harness_lib.StaticWorkload([RequestSpec("long", prompt, max_tokens=4)]))
+    assert_clean(result, cfg.vocab_size, skip={"long", "same"})
+    assert state["aborted_at"] == 96 and state["loading"] == 1
+    # The aborted prefill stored every chunk it computed; both later requests hit them.
+    assert run.external["same"] == run.external["third"] == 96
+    assert len(result.outputs["third"]) == 4
+
+
+# (5) KV layouts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+def test_kv_layouts(layout: str) -> None:
+    cfg = HarnessConfig(kv_cache_layout=layout, enable_prefix_caching=False, num_gpu_blocks=48,
+                        max_num_batched_tokens=64, kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    result = run.run(MultiTurnWorkload(**{**CHAT, "num_conversations": 2, "num_turns": 2}))
+    assert_clean(result, cfg.vocab_size)
+    assert run.harness.layout.name == layout
+    expected = expected_chat_hits(result, CHAT["user_turn_len"])
+    assert {req: run.external.get(req, 0) for req in expected} == expected
+    page_order = run.connector.geometry.page_order
+    assert page_order == ("NHD" if "NH" in layout else "HND")
+
+
+def test_namespace_follows_page_bytes_not_the_outer_layout() -> None:
+    def namespace(layout: str) -> str:
+        cfg = HarnessConfig(kv_cache_layout=layout, num_gpu_blocks=8, create_worker_connector=False,
+                            kv_transfer_config=tierkv_config())
+        return harness_lib.build_harness(cfg).scheduler_connector.namespace.fingerprint()  # type: ignore[union-attr]
+
+    assert namespace("LBNHC") == namespace("BLNHC")  # same NHD page bytes
+    assert namespace("LBHNC") == namespace("BLHNC")
+    assert namespace("LBNHC") != namespace("LBHNC")
+
+
+def test_kernel_block_split_views() -> None:
+    cfg = HarnessConfig(kernel_block_size=8, enable_prefix_caching=False, num_gpu_blocks=48,
+                        max_num_batched_tokens=64, kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    result = run.run(MultiTurnWorkload(**{**CHAT, "num_conversations": 2, "num_turns": 2}))
+    assert_clean(result, cfg.vocab_size)
+    assert sum(run.external.values()) > 0
+    hnd = HarnessConfig(kernel_block_size=8, kv_cache_layout="LBHNC", num_gpu_blocks=8,
+                        kv_transfer_config=tierkv_config())
+    with pytest.raises(ConfigError, match="kernel blocks"):
+        harness_lib.build_harness(hnd)
+
+
+# configuration, versions, hashes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"cpu_byte": 1 << 20}, r"\['cpu_byte'\] = 1048576: unknown key"),
+        ({"cpu_bytes": -5}, r"\['cpu_bytes'\] = -5: must be an int >= 1"),
+        ({"cpu_bytes": True}, r"\['cpu_bytes'\] = True"),
+        ({"tokens_per_chunk": 40}, r"\['tokens_per_chunk'\] = 40: must be a multiple of vLLM's block size 16"),
+        ({"cpu_bytes": 1000}, r"\['cpu_bytes'\] = 1000: holds no chunk"),
+        ({"disk_sync_mode": "never"}, r"\['disk_sync_mode'\] = 'never': must be one of"),
+        ({"spill_ahead_fraction": 2}, r"\['spill_ahead_fraction'\] = 2"),
+        ({"offload_prompt_only": "yes"}, r"\['offload_prompt_only'\] = 'yes': must be true or false"),
+    ],
+)
+def test_config_errors_name_the_key_and_value(extra: dict[str, Any], match: str) -> None:
+    cfg = HarnessConfig(num_gpu_blocks=8, kv_transfer_config=tierkv_config(**extra))
+    with pytest.raises(ConfigError, match=match):
+        harness_lib.build_harness(cfg)
+
+
+def test_defaults_with_only_cpu_bytes_and_disk_path(tmp_path: Path) -> None:
+    settings = vllm_config.parse_settings({"cpu_bytes": 1 << 24, "disk_path": str(tmp_path)})
+    assert settings.tokens_per_chunk is None and settings.disk_bytes == 64 << 30
+    transfer = KVTransferConfig(kv_connector="TierKVConnector",
+                                kv_connector_module_path="tierkv.integrations.vllm", kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes": 1 << 24, "disk_path": str(tmp_path)})
+    harness = harness_lib.build_harness(HarnessConfig(num_gpu_blocks=64, kv_transfer_config=transfer))
+    geometry = harness.scheduler_connector.geometry  # type: ignore[union-attr]
+    assert geometry.tokens_per_chunk == 256 and geometry.blocks_per_chunk == 16
+    assert geometry.chunk_bytes == 1024 * 2 * 16  # page bytes x layers x blocks per chunk
+    assert geometry.num_slots == (1 << 24) // geometry.chunk_bytes
+    assert harness.worker_connector._worker.slab.num_slots == geometry.num_slots  # type: ignore[union-attr]
+    harness.worker_connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_kv_role_must_be_kv_both() -> None:
+    transfer = tierkv_config()
+    transfer.kv_role = "kv_producer"
+    with pytest.raises(ConfigError, match="kv_role='kv_producer'"):
+        harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, kv_transfer_config=transfer))
+
+
+def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_config.check_vllm_version("0.33.0")
+    vllm_config.check_vllm_version("0.33.7rc1")
+    for version in ("0.32.1", "0.34.0", "1.0.0", "dev"):
+        with pytest.raises(vllm_config.UnsupportedVersionError, match=r"targets vLLM 0\.33\.x"):
+            vllm_config.check_vllm_version(version)
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(tierkv_vllm.UnsupportedVersionError, match="vLLM 0.34.0 is not supported"):
+        harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, kv_transfer_config=tierkv_config()))
+
+
+def test_unstable_hashes_refuse_a_disk_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("xxhash")
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with_disk = tierkv_config(disk_path=str(tmp_path))
+    cfg = HarnessConfig(num_gpu_blocks=8, prefix_caching_hash_algo="xxhash", kv_transfer_config=with_disk)
+    with pytest.raises(ConfigError, match="without PYTHONHASHSEED.*Set PYTHONHASHSEED"):
+        harness_lib.build_harness(cfg)
+    # Without a disk tier nothing outlives the process: allowed.
+    harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, prefix_caching_hash_algo="xxhash",
+                                            create_worker_connector=False,
+                                            kv_transfer_config=tierkv_config()))
+    # A fixed seed makes xxhash stable, and the seed is part of the namespace.
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    harness = harness_lib.build_harness(
+        HarnessConfig(num_gpu_blocks=8, prefix_caching_hash_algo="xxhash", create_worker_connector=False,
+                      kv_transfer_config=with_disk))
+    scheme = harness.scheduler_connector.namespace.hash_scheme  # type: ignore[union-attr]
+    assert scheme.startswith("vllm-xxhash/seed:") and "unset" not in scheme
+
+
+def test_hash_seed_changes_the_namespace() -> None:
+    cfg = HarnessConfig(num_gpu_blocks=8, create_worker_connector=False, kv_transfer_config=tierkv_config())
+    connector: Any = harness_lib.build_harness(cfg).scheduler_connector
+    unset = vllm_config.build_namespace(connector._vllm_config, connector.geometry, "0.33.0", {})
+    seeded = vllm_config.build_namespace(connector._vllm_config, connector.geometry, "0.33.0",
+                                         {"PYTHONHASHSEED": "0"})
+    assert unset.fingerprint() != seeded.fingerprint()
+    assert "seed:unset" in unset.hash_scheme and "seed:unset" not in seeded.hash_scheme
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, torch\n"
+        "import tierkv.integrations.vllm as m\n"
+        "assert 'lmdb' not in sys.modules, 'lmdb imported'\n"
+        "assert 'tierkv.integrations.vllm_worker' not in sys.modules\n"
+        "assert 'tierkv.integrations.vllm_disk' not in sys.modules\n"
+        "assert 'tierkv.transfer.cuda' not in sys.modules\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print(m.TierKVConnector.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("TierKVConnector")
+
+
+def test_disk_overhead_matches_the_library_store() -> None:
+    from tierkv.engine.store import DISK_OVERHEAD_BYTES
+
+    assert vllm_config.DISK_OVERHEAD_BYTES == DISK_OVERHEAD_BYTES
+
+
+# keys, events, stats ---------------------------------------------------------------------------
+
+
+def test_keys_derive_from_the_last_block_hash_of_each_chunk() -> None:
+    harness = harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, kv_transfer_config=tierkv_config(),
+                                                      create_worker_connector=False))
+    request = harness_lib.make_request("r", list(range(100)), 4, harness.block_hasher)
+    keys = chunk_keys_from_block_hashes(request.block_hashes, TPC // 16)
+    assert len(request.block_hashes) == 6 and len(keys) == 3
+    assert keys[1] == chunk_key(request.block_hashes[3])
+    import hashlib
+
+    assert keys[0] == hashlib.sha256(b"tierkv/vllm/chunk-key/v1\x00" + bytes(4) + request.block_hashes[1]).digest()
+    salted = harness_lib.make_request("s", list(range(100)), 4, harness.block_hasher, cache_salt="tenant")
+    assert chunk_keys_from_block_hashes(salted.block_hashes, 2)[0] != keys[0]
+
+
+def test_kv_events_and_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    build = harness_lib.build_vllm_config
+
+    def with_events(cfg: HarnessConfig, model_dir: Path) -> Any:
+        config = build(cfg, model_dir)
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        return config
+
+    monkeypatch.setattr(harness_lib, "build_vllm_config", with_events)
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    run.side.stats_interval = 0.0  # report on every step
+    events: list[Any] = []
+    take = run.connector.take_events
+    run.connector.take_events = lambda: events.extend(take()) or []
+    stats: list[Any] = []
+    get_stats = run.connector.get_kv_connector_stats
+    run.connector.get_kv_connector_stats = lambda: (stats.append(get_stats()) or stats[-1])
+    result = run.run(MultiTurnWorkload(**{**CHAT, "num_turns": 2}))
+    assert_clean(result, cfg.vocab_size)
+
+    stored = [event for event in events if isinstance(event, BlockStored)]
+    assert len(stored) == run.side.statistics()["stores_planned"]
+    assert all(event.medium == "CPU" and event.group_idx == 0 for event in stored)
+    engine_request = run.engine.requests["conv0-turn0"]
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    hashes = {event.block_hashes[0] for event in stored}
+    assert maybe_convert_block_hash(engine_request.block_hashes[1]) in hashes
+
+    scheduler_stats = [s for s in stats if s is not None]
+    assert scheduler_stats and isinstance(scheduler_stats[0], tierkv_vllm.TierKVConnectorStats)
+    total = scheduler_stats[0]
+    for item in scheduler_stats[1:]:
+        total = total.aggregate(item)
+    rebuilt = tierkv_vllm.TierKVConnector.build_kv_connector_stats(total.to_dict())
+    assert rebuilt.reduce() == total.reduce() and not rebuilt.is_empty()
+    worker_stats = run.harness.worker_connector.get_kv_connector_stats()  # type: ignore[union-attr]
+    assert worker_stats is None or isinstance(worker_stats, tierkv_vllm.TierKVConnectorStats)
+
+
+# failures and tensor parallelism -----------------------------------------------------------------
+
+
+def test_a_chunk_missing_on_disk_is_recomputed(tmp_path: Path) -> None:
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config(disk_path=str(tmp_path)))
+    first = Run(cfg)
+    result = first.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1}))
+    first.shutdown()
+
+    second = Run(cfg)
+    sequences = _sequences(first, result)
+    victim = harness_lib.make_request("x", sequences["conv1-turn0"], 1, second.harness.block_hasher)
+    lost = chunk_keys_from_block_hashes(victim.block_hashes, 2)[1]
+    disk = second.harness.worker_connector._worker.disk  # type: ignore[union-attr]
+    assert disk.delete_many([lost]) == 1  # the index still lists it: a read will miss
+    again = second.run(_Resend(sequences))
+    assert_clean(again, cfg.vocab_size)  # the lost chunk's blocks were recomputed
+    invalid = set().union(*(r.kv_connector_output.invalid_block_ids for r in again.records
+                            if r.kv_connector_output))
+    assert len(invalid) == 2  # the two GPU blocks of the missing chunk
+    stats = second.side.statistics()
+    assert stats["loads_failed"] == 1 and stats["hit_tokens_disk"] == 6 * TPC
+    assert stats["disk_missing"] == 1  # forgotten by the index; recomputed and stored again
+    second.shutdown()
+
+
+def test_a_second_worker_on_the_same_disk_environment_is_refused(tmp_path: Path) -> None:
+    cfg = HarnessConfig(num_gpu_blocks=8, kv_transfer_config=tierkv_config(disk_path=str(tmp_path)))
+    first = harness_lib.build_harness(cfg)
+    with pytest.raises(ConfigError, match="in use by another tierkv worker"):
+        harness_lib.build_harness(cfg)
+    first.worker_connector.shutdown()  # type: ignore[union-attr]
+    harness_lib.build_harness(cfg).worker_connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_rebuild_keeps_chunks_every_rank_holds(tmp_path: Path) -> None:
+    from tierkv.config import DiskTierConfig
+    from tierkv.integrations.vllm_disk import acquire_tier, rebuild_keys, release_tier
+    from tierkv.keys import Namespace
+
+    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
+                          tokens_per_chunk=32, tp_size=2)
+    config = DiskTierConfig(path=tmp_path, max_bytes=1 << 24)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    payload = b"\x01" * 128
+    for rank, held in ((0, keys), (1, keys[:2] + keys[3:])):  # rank 1 lacks keys[2]
+        tier = acquire_tier(tmp_path, namespace, rank, config, len(payload))
+        for key in held:  # one txn each: keys[0] is the oldest
+            tier.put_many([(key, payload)])
+        release_tier(tier)
+    kept, deleted = rebuild_keys(tmp_path, namespace, [0, 1], config, len(payload), capacity=4)
+    assert kept == keys[1:2] + keys[3:]  # oldest first; keys[0] trimmed (capacity), keys[2] partial
+    assert deleted == 2
+    tier = acquire_tier(tmp_path, namespace, 0, config, len(payload))
+    assert sorted(record.key for record in tier.scan()) == sorted(kept)
+    release_tier(tier)
+
+
+def test_a_job_completes_once_every_tp_rank_reported_it() -> None:
+    from types import SimpleNamespace
+
+    from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+    from tierkv.integrations.vllm_scheduler import SchedulerSide
+    from tierkv.keys import Namespace
+
+    geometry = Geometry(layer_names=("a", "b"), block_size=16, hash_block_size=16, blocks_per_chunk=2,
+                        page_bytes=1024, num_heads=2, content_bytes=32, dtype="float16", layout="LBNHC",
+                        page_order="NHD", world_size=2, num_slots=8, disk_capacity=0)
+    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=1024,
+                          tokens_per_chunk=32, tp_size=2)
+    side = SchedulerSide(ConnectorSettings(), geometry, namespace)
+    request = SimpleNamespace(request_id="r", block_hashes=[bytes([i]) * 32 for i in range(4)],
+                              num_prompt_tokens=70, num_tokens=70, num_computed_tokens=0)
+    side.on_new_request(request)
+    new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],))
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    so = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                         num_scheduled_tokens={"r": 64}, preempted_req_ids=set())
+    plan = side.build_meta(so).plan
+    (store,) = plan.stores
+    assert [chunk.block_ids for chunk in store.chunks] == [(1, 2), (3, 4)]
+    done = tierkv_vllm.TierKVWorkerMetadata([tierkv_vllm_completion(store.job_id)])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=done))  # rank 0
+    assert side.adapter.jobs_in_flight() == 1 and side.has_pending_push_work()
+    both = done.aggregate(tierkv_vllm.TierKVWorkerMetadata([]))  # a step where rank 1 had nothing
+    assert isinstance(both, tierkv_vllm.TierKVWorkerMetadata) and len(both.completions) == 1
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=both))  # rank 1
+    assert side.adapter.jobs_in_flight() == 0
+    assert side.index.lookup(side._tracked["r"].keys).num_hits == 2
+
+
+def test_keys_follow_rewritten_block_hashes() -> None:
+    """A streaming-input session drops its last sampled token and vLLM rewrites the hashes
+    from that block on: keys derived from the old hashes must not be reused."""
+    from types import SimpleNamespace
+
+    from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+    from tierkv.integrations.vllm_scheduler import SchedulerSide
+    from tierkv.keys import Namespace
+
+    geometry = Geometry(layer_names=("a",), block_size=16, hash_block_size=16, blocks_per_chunk=2,
+                        page_bytes=1024, num_heads=2, content_bytes=32, dtype="float16", layout="LBNHC",
+                        page_order="NHD", world_size=1, num_slots=4, disk_capacity=0)
+    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=1024, tokens_per_chunk=32)
+    side = SchedulerSide(ConnectorSettings(), geometry, namespace)
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    request = SimpleNamespace(request_id="s", block_hashes=hashes, num_prompt_tokens=64, num_tokens=64,
+                              num_computed_tokens=0)
+    side.on_new_request(request)
+    view = side._view(side._tracked["s"])
+    assert list(view.chunk_keys) == [chunk_key(hashes[1]), chunk_key(hashes[3])]
+    del hashes[3:]
+    hashes.append(b"\xee" * 32)  # same length, new last hash
+    assert list(side._view(side._tracked["s"]).chunk_keys) == [chunk_key(hashes[1]), chunk_key(b"\xee" * 32)]
+    assert list(view.chunk_keys)[1] == chunk_key(b"\xee" * 32)  # edited in place: the adapter sees it
+    del hashes[1:]
+    assert side._view(side._tracked["s"]).chunk_keys == []
+
+
+def tierkv_vllm_completion(job_id: Any) -> Any:
+    from tierkv.core.jobs import Completion
+
+    return Completion(job_id, ok=True, num_bytes=4096)
+
+
+# randomized runs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("TIERKV_RANDOM_SEEDS", "16"))))
+def test_random_configurations_keep_every_kv_slot_right(seed: int, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    rng = random.Random(seed)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", rng.choice(["0", "1"]))
+    tokens_per_chunk = rng.choice([16, 32, 48])
+    chunk_bytes = tokens_per_chunk // 16 * 2 * 1024
+    extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk,
+                             "cpu_bytes": rng.randint(1, 24) * chunk_bytes,
+                             "offload_prompt_only": rng.random() < 0.2,
+                             "write_through": rng.random() < 0.3}
+    if rng.random() < 0.6:
+        extra["disk_path"] = str(tmp_path)
+        extra["disk_bytes"] = rng.randint(4, 40) * (chunk_bytes + vllm_config.DISK_OVERHEAD_BYTES)
+    cfg = HarnessConfig(
+        async_scheduling=rng.random() < 0.5,
+        enable_prefix_caching=rng.random() < 0.5,
+        kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
+        num_gpu_blocks=rng.randint(14, 40),
+        max_num_batched_tokens=rng.choice([32, 48, 64]),
+        max_num_seqs=rng.choice([4, 8]),
+        kv_transfer_config=tierkv_config(**extra),
+    )
+    run = Run(cfg)
+    run.harness.runner.write_before_check = True  # same-step prefix hits on a shared system prompt
+    workload = MultiTurnWorkload(num_conversations=rng.randint(3, 5), num_turns=3,
+                                 system_prompt_len=rng.randint(10, 40), first_user_len=rng.randint(10, 40),
+                                 user_turn_len=rng.randint(5, 30), max_tokens=rng.randint(4, 16), seed=seed)
+    aborted: set[str] = set()
+    abort_rate = rng.choice([0.0, 0.0, 0.05])
+
+    def maybe_abort(engine: harness_lib.HarnessEngine) -> None:
+        run.side.index.check()
+        live = [req for req, request in engine.requests.items() if not request.is_finished()]
+        if live and rng.random() < abort_rate:
+            victim = rng.choice(live)
+            aborted.add(victim)
+            engine.abort_request(victim)
+
+    run.engine.on_step_end = maybe_abort
+    result = run.run(workload)
+    assert_clean(result, cfg.vocab_size, skip=aborted)
+    assert run.side.statistics()["loads_failed"] == 0
+    run.shutdown()
+
+
+def test_block_index_touch_refreshes_recency() -> None:
+    from tierkv.core.index import BlockIndex
+    from tierkv.core.jobs import Completion
+
+    index = BlockIndex(num_slots=3)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    plan = index.prepare_store(keys[:3])
+    index.complete_store(Completion(plan.job_id, ok=True))  # LRU order: 0, 1, 2
+    index.touch([keys[0], b"absent" * 6])  # 0 is now the most recent
+    index.prepare_store(keys[3:])  # evicts the least recent: 1
+    assert [index.contains(key) for key in keys] == [True, False, True, True]
+    index.check()

@@ -1,0 +1,361 @@
+"""Operator tools over a disk tier root: ``tierkv inspect`` and ``tierkv verify``.
+
+- :func:`inspect_store` reads every ``ns-<fingerprint>/rank-<r>`` environment **read-only**
+  (LMDB ``readonly``; index records only, in short read transactions of 1024 keys; no
+  payload is read): namespace, chunks, payload bytes, file size, oldest and newest chunk by
+  write sequence, last write time, format version, environments moved aside as broken.
+- :func:`verify_store` checks every value's header and checksum and the index
+  (:meth:`DiskTier.verify`). Without ``repair`` nothing is changed: an environment that is
+  damaged (fails to open, or its meta record is unreadable) is reported; with ``repair``
+  bad chunks are deleted and a damaged environment is moved aside and rebuilt empty (what
+  the engine itself does on open).
+- Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found
+  (also when ``--repair`` fixed them: a rerun then answers 0), 2 error (no store, the
+  store cannot be read, a format this build does not read).
+- :func:`human_bytes` formats sizes the way every summary line prints them.
+
+Both are safe to run while an engine has the store open (LMDB is multi-process); a chunk
+deleted by ``--repair`` under a running engine is a failed load there, which the engine
+recomputes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+
+from tierkv.errors import BrokenError, ConfigError, short_key
+
+_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
+           lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
+           lmdb.BadChecksumError, lmdb.NotFoundError)
+_INDEX = struct.Struct("<QQ")
+_BATCH = 1024
+MiB = 1 << 20
+
+
+def human_bytes(num_bytes: int) -> str:
+    """``2.25 GiB``, ``512 B``."""
+    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if num_bytes >= unit:
+            return f"{num_bytes / unit:.2f} {name}"
+    return f"{num_bytes} B"
+
+
+class _Damaged(Exception):
+    """The environment is not what tierkv writes (the engine would move it aside)."""
+
+
+@dataclass
+class RankReport:
+    """One ``rank-<r>`` environment."""
+
+    rank: int
+    path: Path
+    chunks: int = 0
+    payload_bytes: int = 0  # sum over chunks
+    payload_len: int = 0  # the most common payload length (0: none)
+    file_bytes: int = 0
+    oldest: tuple[str, int] | None = None  # (key hex, write sequence)
+    newest: tuple[str, int] | None = None
+    last_write: str | None = None  # data.mdb mtime, UTC
+    record: dict[str, Any] | None = None  # the authoritative namespace record (meta sub-db)
+    problem: str | None = None  # damaged: why
+
+
+@dataclass
+class NamespaceReport:
+    fingerprint: str
+    path: Path
+    format_version: int | None
+    description: dict[str, Any]
+    ranks: list[RankReport] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)  # rank-<r>.broken-* directories
+    problem: str | None = None
+
+
+def _store_dirs(root: Path) -> list[Path]:
+    if not root.exists():
+        raise ConfigError(f"no such store directory: {root}")
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory (expected a tierkv store root, disk.path)")
+    dirs = sorted(path for path in root.glob("ns-*") if path.is_dir())
+    if not dirs:
+        raise ConfigError(f"{root} holds no tierkv store (no ns-<fingerprint> directories)")
+    return dirs
+
+
+def _batches(env: lmdb.Environment, db: Any) -> Iterator[list[tuple[bytes, bytes]]]:
+    last: bytes | None = None
+    while True:
+        with env.begin(db=db, buffers=False) as txn:
+            cursor = txn.cursor()
+            more = cursor.set_range(last) if last is not None else cursor.first()
+            if more and last is not None and cursor.key() == last:
+                more = cursor.next()
+            rows: list[tuple[bytes, bytes]] = []
+            while more and len(rows) < _BATCH:
+                rows.append((cursor.key(), cursor.value()))
+                more = cursor.next()
+        if rows:
+            yield rows
+        if len(rows) < _BATCH:
+            return
+        last = rows[-1][0]
+
+
+def _open_readonly(path: Path) -> lmdb.Environment:
+    try:
+        env = lmdb.open(str(path), readonly=True, subdir=True, lock=True, max_dbs=4,
+                        readahead=False)
+    except _DAMAGE as exc:
+        raise _Damaged(f"LMDB cannot open it: {exc}") from exc
+    except lmdb.Error as exc:
+        raise BrokenError(f"cannot open {path} read-only: {exc} (check permissions)") from exc
+    try:
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        actual = (path / "data.mdb").stat().st_size
+        if actual < needed:  # reading past the end of the map would SIGBUS
+            raise _Damaged(f"data.mdb has {actual} bytes, its meta page needs {needed}")
+    except BaseException:
+        env.close()
+        raise
+    return env
+
+
+def _read_record(env: lmdb.Environment) -> dict[str, Any]:
+    meta = env.open_db(b"meta", create=False)
+    with env.begin(db=meta) as txn:
+        raw = txn.get(b"namespace")
+    if raw is None:
+        raise _Damaged("no namespace record in the meta sub-db")
+    try:
+        record = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
+    except Exception as exc:
+        raise _Damaged(f"namespace record does not decode: {exc}") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("namespace"), dict):
+        raise _Damaged("namespace record has the wrong shape")
+    return record
+
+
+def peek_rank(path: Path, rank: int) -> RankReport:
+    """A :class:`RankReport` of one environment, read-only."""
+    report = RankReport(rank, path)
+    data = path / "data.mdb"
+    if data.exists():
+        stat = data.stat()
+        report.file_bytes = stat.st_size
+        report.last_write = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(stat.st_mtime))
+    try:
+        env = _open_readonly(path)
+        try:
+            report.record = _read_record(env)
+            index = env.open_db(b"index", create=False)
+            lengths: collections.Counter[int] = collections.Counter()
+            for rows in _batches(env, index):
+                for key, raw in rows:
+                    if len(raw) != _INDEX.size:
+                        continue
+                    payload_len, seq = _INDEX.unpack(raw)
+                    report.chunks += 1
+                    report.payload_bytes += payload_len
+                    lengths[payload_len] += 1
+                    if report.oldest is None or seq < report.oldest[1]:
+                        report.oldest = (key.hex(), seq)
+                    if report.newest is None or seq > report.newest[1]:
+                        report.newest = (key.hex(), seq)
+            report.payload_len = lengths.most_common(1)[0][0] if lengths else 0
+        finally:
+            env.close()
+    except _Damaged as exc:
+        report.problem = str(exc)
+    except _DAMAGE as exc:
+        report.problem = f"LMDB reports damage: {exc}"
+    return report
+
+
+def inspect_store(root: Path) -> list[NamespaceReport]:
+    """Every namespace under ``root`` and its environments, read-only."""
+    reports = []
+    for ns_dir in _store_dirs(Path(root)):
+        fingerprint = ns_dir.name[3:]
+        report = NamespaceReport(fingerprint, ns_dir, None, {})
+        try:
+            record = json.loads((ns_dir / "namespace.json").read_text())
+            report.description = dict(record["namespace"])
+            report.format_version = int(record["format_version"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            report.problem = f"namespace.json unreadable ({exc})"
+        for rank_dir in sorted(ns_dir.glob("rank-*")):
+            suffix = rank_dir.name[5:]
+            if suffix.isdigit() and rank_dir.is_dir():
+                rank = peek_rank(rank_dir, int(suffix))
+                if rank.record is not None:  # the authoritative copy wins
+                    report.description = dict(rank.record["namespace"])
+                    report.format_version = int(rank.record.get("format_version", 0))
+                    if rank.record.get("fingerprint") != fingerprint:
+                        rank.problem = (f"holds namespace {rank.record.get('fingerprint')!r}, "
+                                        f"not the one its directory names")
+                report.ranks.append(rank)
+            elif ".broken-" in rank_dir.name:
+                report.broken.append(rank_dir.name)
+        reports.append(report)
+    return reports
+
+
+# ------------------------------------------------------------------------------ verify
+@dataclass
+class VerifyOutcome:
+    namespaces: int = 0
+    checked: int = 0
+    bad: int = 0  # chunks that failed their checks
+    deleted: int = 0
+    damaged: int = 0  # environments that could not be checked
+    moved_aside: int = 0
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.bad == 0 and self.damaged == 0
+
+
+def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
+                 outcome: VerifyOutcome) -> None:
+    from tierkv.config import DiskTierConfig
+    from tierkv.tiers.disk import DiskTier
+
+    name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
+    payload = rank.payload_len or 1
+    config = DiskTierConfig(path=root, max_bytes=max(2 * rank.file_bytes, 64 * MiB),
+                            sync_mode="close")
+    if rank.problem is not None:
+        outcome.damaged += 1
+        outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
+        if repair:  # opening moves it aside and starts empty, as the engine would
+            before = set(rank.path.parent.glob(f"{rank.path.name}.broken-*"))
+            DiskTier(root, namespace, rank.rank, config, payload).close()
+            after = set(rank.path.parent.glob(f"{rank.path.name}.broken-*")) - before
+            outcome.moved_aside += len(after)
+            outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in after)} "
+                                 f"and started an empty environment")
+        return
+    with DiskTier(root, namespace, rank.rank, config, payload) as tier:
+        result = tier.verify(repair=repair)
+        outcome.checked += result.checked
+        outcome.bad += len(result.bad_keys)
+        outcome.lines.append(f"{name}: {result.checked} chunks checked, {len(result.bad_keys)} bad")
+        outcome.lines.extend(f"  bad chunk {key.hex()}" for key in result.bad_keys)
+        if repair and result.bad_keys:
+            remaining = {record.key for record in tier.scan()} & set(result.bad_keys)
+            if remaining:
+                raise BrokenError(f"{name}: {len(remaining)} bad chunk(s) could not be deleted, "
+                                  f"e.g. {short_key(next(iter(remaining)))} (map full? raise "
+                                  f"disk.max_bytes)")
+            outcome.deleted += len(result.bad_keys)
+            outcome.lines.append(f"  repaired: deleted {len(result.bad_keys)} bad chunk(s)")
+
+
+def verify_store(root: Path, repair: bool = False, only: str | None = None) -> VerifyOutcome:
+    """Verify every chunk of every namespace (or those whose fingerprint starts with ``only``)."""
+    from tierkv.keys import FORMAT_VERSION, Namespace
+
+    root = Path(root)
+    outcome = VerifyOutcome()
+    for report in inspect_store(root):
+        if only and not report.fingerprint.startswith(only):
+            continue
+        outcome.namespaces += 1
+        if report.format_version not in (None, FORMAT_VERSION):
+            raise ConfigError(f"namespace {report.fingerprint[:8]} has format version "
+                              f"{report.format_version}; this tierkv reads {FORMAT_VERSION}")
+        try:
+            namespace = Namespace(**report.description)
+        except (TypeError, ConfigError) as exc:
+            raise ConfigError(f"namespace {report.fingerprint[:8]}: cannot rebuild it from its "
+                              f"record ({exc})") from exc
+        if namespace.fingerprint() != report.fingerprint:
+            raise ConfigError(f"{report.path}: its record fingerprints as "
+                              f"{namespace.fingerprint()[:8]}, not as its directory name says")
+        for rank in report.ranks:
+            _verify_rank(root, namespace, rank, repair, outcome)
+    if only and not outcome.namespaces:
+        raise ConfigError(f"no namespace under {root} starts with {only!r} (--namespace)")
+    return outcome
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", type=Path, help="store root (the disk tier's disk.path / disk_path)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    reports = inspect_store(args.store)
+    chunks = sum(rank.chunks for report in reports for rank in report.ranks)
+    payload = sum(rank.payload_bytes for report in reports for rank in report.ranks)
+    if args.json:
+        print(json.dumps([asdict(report) for report in reports], default=str, indent=1))
+        return 0
+    print(f"store {args.store}: {len(reports)} namespace(s)")
+    for report in reports:
+        desc = report.description
+        print(f"namespace {report.fingerprint} (format version {report.format_version})"
+              + (f"  PROBLEM: {report.problem}" if report.problem else ""))
+        for name in ("model_id", "dtype", "kv_layout", "page_bytes", "tokens_per_chunk",
+                     "num_layers", "tp_size", "rank_layout", "hash_scheme", "extra"):
+            if name in desc:
+                print(f"  {name + ':':18s}{desc[name]}")
+        for rank in report.ranks:
+            if rank.problem:
+                print(f"  rank {rank.rank}: DAMAGED: {rank.problem}")
+                continue
+            ends = ""
+            if rank.oldest and rank.newest:
+                ends = (f", oldest {rank.oldest[0][:8]} (seq {rank.oldest[1]}), newest "
+                        f"{rank.newest[0][:8]} (seq {rank.newest[1]})")
+            print(f"  rank {rank.rank}: {rank.chunks} chunks, {human_bytes(rank.payload_bytes)}"
+                  f" (file {human_bytes(rank.file_bytes)}){ends}, last write {rank.last_write}")
+        for name in report.broken:
+            print(f"  moved aside: {name}")
+    print(f"inspected {len(reports)} namespace(s): {chunks} chunks ({human_bytes(payload)}) "
+          f"in {args.store}")
+    return 0
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", type=Path, help="store root (the disk tier's disk.path / disk_path)")
+    parser.add_argument("--repair", action="store_true",
+                        help="delete bad chunks; move damaged environments aside")
+    parser.add_argument("--namespace", metavar="PREFIX",
+                        help="only namespaces whose fingerprint starts with PREFIX")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    outcome = verify_store(args.store, repair=args.repair, only=args.namespace)
+    for line in outcome.lines:
+        print(line)
+    seconds = time.perf_counter() - started
+    what = f"verified {outcome.checked} chunks in {outcome.namespaces} namespace(s)"
+    if outcome.clean:
+        print(f"{what}: clean ({seconds:.1f} s)")
+        return 0
+    parts = [f"{outcome.bad} bad"]
+    if outcome.damaged:
+        parts.append(f"{outcome.damaged} damaged environment(s)")
+    if args.repair:
+        parts.append(f"deleted {outcome.deleted}, moved aside {outcome.moved_aside}")
+    else:
+        parts.append("run with --repair to delete them")
+    print(f"{what}: {', '.join(parts)} ({seconds:.1f} s)")
+    return 1

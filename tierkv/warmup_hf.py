@@ -1,0 +1,416 @@
+"""``tierkv warmup``: a prompts file -> a HF transformers forward -> chunks a vLLM engine hits.
+
+Order of work, so that bad input never touches the store:
+
+1. Read the model's ``config.json`` (no weights) and build the :class:`VllmTarget`
+   (keys, namespace, geometry shared with the connector).
+2. Stream the prompts file (aiofiles) once: every line must be a JSON object with
+   ``"text"`` (tokenized with the model's tokenizer, special tokens as vLLM adds them) or
+   ``"token_ids"``, optionally ``"cache_salt"`` and ``"add_special_tokens"``; count the
+   chunks for the progress bar. A bad line stops here, naming its number.
+3. Check the store: a store holding only other namespaces is refused unless
+   ``--allow-new-namespace`` (the message names the settings that differ).
+4. Stream again: tokenize, derive keys, skip chunks already present (a rerun resumes),
+   run the model over the prefix up to the last missing chunk (loaded on first use),
+   pack K/V into the worker's slot bytes and write them; then one summary line.
+
+Exit codes: 0 done, 1 the store filled up (``--disk-bytes``), 2 error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError, TierKVError
+
+_DESCRIBE_OPTIONS = {
+    "model_id": "--model / --model-id / --revision", "dtype": "--dtype",
+    "kv_layout": "--kv-cache-layout, the model's heads", "page_bytes": "--block-size, --dtype",
+    "tokens_per_chunk": "--tokens-per-chunk", "num_layers": "--model",
+    "tp_size": "--tensor-parallel-size", "rank_layout": "--tensor-parallel-size",
+    "hash_scheme": "--hash-algo / --hash-seed / --hash-block-size", "extra": "--vllm-version",
+    "format_version": "the tierkv version",
+}
+MAX_WARNINGS = 10
+
+
+@dataclass(frozen=True)
+class Prompt:
+    line: int
+    text: str | None
+    token_ids: list[int] | None
+    cache_salt: str | None
+    add_special_tokens: bool
+
+
+def parse_line(where: str, line: int, raw: bytes, vocab_size: int) -> Prompt | None:
+    """One JSONL line (None for a blank line); ConfigError names the file and line."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"warmup: {where} line {line}: {what}")
+
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise bad(f"not UTF-8 ({exc})") from exc
+    if not text:
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    if not isinstance(obj, dict) or ("text" in obj) == ("token_ids" in obj):
+        raise bad('expected a JSON object with either "text" or "token_ids"')
+    salt, special = obj.get("cache_salt"), obj.get("add_special_tokens", True)
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad('"cache_salt" must be a non-empty string')
+    if not isinstance(special, bool):
+        raise bad('"add_special_tokens" must be true or false')
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise bad('"text" must be a string')
+        return Prompt(line, obj["text"], None, salt, special)
+    ids = obj["token_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise bad('"token_ids" must be a list of integers')
+    out_of_range = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if out_of_range is not None:
+        raise bad(f"token id {out_of_range} is outside the model's vocabulary [0, {vocab_size})")
+    return Prompt(line, None, ids, salt, special)
+
+
+async def read_prompts(path: Path, vocab_size: int) -> AsyncIterator[Prompt]:
+    """The prompts of a JSONL file, streamed with aiofiles."""
+    import aiofiles
+
+    try:
+        async with aiofiles.open(path, "rb") as handle:
+            line = 0
+            async for raw in handle:
+                line += 1
+                prompt = parse_line(str(path), line, raw, vocab_size)
+                if prompt is not None:
+                    yield prompt
+    except OSError as exc:
+        raise ConfigError(f"warmup: cannot read --prompts {path}: {exc}") from exc
+
+
+class HfModel:
+    """A HF causal LM's config (read at once) and tokenizer and weights (loaded on first use)."""
+
+    def __init__(self, model_dir: Path, tokenizer_dir: Path, dtype: str, device: str) -> None:
+        from transformers import AutoConfig
+        from transformers.utils import logging
+
+        hf_logging: Any = logging  # untyped
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.model_dir, self.tokenizer_dir = model_dir, tokenizer_dir
+        if not model_dir.is_dir() or not (model_dir / "config.json").is_file():
+            raise ConfigError(f"warmup: --model {model_dir} is not a model directory (no "
+                              f"config.json there); pass a local HF model directory")
+        try:
+            config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        except Exception as exc:  # transformers raises many types for a bad config
+            raise ConfigError(f"warmup: --model {model_dir}: config.json does not load: {exc}") from exc
+        text = config.get_text_config()
+        self.config = text
+        heads = int(text.num_attention_heads)
+        self.num_layers = int(text.num_hidden_layers)
+        self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        self.head_size = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        self.vocab_size = int(text.vocab_size)
+        if getattr(text, "kv_lora_rank", None):
+            raise ConfigError(f"warmup: --model {model_dir} uses latent attention (MLA); warm-up "
+                              f"supports models whose cache holds plain K and V")
+        kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+        window = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+        if kinds != {"full_attention"} or window:
+            raise ConfigError(f"warmup: --model {model_dir} has sliding-window or mixed attention "
+                              f"layers; tierkv's connector stores models with one full-attention "
+                              f"KV cache group only")
+        config_dtype = str(getattr(text, "dtype", None) or getattr(config, "dtype", None) or "")
+        self.dtype = config_dtype.removeprefix("torch.") if dtype == "auto" else dtype
+        if self.dtype not in ("float16", "bfloat16") and dtype == "auto":
+            raise ConfigError(f"warmup: --model {model_dir} declares dtype {config_dtype or 'none'}; "
+                              f"vLLM picks a platform-dependent dtype for it, so pass --dtype with "
+                              f"the dtype vLLM serves it in (float16 or bfloat16)")
+        import torch
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("warmup: --device cuda but CUDA is not available; use --device cpu")
+        self.device = device
+        self._tokenizer: Any = None
+        self._model: Any = None
+
+    def tokenize(self, prompt: Prompt, where: str) -> list[int]:
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
+            except Exception as exc:
+                raise ConfigError(f"warmup: {where} line {prompt.line} has \"text\" but no tokenizer "
+                                  f"loads from {self.tokenizer_dir} (--tokenizer): {exc}") from exc
+        ids = self._tokenizer(prompt.text, add_special_tokens=prompt.add_special_tokens)["input_ids"]
+        return [int(token) for token in ids]
+
+    def kv(self, token_ids: list[int]) -> tuple[list[Any], list[Any]]:
+        """Per layer K and V ``[kv_heads, len(token_ids), head]`` after one forward."""
+        import torch
+
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            try:
+                model: Any = AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=getattr(torch, self.dtype), local_files_only=True)
+            except Exception as exc:
+                raise ConfigError(f"warmup: --model {self.model_dir}: the weights do not load: "
+                                  f"{exc}") from exc
+            self._model = model.to(self.device).eval()
+        with torch.inference_mode():
+            ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+            cache = self._model.base_model(input_ids=ids, use_cache=True).past_key_values
+        layers = getattr(cache, "layers", None)
+        if layers is not None:
+            pairs = [(layer.keys, layer.values) for layer in layers]
+        else:  # a legacy tuple of (key, value) per layer
+            pairs = [(pair[0], pair[1]) for pair in cache]
+        if len(pairs) != self.num_layers:
+            raise ConfigError(f"warmup: --model {self.model_dir}: its cache has {len(pairs)} "
+                              f"layers, the config {self.num_layers}")
+        return [k[0] for k, _ in pairs], [v[0] for _, v in pairs]
+
+
+def check_store(store: Path, namespace: Any, allow_new: bool) -> None:
+    """Refuse a store that holds only other namespaces (a mismatched setting, most likely)."""
+    from tierkv.tiers.disk import list_namespaces
+
+    if store.exists() and not store.is_dir():
+        raise ConfigError(f"warmup: --store {store} is not a directory")
+    infos = list_namespaces(store) if store.is_dir() else []
+    ours, fingerprint = namespace.describe(), namespace.fingerprint()
+    if allow_new or not infos or any(info.fingerprint == fingerprint for info in infos):
+        return
+
+    def differences(description: dict[str, Any]) -> list[str]:
+        return [name for name in ours if description.get(name) != ours[name]]
+
+    closest = min(infos, key=lambda info: len(differences(info.description)))
+    detail = "; ".join(
+        f"{name} is {closest.description.get(name)!r} there, {ours[name]!r} here "
+        f"({_DESCRIBE_OPTIONS.get(name, name)})" for name in differences(closest.description))
+    raise ConfigError(
+        f"warmup: --store {store} holds namespace {closest.fingerprint[:8]}, and this warm-up "
+        f"would write namespace {fingerprint[:8]}: {detail}. An engine configured like the "
+        f"store would never see these chunks; match those settings, or pass "
+        f"--allow-new-namespace to add a namespace to the store")
+
+
+def _claim(writer: Any) -> list[int]:
+    """Hold the environments as a connector worker does, so that a vLLM server running over
+    the store (which would neither see nor account for new chunks) refuses to share them."""
+    from tierkv.integrations import vllm_disk
+
+    claim = getattr(vllm_disk, "claim_env", None)
+    claims: list[int] = []
+    if claim is None:
+        return claims
+    for tier in writer.tiers:
+        try:
+            claims.append(claim(tier))
+        except ConfigError as exc:
+            _unclaim(claims)
+            raise ConfigError(f"warmup: --store {writer.root}: {tier.path} is in use by a running "
+                              f"tierkv worker (a vLLM server over this store); stop it first, it "
+                              f"reads the store's chunks only when it starts") from exc
+    return claims
+
+
+def _unclaim(claims: list[int]) -> None:
+    from tierkv.integrations import vllm_disk
+
+    unclaim = getattr(vllm_disk, "unclaim_env", None)
+    for fd in claims:
+        if unclaim is not None:
+            unclaim(fd)
+    claims.clear()
+
+
+def parse_size(text: str) -> int:
+    """``68719476736``, ``64GiB``, ``512MiB``, ``1.5GiB``."""
+    units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "b": 1}
+    lowered = text.strip().lower()
+    for suffix, unit in units.items():
+        if lowered.endswith(suffix):
+            number, scale = lowered[: -len(suffix)], unit
+            break
+    else:
+        number, scale = lowered, 1
+    try:
+        return int(float(number) * scale)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64GiB)") from exc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tierkv.integrations.vllm_config import KNOWN_HASHES, PAGE_ORDER
+
+    add = parser.add_argument
+    add("--model", type=Path, required=True, help="local HF model directory (the one vLLM serves)")
+    add("--prompts", type=Path, required=True,
+        help='JSONL file, one {"text": ...} or {"token_ids": [...]} per line')
+    add("--store", type=Path, required=True, help="store root: the connector's disk_path")
+    add("--model-id", help="vLLM's --model string, when it is not --model (e.g. a HF repo id)")
+    add("--revision", help="vLLM's --revision, if it serves one")
+    add("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the HF forward runs (default: %(default)s)")
+    add("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+        help="vLLM's --dtype; auto: the model config's (default: %(default)s)")
+    add("--block-size", type=int, default=16, help="vLLM's --block-size (default: %(default)s)")
+    add("--tokens-per-chunk", type=int,
+        help="the connector's tokens_per_chunk (default: 256 rounded up to the block size)")
+    add("--kv-cache-layout", choices=sorted(PAGE_ORDER), default="LBNHC",
+        help="vLLM's KV cache layout: NHD pages (LBNHC, BLNHC: FlashAttention) or HND pages "
+             "(LBHNC, BLHNC: FlashInfer) (default: %(default)s)")
+    add("--hash-algo", choices=KNOWN_HASHES, default="sha256",
+        help="vLLM's --prefix-caching-hash-algo (default: %(default)s)")
+    add("--hash-seed", help="the vLLM server's PYTHONHASHSEED (default: this process's "
+                            "PYTHONHASHSEED; 'unset' for none)")
+    add("--hash-block-size", type=int, help="vLLM's hash block size (default: --block-size)")
+    add("--tensor-parallel-size", type=int, default=1, help="vLLM's TP size (default: %(default)s)")
+    add("--disk-bytes", type=parse_size, default=64 << 30,
+        help="the connector's disk_bytes, e.g. 64GiB (default: 64GiB)")
+    add("--vllm-version", help="the serving vLLM's version (default: the installed one, else 0.33.0)")
+    add("--allow-new-namespace", action="store_true",
+        help="write even if the store holds only other namespaces")
+    add("--verify", action="store_true", help="verify the namespace's chunks after writing")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+def _installed_vllm() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return "0.33.0"
+
+
+def _warn(text: str) -> None:
+    print(f"tierkv warmup: warning: {text}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:  # asyncio.run re-raises it after _run reported and returned
+        return 130
+    except TierKVError as exc:  # the CLI prefixes "tierkv warmup: error: " itself
+        text = str(exc)
+        if not text.startswith("warmup: "):
+            raise
+        raise type(exc)(text.removeprefix("warmup: ")) from exc
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tierkv.warmup import ChunkWriter, VllmTarget, WarmupReport, finish_report, warm_sequence
+
+    model = HfModel(args.model, args.tokenizer or args.model, args.dtype, args.device)
+    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    target = VllmTarget(
+        model_id=args.model_id or str(args.model), revision=args.revision,
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
+        dtype=model.dtype, block_size=args.block_size, tokens_per_chunk=args.tokens_per_chunk,
+        hash_block_size=args.hash_block_size, kv_cache_layout=args.kv_cache_layout,
+        hash_algo=args.hash_algo, hash_seed=None if seed == "unset" else seed,
+        tensor_parallel_size=args.tensor_parallel_size, disk_bytes=args.disk_bytes,
+        vllm_version=args.vllm_version or _installed_vllm())
+    tpc, where = target.chunk_tokens, str(args.prompts)
+    if not args.prompts.is_file():
+        raise ConfigError(f"warmup: --prompts {args.prompts} is not a file")
+    num_prompts, total_chunks, short = 0, 0, []
+    async for prompt in read_prompts(args.prompts, model.vocab_size):  # pass 1: validate
+        num_prompts += 1
+        length = len(model.tokenize(prompt, where))
+        total_chunks += length // tpc
+        if length < tpc:
+            short.append((prompt.line, length))
+    if not num_prompts:
+        raise ConfigError(f'warmup: --prompts {where} holds no prompts (expected one JSON object '
+                          f'per line: {{"text": ...}} or {{"token_ids": [...]}})')
+    for line, length in short[:MAX_WARNINGS]:
+        _warn(f"{where} line {line}: {length} tokens, shorter than one chunk of {tpc} tokens "
+              f"(--tokens-per-chunk); nothing to warm")
+    if len(short) > MAX_WARNINGS:
+        _warn(f"{len(short) - MAX_WARNINGS} more prompt(s) shorter than one chunk")
+    if not total_chunks:
+        raise ConfigError(f"warmup: nothing to warm: every prompt in {where} is shorter than one "
+                          f"chunk of {tpc} tokens (--tokens-per-chunk)")
+    namespace = target.namespace()
+    check_store(args.store, namespace, args.allow_new_namespace)
+    report = WarmupReport(fingerprint=namespace.fingerprint(), prompts=num_prompts,
+                          prompts_short=len(short))
+    print(f"namespace {report.fingerprint[:8]} ({target.model_id}, {target.dtype}, "
+          f"{tpc} tokens per chunk, {target.chunk_bytes} bytes per chunk and rank) in {args.store}")
+
+    def produce(prefix: list[int]) -> list[tuple[Any, ...]]:
+        keys, values = model.kv(prefix)
+        return list(zip(*target.pack(keys, values)))
+
+    progress = tqdm(total=total_chunks, unit="chunk", desc="warmup",
+                    disable=True if args.no_progress else None)
+    writer = ChunkWriter(args.store, namespace, target.chunk_bytes,
+                         ranks=range(target.tensor_parallel_size),
+                         disk_config=target.disk_config(args.store), capacity=target.disk_capacity)
+    claims: list[int] = []
+    interrupted = False
+    try:
+        claims = _claim(writer)
+        async for prompt in read_prompts(args.prompts, model.vocab_size):  # pass 2: warm
+            token_ids = model.tokenize(prompt, where)
+            keys = target.chunk_keys(token_ids, prompt.cache_salt)
+            if keys and not warm_sequence(writer, report, token_ids, keys, tpc, produce,
+                                          progress.update):
+                break
+    except (KeyboardInterrupt, asyncio.CancelledError):  # asyncio turns Ctrl-C into a cancel
+        interrupted = True
+    finally:
+        progress.close()
+        try:
+            writer.close()
+        finally:
+            _unclaim(claims)
+            finish_report(report, writer)
+    if interrupted:
+        print(f"interrupted: {report.summary()}; run again to resume")
+        return 130
+    code = 0
+    if report.full_message:
+        print(f"tierkv warmup: stopped: {report.full_message}; raise --disk-bytes (and the "
+              f"connector's disk_bytes) to warm more", file=sys.stderr)
+        code = 1
+    if args.verify:
+        from tierkv.tools import verify_store
+
+        outcome = verify_store(args.store, only=report.fingerprint)
+        print(f"verified {outcome.checked} chunks: " + ("clean" if outcome.clean else
+                                                         f"{outcome.bad} bad"))
+        code = code or (0 if outcome.clean else 1)
+    print(report.summary())
+    return code
