@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec  # noqa: E402
 from tierkv.tiers.cpu import CpuSlab  # noqa: E402
 from tierkv.transfer.cuda import CudaTransferEngine  # noqa: E402  (imports without CUDA)
+from tierkv.testing import LayoutKV
 from tierkv.transfer.layout import KVLayout  # noqa: E402
 
 MiB = 1 << 20
@@ -59,40 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class KV:
+def KV(kind: str, layers: int, blocks: int, inner: tuple[int, int, int],
+       dtype: torch.dtype, separate: bool = False) -> LayoutKV:
     """Per layer a logical [B, H, N, C] CUDA tensor over raw uint8 buffers."""
-
-    def __init__(self, kind: str, layers: int, blocks: int, inner: tuple[int, int, int],
-                 dtype: torch.dtype, separate: bool = False) -> None:
-        self.kind, self.layers, self.blocks, self.separate = kind, layers, blocks, separate
-        nhc = kind.endswith("NHC")
-        tokens, heads, dim = inner
-        shape = (tokens, heads, dim) if nhc else (heads, tokens, dim)
-        self.page = tokens * heads * dim * torch.empty((), dtype=dtype).element_size()
-        count = blocks if separate else layers * blocks
-        self.raws = [torch.randint(0, 256, (count * self.page,), dtype=torch.uint8, device="cuda")
-                     for _ in range(layers if separate else 1)]
-        typed = [raw.view(dtype) for raw in self.raws]
-        if kind.startswith("LB"):
-            views = [typed[l].view(blocks, *shape) if separate
-                     else typed[0].view(layers, blocks, *shape)[l] for l in range(layers)]
-        else:
-            views = [typed[0].view(blocks, layers, *shape)[:, l] for l in range(layers)]
-        self.tensors = [v.permute(0, 2, 1, 3) if nhc else v for v in views]
-
-    def page_at(self, layer: int, block: int) -> torch.Tensor:
-        if self.separate:
-            raw, index = self.raws[layer], block
-        elif self.kind.startswith("LB"):
-            raw, index = self.raws[0], layer * self.blocks + block
-        else:
-            raw, index = self.raws[0], block * self.layers + layer
-        return raw[index * self.page:(index + 1) * self.page]
-
-    def chunk(self, block_ids: tuple[int, ...]) -> torch.Tensor:
-        torch.cuda.synchronize()
-        return torch.cat([self.page_at(l, b) for l in range(self.layers) for b in block_ids]).cpu()
-
+    return LayoutKV(kind, layers, blocks, inner, dtype, separate, device="cuda")
 
 class Checks:
     def __init__(self) -> None:

@@ -311,3 +311,49 @@ def run_worker_in_order(worker: WorkerAdapter, plan: StepPlan, forward: Callable
 
 def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+class LayoutKV:
+    """A KV cache in one of vLLM's four layouts, for transfer tests and checks.
+
+    Per layer a logical ``[B, H, N, C]`` tensor (block, head, token, channel) viewed over
+    raw uint8 buffers filled with random bytes: ``LB*`` layer-outermost (one buffer, or one
+    per layer with ``separate``), ``BL*`` block-outermost (one buffer, strided per-layer
+    views); ``*NHC`` token-major pages, ``*HNC`` head-major pages. ``page_at`` and
+    ``chunk`` give the reference bytes by offset arithmetic on the raw buffers, independent
+    of tierkv's layout code. ``inner`` is ``(tokens, heads, channels)`` of one block.
+    """
+
+    def __init__(self, kind: str, layers: int, blocks: int, inner: tuple[int, int, int],
+                 dtype: torch.dtype, separate: bool = False, device: str = "cpu") -> None:
+        self.kind, self.layers, self.blocks, self.separate = kind, layers, blocks, separate
+        nhc = kind.endswith("NHC")
+        tokens, heads, dim = inner
+        shape = (tokens, heads, dim) if nhc else (heads, tokens, dim)
+        self.page = tokens * heads * dim * torch.empty((), dtype=dtype).element_size()
+        count = blocks if separate else layers * blocks
+        self.raws = [torch.randint(0, 256, (count * self.page,), dtype=torch.uint8, device=device)
+                     for _ in range(layers if separate else 1)]
+        typed = [raw.view(dtype) for raw in self.raws]
+        if kind.startswith("LB"):
+            views = [typed[layer].view(blocks, *shape) if separate
+                     else typed[0].view(layers, blocks, *shape)[layer] for layer in range(layers)]
+        else:
+            views = [typed[0].view(blocks, layers, *shape)[:, layer] for layer in range(layers)]
+        self.tensors = [v.permute(0, 2, 1, 3) if nhc else v for v in views]
+
+    def page_at(self, layer: int, block: int) -> torch.Tensor:
+        if self.separate:
+            raw, index = self.raws[layer], block
+        elif self.kind.startswith("LB"):
+            raw, index = self.raws[0], layer * self.blocks + block
+        else:
+            raw, index = self.raws[0], block * self.layers + layer
+        return raw[index * self.page : (index + 1) * self.page]
+
+    def chunk(self, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """The chunk's reference bytes in tierkv's slot layout, on the CPU."""
+        if self.raws[0].is_cuda:
+            torch.cuda.synchronize()
+        pages = [self.page_at(layer, block) for layer in range(self.layers) for block in block_ids]
+        return torch.cat(pages).cpu()

@@ -15,6 +15,7 @@ from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, Sto
 from tierkv.errors import ClosedError, TransferError
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cuda import CudaTransferEngine
+from tierkv.testing import LayoutKV
 from tierkv.transfer.layout import KVLayout
 
 pytestmark = [
@@ -27,38 +28,9 @@ LAYERS, BLOCKS, BPC = 4, 64, 8
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: widens every race window
 
 
-class KV:
+def KV(kind: str, separate: bool = False) -> LayoutKV:
     """Per layer a logical [B, H, N, C] bfloat16 CUDA tensor in one of the four layouts."""
-
-    def __init__(self, kind: str, separate: bool = False) -> None:
-        self.kind, self.separate = kind, separate
-        inner = (16, 4, 64) if kind.endswith("NHC") else (4, 16, 64)
-        self.page = 16 * 4 * 64 * 2
-        count = BLOCKS if separate else LAYERS * BLOCKS
-        self.raws = [torch.randint(0, 256, (count * self.page,), dtype=torch.uint8, device="cuda")
-                     for _ in range(LAYERS if separate else 1)]
-        typed = [r.view(torch.bfloat16) for r in self.raws]
-        if kind.startswith("LB"):
-            views = [typed[l].view(BLOCKS, *inner) if separate
-                     else typed[0].view(LAYERS, BLOCKS, *inner)[l] for l in range(LAYERS)]
-        else:
-            views = [typed[0].view(BLOCKS, LAYERS, *inner)[:, l] for l in range(LAYERS)]
-        self.tensors = [v.permute(0, 2, 1, 3) if kind.endswith("NHC") else v for v in views]
-
-    def page_at(self, layer: int, block: int) -> torch.Tensor:
-        if self.separate:
-            raw, index = self.raws[layer], block
-        elif self.kind.startswith("LB"):
-            raw, index = self.raws[0], layer * BLOCKS + block
-        else:
-            raw, index = self.raws[0], block * LAYERS + layer
-        return raw[index * self.page:(index + 1) * self.page]
-
-    def chunk(self, block_ids: tuple[int, ...]) -> torch.Tensor:
-        """Reference chunk bytes, on the CPU."""
-        torch.cuda.synchronize()
-        return torch.cat([self.page_at(l, b) for l in range(LAYERS) for b in block_ids]).cpu()
-
+    return LayoutKV(kind, LAYERS, BLOCKS, (16, 4, 64), torch.bfloat16, separate, device="cuda")
 
 def chunk(key: int, slot: int, blocks: tuple[int, ...], skip: int = 0) -> ChunkCopy:
     return ChunkCopy(bytes([key]) * 32, SlotId(slot), blocks, skip_blocks=skip)

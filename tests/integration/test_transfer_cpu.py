@@ -20,41 +20,15 @@ from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, Tr
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cpu import CpuTransferEngine
 from tierkv.transfer.factory import make_transfer_engine
+from tierkv.testing import LayoutKV
 from tierkv.transfer.layout import KVLayout
 
 LAYERS, BLOCKS, BPC = 3, 16, 4
 
 
-class KV:
+def KV(kind: str, separate: bool = False) -> LayoutKV:
     """Per layer a logical [B, H, N, C] bfloat16 tensor in one of the four layouts."""
-
-    def __init__(self, kind: str, separate: bool = False) -> None:
-        self.kind, self.separate = kind, separate
-        inner = (4, 2, 8) if kind.endswith("NHC") else (2, 4, 8)  # memory order of a page
-        self.page = 4 * 2 * 8 * 2
-        count = BLOCKS if separate else LAYERS * BLOCKS
-        self.raws = [torch.randint(0, 256, (count * self.page,), dtype=torch.uint8)
-                     for _ in range(LAYERS if separate else 1)]
-        typed = [r.view(torch.bfloat16) for r in self.raws]
-        if kind.startswith("LB"):
-            views = [typed[l].view(BLOCKS, *inner) if separate
-                     else typed[0].view(LAYERS, BLOCKS, *inner)[l] for l in range(LAYERS)]
-        else:
-            views = [typed[0].view(BLOCKS, LAYERS, *inner)[:, l] for l in range(LAYERS)]
-        self.tensors = [v.permute(0, 2, 1, 3) if kind.endswith("NHC") else v for v in views]
-
-    def page_at(self, layer: int, block: int) -> torch.Tensor:
-        if self.separate:
-            raw, index = self.raws[layer], block
-        elif self.kind.startswith("LB"):
-            raw, index = self.raws[0], layer * BLOCKS + block
-        else:
-            raw, index = self.raws[0], block * LAYERS + layer
-        return raw[index * self.page:(index + 1) * self.page]
-
-    def chunk(self, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
-        return torch.cat([self.page_at(l, b) for l in range(LAYERS) for b in block_ids])
-
+    return LayoutKV(kind, LAYERS, BLOCKS, (4, 2, 8), torch.bfloat16, separate)
 
 def chunk(key: int, slot: int, blocks: tuple[int, ...], skip: int = 0) -> ChunkCopy:
     return ChunkCopy(bytes([key]) * 32, SlotId(slot), blocks, skip_blocks=skip)
