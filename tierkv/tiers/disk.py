@@ -9,8 +9,10 @@ Primitives and contracts (one :class:`DiskTier` holds bytes and starts no thread
 called from several threads: LMDB serializes write transactions, reads run concurrently):
 
 - ``put_many(items, deletes=())`` one write txn: deletes, then puts. Values are copied into
-  LMDB before it returns, so slots may be reused. A full map is a value (``PutResult.full``),
-  never an exception; the disk cap is soft here (the scheduler side accounts for it).
+  LMDB before it returns, so slots may be reused. A full map or a full filesystem (ENOSPC,
+  EDQUOT, or EIO from a short write with the filesystem out of space) is a value
+  (``PutResult.full``), never an exception; the disk cap is soft here (the scheduler side
+  accounts for it).
 - ``delete_many(keys)`` one write txn.
 - ``read_into(key, out)`` a short read txn: verify header and checksum, copy the payload
   straight into ``out``. ``OK`` only for verified bytes; a bad value is deleted, counted and
@@ -31,6 +33,7 @@ called from several threads: LMDB serializes write transactions, reads run concu
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -231,6 +234,26 @@ class DiskTier:
         except lmdb.Error as exc:
             raise self._failure(action, exc) from exc
 
+    def _out_of_space(self, exc: lmdb.Error, needed_bytes: int) -> bool:
+        """Whether a failed write means the filesystem is full (a value, like a full map).
+
+        LMDB reports ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO when a write came back
+        short, which on a full filesystem is what ENOSPC looks like. EIO counts as full only
+        when the filesystem has less than ``needed_bytes`` free; otherwise it is a real I/O
+        error."""
+        if isinstance(exc, lmdb.DiskError):
+            return True
+        text = str(exc)
+        if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
+            return True
+        if os.strerror(errno.EIO) not in text:
+            return False
+        try:
+            fs = os.statvfs(self.path)
+        except OSError:
+            return False
+        return fs.f_bavail * fs.f_frsize < needed_bytes
+
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():
@@ -264,13 +287,17 @@ class DiskTier:
         pending = list(items)
         full: list[bytes] = []
         deletes, settled, deleted, failed_at = tuple(deletes), 0, 0, None
+        no_space = False  # the filesystem (not the map) is full
         while pending or deletes:
             try:
                 failed_at, deleted = self._write_txn(env, pending, deletes)
             except lmdb.MapFullError:  # raised by commit: retry without the last item
                 failed_at, deleted = len(pending) - 1, 0
             except lmdb.Error as exc:
-                raise self._failure("writing chunks", exc) from exc
+                if not self._out_of_space(exc, self._txn_bytes(len(pending))):
+                    raise self._failure("writing chunks", exc) from exc
+                # nothing of this txn landed; after deletes settle, retry once, then give up
+                failed_at, deleted, no_space = 0, 0, True
             if failed_at is None:
                 break
             if deletes:  # LMDB reuses pages freed by txn T from txn T+2 on
@@ -283,13 +310,22 @@ class DiskTier:
         num_bytes = len(written) * self.payload_bytes
         self._count(bytes_written=num_bytes, puts=len(written), full=len(full), write_txns=1)
         message = None
-        if full:
+        if full and no_space:
+            message = (f"{self._name}: filesystem full writing chunk {short_key(full[0])} "
+                       f"({len(full)} chunk(s) not written; free space under {self.root} or "
+                       f"lower disk.max_bytes, now {format_bytes(self.config.max_bytes)})")
+            logger.warning("%s", message)
+        elif full:
             message = (f"{self._name}: map full writing chunk {short_key(full[0])} "
                        f"({len(full)} chunk(s) not written; raise disk.max_bytes, now "
                        f"{format_bytes(self.config.max_bytes)})")
             logger.warning("%s", message)
         self._after_commit(num_bytes)
         return PutResult(written, tuple(full), deleted, num_bytes, message)
+
+    def _txn_bytes(self, num_items: int) -> int:
+        """Bytes a txn of ``num_items`` values writes, at least (for the out-of-space check)."""
+        return max(num_items, 1) * (self.payload_bytes + 4096)
 
     def _write_txn(
         self, env: lmdb.Environment, items: list[tuple[bytes, memoryview | bytes]],
@@ -329,7 +365,8 @@ class DiskTier:
         except lmdb.MapFullError:
             pass  # the retry reports its keys as full
         except lmdb.Error as exc:
-            raise self._failure("writing chunks", exc) from exc
+            if not self._out_of_space(exc, self._txn_bytes(0)):
+                raise self._failure("writing chunks", exc) from exc
         return deleted
 
     def _delete_txn(self, env: lmdb.Environment, keys: Sequence[bytes]) -> int:
@@ -345,7 +382,11 @@ class DiskTier:
                            self._name, len(keys), format_bytes(self.config.max_bytes))
             return 0
         except lmdb.Error as exc:
-            raise self._failure("deleting chunks", exc) from exc
+            if not self._out_of_space(exc, self._txn_bytes(0)):
+                raise self._failure("deleting chunks", exc) from exc
+            logger.warning("%s: filesystem full even for %d delete(s); free space under %s",
+                           self._name, len(keys), self.root)
+            return 0
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete ``keys`` (absent ones are ignored) in one write txn; returns how many existed."""
@@ -412,19 +453,26 @@ class DiskTier:
         self.delete_many([key])
         return ReadStatus.CORRUPT
 
+    @staticmethod
+    def _rows_after(txn: Any, db: Any, last: bytes | None, batch: int,
+                    values: bool) -> list[tuple[bytes, bytes]]:
+        """Up to ``batch`` (key, value or b"") rows of ``db`` after key ``last``, in ``txn``."""
+        rows: list[tuple[bytes, bytes]] = []
+        cursor = txn.cursor(db=db)
+        more = cursor.set_range(last) if last is not None else cursor.first()
+        if more and last is not None and bytes(cursor.key()) == last:
+            more = cursor.next()
+        while more and len(rows) < batch:
+            rows.append((bytes(cursor.key()), bytes(cursor.value()) if values else b""))
+            more = cursor.next()
+        return rows
+
     def _batches(self, db: Any, batch: int, values: bool) -> Iterator[list[tuple[bytes, bytes]]]:
         """Key order batches, one short read txn each (resumes after the last key)."""
         last: bytes | None = None
         while True:
-            rows: list[tuple[bytes, bytes]] = []
             with self._reading("scanning", db=db) as txn:
-                cursor = txn.cursor()
-                more = cursor.set_range(last) if last is not None else cursor.first()
-                if more and last is not None and cursor.key() == last:
-                    more = cursor.next()
-                while more and len(rows) < batch:
-                    rows.append((cursor.key(), cursor.value() if values else b""))
-                    more = cursor.next()
+                rows = self._rows_after(txn, db, last, batch, values)
             if rows:
                 yield rows
             if len(rows) < batch:
@@ -442,12 +490,20 @@ class DiskTier:
                     yield DiskRecord(key, parsed[0], parsed[1])
 
     def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport:
-        """Check every value's header and checksum and the index; ``repair`` deletes bad keys."""
+        """Check every value's header and checksum and the index; ``repair`` deletes bad keys.
+
+        Each batch is listed and checked inside one short read txn (one snapshot), so a
+        chunk that another thread or process deletes meanwhile is simply not seen, never
+        reported bad."""
+        if batch <= 0:
+            raise ConfigError(f"{self._name}: verify batch must be > 0, got {batch}")
         bad: dict[bytes, None] = {}
         checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
-        for rows in self._batches(self._chunks, batch, values=False):
+        last: bytes | None = None
+        while True:
             with self._reading("verifying", buffers=True) as txn:
+                rows = self._rows_after(txn, self._chunks, last, batch, values=False)
                 for key, _ in rows:
                     checked += 1
                     value = txn.get(key, db=self._chunks)
@@ -459,9 +515,18 @@ class DiskTier:
                     if problem is not None:
                         bad[key] = None
                     del value, entry
-        for rows in self._batches(self._index, 1024, values=False):  # entries without values
-            with self._reading("verifying", db=self._chunks, buffers=True) as txn:
-                bad.update((key, None) for key, _ in rows if txn.get(key) is None)
+            if len(rows) < batch:
+                break
+            last = rows[-1][0]
+        last = None
+        while True:  # index entries without values
+            with self._reading("verifying", buffers=True) as txn:
+                rows = self._rows_after(txn, self._index, last, 1024, values=False)
+                bad.update((key, None) for key, _ in rows
+                           if txn.get(key, db=self._chunks) is None)
+            if len(rows) < 1024:
+                break
+            last = rows[-1][0]
         repaired = 0
         if repair and bad:
             self.delete_many(list(bad))

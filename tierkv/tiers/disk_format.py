@@ -171,10 +171,21 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def make_private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) as 0o700; an existing directory is left as it is."""
-    if not path.is_dir():
-        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        os.chmod(path, DIR_MODE)
+    """Create ``path`` and its missing parents as 0o700, whatever the umask (``mkdir -p``
+    would leave the parents at the umask's mode); an existing directory is left as it is."""
+    if path.is_dir():
+        return
+    missing: list[Path] = []
+    current = path
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=DIR_MODE)
+        except FileExistsError:  # created meanwhile (another rank): left as it is
+            continue
+        os.chmod(directory, DIR_MODE)
 
 
 def write_private_file(path: Path, data: bytes) -> None:
@@ -304,18 +315,26 @@ def namespace_record(fingerprint: str, description: dict[str, Any]) -> dict[str,
             "namespace": description}
 
 
+MAX_NAMESPACE_JSON_BYTES = 1 << 20  # tierkv writes a few hundred bytes
+
+
 def list_namespaces(root: Path) -> list[NamespaceInfo]:
-    """Namespaces under ``root`` from their ``namespace.json`` (unreadable ones are skipped)."""
+    """Namespaces under ``root`` from their ``namespace.json`` (unreadable ones are skipped:
+    missing, too big, not JSON, nested too deep, or not the shape tierkv writes)."""
     infos: list[NamespaceInfo] = []
     for ns_dir in sorted(Path(root).glob("ns-*")):
         if not ns_dir.is_dir():
             continue
         try:
-            record = json.loads((ns_dir / "namespace.json").read_text())
+            with open(ns_dir / "namespace.json", "rb") as file:
+                raw = file.read(MAX_NAMESPACE_JSON_BYTES + 1)
+            if len(raw) > MAX_NAMESPACE_JSON_BYTES:
+                raise ValueError(f"larger than {MAX_NAMESPACE_JSON_BYTES} bytes")
+            record = json.loads(raw.decode())
             description = dict(record["namespace"])
             version = int(record["format_version"])
             fingerprint = str(record["fingerprint"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             logger.warning("disk tier: skipping %s: unreadable namespace.json (%s)", ns_dir, exc)
             continue
         ranks = sorted(int(p.name[5:]) for p in ns_dir.glob("rank-*") if p.name[5:].isdigit())

@@ -1,0 +1,1 @@
+"""Reliability and safety suite: crash, corruption, full disk, concurrency, bad config, security (docs/reliability.md)."""

@@ -1,0 +1,187 @@
+"""Shared helpers of the reliability suite: one small KV geometry, chunk bytes derived from
+the chunk key alone, a TierKVStore factory, raw LMDB access for fault injection and a
+forkserver for child processes.
+
+A chunk's bytes are a pure function of its key (:func:`payload_for`), and
+:func:`fill_chunk` lays them into the KV blocks so that the CPU slot, and therefore the
+disk payload, holds exactly ``payload_for(key)`` (the slot layout is layer-major, see
+``tierkv/transfer/layout.py``). Any process can then check any chunk it finds, through
+the store (loaded blocks) or the disk tier (raw payload), without being told what was
+written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import torch
+
+from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
+from tierkv.core.jobs import Completion
+from tierkv.engine.store import TierKVStore, build_namespace
+from tierkv.keys import Namespace, chunk_keys
+from tierkv.transfer.layout import KVLayout
+
+LAYERS = 2
+NUM_BLOCKS = 64
+PAGE_SHAPE = (2, 16, 256)  # K/V, tokens per block, bytes per token row: 8 KiB per page
+PAGE_BYTES = 2 * 16 * 256
+TOKENS_PER_BLOCK = 16
+BPC = 4  # blocks per chunk
+CHUNK_BYTES = LAYERS * BPC * PAGE_BYTES  # 64 KiB
+TOKENS_PER_CHUNK = TOKENS_PER_BLOCK * BPC
+MODEL_ID = "reliability-tiny"
+DISK_OVERHEAD = 8192  # tierkv.engine.store.DISK_OVERHEAD_BYTES
+
+
+def make_kv() -> list[torch.Tensor]:
+    return [torch.zeros((NUM_BLOCKS, *PAGE_SHAPE), dtype=torch.uint8) for _ in range(LAYERS)]
+
+
+def store_config(root: Path | None, *, cpu_chunks: int = 16, disk_chunks: int = 1024,
+                 rank: int = 0, **disk: Any) -> StoreConfig:
+    disk_config = DiskTierConfig() if root is None else DiskTierConfig(
+        path=root, max_bytes=disk_chunks * (CHUNK_BYTES + DISK_OVERHEAD), **disk)
+    return StoreConfig(blocks_per_chunk=BPC, cpu=CpuTierConfig(max_bytes=cpu_chunks * CHUNK_BYTES,
+                                                               pin_memory="never"),
+                       disk=disk_config, device="cpu", rank=rank)
+
+
+def open_store(root: Path | None, kv: list[torch.Tensor] | None = None,
+               model_id: str = MODEL_ID, **options: Any) -> TierKVStore:
+    return TierKVStore(make_kv() if kv is None else kv, model_id=model_id,
+                       tokens_per_block=TOKENS_PER_BLOCK, config=store_config(root, **options))
+
+
+def namespace_of(model_id: str = MODEL_ID, **options: Any) -> Namespace:
+    """The namespace :func:`open_store` uses (for DiskTier-level access to its data)."""
+    return build_namespace(KVLayout.from_tensors(make_kv()), model_id, TOKENS_PER_BLOCK,
+                           store_config(None, **options))
+
+
+def payload_for(key: bytes, size: int = CHUNK_BYTES, variant: bytes = b"") -> bytes:
+    """The bytes of the chunk ``key``: a pure function of the key (and of ``variant``, for
+    two stores that must hold different bytes under one key)."""
+    return random.Random(hashlib.sha256(b"payload" + variant + key).digest()).randbytes(size)
+
+
+def pool_key(i: int, salt: bytes = b"pool") -> bytes:
+    return hashlib.sha256(salt + i.to_bytes(8, "big")).digest()
+
+
+def request_keys(seed: int, num_chunks: int = 4, parent: bytes | None = None) -> list[bytes]:
+    tokens = [(seed * 7919 + i * 31) % 50_000 for i in range(num_chunks * TOKENS_PER_CHUNK)]
+    if parent is None:
+        return [bytes(k) for k in chunk_keys(tokens, TOKENS_PER_CHUNK)]
+    return [bytes(k) for k in chunk_keys(tokens, TOKENS_PER_CHUNK, parent=parent)]
+
+
+def chunk_blocks(position: int, first_block: int = 0) -> list[int]:
+    start = first_block + position * BPC
+    return list(range(start, start + BPC))
+
+
+def _pages(key: bytes, variant: bytes = b"") -> list[torch.Tensor]:
+    """Per layer, ``[BPC, *PAGE_SHAPE]`` uint8 pages whose slot layout is ``payload_for(key)``."""
+    data = torch.frombuffer(bytearray(payload_for(key, variant=variant)), dtype=torch.uint8)
+    per_layer = BPC * PAGE_BYTES
+    return [data[layer * per_layer:(layer + 1) * per_layer].view(BPC, *PAGE_SHAPE)
+            for layer in range(LAYERS)]
+
+
+def _index(blocks: Sequence[int]) -> slice | torch.Tensor:
+    """A slice for consecutive block ids (a view, fast), else an index tensor."""
+    ids = [int(b) for b in blocks]
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def fill_chunk(kv: list[torch.Tensor], key: bytes, blocks: Sequence[int],
+               variant: bytes = b"") -> None:
+    index = _index(blocks)
+    for layer, pages in zip(kv, _pages(key, variant)):
+        layer[index] = pages
+
+
+def chunk_matches(kv: list[torch.Tensor], key: bytes, blocks: Sequence[int],
+                  variant: bytes = b"") -> bool:
+    index = _index(blocks)
+    return all(torch.equal(layer[index], pages)
+               for layer, pages in zip(kv, _pages(key, variant)))
+
+
+def poison(kv: list[torch.Tensor], blocks: Sequence[int], value: int = 0xEE) -> None:
+    index = _index(blocks)
+    for layer in kv:
+        layer[index] = value
+
+
+def untouched(kv: list[torch.Tensor], blocks: Sequence[int], value: int = 0xEE) -> bool:
+    index = _index(blocks)
+    return all(bool((layer[index] == value).all()) for layer in kv)
+
+
+def store_chunks(store: TierKVStore, kv: list[torch.Tensor], keys: Sequence[bytes],
+                 first_block: int = 0, variant: bytes = b"") -> Completion | None:
+    """Fill blocks with each key's bytes, store them and wait; returns the store completion."""
+    blocks = [chunk_blocks(i, first_block) for i in range(len(keys))]
+    for key, chunk in zip(keys, blocks):
+        fill_chunk(kv, key, chunk, variant)
+    job = store.store(list(keys), blocks)
+    if job is None:
+        return None
+    store.wait([job])
+    return next((c for c in store.poll() if c.job_id == job), None)
+
+
+def load_chunks(store: TierKVStore, keys: Sequence[bytes],
+                first_block: int = 32) -> tuple[int, Completion | None]:
+    """Load ``keys`` into blocks from ``first_block`` on; (chunks planned, completion)."""
+    blocks = [chunk_blocks(i, first_block) for i in range(len(keys))]
+    handle = store.load(list(keys), blocks)
+    if handle.job_id is None:
+        return 0, None
+    store.wait([handle.job_id])
+    return handle.num_chunks, next((c for c in store.poll() if c.job_id == handle.job_id), None)
+
+
+def env_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("ns-*/rank-*") if ".broken-" not in p.name)
+
+
+@contextmanager
+def raw_env(env_dir: Path) -> Iterator[tuple[lmdb.Transaction, Any, Any]]:
+    """A write txn on a (closed) tier's environment, opened with lmdb directly:
+    (txn, chunks db, index db). Fault injection at tierkv's boundary, not a mock."""
+    env = lmdb.open(str(env_dir), max_dbs=4, subdir=True)
+    try:
+        chunks = env.open_db(b"chunks")
+        index = env.open_db(b"index")
+        with env.begin(write=True) as txn:
+            yield txn, chunks, index
+    finally:
+        env.close()
+
+
+_CONTEXT: Any = None
+
+
+def forkserver() -> Any:
+    """A multiprocessing context whose server has torch and tierkv imported already, so a
+    child starts in milliseconds instead of seconds. The server holds no LMDB environment
+    (tierkv never forks with one open)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "lmdb", "tierkv.engine.store",
+                                        "tierkv.transfer.cpu", "tests.reliability.support"])
+        _CONTEXT = context
+    return _CONTEXT

@@ -1,0 +1,166 @@
+"""Bad configuration fails at once, with an error that names the setting and the value.
+
+Every field of CpuTierConfig, DiskTierConfig and StoreConfig has bad values below, checked
+through the dataclass and through ``StoreConfig.from_dict`` (the path JSON and vLLM's
+``kv_connector_extra_config`` take). A test pins that the table covers every field, so a
+new setting without a bad-value case fails here. Also: the vLLM connector refuses vLLM
+versions it was not built for, with a message that says what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import types
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
+from tierkv.errors import ConfigError, TierKVError
+
+NAN = math.nan
+BAD: dict[str, dict[str, list[Any]]] = {
+    "cpu": {
+        "max_bytes": [0, -1, 1.5, 4e9, "4GiB", True, None, NAN],
+        "pin_memory": ["yes", "", None, True, 1],
+        "spill_ahead_fraction": [-0.1, 1.5, NAN, "0.5", None, True],
+    },
+    "disk": {
+        "path": [123, "", b"/tmp/cache", "/tmp/a\0b", ["/tmp"]],
+        "max_bytes": [0, -5, 2.5, "1G", True, None, NAN, math.inf],
+        "write_through": ["yes", 1, None],
+        "write_batch_bytes": [0, -1, 1.5, "8M", True, NAN],
+        "sync_mode": ["sometimes", "", None, 1],
+        "sync_every_bytes": [0, -1, 1.0, NAN, "256M"],
+        "sync_every_seconds": [0, -1, NAN, "5", None, True],
+        "retry_after_full_seconds": [-1, NAN, "1", None, True],
+        "tune_malloc": ["no", 0, None],
+    },
+    "store": {
+        "blocks_per_chunk": [0, -1, 1.5, "16", True, None],
+        "cpu": ["cpu", None, 4, {"max_bytes": 1}],
+        "disk": ["/tmp/cache", None, {"path": "/tmp/cache"}],
+        "device": ["gpu", "", None, 0],
+        "rank": [-1, 1.5, "0", True, None],
+    },
+}
+CLASSES = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "store": StoreConfig}
+CASES = [(section, name, value) for section, table in BAD.items()
+         for name, values in table.items() for value in values]
+IDS = [f"{section}.{name}={value!r}" for section, name, value in CASES]
+# A dict is how from_dict takes the cpu and disk sections: bad only for the dataclass.
+DICT_CASES = [(case, case_id) for case, case_id in zip(CASES, IDS)
+              if not (case[0] == "store" and isinstance(case[2], dict))]
+
+
+def _check_message(error: ConfigError, section: str, name: str, value: Any) -> None:
+    message = str(error)
+    setting = name if section == "store" else f"{section}.{name}"
+    assert setting in message, f"{message!r} does not name {setting}"
+    assert repr(value) in message or str(value) in message, f"{message!r} does not show {value!r}"
+
+
+def test_the_table_covers_every_setting() -> None:
+    for section, cls in CLASSES.items():
+        assert set(BAD[section]) == {f.name for f in fields(cls)}, section
+
+
+@pytest.mark.parametrize(("section", "name", "value"), CASES, ids=IDS)
+def test_bad_value_names_setting_and_value(section: str, name: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as raised:
+        CLASSES[section](**{name: value})
+    _check_message(raised.value, section, name, value)
+
+
+@pytest.mark.parametrize(("section", "name", "value"), [case for case, _ in DICT_CASES],
+                         ids=[case_id for _, case_id in DICT_CASES])
+def test_bad_value_through_from_dict(section: str, name: str, value: Any) -> None:
+    raw: dict[str, Any] = {name: value} if section == "store" else {section: {name: value}}
+    with pytest.raises(ConfigError) as raised:
+        StoreConfig.from_dict(raw)
+    _check_message(raised.value, section, name, value)
+
+
+def test_good_values_pass_and_from_dict_builds_the_same_config(tmp_path: Path) -> None:
+    """The bad values above are bad for their own reason: the same shapes with good
+    values are accepted (so each case above fails on its value alone)."""
+    raw: dict[str, Any] = {
+        "blocks_per_chunk": 8, "device": "cpu", "rank": 1,
+        "cpu": {"max_bytes": 1 << 20, "pin_memory": "never", "spill_ahead_fraction": 0.0},
+        "disk": {"path": str(tmp_path), "max_bytes": 1 << 30, "write_through": True,
+                 "write_batch_bytes": 1 << 20, "sync_mode": "always", "sync_every_bytes": 1,
+                 "sync_every_seconds": 0.5, "retry_after_full_seconds": 0.0,
+                 "tune_malloc": False}}
+    config = StoreConfig.from_dict(raw)
+    assert config == StoreConfig(blocks_per_chunk=8, device="cpu", rank=1,
+                                 cpu=CpuTierConfig(**raw["cpu"]),
+                                 disk=DiskTierConfig(**raw["disk"]))
+    assert config.disk.path == tmp_path
+    assert DiskTierConfig(sync_every_seconds=math.inf).sync_every_seconds == math.inf
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    ({"blocks": 16}, "blocks"),
+    ({"cpu": {"max_byte": 1}}, "cpu.max_byte"),
+    ({"disk": {"pathh": "/tmp"}}, "disk.pathh"),
+])
+def test_unknown_settings_are_named(raw: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match="unknown setting") as raised:
+        StoreConfig.from_dict(raw)
+    assert named in str(raised.value)
+
+
+@pytest.mark.parametrize("raw", [None, [("cpu", {})], "cpu", 3])
+def test_from_dict_needs_a_mapping(raw: Any) -> None:
+    with pytest.raises(ConfigError) as raised:
+        StoreConfig.from_dict(raw)
+    assert repr(raw) in str(raised.value)
+
+
+# -- vLLM version check -------------------------------------------------------------------
+
+SUPPORTED = ["0.33.0", "0.33.1", "0.33.2rc1", "0.33.0+cu124"]
+UNSUPPORTED = ["0.32.9", "0.34.0", "1.33.0", "0.3.3", "0.33", "33", "v0.33.0", "unknown", ""]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_supported_vllm_versions_pass(version: str) -> None:
+    from tierkv.integrations.vllm_config import check_vllm_version
+
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", UNSUPPORTED)
+def test_unsupported_vllm_version_gives_a_clear_message(version: str) -> None:
+    from tierkv.integrations.vllm_config import UnsupportedVersionError, check_vllm_version
+
+    if version == "0.33":  # major.minor alone is a valid 0.33 version string
+        check_vllm_version(version)
+        return
+    with pytest.raises(UnsupportedVersionError) as raised:
+        check_vllm_version(version)
+    message = str(raised.value)
+    assert f"vLLM {version} is not supported" in message
+    assert "0.33" in message and "pip install" in message
+    assert isinstance(raised.value, TierKVError)
+
+
+def test_importing_the_connector_under_another_vllm_fails_with_the_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connector module checks the version it reads from ``vllm.__version__`` as it is
+    imported (before it touches vLLM's connector API): a stand-in vllm module reporting
+    0.34.0 makes the import fail with UnsupportedVersionError, not an AttributeError or
+    ImportError from deep inside vLLM."""
+    from tierkv.integrations.vllm_config import UnsupportedVersionError
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.34.0"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.delitem(sys.modules, "tierkv.integrations.vllm", raising=False)
+    with pytest.raises(UnsupportedVersionError, match=r"vLLM 0\.34\.0 is not supported"):
+        importlib.import_module("tierkv.integrations.vllm")
+    assert "tierkv.integrations.vllm" not in sys.modules
