@@ -143,3 +143,23 @@ def test_over_capacity_on_open_is_deleted() -> None:
     assert index.add_on_disk([A, B, C]) == 2
     spill = index.take_spills()
     assert spill is not None and spill.deletes == (C,) and not spill.writes
+
+
+def test_no_victim_asks_the_next_spill_for_room_even_with_a_clean_reserve() -> None:
+    # Regression (found by the vLLM connector tests, an async-scheduling livelock): the
+    # clean reserve consisted of chunks in use, so spill-ahead saw "enough clean" and
+    # never spilled; every promotion failed for lack of a slot, forever.
+    index = BlockIndex(num_slots=3, disk_capacity=10, spill_ahead_fraction=0.3)  # reserve: 1
+    index.add_on_disk([D])
+    index.complete_store(done(index.prepare_store([A, B]).job_id))
+    index.complete_spill(done(index.take_spills(at_least=1).job_id))  # A: the clean reserve
+    busy = index.prepare_load([A])  # ... which is now in use
+    index.complete_store(done(index.prepare_store([C]).job_id))  # C: dirty, tier full
+    assert index.take_spills() is None  # A counts as clean: the reserve looks full
+    assert index.prepare_load([D]).job_id is None  # no victim: A has a reader, B, C dirty
+    spill = index.take_spills()
+    assert spill is not None and len(spill.writes) == 1  # the failed promotion asked for room
+    index.complete_spill(done(spill.job_id))
+    assert index.prepare_load([D]).job_id is not None  # room now
+    index.complete_load(done(busy.job_id))
+    index.check()

@@ -16,8 +16,9 @@ Primitives (all pure and single-threaded; plain data in and out):
   dropped; corrupt ones, and ones the disk did not have, are forgotten: no phantom hit).
 - ``take_spills(flush=False, at_least=0)`` -> :class:`SpillSpec` | None: write-back. Dirty
   READY chunks (not on disk) are spilled, oldest first, so that a fraction of the slots
-  stays clean (evictable at once), and at least ``at_least`` of them; with write-through,
-  or when flushing, every dirty chunk.
+  stays clean (evictable at once), and at least ``at_least`` of them, and at least one for
+  every slot that found no victim since the last call (the clean reserve can consist of
+  chunks in use); with write-through, or when flushing, every dirty chunk.
   Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
 - ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
   ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
@@ -161,6 +162,7 @@ class BlockIndex:
         self._num_spilling = 0
         self._pending_deletes: list[bytes] = []
         self._disk_retry_at = -math.inf
+        self._room_wanted = 0  # slots that found no victim since the last spill plan
         self._jobs: dict[JobId, _Job] = {}
         self._counters = _Counters()
         # ("stored" | "removed", key) as chunks become hits and stop being hits.
@@ -336,7 +338,9 @@ class BlockIndex:
                 want = len(self._dirty)
             else:
                 clean_now = self._slots.num_free + len(self._clean) + self._num_spilling
-                want = min(len(self._dirty), max(self._clean_target - clean_now, at_least))
+                wanted = max(self._clean_target - clean_now, at_least, self._room_wanted)
+                want = min(len(self._dirty), wanted)
+            self._room_wanted = 0
             for key in list(islice(self._dirty.oldest_first(), max(want, 0))):
                 if self._disk_used >= self.disk_capacity and not self._evict_disk():
                     self._counters.disk_no_room += 1
@@ -461,6 +465,10 @@ class BlockIndex:
             if victim is not None:
                 self._counters.dirty_dropped += 1
         if victim is None:
+            if self._dirty and self.has_disk:
+                # Demand-driven write-back: the clean reserve may be made of chunks in use
+                # (readers, the request's own keys); ask the next spill for one more.
+                self._room_wanted += 1
             return None
         self._counters.cpu_evictions += 1
         slot = victim.slot

@@ -276,7 +276,8 @@ class EngineAdapter:
         loads, self._pending_loads = tuple(self._pending_loads), []
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)
-        return StepPlan(loads, tuple(stores), (spill,) if spill is not None else (), tuple(flush))
+        idle = not any(step.num_scheduled_tokens.values())
+        return StepPlan(loads, tuple(stores), (spill,) if spill is not None else (), tuple(flush), idle)
 
     def take_flush_spills(self) -> StepPlan:
         """A plan that writes every dirty CPU chunk to disk (clean shutdown)."""

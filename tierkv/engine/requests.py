@@ -60,6 +60,7 @@ class StepPlan:
     stores: tuple[StoreSpec, ...] = ()
     spills: tuple[SpillSpec, ...] = ()
     jobs_to_flush: tuple[JobId, ...] = ()
+    idle: bool = False  # the engine computes nothing this step (no forward pass)
 
     @property
     def is_empty(self) -> bool:

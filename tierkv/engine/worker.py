@@ -13,15 +13,23 @@ Per step, in the engine's order:
    by this forward; on CUDA the copy stream waits on the compute stream).
 5. ``poll() -> WorkerReport``: finished jobs, finished loads by request, and the GPU block
    ids of chunks that failed to load (the engine recomputes them).
+
+Idle steps yield. When the engine computes nothing (every request waits for its load) it
+loops as fast as it can; in one process that loop can starve the copy and disk threads of
+the GIL for seconds (seen with vLLM's scheduler on CPU: spills stalled for 3000 steps). So
+``poll()`` after an idle plan with jobs in flight sleeps ``IDLE_YIELD_SECONDS`` first.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from tierkv.core.jobs import Completion, JobId, StoreSpec, failed_set
 from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
+
+IDLE_YIELD_SECONDS = 0.0005
 
 
 @dataclass
@@ -41,6 +49,7 @@ class WorkerAdapter:
         self._finished_loads: list[str] = []
         self._failed_blocks: list[int] = []
         self._handled: StepPlan | None = None
+        self._idle = False
 
     # ------------------------------------------------------------------ steps
     def handle_preemptions(self, plan: StepPlan) -> None:
@@ -56,6 +65,7 @@ class WorkerAdapter:
         if self._handled is not plan:
             self.handle_preemptions(plan)
         self.submit_pending()
+        self._idle = plan.idle
         for load in plan.loads:
             if load.spec is None:
                 self._finished_loads.append(load.req_id)
@@ -82,6 +92,8 @@ class WorkerAdapter:
 
     # ------------------------------------------------------------------ reports
     def poll(self) -> WorkerReport:
+        if self._idle and self.executor.in_flight_ids():
+            time.sleep(IDLE_YIELD_SECONDS)  # let the copy and disk threads run (see above)
         completions = self.executor.poll_finished()
         for completion in completions:
             self._submitted.discard(completion.job_id)
