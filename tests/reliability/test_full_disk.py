@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.reliability import support
 from tierkv.engine.store import TierKVStore
@@ -254,3 +255,33 @@ def test_a_lower_cap_evicts_chunks_and_stores_resume(small_disk: SmallDisk) -> N
                             **STORE_OPTIONS) as store:
         assert store.disk is not None and store.disk.verify().bad_keys == ()
         assert store.lookup(new[-4:]) == 4
+
+
+def test_a_disk_tier_that_breaks_underneath_never_breaks_the_store(tmp_path: Path) -> None:
+    """Regression: once the disk tier failed, every store call raised and close() failed on
+    a spill job the worker never took. A broken disk now fails spills like a full one."""
+    from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
+    from tierkv.engine.store import TierKVStore
+    from tierkv.keys import chunk_keys
+
+    kv = [torch.zeros((32, 2, 4, 8), dtype=torch.float16) for _ in range(2)]
+    chunk = 2 * 2 * kv[0][0].numel() * 2
+    config = StoreConfig(blocks_per_chunk=2, cpu=CpuTierConfig(max_bytes=3 * chunk),
+                         disk=DiskTierConfig(path=tmp_path / "store", max_bytes=64 << 20), device="cpu")
+    store = TierKVStore(kv, model_id="broken-disk", tokens_per_block=4, config=config)
+    keys = chunk_keys(list(range(8 * 10)), 8)
+    store.wait([store.store(keys[:3], list(range(6)))])
+    store.flush()
+    assert store.disk is not None
+    store.disk.close()  # the disk tier fails underneath the running store
+    for i in range(3, 10):  # keeps storing: evictions need spills, which now fail
+        store.wait([store.store(keys[i : i + 1], [2 * (i % 16), 2 * (i % 16) + 1])])
+        store.poll()
+    handle = store.load(keys[:1], [30, 31])  # a chunk only on disk: fails, is not a hit
+    store.wait([handle.job_id])
+    for completion in store.poll():
+        if completion.job_id == handle.job_id:
+            assert completion.failed_keys == (keys[0],)
+    stats = store.statistics().index
+    assert stats.spills_failed + stats.disk_no_room > 0
+    store.close()  # no exception: the cache failing must not fail its user

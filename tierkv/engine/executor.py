@@ -16,6 +16,7 @@ keys of the same job, so the engine recomputes them and never sees a false hit.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
@@ -29,9 +30,11 @@ from tierkv.core.jobs import (
     StoreSpec,
     failed_set,
 )
-from tierkv.errors import ClosedError, TierKVError
+from tierkv.errors import BrokenError, ClosedError, TierKVError
 from tierkv.transfer.base import TransferEngine
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
+
+log = logging.getLogger(__name__)
 
 
 class _ChainedLoad:
@@ -60,6 +63,7 @@ class JobExecutor:
         # Finished job ids, kept compact: every id below _floor has finished.
         self._finished: set[JobId] = set()
         self._floor = 1
+        self._failed_now: set[JobId] = set()  # spills failed at submit (their disk broke)
 
     # ------------------------------------------------------------------ submit
     def submit(self, spec: JobSpec) -> None:
@@ -71,7 +75,18 @@ class JobExecutor:
         elif isinstance(spec, SpillSpec):
             if self.disk_io is None:
                 raise TierKVError("worker: spill job without a disk tier (set disk.path)")
-            self.disk_io.submit_spill(spec)
+            try:
+                self.disk_io.submit_spill(spec)
+            except (BrokenError, ClosedError) as exc:
+                # The engine never fails because its cache did: a broken disk tier fails
+                # its spills like a full one (counted, backed off, chunks stay in the CPU
+                # tier or are dropped), and the error is logged once per job.
+                keys = tuple(key for key, _ in spec.writes)
+                log.warning("worker: disk tier unusable, spill job %s failed: %s", spec.job_id, exc)
+                with self._lock:
+                    self._direct.append(Completion(spec.job_id, ok=False, failed_keys=keys,
+                                                   full_keys=keys, error=str(exc)))
+                    self._failed_now.add(spec.job_id)
         elif not any(chunk.from_disk for chunk in spec.chunks):
             self.transfer.submit_load(spec)
         else:
@@ -106,7 +121,12 @@ class JobExecutor:
             finally:
                 chained.read_done.set()
 
-        self.disk_io.submit_read(spec.job_id, disk_chunks, on_done)
+        try:
+            self.disk_io.submit_read(spec.job_id, disk_chunks, on_done)
+        except (BrokenError, ClosedError) as exc:  # a broken disk tier: those chunks miss
+            keys = tuple(c.key for c in disk_chunks)
+            log.warning("worker: disk tier unusable, load job %s reads nothing: %s", spec.job_id, exc)
+            on_done(ReadOutcome(spec.job_id, (), keys, (), 0, 0.0, failed_keys=keys, error=str(exc)))
 
     # ------------------------------------------------------------------ completions
     def _merge(self, job_id: JobId, copy: Completion | None, chained: _ChainedLoad) -> Completion:
@@ -147,6 +167,7 @@ class JobExecutor:
             self._kinds.pop(completion.job_id, None)
             with self._lock:
                 self._chained.pop(completion.job_id, None)
+                self._failed_now.discard(completion.job_id)
             self._mark_finished(completion.job_id)
         return finished
 
@@ -171,7 +192,10 @@ class JobExecutor:
                 )
             if kind is JobKind.SPILL:
                 assert self.disk_io is not None
-                self.disk_io.wait([job_id])
+                with self._lock:
+                    failed_now = job_id in self._failed_now
+                if not failed_now:
+                    self.disk_io.wait([job_id])
             else:
                 with self._lock:
                     chained = self._chained.get(job_id)
