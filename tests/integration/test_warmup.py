@@ -23,10 +23,7 @@ import torch
 pytest.importorskip("transformers", reason="warm-up needs transformers")
 pytest.importorskip("vllm", reason="the warm-up's vLLM checks need vllm installed")
 
-try:  # pytest puts this directory on sys.path while tests/ is not a package
-    import vllm_harness as harness_lib
-except ImportError:  # tests/ became a package
-    from tests.integration import vllm_harness as harness_lib  # type: ignore[no-redef]
+from . import vllm_harness as harness_lib
 
 from vllm.config import KVTransferConfig
 from vllm.utils.hashing import get_hash_fn_by_name
