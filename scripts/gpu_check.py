@@ -75,13 +75,10 @@ class Checks:
             print(f"  FAIL {what}", flush=True)
 
 
-def engine_for(kv: KV, bpc: int, slots: int, staging_chunks: float,
+def engine_for(kv: LayoutKV, bpc: int, slots: int, staging_chunks: float,
                pad: int = 0) -> CudaTransferEngine:
-    layout = KVLayout.from_tensors(kv.tensors)
-    chunk_bytes = layout.chunk_bytes(bpc)
-    slab = CpuSlab(slots, chunk_bytes + pad, pin_memory="always")
-    slab.tensor.zero_()
-    return CudaTransferEngine(layout, slab, bpc, staging_bytes=int(staging_chunks * chunk_bytes))
+    engine: CudaTransferEngine = kv.cuda_engine(bpc, slots, staging_chunks, pad)
+    return engine
 
 
 def cc(key: int, slot: int, blocks: tuple[int, ...], skip: int = 0) -> ChunkCopy:

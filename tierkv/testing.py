@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -350,6 +351,21 @@ class LayoutKV:
         else:
             raw, index = self.raws[0], block * self.layers + layer
         return raw[index * self.page : (index + 1) * self.page]
+
+    def cuda_engine(self, blocks_per_chunk: int, num_slots: int, staging_chunks: float,
+                    pad: int = 0) -> Any:
+        """A CudaTransferEngine over these tensors and a fresh zeroed pinned slab whose
+        slots are ``pad`` bytes longer than a chunk."""
+        from tierkv.tiers.cpu import CpuSlab
+        from tierkv.transfer.cuda import CudaTransferEngine
+        from tierkv.transfer.layout import KVLayout
+
+        layout = KVLayout.from_tensors(self.tensors)
+        chunk_bytes = layout.chunk_bytes(blocks_per_chunk)
+        slab = CpuSlab(num_slots, chunk_bytes + pad, pin_memory="always")
+        slab.tensor.zero_()
+        return CudaTransferEngine(layout, slab, blocks_per_chunk,
+                                  staging_bytes=int(staging_chunks * chunk_bytes))
 
     def chunk(self, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
         """The chunk's reference bytes in tierkv's slot layout, on the CPU."""

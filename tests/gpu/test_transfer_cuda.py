@@ -13,10 +13,8 @@ import torch
 
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
 from tierkv.errors import ClosedError, TransferError
-from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cuda import CudaTransferEngine
 from tierkv.testing import LayoutKV
-from tierkv.transfer.layout import KVLayout
 
 pytestmark = [
     pytest.mark.cuda,
@@ -40,13 +38,10 @@ def blocks_of(index: int) -> tuple[int, ...]:
     return tuple((index * 5 + step * 3) % BLOCKS for step in range(BPC))  # scattered ids
 
 
-def make_engine(kv: KV, num_slots: int = 16, staging_chunks: float = 4,
+def make_engine(kv: LayoutKV, num_slots: int = 16, staging_chunks: float = 4,
                 pad: int = 0) -> CudaTransferEngine:
-    layout = KVLayout.from_tensors(kv.tensors)
-    chunk_bytes = layout.chunk_bytes(BPC)
-    slab = CpuSlab(num_slots, chunk_bytes + pad, pin_memory="always")
-    slab.tensor.zero_()
-    return CudaTransferEngine(layout, slab, BPC, staging_bytes=int(staging_chunks * chunk_bytes))
+    engine: CudaTransferEngine = kv.cuda_engine(BPC, num_slots, staging_chunks, pad)
+    return engine
 
 
 def drain(engine: CudaTransferEngine, count: int) -> list[Completion]:
