@@ -2,9 +2,11 @@
 """Scheduler-side cost of the engine adapter per step and per chunk decision.
 
 Workload: --requests running requests of --chunks chunks each. Every step each request
-computes one more chunk of its prompt (a prefill-heavy step: one store decision per
-request per step) and a lookup of its whole key list is made (the cost a new request
-pays). Jobs complete at once (the scheduler side alone is measured: no bytes move).
+computes --chunks-per-step more chunks of its prompt (1: one store decision, and one job,
+per request per step; --chunks: the whole prompt in one step) and a lookup of its whole
+key list is made (the cost a new request pays). Then decode steps (one token per request,
+no chunk completes) are timed. Jobs complete at once (the scheduler side alone is
+measured: no bytes move).
 
 Baseline in the same run: a bare dict doing the same decisions (key present? else insert
 with a slot id) for the same keys, which is the floor any bookkeeping pays in Python.
@@ -44,11 +46,12 @@ def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace) 
     plan_seconds = 0.0
     lookup_seconds = 0.0
     total_tokens = num_chunks * tpc
-    for step in range(num_chunks):
+    per_step = args.chunks_per_step
+    for step in range(0, num_chunks, per_step):
         requests = {
             req_id: RequestView(req_id, keys, total_tokens, total_tokens, step * tpc) for req_id, keys in views
         }
-        scheduled = dict.fromkeys(requests, tpc)
+        scheduled = dict.fromkeys(requests, tpc * per_step)
         new_blocks = {req_id: blocks[req_id] for req_id in requests} if step == 0 else {}
         replaced = frozenset(requests) if step == 0 else frozenset()
         t0 = time.perf_counter()
@@ -60,24 +63,47 @@ def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace) 
         t2 = time.perf_counter()
         plan_seconds += t1 - t0
         lookup_seconds += t2 - t1
-        decisions += num_requests
+        decisions += num_requests * per_step
     return plan_seconds, lookup_seconds, decisions
 
 
-def run_baseline(views: list[tuple[str, list[bytes]]]) -> tuple[float, float, int]:
+def run_decode_steps(views: list[tuple[str, list[bytes]]], args: argparse.Namespace, steps: int = 32) -> float:
+    """Seconds per decode step (one token per request, no chunk completes): what every
+    request costs the plan on the steps that store nothing, which are most steps."""
+    tpc = args.block_size * args.blocks_per_chunk
+    num_chunks = len(views[0][1])
+    index = BlockIndex(num_slots=len(views) * num_chunks + 16, disk_capacity=0)
+    adapter = EngineAdapter(index, AdapterConfig(args.block_size, args.blocks_per_chunk))
+    computed = num_chunks * tpc - tpc // 2  # mid-chunk: no chunk completes for a while
+    blocks = {req_id: list(range(num_chunks * args.blocks_per_chunk)) for req_id, _ in views}
+    first = {req_id: RequestView(req_id, keys, computed, computed + 1, computed) for req_id, keys in views}
+    adapter.build_plan(StepInput(first, dict.fromkeys(first, 1), blocks, frozenset(first)))
+    seconds = 0.0
+    for step in range(1, steps + 1):
+        requests = {req_id: RequestView(req_id, keys, computed, computed + step + 1, computed + step)
+                    for req_id, keys in views}
+        scheduled = dict.fromkeys(requests, 1)
+        t0 = time.perf_counter()
+        plan = adapter.build_plan(StepInput(requests, scheduled))
+        seconds += time.perf_counter() - t0
+        assert not plan.stores
+    return seconds / steps
+
+
+def run_baseline(views: list[tuple[str, list[bytes]]], per_step: int) -> tuple[float, float, int]:
     table: dict[bytes, int] = {}
     num_chunks = len(views[0][1])
     plan_seconds = 0.0
     lookup_seconds = 0.0
     decisions = 0
     slot = 0
-    for step in range(num_chunks):
+    for step in range(0, num_chunks, per_step):
         t0 = time.perf_counter()
         for _, keys in views:
-            key = keys[step]
-            if key not in table:
-                table[key] = slot
-                slot += 1
+            for key in keys[step : step + per_step]:
+                if key not in table:
+                    table[key] = slot
+                    slot += 1
         t1 = time.perf_counter()
         for _, keys in views:
             hits = 0
@@ -88,7 +114,7 @@ def run_baseline(views: list[tuple[str, list[bytes]]]) -> tuple[float, float, in
         t2 = time.perf_counter()
         plan_seconds += t1 - t0
         lookup_seconds += t2 - t1
-        decisions += len(views)
+        decisions += len(views) * per_step
     return plan_seconds, lookup_seconds, decisions
 
 
@@ -99,6 +125,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--blocks-per-chunk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--chunks-per-step", type=int, default=1,
+                        help="chunks each request completes per step: 1 = decode-like steady "
+                             "state, --chunks = the whole prompt in one prefill step")
     args = parser.parse_args()
     tpc = args.block_size * args.blocks_per_chunk
     views = build_views(args.requests, args.chunks, tpc)
@@ -107,14 +136,16 @@ def main() -> None:
     for _ in range(args.repeats):
         plan, lookup, decisions = run_adapter(views, args)
         rows["adapter"].append((plan, lookup, decisions))
-        plan, lookup, decisions = run_baseline(views)
+        plan, lookup, decisions = run_baseline(views, args.chunks_per_step)
         rows["dict"].append((plan, lookup, decisions))
-    print(f"{args.requests} running requests x {args.chunks} chunks, {args.repeats} repeats (median [min-max])")
+    steps = -(-args.chunks // args.chunks_per_step)
+    print(f"{args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
+          f"request per step ({steps} steps), {args.repeats} repeats (median [min-max])")
     medians = {}
     for name, runs in rows.items():
-        per_step = [p / args.chunks * 1e6 for p, _, _ in runs]
+        per_step = [p / steps * 1e6 for p, _, _ in runs]
         per_decision = [p / d * 1e6 for p, _, d in runs]
-        per_lookup_chunk = [lk / (args.requests * args.chunks * args.chunks) * 1e6 for _, lk, _ in runs]
+        per_lookup_chunk = [lk / (args.requests * args.chunks * steps) * 1e6 for _, lk, _ in runs]
         medians[name] = statistics.median(per_decision)
         print(
             f"  {name:8s} plan {statistics.median(per_step):9.1f} us/step "
@@ -122,6 +153,9 @@ def main() -> None:
             f"{statistics.median(per_decision):6.2f} us/chunk decision  "
             f"lookup {statistics.median(per_lookup_chunk):6.3f} us/chunk"
         )
+    decode = [run_decode_steps(views, args) * 1e6 for _ in range(args.repeats)]
+    print(f"  decode step, no chunk completes: {statistics.median(decode):.1f} us/step "
+          f"[{min(decode):.1f}-{max(decode):.1f}], {statistics.median(decode) / args.requests:.2f} us per request")
     print(f"adapter / bare dict per chunk decision: {medians['adapter'] / medians['dict']:.1f}x "
           f"(target <= 2 us per decision: {'met' if medians['adapter'] <= 2.0 else 'missed'})")
 

@@ -1,6 +1,7 @@
 """CPU slot allocator: which slab slots are free. Knows nothing of keys or recency.
 
-- ``allocate()`` a free slot, or None when none is free (a value, not an error).
+- ``allocate()`` a free slot, or None when none is free (a value, not an error);
+  ``allocate_many(n)`` up to n of them at once.
 - ``free(slot)`` returns it; freeing a free slot is an internal invariant violation.
 """
 
@@ -24,6 +25,19 @@ class SlotAllocator:
         slot = self._free.pop()
         self._is_free[slot] = False
         return slot
+
+    def allocate_many(self, count: int) -> list[SlotId]:
+        """Up to ``count`` free slots, in the order ``allocate`` would hand them out."""
+        take = min(count, len(self._free))
+        if take <= 0:
+            return []
+        slots = self._free[-take:]
+        del self._free[-take:]
+        slots.reverse()
+        is_free = self._is_free
+        for slot in slots:
+            is_free[slot] = False
+        return slots
 
     def free(self, slot: SlotId) -> None:
         assert not self._is_free[slot], f"slot {slot} freed twice"

@@ -216,10 +216,11 @@ class EngineAdapter:
                 for key, slot in plan.chunks
             )
         else:  # every key is new: positions follow the keys
-            chunks = tuple(
-                ChunkCopy(key, slot, tuple(blocks[(first + i) * bpc : (first + i + 1) * bpc]))
+            start = first * bpc
+            chunks = tuple([
+                ChunkCopy(key, slot, tuple(blocks[start + i * bpc : start + (i + 1) * bpc]))
                 for i, (key, slot) in enumerate(plan.chunks)
-            )
+            ])
         self._job_owner[plan.job_id] = state.view.req_id
         state.jobs.add(plan.job_id)
         self.stats.stores_planned += len(chunks)
