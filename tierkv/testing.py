@@ -21,7 +21,6 @@ of the last sampled token.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -309,9 +308,6 @@ def run_worker_in_order(worker: WorkerAdapter, plan: StepPlan, forward: Callable
     forward()
     worker.after_forward()
 
-
-def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 class LayoutKV:

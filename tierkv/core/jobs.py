@@ -134,9 +134,6 @@ class CompletionTracker:
         del self._pending[completion.job_id]
         return merge_completions(pending.completions)
 
-    def num_pending(self) -> int:
-        return len(self._pending)
-
 
 def _union(groups: list[tuple[Key, ...]]) -> tuple[Key, ...]:
     seen: dict[Key, None] = {}

@@ -144,8 +144,9 @@ class EngineAdapter:
             state = self._requests[view.req_id] = _Request(view)
         state.view = view
         state.block_ids = list(block_ids)
-        first_new = num_local_tokens // self.config.tokens_per_block
-        self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
+        if self._released:  # only blocks of departed requests can need a fence
+            first_new = num_local_tokens // self.config.tokens_per_block
+            self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
         if num_external_tokens <= 0:
             return
         cfg = self.config
@@ -230,7 +231,8 @@ class EngineAdapter:
         flush: dict[JobId, None] = {}
         # Loads planned since the last plan target blocks allocated since: never flushed
         # (a request preempted and re-admitted in one step has such a load).
-        fresh = {load.spec.job_id for load in self._pending_loads if load.spec is not None}
+        fresh = ({load.spec.job_id for load in self._pending_loads if load.spec is not None}
+                 if self._pending_loads and (step.preempted or self._released) else set())
         for req_id in step.preempted:
             state = self._requests.get(req_id)
             if state is not None:

@@ -186,8 +186,5 @@ class JobBook(Generic[RecordT]):
                 )
         return records
 
-    def live_records(self) -> list[RecordT]:
-        return list(self._live.values())
-
     def __len__(self) -> int:
         return len(self._live)
