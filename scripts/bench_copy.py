@@ -114,7 +114,7 @@ class Case:
             self.next_job += 1
             chunks = tuple(self.chunks[first:first + per_job])
             if kind == "store":
-                self.engine.submit_store(StoreSpec(job, chunks))
+                self.engine.submit_store(StoreSpec.of(job, chunks))
             else:
                 self.engine.submit_load(LoadSpec(job, chunks))
             ids.append(job)

@@ -93,7 +93,7 @@ def check_round_trip(checks: Checks, kind: str, dtype: torch.dtype, separate: bo
     engine = engine_for(kv, bpc, 16, staging_chunks, pad)
     slots = [3, 4, 5, 0, 9, 10]
     sources = [tuple((i * 5 + s * 3) % blocks for s in range(bpc)) for i in range(len(slots))]
-    engine.submit_store(StoreSpec(JobId(1), tuple(
+    engine.submit_store(StoreSpec.of(JobId(1), tuple(
         cc(i, slot, sources[i]) for i, slot in enumerate(slots))))
     engine.wait([JobId(1)])
     done = engine.poll_finished()
@@ -132,7 +132,7 @@ def check_ordering(checks: Checks) -> None:
     for step, block in enumerate(blocks):
         for layer in range(kv.layers):
             kv.page_at(layer, block).fill_(step + 1)
-    engine.submit_store(StoreSpec(JobId(1), (cc(1, 0, blocks),)))
+    engine.submit_store(StoreSpec.of(JobId(1), (cc(1, 0, blocks),)))
     engine.wait([JobId(1)])
     slot = engine.slab.view(0).view(kv.layers, 8, kv.page)
     checks.expect(all(bool((slot[:, s] == s + 1).all()) for s in range(8)),
@@ -149,8 +149,8 @@ def check_ordering(checks: Checks) -> None:
     with torch.cuda.stream(engine._store.stream):
         torch.cuda._sleep(SLEEP_CYCLES)
     for job in range(3, 11):
-        engine.submit_store(StoreSpec(JobId(job), (cc(job, job, blocks),)))
-    engine.submit_store(StoreSpec(JobId(11), (cc(11, 99, blocks),)))
+        engine.submit_store(StoreSpec.of(JobId(job), (cc(job, job, blocks),)))
+    engine.submit_store(StoreSpec.of(JobId(11), (cc(11, 99, blocks),)))
     finished: list[Completion] = []
     deadline = time.monotonic() + 10
     while len(finished) < 10 and time.monotonic() < deadline:  # job 2 (load) + 3..11
@@ -235,7 +235,7 @@ def bandwidth(args: argparse.Namespace, checks: Checks) -> None:
                             chunks = tuple(cc(i, i, ids[i])
                                            for i in range(first, min(first + per_job, num_chunks)))
                             if kind == "store":
-                                engine.submit_store(StoreSpec(JobId(job), chunks))
+                                engine.submit_store(StoreSpec.of(JobId(job), chunks))
                             else:
                                 engine.submit_load(LoadSpec(JobId(job), chunks))
                             submitted.append(JobId(job))

@@ -63,7 +63,7 @@ def test_round_trip_is_byte_exact(kind: str, staging_chunks: float, pad: int) ->
     kv = KV(kind.split("-")[0], separate=kind.endswith("separate"))
     engine = make_engine(kv, staging_chunks=staging_chunks, pad=pad)
     slots = [3, 4, 5, 0, 9, 10]  # runs of consecutive slots: 3-5, 0, 9-10
-    engine.submit_store(StoreSpec(JobId(1), tuple(
+    engine.submit_store(StoreSpec.of(JobId(1), tuple(
         chunk(i, slot, blocks_of(i)) for i, slot in enumerate(slots))))
     engine.wait([JobId(1)])
     [done] = engine.poll_finished()
@@ -100,7 +100,7 @@ def test_store_waits_for_the_compute_stream() -> None:
     for step, block in enumerate(blocks_of(1)):
         for layer in range(LAYERS):
             kv.page_at(layer, block).fill_(step + 1)
-    engine.submit_store(StoreSpec(JobId(1), (chunk(1, 0, blocks_of(1)),)))
+    engine.submit_store(StoreSpec.of(JobId(1), (chunk(1, 0, blocks_of(1)),)))
     engine.wait([JobId(1)])  # no explicit sync between the forward and the store
     slot = engine.slab.view(0).view(LAYERS, BPC, kv.page)
     for step in range(BPC):
@@ -128,8 +128,8 @@ def test_completions_are_fifo_per_direction_and_failures_reported() -> None:
     with torch.cuda.stream(engine._store.stream):
         torch.cuda._sleep(10 * SLEEP_CYCLES)  # ~1 s: longer than the submits below, cold
     for job in range(1, 9):
-        engine.submit_store(StoreSpec(JobId(job), (chunk(job, job, blocks_of(job)),)))
-    engine.submit_store(StoreSpec(JobId(9), (chunk(9, 99, blocks_of(9)),)))
+        engine.submit_store(StoreSpec.of(JobId(job), (chunk(job, job, blocks_of(job)),)))
+    engine.submit_store(StoreSpec.of(JobId(9), (chunk(9, 99, blocks_of(9)),)))
     assert engine.poll_finished() == []  # all held behind the sleep
     with pytest.raises(TransferError, match="never submitted"):
         engine.wait([JobId(42)])
@@ -141,7 +141,7 @@ def test_completions_are_fifo_per_direction_and_failures_reported() -> None:
     engine.shutdown()
     engine.shutdown()
     with pytest.raises(ClosedError):
-        engine.submit_store(StoreSpec(JobId(10), (chunk(1, 1, blocks_of(1)),)))
+        engine.submit_store(StoreSpec.of(JobId(10), (chunk(1, 1, blocks_of(1)),)))
 
 
 @pytest.fixture(autouse=True)

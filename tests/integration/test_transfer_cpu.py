@@ -35,7 +35,7 @@ def chunk(key: int, slot: int, blocks: tuple[int, ...], skip: int = 0) -> ChunkC
 
 
 def store(job: int, *chunks: ChunkCopy) -> StoreSpec:
-    return StoreSpec(JobId(job), chunks)
+    return StoreSpec.of(JobId(job), chunks)
 
 
 def load(job: int, *chunks: ChunkCopy) -> LoadSpec:

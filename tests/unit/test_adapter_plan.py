@@ -133,3 +133,42 @@ def test_a_job_completes_only_when_every_worker_reported_it() -> None:
     assert adapter.index.lookup([key]).num_hits == 0  # rank 1 still copying
     assert len(adapter.complete(report(plan, rank=1))) == 1
     assert adapter.index.lookup([key]).num_hits == 1
+
+
+def test_one_store_job_per_step_and_a_shared_chunk_is_stored_once() -> None:
+    adapter = make()
+    shared = list(range(16))  # two chunks every request starts with
+    a = view("a", shared + list(range(100, 108)), 24, 0)
+    b = view("b", shared + list(range(200, 208)), 24, 0)
+    c = view("c", list(range(300, 316)), 16, 0)
+    blocks = {"a": [0, 1, 2, 3, 4, 5], "b": [10, 11, 12, 13, 14, 15], "c": [20, 21, 22, 23]}
+    plan = adapter.build_plan(StepInput({"a": a, "b": b, "c": c}, dict.fromkeys("abc", 24), blocks,
+                                        frozenset("abc")))
+    [spec] = plan.stores  # every running request's chunks in one job
+    copies = {chunk.key: chunk.block_ids for chunk in spec.chunks}
+    keys_a, keys_b, keys_c = a.chunk_keys, b.chunk_keys, c.chunk_keys
+    assert len(spec.keys) == 6 and len(copies) == 6  # 3 + 3 + 2: the two shared ones once
+    assert copies[keys_a[0]] == (0, 1) and copies[keys_a[1]] == (2, 3)  # a came first
+    assert copies[keys_b[2]] == (14, 15) and copies[keys_c[1]] == (22, 23)
+    assert adapter.index.statistics().stores_present == 2
+    adapter.complete(report(plan))
+    assert adapter.jobs_in_flight() == 0
+    assert adapter.lookup(view("d", shared + [1, 2, 3], 19, 0), 0) == 16
+
+
+def test_finished_requests_store_in_a_job_apart_from_the_running_ones() -> None:
+    adapter = make()
+    tokens = list(range(17))
+    a = view("a", tokens[:16], 16, 8, keys_upto=8)
+    b = view("b", list(range(100, 124)), 24, 0)
+    plan = adapter.build_plan(StepInput({"a": a}, {"a": 8}, {"a": [0, 1, 2, 3]}, frozenset({"a"})))
+    adapter.complete(report(plan))
+    adapter.request_finished(view("a", tokens, 16, 16))
+    # b reuses a's block 3 this step: a's final store is flushed before the forward pass,
+    # b's chunks (written by that forward pass) must not be in the flushed job.
+    plan = adapter.build_plan(StepInput({"b": b}, {"b": 24}, {"b": [3, 8, 9, 10, 11, 12]}, frozenset({"b"})))
+    assert len(plan.stores) == 2
+    finished, running = plan.stores
+    assert finished.keys == (chunk_keys(tokens, TPC)[1],) and finished.block_ids == (2, 3)
+    assert plan.jobs_to_flush == (finished.job_id,)
+    assert running.job_id not in plan.jobs_to_flush and len(running.keys) == 3

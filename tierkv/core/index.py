@@ -9,6 +9,9 @@ Primitives (all pure and single-threaded; plain data in and out):
   allocates a slot per new key (evicting only READY chunks with no readers that are
   clean or droppable, and never a protected key). When nothing can be freed it stops and
   counts "no room": a value, never an exception, never eviction of data in use.
+- ``prepare_store_many(keys, run_ends, protected)`` -> :class:`StoreBatch`: the same
+  decisions for several requests' runs of keys in one job (the engine adapter's path:
+  one job per step).
 - ``complete_store(completion)``: STORING -> READY, or back out on failure.
 - ``prepare_load(keys)`` -> :class:`LoadPlan`: readers += 1 on CPU chunks; a slot and
   PROMOTING for disk-only chunks (the worker reads disk into the slot, then copies).
@@ -63,6 +66,15 @@ class Lookup(NamedTuple):
 class StorePlan(NamedTuple):
     job_id: JobId | None
     chunks: tuple[tuple[bytes, SlotId], ...]
+    num_present: int
+    num_no_room: int
+
+
+class StoreBatch(NamedTuple):
+    job_id: JobId | None
+    keys: tuple[bytes, ...]  # the keys to store, in the order given
+    slots: tuple[SlotId, ...]
+    placed: list[int] | None  # their positions in the keys given; None: every key
     num_present: int
     num_no_room: int
 
@@ -215,57 +227,100 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[bytes], protected: Sequence[bytes] = ()) -> StorePlan:
-        # On the scheduler's hot path: one pass to find the new keys, free slots taken in
-        # bulk, evictions only for the rest (benchmarks/adapter.md).
+        guard = (*protected, *keys)
+        batch = self.prepare_store_many(keys, (len(keys),), lambda run: guard)
+        return StorePlan(batch.job_id, tuple(zip(batch.keys, batch.slots)), batch.num_present,
+                         batch.num_no_room)
+
+    def prepare_store_many(self, keys: Sequence[bytes], run_ends: Sequence[int],
+                           protected: Callable[[int], Iterable[bytes]]) -> StoreBatch:
+        """One store job for several runs of keys laid end to end: run ``r`` is
+        ``keys[run_ends[r - 1]:run_ends[r]]`` and may not evict ``protected(r)`` (the
+        run's own keys and its request's earlier ones). Runs are decided in order, each
+        exactly as one ``prepare_store`` of it (a key an earlier run planned is present),
+        so the batch only saves per-job costs."""
+        # The scheduler's hot path (benchmarks/adapter.md): free slots are taken in one
+        # bulk call, and while every key is new and finds a free slot, a key costs its
+        # Entry and nothing else; the general loop takes over at the first exception.
         entries = self._entries
-        new_keys = [key for key in keys if key not in entries]
-        present = len(keys) - len(new_keys)
-        slots = self._slots.allocate_many(len(new_keys))
-        if len(slots) < len(new_keys):
-            guard = set(protected)
-            guard.update(keys)
-            while len(slots) < len(new_keys):
-                slot = self._evict_for(guard)
-                if slot is None:
-                    break
-                slots.append(slot)
-        no_room = len(new_keys) - len(slots)
-        if no_room:
-            del new_keys[len(slots) :]  # a prefix of the new keys is stored, never a gap
+        count = len(keys)
+        free = self._slots.allocate_many(count)
         storing = CpuState.STORING
-        for key, slot in zip(new_keys, slots):
-            entries[key] = Entry(key, slot, storing)
+        taken = 0
+        if len(free) == count:
+            for key in keys:
+                if key in entries:
+                    break
+                entries[key] = Entry(key, free[taken], storing)
+                taken += 1
+        placed: list[int] | None = None  # positions of the keys stored; None: all
+        slots = free
+        present = no_room = 0
+        if taken < count:
+            placed = list(range(taken))
+            slots = free[:taken]
+            run = 0
+            failed_run = -1  # a run that found no room stores nothing after that point
+            for position in range(taken, count):
+                while position >= run_ends[run]:
+                    run += 1
+                key = keys[position]
+                if key in entries:
+                    present += 1
+                    continue
+                if run == failed_run:
+                    no_room += 1
+                    continue
+                if taken < len(free):
+                    slot = free[taken]
+                    taken += 1
+                else:
+                    evicted = self._evict_for(set(protected(run)))
+                    if evicted is None:  # a prefix of the run is stored, never a gap
+                        failed_run = run
+                        no_room += 1
+                        continue
+                    slot = evicted
+                entries[key] = Entry(key, slot, storing)
+                placed.append(position)
+                slots.append(slot)
+            if taken < len(free):
+                self._slots.give_back(free[taken:])
         counters = self._counters
         counters.stores_present += present
         counters.stores_no_room += no_room
-        if not new_keys:
-            return StorePlan(None, (), present, no_room)
-        counters.stores_planned += len(new_keys)
+        if not slots:
+            return StoreBatch(None, (), (), placed, present, no_room)
+        stored = tuple(keys) if placed is None else tuple(keys[i] for i in placed)
+        counters.stores_planned += len(stored)
         job_id = self._job_ids.allocate()
-        self._jobs[job_id] = _Job(JobKind.STORE, tuple(new_keys))
-        return StorePlan(job_id, tuple(zip(new_keys, slots)), present, no_room)
+        self._jobs[job_id] = _Job(JobKind.STORE, stored)
+        return StoreBatch(job_id, stored, tuple(slots), placed, present, no_room)
 
     def complete_store(self, completion: Completion) -> None:
         job = self._pop_job(completion.job_id, JobKind.STORE)
         failed = failed_set(completion, job.keys)
         entries = self._entries
         ready = CpuState.READY
-        # Where a newly READY chunk goes: the dirty LRU when a disk tier is there (it is
-        # not on disk yet; a STORING key is never on disk), else the clean one.
-        lru = self._dirty if self.has_disk else self._clean
-        events = self._events
-        for key in job.keys:
+        storing = CpuState.STORING
+        landed = job.keys if not failed else [key for key in job.keys if key not in failed]
+        for key in landed:
             entry = entries[key]
-            assert entry.cpu is CpuState.STORING
+            assert entry.cpu is storing
+            entry.cpu = ready
+        # A newly READY chunk joins the dirty LRU when a disk tier is there (a STORING key
+        # is never on disk, nor in any LRU), else the clean one.
+        (self._dirty if self.has_disk else self._clean).add_new(landed)
+        if self._events is not None:
+            self._events.extend(("stored", key) for key in landed)
+        for key in job.keys if failed else ():
             if key not in failed:
-                entry.cpu = ready
-                lru.touch(key)
-                if events is not None:
-                    events.append(("stored", key))
-            else:
-                self._counters.stores_failed += 1
-                self._release_slot(entry)
-                del entries[key]
+                continue
+            entry = entries[key]
+            assert entry.cpu is storing
+            self._counters.stores_failed += 1
+            self._release_slot(entry)
+            del entries[key]
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
@@ -603,5 +658,6 @@ __all__ = [
     "LoadPlan",
     "LoadResult",
     "Lookup",
+    "StoreBatch",
     "StorePlan",
 ]

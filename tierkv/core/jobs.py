@@ -10,13 +10,15 @@ the scheduler side (decides) and the worker side (moves bytes).
 
 Job ids are allocated by :class:`JobIds` (monotonic, never reused in one process).
 Specs are NamedTuples: immutable plain data, and about 3x cheaper to build than frozen
-dataclasses, which matters at one spec per request per scheduler step.
+dataclasses. A store spec is columnar (keys, slots, flat block ids): the scheduler side
+builds it for every running request each step without an object per chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from collections.abc import Iterable
 from typing import NamedTuple, NewType
 
 JobId = NewType("JobId", int)
@@ -44,9 +46,35 @@ class ChunkCopy(NamedTuple):
 
 
 class StoreSpec(NamedTuple):
+    """GPU blocks -> CPU slots, by columns: chunk ``i`` is ``keys[i]``, copied into
+    ``slots[i]`` from ``block_ids[i * n : (i + 1) * n]``, n = blocks per chunk. The
+    scheduler builds one per step for every running request, so a chunk costs it no
+    object of its own; ``chunks`` is the per-chunk view for the worker side."""
+
     job_id: JobId
-    chunks: tuple[ChunkCopy, ...]
+    keys: tuple[Key, ...]
+    slots: tuple[SlotId, ...]
+    block_ids: tuple[int, ...]
     kind: JobKind = JobKind.STORE
+
+    @classmethod
+    def of(cls, job_id: JobId, chunks: Iterable[ChunkCopy]) -> StoreSpec:
+        """A store spec from per-chunk copies."""
+        chunks = tuple(chunks)
+        return cls(job_id, tuple(c.key for c in chunks), tuple(c.slot for c in chunks),
+                   tuple(block for c in chunks for block in c.block_ids))
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return len(self.block_ids) // len(self.keys) if self.keys else 0
+
+    @property
+    def chunks(self) -> tuple[ChunkCopy, ...]:
+        """One :class:`ChunkCopy` per chunk (built on each access)."""
+        n = self.blocks_per_chunk
+        blocks = self.block_ids
+        return tuple(ChunkCopy(key, slot, blocks[i * n : (i + 1) * n])
+                     for i, (key, slot) in enumerate(zip(self.keys, self.slots)))
 
 
 class LoadSpec(NamedTuple):

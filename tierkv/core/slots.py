@@ -1,7 +1,7 @@
 """CPU slot allocator: which slab slots are free. Knows nothing of keys or recency.
 
 - ``allocate()`` a free slot, or None when none is free (a value, not an error);
-  ``allocate_many(n)`` up to n of them at once.
+  ``allocate_many(n)`` up to n of them at once; ``give_back`` returns the unused ones.
 - ``free(slot)`` returns it; freeing a free slot is an internal invariant violation.
 """
 
@@ -38,6 +38,15 @@ class SlotAllocator:
         for slot in slots:
             is_free[slot] = False
         return slots
+
+    def give_back(self, slots: list[SlotId]) -> None:
+        """Return unused slots of ``allocate_many`` so that they are handed out next, in
+        the same order."""
+        is_free = self._is_free
+        for slot in slots:
+            assert not is_free[slot], f"slot {slot} freed twice"
+            is_free[slot] = True
+        self._free.extend(reversed(slots))
 
     def free(self, slot: SlotId) -> None:
         assert not self._is_free[slot], f"slot {slot} freed twice"

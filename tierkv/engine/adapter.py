@@ -12,7 +12,11 @@ It never blocks and never touches tensor bytes. Primitives:
   stores its last full chunk (watermark below) and frees the state only when none of its
   jobs is in flight.
 - ``build_plan(step) -> StepPlan``: loads, stores up to each request's watermark,
-  spills, and ``jobs_to_flush`` (fences).
+  spills, and ``jobs_to_flush`` (fences). A step's stores are at most two jobs: one for
+  the requests that finished (their bytes are on the GPU already, so a fence may flush
+  it before the forward pass) and one for every running request (its chunks are
+  written by this step's forward pass). Per-job costs are paid once per step, not
+  once per request (docs/benchmarks/adapter.md).
 - ``complete(report)``: a worker's report; a job counts once all ``world_size`` workers
   reported it.
 
@@ -25,14 +29,15 @@ Fence: a request that finished keeps its GPU block list until none of its jobs i
 flight. When the engine hands one of those blocks out again (``new_block_ids``, or the
 blocks of an async load), every job of that request goes into ``jobs_to_flush``; so do
 the jobs of a preempted request. The worker submits every pending store and waits for
-them before the forward pass may overwrite the block. (Tracking per request, not per
-job and block, keeps the per-chunk cost of a step small.)
+them before the forward pass may overwrite the block: a job shared with other requests
+is waited on whole. (Tracking per request, not per job and block, keeps the per-chunk
+cost of a step small.)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.core.index import BlockIndex
@@ -65,7 +70,7 @@ class AdapterConfig:
         return self.tokens_per_block * self.blocks_per_chunk
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     view: RequestView
     block_ids: list[int] = field(default_factory=list)
@@ -73,6 +78,25 @@ class _Request:
     jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
     aborted: bool = False
+
+
+class _Candidates:
+    """Chunks to store in one job, laid end to end: a run per request (its keys and GPU
+    blocks), ``ends`` where each run ends, ``owners`` the request of each run."""
+
+    __slots__ = ("keys", "block_ids", "ends", "owners")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.block_ids: list[int] = []
+        self.ends: list[int] = []
+        self.owners: list[_Request] = []
+
+    def add(self, state: _Request, first: int, end: int, blocks_per_chunk: int) -> None:
+        self.keys += state.view.chunk_keys[first:end]
+        self.block_ids += state.block_ids[first * blocks_per_chunk : end * blocks_per_chunk]
+        self.ends.append(len(self.keys))
+        self.owners.append(state)
 
 
 @dataclass
@@ -103,7 +127,8 @@ class EngineAdapter:
         self._max_chunks = config.max_chunks_per_request if config.max_chunks_per_request is not None else 1 << 62
         self._tracker = CompletionTracker(config.world_size)
         self._requests: dict[str, _Request] = {}
-        self._job_owner: dict[JobId, str] = {}
+        # The requests whose chunks a job in flight moves (a step's store job is shared).
+        self._job_owners: dict[JobId, list[_Request]] = {}
         # GPU blocks of requests that left (finished, aborted) while jobs of theirs may be
         # in flight: block -> request. Written once per request, not per chunk.
         self._released: dict[int, str] = {}
@@ -184,7 +209,8 @@ class EngineAdapter:
         self._released.update(dict.fromkeys(state.block_ids, view.req_id))
 
     # ------------------------------------------------------------------ planning
-    def _watermark(self, state: _Request, scheduled: int) -> int:
+    def _store_target(self, state: _Request, scheduled: int) -> int:
+        """Chunks of the request that may be stored now (the watermark, in chunks)."""
         view = state.view
         if state.aborted:
             mark = view.num_computed_tokens
@@ -194,38 +220,34 @@ class EngineAdapter:
             mark = view.num_computed_tokens + scheduled
         if self._prompt_only and mark > view.num_prompt_tokens:
             mark = view.num_prompt_tokens
-        return mark
+        return min(mark // self._tpc, len(view.chunk_keys), len(state.block_ids) // self._bpc, self._max_chunks)
 
-    def _plan_stores(self, state: _Request, scheduled: int) -> StoreSpec | None:
-        all_keys = state.view.chunk_keys
-        bpc = self._bpc
-        target = self._watermark(state, scheduled) // self._tpc
-        target = min(target, len(all_keys), len(state.block_ids) // bpc, self._max_chunks)
+    def _add_run(self, state: _Request, scheduled: int, batch: _Candidates) -> None:
+        target = self._store_target(state, scheduled)
         first = state.stored_chunks
-        if target <= first:
+        if target > first:
+            state.stored_chunks = target
+            batch.add(state, first, target, self._bpc)
+
+    def _store_job(self, batch: _Candidates) -> StoreSpec | None:
+        """One store job for the candidate chunks (see BlockIndex.prepare_store_many)."""
+        if not batch.keys:
             return None
-        state.stored_chunks = target
-        keys = all_keys[first:target]
-        plan = self.index.prepare_store(keys, all_keys[:first])
-        if plan.job_id is None:
+        owners = batch.owners
+        plan = self.index.prepare_store_many(
+            batch.keys, batch.ends, lambda run: owners[run].view.chunk_keys[: owners[run].stored_chunks])
+        job_id = plan.job_id
+        if job_id is None:
             return None
-        blocks = state.block_ids
-        if plan.num_present:
-            where = {key: first + i for i, key in enumerate(keys)}
-            chunks = tuple(
-                ChunkCopy(key, slot, tuple(blocks[where[key] * bpc : (where[key] + 1) * bpc]))
-                for key, slot in plan.chunks
-            )
-        else:  # every key is new: positions follow the keys
-            start = first * bpc
-            chunks = tuple([
-                ChunkCopy(key, slot, tuple(blocks[start + i * bpc : start + (i + 1) * bpc]))
-                for i, (key, slot) in enumerate(plan.chunks)
-            ])
-        self._job_owner[plan.job_id] = state.view.req_id
-        state.jobs.add(plan.job_id)
-        self.stats.stores_planned += len(chunks)
-        return StoreSpec(plan.job_id, chunks)
+        block_ids = batch.block_ids
+        if plan.placed is not None:  # some keys were present or found no room
+            bpc = self._bpc
+            block_ids = [b for i in plan.placed for b in block_ids[i * bpc : (i + 1) * bpc]]
+        for owner in owners:
+            owner.jobs.add(job_id)
+        self._job_owners[job_id] = owners
+        self.stats.stores_planned += len(plan.keys)
+        return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
 
     def build_plan(self, step: StepInput) -> StepPlan:
         flush: dict[JobId, None] = {}
@@ -250,14 +272,19 @@ class EngineAdapter:
             if self._released:
                 allocated.update(dict.fromkeys(blocks, req_id))
         stores: list[StoreSpec] = []
-        # Finished requests first: their last full chunk is stored now.
+        # Finished requests first: their last full chunk is stored now, in a job of its
+        # own: its bytes are on the GPU already, so a fence may flush it before the forward
+        # pass; the running requests' job needs this step's forward pass.
         finished, self._finished_queue = self._finished_queue, []
-        for req_id in finished:
-            state = self._requests.get(req_id)
-            if state is not None:
-                spec = self._plan_stores(state, 0)
-                if spec is not None:
-                    stores.append(spec)
+        if finished:
+            batch = _Candidates()
+            for req_id in finished:
+                state = self._requests.get(req_id)
+                if state is not None:
+                    self._add_run(state, 0, batch)
+            spec = self._store_job(batch)
+            if spec is not None:
+                stores.append(spec)
         # Fence: a block handed out this step (to a scheduled request or an async load)
         # that a departed request's job may still use: that request's jobs finish first.
         for block, req_id in allocated.items():
@@ -268,14 +295,44 @@ class EngineAdapter:
                     flush.update(dict.fromkeys(j for j in owner_state.jobs if j not in fresh))
         for req_id in finished:
             self._maybe_free(req_id)
+        # One store job for every running request's new chunks (per-job costs paid once).
+        requests = self._requests
+        scheduled = step.num_scheduled_tokens
+        tpc, bpc, max_chunks, prompt_only = self._tpc, self._bpc, self._max_chunks, self._prompt_only
+        batch = _Candidates()
+        keys_to_store, blocks_to_store, ends, owners = batch.keys, batch.block_ids, batch.ends, batch.owners
         for req_id, view in step.requests.items():
-            state = self._requests.get(req_id)
+            state = requests.get(req_id)
             if state is None:
-                state = self._requests[req_id] = _Request(view, list(step.new_block_ids.get(req_id, ())))
+                state = requests[req_id] = _Request(view, list(step.new_block_ids.get(req_id, ())))
             state.view = view
-            spec = self._plan_stores(state, step.num_scheduled_tokens.get(req_id, 0))
-            if spec is not None:
-                stores.append(spec)
+            if state.finished:
+                self._add_run(state, 0, batch)
+                continue
+            # The running watermark, inline (this loop is the scheduler's hot path).
+            mark = view.num_computed_tokens + scheduled.get(req_id, 0)
+            if prompt_only and mark > view.num_prompt_tokens:
+                mark = view.num_prompt_tokens
+            first = state.stored_chunks
+            target = mark // tpc
+            if target <= first:  # most steps: no chunk completes
+                continue
+            keys = view.chunk_keys
+            if target > len(keys):
+                target = len(keys)
+            if target * bpc > len(state.block_ids):
+                target = len(state.block_ids) // bpc
+            if target > max_chunks:
+                target = max_chunks
+            if target > first:  # batch.add, inline
+                state.stored_chunks = target
+                keys_to_store += keys[first:target]
+                blocks_to_store += state.block_ids[first * bpc : target * bpc]
+                ends.append(len(keys_to_store))
+                owners.append(state)
+        spec = self._store_job(batch)
+        if spec is not None:
+            stores.append(spec)
         loads, self._pending_loads = tuple(self._pending_loads), []
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)
@@ -301,13 +358,12 @@ class EngineAdapter:
         return done
 
     def _track(self, job_id: JobId, req_id: str) -> None:
-        self._job_owner[job_id] = req_id
-        self._requests[req_id].jobs.add(job_id)
+        state = self._requests[req_id]
+        self._job_owners[job_id] = [state]
+        state.jobs.add(job_id)
 
     def _untrack(self, job_id: JobId) -> None:
-        req_id = self._job_owner.pop(job_id, None)
-        state = self._requests.get(req_id) if req_id is not None else None
-        if state is not None:
+        for state in self._job_owners.pop(job_id, ()):
             state.jobs.discard(job_id)
             if state.finished:
                 self._maybe_free(state.view.req_id)
@@ -327,13 +383,13 @@ class EngineAdapter:
     def has_pending_work(self) -> bool:
         """True while a finished request awaits its final plan or a job is in flight: the
         engine should keep stepping (empty steps are fine) until this turns False."""
-        return bool(self._finished_queue or self._job_owner or self._pending_loads)
+        return bool(self._finished_queue or self._job_owners or self._pending_loads)
 
     def num_requests(self) -> int:
         return len(self._requests)
 
     def jobs_in_flight(self) -> int:
-        return len(self._job_owner)
+        return len(self._job_owners)
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests

@@ -167,7 +167,7 @@ class TierKVStore:
             return None
         blocks = dict(zip(keys, per_chunk))
         chunks = tuple(ChunkCopy(key, slot, blocks[key]) for key, slot in plan.chunks)
-        self.executor.submit(StoreSpec(plan.job_id, chunks))
+        self.executor.submit(StoreSpec.of(plan.job_id, chunks))
         return plan.job_id
 
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> LoadHandle:

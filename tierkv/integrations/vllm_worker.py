@@ -208,9 +208,9 @@ class WorkerSide:
                     self._unspilled.discard(key)
             return
         if isinstance(spec, StoreSpec):
-            failed = failed_set(completion, tuple(chunk.key for chunk in spec.chunks))
-            for chunk in spec.chunks:
-                self._hold(chunk.slot, None if chunk.key in failed else chunk.key, on_disk=False)
+            failed = failed_set(completion, spec.keys)
+            for key, slot in zip(spec.keys, spec.slots):
+                self._hold(slot, None if key in failed else key, on_disk=False)
             return
         disk_chunks = [chunk for chunk in spec.chunks if chunk.from_disk]
         if disk_chunks:  # a promotion rewrote these slots from disk

@@ -1,9 +1,10 @@
 """TransferEngine: moves chunks between the engine's KV blocks (GPU) and CPU slab slots.
 
 Primitives and their contracts (every engine):
-- ``submit_store(spec: StoreSpec)``: copy each chunk's blocks (``chunk.block_ids``, exactly
-  ``blocks_per_chunk`` of them) into slot ``chunk.slot``, in the slot byte layout of
-  :mod:`tierkv.transfer.layout`. Returns at once; the copy completes later.
+- ``submit_store(spec: StoreSpec)``: copy each chunk's blocks (``blocks_per_chunk`` of
+  ``spec.block_ids`` per chunk; ``spec.chunks`` is the per-chunk view) into its slot, in
+  the slot byte layout of :mod:`tierkv.transfer.layout`. Returns at once; the copy
+  completes later.
 - ``submit_load(spec: LoadSpec)``: copy each chunk's slot into its blocks, except the
   first ``chunk.skip_blocks`` blocks (already on the GPU; never written). Returns at once.
   ``from_disk`` is ignored: the caller has already read the disk tier into the slot.
@@ -103,6 +104,14 @@ def direction_name(spec: StoreSpec | LoadSpec) -> str:
 def check_spec(spec: StoreSpec | LoadSpec, num_blocks: int, num_slots: int,
                blocks_per_chunk: int) -> str | None:
     """Why ``spec`` cannot run, or None when it can."""
+    if isinstance(spec, StoreSpec):
+        keys, to, blocks = spec.keys, spec.slots, spec.block_ids
+        if len(to) != len(keys) or len(blocks) != len(keys) * blocks_per_chunk:
+            return (f"store job {spec.job_id} has {len(blocks)} block ids and {len(to)} slots "
+                    f"for {len(keys)} chunk(s); blocks_per_chunk is {blocks_per_chunk}")
+        if not keys or (0 <= min(to) and max(to) < num_slots and 0 <= min(blocks)
+                        and max(blocks) < num_blocks and len(set(to)) == len(to)):
+            return None  # the common case, checked by columns; else find the chunk below
     is_load = isinstance(spec, LoadSpec)
     slots: set[int] = set()
     written: set[int] = set()
@@ -138,7 +147,8 @@ def failed_completion(spec: StoreSpec | LoadSpec, error: str, first_failed: int 
         ok=False,
         num_bytes=num_bytes,
         seconds=seconds,
-        failed_keys=tuple(chunk.key for chunk in spec.chunks[first_failed:]),
+        failed_keys=(spec.keys[first_failed:] if isinstance(spec, StoreSpec)
+                     else tuple(chunk.key for chunk in spec.chunks[first_failed:])),
         error=f"{direction_name(spec)} job {spec.job_id}: {error}",
     )
 
