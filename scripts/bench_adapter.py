@@ -36,7 +36,7 @@ def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int) -> li
 def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace) -> tuple[float, float, int]:
     tpc = args.block_size * args.blocks_per_chunk
     num_requests, num_chunks = len(views), len(views[0][1])
-    index = BlockIndex(num_slots=num_requests * num_chunks + 16, disk_capacity=0)
+    index = BlockIndex(num_slots=args.cpu_slots or num_requests * num_chunks + 16, disk_capacity=0)
     adapter = EngineAdapter(index, AdapterConfig(args.block_size, args.blocks_per_chunk))
     blocks = {
         req_id: list(range(r * num_chunks * args.blocks_per_chunk, (r + 1) * num_chunks * args.blocks_per_chunk))
@@ -125,6 +125,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--blocks-per-chunk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--cpu-slots", type=int, default=0,
+                        help="CPU tier size in chunks; 0 = room for every chunk (no eviction). "
+                             "Smaller: every store past the first fill evicts the oldest chunk")
     parser.add_argument("--chunks-per-step", type=int, default=1,
                         help="chunks each request completes per step: 1 = decode-like steady "
                              "state, --chunks = the whole prompt in one prefill step")
@@ -139,8 +142,9 @@ def main() -> None:
         plan, lookup, decisions = run_baseline(views, args.chunks_per_step)
         rows["dict"].append((plan, lookup, decisions))
     steps = -(-args.chunks // args.chunks_per_step)
+    slots = f"{args.cpu_slots} CPU slots (evicting)" if args.cpu_slots else "room for every chunk"
     print(f"{args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
-          f"request per step ({steps} steps), {args.repeats} repeats (median [min-max])")
+          f"request per step ({steps} steps), {slots}, {args.repeats} repeats (median [min-max])")
     medians = {}
     for name, runs in rows.items():
         per_step = [p / steps * 1e6 for p, _, _ in runs]

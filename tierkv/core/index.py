@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from itertools import islice
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -233,7 +233,7 @@ class BlockIndex:
                          batch.num_no_room)
 
     def prepare_store_many(self, keys: Sequence[bytes], run_ends: Sequence[int],
-                           protected: Callable[[int], Iterable[bytes]]) -> StoreBatch:
+                           protected: Callable[[int], Collection[bytes]]) -> StoreBatch:
         """One store job for several runs of keys laid end to end: run ``r`` is
         ``keys[run_ends[r - 1]:run_ends[r]]`` and may not evict ``protected(r)`` (the
         run's own keys and its request's earlier ones). Runs are decided in order, each
@@ -257,32 +257,44 @@ class BlockIndex:
         slots = free
         present = no_room = 0
         if taken < count:
-            placed = list(range(taken))
             slots = free[:taken]
             run = 0
             failed_run = -1  # a run that found no room stores nothing after that point
+            # The eviction guard: the run's protected keys as given for its first eviction
+            # (one scan, usually of one candidate), a set from its second on.
+            guard_run = -1
+            guard: Collection[bytes] = ()
             for position in range(taken, count):
                 while position >= run_ends[run]:
                     run += 1
                 key = keys[position]
-                if key in entries:
-                    present += 1
-                    continue
-                if run == failed_run:
-                    no_room += 1
+                if key in entries or run == failed_run:
+                    if placed is None:  # the first key not stored: positions from now on
+                        placed = list(range(position))
+                    if key in entries:
+                        present += 1
+                    else:
+                        no_room += 1
                     continue
                 if taken < len(free):
                     slot = free[taken]
                     taken += 1
                 else:
-                    evicted = self._evict_for(set(protected(run)))
+                    if guard_run != run:
+                        guard_run, guard = run, protected(run)
+                    elif not isinstance(guard, set):
+                        guard = set(guard)
+                    evicted = self._evict_for(guard)
                     if evicted is None:  # a prefix of the run is stored, never a gap
                         failed_run = run
+                        if placed is None:
+                            placed = list(range(position))
                         no_room += 1
                         continue
                     slot = evicted
                 entries[key] = Entry(key, slot, storing)
-                placed.append(position)
+                if placed is not None:
+                    placed.append(position)
                 slots.append(slot)
             if taken < len(free):
                 self._slots.give_back(free[taken:])
@@ -518,11 +530,20 @@ class BlockIndex:
             return slot
         return self._evict_for(guard)
 
-    def _evict_for(self, guard: set[bytes]) -> SlotId | None:
+    def _evict_for(self, guard: Collection[bytes]) -> SlotId | None:
         """Free the slot of the least recently used evictable chunk outside ``guard``."""
-        victim = self._pick_victim(self._clean, guard)
+        # The clean LRU first, inline: every store into a full tier comes here.
+        entries = self._entries
+        lru = self._clean
+        victim = None
+        for key in lru.oldest_first():
+            entry = entries[key]
+            if entry.readers == 0 and key not in guard:
+                victim = entry
+                break
         if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
-            victim = self._pick_victim(self._dirty, guard)
+            lru = self._dirty
+            victim = self._pick_victim(lru, guard)
             if victim is not None:
                 self._counters.dirty_dropped += 1
         if victim is None:
@@ -534,15 +555,17 @@ class BlockIndex:
         self._counters.cpu_evictions += 1
         slot = victim.slot
         assert slot is not None
-        self._clean.discard(victim.key)
-        self._dirty.discard(victim.key)
+        key = victim.key
+        lru.discard(key)  # a READY chunk is in one LRU: the one it was picked from
         victim.slot = None
         victim.cpu = None
-        if victim.disk is None:
-            self._remove(victim.key)
+        if victim.disk is None:  # _remove, inline
+            del entries[key]
+            if self._events is not None:
+                self._events.append(("removed", key))
         return slot
 
-    def _pick_victim(self, lru: LRUPolicy, guard: set[bytes]) -> Entry | None:
+    def _pick_victim(self, lru: LRUPolicy, guard: Collection[bytes]) -> Entry | None:
         for key in lru.oldest_first():
             entry = self._entries[key]
             if entry.readers == 0 and key not in guard:

@@ -234,15 +234,21 @@ class EngineAdapter:
         if not batch.keys:
             return None
         owners = batch.owners
-        plan = self.index.prepare_store_many(
-            batch.keys, batch.ends, lambda run: owners[run].view.chunk_keys[: owners[run].stored_chunks])
+
+        def protected(run: int) -> Sequence[bytes]:  # a request's chunks up to its new end
+            owner = owners[run]
+            return owner.view.chunk_keys[: owner.stored_chunks]
+
+        plan = self.index.prepare_store_many(batch.keys, batch.ends, protected)
         job_id = plan.job_id
         if job_id is None:
             return None
         block_ids = batch.block_ids
         if plan.placed is not None:  # some keys were present or found no room
             bpc = self._bpc
-            block_ids = [b for i in plan.placed for b in block_ids[i * bpc : (i + 1) * bpc]]
+            candidates, block_ids = block_ids, []
+            for i in plan.placed:
+                block_ids += candidates[i * bpc : (i + 1) * bpc]
         for owner in owners:
             owner.jobs.add(job_id)
         self._job_owners[job_id] = owners
