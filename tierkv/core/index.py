@@ -227,8 +227,7 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[bytes], protected: Sequence[bytes] = ()) -> StorePlan:
-        guard = (*protected, *keys)
-        batch = self.prepare_store_many(keys, (len(keys),), lambda run: guard)
+        batch = self.prepare_store_many(keys, (len(keys),), lambda run: (*protected, *keys))
         return StorePlan(batch.job_id, tuple(zip(batch.keys, batch.slots)), batch.num_present,
                          batch.num_no_room)
 
@@ -325,14 +324,14 @@ class BlockIndex:
         (self._dirty if self.has_disk else self._clean).add_new(landed)
         if self._events is not None:
             self._events.extend(("stored", key) for key in landed)
-        for key in job.keys if failed else ():
-            if key not in failed:
-                continue
-            entry = entries[key]
-            assert entry.cpu is storing
-            self._counters.stores_failed += 1
-            self._release_slot(entry)
-            del entries[key]
+        if failed:
+            for key in job.keys:
+                if key in failed:
+                    entry = entries[key]
+                    assert entry.cpu is storing
+                    self._counters.stores_failed += 1
+                    self._release_slot(entry)
+                    del entries[key]
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
@@ -532,15 +531,8 @@ class BlockIndex:
 
     def _evict_for(self, guard: Collection[bytes]) -> SlotId | None:
         """Free the slot of the least recently used evictable chunk outside ``guard``."""
-        # The clean LRU first, inline: every store into a full tier comes here.
-        entries = self._entries
         lru = self._clean
-        victim = None
-        for key in lru.oldest_first():
-            entry = entries[key]
-            if entry.readers == 0 and key not in guard:
-                victim = entry
-                break
+        victim = self._pick_victim(lru, guard)
         if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
             lru = self._dirty
             victim = self._pick_victim(lru, guard)
@@ -555,14 +547,11 @@ class BlockIndex:
         self._counters.cpu_evictions += 1
         slot = victim.slot
         assert slot is not None
-        key = victim.key
-        lru.discard(key)  # a READY chunk is in one LRU: the one it was picked from
+        lru.discard(victim.key)  # a READY chunk is in one LRU: the one it was picked from
         victim.slot = None
         victim.cpu = None
-        if victim.disk is None:  # _remove, inline
-            del entries[key]
-            if self._events is not None:
-                self._events.append(("removed", key))
+        if victim.disk is None:
+            self._remove(victim.key)
         return slot
 
     def _pick_victim(self, lru: LRUPolicy, guard: Collection[bytes]) -> Entry | None:

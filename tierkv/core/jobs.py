@@ -16,9 +16,9 @@ builds it for every running request each step without an object per chunk.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from collections.abc import Iterable
 from typing import NamedTuple, NewType
 
 JobId = NewType("JobId", int)
