@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.errors import TierKVError
 from tierkv.keys import chunk_keys
 
 BLOCK = 4
@@ -172,3 +175,25 @@ def test_finished_requests_store_in_a_job_apart_from_the_running_ones() -> None:
     assert finished.keys == (chunk_keys(tokens, TPC)[1],) and finished.block_ids == (2, 3)
     assert plan.jobs_to_flush == (finished.job_id,)
     assert running.job_id not in plan.jobs_to_flush and len(running.keys) == 3
+
+
+def test_a_request_id_reused_while_its_finished_stores_are_in_flight_is_refused() -> None:
+    # The fence tells requests apart by id: a new "r" reusing a block of the finished "r"
+    # would not flush the old store reading it. The adapter refuses, naming the id,
+    # before it changes any state; once the old jobs are done the id is free again.
+    adapter = make()
+    tokens = list(range(17))
+    plan = adapter.build_plan(StepInput({"r": view("r", tokens[:16], 16, 0)}, {"r": 16}, {"r": [0, 1, 2, 3]},
+                                        frozenset({"r"})))
+    adapter.request_finished(view("r", tokens, 16, 16))
+    again = view("r", list(range(50, 58)), 8, 0)
+    with pytest.raises(TierKVError, match="'r'.*unique"):
+        adapter.build_plan(StepInput({"r": again}, {"r": 8}, {"r": [2, 5]}, frozenset({"r"})))
+    with pytest.raises(TierKVError, match="'r'.*unique"):
+        adapter.update_state_after_alloc(again, [2, 5], 0, 0)
+    assert adapter.has_request("r") and adapter.jobs_in_flight() == 1  # nothing changed
+    adapter.complete(report(plan))
+    adapter.build_plan(StepInput())  # the finished request's last plan: nothing left to store
+    assert not adapter.has_request("r")
+    plan = adapter.build_plan(StepInput({"r": again}, {"r": 8}, {"r": [2, 5]}, frozenset({"r"})))
+    assert [s.keys for s in plan.stores] == [tuple(again.chunk_keys)]

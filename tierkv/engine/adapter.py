@@ -10,7 +10,8 @@ It never blocks and never touches tensor bytes. Primitives:
   request its blocks; plans the load of the promised chunks (sent with the next plan).
 - ``request_finished(view, aborted=False)``: the request's state survives; the next plan
   stores its last full chunk (watermark below) and frees the state only when none of its
-  jobs is in flight.
+  jobs is in flight. Until then its id may not come back as a new request (request ids
+  must be unique): ``build_plan`` and ``update_state_after_alloc`` refuse it.
 - ``build_plan(step) -> StepPlan``: loads, stores up to each request's watermark,
   spills, and ``jobs_to_flush`` (fences). A step's stores are at most two jobs: one for
   the requests that finished (their bytes are on the GPU already, so a fence may flush
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import ChunkCopy, Completion, CompletionTracker, JobId, LoadSpec, StoreSpec
 from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, TierKVError
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,9 @@ class EngineAdapter:
         self._released: dict[int, str] = {}
         self._pending_since: dict[str, float] = {}
         self._finished_queue: list[str] = []
+        # Requests that finished and whose state is still alive (jobs in flight): their id
+        # may not come back as a new request until the state is freed (see _refuse_reuse).
+        self._departed: set[str] = set()
         self._pending_loads: list[LoadRequest] = []
         self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
         self.stats = AdapterStats()
@@ -164,6 +168,8 @@ class EngineAdapter:
     def update_state_after_alloc(
         self, view: RequestView, block_ids: Iterable[int], num_external_tokens: int, num_local_tokens: int
     ) -> None:
+        if view.req_id in self._departed:
+            self._refuse_reuse(view.req_id)
         state = self._requests.get(view.req_id)
         if state is None:
             state = self._requests[view.req_id] = _Request(view)
@@ -206,24 +212,22 @@ class EngineAdapter:
         state.aborted = aborted
         self._pending_since.pop(view.req_id, None)
         self._finished_queue.append(view.req_id)
+        self._departed.add(view.req_id)
         self._released.update(dict.fromkeys(state.block_ids, view.req_id))
 
     # ------------------------------------------------------------------ planning
-    def _store_target(self, state: _Request, scheduled: int) -> int:
-        """Chunks of the request that may be stored now (the watermark, in chunks)."""
+    def _add_departed_run(self, state: _Request, batch: _Candidates) -> None:
+        """The chunks a finished request may still store: up to ``max(prompt, tokens - 1)``
+        (never the last sampled token's slot) and never past what was computed; aborted:
+        what was computed."""
         view = state.view
         if state.aborted:
             mark = view.num_computed_tokens
-        elif state.finished:
-            mark = min(max(view.num_prompt_tokens, view.num_tokens - 1), view.num_computed_tokens)
         else:
-            mark = view.num_computed_tokens + scheduled
+            mark = min(max(view.num_prompt_tokens, view.num_tokens - 1), view.num_computed_tokens)
         if self._prompt_only and mark > view.num_prompt_tokens:
             mark = view.num_prompt_tokens
-        return min(mark // self._tpc, len(view.chunk_keys), len(state.block_ids) // self._bpc, self._max_chunks)
-
-    def _add_run(self, state: _Request, scheduled: int, batch: _Candidates) -> None:
-        target = self._store_target(state, scheduled)
+        target = min(mark // self._tpc, len(view.chunk_keys), len(state.block_ids) // self._bpc, self._max_chunks)
         first = state.stored_chunks
         if target > first:
             state.stored_chunks = target
@@ -255,7 +259,18 @@ class EngineAdapter:
         self.stats.stores_planned += len(plan.keys)
         return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
 
+    def _refuse_reuse(self, req_id: str) -> None:
+        raise TierKVError(
+            f"engine adapter: request id {req_id!r} came back while the request that finished "
+            f"under it still has jobs in flight; request ids must be unique (the fence tells "
+            f"requests apart by id: a block of the old request handed to the new one would "
+            f"not be flushed). Nothing was changed.")
+
     def build_plan(self, step: StepInput) -> StepPlan:
+        if self._departed:  # before any state changes: a refused step changes nothing
+            for req_id in self._departed:
+                if req_id in step.requests or req_id in step.new_block_ids:
+                    self._refuse_reuse(req_id)
         flush: dict[JobId, None] = {}
         # Loads planned since the last plan target blocks allocated since: never flushed
         # (a request preempted and re-admitted in one step has such a load).
@@ -287,7 +302,7 @@ class EngineAdapter:
             for req_id in finished:
                 state = self._requests.get(req_id)
                 if state is not None:
-                    self._add_run(state, 0, batch)
+                    self._add_departed_run(state, batch)
             spec = self._store_job(batch)
             if spec is not None:
                 stores.append(spec)
@@ -312,9 +327,6 @@ class EngineAdapter:
             if state is None:
                 state = requests[req_id] = _Request(view, list(step.new_block_ids.get(req_id, ())))
             state.view = view
-            if state.finished:
-                self._add_run(state, 0, batch)
-                continue
             # The running watermark, inline (this loop is the scheduler's hot path).
             mark = view.num_computed_tokens + scheduled.get(req_id, 0)
             if prompt_only and mark > view.num_prompt_tokens:
@@ -379,6 +391,7 @@ class EngineAdapter:
         if state is None or not state.finished or state.jobs or req_id in self._finished_queue:
             return
         del self._requests[req_id]
+        self._departed.discard(req_id)
         released = self._released
         for block in state.block_ids:
             if released.get(block) == req_id:
