@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from tierkv.core.index import BlockIndex
+from tierkv.core.index import BlockIndex, IndexStats
 from tierkv.core.jobs import Completion
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
@@ -33,7 +33,8 @@ def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int) -> li
     return out
 
 
-def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace) -> tuple[float, float, int]:
+def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace,
+                stats: list[IndexStats] | None = None) -> tuple[float, float, int]:
     tpc = args.block_size * args.blocks_per_chunk
     num_requests, num_chunks = len(views), len(views[0][1])
     index = BlockIndex(num_slots=args.cpu_slots or num_requests * num_chunks + 16, disk_capacity=0)
@@ -64,6 +65,8 @@ def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace) 
         plan_seconds += t1 - t0
         lookup_seconds += t2 - t1
         decisions += num_requests * per_step
+    if stats is not None:
+        stats.append(index.statistics())
     return plan_seconds, lookup_seconds, decisions
 
 
@@ -127,7 +130,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cpu-slots", type=int, default=0,
                         help="CPU tier size in chunks; 0 = room for every chunk (no eviction). "
-                             "Smaller: every store past the first fill evicts the oldest chunk")
+                             "Smaller, with one chunk per step: every store past the first fill "
+                             "evicts the oldest chunk (a single step larger than the tier finds "
+                             "no room for the rest: counted, as printed)")
     parser.add_argument("--chunks-per-step", type=int, default=1,
                         help="chunks each request completes per step: 1 = decode-like steady "
                              "state, --chunks = the whole prompt in one prefill step")
@@ -136,8 +141,9 @@ def main() -> None:
     views = build_views(args.requests, args.chunks, tpc)
     run_adapter(views[:8], args)  # warm-up
     rows = {"adapter": [], "dict": []}
+    stats: list[IndexStats] = []
     for _ in range(args.repeats):
-        plan, lookup, decisions = run_adapter(views, args)
+        plan, lookup, decisions = run_adapter(views, args, stats)
         rows["adapter"].append((plan, lookup, decisions))
         plan, lookup, decisions = run_baseline(views, args.chunks_per_step)
         rows["dict"].append((plan, lookup, decisions))
@@ -157,6 +163,9 @@ def main() -> None:
             f"{statistics.median(per_decision):6.2f} us/chunk decision  "
             f"lookup {statistics.median(per_lookup_chunk):6.3f} us/chunk"
         )
+    last = stats[-1]
+    print(f"  what the index did (one repeat): {last.stores_planned} chunks stored, "
+          f"{last.cpu_evictions} evictions, {last.stores_no_room} found no room")
     decode = [run_decode_steps(views, args) * 1e6 for _ in range(args.repeats)]
     print(f"  decode step, no chunk completes: {statistics.median(decode):.1f} us/step "
           f"[{min(decode):.1f}-{max(decode):.1f}], {statistics.median(decode) / args.requests:.2f} us per request")
