@@ -220,6 +220,13 @@ def test_a_copy_failing_midway_names_the_chunks_that_did_not_land(
     assert done.error is not None and "02020202" in done.error and "injected" in done.error
 
 
+def test_a_store_of_chunks_with_uneven_block_counts_cannot_be_built() -> None:
+    # Flat block ids cannot tell a 3-block chunk and a 1-block chunk from two 2-block ones:
+    # the second key would be stored with the first chunk's last block.
+    with pytest.raises(ValueError, match=r"\[1, 3\] block ids"):
+        store(1, chunk(1, 0, (0, 1, 2)), chunk(2, 1, (3,)))
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

@@ -197,3 +197,19 @@ def test_a_request_id_reused_while_its_finished_stores_are_in_flight_is_refused(
     assert not adapter.has_request("r")
     plan = adapter.build_plan(StepInput({"r": again}, {"r": 8}, {"r": [2, 5]}, frozenset({"r"})))
     assert [s.keys for s in plan.stores] == [tuple(again.chunk_keys)]
+
+
+def test_a_request_with_no_chunk_in_the_step_job_is_not_its_owner() -> None:
+    # b's chunks are all a's (stored by a this step): b owns nothing in the job, so its
+    # preemption flushes nothing.
+    adapter = make()
+    tokens = list(range(16))
+    a, b = view("a", tokens, 16, 0), view("b", tokens, 16, 0)
+    plan = adapter.build_plan(StepInput({"a": a, "b": b}, {"a": 16, "b": 16},
+                                        {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}, frozenset("ab")))
+    [spec] = plan.stores
+    assert spec.block_ids == (0, 1, 2, 3)  # a's blocks only
+    plan = adapter.build_plan(StepInput(preempted=["b"]))
+    assert plan.jobs_to_flush == ()
+    plan = adapter.build_plan(StepInput(preempted=["a"]))
+    assert plan.jobs_to_flush == (spec.job_id,)

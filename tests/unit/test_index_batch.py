@@ -3,7 +3,8 @@ store per run, in order, decides: the same keys get the same slots, the same chu
 evicted, the same counts. The reference is the plain per-run algorithm (below, written
 against the index's internals): find the new keys, take free slots, evict for the rest
 outside the run's guard, store a prefix. Checked with hypothesis on indexes brought to the
-same random state (ready, dirty, spilling, read and on-disk chunks, a full tier).
+same random state (ready, dirty, spilling, read, storing and on-disk chunks, failed
+stores, a full disk that lets dirty chunks be dropped, a full tier).
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from tierkv.core.state import CpuState, Entry
 KEYS = [bytes([i]) * 8 for i in range(16)]
 
 key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True)
-# History: ("store", keys) stores and completes; ("read", keys) leaves a load in flight
-# (readers); ("spill", n) starts write-back and leaves it in flight; ("done", n) completes
-# the oldest spill.
+# History: ("store", keys) stores and completes; ("storing", keys) leaves the store in
+# flight; ("store_fails", keys) completes it with all but its first chunk failed;
+# ("read", keys) leaves a load in flight (readers); ("spill", n) starts write-back and
+# leaves it in flight; ("done", _) completes the oldest spill, ("full", _) fails it for a
+# full disk (dirty chunks may then be dropped on eviction).
 history_ops = st.lists(
     st.one_of(
-        st.tuples(st.just("store"), key_lists),
-        st.tuples(st.just("read"), key_lists),
-        st.tuples(st.just("spill"), st.integers(0, 3)),
-        st.tuples(st.just("done"), st.integers(0, 3)),
+        st.tuples(st.sampled_from(["store", "storing", "store_fails", "read"]), key_lists),
+        st.tuples(st.sampled_from(["spill", "done", "full"]), st.integers(0, 3)),
     ),
-    max_size=12,
+    max_size=14,
 )
 # A run: a request's key list, the chunks already handled (first) and the new end.
 runs_strategy = st.lists(
@@ -44,10 +45,13 @@ def replay(num_slots: int, disk_capacity: int, history: list[tuple[str, object]]
     index = BlockIndex(num_slots, disk_capacity, clock=lambda: 0.0)
     spills = []
     for op, arg in history:
-        if op == "store":
+        if op in ("store", "storing", "store_fails"):
             plan = index.prepare_store(arg)  # type: ignore[arg-type]
-            if plan.job_id is not None:
+            if plan.job_id is not None and op == "store":
                 index.complete_store(Completion(plan.job_id, ok=True))
+            elif plan.job_id is not None and op == "store_fails":
+                failed = tuple(key for key, _ in plan.chunks[1:])
+                index.complete_store(Completion(plan.job_id, ok=not failed, failed_keys=failed))
         elif op == "read":
             keys = arg[: index.lookup(arg).num_hits]  # type: ignore[index]
             index.prepare_load(keys)
@@ -56,7 +60,9 @@ def replay(num_slots: int, disk_capacity: int, history: list[tuple[str, object]]
             if spec is not None:
                 spills.append(spec)
         elif spills:
-            index.complete_spill(Completion(spills.pop(0).job_id, ok=True))
+            spec = spills.pop(0)
+            full = tuple(key for key, _ in spec.writes) if op == "full" else ()
+            index.complete_spill(Completion(spec.job_id, ok=not full, failed_keys=full, full_keys=full))
     return index
 
 
@@ -80,9 +86,15 @@ def reference_store(index: BlockIndex, keys: list[bytes], protected: list[bytes]
 
 
 def snapshot(index: BlockIndex) -> object:
-    entries = {key: (e.slot, e.cpu, e.readers, e.disk) for key in KEYS if (e := index.entry(key))}
-    spill = index.take_spills()  # how much write-back the decisions asked for
-    return entries, index.statistics(), spill.writes if spill is not None else None
+    """Everything a decision can change, internals included: entries, counters, the free
+    slots in the order they will be handed out, the LRU orders, the write-back demand."""
+    return (
+        {key: (e.slot, e.cpu, e.readers, e.disk) for key, e in index._entries.items()},
+        index.statistics(),
+        list(index._slots._free),
+        [list(lru.oldest_first()) for lru in (index._clean, index._dirty, index._disk)],
+        index._room_wanted,
+    )
 
 
 @settings(max_examples=500, deadline=None)
@@ -93,6 +105,7 @@ def test_a_batch_decides_as_one_store_per_run(num_slots: int, disk_capacity: int
                                               runs: list[tuple[list[bytes], int, int]]) -> None:
     batched = replay(num_slots, disk_capacity, history)
     reference = replay(num_slots, disk_capacity, history)
+    assert snapshot(batched) == snapshot(reference)
     before = reference.statistics()
 
     flat: list[bytes] = []
@@ -116,3 +129,13 @@ def test_a_batch_decides_as_one_store_per_run(num_slots: int, disk_capacity: int
     assert (batch.job_id is None) == (not stored)
     assert snapshot(batched) == snapshot(reference)
     batched.check()
+
+
+def test_a_key_twice_in_one_batch_is_stored_once() -> None:
+    index = BlockIndex(num_slots=4)
+    a, b = KEYS[0], KEYS[1]
+    batch = index.prepare_store_many([a, b, a], [2, 3], lambda run: ())
+    assert batch.keys == (a, b) and batch.placed == [0, 1] and batch.num_present == 1
+    assert index.statistics().free_slots == 2
+    index.complete_store(Completion(batch.job_id, ok=True))
+    index.check()

@@ -59,8 +59,13 @@ class StoreSpec(NamedTuple):
 
     @classmethod
     def of(cls, job_id: JobId, chunks: Iterable[ChunkCopy]) -> StoreSpec:
-        """A store spec from per-chunk copies."""
+        """A store spec from per-chunk copies, which must all have as many blocks (the
+        flat block ids could not tell where a shorter chunk ends)."""
         chunks = tuple(chunks)
+        lengths = {len(c.block_ids) for c in chunks}
+        if len(lengths) > 1:
+            raise ValueError(f"store job {job_id}: its chunks have {sorted(lengths)} block ids; "
+                             f"every chunk of a store has blocks_per_chunk of them")
         return cls(job_id, tuple(c.key for c in chunks), tuple(c.slot for c in chunks),
                    tuple(block for c in chunks for block in c.block_ids))
 

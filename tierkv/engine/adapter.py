@@ -11,7 +11,8 @@ It never blocks and never touches tensor bytes. Primitives:
 - ``request_finished(view, aborted=False)``: the request's state survives; the next plan
   stores its last full chunk (watermark below) and frees the state only when none of its
   jobs is in flight. Until then its id may not come back as a new request (request ids
-  must be unique): ``build_plan`` and ``update_state_after_alloc`` refuse it.
+  must be unique): ``build_plan`` and ``update_state_after_alloc`` refuse it. A step's
+  store job lists as owners only the requests with a chunk in it.
 - ``build_plan(step) -> StepPlan``: loads, stores up to each request's watermark,
   spills, and ``jobs_to_flush`` (fences). A step's stores are at most two jobs: one for
   the requests that finished (their bytes are on the GPU already, so a fence may flush
@@ -237,10 +238,10 @@ class EngineAdapter:
         """One store job for the candidate chunks (see BlockIndex.prepare_store_many)."""
         if not batch.keys:
             return None
-        owners = batch.owners
+        candidates = batch.owners
 
         def protected(run: int) -> Sequence[bytes]:  # a request's chunks up to its new end
-            owner = owners[run]
+            owner = candidates[run]
             return owner.view.chunk_keys[: owner.stored_chunks]
 
         plan = self.index.prepare_store_many(batch.keys, batch.ends, protected)
@@ -248,11 +249,17 @@ class EngineAdapter:
         if job_id is None:
             return None
         block_ids = batch.block_ids
+        owners = candidates
         if plan.placed is not None:  # some keys were present or found no room
-            bpc = self._bpc
-            candidates, block_ids = block_ids, []
+            bpc, ends = self._bpc, batch.ends
+            all_blocks, block_ids, owners = block_ids, [], []
+            run = 0
             for i in plan.placed:
-                block_ids += candidates[i * bpc : (i + 1) * bpc]
+                while i >= ends[run]:
+                    run += 1
+                if not owners or owners[-1] is not candidates[run]:
+                    owners.append(candidates[run])  # only requests with a chunk in the job
+                block_ids += all_blocks[i * bpc : (i + 1) * bpc]
         for owner in owners:
             owner.jobs.add(job_id)
         self._job_owners[job_id] = owners
@@ -261,10 +268,11 @@ class EngineAdapter:
 
     def _refuse_reuse(self, req_id: str) -> None:
         raise TierKVError(
-            f"engine adapter: request id {req_id!r} came back while the request that finished "
-            f"under it still has jobs in flight; request ids must be unique (the fence tells "
-            f"requests apart by id: a block of the old request handed to the new one would "
-            f"not be flushed). Nothing was changed.")
+            f"engine adapter: request id {req_id!r} came back before the request that "
+            f"finished under it was let go (its last stores planned, none of its jobs in "
+            f"flight); request ids must be unique (the fence tells requests apart by id: a "
+            f"block of the old request handed to the new one would not be flushed). Nothing "
+            f"was changed.")
 
     def build_plan(self, step: StepInput) -> StepPlan:
         if self._departed:  # before any state changes: a refused step changes nothing
