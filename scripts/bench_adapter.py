@@ -25,10 +25,15 @@ from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.keys import chunk_keys
 
 
-def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int) -> list[tuple[str, list[bytes]]]:
+def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int,
+                shared_chunks: int = 0) -> list[tuple[str, list[bytes]]]:
+    """Each request's chunk keys; the first ``shared_chunks`` are the same for all (a
+    common system prompt: one request stores them, the others find them present)."""
     out = []
+    shared = shared_chunks * tokens_per_chunk
     for r in range(num_requests):
-        tokens = [(r * 7919 + i) % 50_000 for i in range(num_chunks * tokens_per_chunk)]
+        tokens = [i % 50_000 if i < shared else (r * 7919 + i) % 50_000
+                  for i in range(num_chunks * tokens_per_chunk)]
         out.append((f"req-{r}", chunk_keys(tokens, tokens_per_chunk)))
     return out
 
@@ -133,12 +138,14 @@ def main() -> None:
                              "Smaller, with one chunk per step: every store past the first fill "
                              "evicts the oldest chunk (a single step larger than the tier finds "
                              "no room for the rest: counted, as printed)")
+    parser.add_argument("--shared-chunks", type=int, default=0,
+                        help="leading chunks every request shares (a common system prompt)")
     parser.add_argument("--chunks-per-step", type=int, default=1,
                         help="chunks each request completes per step: 1 = decode-like steady "
                              "state, --chunks = the whole prompt in one prefill step")
     args = parser.parse_args()
     tpc = args.block_size * args.blocks_per_chunk
-    views = build_views(args.requests, args.chunks, tpc)
+    views = build_views(args.requests, args.chunks, tpc, args.shared_chunks)
     run_adapter(views[:8], args)  # warm-up
     rows = {"adapter": [], "dict": []}
     stats: list[IndexStats] = []
@@ -149,6 +156,8 @@ def main() -> None:
         rows["dict"].append((plan, lookup, decisions))
     steps = -(-args.chunks // args.chunks_per_step)
     slots = f"{args.cpu_slots} CPU slots (evicting)" if args.cpu_slots else "room for every chunk"
+    if args.shared_chunks:
+        slots += f", first {args.shared_chunks} chunks shared by all"
     print(f"{args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
           f"request per step ({steps} steps), {slots}, {args.repeats} repeats (median [min-max])")
     medians = {}
