@@ -1,0 +1,47 @@
+"""Every benchmark script still runs, at toy sizes (they are not run by anything else, and
+their numbers are what docs/benchmarks/ quotes). Speed is not asserted: only that each
+script finishes and prints its verdict line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+CASES = {
+    "adapter": (["bench_adapter.py", "--requests", "8", "--chunks", "4", "--repeats", "1"],
+                "target <= 2 us per decision"),
+    "adapter-full-tier-shared": (["bench_adapter.py", "--requests", "8", "--chunks", "4", "--repeats", "1",
+                                  "--cpu-slots", "16", "--shared-chunks", "1"], "evictions"),
+    "index": (["bench_index.py", "--chunks", "400", "--slots", "32", "--disk-chunks", "64",
+               "--repeats", "1"], "target <= 5"),
+    "copy": (["bench_copy.py", "--layers", "2", "--num-blocks", "64", "--slots", "8", "--jobs", "8",
+              "--repeats", "1", "--no-block-loop", "--layouts", "LB", "--ids", "consecutive"],
+             "engine store"),
+    "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1"], "cold read"),
+    "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_script_runs(name: str, tmp_path: Path) -> None:
+    argv, expected = CASES[name]
+    if name == "disk":
+        argv = [*argv, "--dir", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:]], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert expected in done.stdout, done.stdout[-2000:]
+
+
+def test_gpu_check_says_why_it_skips_without_cuda(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: scripts/gpu_check.py runs for real (see docs/benchmarks/gpu.md)")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py")], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and "CUDA not available" in done.stdout + done.stderr
