@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import ChunkCopy, Completion, CompletionTracker, JobId, LoadSpec, StoreSpec
@@ -266,7 +267,7 @@ class EngineAdapter:
         self.stats.stores_planned += len(plan.keys)
         return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
 
-    def _refuse_reuse(self, req_id: str) -> None:
+    def _refuse_reuse(self, req_id: str) -> NoReturn:
         raise TierKVError(
             f"engine adapter: request id {req_id!r} came back before the request that "
             f"finished under it was let go (its last stores planned, none of its jobs in "
