@@ -137,8 +137,8 @@ class EngineAdapter:
         self._released: dict[int, str] = {}
         self._pending_since: dict[str, float] = {}
         self._finished_queue: list[str] = []
-        # Requests that finished and whose state is still alive (jobs in flight): their id
-        # may not come back as a new request until the state is freed (see _refuse_reuse).
+        # Requests that finished and whose state is not freed yet (last plan to come, or
+        # jobs in flight): their id may not come back as a new request (see _refuse_reuse).
         self._departed: set[str] = set()
         self._pending_loads: list[LoadRequest] = []
         self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
