@@ -31,6 +31,16 @@ class NotFoundError(TierKVError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class DamagedError(BrokenError):
+    """An environment's files are damaged and this handle may not repair them (read-only
+    checks, or another process owns the environment)."""
+
+
+class UsageError(TierKVError):
+    """The store was used in a way it does not support (from a forked child, from two
+    threads at once); nothing was changed."""
+
+
 class CorruptChunkError(TierKVError):
     """A stored value failed its checks (checksum, length, header, key)."""
 

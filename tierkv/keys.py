@@ -9,10 +9,12 @@ encoding of ``[parent_key, token_ids, extra]``. The first chunk's parent is
 :data:`ROOT_KEY` (32 zero bytes) unless the caller passes a salt-derived root (tenant
 isolation: :func:`salted_root`). Never Python's ``hash()``; no per-process seeds.
 
-A :class:`Namespace` names everything that makes KV bytes incompatible: model,
-dtype, KV layout, page bytes, tokens per chunk, parallel layout, hash scheme and the
-tierkv format version. Persistent data lives under its namespace's fingerprint, and a
-store opened under another namespace never serves it.
+A :class:`Namespace` names everything that decides what a chunk's bytes mean: model,
+dtype, KV layout, page bytes, tokens per chunk and how they split into blocks, the
+layers' names in registration order, parallel layout, hash scheme and the tierkv format
+version. Persistent data lives under its namespace's fingerprint, every stored value is
+bound to that fingerprint (and to its rank and key), and a store opened under another
+namespace never serves it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tierkv.errors import ConfigError
 
 ChunkKey = NewType("ChunkKey", bytes)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: values bound to namespace and rank; layers and block split in the namespace
 KEY_BYTES = 32
 ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
 HASH_SCHEME = "tierkv-sha256-msgpack-v1"
@@ -72,7 +74,12 @@ def chunk_keys(
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that makes stored KV bytes incompatible with another store's."""
+    """Everything that decides what stored KV bytes mean.
+
+    ``layer_names`` are the registered layers in registration order (the slot layout is
+    layer-major, so the same pages under another order are other bytes); empty only for
+    namespaces built by hand. ``blocks_per_chunk`` is how the ``tokens_per_chunk`` split
+    into engine blocks (the same tokens in another split are another byte layout)."""
 
     model_id: str
     dtype: str
@@ -85,17 +92,37 @@ class Namespace:
     hash_scheme: str = HASH_SCHEME
     format_version: int = FORMAT_VERSION
     extra: str = ""
+    layer_names: tuple[str, ...] = ()
+    blocks_per_chunk: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("page_bytes", "tokens_per_chunk", "num_layers", "tp_size"):
+        for name in ("page_bytes", "tokens_per_chunk", "num_layers", "tp_size",
+                     "format_version", "blocks_per_chunk"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"namespace: {name} must be a positive int, got {value!r}")
+        for name in ("model_id", "dtype", "kv_layout", "rank_layout", "hash_scheme", "extra"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"namespace: {name} must be a str, got {getattr(self, name)!r}")
         if not self.model_id:
             raise ConfigError("namespace: model_id must not be empty")
+        names = self.layer_names
+        if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) \
+                or not all(isinstance(name, str) for name in names):
+            raise ConfigError(f"namespace: layer_names must be a sequence of str, got {names!r}")
+        object.__setattr__(self, "layer_names", tuple(names))  # lists from JSON records
+        if names and len(names) != self.num_layers:
+            raise ConfigError(f"namespace: {len(names)} layer_names for num_layers="
+                              f"{self.num_layers}")
+        if self.tokens_per_chunk % self.blocks_per_chunk:
+            raise ConfigError(f"namespace: tokens_per_chunk={self.tokens_per_chunk} is not a "
+                              f"multiple of blocks_per_chunk={self.blocks_per_chunk}")
 
     def describe(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field as plain data (JSON-ready: ``layer_names`` is a list)."""
+        fields = asdict(self)
+        fields["layer_names"] = list(self.layer_names)
+        return fields
 
     def fingerprint(self) -> str:
         """32 hex digits of sha256 over the canonical encoding of every field."""

@@ -35,6 +35,8 @@ import lmdb
 import msgpack
 
 from tierkv.errors import BrokenError, ConfigError, short_key
+from tierkv.tiers.disk_files import Trust, check_file, read_private_file
+from tierkv.tiers.disk_format import MAX_NAMESPACE_JSON_BYTES
 
 _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
            lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
@@ -151,6 +153,10 @@ def _read_record(env: lmdb.Environment) -> dict[str, Any]:
 def peek_rank(path: Path, rank: int) -> RankReport:
     """A :class:`RankReport` of one environment, read-only."""
     report = RankReport(rank, path)
+    for name in ("data.mdb", "lock.mdb"):
+        if check_file(path / name, fix=False) is Trust.FOREIGN:
+            report.problem = f"{name} is not a regular file that only this user can write"
+            return report
     data = path / "data.mdb"
     if data.exists():
         stat = data.stat()
@@ -191,10 +197,13 @@ def inspect_store(root: Path) -> list[NamespaceReport]:
         fingerprint = ns_dir.name[3:]
         report = NamespaceReport(fingerprint, ns_dir, None, {})
         try:
-            record = json.loads((ns_dir / "namespace.json").read_text())
+            raw = read_private_file(ns_dir / "namespace.json", MAX_NAMESPACE_JSON_BYTES)
+            if raw is None or len(raw) > MAX_NAMESPACE_JSON_BYTES:
+                raise ValueError("missing, too big, or not a regular file of this user's")
+            record = json.loads(raw.decode())
             report.description = dict(record["namespace"])
             report.format_version = int(record["format_version"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             report.problem = f"namespace.json unreadable ({exc})"
         for rank_dir in sorted(ns_dir.glob("rank-*")):
             suffix = rank_dir.name[5:]
@@ -231,7 +240,10 @@ class VerifyOutcome:
 
 def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome) -> None:
+    """Check one environment through :class:`DiskTier` (``repair``: it may delete bad chunks,
+    and move a damaged environment aside and rebuild it, as the engine itself does)."""
     from tierkv.config import DiskTierConfig
+    from tierkv.errors import DamagedError
     from tierkv.tiers.disk import DiskTier
 
     name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
@@ -241,28 +253,50 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
     if rank.problem is not None:
         outcome.damaged += 1
         outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
-        if repair:  # opening moves it aside and starts empty, as the engine would
-            before = set(rank.path.parent.glob(f"{rank.path.name}.broken-*"))
-            DiskTier(root, namespace, rank.rank, config, payload).close()
-            after = set(rank.path.parent.glob(f"{rank.path.name}.broken-*")) - before
-            outcome.moved_aside += len(after)
-            outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in after)} "
-                                 f"and started an empty environment")
+        if not repair:
+            return
+    before = set(rank.path.parent.glob(f"{rank.path.name}.broken-*"))
+    try:
+        with DiskTier(root, namespace, rank.rank, config, payload, repair=repair) as tier:
+            result = tier.verify(repair=repair)
+            rebuilt = tier.statistics().rebuilds > 0
+            if rebuilt and rank.problem is None:
+                outcome.damaged += 1
+                outcome.lines.append(f"{name}: damaged environment {rank.path}: "
+                                     f"{result.damaged or 'found while opening it'}")
+            if not rebuilt:
+                _report_chunks(tier, name, result, repair, outcome)
+    except DamagedError as exc:
+        if rank.problem is None:
+            outcome.damaged += 1
+            outcome.lines.append(f"{name}: damaged environment {rank.path}: {exc}")
+        elif repair:
+            outcome.lines.append(f"  not repaired: {exc}")
         return
-    with DiskTier(root, namespace, rank.rank, config, payload) as tier:
-        result = tier.verify(repair=repair)
-        outcome.checked += result.checked
-        outcome.bad += len(result.bad_keys)
-        outcome.lines.append(f"{name}: {result.checked} chunks checked, {len(result.bad_keys)} bad")
-        outcome.lines.extend(f"  bad chunk {key.hex()}" for key in result.bad_keys)
-        if repair and result.bad_keys:
-            remaining = {record.key for record in tier.scan()} & set(result.bad_keys)
-            if remaining:
-                raise BrokenError(f"{name}: {len(remaining)} bad chunk(s) could not be deleted, "
-                                  f"e.g. {short_key(next(iter(remaining)))} (map full? raise "
-                                  f"disk.max_bytes)")
-            outcome.deleted += len(result.bad_keys)
-            outcome.lines.append(f"  repaired: deleted {len(result.bad_keys)} bad chunk(s)")
+    moved = sorted(set(rank.path.parent.glob(f"{rank.path.name}.broken-*")) - before)
+    if moved:
+        outcome.moved_aside += len(moved)
+        outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "
+                             f"and started an empty environment")
+    elif rank.problem is not None and repair:
+        outcome.lines.append("  not repaired: the environment opened and verified cleanly "
+                             "(rerun tierkv verify)")
+
+
+def _report_chunks(tier: Any, name: str, result: Any, repair: bool,
+                   outcome: VerifyOutcome) -> None:
+    outcome.checked += result.checked
+    outcome.bad += len(result.bad_keys)
+    outcome.lines.append(f"{name}: {result.checked} chunks checked, {len(result.bad_keys)} bad")
+    outcome.lines.extend(f"  bad chunk {key.hex()}" for key in result.bad_keys)
+    if repair and result.bad_keys:
+        remaining = {record.key for record in tier.scan()} & set(result.bad_keys)
+        if remaining:
+            raise BrokenError(f"{name}: {len(remaining)} bad chunk(s) could not be deleted, "
+                              f"e.g. {short_key(next(iter(remaining)))} (map full? raise "
+                              f"disk.max_bytes)")
+        outcome.deleted += len(result.bad_keys)
+        outcome.lines.append(f"  repaired: deleted {len(result.bad_keys)} bad chunk(s)")
 
 
 def verify_store(root: Path, repair: bool = False, only: str | None = None) -> VerifyOutcome:
@@ -276,8 +310,12 @@ def verify_store(root: Path, repair: bool = False, only: str | None = None) -> V
             continue
         outcome.namespaces += 1
         if report.format_version not in (None, FORMAT_VERSION):
-            raise ConfigError(f"namespace {report.fingerprint[:8]} has format version "
-                              f"{report.format_version}; this tierkv reads {FORMAT_VERSION}")
+            raise ConfigError(
+                f"namespace {report.fingerprint[:8]} ({report.path}) has format version "
+                f"{report.format_version}, written by another tierkv; this tierkv reads format "
+                f"{FORMAT_VERSION} and never serves it (an engine starts that namespace empty). "
+                f"Delete the directory when no such tierkv uses it, or verify the rest with "
+                f"--namespace")
         try:
             namespace = Namespace(**report.description)
         except (TypeError, ConfigError) as exc:

@@ -113,8 +113,9 @@ class ChunkWriter:
         self._pending: list[tuple[bytes, tuple[memoryview, ...]]] = []
         self._closed = False
         try:
-            for rank in ranks:
-                self.tiers.append(DiskTier(self.root, namespace, rank, self.config, chunk_bytes))
+            for rank in ranks:  # claimed: an engine running over the store is refused
+                self.tiers.append(DiskTier(self.root, namespace, rank, self.config, chunk_bytes,
+                                           exclusive=True))
             held = [{record.key for record in tier.scan()} for tier in self.tiers]
         except BaseException:
             self.close()

@@ -219,35 +219,6 @@ def check_store(store: Path, namespace: Any, allow_new: bool) -> None:
         f"--allow-new-namespace to add a namespace to the store")
 
 
-def _claim(writer: Any) -> list[int]:
-    """Hold the environments as a connector worker does, so that a vLLM server running over
-    the store (which would neither see nor account for new chunks) refuses to share them."""
-    from tierkv.integrations import vllm_disk
-
-    claim = getattr(vllm_disk, "claim_env", None)
-    claims: list[int] = []
-    if claim is None:
-        return claims
-    for tier in writer.tiers:
-        try:
-            claims.append(claim(tier))
-        except ConfigError as exc:
-            _unclaim(claims)
-            raise ConfigError(f"warmup: --store {writer.root}: {tier.path} is in use by a running "
-                              f"tierkv worker (a vLLM server over this store); stop it first, it "
-                              f"reads the store's chunks only when it starts") from exc
-    return claims
-
-
-def _unclaim(claims: list[int]) -> None:
-    from tierkv.integrations import vllm_disk
-
-    unclaim = getattr(vllm_disk, "unclaim_env", None)
-    for fd in claims:
-        if unclaim is not None:
-            unclaim(fd)
-    claims.clear()
-
 
 def parse_size(text: str) -> int:
     """``68719476736``, ``64GiB``, ``512MiB``, ``1.5GiB``."""
@@ -375,13 +346,19 @@ async def _run(args: argparse.Namespace) -> int:
 
     progress = tqdm(total=total_chunks, unit="chunk", desc="warmup",
                     disable=True if args.no_progress else None)
-    writer = ChunkWriter(args.store, namespace, target.chunk_bytes,
-                         ranks=range(target.tensor_parallel_size),
-                         disk_config=target.disk_config(args.store), capacity=target.disk_capacity)
-    claims: list[int] = []
+    try:
+        writer = ChunkWriter(args.store, namespace, target.chunk_bytes,
+                             ranks=range(target.tensor_parallel_size),
+                             disk_config=target.disk_config(args.store),
+                             capacity=target.disk_capacity)
+    except ConfigError as exc:
+        if "in use by" not in str(exc):
+            raise
+        raise ConfigError(f"warmup: --store {args.store} is in use by a running tierkv worker "
+                          f"(a vLLM server over this store); stop it first, it reads the store's "
+                          f"chunks only when it starts ({exc})") from exc
     interrupted = False
     try:
-        claims = _claim(writer)
         async for prompt in read_prompts(args.prompts, model.vocab_size):  # pass 2: warm
             token_ids = model.tokenize(prompt, where)
             keys = target.chunk_keys(token_ids, prompt.cache_salt)
@@ -395,7 +372,6 @@ async def _run(args: argparse.Namespace) -> int:
         try:
             writer.close()
         finally:
-            _unclaim(claims)
             finish_report(report, writer)
     if interrupted:
         print(f"interrupted: {report.summary()}; run again to resume")

@@ -25,13 +25,14 @@ from tierkv.config import DiskTierConfig
 from tierkv.errors import ClosedError, ConfigError, NamespaceMismatchError
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.tiers.disk import DiskTier, ReadStatus, list_namespaces, map_size_for
-from tierkv.tiers.disk_format import MAGIC, checksum, pack_header
+from tierkv.tiers.disk_format import MAGIC, binding_of, checksum, pack_header
 
 PAYLOAD = 8192
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=512,
                tokens_per_chunk=16)
 OTHER_NS = Namespace(model_id="tiny", dtype="bfloat16", kv_layout="NHD", page_bytes=512,
                      tokens_per_chunk=16)
+BINDING = binding_of(NS.fingerprint(), 0)  # what every value of NS, rank 0 is bound to
 
 
 def key_of(i: int) -> bytes:
@@ -158,7 +159,7 @@ def _flip(position: int, mask: int = 0xFF) -> Callable[[bytes], bytes]:
     return edit
 
 
-HEADER_END = len(pack_header(key_of(1), payload_of(1), 1))
+HEADER_END = len(pack_header(BINDING, key_of(1), payload_of(1), 1))
 
 
 @pytest.mark.parametrize("position", [*range(HEADER_END), HEADER_END, HEADER_END + 100, -1])
@@ -197,7 +198,7 @@ def _value(fields: Any, payload: bytes, header_len: int | None = None,
 def _good_fields(payload: bytes, version: int = FORMAT_VERSION, length: int | None = None,
                  seq: int = 7) -> list[int]:
     length = len(payload) if length is None else length
-    return [version, length, seq, checksum(key_of(1), version, length, seq, payload)]
+    return [version, length, seq, checksum(BINDING, key_of(1), version, length, seq, payload)]
 
 
 BAD_VALUES: dict[str, Callable[[bytes], bytes]] = {
@@ -219,7 +220,9 @@ BAD_VALUES: dict[str, Callable[[bytes], bytes]] = {
     "header is a pickle": lambda v: _value(b"\x80\x04K\x01.", v[-PAYLOAD:]),
     "non-canonical header": lambda v: _value(
         b"\x94\xcd\x00\x01" + msgpack.packb(_good_fields(v[-PAYLOAD:]))[2:], v[-PAYLOAD:]),
-    "wrong version": lambda v: _value(_good_fields(v[-PAYLOAD:], version=2), v[-PAYLOAD:]),
+    "older version": lambda v: _value(_good_fields(v[-PAYLOAD:], version=FORMAT_VERSION - 1),
+                                      v[-PAYLOAD:]),
+    "wrong version": lambda v: _value(_good_fields(v[-PAYLOAD:], version=FORMAT_VERSION + 1), v[-PAYLOAD:]),
     "length field differs from the tier's": lambda v: _value(
         _good_fields(v[-PAYLOAD:-1], length=PAYLOAD - 1), v[-PAYLOAD:-1]),
     "length field differs from the payload": lambda v: _value(

@@ -18,7 +18,7 @@ import pytest
 
 from tierkv.cli import main
 from tierkv.config import DiskTierConfig
-from tierkv.keys import Namespace
+from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.tiers.disk import DiskTier, ReadStatus
 
 PAYLOAD = 4096
@@ -80,7 +80,7 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
     assert main(["inspect", str(store)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == f"inspected 2 namespace(s): 35 chunks (140.00 KiB) in {store}"
-    assert f"namespace {NS.fingerprint()} (format version 1)" in out
+    assert f"namespace {NS.fingerprint()} (format version {FORMAT_VERSION})" in out
     assert "rank 0: 30 chunks, 120.00 KiB" in out and "rank 0: 5 chunks, 20.00 KiB" in out
     assert f"oldest {key_of(0).hex()[:8]} (seq 1), newest {key_of(29).hex()[:8]} (seq 30)" in out
     assert "dtype:            bfloat16" in out
@@ -88,7 +88,7 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
     reports = {item["fingerprint"]: item for item in json.loads(capsys.readouterr().out)}
     rank = reports[NS.fingerprint()]["ranks"][0]
     assert (rank["chunks"], rank["payload_bytes"], rank["payload_len"]) == (30, 30 * PAYLOAD, PAYLOAD)
-    assert rank["newest"] == [key_of(29).hex(), 30] and reports[OTHER.fingerprint()]["format_version"] == 1
+    assert rank["newest"] == [key_of(29).hex(), 30] and reports[OTHER.fingerprint()]["format_version"] == FORMAT_VERSION
     # Read-only: the data files are untouched (readers only register in lock.mdb).
     assert {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in store.rglob("data.mdb")} == files
 

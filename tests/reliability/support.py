@@ -66,6 +66,14 @@ def namespace_of(model_id: str = MODEL_ID, **options: Any) -> Namespace:
                            store_config(None, **options))
 
 
+def binding(model_id: str = MODEL_ID, rank: int = 0, **options: Any) -> bytes:
+    """What every value of :func:`open_store`'s namespace and ``rank`` is bound to (for
+    crafting values whose checksum is right)."""
+    from tierkv.tiers.disk_format import binding_of
+
+    return binding_of(namespace_of(model_id, **options).fingerprint(), rank)
+
+
 def payload_for(key: bytes, size: int = CHUNK_BYTES, variant: bytes = b"") -> bytes:
     """The bytes of the chunk ``key``: a pure function of the key (and of ``variant``, for
     two stores that must hold different bytes under one key)."""

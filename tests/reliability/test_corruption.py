@@ -59,7 +59,8 @@ def _resealed_with_wrong_length(value: bytes, other: bytes, key: bytes) -> bytes
     (_, _, seq, _), start = _header(value)
     payload = value[start:-1]
     header: bytes = msgpack.packb([FORMAT_VERSION, len(payload), seq,
-                                   checksum(key, FORMAT_VERSION, len(payload), seq, payload)])
+                                   checksum(support.binding(), key, FORMAT_VERSION,
+                                            len(payload), seq, payload)])
     return MAGIC + len(header).to_bytes(2, "little") + header + payload
 
 

@@ -205,7 +205,7 @@ KEY = support.pool_key(1, b"crafted")
 
 def _sealed(version: int, length: int, seq: int, payload: bytes) -> bytes:
     """A value with a correct checksum for the fields given."""
-    fields = [version, length, seq, checksum(KEY, version, length, seq, payload)]
+    fields = [version, length, seq, checksum(support.binding(), KEY, version, length, seq, payload)]
     return _tk_value(msgpack.packb(fields), payload)
 
 
@@ -369,7 +369,9 @@ NAMESPACE = Namespace(model_id="m", dtype="bfloat16", kv_layout="NHD", page_byte
 CHANGES: dict[str, Any] = {"model_id": "m2", "dtype": "float16", "kv_layout": "HND",
                            "page_bytes": 8192, "tokens_per_chunk": 512, "num_layers": 16,
                            "tp_size": 4, "rank_layout": "pp", "hash_scheme": "other",
-                           "format_version": FORMAT_VERSION + 1, "extra": "quant:fp8"}
+                           "format_version": FORMAT_VERSION + 1, "extra": "quant:fp8",
+                           "layer_names": tuple(f"model.layers.{i}" for i in range(32)),
+                           "blocks_per_chunk": 16}
 
 
 def test_every_namespace_field_changes_the_directory() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.errors import ConfigError
-from tierkv.keys import ROOT_KEY, Namespace, chunk_key, chunk_keys, salted_root
+from tierkv.keys import FORMAT_VERSION, ROOT_KEY, Namespace, chunk_key, chunk_keys, salted_root
 
 
 def test_chunk_keys_chain_and_cover_only_full_chunks() -> None:
@@ -46,10 +46,19 @@ def test_namespace_fingerprint_changes_with_every_field() -> None:
         Namespace("m", "float16", "LBNHC", 8192, 256),
         Namespace("m", "float16", "LBNHC", 4096, 128),
         Namespace("m", "float16", "LBNHC", 4096, 256, tp_size=2),
-        Namespace("m", "float16", "LBNHC", 4096, 256, format_version=2),
+        Namespace("m", "float16", "LBNHC", 4096, 256, format_version=FORMAT_VERSION + 1),
+        Namespace("m", "float16", "LBNHC", 4096, 256, layer_names=("a",)),
+        Namespace("m", "float16", "LBNHC", 4096, 256, blocks_per_chunk=2),
     ]
     prints = {base.fingerprint()} | {v.fingerprint() for v in variants}
     assert len(prints) == len(variants) + 1
+    # layer order and the block split are part of it
+    two = Namespace("m", "float16", "LBNHC", 4096, 256, num_layers=2, layer_names=("a", "b"))
+    swapped = Namespace("m", "float16", "LBNHC", 4096, 256, num_layers=2, layer_names=("b", "a"))
+    assert two.fingerprint() != swapped.fingerprint()
+    # a namespace rebuilt from its JSON record (lists for tuples) is the same namespace
+    import json
+    assert Namespace(**json.loads(json.dumps(two.describe()))) == two
 
 
 @pytest.mark.parametrize(

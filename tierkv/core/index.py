@@ -207,9 +207,12 @@ class BlockIndex:
 
     def shortfall(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (not yet present) would find neither a free slot nor a
-        clean chunk to evict: the chunks to write back first to make room for them."""
+        clean chunk to evict, while chunks not on disk yet (dirty, or spilling now) could
+        become clean: the chunks to write back, or wait for, to make room for them."""
+        if not (self._dirty or self._num_spilling):
+            return 0
         new = sum(1 for key in keys if key not in self._entries)
-        return max(new - self._slots.num_free - len(self._clean), 0) if self._dirty else 0
+        return max(new - self._slots.num_free - len(self._clean), 0)
 
     def contains(self, key: bytes) -> bool:
         return key in self._entries
@@ -220,6 +223,10 @@ class BlockIndex:
 
     def jobs_in_flight(self) -> int:
         return len(self._jobs)
+
+    def spill_jobs(self) -> list[JobId]:
+        """Spill jobs in flight (their chunks become clean, evictable, when they land)."""
+        return [job_id for job_id, job in self._jobs.items() if job.kind is JobKind.SPILL]
 
     def job_kind(self, job_id: JobId) -> JobKind | None:
         job = self._jobs.get(job_id)

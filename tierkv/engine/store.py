@@ -22,26 +22,44 @@ Primitives:
 - ``poll() -> list[Completion]``: finished store and load jobs, each once.
 - ``wait(job_ids)``; ``statistics()``; ``close()`` (idempotent; use after raises).
 
-``block_ids`` is one list per chunk (``blocks_per_chunk`` ids each) or one flat list.
-Not thread-safe: call it from one engine thread. Spills and completions advance on every
-call; ``poll()`` in the engine loop keeps them moving.
+Inputs are checked before anything changes, with :class:`ConfigError` naming what is
+wrong: keys are 32-byte ``bytes``; ``block_ids`` is one sequence per chunk
+(``blocks_per_chunk`` ids each) or one flat sequence, of ints (numpy integers, integer
+arrays and tensors too; never floats or bools) in ``[0, num_blocks)``; job ids are what
+``store``/``load`` returned.
+
+Not thread-safe: call it from one thread at a time. A call that overlaps another one, or
+any call from a forked child of the process that built the store, raises
+:class:`UsageError` and changes nothing (LMDB, threads and CUDA streams do not survive
+``fork()``). Spills and completions advance on every call; ``poll()`` in the engine loop
+keeps them moving.
+
+Opening claims the disk environment for this process (a second store on the same
+``disk.path``, namespace and rank, in this process or another, is refused); a failed
+construction releases everything it had taken (threads, slab, environment, claim).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex, IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobIds, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.executor import JobExecutor
-from tierkv.errors import BrokenError, ClosedError, ConfigError
-from tierkv.keys import Namespace
+from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, UsageError
+from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
 from tierkv.transfer.disk_io import DiskIO
@@ -83,6 +101,12 @@ class StoreStats:
 def build_namespace(
     layout: KVLayout, model_id: str, tokens_per_block: int, config: StoreConfig, tp_size: int = 1
 ) -> Namespace:
+    """Everything that decides what this store's chunk bytes mean: the layout (dtype, page
+    shapes and memory order), the layers' names in registration order, and how a chunk's
+    tokens split into blocks."""
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) \
+            or tokens_per_block <= 0:
+        raise ConfigError(f"store: tokens_per_block must be a positive int, got {tokens_per_block!r}")
     return Namespace(
         model_id=model_id,
         dtype=layout.dtype_name,
@@ -91,7 +115,65 @@ def build_namespace(
         tokens_per_chunk=tokens_per_block * config.blocks_per_chunk,
         num_layers=layout.num_layers,
         tp_size=tp_size,
+        layer_names=layout.layer_names,
+        blocks_per_chunk=config.blocks_per_chunk,
     )
+
+
+def _block_rows(block_ids: Any) -> list[Any]:
+    """``block_ids`` (a sequence, numpy array or tensor of ints, or of such rows) as a list."""
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
+            raise ConfigError(f"store: block ids must be integers, got a {block_ids.dtype} tensor")
+        return list(block_ids.tolist()) if block_ids.dim() else [int(block_ids)]
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.dtype.kind not in "iu":
+            raise ConfigError(f"store: block ids must be integers, got a {block_ids.dtype} array")
+        return list(block_ids.tolist()) if block_ids.ndim else [int(block_ids)]
+    if isinstance(block_ids, (str, bytes, bytearray, Mapping)) or not isinstance(block_ids, Iterable):
+        raise ConfigError(f"store: block ids must be a sequence of ints (one flat sequence, or one "
+                          f"per chunk), got {block_ids!r:.60}")
+    return list(block_ids)
+
+
+def _block_id(block: Any) -> int:
+    """One block id as an int: ints and numpy integers (never bools or floats)."""
+    if isinstance(block, (bool, np.bool_)) or isinstance(block, (float, np.floating)):
+        raise ConfigError(f"store: block id {block!r} is not an int")
+    try:
+        return operator.index(block)
+    except TypeError as exc:
+        raise ConfigError(f"store: block id {block!r:.40} is not an int") from exc
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_caller(method: Callable[Concatenate[TierKVStore, _P], _R]
+                ) -> Callable[Concatenate[TierKVStore, _P], _R]:
+    """Refuse a call from a forked child, or one that overlaps another call (two threads):
+    misuse fails loudly before it changes anything, it never serves wrong KV."""
+
+    @functools.wraps(method)
+    def guarded(self: TierKVStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if os.getpid() != self._pid:
+            raise UsageError(
+                f"store: {method.__name__}() in a forked child (pid {os.getpid()}) of the "
+                f"process that created the store (pid {self._pid}); its threads, LMDB "
+                f"environment and CUDA streams do not survive fork(): create the store in "
+                f"the child, or use the spawn start method")
+        if not self._busy.acquire(blocking=False):
+            raise UsageError(
+                f"store: {method.__name__}() while another call is running (thread "
+                f"{threading.current_thread().name}); the store is not thread-safe: call it "
+                f"from one thread at a time, or give each thread its own store")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return guarded
 
 
 class TierKVStore:
@@ -104,11 +186,28 @@ class TierKVStore:
         config: StoreConfig | None = None,
         namespace: Namespace | None = None,
     ) -> None:
+        self._pid = os.getpid()
+        self._busy = threading.Lock()
+        self._closed = False
+        self.disk: DiskTier | None = None
+        self.executor: JobExecutor | None = None
+        self._transfer: Any = None
         self.config = config or StoreConfig()
+        if not isinstance(self.config, StoreConfig):
+            raise ConfigError(f"store: config must be a StoreConfig, got {self.config!r}")
+        try:
+            self._build(kv_caches, model_id, tokens_per_block, namespace)
+        except BaseException:
+            self._closed = True
+            self._release()
+            raise
+
+    def _build(self, kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+               model_id: str | None, tokens_per_block: int, namespace: Namespace | None) -> None:
         cfg = self.config
         self.layout = KVLayout.from_tensors(kv_caches)
         if namespace is None:
-            if not model_id:
+            if not model_id or not isinstance(model_id, str):
                 raise ConfigError("store: pass model_id (or a Namespace) so stored KV is tied to its model")
             namespace = build_namespace(self.layout, model_id, tokens_per_block, cfg)
         self.namespace = namespace
@@ -121,19 +220,20 @@ class TierKVStore:
                 f"cpu tier: cpu.max_bytes={cfg.cpu.max_bytes} holds no chunk of "
                 f"{self.chunk_bytes} bytes (raise cpu.max_bytes or lower blocks_per_chunk)"
             )
-        self.slab = CpuSlab(num_slots, self.chunk_bytes, cfg.cpu.pin_memory)
-        transfer = make_transfer_engine(cfg.device, self.layout, self.slab, cfg.blocks_per_chunk)
-        self.disk: DiskTier | None = None
         disk_io: DiskIO | None = None
         disk_capacity = 0
         if cfg.disk.path is not None:
-            self.disk = DiskTier(Path(cfg.disk.path), namespace, cfg.rank, cfg.disk, self.chunk_bytes)
-            disk_io = DiskIO(self.disk, self.slab, cfg.disk.write_batch_bytes)
+            self.disk = DiskTier(Path(cfg.disk.path), namespace, cfg.rank, cfg.disk,
+                                 self.chunk_bytes, exclusive=True)
             disk_capacity = max(cfg.disk.max_bytes // (self.chunk_bytes + DISK_OVERHEAD_BYTES), 0)
             if disk_capacity < 1:
                 log.warning("disk tier: disk.max_bytes=%d holds no chunk; the disk tier stays empty",
                             cfg.disk.max_bytes)
-        self.executor = JobExecutor(transfer, disk_io)
+        self.slab = CpuSlab(num_slots, self.chunk_bytes, cfg.cpu.pin_memory)
+        self._transfer = make_transfer_engine(cfg.device, self.layout, self.slab, cfg.blocks_per_chunk)
+        if self.disk is not None:
+            disk_io = DiskIO(self.disk, self.slab, cfg.disk.write_batch_bytes)
+        self.executor = JobExecutor(self._transfer, disk_io)
         self.index = BlockIndex(
             num_slots,
             disk_capacity,
@@ -147,16 +247,32 @@ class TierKVStore:
             self.index.add_on_disk(record.key for record in records)
         self._bytes = {kind: [0, 0.0] for kind in JobKind}
         self._ready: list[Completion] = []
-        self._closed = False
+
+    def _release(self) -> None:
+        """Stop threads and close the disk tier; every step runs even if one fails."""
+        try:
+            if self.executor is not None:
+                self.executor.shutdown()
+            elif self._transfer is not None:
+                self._transfer.shutdown()
+        except Exception as exc:  # noqa: BLE001 - releasing must go on
+            log.warning("tierkv: stopping the store's threads failed: %s", exc)
+        finally:
+            if self.disk is not None:
+                self.disk.close()
 
     # ------------------------------------------------------------------ API
+    @_one_caller
     def lookup(self, keys: Sequence[bytes]) -> int:
         self._check_open()
+        self._check_keys(keys)
         self._pump()
         return self.index.lookup(keys).num_hits
 
+    @_one_caller
     def store(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> JobId | None:
         self._check_open()
+        self._check_keys(keys)
         per_chunk = self._split_blocks(keys, block_ids)
         self._pump()
         short = self.index.shortfall(keys)
@@ -167,11 +283,13 @@ class TierKVStore:
             return None
         blocks = dict(zip(keys, per_chunk))
         chunks = tuple(ChunkCopy(key, slot, blocks[key]) for key, slot in plan.chunks)
-        self.executor.submit(StoreSpec.of(plan.job_id, chunks))
+        self._executor.submit(StoreSpec.of(plan.job_id, chunks))
         return plan.job_id
 
+    @_one_caller
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> LoadHandle:
         self._check_open()
+        self._check_keys(keys)
         per_chunk = self._split_blocks(keys, block_ids)
         self._pump()
         hits = self.index.lookup(keys).num_hits
@@ -182,39 +300,45 @@ class TierKVStore:
             ChunkCopy(key, slot, per_chunk[position], from_disk)
             for position, (key, slot, from_disk) in enumerate(plan.chunks)
         )
-        self.executor.submit(LoadSpec(plan.job_id, chunks))
+        self._executor.submit(LoadSpec(plan.job_id, chunks))
         return LoadHandle(plan.job_id, len(chunks), sum(c.from_disk for c in chunks))
 
+    @_one_caller
     def poll(self) -> list[Completion]:
         self._check_open()
         self._pump()
         ready, self._ready = self._ready, []
         return ready
 
+    @_one_caller
     def wait(self, job_ids: Iterable[JobId | None]) -> None:
         self._check_open()
-        self.executor.wait([job_id for job_id in job_ids if job_id is not None])
+        if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+            raise ConfigError(f"store: wait() takes a list of job ids, got {job_ids!r:.60}")
+        wanted: list[JobId] = []
+        for job_id in job_ids:
+            if job_id is None:
+                continue
+            if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)) or job_id < 1:
+                raise ConfigError(f"store: wait() on {job_id!r:.40}, which is not a job id "
+                                  f"(store() and load() return them)")
+            wanted.append(JobId(int(job_id)))
+        self._executor.wait(wanted)
         self._pump()
 
+    @_one_caller
     def drain(self) -> None:
         """Wait until every job in flight (spills included) has finished."""
-        while self.index.jobs_in_flight():
-            in_flight = self.executor.in_flight_ids()
-            assert in_flight, "block index holds jobs the worker never received"
-            self.executor.wait(in_flight)
-            self._pump()
+        self._check_open()
+        self._drain()
 
+    @_one_caller
     def flush(self) -> None:
         """Write every chunk of the CPU tier that is not on disk yet, and wait."""
         self._check_open()
-        self.drain()
-        spec = self.index.take_spills(flush=True)
-        if spec is not None:
-            self.executor.submit(spec)
-        self.drain()
-        if self.disk is not None:
-            self.disk.sync()
+        self._flush()
 
+    @_one_caller
     def statistics(self) -> StoreStats:
         def path(kind: JobKind) -> PathStats:
             num_bytes, seconds = self._bytes[kind]
@@ -228,23 +352,24 @@ class TierKVStore:
             chunk_bytes=self.chunk_bytes,
         )
 
+    @_one_caller
     def close(self) -> None:
+        """Flush the CPU tier to disk, stop the threads, release the disk tier; idempotent.
+        Nothing the store's cache did can make it raise."""
         if self._closed:
             return
         try:
             if self.disk is not None:
-                self.flush()
+                self._flush()
             else:
-                self.drain()
-        except (BrokenError, ClosedError) as exc:
+                self._drain()
+        except TierKVError as exc:
             # A disk tier that broke underneath loses its unflushed chunks; closing the
             # store must still succeed (the engine never fails because its cache did).
             log.warning("tierkv: close could not flush the CPU tier to disk: %s", exc)
         finally:
             self._closed = True
-            self.executor.shutdown()
-            if self.disk is not None:
-                self.disk.close()
+            self._release()
 
     def __enter__(self) -> TierKVStore:
         return self
@@ -253,18 +378,51 @@ class TierKVStore:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    @property
+    def _executor(self) -> JobExecutor:
+        assert self.executor is not None  # set by _build, or the constructor raised
+        return self.executor
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("store: used after close()")
+
+    def _drain(self) -> None:
+        while self.index.jobs_in_flight():
+            in_flight = self._executor.in_flight_ids()
+            assert in_flight, "block index holds jobs the worker never received"
+            self._executor.wait(in_flight)
+            self._pump()
+
+    def _flush(self) -> None:
+        self._drain()
+        spec = self.index.take_spills(flush=True)
+        if spec is not None:
+            self._executor.submit(spec)
+        self._drain()
+        if self.disk is not None:
+            self.disk.sync()
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes]) -> None:
+        if isinstance(keys, (str, bytes, bytearray)) or not isinstance(keys, Sequence):
+            raise ConfigError(f"store: keys must be a sequence of {KEY_BYTES}-byte chunk keys "
+                              f"(tierkv.chunk_keys), got {type(keys).__name__}")
+        for key in keys:
+            if type(key) is not bytes or len(key) != KEY_BYTES:
+                raise ConfigError(
+                    f"store: chunk key {key!r:.48} is not {KEY_BYTES} bytes (use "
+                    f"tierkv.chunk_keys, or bytes of a {KEY_BYTES}-byte hash)")
 
     def _split_blocks(
         self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]
     ) -> list[tuple[int, ...]]:
         bpc = self.blocks_per_chunk
-        if block_ids and not isinstance(block_ids[0], int):
-            per_chunk = [tuple(int(b) for b in chunk) for chunk in block_ids]  # type: ignore[union-attr]
+        rows = _block_rows(block_ids)
+        if rows and not isinstance(rows[0], (int, np.integer, torch.Tensor)):
+            per_chunk = [tuple(_block_id(b) for b in _block_rows(chunk)) for chunk in rows]
         else:
-            flat = [int(b) for b in block_ids]  # type: ignore[arg-type]
+            flat = [_block_id(b) for b in rows]
             per_chunk = [tuple(flat[i : i + bpc]) for i in range(0, len(flat), bpc)]
         if len(per_chunk) < len(keys) or any(len(chunk) != bpc for chunk in per_chunk[: len(keys)]):
             raise ConfigError(
@@ -278,21 +436,22 @@ class TierKVStore:
                     raise ConfigError(f"store: block id {block} out of range [0, {num_blocks})")
         return per_chunk
 
-    def _make_room(self, num_chunks: int) -> bool:
-        """Write back the oldest chunks not on disk yet and wait for them, so that their
-        slots can take new chunks. The library store blocks here (a disk write) rather
-        than drop a store; the engine adapter never blocks and relies on spill-ahead."""
+    def _make_room(self, num_chunks: int) -> None:
+        """Write back the oldest chunks not on disk yet and wait for every spill in flight,
+        so that their slots can take new chunks. The library store blocks here (a disk
+        write) rather than drop a store; the engine adapter never blocks and relies on
+        spill-ahead."""
         spec = self.index.take_spills(at_least=num_chunks)
-        if spec is None:
-            return False
-        self.executor.submit(spec)
-        self.executor.wait([spec.job_id])
-        self._pump()
-        return True
+        if spec is not None:
+            self._executor.submit(spec)
+        spills = self.index.spill_jobs()
+        if spills:
+            self._executor.wait(spills)
+            self._pump()
 
     def _pump(self) -> None:
         """Apply finished jobs to the index and start the spills it asks for."""
-        for completion in self.executor.poll_finished():
+        for completion in self._executor.poll_finished():
             kind = self.index.job_kind(completion.job_id)
             self.index.complete(completion)
             if kind is not None:
@@ -305,5 +464,5 @@ class TierKVStore:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
         spec = self.index.take_spills()
         if spec is not None:
-            self.executor.submit(spec)
+            self._executor.submit(spec)
 

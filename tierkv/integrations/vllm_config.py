@@ -320,6 +320,8 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
         hash_scheme=hash_scheme,
         format_version=FORMAT_VERSION,
         extra=f"vllm-{vllm_minor(vllm_version)}" + (f"/quant:{quantization}" if quantization else ""),
+        layer_names=geometry.layer_names,
+        blocks_per_chunk=geometry.blocks_per_chunk,
     )
 
 

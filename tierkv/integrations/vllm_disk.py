@@ -9,33 +9,37 @@
   others on the ranks that hold them (a chunk is only usable whole), trims the oldest
   chunks beyond the disk capacity, and closes what it opened: the scheduler process never
   keeps LMDB open, and never forks with it open.
-- :func:`claim_env` / :func:`unclaim_env`: a worker holds an exclusive ``flock`` on its
-  environment for its lifetime. Two engines on one environment (two servers given the same
-  ``disk_path``) would evict each other's chunks and turn hits into failed loads; the
-  second one is refused with a message instead. The lock dies with the process.
+- :func:`claim_env`: a worker makes itself its environment's one writer for its lifetime
+  (:meth:`DiskTier.claim`, an exclusive ``flock``). Two engines on one environment (two
+  servers given the same ``disk_path``) would evict each other's chunks and turn hits into
+  failed loads; the second one is refused with a message instead. The claim ends when the
+  tier closes or the process dies.
 - :func:`write_chunks`: the worker's shutdown flush, in write transactions of about
   ``write_batch_bytes``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierkv.config import DiskTierConfig
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, DamagedError
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk_files import OWNER_FILE
+
+__all__ = ["OWNER_FILE", "acquire_tier", "claim_env", "rebuild_keys", "release_tier",
+           "unclaim_env", "write_chunks"]
 
 log = logging.getLogger("tierkv.vllm")
 
 _LOCK = threading.Lock()
 _OPEN: dict[Path, tuple[DiskTier, int]] = {}
+_CLAIMED: set[Path] = set()  # environments a worker of this process writes
 
 
 def env_path(root: Path, namespace: Namespace, rank: int) -> Path:
@@ -71,31 +75,27 @@ def release_tier(tier: DiskTier) -> None:
     tier.close()
 
 
-OWNER_FILE = "tierkv-owner.lock"
+def claim_env(tier: DiskTier) -> None:
+    """Take the environment for this worker: refused while another worker, of this process
+    or another, holds it."""
+    path = tier.path.resolve()
+    with _LOCK:
+        try:
+            if path in _CLAIMED:
+                raise ConfigError(f"{tier.path} is claimed by a worker of this process")
+            tier.claim()
+        except ConfigError as exc:
+            raise ConfigError(
+                f"tierkv vLLM connector: the disk tier at {tier.path} is in use by another "
+                f"tierkv worker (another vLLM server with the same model and disk_path?); give "
+                f"each server its own disk_path ({exc})") from exc
+        _CLAIMED.add(path)
 
 
-def claim_env(tier: DiskTier) -> int:
-    """Take the environment for this worker; returns the lock's file descriptor."""
-    path = tier.path / OWNER_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        raise ConfigError(
-            f"tierkv vLLM connector: the disk tier at {tier.path} is in use by another tierkv "
-            f"worker (another vLLM server with the same model and disk_path?); give each server "
-            f"its own disk_path") from exc
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def unclaim_env(fd: int) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+def unclaim_env(tier: DiskTier) -> None:
+    """The worker is done with the environment (the claim itself ends when the tier closes)."""
+    with _LOCK:
+        _CLAIMED.discard(tier.path.resolve())
 
 
 def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config: DiskTierConfig,
@@ -107,7 +107,12 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
         seqs: dict[bytes, int] = {}
         holders: dict[bytes, int] = {}
         for tier in tiers:
-            for record in tier.scan():
+            try:
+                records = list(tier.scan())
+            except DamagedError as exc:  # its worker owns it and rebuilds it when it meets it
+                log.warning("tierkv: %s; its chunks are not used", exc)
+                records = []
+            for record in records:
                 holders[record.key] = holders.get(record.key, 0) + 1
                 seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
         whole = [key for key, count in holders.items() if count == len(tiers)]

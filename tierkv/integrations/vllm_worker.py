@@ -99,7 +99,6 @@ class WorkerSide:
         self._unspilled: set[bytes] = set()
         self._counts: dict[str, float] = {}
         self._reported: dict[str, float] = {}
-        self._owner_fd: int | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ registration
@@ -136,7 +135,7 @@ class WorkerSide:
             self.disk = acquire_tier(Path(settings.disk_path), self.namespace, self.disk_rank,
                                      config, chunk_bytes)
             try:
-                self._owner_fd = claim_env(self.disk)
+                claim_env(self.disk)
             except BaseException:
                 release_tier(self.disk)
                 self.disk = None
@@ -276,10 +275,8 @@ class WorkerSide:
             finally:
                 from tierkv.integrations.vllm_disk import release_tier, unclaim_env
 
+                unclaim_env(self.disk)
                 release_tier(self.disk)
-                if self._owner_fd is not None:
-                    unclaim_env(self._owner_fd)
-                    self._owner_fd = None
         return flushed
 
     def _flush_unspilled(self) -> int:

@@ -5,22 +5,28 @@ Primitives and contracts:
 - A value is ``prefix | header | payload``: prefix ``"<2sH"`` (magic ``b"TK"``, header
   length, at most :data:`MAX_HEADER_BYTES`), header the canonical msgpack array
   ``[format_version, payload_len, seq, checksum]`` of unsigned ints, then the raw payload.
-- :func:`checksum` is xxh3_64 over ``key | <QQQ>(version, payload_len, seq) | payload``:
-  a value copied under another key, a changed header field or payload byte all fail it.
+- :func:`binding_of` is what binds a value to where it belongs: the 16 bytes of its
+  namespace fingerprint and its rank (``<I``).
+- :func:`checksum` is xxh3_64 over ``binding | key | <QQQ>(version, payload_len, seq) |
+  payload``: a value copied under another key, into another namespace's or rank's
+  environment, with a changed header field or payload byte, fails it.
 - :class:`ValueWriter` builds values into one reused buffer.
-- :func:`check_value` accepts only a value this build would have written for that key and
-  payload size; it copies the payload into the caller's buffer and then verifies the
-  checksum there. It never unpickles or evaluates anything; msgpack input is bounded.
+- :func:`check_value` accepts only a value this build would have written for that
+  binding, key and payload size; it copies the payload into the caller's buffer and then
+  verifies the checksum there. It never unpickles or evaluates anything; msgpack input is
+  bounded.
 - :func:`pack_index` / :func:`unpack_index`: the "index" sub-db value ``<QQ`` (payload
   length, seq), so a restart rebuilds its index without reading payloads.
 - :func:`map_size_for`: LMDB ``map_size`` from the disk cap, with headroom.
-- Files are private to the user: directories 0o700, files 0o600; a damaged environment is
-  renamed by :func:`move_aside`.
 - :func:`tune_malloc` (glibc, once per process, ``TIERKV_MALLOPT=0`` opts out) keeps the
   heap blocks LMDB allocates for each value's pages from being faulted in afresh per put.
-- :func:`list_namespaces` reads ``namespace.json`` files for operators.
+- :func:`namespace_record` (the meta record: namespace, fingerprint, rank, format) and
+  :func:`list_namespaces` (``namespace.json`` files, for operators).
 - The plain records the tier returns: :class:`ReadStatus`, :class:`PutResult`,
   :class:`DiskRecord`, :class:`VerifyReport`, :class:`DiskStatistics`.
+
+Files and directories (private modes, ownership checks, moving aside) are
+:mod:`tierkv.tiers.disk_files`.
 """
 
 from __future__ import annotations
@@ -32,8 +38,6 @@ import logging
 import os
 import platform
 import struct
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,59 +46,74 @@ import msgpack
 import xxhash
 
 from tierkv.keys import FORMAT_VERSION
+from tierkv.tiers.disk_files import Trust, check_dir, read_private_file
 
 logger = logging.getLogger("tierkv.disk")
 
 MiB = 1 << 20
-DIR_MODE = 0o700
-FILE_MODE = 0o600
 MAGIC = b"TK"
 MAX_HEADER_BYTES = 64
 LMDB_PAGE_HEADER = 16  # bytes before the data on an LMDB overflow page
 _PREFIX = struct.Struct("<2sH")  # magic, msgpack header length
 _FIXED = struct.Struct("<QQQ")  # format version, payload length, seq: fed to the checksum
 _INDEX = struct.Struct("<QQ")  # "index" sub-db value: payload length, seq
+_RANK = struct.Struct("<I")
 PREFIX_BYTES = _PREFIX.size
 MAX_VALUE_OVERHEAD = _PREFIX.size + MAX_HEADER_BYTES
+BINDING_BYTES = 16 + _RANK.size
 
 
-def checksum(key: bytes, version: int, payload_len: int, seq: int, payload: Any) -> int:
-    """xxh3_64 over the key, the header fields and the payload."""
-    hasher = xxhash.xxh3_64(key)
+def binding_of(fingerprint: str, rank: int) -> bytes:
+    """The bytes every value's checksum starts with: namespace fingerprint (16 bytes) and
+    rank (``<I``)."""
+    raw = bytes.fromhex(fingerprint)
+    if len(raw) != 16:
+        raise ValueError(f"a namespace fingerprint is 32 hex digits, got {fingerprint!r}")
+    return raw + _RANK.pack(rank)
+
+
+def checksum(binding: bytes, key: bytes, version: int, payload_len: int, seq: int,
+             payload: Any) -> int:
+    """xxh3_64 over the binding (namespace, rank), the key, the header fields and the payload."""
+    hasher = xxhash.xxh3_64(binding)
+    hasher.update(key)
     hasher.update(_FIXED.pack(version, payload_len, seq))
     hasher.update(payload)
     return int(hasher.intdigest())
 
 
-def pack_header(key: bytes, payload: Any, seq: int) -> bytes:
+def pack_header(binding: bytes, key: bytes, payload: Any, seq: int) -> bytes:
     """Prefix and msgpack header of the value of ``key`` holding ``payload``."""
     size = len(payload)
     header: bytes = msgpack.packb(
-        [FORMAT_VERSION, size, seq, checksum(key, FORMAT_VERSION, size, seq, payload)])
+        [FORMAT_VERSION, size, seq, checksum(binding, key, FORMAT_VERSION, size, seq, payload)])
     return _PREFIX.pack(MAGIC, len(header)) + header
 
 
 class ValueWriter:
-    """Builds values in one reused buffer; one user at a time (the LMDB write lock holder)."""
+    """Builds values of one binding in one reused buffer; one user at a time (the LMDB
+    write lock holder)."""
 
-    def __init__(self, payload_bytes: int) -> None:
+    def __init__(self, payload_bytes: int, binding: bytes) -> None:
         self._buffer = bytearray(MAX_VALUE_OVERHEAD + payload_bytes)
         self._view = memoryview(self._buffer)
+        self._binding = binding
 
     def build(self, key: bytes, payload: memoryview | bytes, seq: int) -> memoryview:
         """The value as a view into the buffer, valid until the next ``build``."""
         if isinstance(payload, memoryview) and payload.format != "B":
             payload = payload.cast("B")
-        head = pack_header(key, payload, seq)
+        head = pack_header(self._binding, key, payload, seq)
         start = len(head)
         self._view[:start] = head
         self._view[start : start + len(payload)] = payload
         return self._view[: start + len(payload)]
 
 
-def check_value(key: bytes, value: Any, payload_bytes: int, out: memoryview) -> str | None:
-    """None when ``value`` is a good value of ``key`` (its payload is then in ``out``),
-    else what is wrong with it."""
+def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
+                out: memoryview) -> str | None:
+    """None when ``value`` is a good value of ``key`` under ``binding`` (its payload is then
+    in ``out``), else what is wrong with it."""
     total = len(value)
     if total < _PREFIX.size:
         return f"value of {total} bytes is shorter than its prefix"
@@ -126,8 +145,8 @@ def check_value(key: bytes, value: Any, payload_bytes: int, out: memoryview) -> 
         return f"payload has {total - start} bytes, header says {payload_len}"
     target = out[:payload_len]
     target[:] = value[start:]
-    if checksum(key, version, payload_len, seq, target) != expected:
-        return "checksum mismatch"
+    if checksum(binding, key, version, payload_len, seq, target) != expected:
+        return "checksum mismatch (damaged, or a value of another key, namespace or rank)"
     return None
 
 
@@ -170,36 +189,6 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def make_private_dir(path: Path) -> None:
-    """Create ``path`` and its missing parents as 0o700, whatever the umask (``mkdir -p``
-    would leave the parents at the umask's mode); an existing directory is left as it is."""
-    if path.is_dir():
-        return
-    missing: list[Path] = []
-    current = path
-    while not current.exists() and current != current.parent:
-        missing.append(current)
-        current = current.parent
-    for directory in reversed(missing):
-        try:
-            directory.mkdir(mode=DIR_MODE)
-        except FileExistsError:  # created meanwhile (another rank): left as it is
-            continue
-        os.chmod(directory, DIR_MODE)
-
-
-def write_private_file(path: Path, data: bytes) -> None:
-    """Replace ``path`` atomically with a 0o600 file holding ``data``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    try:
-        os.write(fd, data)
-        os.fchmod(fd, FILE_MODE)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 class ReadStatus(enum.Enum):
     OK = "ok"
     MISSING = "missing"
@@ -228,11 +217,15 @@ class DiskRecord:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """``bad_keys``: values failing any check, or index entries without a value."""
+    """``bad_keys``: values failing any check, or index entries without a value.
+    ``damaged``: the environment itself was found damaged (what LMDB or the checks said);
+    it was then moved aside and rebuilt empty (``rebuilt``) when the tier may repair."""
 
     checked: int
     bad_keys: tuple[bytes, ...]
     repaired: int
+    damaged: str | None = None
+    rebuilt: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,18 +244,9 @@ class DiskStatistics:
     syncs: int
     map_size: int
     write_txns: int = 0
-
-
-def move_aside(path: Path) -> Path:
-    """Rename a damaged ``rank-<r>`` directory to ``rank-<r>.broken-<UTC time>[-n]``."""
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    target = path.with_name(f"{path.name}.broken-{stamp}")
-    counter = 0
-    while target.exists():
-        counter += 1
-        target = path.with_name(f"{path.name}.broken-{stamp}-{counter}")
-    os.rename(path, target)
-    return target
+    rebuilds: int = 0  # damaged environments moved aside and started empty
+    stale_readers: int = 0  # reader slots of dead processes cleared
+    map_adopted: int = 0  # times a map grown by another process was adopted
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
@@ -309,10 +293,14 @@ class NamespaceInfo:
     ranks: tuple[int, ...] = ()
 
 
-def namespace_record(fingerprint: str, description: dict[str, Any]) -> dict[str, Any]:
-    """What ``namespace.json`` and the "meta" sub-db hold."""
-    return {"fingerprint": fingerprint, "format_version": FORMAT_VERSION,
-            "namespace": description}
+def namespace_record(fingerprint: str, description: dict[str, Any],
+                     rank: int | None = None) -> dict[str, Any]:
+    """What ``namespace.json`` holds; the "meta" sub-db's record adds the ``rank``."""
+    record = {"fingerprint": fingerprint, "format_version": FORMAT_VERSION,
+              "namespace": description}
+    if rank is not None:
+        record["rank"] = rank
+    return record
 
 
 MAX_NAMESPACE_JSON_BYTES = 1 << 20  # tierkv writes a few hundred bytes
@@ -323,11 +311,12 @@ def list_namespaces(root: Path) -> list[NamespaceInfo]:
     missing, too big, not JSON, nested too deep, or not the shape tierkv writes)."""
     infos: list[NamespaceInfo] = []
     for ns_dir in sorted(Path(root).glob("ns-*")):
-        if not ns_dir.is_dir():
+        if check_dir(ns_dir, fix=False) is not Trust.OK:
             continue
         try:
-            with open(ns_dir / "namespace.json", "rb") as file:
-                raw = file.read(MAX_NAMESPACE_JSON_BYTES + 1)
+            raw = read_private_file(ns_dir / "namespace.json", MAX_NAMESPACE_JSON_BYTES)
+            if raw is None:
+                raise ValueError("missing, or not a regular file of this user's")
             if len(raw) > MAX_NAMESPACE_JSON_BYTES:
                 raise ValueError(f"larger than {MAX_NAMESPACE_JSON_BYTES} bytes")
             record = json.loads(raw.decode())

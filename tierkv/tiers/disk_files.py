@@ -1,0 +1,221 @@
+"""The disk tier's files and directories: created private, trusted only when they are.
+
+Primitives and contracts:
+
+- :func:`prepare_root` makes ``disk.path`` usable or refuses it with a
+  :class:`ConfigError` that names the path and ``disk.path``: missing directories (and
+  parents) are created 0o700 whatever the umask; an existing root must be a directory
+  owned by this process's user and writable by no one else. A file in its place, a
+  parent that cannot be written, a read-only filesystem: all are ``ConfigError``.
+- :func:`check_dir` / :func:`check_file` judge one entry below the root (never following
+  a symbolic link): ``MISSING``, ``OK`` (owned by this user; a group or other permission
+  bit is cleared, with a warning), or ``FOREIGN`` (another owner, a link, a FIFO, a
+  device, a directory where a file belongs ...): never used, the caller moves it aside.
+- :func:`make_private_dir`, :func:`write_private_file` (atomic, 0o600),
+  :func:`move_aside` (``<name>.<why>-<UTC time>[-n]``, kept for inspection).
+- :class:`OwnerLock`: an exclusive ``flock`` on ``tierkv-owner.lock`` inside an
+  environment, held by the one process that writes it (the lock dies with the process).
+
+What this defends against: another local user who plants, replaces or reads a store's
+files (``docs/reliability.md``). Not against root, or against this user's own processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import logging
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+from tierkv.errors import ConfigError
+
+logger = logging.getLogger("tierkv.disk")
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+OWNER_FILE = "tierkv-owner.lock"
+
+
+class Trust(enum.Enum):
+    MISSING = "missing"
+    OK = "ok"
+    FOREIGN = "foreign"
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _path_error(path: Path, exc: OSError, doing: str) -> ConfigError:
+    reason = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+              errno.EROFS: "read-only filesystem", errno.ENOTDIR: "a path component is a file",
+              errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(
+                  exc.errno or 0, exc.strerror or str(exc))
+    return ConfigError(f"disk tier: cannot {doing} {path}: {reason} (point disk.path at a "
+                       f"directory this user can create and write)")
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` and its missing parents as 0o700, whatever the umask (``mkdir -p``
+    would leave the parents at the umask's mode); an existing directory is left as it is.
+    OS errors come back as :class:`ConfigError` naming the path."""
+    try:
+        if path.is_dir():
+            return
+        missing: list[Path] = []
+        current = path
+        while not os.path.lexists(current) and current != current.parent:
+            missing.append(current)
+            current = current.parent
+        if not current.is_dir():
+            raise ConfigError(f"disk tier: {current} is not a directory, so {path} cannot be "
+                              f"created (point disk.path at a directory)")
+        for directory in reversed(missing):
+            try:
+                directory.mkdir(mode=DIR_MODE)
+            except FileExistsError:  # created meanwhile (another rank): judged by the caller
+                continue
+            os.chmod(directory, DIR_MODE)
+    except OSError as exc:
+        raise _path_error(path, exc, "create") from exc
+
+
+def prepare_root(root: Path) -> None:
+    """Create the store root or check an existing one; see the module docstring."""
+    make_private_dir(root)
+    try:
+        info = os.stat(root)  # a symbolic link to the real root is the user's choice
+    except OSError as exc:
+        raise _path_error(root, exc, "read") from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"disk tier: disk.path {root} is not a directory (point disk.path "
+                          f"at a directory)")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"disk tier: disk.path {root} is owned by {_owner(info.st_uid)}, not by this "
+            f"process's user ({_owner(os.geteuid())}); another user could have planted KV there "
+            f"or could read what the engine writes. Point disk.path at a directory of this "
+            f"user's (tierkv creates it 0o700)")
+    if info.st_mode & 0o022:
+        raise ConfigError(
+            f"disk tier: disk.path {root} is writable by other users (mode "
+            f"{stat.S_IMODE(info.st_mode):#o}); anyone could plant or swap chunks there. "
+            f"Run chmod 700 {root}, or point disk.path at a private directory")
+
+
+def _judge(path: Path, want_dir: bool, mode: int, fix: bool) -> Trust:
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return Trust.MISSING
+    kind_ok = stat.S_ISDIR(info.st_mode) if want_dir else stat.S_ISREG(info.st_mode)
+    loose = stat.S_IMODE(info.st_mode) & 0o077
+    writable_by_others = stat.S_IMODE(info.st_mode) & 0o022
+    if not kind_ok or info.st_uid != os.geteuid() or (loose and not fix and writable_by_others):
+        what = "directory" if want_dir else "regular file"
+        logger.warning("disk tier: %s is not a %s that only this user can write (%s, owner %s); "
+                       "it is not used", path, what, stat.filemode(info.st_mode),
+                       _owner(info.st_uid))
+        return Trust.FOREIGN
+    if loose and fix:
+        logger.warning("disk tier: %s had mode %#o; made it %#o (store files are private)",
+                       path, stat.S_IMODE(info.st_mode), mode)
+        os.chmod(path, mode)
+    return Trust.OK
+
+
+def check_dir(path: Path, fix: bool = True) -> Trust:
+    """Whether directory ``path`` can be trusted (see the module docstring); ``fix=False``
+    (read-only callers) changes no mode and trusts what only this user can write."""
+    return _judge(path, True, DIR_MODE, fix)
+
+
+def check_file(path: Path, fix: bool = True) -> Trust:
+    """Whether regular file ``path`` can be trusted (see :func:`check_dir`)."""
+    return _judge(path, False, FILE_MODE, fix)
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically with a 0o600 file holding ``data`` (whatever was there,
+    a foreign file or a FIFO included, is replaced, never opened)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, FILE_MODE)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_private_file(path: Path, limit: int) -> bytes | None:
+    """The first ``limit + 1`` bytes of ``path`` when it is a trusted regular file, else
+    None (never blocks on a FIFO, never follows a link)."""
+    if check_file(path, fix=False) is not Trust.OK:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        return os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+
+
+def move_aside(path: Path, why: str = "broken") -> Path:
+    """Rename ``path`` to ``<name>.<why>-<UTC time>[-n]`` beside it; returns the new path."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    target = path.with_name(f"{path.name}.{why}-{stamp}")
+    counter = 0
+    while os.path.lexists(target):
+        counter += 1
+        target = path.with_name(f"{path.name}.{why}-{stamp}-{counter}")
+    os.rename(path, target)
+    return target
+
+
+class OwnerLock:
+    """The exclusive claim of one environment directory by one writing process."""
+
+    def __init__(self, env_dir: Path, what: str) -> None:
+        path = env_dir / OWNER_FILE
+        if check_file(path) is Trust.FOREIGN:
+            raise ConfigError(f"{what}: {path} is not this user's; remove it")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
+        except OSError as exc:
+            raise _path_error(path, exc, "create") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = ""
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            who = "this process" if holder == str(os.getpid()) else (
+                f"process {holder}" if holder else "another process")
+            raise ConfigError(
+                f"{what}: the environment {env_dir} is in use by {who}; one process writes an "
+                f"environment at a time (two would evict each other's chunks). Give each engine "
+                f"its own disk.path (or rank), or close the other store first") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
