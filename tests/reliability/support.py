@@ -193,3 +193,29 @@ def forkserver() -> Any:
                                         "tierkv.transfer.cpu", "tests.reliability.support"])
         _CONTEXT = context
     return _CONTEXT
+
+
+def subdb_root(env_dir: Path, name: bytes) -> tuple[int, int]:
+    """(root page number, page size) of sub-database ``name`` of a closed environment: the
+    main database holds each named one's ``MDB_db`` record (48 bytes, root at offset 40)."""
+    env = lmdb.open(str(env_dir), max_dbs=4, subdir=True, readonly=True)
+    try:
+        with env.begin() as txn:
+            record = txn.get(name)
+        psize = int(env.stat()["psize"])
+    finally:
+        env.close()
+    assert record is not None and len(record) == 48, record
+    return int.from_bytes(record[40:48], "little"), psize
+
+
+def damage_page(env_dir: Path, pgno: int, psize: int) -> None:
+    """Clear the flags of page ``pgno`` of ``data.mdb`` (neither branch nor leaf any more):
+    a damaged B-tree page, as a bit flip in a structural page leaves it."""
+    with open(env_dir / "data.mdb", "r+b") as file:
+        file.seek(pgno * psize + 10)  # MDB_page: pgno (8), pad (2), flags (2)
+        file.write(b"\x00\x00")
+
+
+def damage_subdb(env_dir: Path, name: bytes) -> None:
+    damage_page(env_dir, *subdb_root(env_dir, name))

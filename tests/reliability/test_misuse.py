@@ -1,0 +1,248 @@
+"""Misuse fails loudly, at once, with a tierkv error that says what to do, and changes
+nothing; a failed construction leaves nothing behind. Before these fixes: a second writer
+process broke the first one's disk tier for good, 16-byte keys failed a later unrelated
+``wait()``, block ids as numpy arrays raised raw ``ValueError``/``TypeError`` (and floats
+were truncated), threads got wrong bytes silently, failed constructions leaked threads and
+environments, and write sequences repeated.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.reliability import support
+from tierkv.errors import ConfigError, NamespaceMismatchError, TierKVError, UsageError
+from tierkv.tiers.disk import DiskTier
+
+
+def _tierkv_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("tierkv")}
+
+
+def _second_store(root: str, queue: Any) -> None:
+    try:
+        support.open_store(Path(root)).close()
+        queue.put("opened")
+    except TierKVError as exc:
+        queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_second_writer_process_is_refused_and_the_first_goes_on(tmp_path: Path) -> None:
+    import os
+
+    kv = support.make_kv()
+    keys = support.request_keys(1)
+    with support.open_store(tmp_path, kv) as store:
+        context = support.forkserver()
+        queue = context.Queue()
+        child = context.Process(target=_second_store, args=(str(tmp_path), queue))
+        child.start()
+        answer = queue.get(timeout=60)
+        child.join(60)
+        assert answer.startswith("ConfigError") and f"process {os.getpid()}" in answer, answer
+        with pytest.raises(ConfigError, match="in use by this process"):  # same process too
+            support.open_store(tmp_path)
+        support.store_chunks(store, kv, keys)
+        assert store.lookup(keys) == len(keys)
+    support.open_store(tmp_path).close()  # released at close
+
+
+def _grow(root: str, rounds: int) -> None:
+    """Another process (an operator tool, a scheduler-side scan) with a much larger cap
+    writes enough to grow data.mdb past the first process's map."""
+    config = support.store_config(Path(root), disk_chunks=4096).disk
+    with DiskTier(Path(root), support.namespace_of(), 0, config, support.CHUNK_BYTES) as tier:
+        for start in range(0, rounds, 16):
+            tier.put_many([(support.pool_key(i, b"grow"), support.payload_for(support.pool_key(i, b"grow")))
+                           for i in range(start, start + 16)])
+
+
+def test_a_map_grown_by_another_process_is_adopted(tmp_path: Path) -> None:
+    config = support.store_config(tmp_path, disk_chunks=64).disk
+    size = support.CHUNK_BYTES
+    with DiskTier(tmp_path, support.namespace_of(), 0, config, size) as tier:
+        mine = [support.pool_key(i) for i in range(8)]
+        tier.put_many([(key, support.payload_for(key)) for key in mine])
+        child = support.forkserver().Process(target=_grow, args=(str(tmp_path), 400))
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0
+        assert (tier.path / "data.mdb").stat().st_size > tier.map_size  # grown past our map
+        out = memoryview(bytearray(size))
+        for key in mine:  # was BrokenError (MDB_MAP_RESIZED) for good
+            assert tier.read_into(key, out).name == "OK" and bytes(out) == support.payload_for(key)
+        more = [support.pool_key(i, b"more") for i in range(4)]
+        assert tier.put_many([(key, support.payload_for(key)) for key in more]).written == tuple(more)
+        assert tier.statistics().map_adopted >= 1
+
+
+def test_failed_constructions_release_threads_slab_and_environment(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _tierkv_threads()
+    kv = support.make_kv()
+    with support.open_store(tmp_path, kv, rank=0) as store:
+        support.store_chunks(store, kv, support.request_keys(2))
+    ns_dir = support.env_dirs(tmp_path)[0].parent
+    (ns_dir / "rank-0").rename(ns_dir / "rank-1")  # a directory renamed by hand
+    for _ in range(20):
+        with pytest.raises(NamespaceMismatchError):
+            support.open_store(tmp_path, rank=1)
+    assert _tierkv_threads() == before  # 20 failed opens left 20 copy threads
+    from tierkv.errors import BrokenError
+
+    def fail(*args: object, **kwargs: object) -> object:
+        raise BrokenError("injected: the disk tier fails during the start-up scan")
+
+    monkeypatch.setattr(DiskTier, "scan", fail)  # late: after threads and slab exist
+    for _ in range(5):
+        with pytest.raises(BrokenError, match="injected"):
+            support.open_store(tmp_path, rank=0)
+    assert _tierkv_threads() == before
+    monkeypatch.undo()
+    with support.open_store(tmp_path, rank=0) as store:  # was "already open in this process"
+        assert store.disk is not None
+
+
+@pytest.mark.parametrize("bad", [b"\x01" * 16, "k" * 32, bytearray(32), b"\x01" * 33, 7, None])
+def test_bad_keys_are_refused_at_the_call_and_change_nothing(tmp_path: Path, bad: Any) -> None:
+    before = _tierkv_threads()
+    kv = support.make_kv()
+    store = support.open_store(tmp_path, kv, cpu_chunks=4)
+    good = support.request_keys(3)
+    for call in (lambda: store.store([good[0], bad], [support.chunk_blocks(0), support.chunk_blocks(1)]),
+                 lambda: store.lookup([bad]), lambda: store.load([bad], [support.chunk_blocks(0)])):
+        with pytest.raises(ConfigError, match="32 bytes|sequence"):
+            call()
+    assert store.statistics().index.stores_planned == 0
+    for seed in range(4):  # spills happen afterwards without a late error
+        support.store_chunks(store, kv, support.request_keys(10 + seed))
+    store.wait([])
+    store.poll()
+    store.close()
+    assert _tierkv_threads() == before
+
+
+def test_block_ids_as_numpy_or_tensors_work_and_floats_are_refused(tmp_path: Path) -> None:
+    kv = support.make_kv()
+    keys = support.request_keys(4, num_chunks=2)
+    with support.open_store(tmp_path, kv) as store:
+        for position, key in enumerate(keys):
+            support.fill_chunk(kv, key, support.chunk_blocks(position))
+        flat = list(range(2 * support.BPC))
+        for bad in ([float(b) for b in flat], [True] * len(flat), np.array(flat, dtype=np.float32),
+                    torch.tensor(flat, dtype=torch.float32), [[1.5] * support.BPC] * 2, "abcdefgh"):
+            with pytest.raises(ConfigError, match="block id"):
+                store.store(keys, bad)  # type: ignore[arg-type]
+        assert store.statistics().index.stores_planned == 0
+        job = store.store(keys, np.array(flat, dtype=np.int64))
+        store.wait([job])
+        assert store.lookup(keys) == 2
+        for blocks in (np.arange(32, 32 + 2 * support.BPC).reshape(2, support.BPC),
+                       torch.arange(40, 40 + 2 * support.BPC),
+                       [np.int64(b) for b in range(48, 48 + 2 * support.BPC)]):
+            handle = store.load(keys, blocks)  # type: ignore[arg-type]
+            store.wait([np.int64(handle.job_id)])  # type: ignore[list-item]
+            assert all(c.ok for c in store.poll())
+            first = int(np.asarray(blocks).reshape(-1)[0])
+            assert support.chunk_matches(kv, keys[0], list(range(first, first + support.BPC)))
+        for bad in (["x"], "x", [1.0], [True], [-1]):
+            with pytest.raises(ConfigError, match="job id|list of job ids"):
+                store.wait(bad)  # type: ignore[arg-type]
+
+
+def test_a_store_used_from_several_threads_fails_loudly_never_with_wrong_bytes(tmp_path: Path) -> None:
+    """The store is not thread-safe; threads calling it at once must get UsageError, and a
+    load reported ok must have landed exactly."""
+    kv = support.make_kv()
+    store = support.open_store(tmp_path, kv, cpu_chunks=8)
+    pools = [[support.request_keys(100 * t + i, num_chunks=1)[0] for i in range(6)] for t in range(4)]
+    for t, pool in enumerate(pools):  # each thread owns 8 blocks of its own
+        for key in pool:
+            support.fill_chunk(kv, key, support.chunk_blocks(0, 8 * t))
+            store.wait([store.store([key], [support.chunk_blocks(0, 8 * t)])])
+    refused = [0] * 4
+    wrong: list[str] = []
+    start = threading.Barrier(4)
+
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        try:
+            run(t)
+        except BaseException as exc:  # a raw error from a race is a failure too
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    def run(t: int) -> None:
+        start.wait()
+        target = support.chunk_blocks(0, 8 * t + 4)
+        for round_ in range(300):
+            key = pools[t][round_ % len(pools[t])]
+            try:
+                handle = store.load([key], [target])
+                if handle.job_id is None:
+                    continue
+                store.wait([handle.job_id])
+            except UsageError:
+                refused[t] += 1
+                continue
+            if not support.chunk_matches(kv, key, target) and store.lookup([key]) == 1:
+                wrong.append(key.hex()[:8])
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    store.close()
+    assert sum(refused) > 0  # the overlap was seen and refused, not raced
+    assert not wrong and not errors, (wrong, errors)
+
+
+def test_write_sequences_stay_strictly_increasing_across_threads(tmp_path: Path) -> None:
+    config = support.store_config(tmp_path).disk
+    with DiskTier(tmp_path, support.namespace_of(), 0, config, 4096) as tier:
+        def writer(t: int) -> None:
+            for i in range(60):
+                key = support.pool_key(1000 * t + i, b"seq")
+                tier.put_many([(key, bytes(4096))])
+
+        threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seqs = [record.seq for record in tier.scan()]
+    assert len(seqs) == 240 and len(set(seqs)) == 240  # 999 distinct for 1140 before
+
+
+def _write_seq(root: str, t: int, barrier: Any) -> None:
+    config = support.store_config(Path(root)).disk
+    with DiskTier(Path(root), support.namespace_of(), 0, config, 4096) as tier:
+        barrier.wait(60)  # both processes have the environment open before either writes
+        for i in range(80):
+            tier.put_many([(support.pool_key(1000 * t + i, b"proc"), bytes(4096))])
+
+
+def test_write_sequences_stay_strictly_increasing_across_processes(tmp_path: Path) -> None:
+    """Two processes on one environment (DiskTier allows it; TierKVStore does not): each
+    numbered values from the sequence it read at open, so the numbers repeated."""
+    context = support.forkserver()
+    DiskTier(tmp_path, support.namespace_of(), 0, support.store_config(tmp_path).disk, 4096).close()
+    barrier = context.Barrier(2)
+    children = [context.Process(target=_write_seq, args=(str(tmp_path), t, barrier))
+                for t in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(120)
+        assert child.exitcode == 0
+    with DiskTier(tmp_path, support.namespace_of(), 0, support.store_config(tmp_path).disk,
+                  4096) as tier:
+        seqs = [record.seq for record in tier.scan()]
+    assert len(seqs) == 160 and len(set(seqs)) == 160
