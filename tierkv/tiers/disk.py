@@ -107,31 +107,31 @@ _DAMAGE_ERRORS: tuple[type[Exception], ...] = (
 
 
 class _Guard:
-    """Shared sections for ordinary calls; an exclusive one (no call in flight) to swap or
-    resize the environment underneath them."""
+    """Shared sections for ordinary calls (``enter``/``leave``: one plain lock each way, the
+    read path's cost); an exclusive one (no call in flight) to swap or resize the
+    environment underneath them."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._shared = 0
         self._exclusive = False
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
+    def enter(self) -> None:
+        with self._lock:
             while self._exclusive:
                 self._cond.wait()
             self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                if not self._shared:
-                    self._cond.notify_all()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._shared -= 1
+            if self._exclusive and not self._shared:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
-        with self._cond:
+        with self._lock:
             while self._exclusive:
                 self._cond.wait()
             self._exclusive = True
@@ -140,7 +140,7 @@ class _Guard:
         try:
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._exclusive = False
                 self._cond.notify_all()
 
@@ -457,7 +457,7 @@ class DiskTier:
 
     def _check_data_file(self) -> None:
         assert self._data_fd is not None
-        size = os.fstat(self._data_fd).st_size
+        size = os.lseek(self._data_fd, 0, os.SEEK_END)  # 0.2 us; fstat costs 0.8
         if size < self._data_floor:
             raise _DamagedError(f"data.mdb shrank from {self._data_floor} to {size} bytes "
                                 f"under the running tier (truncated)")
@@ -466,9 +466,12 @@ class DiskTier:
     def _run(self, action: str, work: Callable[[lmdb.Environment], _T]) -> _T:
         """``work(env)`` in a shared section; damage, a grown map or a full reader table are
         dealt with and the call retried (at most twice)."""
+        guard = self._guard
         for _ in range(3):
-            self._check_usable(action)
-            with self._guard.shared():
+            if self._closed or os.getpid() != self._pid:
+                self._check_usable(action)
+            guard.enter()
+            try:
                 env, generation = self._env, self._generation
                 if env is None:
                     raise BrokenError(f"{self._name}: no environment ({action}): it could not "
@@ -482,6 +485,8 @@ class DiskTier:
                     problem = exc
                 except lmdb.Error as exc:
                     raise self._failure(action, exc) from exc
+            finally:
+                guard.leave()
             self._fix(problem, generation, action)
         raise BrokenError(f"{self._name}: {action} kept failing after repairs ({problem})")
 
