@@ -350,9 +350,14 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"namespace {report.fingerprint} (format version {report.format_version})"
               + (f"  PROBLEM: {report.problem}" if report.problem else ""))
         for name in ("model_id", "dtype", "kv_layout", "page_bytes", "tokens_per_chunk",
-                     "num_layers", "tp_size", "rank_layout", "hash_scheme", "extra"):
+                     "blocks_per_chunk", "num_layers", "tp_size", "rank_layout", "hash_scheme",
+                     "extra"):
             if name in desc:
                 print(f"  {name + ':':18s}{desc[name]}")
+        names = desc.get("layer_names")
+        if isinstance(names, list) and names:
+            shown = ", ".join(map(str, names[:2])) + (f", ... {names[-1]}" if len(names) > 2 else "")
+            print(f"  {'layer_names:':18s}{len(names)}: {shown}")
         for rank in report.ranks:
             if rank.problem:
                 print(f"  rank {rank.rank}: DAMAGED: {rank.problem}")

@@ -246,3 +246,14 @@ def test_write_sequences_stay_strictly_increasing_across_processes(tmp_path: Pat
                   4096) as tier:
         seqs = [record.seq for record in tier.scan()]
     assert len(seqs) == 160 and len(set(seqs)) == 160
+
+
+def test_one_environment_opened_twice_in_a_process_says_so(tmp_path: Path) -> None:
+    """LMDB forbids it; the message used to blame permissions and free space."""
+    config = support.store_config(tmp_path).disk
+    with DiskTier(tmp_path, support.namespace_of(), 0, config, 4096) as tier:
+        with pytest.raises(UsageError, match="already open in this process") as info:
+            DiskTier(tmp_path, support.namespace_of(), 0, config, 4096)
+        assert "free space" not in str(info.value)
+        key = support.pool_key(1)
+        assert tier.put_many([(key, bytes(4096))]).written == (key,)  # the first one is fine

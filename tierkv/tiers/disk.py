@@ -267,6 +267,10 @@ class DiskTier:
             self._replace_env(exc)
             return
         except lmdb.Error as exc:
+            if "already open in this process" in str(exc):
+                raise UsageError(f"{self._name}: {self.path} is already open in this process; "
+                                 f"open each environment once per process and share that "
+                                 f"DiskTier (or close the other one first)") from exc
             raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
                               f"(check disk.path permissions and free space)") from exc
 
