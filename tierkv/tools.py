@@ -5,10 +5,11 @@
   payload is read): namespace, chunks, payload bytes, file size, oldest and newest chunk by
   write sequence, last write time, format version, environments moved aside as broken.
 - :func:`verify_store` checks every value's header and checksum and the index
-  (:meth:`DiskTier.verify`). Without ``repair`` nothing is changed: an environment that is
-  damaged (fails to open, or its meta record is unreadable) is reported; with ``repair``
-  bad chunks are deleted and a damaged environment is moved aside and rebuilt empty (what
-  the engine itself does on open).
+  (:meth:`DiskTier.verify`). Without ``repair`` nothing is changed (every environment is
+  opened read-only): one that is damaged (LMDB reports damage, its meta record is
+  unreadable, or its files are not this user's) is reported; with ``repair`` bad chunks are
+  deleted and a damaged environment is moved aside and rebuilt empty (what the engine
+  itself does when it meets damage), unless a running engine claims it.
 - Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found
   (also when ``--repair`` fixed them: a rerun then answers 0), 2 error (no store, the
   store cannot be read, a format this build does not read).
@@ -35,7 +36,7 @@ import lmdb
 import msgpack
 
 from tierkv.errors import BrokenError, ConfigError, short_key
-from tierkv.tiers.disk_files import Trust, check_file, read_private_file
+from tierkv.tiers.disk_files import Trust, check_dir, check_file, read_private_file
 from tierkv.tiers.disk_format import MAX_NAMESPACE_JSON_BYTES
 
 _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
@@ -153,6 +154,10 @@ def _read_record(env: lmdb.Environment) -> dict[str, Any]:
 def peek_rank(path: Path, rank: int) -> RankReport:
     """A :class:`RankReport` of one environment, read-only."""
     report = RankReport(rank, path)
+    for directory in (path.parent, path):
+        if check_dir(directory, fix=False) is not Trust.OK:
+            report.problem = f"{directory} is not a directory that only this user can write"
+            return report
     for name in ("data.mdb", "lock.mdb"):
         if check_file(path / name, fix=False) is Trust.FOREIGN:
             report.problem = f"{name} is not a regular file that only this user can write"
@@ -255,9 +260,10 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
         if not repair:
             return
-    before = set(rank.path.parent.glob(f"{rank.path.name}.broken-*"))
+    before = set(rank.path.parent.glob(f"{rank.path.name}.*-*"))
     try:
-        with DiskTier(root, namespace, rank.rank, config, payload, repair=repair) as tier:
+        with DiskTier(root, namespace, rank.rank, config, payload, repair=repair,
+                      read_only=not repair) as tier:
             result = tier.verify(repair=repair)
             rebuilt = tier.statistics().rebuilds > 0
             if rebuilt and rank.problem is None:
@@ -273,7 +279,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         elif repair:
             outcome.lines.append(f"  not repaired: {exc}")
         return
-    moved = sorted(set(rank.path.parent.glob(f"{rank.path.name}.broken-*")) - before)
+    moved = sorted(set(rank.path.parent.glob(f"{rank.path.name}.*-*")) - before)
     if moved:
         outcome.moved_aside += len(moved)
         outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "

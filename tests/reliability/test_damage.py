@@ -237,3 +237,138 @@ def test_a_forked_child_using_its_parent_s_store_fails_loudly(tmp_path: Path) ->
         assert os.waitstatus_to_exitcode(status) == 0
         store.wait([job])  # the parent's store is unharmed
         assert store.lookup(keys) == len(keys)
+
+
+def test_concurrent_writes_and_reads_never_look_like_a_truncation(tmp_path: Path) -> None:
+    """The size check read the file's size, then compared it with a floor another thread had
+    raised after its commit: ordinary traffic (DiskIO's writer and reader threads) looked
+    like a shrink and the environment was thrown away (3 rebuilds in 10 s in one review run;
+    the same here within a few seconds)."""
+    import threading
+
+    from tierkv.tiers.disk import DiskTier
+
+    size = 64 << 10
+    config = support.store_config(tmp_path, disk_chunks=8192).disk
+    with DiskTier(tmp_path, support.namespace_of(), 0, config, size, exclusive=True) as tier:
+        first = support.pool_key(0, b"grow")
+        tier.put_many([(first, bytes(size))])
+        stop = threading.Event()
+
+        def write() -> None:
+            i = 1
+            while not stop.is_set() and i < 2500:  # the file grows with every commit
+                tier.put_many([(support.pool_key(i, b"grow"), bytes(size))])
+                i += 1
+
+        def read() -> None:
+            out = memoryview(bytearray(size))
+            while not stop.is_set():
+                tier.read_into(first, out)
+
+        threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while threads[0].is_alive() and time.monotonic() < deadline \
+                and tier.statistics().rebuilds == 0:
+            time.sleep(0.05)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        stats = tier.statistics()
+        assert stats.rebuilds == 0 and stats.chunks == stats.puts, stats
+
+
+def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp_path: Path) -> None:
+    """vLLM's scheduler side scans every rank at start; a damaged rank whose worker holds
+    the claim raised out of the scan (or leaked the ranks opened before it)."""
+    import fcntl
+
+    from tierkv.config import DiskTierConfig
+    from tierkv.integrations import vllm_disk
+    from tierkv.tiers.disk import DiskTier
+
+    namespace = support.namespace_of()
+    config = DiskTierConfig(path=tmp_path, max_bytes=64 << 20)
+    keys = [support.pool_key(i, b"tp") for i in range(6)]
+    for rank in (0, 1):
+        with DiskTier(tmp_path, namespace, rank, config, 4096) as tier:
+            tier.put_many([(key, bytes(4096)) for key in keys])
+    rank1 = tmp_path / f"ns-{namespace.fingerprint()}" / "rank-1"
+    for damage in ("index", "short file"):
+        if damage == "index":
+            support.damage_subdb(rank1, b"index")
+        else:
+            os.truncate(rank1 / "data.mdb", 4096 * 3)  # shorter than its meta page says
+        fd = os.open(rank1 / vllm_disk.OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as rank 1's worker holds it
+        try:
+            kept, deleted = vllm_disk.rebuild_keys(tmp_path, namespace, [0, 1], config, 4096,
+                                                   capacity=100)
+        finally:
+            os.close(fd)
+        assert kept == [] and vllm_disk._OPEN == {}, (damage, kept)  # nothing left open
+        assert not _broken_dirs(tmp_path)  # the worker's environment was not moved
+
+
+def test_a_child_forked_by_the_engine_never_keeps_its_claim(tmp_path: Path) -> None:
+    """A flock belongs to the open file: a child forked by the engine (a data loader, a
+    multiprocessing fork) kept the engine's claim after the engine died, and the restart
+    was refused naming the dead pid."""
+    code = f"""
+import os, sys, time
+from pathlib import Path
+from tests.reliability import support
+store = support.open_store(Path({str(tmp_path)!r}))
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+    engine = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    assert engine.stdout is not None
+    child = int(engine.stdout.readline())
+    try:
+        engine.kill()  # SIGKILL: the engine dies, its child lives on
+        engine.wait(30)
+        with support.open_store(tmp_path) as store:  # the restart takes the claim
+            assert store.disk is not None and store.disk.claimed
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_calls_racing_close_get_closed_error(tmp_path: Path) -> None:
+    import threading
+
+    from tierkv.errors import ClosedError
+    from tierkv.tiers.disk import DiskTier
+
+    config = support.store_config(tmp_path).disk
+    tier = DiskTier(tmp_path, support.namespace_of(), 0, config, 4096)
+    key = support.pool_key(1)
+    tier.put_many([(key, bytes(4096))])
+    errors: list[BaseException] = []
+    started = threading.Barrier(5)
+
+    def read() -> None:
+        out = memoryview(bytearray(4096))
+        started.wait()
+        try:
+            while True:
+                tier.read_into(key, out)
+        except BaseException as exc:  # noqa: BLE001 - which error is the point
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    time.sleep(0.05)
+    tier.close()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 4 and all(type(e) is ClosedError for e in errors), errors

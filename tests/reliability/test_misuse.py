@@ -257,3 +257,66 @@ def test_one_environment_opened_twice_in_a_process_says_so(tmp_path: Path) -> No
         assert "free space" not in str(info.value)
         key = support.pool_key(1)
         assert tier.put_many([(key, bytes(4096))]).written == (key,)  # the first one is fine
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink", "other user"])
+def test_an_untrusted_owner_lock_file_is_moved_aside(tmp_path: Path, planted: str) -> None:
+    import os
+
+    if planted == "other user" and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    kv = support.make_kv()
+    keys = support.request_keys(5)
+    with support.open_store(tmp_path, kv) as store:
+        support.store_chunks(store, kv, keys)
+    lock = support.env_dirs(tmp_path)[0] / "tierkv-owner.lock"
+    if planted == "other user":
+        os.chown(lock, 4242, 4242)
+    else:
+        lock.unlink()
+        os.mkfifo(lock) if planted == "fifo" else lock.symlink_to(tmp_path / "elsewhere")
+    with support.open_store(tmp_path, support.make_kv()) as store:  # refused before
+        assert store.lookup(keys) == len(keys)
+    assert list(lock.parent.glob("tierkv-owner.lock.foreign-*"))
+
+
+def test_disk_tier_calls_refuse_bad_buffers_and_batches_with_tierkv_errors(tmp_path: Path) -> None:
+    config = support.store_config(tmp_path).disk
+    key = support.pool_key(1)
+    with DiskTier(tmp_path, support.namespace_of(), 0, config, 4096) as tier:
+        payload = np.arange(1024, dtype=np.float32)  # 4096 bytes: any contiguous buffer works
+        assert tier.put_many([(key, payload)]).written == (key,)
+        out = bytearray(4096)
+        assert tier.read_into(key, out).name == "OK" and bytes(out) == payload.tobytes()
+        grid = np.zeros((2, 512), dtype=np.float32)
+        assert tier.read_into(key, memoryview(grid)).name == "OK"
+        assert grid.tobytes() == payload.tobytes()
+        for bad in ([0] * 4096, "x" * 4096, np.zeros(8192, dtype=np.uint8)[::2], bytes(4095)):
+            with pytest.raises(ConfigError):
+                tier.put_many([(key, bad)])  # type: ignore[list-item]
+        for bad_out in (bytes(4096), memoryview(bytearray(8192))[::2], bytearray(100), 5):
+            with pytest.raises(ConfigError):
+                tier.read_into(key, bad_out)  # type: ignore[arg-type]
+        for call in (lambda: list(tier.scan("x")), lambda: tier.verify(batch=None),  # type: ignore[arg-type]
+                     lambda: list(tier.scan(0))):
+            with pytest.raises(ConfigError):
+                call()
+
+
+def test_a_namespace_that_does_not_describe_the_tensors_is_refused(tmp_path: Path) -> None:
+    """TierKVStore(namespace=...) took any namespace: one built for layers in the other order
+    served each layer the other's bytes."""
+    import dataclasses
+
+    from tierkv.engine.store import TierKVStore, build_namespace
+    from tierkv.transfer.layout import KVLayout
+
+    kv = {"a": torch.zeros((8, 4, 64), dtype=torch.uint8), "b": torch.zeros((8, 4, 64), dtype=torch.uint8)}
+    config = support.store_config(tmp_path)
+    config = dataclasses.replace(config, blocks_per_chunk=2)
+    swapped = build_namespace(KVLayout.from_tensors({"b": kv["b"], "a": kv["a"]}), "m", 16, config)
+    with pytest.raises(ConfigError, match="layer_names"):
+        TierKVStore(kv, namespace=swapped, config=config)
+    own = dataclasses.replace(build_namespace(KVLayout.from_tensors(kv), "m", 16, config),
+                              extra="tenant-7")  # the caller's fields are the caller's
+    TierKVStore(kv, namespace=own, config=config).close()

@@ -419,3 +419,20 @@ def test_different_salts_never_share_a_chunk_key(tokens: list[int], salts: list[
     keys = [set(chunk_keys(tokens, 16, parent=salted_root(salt))) for salt in (first, second)]
     assert keys[0] and not keys[0] & keys[1]
     assert salted_root(first) != ROOT_KEY
+
+
+def test_a_private_file_is_written_through_a_new_name_never_an_existing_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary name of an atomic write was predictable (pid, thread id) and opened
+    without O_EXCL: a FIFO planted there blocked the store's constructor."""
+    import itertools
+    import os
+
+    from tierkv.tiers import disk_files
+
+    names = itertools.chain(["planted"], (f"n{i}" for i in itertools.count()))
+    monkeypatch.setattr(disk_files.secrets, "token_hex", lambda n: next(names))
+    target = tmp_path / "namespace.json"
+    os.mkfifo(tmp_path / f".namespace.json.{os.getpid()}.planted.tmp")
+    disk_files.write_private_file(target, b"{}")  # would block on the FIFO
+    assert target.read_bytes() == b"{}" and (target.stat().st_mode & 0o777) == 0o600

@@ -99,20 +99,44 @@ def test_entries_of_another_user_are_moved_aside_never_used(tmp_path: Path, plan
     assert list(root.rglob("*.foreign-*")) or list(root.rglob("*.broken-*"))
 
 
-def test_loose_modes_of_own_files_are_tightened(tmp_path: Path) -> None:
+def test_own_files_readable_by_others_are_tightened_and_served(tmp_path: Path) -> None:
     kv = support.make_kv()
     keys = support.request_keys(3)
     with support.open_store(tmp_path, kv) as store:
         support.store_chunks(store, kv, keys)
     env_dir = support.env_dirs(tmp_path)[0]
-    for path, mode in ((env_dir.parent, 0o755), (env_dir, 0o775), (env_dir / "data.mdb", 0o644),
-                       (env_dir.parent / "namespace.json", 0o666)):
+    for path, mode in ((env_dir.parent, 0o755), (env_dir, 0o750), (env_dir / "data.mdb", 0o644),
+                       (env_dir.parent / "namespace.json", 0o640)):
         os.chmod(path, mode)
     kv = support.make_kv()
     with support.open_store(tmp_path, kv) as store:
-        assert store.lookup(keys) == len(keys)  # own files: still served
+        assert store.lookup(keys) == len(keys)  # nobody else could have written them
     for path in (env_dir.parent, env_dir, env_dir / "data.mdb", env_dir.parent / "namespace.json"):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+
+
+@pytest.mark.parametrize("loose", ["everything below the root", "rank dir", "data.mdb"])
+def test_own_files_others_could_write_are_never_trusted(tmp_path: Path, loose: str) -> None:
+    """Files of this user's that others can write may hold anything: a forged value with a
+    valid checksum (the fingerprint is the directory's name) planted in them is never
+    served; they are moved aside (they used to be chmod-ed and trusted)."""
+    keys = support.request_keys(4)
+    kv = support.make_kv()
+    with support.open_store(tmp_path, kv) as store:
+        support.store_chunks(store, kv, keys)
+    env_dir = support.env_dirs(tmp_path)[0]
+    from tierkv.tiers.disk_format import ValueWriter
+
+    forged = bytes(ValueWriter(support.CHUNK_BYTES, support.binding()).build(
+        keys[0], support.payload_for(keys[0], variant=b"forged"), seq=999))
+    with support.raw_env(env_dir) as (txn, chunks, _):  # what another user could now write
+        txn.put(keys[0], forged, db=chunks)
+    targets = {"everything below the root": [p for p in tmp_path.rglob("*")],
+               "rank dir": [env_dir], "data.mdb": [env_dir / "data.mdb"]}[loose]
+    for path in targets:
+        os.chmod(path, 0o777 if path.is_dir() else 0o666)
+    assert not _serves_forged(tmp_path, keys)
+    assert list(tmp_path.rglob("*.foreign-*")) or list(tmp_path.rglob("*.broken-*"))
 
 
 def _fifo_open(tmp_path: Path, which: str) -> subprocess.CompletedProcess[str]:
@@ -226,3 +250,50 @@ def test_tierkv_errors_only_for_every_bad_path(tmp_path: Path) -> None:
     for bad in (file_path, file_path / "x", link, Path("/proc/self/tierkv")):
         with pytest.raises(TierKVError):
             support.open_store(bad)
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int, int, bytes]]:
+    """Every entry under ``root``: (mode, owner, size, mtime_ns, first bytes of files)."""
+    out: dict[str, tuple[int, int, int, int, bytes]] = {}
+    for path in sorted(root.rglob("*")):
+        info = path.lstat()
+        head = b""
+        if stat.S_ISREG(info.st_mode) and path.name != "lock.mdb":
+            head = path.read_bytes()[:4096]
+        mtime = 0 if path.name == "lock.mdb" else info.st_mtime_ns  # readers use it
+        out[str(path.relative_to(root))] = (info.st_mode, info.st_uid, info.st_size, mtime, head)
+    return out
+
+
+@pytest.mark.parametrize("state", ["clean", "foreign rank dir", "loose modes", "bad chunk",
+                                   "damaged index"])
+def test_verify_without_repair_changes_nothing(tmp_path: Path, state: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """It used to move a foreign directory aside, create an empty environment, chmod and
+    rewrite files, and then answer "clean"."""
+    from tierkv.cli import main
+
+    if state == "foreign rank dir" and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    keys = support.request_keys(9)
+    kv = support.make_kv()
+    with support.open_store(tmp_path, kv) as store:
+        support.store_chunks(store, kv, keys)
+    env_dir = support.env_dirs(tmp_path)[0]
+    if state == "foreign rank dir":
+        os.chown(env_dir, OTHER_UID, OTHER_UID)  # the directory only: its files look fine
+    elif state == "loose modes":
+        os.chmod(env_dir.parent, 0o755)
+        os.chmod(env_dir / "data.mdb", 0o644)
+    elif state == "bad chunk":
+        with support.raw_env(env_dir) as (txn, chunks, _):
+            value = bytearray(txn.get(keys[0], db=chunks))
+            value[-1] ^= 1
+            txn.put(keys[0], bytes(value), db=chunks)
+    elif state == "damaged index":
+        support.damage_subdb(env_dir, b"index")
+    before = _tree(tmp_path)
+    code = main(["verify", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert _tree(tmp_path) == before
+    assert code == (0 if state in ("clean", "loose modes") else 1), out

@@ -210,6 +210,8 @@ class TierKVStore:
             if not model_id or not isinstance(model_id, str):
                 raise ConfigError("store: pass model_id (or a Namespace) so stored KV is tied to its model")
             namespace = build_namespace(self.layout, model_id, tokens_per_block, cfg)
+        else:
+            self._check_namespace(namespace)
         self.namespace = namespace
         self.blocks_per_chunk = cfg.blocks_per_chunk
         self.tokens_per_chunk = namespace.tokens_per_chunk
@@ -247,6 +249,27 @@ class TierKVStore:
             self.index.add_on_disk(record.key for record in records)
         self._bytes = {kind: [0, 0.0] for kind in JobKind}
         self._ready: list[Completion] = []
+
+    def _check_namespace(self, namespace: Namespace) -> None:
+        """A namespace given by the caller must describe these tensors and this config: what
+        decides the bytes' meaning is not the caller's to choose (model id, TP size, hash
+        scheme and extra are)."""
+        if not isinstance(namespace, Namespace):
+            raise ConfigError(f"store: namespace must be a Namespace, got {namespace!r}")
+        bpc = self.config.blocks_per_chunk
+        if namespace.tokens_per_chunk % bpc:
+            raise ConfigError(f"store: namespace tokens_per_chunk={namespace.tokens_per_chunk} "
+                              f"is not a multiple of blocks_per_chunk={bpc}")
+        own = build_namespace(self.layout, namespace.model_id, namespace.tokens_per_chunk // bpc,
+                              self.config, namespace.tp_size)
+        for name in ("dtype", "kv_layout", "page_bytes", "num_layers", "layer_names",
+                     "blocks_per_chunk"):
+            if getattr(namespace, name) != getattr(own, name):
+                raise ConfigError(
+                    f"store: the namespace says {name}={getattr(namespace, name)!r}, the KV "
+                    f"tensors and config give {getattr(own, name)!r}; build it with "
+                    f"tierkv.engine.store.build_namespace (and dataclasses.replace for model "
+                    f"id, hash scheme or extra)")
 
     def _release(self) -> None:
         """Stop threads and close the disk tier; every step runs even if one fails."""

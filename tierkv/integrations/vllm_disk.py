@@ -101,29 +101,48 @@ def unclaim_env(tier: DiskTier) -> None:
 def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config: DiskTierConfig,
                  payload_bytes: int, capacity: int) -> tuple[list[bytes], int]:
     """Keys usable from disk, oldest first, at most ``capacity`` of them; and how many
-    chunks were deleted (held by only some ranks, or beyond the capacity)."""
-    tiers = [acquire_tier(root, namespace, rank, config, payload_bytes) for rank in ranks]
+    chunks were deleted (held by only some ranks, or beyond the capacity). A rank whose
+    environment is damaged and owned by its worker (which rebuilds it when it meets the
+    damage) counts as holding nothing."""
+    tiers: list[DiskTier] = []
+    held: list[list[bytes] | None] = []  # None: damaged
+    seqs: dict[bytes, int] = {}
     try:
-        seqs: dict[bytes, int] = {}
-        holders: dict[bytes, int] = {}
-        for tier in tiers:
+        for rank in ranks:
+            try:
+                tier = acquire_tier(root, namespace, rank, config, payload_bytes)
+            except DamagedError as exc:
+                log.warning("tierkv: %s; its chunks are not used", exc)
+                held.append(None)
+                continue
+            tiers.append(tier)
             try:
                 records = list(tier.scan())
-            except DamagedError as exc:  # its worker owns it and rebuilds it when it meets it
+            except DamagedError as exc:
                 log.warning("tierkv: %s; its chunks are not used", exc)
-                records = []
+                held.append(None)
+                tiers.pop()
+                release_tier(tier)
+                continue
+            held.append([record.key for record in records])
             for record in records:
-                holders[record.key] = holders.get(record.key, 0) + 1
                 seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
-        whole = [key for key, count in holders.items() if count == len(tiers)]
-        partial = [key for key, count in holders.items() if count != len(tiers)]
+        holders: dict[bytes, int] = {}
+        for keys in held:
+            for key in keys or ():
+                holders[key] = holders.get(key, 0) + 1
+        whole = [key for key, count in holders.items() if count == len(ranks)]
+        partial = [key for key, count in holders.items() if count != len(ranks)]
         whole.sort(key=seqs.__getitem__)
         excess = whole[: max(len(whole) - capacity, 0)]  # the oldest go first
         keep = whole[len(excess):]
         doomed = partial + excess
         if doomed:
             for tier in tiers:
-                tier.delete_many(doomed)
+                try:
+                    tier.delete_many(doomed)
+                except DamagedError as exc:
+                    log.warning("tierkv: %s; its chunks stay until its worker rebuilds it", exc)
             log.info("tierkv: deleted %d chunk(s) from %s at start (%d held by only some ranks, "
                      "%d over disk_bytes)", len(doomed), root, len(partial), len(excess))
         return keep, len(doomed)

@@ -24,6 +24,9 @@ called from several threads: LMDB serializes write transactions, reads run concu
 - ``claim()`` makes this process the environment's one writer (``exclusive=True`` does it
   at open, before anything is judged or moved): a second claim, from any process, is
   refused with a :class:`ConfigError` naming the holder.
+- ``read_only=True`` (operator tools): nothing is created, written, moved or chmod-ed;
+  what is not trusted, or damaged, raises :class:`DamagedError`; a corrupt value is
+  answered ``CORRUPT`` and left in place; writes raise :class:`UsageError`.
 - ``sync()``, ``sync_if_due()``, ``statistics()``, ``close()`` (idempotent; later calls raise
   :class:`ClosedError`; any call from a forked child raises :class:`UsageError`).
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
@@ -70,7 +73,7 @@ import msgpack
 
 from tierkv.config import DiskTierConfig
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
-                           NamespaceMismatchError, UsageError, short_key)
+                           NamespaceMismatchError, TierKVError, UsageError, short_key)
 from tierkv.keys import FORMAT_VERSION, KEY_BYTES, Namespace
 from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
                                      make_private_dir, move_aside, prepare_root,
@@ -159,6 +162,7 @@ class DiskTier:
         *,
         exclusive: bool = False,
         repair: bool = True,
+        read_only: bool = False,
     ) -> None:
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -170,7 +174,8 @@ class DiskTier:
         self.rank = rank
         self.config = config
         self.payload_bytes = payload_bytes
-        self.repair = repair
+        self.read_only = read_only
+        self.repair = repair and not read_only
         self._clock = clock
         self.fingerprint = namespace.fingerprint()
         self.namespace_dir = self.root / f"ns-{self.fingerprint}"
@@ -200,16 +205,22 @@ class DiskTier:
         self._env: lmdb.Environment | None = None
         self._data_fd: int | None = None
         self._data_floor = 0  # data.mdb never shrinks; smaller means truncated under us
+        self._size_lock = threading.Lock()
         self._closed = False
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
+        if exclusive and read_only:
+            raise ConfigError(f"{self._name}: a read-only tier cannot claim its environment")
         try:
-            prepare_root(self.root)
-            self._prepare_dir(self.namespace_dir)
-            self._write_namespace_json()
-            self._prepare_dir(self.path)
-            if exclusive:
-                self.claim()
+            if read_only:
+                self._check_existing()
+            else:
+                prepare_root(self.root)
+                self._prepare_dir(self.namespace_dir)
+                self._write_namespace_json()
+                self._prepare_dir(self.path)
+                if exclusive:
+                    self.claim()
             self._open()
         except BaseException:
             self._closed = True
@@ -217,6 +228,18 @@ class DiskTier:
             raise
 
     # -- opening -------------------------------------------------------------------------
+
+    def _check_existing(self) -> None:
+        """Read-only: the environment must exist and be trusted; nothing is changed."""
+        if not self.root.is_dir():
+            raise ConfigError(f"{self._name}: no store directory at {self.root} (disk.path)")
+        for path in (self.namespace_dir, self.path):
+            trust = check_dir(path, fix=False)
+            if trust is Trust.MISSING:
+                raise BrokenError(f"{self._name}: no environment at {self.path}")
+            if trust is Trust.FOREIGN:
+                raise DamagedError(f"{self._name}: {path} is not a directory that only this "
+                                   f"user can write; not read")
 
     def _prepare_dir(self, path: Path) -> None:
         """Create ``path`` private, or move aside what is there if it is not this user's."""
@@ -237,7 +260,7 @@ class DiskTier:
         path = self.namespace_dir / "namespace.json"
         text = (json.dumps(self._record, indent=2, sort_keys=True) + "\n").encode()
         try:
-            if read_private_file(path, len(text)) == text:
+            if check_file(path) is Trust.OK and read_private_file(path, len(text)) == text:
                 return
             write_private_file(path, text)
         except OSError as exc:
@@ -246,6 +269,8 @@ class DiskTier:
 
     def claim(self) -> None:
         """Make this process the one writer of the environment (idempotent)."""
+        if self.read_only:
+            raise UsageError(f"{self._name}: opened read-only; it cannot claim {self.path}")
         if self._owner is None:
             self._owner = OwnerLock(self.path, self._name)
 
@@ -266,6 +291,9 @@ class DiskTier:
                                    ) from exc
             self._replace_env(exc)
             return
+        except OSError as exc:
+            raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
+                              f"(check disk.path)") from exc
         except lmdb.Error as exc:
             if "already open in this process" in str(exc):
                 raise UsageError(f"{self._name}: {self.path} is already open in this process; "
@@ -276,25 +304,27 @@ class DiskTier:
 
     def _open_once(self) -> None:
         """Open the environment at ``self.path``; raises damage as damage."""
-        make_private_dir(self.path)
+        writable = not self.read_only
+        if writable:
+            make_private_dir(self.path)
         for name in _ENV_FILES:
-            if check_file(self.path / name) is Trust.FOREIGN:
-                raise _DamagedError(f"{name} is not this user's regular file")
+            if check_file(self.path / name, fix=writable) is Trust.FOREIGN:
+                raise _DamagedError(f"{name} is not a regular file that only this user can write")
         fresh = not (self.path / "data.mdb").exists()
+        if fresh and not writable:
+            raise BrokenError(f"{self._name}: no environment at {self.path} (no data.mdb)")
         always = self.config.sync_mode == "always"
         env = lmdb.open(
             str(self.path), map_size=self.map_size, subdir=True, sync=always, metasync=always,
             map_async=False, mode=FILE_MODE, readahead=True, writemap=False, meminit=True,
-            max_dbs=MAX_DBS, lock=True,
+            max_dbs=MAX_DBS, lock=True, readonly=not writable,
         )
         data_fd: int | None = None
         try:
             data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             floor = self._check_file_size(env, data_fd)
             cleared = env.reader_check()
-            meta = env.open_db(b"meta")
-            chunks = env.open_db(b"chunks")
-            index = env.open_db(b"index")
+            meta, chunks, index = (self._open_db(env, name) for name in (b"meta", b"chunks", b"index"))
             self._check_meta(env, meta, chunks)
         except BaseException:
             if data_fd is not None:
@@ -302,7 +332,7 @@ class DiskTier:
             env.close()
             raise
         for name in _ENV_FILES:
-            check_file(self.path / name)  # created by LMDB: clears group/other bits
+            check_file(self.path / name, fix=writable)  # created by LMDB: clears read bits
         self._env, self._chunks, self._index, self._meta = env, chunks, index, meta
         self._data_fd, self._data_floor = data_fd, floor
         self._count(stale_readers=cleared)
@@ -310,6 +340,14 @@ class DiskTier:
             logger.warning("%s: cleared %d reader slot(s) of dead processes", self._name, cleared)
         if fresh:
             self._warn_old_formats()
+
+    def _open_db(self, env: lmdb.Environment, name: bytes) -> Any:
+        if not self.read_only:
+            return env.open_db(name)
+        try:
+            return env.open_db(name, create=False)
+        except lmdb.NotFoundError as exc:
+            raise _DamagedError(f"sub-db {name.decode()} missing") from exc
 
     @staticmethod
     def _check_file_size(env: lmdb.Environment, data_fd: int) -> int:
@@ -321,13 +359,14 @@ class DiskTier:
         return actual
 
     def _check_meta(self, env: lmdb.Environment, meta: Any, chunks: Any) -> None:
-        with env.begin(write=True) as txn:
+        with env.begin(write=not self.read_only) as txn:
             raw = txn.get(_META_NAMESPACE, db=meta)
             if raw is None:
                 if txn.stat(chunks)["entries"]:
                     raise _DamagedError("chunks present but no namespace record")
-                txn.put(_META_NAMESPACE, self._meta_raw, db=meta)
-                txn.put(_META_NEXT_SEQ, (1).to_bytes(8, "little"), db=meta)
+                if not self.read_only:
+                    txn.put(_META_NAMESPACE, self._meta_raw, db=meta)
+                    txn.put(_META_NEXT_SEQ, (1).to_bytes(8, "little"), db=meta)
                 return
             try:
                 stored = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
@@ -363,7 +402,7 @@ class DiskTier:
     def _may_repair(self, exc: BaseException) -> bool:
         """Whether damage may be repaired here: it needs ``repair`` and the claim (taken now
         if no other process holds it)."""
-        if not self.repair:
+        if not self.repair:  # also false when read-only
             return False
         if self._owner is None:
             try:
@@ -374,6 +413,8 @@ class DiskTier:
         return True
 
     def _why_not_repaired(self) -> str:
+        if self.read_only:
+            return "opened read-only (run tierkv verify --repair)"
         if not self.repair:
             return "opened with repair=False (run tierkv verify --repair)"
         return self._unclaimable or "another process owns it"
@@ -397,6 +438,9 @@ class DiskTier:
                 return
             except _DAMAGE_ERRORS as again:
                 exc = again
+            except (lmdb.Error, OSError, TierKVError) as err:
+                raise BrokenError(f"{self._name}: cannot reopen {self.path} after an LMDB "
+                                  f"panic ({exc}): {err}") from err
         old_owner = self._owner
         aside = self._move(self.path, "broken")
         self._owner = None
@@ -404,7 +448,7 @@ class DiskTier:
             make_private_dir(self.path)
             self.claim()
             self._open_once()
-        except (lmdb.Error, _DamagedError) as err:
+        except (lmdb.Error, _DamagedError, OSError, TierKVError) as err:
             raise BrokenError(f"{self._name}: cannot rebuild {self.path}: {err}") from err
         finally:
             if old_owner is not None:
@@ -419,8 +463,11 @@ class DiskTier:
     def _fix(self, problem: BaseException, generation: int, action: str) -> None:
         """Deal with what stopped a call, outside its shared section; the call is retried."""
         with self._guard.exclusive():
-            if self._closed or self._env is None:
+            if self._closed:
                 raise ClosedError(f"{self._name}: closed while {action}")
+            if self._env is None:
+                raise BrokenError(f"{self._name}: no environment ({action}): it could not be "
+                                  f"rebuilt after damage; restart the store")
             if self._generation != generation:
                 return  # another thread replaced or resized the environment meanwhile
             if isinstance(problem, lmdb.MapResizedError):
@@ -460,12 +507,15 @@ class DiskTier:
             raise ClosedError(f"{self._name}: used after close(); open a new DiskTier")
 
     def _check_data_file(self) -> None:
+        """The file only grows (LMDB never shrinks it); read and compare under one lock, or
+        a size read before another thread's commit grew the file would look like a shrink."""
         assert self._data_fd is not None
-        size = os.lseek(self._data_fd, 0, os.SEEK_END)  # 0.2 us; fstat costs 0.8
-        if size < self._data_floor:
-            raise _DamagedError(f"data.mdb shrank from {self._data_floor} to {size} bytes "
-                                f"under the running tier (truncated)")
-        self._data_floor = size
+        with self._size_lock:
+            size = os.lseek(self._data_fd, 0, os.SEEK_END)  # 0.2 us; fstat costs 0.8
+            if size < self._data_floor:
+                raise _DamagedError(f"data.mdb shrank from {self._data_floor} to {size} bytes "
+                                    f"under the running tier (truncated)")
+            self._data_floor = size
 
     def _run(self, action: str, work: Callable[[lmdb.Environment], _T]) -> _T:
         """``work(env)`` in a shared section; damage, a grown map or a full reader table are
@@ -478,6 +528,8 @@ class DiskTier:
             try:
                 env, generation = self._env, self._generation
                 if env is None:
+                    if self._closed:
+                        raise ClosedError(f"{self._name}: closed while {action}")
                     raise BrokenError(f"{self._name}: no environment ({action}): it could not "
                                       f"be rebuilt after damage; restart the store")
                 try:
@@ -529,6 +581,35 @@ class DiskTier:
             raise ConfigError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
                               f"got {key!r:.40}")
 
+    def _bytes_of(self, buffer: Any, what: str, writable: bool = False) -> memoryview:
+        """``buffer`` as a flat byte view of exactly ``payload_bytes`` (or, writable, at
+        least that many) bytes; anything else is a :class:`ConfigError`."""
+        try:
+            view = memoryview(buffer)
+        except TypeError as exc:
+            raise ConfigError(f"{self._name}: {what} must be a bytes-like buffer, got "
+                              f"{type(buffer).__name__}") from exc
+        if not view.c_contiguous or (writable and view.readonly):
+            raise ConfigError(f"{self._name}: {what} must be a "
+                              f"{'writable ' if writable else ''}contiguous buffer")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if writable and len(view) < self.payload_bytes:
+            raise ConfigError(f"{self._name}: {what} must be writable and hold at least "
+                              f"{self.payload_bytes} bytes, got {len(view)}")
+        if not writable and len(view) != self.payload_bytes:
+            raise ConfigError(f"{self._name}: {what} has {len(view)} bytes, the tier stores "
+                              f"{self.payload_bytes}")
+        return view
+
+    def _check_batch(self, batch: Any) -> None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise ConfigError(f"{self._name}: batch must be a positive int, got {batch!r}")
+
+    def _check_writable(self, action: str) -> None:
+        if self.read_only:
+            raise UsageError(f"{self._name}: {action} on a tier opened read-only")
+
     # -- writes ----------------------------------------------------------------------------
 
     def put_many(
@@ -541,15 +622,15 @@ class DiskTier:
         When the map cannot take every item and there are deletes, the deletes are committed
         first (LMDB reuses freed pages only two transactions later) and the items retried;
         items that still do not fit come back in ``full``, the rest are written."""
+        self._check_writable("writing chunks")
+        views: list[tuple[bytes, memoryview | bytes]] = []
         for key, payload in items:
             self._check_key(key)
-            if len(payload) != self.payload_bytes:
-                raise ConfigError(f"{self._name}: chunk {short_key(key)} has {len(payload)} "
-                                  f"bytes, the tier stores {self.payload_bytes}")
+            views.append((key, self._bytes_of(payload, f"chunk {short_key(key)}")))
         for key in deletes:
             self._check_key(key)
         written, full, deleted, no_space = self._run(
-            "writing chunks", lambda env: self._put(env, list(items), tuple(deletes)))
+            "writing chunks", lambda env: self._put(env, views, tuple(deletes)))
         num_bytes = len(written) * self.payload_bytes
         self._count(bytes_written=num_bytes, puts=len(written), full=len(full), write_txns=1)
         message = None
@@ -670,6 +751,7 @@ class DiskTier:
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete ``keys`` (absent ones are ignored) in one write txn; returns how many existed."""
+        self._check_writable("deleting chunks")
         for key in keys:
             self._check_key(key)
         if not keys:
@@ -701,7 +783,10 @@ class DiskTier:
         return False
 
     def sync(self) -> None:
-        """fsync everything committed so far (the durability point)."""
+        """fsync everything committed so far (the durability point); nothing to do read-only."""
+        if self.read_only:
+            self._check_usable("syncing")
+            return
         self._run("syncing", lambda env: env.sync(True))
         with self._stats_lock:
             self._counts["syncs"] += 1
@@ -713,9 +798,7 @@ class DiskTier:
     def read_into(self, key: bytes, out: memoryview) -> ReadStatus:
         """Copy the verified payload of ``key`` into ``out[:payload_bytes]``."""
         self._check_key(key)
-        if len(out) < self.payload_bytes or out.readonly:
-            raise ConfigError(f"{self._name}: read buffer for chunk {short_key(key)} must be "
-                              f"writable and hold {self.payload_bytes} bytes, got {len(out)}")
+        out = self._bytes_of(out, f"the read buffer for chunk {short_key(key)}", writable=True)
 
         def read(env: lmdb.Environment) -> tuple[bool, str | None]:
             with env.begin(db=self._chunks, buffers=True) as txn:
@@ -734,8 +817,12 @@ class DiskTier:
             self._count(reads=1, hits=1, bytes_read=self.payload_bytes)
             return ReadStatus.OK
         self._count(reads=1, misses=1, corrupt=1)
-        logger.warning("%s: corrupt chunk %s (%s); deleted it", self._name, short_key(key), problem)
-        self.delete_many([key])
+        if self.read_only:
+            logger.warning("%s: corrupt chunk %s (%s)", self._name, short_key(key), problem)
+        else:
+            logger.warning("%s: corrupt chunk %s (%s); deleted it", self._name, short_key(key),
+                           problem)
+            self.delete_many([key])
         return ReadStatus.CORRUPT
 
     @staticmethod
@@ -758,8 +845,7 @@ class DiskTier:
         The index is read whole (one short txn per ``batch`` keys) before the first record
         is yielded, so damage met anywhere in it (the environment is then rebuilt empty)
         never leaves a caller holding records of an environment that is gone."""
-        if batch <= 0:
-            raise ConfigError(f"{self._name}: scan batch must be > 0, got {batch}")
+        self._check_batch(batch)
         records: list[DiskRecord] = []
         last: bytes | None = None
         replaced = self._replacements
@@ -792,8 +878,9 @@ class DiskTier:
         reported bad. Damage of the environment itself is reported in ``damaged``: with
         the tier's ``repair`` the environment was rebuilt empty (``rebuilt``); without it,
         :class:`DamagedError` says why not."""
-        if batch <= 0:
-            raise ConfigError(f"{self._name}: verify batch must be > 0, got {batch}")
+        self._check_batch(batch)
+        if repair:
+            self._check_writable("repairing")
         bad: dict[bytes, None] = {}
         checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
@@ -868,9 +955,12 @@ class DiskTier:
         self._check_usable("closing")
         with self._guard.exclusive():
             try:
-                if self._env is not None:
+                if self._env is not None and not self.read_only:
                     self._env.sync(True)
                     self._count(syncs=1)
+            except lmdb.Error as exc:  # committed data survives a crash; only the fsync failed
+                logger.warning("%s: sync at close failed (%s); what was written since the last "
+                               "sync may not survive a power loss", self._name, exc)
             finally:
                 self._closed = True
                 self._release()

@@ -8,13 +8,15 @@ Primitives and contracts:
   owned by this process's user and writable by no one else. A file in its place, a
   parent that cannot be written, a read-only filesystem: all are ``ConfigError``.
 - :func:`check_dir` / :func:`check_file` judge one entry below the root (never following
-  a symbolic link): ``MISSING``, ``OK`` (owned by this user; a group or other permission
-  bit is cleared, with a warning), or ``FOREIGN`` (another owner, a link, a FIFO, a
-  device, a directory where a file belongs ...): never used, the caller moves it aside.
+  a symbolic link): ``MISSING``, ``OK`` (owned by this user and writable by no one else; a
+  group or other *read* bit is cleared, with a warning), or ``FOREIGN`` (another owner,
+  writable by others, a link, a FIFO, a device, a directory where a file belongs ...):
+  never used, the caller moves it aside.
 - :func:`make_private_dir`, :func:`write_private_file` (atomic, 0o600),
   :func:`move_aside` (``<name>.<why>-<UTC time>[-n]``, kept for inspection).
 - :class:`OwnerLock`: an exclusive ``flock`` on ``tierkv-owner.lock`` inside an
-  environment, held by the one process that writes it (the lock dies with the process).
+  environment, held by the one process that writes it. It dies with the process: a child
+  forked meanwhile closes its inherited copy at once, so it never keeps the claim alive.
 
 What this defends against: another local user who plants, replaces or reads a store's
 files (``docs/reliability.md``). Not against root, or against this user's own processes.
@@ -27,9 +29,10 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import stat
-import threading
 import time
+import weakref
 from pathlib import Path
 
 from tierkv.errors import ConfigError
@@ -120,8 +123,8 @@ def _judge(path: Path, want_dir: bool, mode: int, fix: bool) -> Trust:
         return Trust.MISSING
     kind_ok = stat.S_ISDIR(info.st_mode) if want_dir else stat.S_ISREG(info.st_mode)
     loose = stat.S_IMODE(info.st_mode) & 0o077
-    writable_by_others = stat.S_IMODE(info.st_mode) & 0o022
-    if not kind_ok or info.st_uid != os.geteuid() or (loose and not fix and writable_by_others):
+    writable_by_others = stat.S_IMODE(info.st_mode) & 0o022  # they could have written it
+    if not kind_ok or info.st_uid != os.geteuid() or writable_by_others:
         what = "directory" if want_dir else "regular file"
         logger.warning("disk tier: %s is not a %s that only this user can write (%s, owner %s); "
                        "it is not used", path, what, stat.filemode(info.st_mode),
@@ -136,7 +139,7 @@ def _judge(path: Path, want_dir: bool, mode: int, fix: bool) -> Trust:
 
 def check_dir(path: Path, fix: bool = True) -> Trust:
     """Whether directory ``path`` can be trusted (see the module docstring); ``fix=False``
-    (read-only callers) changes no mode and trusts what only this user can write."""
+    (read-only callers) changes no mode."""
     return _judge(path, True, DIR_MODE, fix)
 
 
@@ -147,9 +150,16 @@ def check_file(path: Path, fix: bool = True) -> Trust:
 
 def write_private_file(path: Path, data: bytes) -> None:
     """Replace ``path`` atomically with a 0o600 file holding ``data`` (whatever was there,
-    a foreign file or a FIFO included, is replaced, never opened)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    a foreign file or a FIFO included, is replaced, never opened; the temporary file is a
+    new one, never an existing name)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_NONBLOCK, FILE_MODE)
+            break
+        except FileExistsError:
+            continue
     try:
         os.write(fd, data)
         os.fchmod(fd, FILE_MODE)
@@ -182,13 +192,28 @@ def move_aside(path: Path, why: str = "broken") -> Path:
     return target
 
 
+_HELD: weakref.WeakSet[OwnerLock] = weakref.WeakSet()
+
+
+def _forget_claims_in_child() -> None:
+    """After fork, in the child: close the inherited claims (closing, not unlocking: the
+    parent's lock stays; it must not outlive the parent because of the child)."""
+    for lock in list(_HELD):
+        lock.abandon()
+
+
+os.register_at_fork(after_in_child=_forget_claims_in_child)
+
+
 class OwnerLock:
     """The exclusive claim of one environment directory by one writing process."""
 
     def __init__(self, env_dir: Path, what: str) -> None:
         path = env_dir / OWNER_FILE
         if check_file(path) is Trust.FOREIGN:
-            raise ConfigError(f"{what}: {path} is not this user's; remove it")
+            aside = move_aside(path, "foreign")
+            logger.warning("%s: %s was not this user's private file; moved it to %s",
+                           what, path, aside.name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
         except OSError as exc:
@@ -211,11 +236,20 @@ class OwnerLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
+        _HELD.add(self)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
+
+    def abandon(self) -> None:
+        """Close this process's copy without unlocking (a forked child's inheritance)."""
+        fd, self._fd = self._fd, None
+        _HELD.discard(self)
+        if fd is not None:
+            os.close(fd)
