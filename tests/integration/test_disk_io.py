@@ -59,7 +59,7 @@ def disk_io(tier: DiskTier, slab: CpuSlab) -> Iterator[DiskIO]:
 
 @contextmanager
 def writer_blocked(tier: DiskTier) -> Iterator[None]:
-    txn = tier._env.begin(write=True)  # LMDB's single-writer lock
+    txn = tier._lmdb._env.begin(write=True)  # LMDB's single-writer lock
     try:
         yield
     finally:
@@ -182,10 +182,10 @@ def test_corrupt_value_is_reported_and_deleted(
     fill(slab, 0, seed=0)
     disk_io.submit_spill(spill(1, [(1, 0)]))
     disk_io.flush()
-    with tier._env.begin(write=True) as txn:  # flip the last payload byte in place
-        value = bytearray(txn.get(key_of(1), db=tier._chunks))
+    with tier._lmdb._env.begin(write=True) as txn:  # flip the last payload byte in place
+        value = bytearray(txn.get(key_of(1), db=tier._lmdb.chunks))
         value[-1] ^= 0x01
-        txn.put(key_of(1), bytes(value), db=tier._chunks)
+        txn.put(key_of(1), bytes(value), db=tier._lmdb.chunks)
     outcomes: list[ReadOutcome] = []
     disk_io.submit_read(JobId(2), [ChunkCopy(key_of(1), SlotId(5), ())], outcomes.append)
     disk_io.flush()

@@ -31,57 +31,38 @@ called from several threads: LMDB serializes write transactions, reads run concu
   :class:`ClosedError`; any call from a forked child raises :class:`UsageError`).
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
 
-What the tier trusts, and what it does about the rest:
-
-- The root must be this user's and writable by no one else (else ``ConfigError``); a
-  namespace or rank directory, ``data.mdb`` or ``lock.mdb`` that is not this user's
-  regular file/directory (another owner, a link, a FIFO) is moved aside unused, with a
-  warning (:mod:`tierkv.tiers.disk_files`).
-- Damage (LMDB reports a corrupted or invalid file or page, the meta records do not
-  decode, ``data.mdb`` is shorter than its meta page, or shrank under the running tier),
-  met at open, scan, read, write or verify, moves ``rank-<r>`` aside to
-  ``rank-<r>.broken-<timestamp>`` and starts an empty environment, with a warning; the
-  call then runs on the empty environment (a read answers ``MISSING``). This needs the
-  claim: a tier opened with ``repair=False``, or one whose environment another process
-  owns, raises :class:`DamagedError` instead and changes nothing.
-- A map grown by another process (``MDB_MAP_RESIZED``) is adopted; reader slots of dead
-  processes are cleared at open, every ``READER_CHECK_SECONDS`` of writing and before a
-  full map is reported (a reader killed inside its transaction would pin old pages).
-- A namespace mismatch (the meta record names another namespace, rank or format version:
-  a directory copied or renamed by hand) raises :class:`NamespaceMismatchError`; other open
-  failures raise :class:`BrokenError`.
-- Opening a tier tunes glibc malloc once per process (:func:`tune_malloc`, opt out with
-  ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
+The environment underneath is kept by :class:`tierkv.tiers.disk_env.LmdbEnv`: it trusts
+only this user's private files (moving the rest aside), refuses a foreign or shared root,
+moves a damaged environment aside and rebuilds it wherever the damage shows (the call then
+runs on the empty one), adopts a map another process grew, clears stale readers, turns a
+``data.mdb`` truncated under the running tier into damage instead of SIGBUS, and raises
+:class:`NamespaceMismatchError` for a directory that holds another namespace, rank or
+format version. See its docstring. Opening a tier tunes glibc malloc once per process
+(:func:`tune_malloc`, opt out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import lmdb
-import msgpack
 
 from tierkv.config import DiskTierConfig
-from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
-                           NamespaceMismatchError, TierKVError, UsageError, short_key)
-from tierkv.keys import FORMAT_VERSION, KEY_BYTES, Namespace
-from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
-                                     make_private_dir, move_aside, prepare_root,
-                                     read_private_file, write_private_file)
+from tierkv.errors import ConfigError, UsageError, short_key
+from tierkv.keys import KEY_BYTES, Namespace
+from tierkv.tiers.disk_env import META_NEXT_SEQ, FilesDamaged, LmdbEnv
 from tierkv.tiers.disk_format import (DiskRecord, DiskStatistics, NamespaceInfo, PutResult,
                                      ReadStatus, ValueWriter, VerifyReport, binding_of,
                                      check_value, format_bytes, list_namespaces, map_size_for,
-                                     namespace_record, pack_index, tune_malloc, unpack_index)
+                                     pack_index, tune_malloc, unpack_index)
 
 __all__ = [
     "DiskRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult", "ReadStatus",
@@ -89,63 +70,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("tierkv.disk")
-
-MAX_DBS = 4
-READER_CHECK_SECONDS = 1.0
-_META_NAMESPACE = b"namespace"
-_META_NEXT_SEQ = b"next_seq"
-_ENV_FILES = ("data.mdb", "lock.mdb")
-_T = TypeVar("_T")
-
-
-class _DamagedError(Exception):
-    """The files are not what tierkv writes (meta records, file sizes, file kinds)."""
-
-
-# LMDB errors that mean the files are damaged (as opposed to permissions, locks, space).
-_DAMAGE_ERRORS: tuple[type[Exception], ...] = (
-    _DamagedError, lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
-    lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
-    lmdb.BadChecksumError)
-
-
-class _Guard:
-    """Shared sections for ordinary calls (``enter``/``leave``: one plain lock each way, the
-    read path's cost); an exclusive one (no call in flight) to swap or resize the
-    environment underneath them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._shared = 0
-        self._exclusive = False
-
-    def enter(self) -> None:
-        with self._lock:
-            while self._exclusive:
-                self._cond.wait()
-            self._shared += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._shared -= 1
-            if self._exclusive and not self._shared:
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._lock:
-            while self._exclusive:
-                self._cond.wait()
-            self._exclusive = True
-            while self._shared:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 class DiskTier:
@@ -175,381 +99,50 @@ class DiskTier:
         self.config = config
         self.payload_bytes = payload_bytes
         self.read_only = read_only
-        self.repair = repair and not read_only
         self._clock = clock
         self.fingerprint = namespace.fingerprint()
-        self.namespace_dir = self.root / f"ns-{self.fingerprint}"
-        self.path = self.namespace_dir / f"rank-{rank}"
-        self.map_size = map_size_for(config.max_bytes, payload_bytes, os.sysconf("SC_PAGE_SIZE"))
         self._name = f"disk tier (namespace {self.fingerprint[:8]}, rank {rank})"
         self._binding = binding_of(self.fingerprint, rank)
-        self._record = namespace_record(self.fingerprint, namespace.describe())
-        meta = namespace_record(self.fingerprint, namespace.describe(), rank)
-        self._meta_raw: bytes = msgpack.packb(meta)
-        self._expected_meta = msgpack.unpackb(msgpack.packb(meta), raw=False)
         self._stats_lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("bytes_written", "bytes_read", "puts", "reads", "hits", "misses", "corrupt",
-             "full", "syncs", "write_txns", "rebuilds", "stale_readers", "map_adopted"), 0)
+             "full", "syncs", "write_txns"), 0)
         self._unsynced_bytes = 0
         self._last_sync = clock()
-        self._last_reader_check = clock()
         self._writer = ValueWriter(payload_bytes, self._binding)
-        self._guard = _Guard()
-        self._pid = os.getpid()
-        self._generation = 0  # bumped whenever the environment underneath is changed
-        self._replacements = 0  # times it was moved aside and started empty
-        self._last_damage: str | None = None
-        self._unclaimable = ""
-        self._owner: OwnerLock | None = None
-        self._env: lmdb.Environment | None = None
-        self._data_fd: int | None = None
-        self._data_floor = 0  # data.mdb never shrinks; smaller means truncated under us
-        self._size_lock = threading.Lock()
-        self._closed = False
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
-        if exclusive and read_only:
-            raise ConfigError(f"{self._name}: a read-only tier cannot claim its environment")
-        try:
-            if read_only:
-                self._check_existing()
-            else:
-                prepare_root(self.root)
-                self._prepare_dir(self.namespace_dir)
-                self._write_namespace_json()
-                self._prepare_dir(self.path)
-                if exclusive:
-                    self.claim()
-            self._open()
-        except BaseException:
-            self._closed = True
-            self._release()
-            raise
+        self._lmdb = LmdbEnv(
+            self.root, namespace, rank,
+            map_size=map_size_for(config.max_bytes, payload_bytes, os.sysconf("SC_PAGE_SIZE")),
+            sync_always=config.sync_mode == "always", name=self._name, clock=clock,
+            exclusive=exclusive, repair=repair, read_only=read_only)
 
-    # -- opening -------------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self._lmdb.path
 
-    def _check_existing(self) -> None:
-        """Read-only: the environment must exist and be trusted; nothing is changed."""
-        if not self.root.is_dir():
-            raise ConfigError(f"{self._name}: no store directory at {self.root} (disk.path)")
-        for path in (self.namespace_dir, self.path):
-            trust = check_dir(path, fix=False)
-            if trust is Trust.MISSING:
-                raise BrokenError(f"{self._name}: no environment at {self.path}")
-            if trust is Trust.FOREIGN:
-                raise DamagedError(f"{self._name}: {path} is not a directory that only this "
-                                   f"user can write; not read")
+    @property
+    def namespace_dir(self) -> Path:
+        return self._lmdb.namespace_dir
 
-    def _prepare_dir(self, path: Path) -> None:
-        """Create ``path`` private, or move aside what is there if it is not this user's."""
-        if check_dir(path) is Trust.FOREIGN:
-            aside = self._move(path, "foreign")
-            logger.warning("%s: %s was not this user's private directory; moved it to %s and "
-                           "started afresh", self._name, path, aside)
-        make_private_dir(path)
+    @property
+    def map_size(self) -> int:
+        return self._lmdb.map_size
 
-    def _move(self, path: Path, why: str) -> Path:
-        try:
-            return move_aside(path, why)
-        except OSError as exc:
-            raise BrokenError(f"{self._name}: cannot move {path} aside ({why}): {exc} "
-                              f"(remove it by hand)") from exc
-
-    def _write_namespace_json(self) -> None:
-        path = self.namespace_dir / "namespace.json"
-        text = (json.dumps(self._record, indent=2, sort_keys=True) + "\n").encode()
-        try:
-            if check_file(path) is Trust.OK and read_private_file(path, len(text)) == text:
-                return
-            write_private_file(path, text)
-        except OSError as exc:
-            raise BrokenError(f"{self._name}: cannot write {path}: {exc} "
-                              f"(check disk.path)") from exc
-
-    def claim(self) -> None:
-        """Make this process the one writer of the environment (idempotent)."""
-        if self.read_only:
-            raise UsageError(f"{self._name}: opened read-only; it cannot claim {self.path}")
-        if self._owner is None:
-            self._owner = OwnerLock(self.path, self._name)
+    @property
+    def repair(self) -> bool:
+        return self._lmdb.repair
 
     @property
     def claimed(self) -> bool:
-        return self._owner is not None
+        return self._lmdb.claimed
 
-    def _open(self) -> None:
-        try:
-            self._open_once()
-            return
-        except NamespaceMismatchError:
-            raise
-        except _DAMAGE_ERRORS as exc:
-            if not self._may_repair(exc):
-                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
-                                   f"({exc}); not repaired here: {self._why_not_repaired()}"
-                                   ) from exc
-            self._replace_env(exc)
-            return
-        except OSError as exc:
-            raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
-                              f"(check disk.path)") from exc
-        except lmdb.Error as exc:
-            if "already open in this process" in str(exc):
-                raise UsageError(f"{self._name}: {self.path} is already open in this process; "
-                                 f"open each environment once per process and share that "
-                                 f"DiskTier (or close the other one first)") from exc
-            raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
-                              f"(check disk.path permissions and free space)") from exc
+    def claim(self) -> None:
+        """Make this process the one writer of the environment (idempotent)."""
+        self._lmdb.claim()
 
-    def _open_once(self) -> None:
-        """Open the environment at ``self.path``; raises damage as damage."""
-        writable = not self.read_only
-        if writable:
-            make_private_dir(self.path)
-        for name in _ENV_FILES:
-            if check_file(self.path / name, fix=writable) is Trust.FOREIGN:
-                raise _DamagedError(f"{name} is not a regular file that only this user can write")
-        fresh = not (self.path / "data.mdb").exists()
-        if fresh and not writable:
-            raise BrokenError(f"{self._name}: no environment at {self.path} (no data.mdb)")
-        always = self.config.sync_mode == "always"
-        env = lmdb.open(
-            str(self.path), map_size=self.map_size, subdir=True, sync=always, metasync=always,
-            map_async=False, mode=FILE_MODE, readahead=True, writemap=False, meminit=True,
-            max_dbs=MAX_DBS, lock=True, readonly=not writable,
-        )
-        data_fd: int | None = None
-        try:
-            data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            floor = self._check_file_size(env, data_fd)
-            cleared = env.reader_check()
-            meta, chunks, index = (self._open_db(env, name) for name in (b"meta", b"chunks", b"index"))
-            self._check_meta(env, meta, chunks)
-        except BaseException:
-            if data_fd is not None:
-                os.close(data_fd)
-            env.close()
-            raise
-        for name in _ENV_FILES:
-            check_file(self.path / name, fix=writable)  # created by LMDB: clears read bits
-        self._env, self._chunks, self._index, self._meta = env, chunks, index, meta
-        self._data_fd, self._data_floor = data_fd, floor
-        self._count(stale_readers=cleared)
-        if cleared:
-            logger.warning("%s: cleared %d reader slot(s) of dead processes", self._name, cleared)
-        if fresh:
-            self._warn_old_formats()
-
-    def _open_db(self, env: lmdb.Environment, name: bytes) -> Any:
-        if not self.read_only:
-            return env.open_db(name)
-        try:
-            return env.open_db(name, create=False)
-        except lmdb.NotFoundError as exc:
-            raise _DamagedError(f"sub-db {name.decode()} missing") from exc
-
-    @staticmethod
-    def _check_file_size(env: lmdb.Environment, data_fd: int) -> int:
-        """Damage: a data file shorter than its meta page says would SIGBUS past its end."""
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        actual = os.fstat(data_fd).st_size
-        if actual < needed:
-            raise _DamagedError(f"data.mdb has {actual} bytes, its meta page needs {needed}")
-        return actual
-
-    def _check_meta(self, env: lmdb.Environment, meta: Any, chunks: Any) -> None:
-        with env.begin(write=not self.read_only) as txn:
-            raw = txn.get(_META_NAMESPACE, db=meta)
-            if raw is None:
-                if txn.stat(chunks)["entries"]:
-                    raise _DamagedError("chunks present but no namespace record")
-                if not self.read_only:
-                    txn.put(_META_NAMESPACE, self._meta_raw, db=meta)
-                    txn.put(_META_NEXT_SEQ, (1).to_bytes(8, "little"), db=meta)
-                return
-            try:
-                stored = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
-            except Exception as exc:
-                raise _DamagedError(f"namespace record does not decode: {exc}") from exc
-            if not isinstance(stored, dict) or "namespace" not in stored:
-                raise _DamagedError("namespace record has the wrong shape")
-            if stored != self._expected_meta:
-                what = (f"format version {stored.get('format_version')!r}, namespace "
-                        f"{stored.get('fingerprint')!r}, rank {stored.get('rank', '?')!r}")
-                raise NamespaceMismatchError(
-                    f"{self._name}: {self.path} holds {what}; expected format version "
-                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, rank {self.rank} "
-                    f"({self.namespace.describe()}). The directory was copied or renamed, or "
-                    f"written by another tierkv version; nothing was read from it. Point "
-                    f"disk.path elsewhere or move that directory away")
-            seq_raw = txn.get(_META_NEXT_SEQ, db=meta)
-            if seq_raw is None or len(seq_raw) != 8:
-                raise _DamagedError("next_seq record missing or malformed")
-
-    def _warn_old_formats(self) -> None:
-        old = [info for info in list_namespaces(self.root) if info.format_version != FORMAT_VERSION]
-        if old:
-            logger.warning(
-                "%s: %s holds %d namespace(s) of another tierkv format (%s); this tierkv "
-                "(format %d) never reads them and starts this namespace empty. Delete them when "
-                "no older tierkv uses them (tierkv inspect %s lists them)", self._name, self.root,
-                len(old), ", ".join(f"{info.path.name} v{info.format_version}" for info in old),
-                FORMAT_VERSION, self.root)
-
-    # -- damage, resizes, stale readers -----------------------------------------------------
-
-    def _may_repair(self, exc: BaseException) -> bool:
-        """Whether damage may be repaired here: it needs ``repair`` and the claim (taken now
-        if no other process holds it)."""
-        if not self.repair:  # also false when read-only
-            return False
-        if self._owner is None:
-            try:
-                self.claim()
-            except ConfigError as err:
-                self._unclaimable = str(err)
-                return False
-        return True
-
-    def _why_not_repaired(self) -> str:
-        if self.read_only:
-            return "opened read-only (run tierkv verify --repair)"
-        if not self.repair:
-            return "opened with repair=False (run tierkv verify --repair)"
-        return self._unclaimable or "another process owns it"
-
-    def _close_env(self) -> None:
-        env, self._env = self._env, None
-        fd, self._data_fd = self._data_fd, None
-        if fd is not None:
-            os.close(fd)
-        if env is not None:
-            env.close()
-
-    def _replace_env(self, exc: BaseException) -> None:
-        """Move the damaged environment aside and open an empty one (the claim held)."""
-        self._close_env()
-        if isinstance(exc, lmdb.PanicError):  # a fatal write error: the files may be fine
-            try:
-                self._open_once()
-                self._generation += 1
-                logger.warning("%s: LMDB panicked (%s); reopened %s", self._name, exc, self.path)
-                return
-            except _DAMAGE_ERRORS as again:
-                exc = again
-            except (lmdb.Error, OSError, TierKVError) as err:
-                raise BrokenError(f"{self._name}: cannot reopen {self.path} after an LMDB "
-                                  f"panic ({exc}): {err}") from err
-        old_owner = self._owner
-        aside = self._move(self.path, "broken")
-        self._owner = None
-        try:
-            make_private_dir(self.path)
-            self.claim()
-            self._open_once()
-        except (lmdb.Error, _DamagedError, OSError, TierKVError) as err:
-            raise BrokenError(f"{self._name}: cannot rebuild {self.path}: {err}") from err
-        finally:
-            if old_owner is not None:
-                old_owner.release()
-        self._generation += 1
-        self._replacements += 1
-        self._last_damage = str(exc)
-        self._count(rebuilds=1)
-        logger.warning("%s: environment at %s is damaged (%s); moved it to %s and started "
-                       "empty", self._name, self.path, exc, aside)
-
-    def _fix(self, problem: BaseException, generation: int, action: str) -> None:
-        """Deal with what stopped a call, outside its shared section; the call is retried."""
-        with self._guard.exclusive():
-            if self._closed:
-                raise ClosedError(f"{self._name}: closed while {action}")
-            if self._env is None:
-                raise BrokenError(f"{self._name}: no environment ({action}): it could not be "
-                                  f"rebuilt after damage; restart the store")
-            if self._generation != generation:
-                return  # another thread replaced or resized the environment meanwhile
-            if isinstance(problem, lmdb.MapResizedError):
-                self._env.set_mapsize(0)  # adopt the size another process grew the map to
-                self.map_size = int(self._env.info()["map_size"])
-                self._generation += 1
-                self._count(map_adopted=1)
-                logger.info("%s: adopted a map grown by another process (%s)", self._name,
-                            format_bytes(self.map_size))
-            elif isinstance(problem, lmdb.ReadersFullError):
-                self._clear_stale_readers(self._env)
-                self._generation += 1
-            elif not self._may_repair(problem):
-                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
-                                   f"({problem}) while {action}; not repaired here: "
-                                   f"{self._why_not_repaired()}") from problem
-            else:
-                self._replace_env(problem)
-
-    def _clear_stale_readers(self, env: lmdb.Environment) -> int:
-        self._last_reader_check = self._clock()
-        cleared = int(env.reader_check())
-        if cleared:
-            self._count(stale_readers=cleared)
-            logger.warning("%s: cleared %d reader slot(s) of dead processes (they pinned old "
-                           "pages)", self._name, cleared)
-        return cleared
-
-    # -- running calls -----------------------------------------------------------------------
-
-    def _check_usable(self, action: str) -> None:
-        if os.getpid() != self._pid:
-            raise UsageError(f"{self._name}: {action} in a forked child (pid {os.getpid()}) of "
-                             f"the process that opened it (pid {self._pid}); LMDB environments "
-                             f"do not survive fork(): open the tier in the child")
-        if self._closed:
-            raise ClosedError(f"{self._name}: used after close(); open a new DiskTier")
-
-    def _check_data_file(self) -> None:
-        """The file only grows (LMDB never shrinks it); read and compare under one lock, or
-        a size read before another thread's commit grew the file would look like a shrink."""
-        assert self._data_fd is not None
-        with self._size_lock:
-            size = os.lseek(self._data_fd, 0, os.SEEK_END)  # 0.2 us; fstat costs 0.8
-            if size < self._data_floor:
-                raise _DamagedError(f"data.mdb shrank from {self._data_floor} to {size} bytes "
-                                    f"under the running tier (truncated)")
-            self._data_floor = size
-
-    def _run(self, action: str, work: Callable[[lmdb.Environment], _T]) -> _T:
-        """``work(env)`` in a shared section; damage, a grown map or a full reader table are
-        dealt with and the call retried (at most twice)."""
-        guard = self._guard
-        for _ in range(3):
-            if self._closed or os.getpid() != self._pid:
-                self._check_usable(action)
-            guard.enter()
-            try:
-                env, generation = self._env, self._generation
-                if env is None:
-                    if self._closed:
-                        raise ClosedError(f"{self._name}: closed while {action}")
-                    raise BrokenError(f"{self._name}: no environment ({action}): it could not "
-                                      f"be rebuilt after damage; restart the store")
-                try:
-                    self._check_data_file()
-                    return work(env)
-                except (lmdb.MapResizedError, lmdb.ReadersFullError) as exc:
-                    problem: BaseException = exc
-                except _DAMAGE_ERRORS as exc:
-                    problem = exc
-                except lmdb.Error as exc:
-                    raise self._failure(action, exc) from exc
-            finally:
-                guard.leave()
-            self._fix(problem, generation, action)
-        raise BrokenError(f"{self._name}: {action} kept failing after repairs ({problem})")
-
-    def _failure(self, action: str, exc: BaseException) -> Exception:
-        if self._closed:
-            return ClosedError(f"{self._name}: closed while {action}")
-        return BrokenError(f"{self._name}: LMDB failed {action} at {self.path}: {exc}")
+    # -- helpers ---------------------------------------------------------------------------
 
     def _out_of_space(self, exc: lmdb.Error, needed_bytes: int) -> bool:
         """Whether a failed write means the filesystem is full (a value, like a full map).
@@ -629,7 +222,7 @@ class DiskTier:
             views.append((key, self._bytes_of(payload, f"chunk {short_key(key)}")))
         for key in deletes:
             self._check_key(key)
-        written, full, deleted, no_space = self._run(
+        written, full, deleted, no_space = self._lmdb.run(
             "writing chunks", lambda env: self._put(env, views, tuple(deletes)))
         num_bytes = len(written) * self.payload_bytes
         self._count(bytes_written=num_bytes, puts=len(written), full=len(full), write_txns=1)
@@ -671,7 +264,7 @@ class DiskTier:
                 continue
             if not no_space and not readers_checked:
                 readers_checked = True  # a dead reader may pin the pages we need
-                if self._clear_stale_readers(env):
+                if self._lmdb.clear_stale_readers(env):
                     continue
             full[:0] = [key for key, _ in pending[failed_at:]]
             pending = pending[:failed_at]
@@ -693,22 +286,22 @@ class DiskTier:
         try:
             deleted = 0
             for key in deletes:
-                deleted += bool(txn.delete(key, db=self._chunks))
-                txn.delete(key, db=self._index)
+                deleted += bool(txn.delete(key, db=self._lmdb.chunks))
+                txn.delete(key, db=self._lmdb.index)
             if items:
-                seq_raw = txn.get(_META_NEXT_SEQ, db=self._meta)
+                seq_raw = txn.get(META_NEXT_SEQ, db=self._lmdb.meta)
                 if seq_raw is None or len(seq_raw) != 8:
-                    raise _DamagedError("next_seq record missing or malformed")
+                    raise FilesDamaged("next_seq record missing or malformed")
                 seq = int.from_bytes(seq_raw, "little")
                 for position, (key, payload) in enumerate(items):
                     try:
-                        txn.put(key, self._writer.build(key, payload, seq), db=self._chunks)
-                        txn.put(key, pack_index(self.payload_bytes, seq), db=self._index)
+                        txn.put(key, self._writer.build(key, payload, seq), db=self._lmdb.chunks)
+                        txn.put(key, pack_index(self.payload_bytes, seq), db=self._lmdb.index)
                     except lmdb.MapFullError:
                         txn.abort()
                         return position, 0
                     seq += 1
-                txn.put(_META_NEXT_SEQ, seq.to_bytes(8, "little"), db=self._meta)
+                txn.put(META_NEXT_SEQ, seq.to_bytes(8, "little"), db=self._lmdb.meta)
             txn.commit()
         except BaseException:
             txn.abort()
@@ -720,9 +313,9 @@ class DiskTier:
         deleted = self._delete_txn(env, deletes)
         try:
             with env.begin(write=True) as txn:
-                seq_raw = txn.get(_META_NEXT_SEQ, db=self._meta)
+                seq_raw = txn.get(META_NEXT_SEQ, db=self._lmdb.meta)
                 if seq_raw is not None:
-                    txn.put(_META_NEXT_SEQ, seq_raw, db=self._meta)
+                    txn.put(META_NEXT_SEQ, seq_raw, db=self._lmdb.meta)
         except lmdb.MapFullError:
             pass  # the retry reports its keys as full
         except lmdb.Error as exc:
@@ -735,8 +328,8 @@ class DiskTier:
             with env.begin(write=True) as txn:
                 deleted = 0
                 for key in keys:
-                    deleted += bool(txn.delete(key, db=self._chunks))
-                    txn.delete(key, db=self._index)
+                    deleted += bool(txn.delete(key, db=self._lmdb.chunks))
+                    txn.delete(key, db=self._lmdb.index)
             return deleted
         except lmdb.MapFullError:  # copy-on-write needs a few pages even to delete
             logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now %s",
@@ -755,22 +348,22 @@ class DiskTier:
         for key in keys:
             self._check_key(key)
         if not keys:
-            self._check_usable("deleting chunks")
+            self._lmdb.check_usable("deleting chunks")
             return 0
-        return self._run("deleting chunks", lambda env: self._delete_txn(env, keys))
+        return self._lmdb.run("deleting chunks", lambda env: self._delete_txn(env, keys))
 
     def _after_commit(self, num_bytes: int) -> None:
         with self._stats_lock:
             self._unsynced_bytes += num_bytes
-        if self._clock() - self._last_reader_check >= READER_CHECK_SECONDS:
-            self._run("checking readers", self._clear_stale_readers)
+        if self._lmdb.readers_due():
+            self._lmdb.run("checking readers", self._lmdb.clear_stale_readers)
         if self.config.sync_mode == "periodic":
             self.sync_if_due()
 
     def sync_if_due(self) -> bool:
         """In ``periodic`` mode, sync when ``disk.sync_every_bytes`` or
         ``disk.sync_every_seconds`` passed since the last sync with data unsynced."""
-        if self.config.sync_mode != "periodic" or self._closed:
+        if self.config.sync_mode != "periodic" or self._lmdb.closed:
             return False
         with self._stats_lock:
             unsynced = self._unsynced_bytes
@@ -785,9 +378,9 @@ class DiskTier:
     def sync(self) -> None:
         """fsync everything committed so far (the durability point); nothing to do read-only."""
         if self.read_only:
-            self._check_usable("syncing")
+            self._lmdb.check_usable("syncing")
             return
-        self._run("syncing", lambda env: env.sync(True))
+        self._lmdb.run("syncing", lambda env: env.sync(True))
         with self._stats_lock:
             self._counts["syncs"] += 1
             self._unsynced_bytes = 0
@@ -798,10 +391,13 @@ class DiskTier:
     def read_into(self, key: bytes, out: memoryview) -> ReadStatus:
         """Copy the verified payload of ``key`` into ``out[:payload_bytes]``."""
         self._check_key(key)
-        out = self._bytes_of(out, f"the read buffer for chunk {short_key(key)}", writable=True)
+        if not (type(out) is memoryview and out.format == "B" and out.ndim == 1
+                and not out.readonly and out.c_contiguous and len(out) >= self.payload_bytes):
+            out = self._bytes_of(out, f"the read buffer for chunk {short_key(key)}",
+                                 writable=True)
 
         def read(env: lmdb.Environment) -> tuple[bool, str | None]:
-            with env.begin(db=self._chunks, buffers=True) as txn:
+            with env.begin(db=self._lmdb.chunks, buffers=True) as txn:
                 value = txn.get(key)
                 found = value is not None
                 problem = check_value(self._binding, key, value, self.payload_bytes,
@@ -809,7 +405,7 @@ class DiskTier:
                 del value  # LMDB's buffer is valid only inside the txn
             return found, problem
 
-        found, problem = self._run(f"reading chunk {short_key(key)}", read)
+        found, problem = self._lmdb.run("reading chunk", read, key)
         if not found:
             self._count(reads=1, misses=1)
             return ReadStatus.MISSING
@@ -848,16 +444,16 @@ class DiskTier:
         self._check_batch(batch)
         records: list[DiskRecord] = []
         last: bytes | None = None
-        replaced = self._replacements
+        replaced = self._lmdb.replacements
 
         def rows_of(env: lmdb.Environment) -> list[tuple[bytes, bytes]]:
-            with env.begin(db=self._index) as txn:
-                return self._rows_after(txn, self._index, last, batch, True)
+            with env.begin(db=self._lmdb.index) as txn:
+                return self._rows_after(txn, self._lmdb.index, last, batch, True)
 
         while True:
-            rows = self._run("scanning", rows_of)
-            if self._replacements != replaced:  # rebuilt meanwhile: start over, on empty
-                records, replaced = [], self._replacements
+            rows = self._lmdb.run("scanning", rows_of)
+            if self._lmdb.replacements != replaced:  # rebuilt meanwhile: start over, on empty
+                records, replaced = [], self._lmdb.replacements
                 if last is not None:
                     last = None
                     continue
@@ -884,15 +480,15 @@ class DiskTier:
         bad: dict[bytes, None] = {}
         checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
-        replaced = self._replacements
+        replaced = self._lmdb.replacements
 
         def values_after(env: lmdb.Environment, last: bytes | None) -> tuple[list[bytes], list[bytes]]:
             found: list[bytes] = []
             with env.begin(buffers=True) as txn:
-                keys = [key for key, _ in self._rows_after(txn, self._chunks, last, batch, False)]
+                keys = [key for key, _ in self._rows_after(txn, self._lmdb.chunks, last, batch, False)]
                 for key in keys:
-                    value = txn.get(key, db=self._chunks)
-                    entry = txn.get(key, db=self._index)
+                    value = txn.get(key, db=self._lmdb.chunks)
+                    entry = txn.get(key, db=self._lmdb.index)
                     problem = "vanished" if value is None else check_value(
                         self._binding, key, value, self.payload_bytes, scratch)
                     if problem is None and unpack_index(bytes(entry or b"")) is None:
@@ -904,21 +500,21 @@ class DiskTier:
 
         def orphans_after(env: lmdb.Environment, last: bytes | None) -> tuple[list[bytes], list[bytes]]:
             with env.begin(buffers=True) as txn:  # index entries without values
-                keys = [key for key, _ in self._rows_after(txn, self._index, last, batch, False)]
-                return keys, [key for key in keys if txn.get(key, db=self._chunks) is None]
+                keys = [key for key, _ in self._rows_after(txn, self._lmdb.index, last, batch, False)]
+                return keys, [key for key in keys if txn.get(key, db=self._lmdb.chunks) is None]
 
         for step in (values_after, orphans_after):
             last: bytes | None = None
-            while self._replacements == replaced:
-                keys, found = self._run("verifying", lambda env: step(env, last))
-                if self._replacements != replaced:
+            while self._lmdb.replacements == replaced:
+                keys, found = self._lmdb.run("verifying", lambda env: step(env, last))
+                if self._lmdb.replacements != replaced:
                     break  # rebuilt empty meanwhile: nothing of the old environment is left
                 checked += len(keys) if step is values_after else 0
                 bad.update((key, None) for key in found)
                 if len(keys) < batch:
                     break
                 last = keys[-1]
-        rebuilt = self._replacements != replaced
+        rebuilt = self._lmdb.replacements != replaced
         if rebuilt:
             bad.clear()
         repaired = 0
@@ -926,44 +522,24 @@ class DiskTier:
             self.delete_many(list(bad))
             repaired = len(bad)
         return VerifyReport(checked, tuple(bad), repaired,
-                            damaged=self._last_damage if rebuilt else None, rebuilt=rebuilt)
+                            damaged=self._lmdb.last_damage if rebuilt else None, rebuilt=rebuilt)
 
     # -- life cycle ------------------------------------------------------------------------
 
     def statistics(self) -> DiskStatistics:
         def count(env: lmdb.Environment) -> int:
             with env.begin() as txn:
-                return int(txn.stat(self._chunks)["entries"])
+                return int(txn.stat(self._lmdb.chunks)["entries"])
 
-        chunks = self._run("counting chunks", count)
+        chunks = self._lmdb.run("counting chunks", count)
         with self._stats_lock:
             counts = dict(self._counts)
-        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts)
-
-    def _release(self) -> None:
-        try:
-            self._close_env()
-        finally:
-            owner, self._owner = self._owner, None
-            if owner is not None:
-                owner.release()
+        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts, **self._lmdb.counts())
 
     def close(self) -> None:
         """Sync and close; idempotent."""
-        if self._closed:
-            return
-        self._check_usable("closing")
-        with self._guard.exclusive():
-            try:
-                if self._env is not None and not self.read_only:
-                    self._env.sync(True)
-                    self._count(syncs=1)
-            except lmdb.Error as exc:  # committed data survives a crash; only the fsync failed
-                logger.warning("%s: sync at close failed (%s); what was written since the last "
-                               "sync may not survive a power loss", self._name, exc)
-            finally:
-                self._closed = True
-                self._release()
+        if self._lmdb.close(sync=True):
+            self._count(syncs=1)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -973,5 +549,5 @@ class DiskTier:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._lmdb.closed else "open"
         return f"DiskTier({str(self.path)!r}, payload_bytes={self.payload_bytes}, {state})"

@@ -1,0 +1,547 @@
+"""One LMDB environment of the disk tier, kept trustworthy and usable under its calls.
+
+:class:`LmdbEnv` owns ``root/ns-<fingerprint>/rank-<r>``: the LMDB environment, its three
+sub-dbs, the writer claim and the checks around them. :class:`~tierkv.tiers.disk.DiskTier`
+does its reads and writes through :meth:`LmdbEnv.run`.
+
+Primitives and contracts:
+
+- Opening trusts only files this user owns and no one else can write
+  (:mod:`tierkv.tiers.disk_files`): the root must be such a directory (else
+  ``ConfigError``); an untrusted namespace or rank directory is moved aside
+  (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is not
+  exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
+- The meta record (namespace, fingerprint, rank, format version) must match, else
+  :class:`NamespaceMismatchError`; nothing of that environment is read or deleted.
+- ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
+  (one plain lock on entry and on exit). Before it, a fork check (:class:`UsageError` in a
+  child), a closed check (:class:`ClosedError`) and a size check of ``data.mdb`` (it never
+  shrinks; smaller means truncated under us, which would SIGBUS). What stops ``work`` is
+  dealt with in the exclusive section and the call retried (at most twice):
+  ``MDB_MAP_RESIZED`` adopts the map another process grew; a full reader table clears
+  stale readers; **damage** (LMDB reports a corrupted, invalid or wrong-type page, a panic;
+  meta records that do not decode; a short or shrunk file; an untrusted ``data.mdb`` or
+  ``lock.mdb``) moves the environment aside (``.broken-<time>``) and opens an empty one,
+  the retried call running on it. Repair needs ``repair`` and the claim (taken then if no
+  other process holds it); otherwise :class:`DamagedError`, nothing changed. Other LMDB
+  errors are :class:`BrokenError`.
+- ``claim()`` makes this process the environment's one writer (an ``flock``); refused with
+  :class:`ConfigError` naming the holder.
+- ``clear_stale_readers(env)`` frees reader slots of dead processes (also at open, and
+  every :data:`READER_CHECK_SECONDS` through ``readers_due()``).
+- ``replacements`` counts environments moved aside and started empty (a caller holding
+  keys of the old one checks it); ``counts()`` the repairs; ``close(sync)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+import msgpack
+
+from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
+                           NamespaceMismatchError, TierKVError, UsageError, short_key)
+from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
+                                     make_private_dir, move_aside, prepare_root,
+                                     read_private_file, write_private_file)
+from tierkv.tiers.disk_format import format_bytes, list_namespaces, namespace_record
+
+logger = logging.getLogger("tierkv.disk")
+
+MAX_DBS = 4
+READER_CHECK_SECONDS = 1.0
+META_NAMESPACE = b"namespace"
+META_NEXT_SEQ = b"next_seq"
+_ENV_FILES = ("data.mdb", "lock.mdb")
+_T = TypeVar("_T")
+
+
+def _action(action: str, key: bytes | None) -> str:
+    return action if key is None else f"{action} {short_key(key)}"
+
+
+class FilesDamaged(Exception):
+    """The files are not what tierkv writes (meta records, file sizes, file kinds)."""
+
+
+# LMDB errors that mean the files are damaged (as opposed to permissions, locks, space).
+DAMAGE_ERRORS: tuple[type[Exception], ...] = (
+    FilesDamaged, lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
+    lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
+    lmdb.BadChecksumError)
+
+
+class _Guard:
+    """Shared sections for ordinary calls (``enter``/``leave``: one plain lock each way, the
+    read path's cost); an exclusive one (no call in flight) to swap or resize the
+    environment underneath them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._shared = 0
+        self._exclusive = False
+
+    def enter(self) -> None:
+        with self._lock:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._shared -= 1
+            if self._exclusive and not self._shared:
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._lock:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._shared:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class LmdbEnv:
+    """One namespace and rank's environment; see the module docstring."""
+
+    def __init__(self, root: Path, namespace: Namespace, rank: int, *, map_size: int,
+                 sync_always: bool, name: str, clock: Callable[[], float] = time.monotonic,
+                 exclusive: bool = False, repair: bool = True, read_only: bool = False) -> None:
+        self.root = Path(root)
+        self.namespace = namespace
+        self.rank = rank
+        self.map_size = map_size
+        self.read_only = read_only
+        self.repair = repair and not read_only
+        self.fingerprint = namespace.fingerprint()
+        self.namespace_dir = self.root / f"ns-{self.fingerprint}"
+        self.path = self.namespace_dir / f"rank-{rank}"
+        self._name = name
+        self._sync_always = sync_always
+        self._clock = clock
+        self._record = namespace_record(self.fingerprint, namespace.describe())
+        meta = namespace_record(self.fingerprint, namespace.describe(), rank)
+        self._meta_raw: bytes = msgpack.packb(meta)
+        self._expected_meta = msgpack.unpackb(msgpack.packb(meta), raw=False)
+        self._guard = _Guard()
+        self._pid = os.getpid()
+        self.generation = 0  # bumped whenever the environment underneath is changed
+        self.replacements = 0  # times it was moved aside and started empty
+        self.last_damage: str | None = None
+        self._unclaimable = ""
+        self._owner: OwnerLock | None = None
+        self._env: lmdb.Environment | None = None
+        self.chunks: Any = None
+        self.index: Any = None
+        self.meta: Any = None
+        self._data_fd: int | None = None
+        self._data_floor = 0  # data.mdb never shrinks; smaller means truncated under us
+        self._size_lock = threading.Lock()
+        self._counts_lock = threading.Lock()
+        self._counts = dict.fromkeys(("rebuilds", "stale_readers", "map_adopted"), 0)
+        self._last_reader_check = clock()
+        self.closed = False
+        if exclusive and read_only:
+            raise ConfigError(f"{name}: a read-only tier cannot claim its environment")
+        try:
+            if read_only:
+                self._check_existing()
+            else:
+                prepare_root(self.root)
+                self._prepare_dir(self.namespace_dir)
+                self._write_namespace_json()
+                self._prepare_dir(self.path)
+                if exclusive:
+                    self.claim()
+            self._open()
+        except BaseException:
+            self.closed = True
+            self._release()
+            raise
+
+    # -- opening -------------------------------------------------------------------------
+
+    def _check_existing(self) -> None:
+        """Read-only: the environment must exist and be trusted; nothing is changed."""
+        if not self.root.is_dir():
+            raise ConfigError(f"{self._name}: no store directory at {self.root} (disk.path)")
+        for path in (self.namespace_dir, self.path):
+            trust = check_dir(path, fix=False)
+            if trust is Trust.MISSING:
+                raise BrokenError(f"{self._name}: no environment at {self.path}")
+            if trust is Trust.FOREIGN:
+                raise DamagedError(f"{self._name}: {path} is not a directory that only this "
+                                   f"user can write; not read")
+
+    def _prepare_dir(self, path: Path) -> None:
+        """Create ``path`` private, or move aside what is there if it is not this user's."""
+        if check_dir(path) is Trust.FOREIGN:
+            aside = self._move(path, "foreign")
+            logger.warning("%s: %s was not this user's private directory; moved it to %s and "
+                           "started afresh", self._name, path, aside)
+        make_private_dir(path)
+
+    def _move(self, path: Path, why: str) -> Path:
+        try:
+            return move_aside(path, why)
+        except OSError as exc:
+            raise BrokenError(f"{self._name}: cannot move {path} aside ({why}): {exc} "
+                              f"(remove it by hand)") from exc
+
+    def _write_namespace_json(self) -> None:
+        path = self.namespace_dir / "namespace.json"
+        text = (json.dumps(self._record, indent=2, sort_keys=True) + "\n").encode()
+        try:
+            if check_file(path) is Trust.OK and read_private_file(path, len(text)) == text:
+                return
+            write_private_file(path, text)
+        except OSError as exc:
+            raise BrokenError(f"{self._name}: cannot write {path}: {exc} "
+                              f"(check disk.path)") from exc
+
+    def claim(self) -> None:
+        """Make this process the one writer of the environment (idempotent)."""
+        if self.read_only:
+            raise UsageError(f"{self._name}: opened read-only; it cannot claim {self.path}")
+        if self._owner is None:
+            self._owner = OwnerLock(self.path, self._name)
+
+    @property
+    def claimed(self) -> bool:
+        return self._owner is not None
+
+    def _open(self) -> None:
+        try:
+            self._open_once()
+            return
+        except NamespaceMismatchError:
+            raise
+        except DAMAGE_ERRORS as exc:
+            if not self._may_repair():
+                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
+                                   f"({exc}); not repaired here: {self._why_not_repaired()}"
+                                   ) from exc
+            self._replace_env(exc)
+            return
+        except OSError as exc:
+            raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
+                              f"(check disk.path)") from exc
+        except lmdb.Error as exc:
+            if "already open in this process" in str(exc):
+                raise UsageError(f"{self._name}: {self.path} is already open in this process; "
+                                 f"open each environment once per process and share that "
+                                 f"DiskTier (or close the other one first)") from exc
+            raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
+                              f"(check disk.path permissions and free space)") from exc
+
+    def _open_once(self) -> None:
+        """Open the environment at ``self.path``; raises damage as damage."""
+        writable = not self.read_only
+        if writable:
+            make_private_dir(self.path)
+        for name in _ENV_FILES:
+            if check_file(self.path / name, fix=writable) is Trust.FOREIGN:
+                raise FilesDamaged(f"{name} is not a regular file that only this user can write")
+        fresh = not (self.path / "data.mdb").exists()
+        if fresh and not writable:
+            raise BrokenError(f"{self._name}: no environment at {self.path} (no data.mdb)")
+        env = lmdb.open(
+            str(self.path), map_size=self.map_size, subdir=True, sync=self._sync_always,
+            metasync=self._sync_always, map_async=False, mode=FILE_MODE, readahead=True,
+            writemap=False, meminit=True, max_dbs=MAX_DBS, lock=True, readonly=not writable,
+        )
+        data_fd: int | None = None
+        try:
+            data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            floor = self._check_file_size(env, data_fd)
+            cleared = env.reader_check()
+            meta, chunks, index = (self._open_db(env, name) for name in (b"meta", b"chunks", b"index"))
+            self._check_meta(env, meta, chunks)
+        except BaseException:
+            if data_fd is not None:
+                os.close(data_fd)
+            env.close()
+            raise
+        for name in _ENV_FILES:
+            check_file(self.path / name, fix=writable)  # created by LMDB: clears read bits
+        self._env, self.chunks, self.index, self.meta = env, chunks, index, meta
+        self._data_fd, self._data_floor = data_fd, floor
+        self._count(stale_readers=cleared)
+        if cleared:
+            logger.warning("%s: cleared %d reader slot(s) of dead processes", self._name, cleared)
+        if fresh:
+            self._warn_old_formats()
+
+    def _open_db(self, env: lmdb.Environment, name: bytes) -> Any:
+        if not self.read_only:
+            return env.open_db(name)
+        try:
+            return env.open_db(name, create=False)
+        except lmdb.NotFoundError as exc:
+            raise FilesDamaged(f"sub-db {name.decode()} missing") from exc
+
+    @staticmethod
+    def _check_file_size(env: lmdb.Environment, data_fd: int) -> int:
+        """Damage: a data file shorter than its meta page says would SIGBUS past its end."""
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        actual = os.fstat(data_fd).st_size
+        if actual < needed:
+            raise FilesDamaged(f"data.mdb has {actual} bytes, its meta page needs {needed}")
+        return actual
+
+    def _check_meta(self, env: lmdb.Environment, meta: Any, chunks: Any) -> None:
+        with env.begin(write=not self.read_only) as txn:
+            raw = txn.get(META_NAMESPACE, db=meta)
+            if raw is None:
+                if txn.stat(chunks)["entries"]:
+                    raise FilesDamaged("chunks present but no namespace record")
+                if not self.read_only:
+                    txn.put(META_NAMESPACE, self._meta_raw, db=meta)
+                    txn.put(META_NEXT_SEQ, (1).to_bytes(8, "little"), db=meta)
+                return
+            try:
+                stored = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
+            except Exception as exc:
+                raise FilesDamaged(f"namespace record does not decode: {exc}") from exc
+            if not isinstance(stored, dict) or "namespace" not in stored:
+                raise FilesDamaged("namespace record has the wrong shape")
+            if stored != self._expected_meta:
+                what = (f"format version {stored.get('format_version')!r}, namespace "
+                        f"{stored.get('fingerprint')!r}, rank {stored.get('rank', '?')!r}")
+                raise NamespaceMismatchError(
+                    f"{self._name}: {self.path} holds {what}; expected format version "
+                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, rank {self.rank} "
+                    f"({self.namespace.describe()}). The directory was copied or renamed, or "
+                    f"written by another tierkv version; nothing was read from it. Point "
+                    f"disk.path elsewhere or move that directory away")
+            seq_raw = txn.get(META_NEXT_SEQ, db=meta)
+            if seq_raw is None or len(seq_raw) != 8:
+                raise FilesDamaged("next_seq record missing or malformed")
+
+    def _warn_old_formats(self) -> None:
+        old = [info for info in list_namespaces(self.root) if info.format_version != FORMAT_VERSION]
+        if old:
+            logger.warning(
+                "%s: %s holds %d namespace(s) of another tierkv format (%s); this tierkv "
+                "(format %d) never reads them and starts this namespace empty. Delete them when "
+                "no older tierkv uses them (tierkv inspect %s lists them)", self._name, self.root,
+                len(old), ", ".join(f"{info.path.name} v{info.format_version}" for info in old),
+                FORMAT_VERSION, self.root)
+
+    # -- damage, resizes, stale readers -----------------------------------------------------
+
+    def _may_repair(self) -> bool:
+        """Whether damage may be repaired here: it needs ``repair`` and the claim (taken now
+        if no other process holds it)."""
+        if not self.repair:  # also false when read-only
+            return False
+        if self._owner is None:
+            try:
+                self.claim()
+            except ConfigError as err:
+                self._unclaimable = str(err)
+                return False
+        return True
+
+    def _why_not_repaired(self) -> str:
+        if self.read_only:
+            return "opened read-only (run tierkv verify --repair)"
+        if not self.repair:
+            return "opened with repair=False (run tierkv verify --repair)"
+        return self._unclaimable or "another process owns it"
+
+    def _close_env(self) -> None:
+        env, self._env = self._env, None
+        fd, self._data_fd = self._data_fd, None
+        if fd is not None:
+            os.close(fd)
+        if env is not None:
+            env.close()
+
+    def _replace_env(self, exc: BaseException) -> None:
+        """Move the damaged environment aside and open an empty one (the claim held)."""
+        self._close_env()
+        if isinstance(exc, lmdb.PanicError):  # a fatal write error: the files may be fine
+            try:
+                self._open_once()
+                self.generation += 1
+                logger.warning("%s: LMDB panicked (%s); reopened %s", self._name, exc, self.path)
+                return
+            except DAMAGE_ERRORS as again:
+                exc = again
+            except (lmdb.Error, OSError, TierKVError) as err:
+                raise BrokenError(f"{self._name}: cannot reopen {self.path} after an LMDB "
+                                  f"panic ({exc}): {err}") from err
+        old_owner = self._owner
+        aside = self._move(self.path, "broken")
+        self._owner = None
+        try:
+            make_private_dir(self.path)
+            self.claim()
+            self._open_once()
+        except (lmdb.Error, FilesDamaged, OSError, TierKVError) as err:
+            raise BrokenError(f"{self._name}: cannot rebuild {self.path}: {err}") from err
+        finally:
+            if old_owner is not None:
+                old_owner.release()
+        self.generation += 1
+        self.replacements += 1
+        self.last_damage = str(exc)
+        self._count(rebuilds=1)
+        logger.warning("%s: environment at %s is damaged (%s); moved it to %s and started "
+                       "empty", self._name, self.path, exc, aside)
+
+    def _fix(self, problem: BaseException, generation: int, action: str) -> None:
+        """Deal with what stopped a call, outside its shared section; the call is retried."""
+        with self._guard.exclusive():
+            if self.closed:
+                raise ClosedError(f"{self._name}: closed while {action}")
+            if self._env is None:
+                raise BrokenError(f"{self._name}: no environment ({action}): it could not be "
+                                  f"rebuilt after damage; restart the store")
+            if self.generation != generation:
+                return  # another thread replaced or resized the environment meanwhile
+            if isinstance(problem, lmdb.MapResizedError):
+                self._env.set_mapsize(0)  # adopt the size another process grew the map to
+                self.map_size = int(self._env.info()["map_size"])
+                self.generation += 1
+                self._count(map_adopted=1)
+                logger.info("%s: adopted a map grown by another process (%s)", self._name,
+                            format_bytes(self.map_size))
+            elif isinstance(problem, lmdb.ReadersFullError):
+                self.clear_stale_readers(self._env)
+                self.generation += 1
+            elif not self._may_repair():
+                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
+                                   f"({problem}) while {action}; not repaired here: "
+                                   f"{self._why_not_repaired()}") from problem
+            else:
+                self._replace_env(problem)
+
+    def clear_stale_readers(self, env: lmdb.Environment) -> int:
+        """Free the reader slots of dead processes; how many there were."""
+        self._last_reader_check = self._clock()
+        cleared = int(env.reader_check())
+        if cleared:
+            self._count(stale_readers=cleared)
+            logger.warning("%s: cleared %d reader slot(s) of dead processes (they pinned old "
+                           "pages)", self._name, cleared)
+        return cleared
+
+    def readers_due(self) -> bool:
+        return self._clock() - self._last_reader_check >= READER_CHECK_SECONDS
+
+    # -- running calls -----------------------------------------------------------------------
+
+    def check_usable(self, action: str) -> None:
+        if os.getpid() != self._pid:
+            raise UsageError(f"{self._name}: {action} in a forked child (pid {os.getpid()}) of "
+                             f"the process that opened it (pid {self._pid}); LMDB environments "
+                             f"do not survive fork(): open the tier in the child")
+        if self.closed:
+            raise ClosedError(f"{self._name}: used after close(); open a new DiskTier")
+
+    def _check_data_file(self) -> None:
+        """The file only grows (LMDB never shrinks it); read and compare under one lock, or
+        a size read before another thread's commit grew the file would look like a shrink."""
+        assert self._data_fd is not None
+        with self._size_lock:
+            size = os.lseek(self._data_fd, 0, os.SEEK_END)  # 0.2 us; fstat costs 0.8
+            if size < self._data_floor:
+                raise FilesDamaged(f"data.mdb shrank from {self._data_floor} to {size} bytes "
+                                   f"under the running tier (truncated)")
+            self._data_floor = size
+
+    def run(self, action: str, work: Callable[[lmdb.Environment], _T],
+            key: bytes | None = None) -> _T:
+        """``work(env)`` in a shared section; damage, a grown map or a full reader table are
+        dealt with and the call retried (at most twice). ``action`` (with ``key``'s short
+        hex, when given) names the call in errors; it is formatted only for one."""
+        guard = self._guard
+        for _ in range(3):
+            if self.closed or os.getpid() != self._pid:
+                self.check_usable(_action(action, key))
+            guard.enter()
+            try:
+                env, generation = self._env, self.generation
+                if env is None:
+                    if self.closed:
+                        raise ClosedError(f"{self._name}: closed while {_action(action, key)}")
+                    raise BrokenError(f"{self._name}: no environment ({_action(action, key)}): "
+                                      f"it could not be rebuilt after damage; restart the store")
+                try:
+                    self._check_data_file()
+                    return work(env)
+                except (lmdb.MapResizedError, lmdb.ReadersFullError) as exc:
+                    problem: BaseException = exc
+                except DAMAGE_ERRORS as exc:
+                    problem = exc
+                except lmdb.Error as exc:
+                    raise self._failure(_action(action, key), exc) from exc
+            finally:
+                guard.leave()
+            self._fix(problem, generation, _action(action, key))
+        raise BrokenError(f"{self._name}: {_action(action, key)} kept failing after repairs "
+                          f"({problem})")
+
+    def _failure(self, action: str, exc: BaseException) -> Exception:
+        if self.closed:
+            return ClosedError(f"{self._name}: closed while {action}")
+        return BrokenError(f"{self._name}: LMDB failed {action} at {self.path}: {exc}")
+
+    def _count(self, **deltas: int) -> None:
+        with self._counts_lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def counts(self) -> dict[str, int]:
+        with self._counts_lock:
+            return dict(self._counts)
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def _release(self) -> None:
+        try:
+            self._close_env()
+        finally:
+            owner, self._owner = self._owner, None
+            if owner is not None:
+                owner.release()
+
+    def close(self, sync: bool) -> bool:
+        """Close (after an fsync when ``sync``); idempotent. Whether the fsync happened."""
+        if self.closed:
+            return False
+        self.check_usable("closing")
+        synced = False
+        with self._guard.exclusive():
+            try:
+                if self._env is not None and sync and not self.read_only:
+                    self._env.sync(True)
+                    synced = True
+            except lmdb.Error as exc:  # committed data survives a crash; only the fsync failed
+                logger.warning("%s: sync at close failed (%s); what was written since the last "
+                               "sync may not survive a power loss", self._name, exc)
+            finally:
+                self.closed = True
+                self._release()
+        return synced
