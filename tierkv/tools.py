@@ -220,6 +220,9 @@ def inspect_store(root: Path) -> list[NamespaceReport]:
                     if rank.record.get("fingerprint") != fingerprint:
                         rank.problem = (f"holds namespace {rank.record.get('fingerprint')!r}, "
                                         f"not the one its directory names")
+                    elif rank.record.get("rank", rank.rank) != rank.rank:
+                        rank.problem = (f"holds rank {rank.record.get('rank')!r}, not the one "
+                                        f"its directory names")
                 report.ranks.append(rank)
             elif ".broken-" in rank_dir.name:
                 report.broken.append(rank_dir.name)
@@ -248,7 +251,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
     """Check one environment through :class:`DiskTier` (``repair``: it may delete bad chunks,
     and move a damaged environment aside and rebuild it, as the engine itself does)."""
     from tierkv.config import DiskTierConfig
-    from tierkv.errors import DamagedError
+    from tierkv.errors import DamagedError, NamespaceMismatchError
     from tierkv.tiers.disk import DiskTier
 
     name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
@@ -272,7 +275,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                                      f"{result.damaged or 'found while opening it'}")
             if not rebuilt:
                 _report_chunks(tier, name, result, repair, outcome)
-    except DamagedError as exc:
+    except (DamagedError, NamespaceMismatchError) as exc:
         if rank.problem is None:
             outcome.damaged += 1
             outcome.lines.append(f"{name}: damaged environment {rank.path}: {exc}")

@@ -148,7 +148,13 @@ def test_namespace_record_mismatch_raises(tmp_path: Path) -> None:
         txn.put(b"namespace", msgpack.packb(record), db=env.open_db(b"meta", txn=txn))
     env.close()
     with pytest.raises(NamespaceMismatchError, match="disk tier"):
-        open_tier(tmp_path)
+        DiskTier(tmp_path, NS, 0, DiskTierConfig(path=tmp_path), PAYLOAD, repair=False)
+    with pytest.raises(NamespaceMismatchError, match="disk tier"):
+        DiskTier(tmp_path, NS, 0, DiskTierConfig(path=tmp_path), PAYLOAD, read_only=True)
+    with open_tier(tmp_path) as tier:  # may repair: moved aside, kept, started empty
+        assert list(tier.scan()) == [] and tier.statistics().rebuilds == 1
+    (aside,) = tier.path.parent.glob("rank-0.foreign-*")
+    assert (aside / "data.mdb").exists()
 
 
 def _flip(position: int, mask: int = 0xFF) -> Callable[[bytes], bytes]:

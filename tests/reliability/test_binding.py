@@ -20,6 +20,7 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.errors import NamespaceMismatchError
 from tierkv.keys import Namespace, chunk_keys
+from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value
 
 
@@ -50,20 +51,30 @@ def _served_bytes(store: TierKVStore, kv: list[torch.Tensor], keys: list[bytes],
     return right, wrong
 
 
-def test_swapped_rank_directories_are_refused_and_keep_their_data(tmp_path: Path) -> None:
+def test_swapped_rank_directories_are_never_served_nor_destroyed(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 reopened over rank 1's directory served rank 1's shard as hits. Now the store
+    starts empty with a warning naming what the directory holds, and keeps that directory
+    aside, intact; moved back, each rank serves exactly its own shard."""
     keys = support.request_keys(1)
     _store_two_ranks(tmp_path, keys)
     ns_dir = support.env_dirs(tmp_path)[0].parent
     (ns_dir / "rank-0").rename(ns_dir / "swap")
     (ns_dir / "rank-1").rename(ns_dir / "rank-0")
     (ns_dir / "swap").rename(ns_dir / "rank-1")
-    with pytest.raises(NamespaceMismatchError, match="rank 1") as info:
-        support.open_store(tmp_path, rank=0)
-    assert "disk.path" in str(info.value)
-    # nothing was deleted: swapped back, each rank serves exactly its own shard
-    (ns_dir / "rank-0").rename(ns_dir / "swap")
-    (ns_dir / "rank-1").rename(ns_dir / "rank-0")
-    (ns_dir / "swap").rename(ns_dir / "rank-1")
+    with caplog.at_level("WARNING", logger="tierkv.disk"):
+        for rank in (0, 1):
+            kv = support.make_kv()
+            with support.open_store(tmp_path, kv, rank=rank) as store:
+                assert store.lookup(keys) == 0
+                assert _served_bytes(store, kv, keys, b"rank%d" % (1 - rank)) == (0, 0)
+    assert "rank 1" in caplog.text and "rank 0" in caplog.text
+    for rank in (0, 1):  # put each shard back where it belongs
+        (aside,) = ns_dir.glob(f"rank-{rank}.foreign-*")
+        shutil.rmtree(ns_dir / f"rank-{rank}")
+        aside.rename(ns_dir / f"rank-{1 - rank}.back")
+    for rank in (0, 1):
+        (ns_dir / f"rank-{rank}.back").rename(ns_dir / f"rank-{rank}")
     for rank in (0, 1):
         kv = support.make_kv()
         with support.open_store(tmp_path, kv, rank=rank) as store:
@@ -186,7 +197,7 @@ def test_another_block_split_of_the_same_tokens_never_hits_nor_destroys(tmp_path
     assert first.statistics().index.corrupt == 0
 
 
-def test_a_directory_copied_under_another_namespace_is_refused(tmp_path: Path) -> None:
+def test_a_directory_copied_under_another_namespace_is_never_read(tmp_path: Path) -> None:
     keys = support.request_keys(3)
     kv = support.make_kv()
     with support.open_store(tmp_path, kv) as store:
@@ -198,5 +209,28 @@ def test_a_directory_copied_under_another_namespace_is_refused(tmp_path: Path) -
         source, target = target, source
     shutil.rmtree(target)
     shutil.copytree(source, target)
-    with pytest.raises(NamespaceMismatchError):
-        support.open_store(tmp_path, model_id="model-b")
+    with pytest.raises(NamespaceMismatchError):  # a handle that may not repair is told
+        DiskTier(tmp_path, support.namespace_of("model-b"), 0, support.store_config(tmp_path).disk,
+                 support.CHUNK_BYTES, repair=False)
+    with support.open_store(tmp_path, support.make_kv(), model_id="model-b") as other:
+        assert other.lookup(keys) == 0
+    (aside,) = target.parent.glob("rank-0.foreign-*")  # kept, never read
+    assert (aside / "data.mdb").stat().st_size == (source / "data.mdb").stat().st_size
+
+
+def test_verify_reports_swapped_ranks_and_repair_moves_them_aside(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierkv.cli import main
+
+    keys = support.request_keys(11)
+    _store_two_ranks(tmp_path, keys)
+    ns_dir = support.env_dirs(tmp_path)[0].parent
+    (ns_dir / "rank-0").rename(ns_dir / "swap")
+    (ns_dir / "rank-1").rename(ns_dir / "rank-0")
+    (ns_dir / "swap").rename(ns_dir / "rank-1")
+    assert main(["verify", str(tmp_path)]) == 1  # reported, nothing touched
+    out = capsys.readouterr().out
+    assert out.count("holds rank") == 2 and not list(ns_dir.glob("*.foreign-*"))
+    assert main(["verify", "--repair", str(tmp_path)]) == 1
+    assert len(list(ns_dir.glob("rank-*.foreign-*"))) == 2
+    assert main(["verify", str(tmp_path)]) == 0

@@ -35,10 +35,11 @@ The environment underneath is kept by :class:`tierkv.tiers.disk_env.LmdbEnv`: it
 only this user's private files (moving the rest aside), refuses a foreign or shared root,
 moves a damaged environment aside and rebuilds it wherever the damage shows (the call then
 runs on the empty one), adopts a map another process grew, clears stale readers, turns a
-``data.mdb`` truncated under the running tier into damage instead of SIGBUS, and raises
-:class:`NamespaceMismatchError` for a directory that holds another namespace, rank or
-format version. See its docstring. Opening a tier tunes glibc malloc once per process
-(:func:`tune_malloc`, opt out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
+``data.mdb`` truncated under the running tier into damage instead of SIGBUS, and moves
+aside a directory that holds another namespace, rank or format version (a read-only or
+``repair=False`` handle raises :class:`NamespaceMismatchError` instead). See its
+docstring. Opening a tier tunes glibc malloc once per process (:func:`tune_malloc`, opt
+out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
 """
 
 from __future__ import annotations

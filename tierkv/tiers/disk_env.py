@@ -11,8 +11,11 @@ Primitives and contracts:
   ``ConfigError``); an untrusted namespace or rank directory is moved aside
   (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is not
   exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
-- The meta record (namespace, fingerprint, rank, format version) must match, else
-  :class:`NamespaceMismatchError`; nothing of that environment is read or deleted.
+- The meta record (namespace, fingerprint, rank, format version) must match. An
+  environment that holds another one (a directory copied, swapped or renamed by hand) is
+  never read and never deleted: it is moved aside (``.foreign-<time>``) and an empty one
+  opened, with a warning, when this handle may repair (below); otherwise
+  :class:`NamespaceMismatchError`.
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
   (one plain lock on entry and on exit). Before it, a fork check (:class:`UsageError` in a
   child), a closed check (:class:`ClosedError`) and a size check of ``data.mdb`` (it never
@@ -233,8 +236,11 @@ class LmdbEnv:
         try:
             self._open_once()
             return
-        except NamespaceMismatchError:
-            raise
+        except NamespaceMismatchError as exc:
+            if not self._may_repair():  # read-only, repair=False, or another process's
+                raise
+            self._replace_env(exc, why="foreign")
+            return
         except DAMAGE_ERRORS as exc:
             if not self._may_repair():
                 raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
@@ -329,10 +335,9 @@ class LmdbEnv:
                         f"{stored.get('fingerprint')!r}, rank {stored.get('rank', '?')!r}")
                 raise NamespaceMismatchError(
                     f"{self._name}: {self.path} holds {what}; expected format version "
-                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, rank {self.rank} "
-                    f"({self.namespace.describe()}). The directory was copied or renamed, or "
-                    f"written by another tierkv version; nothing was read from it. Point "
-                    f"disk.path elsewhere or move that directory away")
+                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, rank {self.rank}. The "
+                    f"directory was copied, swapped or renamed, or written by another tierkv "
+                    f"version; nothing was read from it")
             seq_raw = txn.get(META_NEXT_SEQ, db=meta)
             if seq_raw is None or len(seq_raw) != 8:
                 raise FilesDamaged("next_seq record missing or malformed")
@@ -377,8 +382,9 @@ class LmdbEnv:
         if env is not None:
             env.close()
 
-    def _replace_env(self, exc: BaseException) -> None:
-        """Move the damaged environment aside and open an empty one (the claim held)."""
+    def _replace_env(self, exc: BaseException, why: str = "broken") -> None:
+        """Move the damaged (``broken``) or misplaced (``foreign``: another namespace, rank
+        or format) environment aside and open an empty one (the claim held)."""
         self._close_env()
         if isinstance(exc, lmdb.PanicError):  # a fatal write error: the files may be fine
             try:
@@ -392,7 +398,7 @@ class LmdbEnv:
                 raise BrokenError(f"{self._name}: cannot reopen {self.path} after an LMDB "
                                   f"panic ({exc}): {err}") from err
         old_owner = self._owner
-        aside = self._move(self.path, "broken")
+        aside = self._move(self.path, why)
         self._owner = None
         try:
             make_private_dir(self.path)
@@ -407,8 +413,12 @@ class LmdbEnv:
         self.replacements += 1
         self.last_damage = str(exc)
         self._count(rebuilds=1)
-        logger.warning("%s: environment at %s is damaged (%s); moved it to %s and started "
-                       "empty", self._name, self.path, exc, aside)
+        if why == "foreign":
+            logger.warning("%s: %s; moved it to %s (kept, never read) and started empty",
+                           self._name, exc, aside.name)
+        else:
+            logger.warning("%s: environment at %s is damaged (%s); moved it to %s and started "
+                           "empty", self._name, self.path, exc, aside)
 
     def _fix(self, problem: BaseException, generation: int, action: str) -> None:
         """Deal with what stopped a call, outside its shared section; the call is retried."""

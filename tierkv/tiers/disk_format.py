@@ -244,7 +244,7 @@ class DiskStatistics:
     syncs: int
     map_size: int
     write_txns: int = 0
-    rebuilds: int = 0  # damaged environments moved aside and started empty
+    rebuilds: int = 0  # damaged or misplaced environments moved aside, started empty
     stale_readers: int = 0  # reader slots of dead processes cleared
     map_adopted: int = 0  # times a map grown by another process was adopted
 
