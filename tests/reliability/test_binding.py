@@ -32,6 +32,13 @@ def _store_two_ranks(root: Path, keys: list[bytes]) -> None:
             support.store_chunks(store, kv, keys, variant=b"rank%d" % rank)
 
 
+def _swap_ranks(ns_dir: Path) -> None:
+    """Swap the rank-0 and rank-1 directories, as an operator's mistake would."""
+    (ns_dir / "rank-0").rename(ns_dir / "swap")
+    (ns_dir / "rank-1").rename(ns_dir / "rank-0")
+    (ns_dir / "swap").rename(ns_dir / "rank-1")
+
+
 def _served_bytes(store: TierKVStore, kv: list[torch.Tensor], keys: list[bytes],
                   variant: bytes) -> tuple[int, int]:
     """(chunks loaded byte-exact as ``variant``, chunks loaded with other bytes)."""
@@ -59,9 +66,7 @@ def test_swapped_rank_directories_are_never_served_nor_destroyed(tmp_path: Path,
     keys = support.request_keys(1)
     _store_two_ranks(tmp_path, keys)
     ns_dir = support.env_dirs(tmp_path)[0].parent
-    (ns_dir / "rank-0").rename(ns_dir / "swap")
-    (ns_dir / "rank-1").rename(ns_dir / "rank-0")
-    (ns_dir / "swap").rename(ns_dir / "rank-1")
+    _swap_ranks(ns_dir)
     with caplog.at_level("WARNING", logger="tierkv.disk"):
         for rank in (0, 1):
             kv = support.make_kv()
@@ -225,9 +230,7 @@ def test_verify_reports_swapped_ranks_and_repair_moves_them_aside(
     keys = support.request_keys(11)
     _store_two_ranks(tmp_path, keys)
     ns_dir = support.env_dirs(tmp_path)[0].parent
-    (ns_dir / "rank-0").rename(ns_dir / "swap")
-    (ns_dir / "rank-1").rename(ns_dir / "rank-0")
-    (ns_dir / "swap").rename(ns_dir / "rank-1")
+    _swap_ranks(ns_dir)
     assert main(["verify", str(tmp_path)]) == 1  # reported, nothing touched
     out = capsys.readouterr().out
     assert out.count("holds rank") == 2 and not list(ns_dir.glob("*.foreign-*"))
