@@ -322,3 +322,33 @@ def test_a_namespace_that_does_not_describe_the_tensors_is_refused(tmp_path: Pat
     own = dataclasses.replace(build_namespace(KVLayout.from_tensors(kv), "m", 16, config),
                               extra="tenant-7")  # the caller's fields are the caller's
     TierKVStore(kv, namespace=own, config=config).close()
+
+
+def test_threads_stop_even_when_waiting_for_the_last_jobs_fails(tmp_path: Path) -> None:
+    """The executor waited for its jobs, then stopped its threads: a wait that raised left
+    the copy and disk threads running after close()."""
+    from tierkv.engine.executor import JobExecutor
+    from tierkv.errors import TransferError
+    from tierkv.tiers.cpu import CpuSlab
+    from tierkv.transfer.cpu import CpuTransferEngine
+    from tierkv.transfer.disk_io import DiskIO
+    from tierkv.transfer.layout import KVLayout
+
+    class FailingWaits(CpuTransferEngine):  # a transfer engine whose waits fail
+        def wait(self, job_ids: Any, timeout: float | None = None) -> None:
+            raise TransferError("injected: the device stopped answering")
+
+    before = _tierkv_threads()
+    kv = support.make_kv()
+    layout = KVLayout.from_tensors(kv)
+    slab = CpuSlab(4, layout.chunk_bytes(support.BPC), "never")
+    config = support.store_config(tmp_path).disk
+    tier = DiskTier(tmp_path, support.namespace_of(), 0, config, slab.slot_bytes)
+    executor = JobExecutor(FailingWaits(layout, slab, support.BPC), DiskIO(tier, slab, 1 << 20))
+    from tierkv.core.jobs import ChunkCopy, JobId, SlotId, StoreSpec
+
+    key = support.request_keys(12, num_chunks=1)[0]
+    executor.submit(StoreSpec.of(JobId(1), [ChunkCopy(key, SlotId(0), tuple(support.chunk_blocks(0)))]))
+    executor.shutdown()  # logs the failed wait, stops every thread
+    tier.close()
+    assert _tierkv_threads() == before

@@ -209,10 +209,18 @@ class JobExecutor:
         return list(self._kinds)
 
     def shutdown(self) -> None:
+        """Wait for the jobs in flight, then stop the threads; the threads stop even when a
+        wait fails (the error is logged)."""
         if self._closed:
             return
-        self.wait(list(self._kinds))
-        self._closed = True
-        if self.disk_io is not None:
-            self.disk_io.shutdown()
-        self.transfer.shutdown()
+        try:
+            self.wait(list(self._kinds))
+        except TierKVError as exc:
+            log.warning("worker: shutting down with jobs that failed to finish: %s", exc)
+        finally:
+            self._closed = True
+            try:
+                if self.disk_io is not None:
+                    self.disk_io.shutdown()
+            finally:
+                self.transfer.shutdown()

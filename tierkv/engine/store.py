@@ -192,6 +192,7 @@ class TierKVStore:
         self.disk: DiskTier | None = None
         self.executor: JobExecutor | None = None
         self._transfer: Any = None
+        self._disk_io: DiskIO | None = None
         self.config = config or StoreConfig()
         if not isinstance(self.config, StoreConfig):
             raise ConfigError(f"store: config must be a StoreConfig, got {self.config!r}")
@@ -234,7 +235,7 @@ class TierKVStore:
         self.slab = CpuSlab(num_slots, self.chunk_bytes, cfg.cpu.pin_memory)
         self._transfer = make_transfer_engine(cfg.device, self.layout, self.slab, cfg.blocks_per_chunk)
         if self.disk is not None:
-            disk_io = DiskIO(self.disk, self.slab, cfg.disk.write_batch_bytes)
+            disk_io = self._disk_io = DiskIO(self.disk, self.slab, cfg.disk.write_batch_bytes)
         self.executor = JobExecutor(self._transfer, disk_io)
         self.index = BlockIndex(
             num_slots,
@@ -276,8 +277,10 @@ class TierKVStore:
         try:
             if self.executor is not None:
                 self.executor.shutdown()
-            elif self._transfer is not None:
-                self._transfer.shutdown()
+            else:  # construction failed before the executor owned them
+                for part in (self._disk_io, self._transfer):
+                    if part is not None:
+                        part.shutdown()
         except Exception as exc:  # noqa: BLE001 - releasing must go on
             log.warning("tierkv: stopping the store's threads failed: %s", exc)
         finally:
