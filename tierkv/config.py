@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
-
-GiB = 1 << 30
-MiB = 1 << 20
+from tierkv.units import GiB, MiB
 
 
 def _is_number(value: Any) -> bool:

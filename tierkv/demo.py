@@ -21,8 +21,8 @@ import torch
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import ChunkKey, chunk_keys
+from tierkv.units import MiB
 
-MiB = 1 << 20
 
 
 @dataclass

@@ -13,7 +13,6 @@
 - Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found
   (also when ``--repair`` fixed them: a rerun then answers 0), 2 error (no store, the
   store cannot be read, a format this build does not read).
-- :func:`human_bytes` formats sizes the way every summary line prints them.
 
 Both are safe to run while an engine has the store open (LMDB is multi-process); a chunk
 deleted by ``--repair`` under a running engine is a failed load there, which the engine
@@ -36,6 +35,7 @@ import lmdb
 import msgpack
 
 from tierkv.errors import BrokenError, ConfigError, short_key
+from tierkv.units import MiB, format_bytes
 from tierkv.tiers.disk_files import Trust, check_dir, check_file, read_private_file
 from tierkv.tiers.disk_format import MAX_NAMESPACE_JSON_BYTES
 
@@ -44,15 +44,6 @@ _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
            lmdb.BadChecksumError, lmdb.NotFoundError)
 _INDEX = struct.Struct("<QQ")
 _BATCH = 1024
-MiB = 1 << 20
-
-
-def human_bytes(num_bytes: int) -> str:
-    """``2.25 GiB``, ``512 B``."""
-    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if num_bytes >= unit:
-            return f"{num_bytes / unit:.2f} {name}"
-    return f"{num_bytes} B"
 
 
 class _Damaged(Exception):
@@ -375,11 +366,11 @@ def run_inspect(args: argparse.Namespace) -> int:
             if rank.oldest and rank.newest:
                 ends = (f", oldest {rank.oldest[0][:8]} (seq {rank.oldest[1]}), newest "
                         f"{rank.newest[0][:8]} (seq {rank.newest[1]})")
-            print(f"  rank {rank.rank}: {rank.chunks} chunks, {human_bytes(rank.payload_bytes)}"
-                  f" (file {human_bytes(rank.file_bytes)}){ends}, last write {rank.last_write}")
+            print(f"  rank {rank.rank}: {rank.chunks} chunks, {format_bytes(rank.payload_bytes, 2)}"
+                  f" (file {format_bytes(rank.file_bytes, 2)}){ends}, last write {rank.last_write}")
         for name in report.broken:
             print(f"  moved aside: {name}")
-    print(f"inspected {len(reports)} namespace(s): {chunks} chunks ({human_bytes(payload)}) "
+    print(f"inspected {len(reports)} namespace(s): {chunks} chunks ({format_bytes(payload, 2)}) "
           f"in {args.store}")
     return 0
 

@@ -44,7 +44,7 @@ from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, DISK_OVER
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 from tierkv.keys import ROOT_KEY, Namespace, chunk_keys
 from tierkv.tiers.disk import DiskTier
-from tierkv.tools import human_bytes
+from tierkv.units import format_bytes
 from tierkv.transfer.layout import KVLayout
 
 Payload = Any  # bytes-like, numpy array or torch tensor of exactly chunk_bytes bytes
@@ -70,7 +70,7 @@ class WarmupReport:
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     def summary(self) -> str:
-        line = (f"warmed {self.chunks_written} chunks ({human_bytes(self.bytes_written)}) "
+        line = (f"warmed {self.chunks_written} chunks ({format_bytes(self.bytes_written, 2)}) "
                 f"in {self.seconds:.1f} s")
         extras = [text for flag, text in (
             (self.chunks_present, f"{self.chunks_present} already present"),

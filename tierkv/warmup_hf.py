@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError, TierKVError
+from tierkv.units import parse_size
 
 _DESCRIBE_OPTIONS = {
     "model_id": "--model / --model-id / --revision", "dtype": "--dtype",
@@ -220,20 +221,11 @@ def check_store(store: Path, namespace: Any, allow_new: bool) -> None:
 
 
 
-def parse_size(text: str) -> int:
-    """``68719476736``, ``64GiB``, ``512MiB``, ``1.5GiB``."""
-    units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "b": 1}
-    lowered = text.strip().lower()
-    for suffix, unit in units.items():
-        if lowered.endswith(suffix):
-            number, scale = lowered[: -len(suffix)], unit
-            break
-    else:
-        number, scale = lowered, 1
+def _size(text: str) -> int:
     try:
-        return int(float(number) * scale)
+        return parse_size(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64GiB)") from exc
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,7 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "PYTHONHASHSEED; 'unset' for none)")
     add("--hash-block-size", type=int, help="vLLM's hash block size (default: --block-size)")
     add("--tensor-parallel-size", type=int, default=1, help="vLLM's TP size (default: %(default)s)")
-    add("--disk-bytes", type=parse_size, default=64 << 30,
+    add("--disk-bytes", type=_size, default=64 << 30,
         help="the connector's disk_bytes, e.g. 64GiB (default: 64GiB)")
     add("--vllm-version", help="the serving vLLM's version (default: the installed one, else 0.33.0)")
     add("--allow-new-namespace", action="store_true",

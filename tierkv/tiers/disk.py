@@ -58,11 +58,12 @@ import lmdb
 
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError, short_key
+from tierkv.units import format_bytes
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.disk_env import META_NEXT_SEQ, FilesDamaged, LmdbEnv
 from tierkv.tiers.disk_format import (DiskRecord, DiskStatistics, NamespaceInfo, PutResult,
                                      ReadStatus, ValueWriter, VerifyReport, binding_of,
-                                     check_value, format_bytes, list_namespaces, map_size_for,
+                                     check_value, list_namespaces, map_size_for,
                                      pack_index, tune_malloc, unpack_index)
 
 __all__ = [

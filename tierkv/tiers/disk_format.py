@@ -46,11 +46,11 @@ import msgpack
 import xxhash
 
 from tierkv.keys import FORMAT_VERSION
+from tierkv.units import MiB
 from tierkv.tiers.disk_files import Trust, check_dir, read_private_file
 
 logger = logging.getLogger("tierkv.disk")
 
-MiB = 1 << 20
 MAGIC = b"TK"
 MAX_HEADER_BYTES = 64
 LMDB_PAGE_HEADER = 16  # bytes before the data on an LMDB overflow page
@@ -177,16 +177,6 @@ def map_size_for(max_bytes: int, payload_bytes: int, page_bytes: int = 4096) -> 
     data = num_chunks * value_pages * page_bytes
     total = data + data // 4 + num_chunks * 256 + 4 * MiB
     return -(-total // MiB) * MiB
-
-
-def format_bytes(num_bytes: int) -> str:
-    """``64 GiB``, ``1.5 MiB``, ``512 B``."""
-    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if num_bytes >= unit:
-            if num_bytes % unit == 0:
-                return f"{num_bytes // unit} {name}"
-            return f"{num_bytes / unit:.1f} {name}"
-    return f"{num_bytes} B"
 
 
 class ReadStatus(enum.Enum):
