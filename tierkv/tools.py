@@ -36,8 +36,8 @@ import msgpack
 
 from tierkv.errors import BrokenError, ConfigError, short_key
 from tierkv.units import MiB, format_bytes
-from tierkv.tiers.disk_files import Trust, check_dir, check_file, read_private_file
-from tierkv.tiers.disk_format import MAX_NAMESPACE_JSON_BYTES
+from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, Trust, check_dir, check_file,
+                                     read_private_file)
 
 _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
            lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,

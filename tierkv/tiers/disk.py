@@ -18,7 +18,7 @@ called from several threads: LMDB serializes write transactions, reads run concu
   straight into ``out``. ``OK`` only for verified bytes of this namespace, rank and key; a
   bad value is deleted, counted and answered ``CORRUPT``. On anything but ``OK`` the
   contents of ``out`` are unspecified.
-- ``scan(batch)`` yields ``DiskRecord`` from the small "index" sub-db, read in short txns
+- ``scan(batch)`` yields ``ChunkRecord`` from the small "index" sub-db, read in short txns
   of ``batch`` keys (restart warm without reading payloads).
 - ``verify(repair)`` checks every value (and index consistency); ``repair`` deletes bad ones.
 - ``claim()`` makes this process the environment's one writer (``exclusive=True`` does it
@@ -50,6 +50,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -58,23 +59,44 @@ import lmdb
 
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError, short_key
-from tierkv.units import format_bytes
 from tierkv.keys import KEY_BYTES, Namespace
+from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.disk_env import META_NEXT_SEQ, FilesDamaged, LmdbEnv
-from tierkv.tiers.disk_format import (DiskRecord, DiskStatistics, NamespaceInfo, PutResult,
-                                     ReadStatus, ValueWriter, VerifyReport, binding_of,
-                                     check_value, list_namespaces, map_size_for,
-                                     pack_index, tune_malloc, unpack_index)
+from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
+from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value, pack_index, unpack_index
+from tierkv.tiers.lmdb_tuning import map_size_for, tune_malloc
+from tierkv.units import format_bytes
 
 __all__ = [
-    "DiskRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult", "ReadStatus",
+    "ChunkRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult", "ReadStatus",
     "VerifyReport", "list_namespaces", "map_size_for", "tune_malloc",
 ]
 
 logger = logging.getLogger("tierkv.disk")
 
 
-class DiskTier:
+@dataclass(frozen=True)
+class DiskStatistics:
+    """Counters since open; ``chunks`` and ``map_size`` are current."""
+
+    chunks: int
+    bytes_written: int
+    bytes_read: int
+    puts: int
+    reads: int
+    hits: int
+    misses: int
+    corrupt: int
+    full: int
+    syncs: int
+    map_size: int
+    write_txns: int = 0
+    rebuilds: int = 0  # damaged or misplaced environments moved aside, started empty
+    stale_readers: int = 0  # reader slots of dead processes cleared
+    map_adopted: int = 0  # times a map grown by another process was adopted
+
+
+class DiskTier(LowerTier):
     """Chunk payloads of one namespace and rank in LMDB. See the module docstring."""
 
     def __init__(
@@ -135,6 +157,10 @@ class DiskTier:
     @property
     def repair(self) -> bool:
         return self._lmdb.repair
+
+    @property
+    def sync_every_seconds(self) -> float | None:
+        return self.config.sync_every_seconds if self.config.sync_mode == "periodic" else None
 
     @property
     def claimed(self) -> bool:
@@ -437,14 +463,14 @@ class DiskTier:
             more = cursor.next()
         return rows
 
-    def scan(self, batch: int = 1024) -> Iterator[DiskRecord]:
+    def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]:
         """Every stored chunk as (key, payload_len, seq), from the index; no payload is read.
 
         The index is read whole (one short txn per ``batch`` keys) before the first record
         is yielded, so damage met anywhere in it (the environment is then rebuilt empty)
         never leaves a caller holding records of an environment that is gone."""
         self._check_batch(batch)
-        records: list[DiskRecord] = []
+        records: list[ChunkRecord] = []
         last: bytes | None = None
         replaced = self._lmdb.replacements
 
@@ -462,7 +488,7 @@ class DiskTier:
             for key, raw in rows:
                 parsed = unpack_index(raw)
                 if parsed is not None:
-                    records.append(DiskRecord(key, parsed[0], parsed[1]))
+                    records.append(ChunkRecord(key, parsed[0], parsed[1]))
             if len(rows) < batch:
                 break
             last = rows[-1][0]

@@ -53,12 +53,12 @@ import msgpack
 
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
                            NamespaceMismatchError, TierKVError, UsageError, short_key)
-from tierkv.units import format_bytes
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
-                                     make_private_dir, move_aside, prepare_root,
-                                     read_private_file, write_private_file)
-from tierkv.tiers.disk_format import list_namespaces, namespace_record
+                                     list_namespaces, make_private_dir, move_aside,
+                                     namespace_record, prepare_root, read_private_file,
+                                     write_private_file)
+from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")
 

@@ -14,6 +14,9 @@ Primitives and contracts:
   never used, the caller moves it aside.
 - :func:`make_private_dir`, :func:`write_private_file` (atomic, 0o600),
   :func:`move_aside` (``<name>.<why>-<UTC time>[-n]``, kept for inspection).
+- :func:`namespace_record` (what ``namespace.json`` and the meta record hold) and
+  :func:`list_namespaces` (the ``namespace.json`` files under a root, for operators;
+  unreadable or untrusted ones are skipped with a warning).
 - :class:`OwnerLock`: an exclusive ``flock`` on ``tierkv-owner.lock`` inside an
   environment, held by the one process that writes it. It dies with the process: a child
   forked meanwhile closes its inherited copy at once, so it never keeps the claim alive.
@@ -27,15 +30,19 @@ from __future__ import annotations
 import enum
 import errno
 import fcntl
+import json
 import logging
 import os
 import secrets
 import stat
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tierkv.errors import ConfigError
+from tierkv.keys import FORMAT_VERSION
 
 logger = logging.getLogger("tierkv.disk")
 
@@ -253,3 +260,52 @@ class OwnerLock:
         _HELD.discard(self)
         if fd is not None:
             os.close(fd)
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One ``ns-<fingerprint>`` directory as ``namespace.json`` describes it."""
+
+    fingerprint: str
+    path: Path
+    description: dict[str, Any]
+    format_version: int
+    ranks: tuple[int, ...] = ()
+
+
+def namespace_record(fingerprint: str, description: dict[str, Any],
+                     rank: int | None = None) -> dict[str, Any]:
+    """What ``namespace.json`` holds; the "meta" sub-db's record adds the ``rank``."""
+    record = {"fingerprint": fingerprint, "format_version": FORMAT_VERSION,
+              "namespace": description}
+    if rank is not None:
+        record["rank"] = rank
+    return record
+
+
+MAX_NAMESPACE_JSON_BYTES = 1 << 20  # tierkv writes a few hundred bytes
+
+
+def list_namespaces(root: Path) -> list[NamespaceInfo]:
+    """Namespaces under ``root`` from their ``namespace.json`` (unreadable ones are skipped:
+    missing, too big, not JSON, nested too deep, or not the shape tierkv writes)."""
+    infos: list[NamespaceInfo] = []
+    for ns_dir in sorted(Path(root).glob("ns-*")):
+        if check_dir(ns_dir, fix=False) is not Trust.OK:
+            continue
+        try:
+            raw = read_private_file(ns_dir / "namespace.json", MAX_NAMESPACE_JSON_BYTES)
+            if raw is None:
+                raise ValueError("missing, or not a regular file of this user's")
+            if len(raw) > MAX_NAMESPACE_JSON_BYTES:
+                raise ValueError(f"larger than {MAX_NAMESPACE_JSON_BYTES} bytes")
+            record = json.loads(raw.decode())
+            description = dict(record["namespace"])
+            version = int(record["format_version"])
+            fingerprint = str(record["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            logger.warning("disk tier: skipping %s: unreadable namespace.json (%s)", ns_dir, exc)
+            continue
+        ranks = sorted(int(p.name[5:]) for p in ns_dir.glob("rank-*") if p.name[5:].isdigit())
+        infos.append(NamespaceInfo(fingerprint, ns_dir, description, version, tuple(ranks)))
+    return infos

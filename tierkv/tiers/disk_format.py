@@ -1,4 +1,4 @@
-"""The disk tier's on-disk format and plain records (``docs/on-disk-format.md`` has every byte).
+"""The disk tier's value format (``docs/on-disk-format.md`` has every byte).
 
 Primitives and contracts:
 
@@ -17,39 +17,20 @@ Primitives and contracts:
   bounded.
 - :func:`pack_index` / :func:`unpack_index`: the "index" sub-db value ``<QQ`` (payload
   length, seq), so a restart rebuilds its index without reading payloads.
-- :func:`map_size_for`: LMDB ``map_size`` from the disk cap, with headroom.
-- :func:`tune_malloc` (glibc, once per process, ``TIERKV_MALLOPT=0`` opts out) keeps the
-  heap blocks LMDB allocates for each value's pages from being faulted in afresh per put.
-- :func:`namespace_record` (the meta record: namespace, fingerprint, rank, format) and
-  :func:`list_namespaces` (``namespace.json`` files, for operators).
-- The plain records the tier returns: :class:`ReadStatus`, :class:`PutResult`,
-  :class:`DiskRecord`, :class:`VerifyReport`, :class:`DiskStatistics`.
 
-Files and directories (private modes, ownership checks, moving aside) are
-:mod:`tierkv.tiers.disk_files`.
+The environment's layout and sizing are :mod:`tierkv.tiers.disk_env` and
+:mod:`tierkv.tiers.lmdb_tuning`; files and directories :mod:`tierkv.tiers.disk_files`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import enum
-import json
-import logging
-import os
-import platform
 import struct
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import xxhash
 
 from tierkv.keys import FORMAT_VERSION
-from tierkv.units import MiB
-from tierkv.tiers.disk_files import Trust, check_dir, read_private_file
-
-logger = logging.getLogger("tierkv.disk")
 
 MAGIC = b"TK"
 MAX_HEADER_BYTES = 64
@@ -160,162 +141,3 @@ def unpack_index(raw: bytes) -> tuple[int, int] | None:
         return None
     payload_len, seq = _INDEX.unpack(raw)
     return int(payload_len), int(seq)
-
-
-def map_size_for(max_bytes: int, payload_bytes: int, page_bytes: int = 4096) -> int:
-    """LMDB ``map_size`` for a disk cap of ``max_bytes`` of payloads.
-
-    ``chunks = ceil(max_bytes / payload_bytes)``; each value takes
-    ``ceil((payload + 68 + 16) / page)`` overflow pages (68: largest prefix + header, 16:
-    LMDB's page header); the two B-trees take under 256 bytes per chunk; then 25% for
-    copy-on-write and free-list fragmentation, plus 4 MiB for meta pages and roots, rounded
-    up to 1 MiB. 64 GiB of 2 MiB chunks gives 80.2 GiB (a sparse file: only written pages
-    take disk space).
-    """
-    num_chunks = -(-max_bytes // payload_bytes)
-    value_pages = -(-(payload_bytes + MAX_VALUE_OVERHEAD + LMDB_PAGE_HEADER) // page_bytes)
-    data = num_chunks * value_pages * page_bytes
-    total = data + data // 4 + num_chunks * 256 + 4 * MiB
-    return -(-total // MiB) * MiB
-
-
-class ReadStatus(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"
-    CORRUPT = "corrupt"
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What one ``put_many`` did. ``full`` keys found no room in the map (not an error)."""
-
-    written: tuple[bytes, ...]
-    full: tuple[bytes, ...] = ()
-    deleted: int = 0
-    num_bytes: int = 0
-    message: str | None = None
-
-
-@dataclass(frozen=True)
-class DiskRecord:
-    """One stored chunk as the index knows it (the value itself is checked on read)."""
-
-    key: bytes
-    payload_len: int
-    seq: int
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """``bad_keys``: values failing any check, or index entries without a value.
-    ``damaged``: the environment itself was found damaged (what LMDB or the checks said);
-    it was then moved aside and rebuilt empty (``rebuilt``) when the tier may repair."""
-
-    checked: int
-    bad_keys: tuple[bytes, ...]
-    repaired: int
-    damaged: str | None = None
-    rebuilt: bool = False
-
-
-@dataclass(frozen=True)
-class DiskStatistics:
-    """Counters since open; ``chunks`` and ``map_size`` are current."""
-
-    chunks: int
-    bytes_written: int
-    bytes_read: int
-    puts: int
-    reads: int
-    hits: int
-    misses: int
-    corrupt: int
-    full: int
-    syncs: int
-    map_size: int
-    write_txns: int = 0
-    rebuilds: int = 0  # damaged or misplaced environments moved aside, started empty
-    stale_readers: int = 0  # reader slots of dead processes cleared
-    map_adopted: int = 0  # times a map grown by another process was adopted
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
-_malloc_tuned = False
-
-
-def tune_malloc(write_batch_bytes: int) -> bool:
-    """Keep LMDB's freed dirty pages in the heap (glibc; once per process; opt out with
-    ``TIERKV_MALLOPT=0``). Returns whether it changed anything.
-
-    With ``writemap=False`` LMDB mallocs every value's overflow pages in the write txn and
-    frees them at commit. Once a process has loaded torch, glibc often serves each of those
-    multi-MiB blocks with a fresh ``mmap`` (or trims the heap after each commit), so every
-    put page-faults its buffer in again: measured 0.4-0.5x of ``dd`` instead of 0.75-0.8x
-    (``docs/benchmarks/disk.md``). This sets ``M_MMAP_THRESHOLD`` to 32 MiB (glibc's own
-    dynamic ceiling) and ``M_TRIM_THRESHOLD`` to ``max(4 * write_batch_bytes, 32 MiB)``:
-    the process keeps up to that much free heap instead of returning it to the OS.
-    """
-    global _malloc_tuned
-    if _malloc_tuned or os.environ.get("TIERKV_MALLOPT", "1") == "0":
-        return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    trim = min(max(4 * write_batch_bytes, 32 << 20), 1 << 30)
-    _malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim))
-    logger.debug("disk tier: mallopt(M_MMAP_THRESHOLD=32 MiB, M_TRIM_THRESHOLD=%d): %s",
-                 trim, _malloc_tuned)
-    return _malloc_tuned
-
-
-@dataclass(frozen=True)
-class NamespaceInfo:
-    """One ``ns-<fingerprint>`` directory as ``namespace.json`` describes it."""
-
-    fingerprint: str
-    path: Path
-    description: dict[str, Any]
-    format_version: int
-    ranks: tuple[int, ...] = ()
-
-
-def namespace_record(fingerprint: str, description: dict[str, Any],
-                     rank: int | None = None) -> dict[str, Any]:
-    """What ``namespace.json`` holds; the "meta" sub-db's record adds the ``rank``."""
-    record = {"fingerprint": fingerprint, "format_version": FORMAT_VERSION,
-              "namespace": description}
-    if rank is not None:
-        record["rank"] = rank
-    return record
-
-
-MAX_NAMESPACE_JSON_BYTES = 1 << 20  # tierkv writes a few hundred bytes
-
-
-def list_namespaces(root: Path) -> list[NamespaceInfo]:
-    """Namespaces under ``root`` from their ``namespace.json`` (unreadable ones are skipped:
-    missing, too big, not JSON, nested too deep, or not the shape tierkv writes)."""
-    infos: list[NamespaceInfo] = []
-    for ns_dir in sorted(Path(root).glob("ns-*")):
-        if check_dir(ns_dir, fix=False) is not Trust.OK:
-            continue
-        try:
-            raw = read_private_file(ns_dir / "namespace.json", MAX_NAMESPACE_JSON_BYTES)
-            if raw is None:
-                raise ValueError("missing, or not a regular file of this user's")
-            if len(raw) > MAX_NAMESPACE_JSON_BYTES:
-                raise ValueError(f"larger than {MAX_NAMESPACE_JSON_BYTES} bytes")
-            record = json.loads(raw.decode())
-            description = dict(record["namespace"])
-            version = int(record["format_version"])
-            fingerprint = str(record["fingerprint"])
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-            logger.warning("disk tier: skipping %s: unreadable namespace.json (%s)", ns_dir, exc)
-            continue
-        ranks = sorted(int(p.name[5:]) for p in ns_dir.glob("rank-*") if p.name[5:].isdigit())
-        infos.append(NamespaceInfo(fingerprint, ns_dir, description, version, tuple(ranks)))
-    return infos

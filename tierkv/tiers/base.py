@@ -1,0 +1,112 @@
+"""LowerTier: a tier below the CPU tier (the disk tier; later a remote one).
+
+A lower tier holds chunk payloads of one namespace and rank under 32-byte keys. The CPU
+slab is its only gateway to the GPU: payloads come from slots and go into slots. The I/O
+threads that drive it (:class:`tierkv.transfer.disk_io.DiskIO`) and the operator tools
+(:mod:`tierkv.tools`) use nothing but this interface.
+
+Primitives and their contracts (every implementation):
+
+- ``put_many(items, deletes=())``: delete ``deletes``, then store ``items`` (key, payload of
+  exactly ``payload_bytes``); the payloads are copied before it returns, so slots may be
+  reused. No room is a value (``PutResult.full``, with a message naming the setting), never
+  an exception; a tier that fails underneath raises :class:`BrokenError`.
+- ``delete_many(keys)``: absent keys are ignored; returns how many existed.
+- ``read_into(key, out)``: ``OK`` only for verified bytes of this namespace, rank and key,
+  copied into ``out[:payload_bytes]``; ``MISSING``; or ``CORRUPT`` (the value failed its
+  checks; a writable tier deletes it). ``out``'s contents are unspecified unless ``OK``.
+- ``scan()``: every stored chunk as a :class:`ChunkRecord` (no payload read).
+- ``verify(repair)``: check every value; ``repair`` deletes bad ones (:class:`VerifyReport`).
+- ``sync()`` (the durability point), ``sync_if_due()`` (the tier's own schedule; the I/O
+  thread calls it when idle), ``statistics()``, ``close()`` (idempotent; later calls raise
+  :class:`ClosedError`).
+- ``read_only``: nothing is changed; writes raise :class:`UsageError`.
+- ``sync_every_seconds``: how often an idle I/O thread should call ``sync_if_due`` (None:
+  never).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What one ``put_many`` did. ``full`` keys found no room (not an error)."""
+
+    written: tuple[bytes, ...]
+    full: tuple[bytes, ...] = ()
+    deleted: int = 0
+    num_bytes: int = 0
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored chunk as the tier's index knows it (the value itself is checked on read)."""
+
+    key: bytes
+    payload_len: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """``bad_keys``: values failing any check, or index entries without a value.
+    ``damaged``: the tier's storage itself was found damaged (what the checks said); it
+    was then rebuilt empty (``rebuilt``) when the tier may repair."""
+
+    checked: int
+    bad_keys: tuple[bytes, ...]
+    repaired: int
+    damaged: str | None = None
+    rebuilt: bool = False
+
+
+class LowerTier(ABC):
+    """A tier below the CPU tier; see the module docstring."""
+
+    payload_bytes: int
+    read_only: bool
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, Any]],
+                 deletes: Sequence[bytes] = ()) -> PutResult: ...
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def read_into(self, key: bytes, out: Any) -> ReadStatus: ...
+
+    @abstractmethod
+    def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]: ...
+
+    @abstractmethod
+    def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport: ...
+
+    @abstractmethod
+    def sync(self) -> None: ...
+
+    @abstractmethod
+    def sync_if_due(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def sync_every_seconds(self) -> float | None: ...
+
+    @abstractmethod
+    def statistics(self) -> Any: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
