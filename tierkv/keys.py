@@ -79,7 +79,8 @@ class Namespace:
     ``layer_names`` are the registered layers in registration order (the slot layout is
     layer-major, so the same pages under another order are other bytes); empty only for
     namespaces built by hand. ``blocks_per_chunk`` is how the ``tokens_per_chunk`` split
-    into engine blocks (the same tokens in another split are another byte layout)."""
+    into engine blocks (the same tokens in another split are another byte layout).
+    ``chunk_bytes`` is one chunk's payload on one rank (what a disk value holds)."""
 
     model_id: str
     dtype: str
@@ -94,6 +95,7 @@ class Namespace:
     extra: str = ""
     layer_names: tuple[str, ...] = ()
     blocks_per_chunk: int = 1
+    chunk_bytes: int = 0  # payload bytes of one chunk on one rank; 0: not recorded
 
     def __post_init__(self) -> None:
         for name in ("page_bytes", "tokens_per_chunk", "num_layers", "tp_size",
@@ -114,6 +116,9 @@ class Namespace:
         if names and len(names) != self.num_layers:
             raise ConfigError(f"namespace: {len(names)} layer_names for num_layers="
                               f"{self.num_layers}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) \
+                or self.chunk_bytes < 0:
+            raise ConfigError(f"namespace: chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
         if self.tokens_per_chunk % self.blocks_per_chunk:
             raise ConfigError(f"namespace: tokens_per_chunk={self.tokens_per_chunk} is not a "
                               f"multiple of blocks_per_chunk={self.blocks_per_chunk}")

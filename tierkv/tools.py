@@ -1,9 +1,9 @@
 """Operator tools over a disk tier root: ``tierkv inspect`` and ``tierkv verify``.
 
-- :func:`inspect_store` reads every ``ns-<fingerprint>/rank-<r>`` environment **read-only**
-  (LMDB ``readonly``; index records only, in short read transactions of 1024 keys; no
-  payload is read): namespace, chunks, payload bytes, file size, oldest and newest chunk by
-  write sequence, last write time, format version, environments moved aside as broken.
+- :func:`inspect_store` reads every ``ns-<fingerprint>/rank-<r>`` environment through a
+  **read-only** :class:`DiskTier` (its index records only; no payload is read, nothing is
+  changed): namespace, chunks, payload bytes, file size, oldest and newest chunk by write
+  sequence, last write time, format version, environments moved aside.
 - :func:`verify_store` checks every value's header and checksum and the index
   (:meth:`DiskTier.verify`). Without ``repair`` nothing is changed (every environment is
   opened read-only): one that is damaged (LMDB reports damage, its meta record is
@@ -24,30 +24,19 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import struct
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lmdb
-import msgpack
-
-from tierkv.errors import BrokenError, ConfigError, short_key
-from tierkv.units import MiB, format_bytes
-from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, Trust, check_dir, check_file,
+from tierkv.config import DiskTierConfig
+from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
+                           short_key)
+from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, Trust, check_file,
                                      read_private_file)
-
-_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
-           lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
-           lmdb.BadChecksumError, lmdb.NotFoundError)
-_INDEX = struct.Struct("<QQ")
-_BATCH = 1024
-
-
-class _Damaged(Exception):
-    """The environment is not what tierkv writes (the engine would move it aside)."""
+from tierkv.units import MiB, format_bytes
 
 
 @dataclass
@@ -89,100 +78,59 @@ def _store_dirs(root: Path) -> list[Path]:
     return dirs
 
 
-def _batches(env: lmdb.Environment, db: Any) -> Iterator[list[tuple[bytes, bytes]]]:
-    last: bytes | None = None
-    while True:
-        with env.begin(db=db, buffers=False) as txn:
-            cursor = txn.cursor()
-            more = cursor.set_range(last) if last is not None else cursor.first()
-            if more and last is not None and cursor.key() == last:
-                more = cursor.next()
-            rows: list[tuple[bytes, bytes]] = []
-            while more and len(rows) < _BATCH:
-                rows.append((cursor.key(), cursor.value()))
-                more = cursor.next()
-        if rows:
-            yield rows
-        if len(rows) < _BATCH:
-            return
-        last = rows[-1][0]
-
-
-def _open_readonly(path: Path) -> lmdb.Environment:
+def _namespace_of(report: NamespaceReport) -> Namespace:
+    """The namespace ``namespace.json`` describes; ConfigError when it cannot be read as one
+    of this tierkv's, or does not fingerprint as its directory's name."""
+    if report.problem is not None:
+        raise ConfigError(f"namespace {report.fingerprint[:8]}: {report.problem}")
+    if report.format_version != FORMAT_VERSION:
+        raise ConfigError(
+            f"namespace {report.fingerprint[:8]} ({report.path}) has format version "
+            f"{report.format_version}, written by another tierkv; this tierkv reads format "
+            f"{FORMAT_VERSION} and never serves it (an engine starts that namespace empty). "
+            f"Delete the directory when no such tierkv uses it, or verify the rest with "
+            f"--namespace")
     try:
-        env = lmdb.open(str(path), readonly=True, subdir=True, lock=True, max_dbs=4,
-                        readahead=False)
-    except _DAMAGE as exc:
-        raise _Damaged(f"LMDB cannot open it: {exc}") from exc
-    except lmdb.Error as exc:
-        raise BrokenError(f"cannot open {path} read-only: {exc} (check permissions)") from exc
-    try:
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        actual = (path / "data.mdb").stat().st_size
-        if actual < needed:  # reading past the end of the map would SIGBUS
-            raise _Damaged(f"data.mdb has {actual} bytes, its meta page needs {needed}")
-    except BaseException:
-        env.close()
-        raise
-    return env
+        namespace = Namespace(**report.description)
+    except (TypeError, ConfigError) as exc:
+        raise ConfigError(f"namespace {report.fingerprint[:8]}: cannot rebuild it from its "
+                          f"record ({exc})") from exc
+    if namespace.fingerprint() != report.fingerprint:
+        raise ConfigError(f"{report.path}: its record fingerprints as "
+                          f"{namespace.fingerprint()[:8]}, not as its directory name says")
+    return namespace
 
 
-def _read_record(env: lmdb.Environment) -> dict[str, Any]:
-    meta = env.open_db(b"meta", create=False)
-    with env.begin(db=meta) as txn:
-        raw = txn.get(b"namespace")
-    if raw is None:
-        raise _Damaged("no namespace record in the meta sub-db")
-    try:
-        record = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
-    except Exception as exc:
-        raise _Damaged(f"namespace record does not decode: {exc}") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("namespace"), dict):
-        raise _Damaged("namespace record has the wrong shape")
-    return record
+def _open_tier(root: Path, namespace: Namespace, rank: RankReport, **how: Any) -> DiskTier:
+    payload = namespace.chunk_bytes or rank.payload_len or 1
+    config = DiskTierConfig(path=root, max_bytes=max(2 * rank.file_bytes, 64 * MiB),
+                            sync_mode="close")
+    return DiskTier(root, namespace, rank.rank, config, payload, **how)
 
 
-def peek_rank(path: Path, rank: int) -> RankReport:
-    """A :class:`RankReport` of one environment, read-only."""
+def peek_rank(root: Path, namespace: Namespace, rank: int, path: Path) -> RankReport:
+    """A :class:`RankReport` of one environment, through a read-only :class:`DiskTier`
+    (index records only: no payload is read, nothing is changed)."""
     report = RankReport(rank, path)
-    for directory in (path.parent, path):
-        if check_dir(directory, fix=False) is not Trust.OK:
-            report.problem = f"{directory} is not a directory that only this user can write"
-            return report
-    for name in ("data.mdb", "lock.mdb"):
-        if check_file(path / name, fix=False) is Trust.FOREIGN:
-            report.problem = f"{name} is not a regular file that only this user can write"
-            return report
     data = path / "data.mdb"
-    if data.exists():
-        stat = data.stat()
-        report.file_bytes = stat.st_size
-        report.last_write = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(stat.st_mtime))
+    if check_file(data, fix=False) is Trust.OK:
+        info = data.stat()
+        report.file_bytes = info.st_size
+        report.last_write = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.st_mtime))
     try:
-        env = _open_readonly(path)
-        try:
-            report.record = _read_record(env)
-            index = env.open_db(b"index", create=False)
+        with _open_tier(root, namespace, report, read_only=True) as tier:
             lengths: collections.Counter[int] = collections.Counter()
-            for rows in _batches(env, index):
-                for key, raw in rows:
-                    if len(raw) != _INDEX.size:
-                        continue
-                    payload_len, seq = _INDEX.unpack(raw)
-                    report.chunks += 1
-                    report.payload_bytes += payload_len
-                    lengths[payload_len] += 1
-                    if report.oldest is None or seq < report.oldest[1]:
-                        report.oldest = (key.hex(), seq)
-                    if report.newest is None or seq > report.newest[1]:
-                        report.newest = (key.hex(), seq)
+            for record in tier.scan():
+                report.chunks += 1
+                report.payload_bytes += record.payload_len
+                lengths[record.payload_len] += 1
+                if report.oldest is None or record.seq < report.oldest[1]:
+                    report.oldest = (record.key.hex(), record.seq)
+                if report.newest is None or record.seq > report.newest[1]:
+                    report.newest = (record.key.hex(), record.seq)
             report.payload_len = lengths.most_common(1)[0][0] if lengths else 0
-        finally:
-            env.close()
-    except _Damaged as exc:
+    except (DamagedError, NamespaceMismatchError, BrokenError) as exc:
         report.problem = str(exc)
-    except _DAMAGE as exc:
-        report.problem = f"LMDB reports damage: {exc}"
     return report
 
 
@@ -201,21 +149,18 @@ def inspect_store(root: Path) -> list[NamespaceReport]:
             report.format_version = int(record["format_version"])
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             report.problem = f"namespace.json unreadable ({exc})"
+        try:
+            namespace: Namespace | None = _namespace_of(report)
+        except ConfigError as exc:
+            namespace, why = None, str(exc)
         for rank_dir in sorted(ns_dir.glob("rank-*")):
             suffix = rank_dir.name[5:]
             if suffix.isdigit() and rank_dir.is_dir():
-                rank = peek_rank(rank_dir, int(suffix))
-                if rank.record is not None:  # the authoritative copy wins
-                    report.description = dict(rank.record["namespace"])
-                    report.format_version = int(rank.record.get("format_version", 0))
-                    if rank.record.get("fingerprint") != fingerprint:
-                        rank.problem = (f"holds namespace {rank.record.get('fingerprint')!r}, "
-                                        f"not the one its directory names")
-                    elif rank.record.get("rank", rank.rank) != rank.rank:
-                        rank.problem = (f"holds rank {rank.record.get('rank')!r}, not the one "
-                                        f"its directory names")
-                report.ranks.append(rank)
-            elif ".broken-" in rank_dir.name:
+                if namespace is None:
+                    report.ranks.append(RankReport(int(suffix), rank_dir, problem=f"not read: {why}"))
+                else:
+                    report.ranks.append(peek_rank(Path(root), namespace, int(suffix), rank_dir))
+            elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
                 report.broken.append(rank_dir.name)
         reports.append(report)
     return reports
@@ -241,14 +186,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome) -> None:
     """Check one environment through :class:`DiskTier` (``repair``: it may delete bad chunks,
     and move a damaged environment aside and rebuild it, as the engine itself does)."""
-    from tierkv.config import DiskTierConfig
-    from tierkv.errors import DamagedError, NamespaceMismatchError
-    from tierkv.tiers.disk import DiskTier
-
     name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
-    payload = rank.payload_len or 1
-    config = DiskTierConfig(path=root, max_bytes=max(2 * rank.file_bytes, 64 * MiB),
-                            sync_mode="close")
     if rank.problem is not None:
         outcome.damaged += 1
         outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
@@ -256,8 +194,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
             return
     before = set(rank.path.parent.glob(f"{rank.path.name}.*-*"))
     try:
-        with DiskTier(root, namespace, rank.rank, config, payload, repair=repair,
-                      read_only=not repair) as tier:
+        with _open_tier(root, namespace, rank, repair=repair, read_only=not repair) as tier:
             result = tier.verify(repair=repair)
             rebuilt = tier.statistics().rebuilds > 0
             if rebuilt and rank.problem is None:
@@ -301,29 +238,13 @@ def _report_chunks(tier: Any, name: str, result: Any, repair: bool,
 
 def verify_store(root: Path, repair: bool = False, only: str | None = None) -> VerifyOutcome:
     """Verify every chunk of every namespace (or those whose fingerprint starts with ``only``)."""
-    from tierkv.keys import FORMAT_VERSION, Namespace
-
     root = Path(root)
     outcome = VerifyOutcome()
     for report in inspect_store(root):
         if only and not report.fingerprint.startswith(only):
             continue
         outcome.namespaces += 1
-        if report.format_version not in (None, FORMAT_VERSION):
-            raise ConfigError(
-                f"namespace {report.fingerprint[:8]} ({report.path}) has format version "
-                f"{report.format_version}, written by another tierkv; this tierkv reads format "
-                f"{FORMAT_VERSION} and never serves it (an engine starts that namespace empty). "
-                f"Delete the directory when no such tierkv uses it, or verify the rest with "
-                f"--namespace")
-        try:
-            namespace = Namespace(**report.description)
-        except (TypeError, ConfigError) as exc:
-            raise ConfigError(f"namespace {report.fingerprint[:8]}: cannot rebuild it from its "
-                              f"record ({exc})") from exc
-        if namespace.fingerprint() != report.fingerprint:
-            raise ConfigError(f"{report.path}: its record fingerprints as "
-                              f"{namespace.fingerprint()[:8]}, not as its directory name says")
+        namespace = _namespace_of(report)
         for rank in report.ranks:
             _verify_rank(root, namespace, rank, repair, outcome)
     if only and not outcome.namespaces:

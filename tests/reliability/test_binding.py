@@ -233,7 +233,8 @@ def test_verify_reports_swapped_ranks_and_repair_moves_them_aside(
     _swap_ranks(ns_dir)
     assert main(["verify", str(tmp_path)]) == 1  # reported, nothing touched
     out = capsys.readouterr().out
-    assert out.count("holds rank") == 2 and not list(ns_dir.glob("*.foreign-*"))
+    assert out.count(": damaged environment") == 2 and not list(ns_dir.glob("*.foreign-*"))
+    assert "rank 1; expected" in out and "rank 0; expected" in out
     assert main(["verify", "--repair", str(tmp_path)]) == 1
     assert len(list(ns_dir.glob("rank-*.foreign-*"))) == 2
     assert main(["verify", str(tmp_path)]) == 0

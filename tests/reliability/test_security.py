@@ -371,7 +371,7 @@ CHANGES: dict[str, Any] = {"model_id": "m2", "dtype": "float16", "kv_layout": "H
                            "tp_size": 4, "rank_layout": "pp", "hash_scheme": "other",
                            "format_version": FORMAT_VERSION + 1, "extra": "quant:fp8",
                            "layer_names": tuple(f"model.layers.{i}" for i in range(32)),
-                           "blocks_per_chunk": 16}
+                           "blocks_per_chunk": 16, "chunk_bytes": 1 << 20}
 
 
 def test_every_namespace_field_changes_the_directory() -> None:

@@ -117,6 +117,7 @@ def build_namespace(
         tp_size=tp_size,
         layer_names=layout.layer_names,
         blocks_per_chunk=config.blocks_per_chunk,
+        chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk),
     )
 
 
@@ -264,7 +265,7 @@ class TierKVStore:
         own = build_namespace(self.layout, namespace.model_id, namespace.tokens_per_chunk // bpc,
                               self.config, namespace.tp_size)
         for name in ("dtype", "kv_layout", "page_bytes", "num_layers", "layer_names",
-                     "blocks_per_chunk"):
+                     "blocks_per_chunk", "chunk_bytes"):
             if getattr(namespace, name) != getattr(own, name):
                 raise ConfigError(
                     f"store: the namespace says {name}={getattr(namespace, name)!r}, the KV "

@@ -322,6 +322,7 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
         extra=f"vllm-{vllm_minor(vllm_version)}" + (f"/quant:{quantization}" if quantization else ""),
         layer_names=geometry.layer_names,
         blocks_per_chunk=geometry.blocks_per_chunk,
+        chunk_bytes=geometry.chunk_bytes,
     )
 
 
