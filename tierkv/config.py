@@ -16,6 +16,15 @@ from typing import Any
 from tierkv.errors import ConfigError
 from tierkv.units import GiB, MiB
 
+# Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
+DISK_OVERHEAD_BYTES = 8192
+
+
+def disk_chunk_capacity(disk_bytes: int, chunk_bytes: int, ranks: int = 1) -> int:
+    """Chunks a disk cap of ``disk_bytes`` holds, each ``chunk_bytes`` on each of ``ranks``
+    ranks (with :data:`DISK_OVERHEAD_BYTES` per chunk and rank): the one capacity formula."""
+    return max(disk_bytes // ((chunk_bytes + DISK_OVERHEAD_BYTES) * ranks), 0)
+
 
 def _is_number(value: Any) -> bool:
     """An int or float, not a bool, not NaN (NaN compares false with everything)."""

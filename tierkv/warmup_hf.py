@@ -292,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tierkv.warmup import ChunkWriter, VllmTarget, WarmupReport, finish_report, warm_sequence
+    from tierkv.integrations.vllm_warmup import VllmTarget
+    from tierkv.warmup import ChunkWriter, WarmupReport, finish_report, warm_sequence
 
     model = HfModel(args.model, args.tokenizer or args.model, args.dtype, args.device)
     seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")

@@ -480,10 +480,21 @@ def test_import_is_light() -> None:
     assert out.stdout.strip().endswith("TierKVConnector")
 
 
-def test_disk_overhead_matches_the_library_store() -> None:
-    from tierkv.engine.store import DISK_OVERHEAD_BYTES
+def test_one_capacity_formula_for_the_connector_and_the_library_store(tmp_path: Path) -> None:
+    import torch
+
+    from tierkv.config import (DISK_OVERHEAD_BYTES, CpuTierConfig, DiskTierConfig, StoreConfig,
+                               disk_chunk_capacity)
+    from tierkv.engine.store import TierKVStore
 
     assert vllm_config.DISK_OVERHEAD_BYTES == DISK_OVERHEAD_BYTES
+    kv = [torch.zeros((8, 4, 64), dtype=torch.uint8)]
+    disk_bytes = 37 * (2 * 256 + DISK_OVERHEAD_BYTES) + 5
+    config = StoreConfig(blocks_per_chunk=2, cpu=CpuTierConfig(max_bytes=4096, pin_memory="never"),
+                         disk=DiskTierConfig(path=tmp_path, max_bytes=disk_bytes), device="cpu")
+    with TierKVStore(kv, model_id="m", config=config) as store:
+        assert store.index.disk_capacity == disk_chunk_capacity(disk_bytes, 512) == 37
+    assert disk_chunk_capacity(disk_bytes, 512, ranks=2) == 18
 
 
 # keys, events, stats ---------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from tierkv.keys import chunk_keys
 from tierkv.tiers.disk import list_namespaces
 from tierkv.tools import inspect_store, verify_store
 from tierkv.transfer.layout import KVLayout
-from tierkv.warmup import VllmTarget, gather_chunks, vllm_block_hashes, warmup_tokens
+from tierkv.integrations.vllm_warmup import VllmTarget, vllm_block_hashes
+from tierkv.warmup import gather_chunks, warmup_tokens
 
 TPC = 32  # tokens per chunk: 2 vLLM blocks of 16
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,"

@@ -54,7 +54,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 import torch
 
-from tierkv.config import StoreConfig
+from tierkv.config import StoreConfig, disk_chunk_capacity
 from tierkv.core.index import BlockIndex, IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobIds, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.executor import JobExecutor
@@ -67,9 +67,6 @@ from tierkv.transfer.factory import make_transfer_engine
 from tierkv.transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
-
-# Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
-DISK_OVERHEAD_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -229,7 +226,7 @@ class TierKVStore:
         if cfg.disk.path is not None:
             self.disk = DiskTier(Path(cfg.disk.path), namespace, cfg.rank, cfg.disk,
                                  self.chunk_bytes, exclusive=True)
-            disk_capacity = max(cfg.disk.max_bytes // (self.chunk_bytes + DISK_OVERHEAD_BYTES), 0)
+            disk_capacity = disk_chunk_capacity(cfg.disk.max_bytes, self.chunk_bytes)
             if disk_capacity < 1:
                 log.warning("disk tier: disk.max_bytes=%d holds no chunk; the disk tier stays empty",
                             cfg.disk.max_bytes)

@@ -29,15 +29,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tierkv.units import GiB
+from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
+from tierkv.config import disk_chunk_capacity
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.units import GiB
 
 SUPPORTED_VLLM = (0, 33)
 DEFAULT_TOKENS_PER_CHUNK = 256
-# Per-chunk disk overhead assumed for capacity accounting; the same value as
-# tierkv.engine.store.DISK_OVERHEAD_BYTES (a test pins that they agree).
-DISK_OVERHEAD_BYTES = 8192
 # Layouts whose per-block page is one dense [H, N, C] region, and its memory order.
 PAGE_ORDER = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND",
               "NHD": "NHD", "HND": "HND"}
@@ -248,7 +247,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
                    f"per rank x {world_size} rank(s); raise cpu_bytes or lower tokens_per_chunk")
     disk_capacity = 0
     if settings.disk_path is not None:
-        disk_capacity = settings.disk_bytes // ((chunk_bytes + DISK_OVERHEAD_BYTES) * world_size)
+        disk_capacity = disk_chunk_capacity(settings.disk_bytes, chunk_bytes, world_size)
         if disk_capacity < 1:
             raise _bad("disk_bytes", settings.disk_bytes,
                        f"holds no chunk of {chunk_bytes} bytes per rank x {world_size} rank(s)")

@@ -1,0 +1,246 @@
+"""The vLLM target of the warm-up: chunks keyed and laid out as tierkv's vLLM connector
+stores them, so a vLLM 0.33 server over the store serves them as prefix hits.
+
+- :func:`vllm_block_hashes` computes the ``request.block_hashes`` vLLM 0.33 computes for a
+  text-only request without LoRA (:func:`vllm_hash_function`, :func:`vllm_none_hash`: the
+  algorithms of ``vllm/utils/hashing.py``, checked against vLLM's own hasher in the tests).
+- :class:`VllmTarget` the engine the chunks are for: its geometry and namespace are the
+  connector's (:mod:`tierkv.integrations.vllm_config`, one definition); ``chunk_keys`` as
+  the connector derives them (:mod:`tierkv.integrations.vllm_keys`); :meth:`VllmTarget.pack`
+  turns HF-style K/V into the worker's bytes. :mod:`tierkv.warmup` writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tierkv.config import DiskTierConfig, disk_chunk_capacity
+from tierkv.errors import ConfigError
+from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HASHES, PAGE_ORDER,
+                                             STABLE_HASHES, ConnectorSettings, Geometry,
+                                             build_namespace, check_hash_stability,
+                                             check_vllm_version, disk_tier_config)
+from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
+from tierkv.keys import Namespace
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM 0.33 kv_cache_utils, PYTHONHASHSEED unset
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def vllm_hash_function(algorithm: str) -> Callable[[Any], bytes]:
+    """vLLM 0.33's ``prefix_caching_hash_algo`` functions (``vllm/utils/hashing.py``):
+    pickle (protocol HIGHEST) or canonical CBOR, then SHA-256 or xxh3-128."""
+    if algorithm not in KNOWN_HASHES:
+        raise ConfigError(f"warmup: hash algorithm {algorithm!r} (--hash-algo) is not one of "
+                          f"{list(KNOWN_HASHES)}")
+    serialize: Callable[[Any], bytes] = partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
+    if algorithm.endswith("_cbor"):
+        import cbor2
+
+        serialize = partial(cbor2.dumps, canonical=True)
+    if algorithm.startswith("sha256"):
+        return lambda obj: hashlib.sha256(serialize(obj)).digest()
+    import xxhash
+
+    return lambda obj: bytes(xxhash.xxh3_128_digest(serialize(obj)))
+
+
+def vllm_none_hash(algorithm: str, hash_seed: str | None) -> bytes:
+    """vLLM's NONE_HASH (the first block's parent): ``hash(PYTHONHASHSEED)``, or of the
+    fixed default seed for the SHA-256 algorithms when PYTHONHASHSEED is unset."""
+    if hash_seed is None:
+        if algorithm not in STABLE_HASHES:
+            raise ConfigError(f"warmup: --hash-algo {algorithm} without a seed gives block hashes "
+                              f"that vLLM draws at random on every start; pass --hash-seed with "
+                              f"the vLLM server's PYTHONHASHSEED, or use sha256 / sha256_cbor")
+        hash_seed = DEFAULT_NONE_HASH_SEED
+    return vllm_hash_function(algorithm)(hash_seed)
+
+
+def vllm_block_hashes(token_ids: Sequence[int], hash_block_size: int, algorithm: str = "sha256",
+                      hash_seed: str | None = None, cache_salt: str | None = None) -> list[bytes]:
+    """The ``request.block_hashes`` vLLM 0.33 computes for a text-only request without LoRA:
+    block ``i`` hashes ``(parent, tuple(tokens of block i), extra_keys)`` where ``parent``
+    is the previous block's hash (NONE_HASH first) and ``extra_keys`` is
+    ``(("cache_salt", salt),)`` on the first block of a salted request, else None."""
+    hash_fn = vllm_hash_function(algorithm)
+    parent = vllm_none_hash(algorithm, hash_seed)
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - hash_block_size + 1, hash_block_size):
+        extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+        block = tuple(int(token) for token in token_ids[start : start + hash_block_size])
+        parent = hash_fn((parent, block, extra))
+        hashes.append(parent)
+    return hashes
+
+
+# ------------------------------------------------------------------------------ vLLM target
+@dataclass(frozen=True)
+class VllmTarget:
+    """The vLLM 0.33 engine (with tierkv's connector) that the warmed chunks are for. Each
+    field mirrors a vLLM or connector setting (a wrong one gives chunks no engine looks up):
+    ``model_id`` is vLLM's ``--model`` as given, ``hash_seed`` the server's PYTHONHASHSEED
+    (None: unset), ``tokens_per_chunk`` and ``disk_bytes`` the connector's settings."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "float16"
+    head_size_v: int | None = None
+    block_size: int = 16
+    tokens_per_chunk: int | None = None
+    hash_block_size: int | None = None
+    kv_cache_layout: str = "LBNHC"
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    tensor_parallel_size: int = 1
+    disk_bytes: int = ConnectorSettings.disk_bytes
+    revision: str | None = None
+    vllm_version: str = "0.33.0"
+
+    def __post_init__(self) -> None:
+        for name, option in (("num_layers", "--model"), ("num_kv_heads", "--model"),
+                             ("head_size", "--model"), ("block_size", "--block-size"),
+                             ("tensor_parallel_size", "--tensor-parallel-size"),
+                             ("disk_bytes", "--disk-bytes")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"warmup: {name}={value!r} ({option}) must be a positive int")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"warmup: dtype {self.dtype!r} (--dtype) must be one of {list(_DTYPES)}")
+        if self.kv_cache_layout not in PAGE_ORDER:
+            raise ConfigError(f"warmup: KV cache layout {self.kv_cache_layout!r} (--kv-cache-layout) "
+                              f"must be one of {list(PAGE_ORDER)}")
+        check_vllm_version(self.vllm_version)
+        tpc, hbs = self.chunk_tokens, self.hash_block
+        if tpc <= 0 or hbs <= 0 or tpc % self.block_size or tpc % hbs:
+            raise ConfigError(f"warmup: tokens_per_chunk={tpc} (--tokens-per-chunk) must be a "
+                              f"multiple of the block size {self.block_size} (--block-size) and of "
+                              f"the hash block size {hbs} (--hash-block-size)")
+        heads, tp = self.num_kv_heads, self.tensor_parallel_size
+        if (heads % tp) if heads >= tp else (tp % heads):
+            raise ConfigError(f"warmup: {heads} KV heads do not split over --tensor-parallel-size {tp}")
+        vllm_none_hash(self.hash_algo, self.hash_seed)  # refuses unstable hashes
+        if self.disk_capacity < 1:
+            raise ConfigError(f"warmup: disk_bytes={self.disk_bytes} (--disk-bytes) holds no chunk "
+                              f"of {self.chunk_bytes} bytes x {tp} rank(s)")
+
+    @property
+    def chunk_tokens(self) -> int:
+        if self.tokens_per_chunk is not None:
+            return self.tokens_per_chunk
+        return -(-DEFAULT_TOKENS_PER_CHUNK // self.block_size) * self.block_size
+
+    @property
+    def hash_block(self) -> int:
+        return self.hash_block_size or self.block_size
+
+    @property
+    def heads_per_rank(self) -> int:
+        return max(self.num_kv_heads // self.tensor_parallel_size, 1)
+
+    def rank_heads(self, rank: int) -> slice:
+        """KV heads of ``rank``: contiguous runs, replicated when heads < ranks (as vLLM)."""
+        per = self.heads_per_rank
+        first = rank * per if self.num_kv_heads >= self.tensor_parallel_size else \
+            rank * self.num_kv_heads // self.tensor_parallel_size
+        return slice(first, first + per)
+
+    @property
+    def content_bytes(self) -> int:
+        element = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        return (self.head_size + (self.head_size_v or self.head_size)) * element
+
+    @property
+    def chunk_bytes(self) -> int:  # one chunk on one rank: the disk payload
+        return self.geometry().chunk_bytes
+
+    @property
+    def disk_capacity(self) -> int:  # chunks the connector keeps (it trims the oldest at start)
+        return self.geometry().disk_capacity
+
+    def geometry(self) -> Geometry:
+        """The connector's :class:`~tierkv.integrations.vllm_config.Geometry` of this engine."""
+        blocks = self.chunk_tokens // self.block_size
+        page = self.heads_per_rank * self.block_size * self.content_bytes
+        return Geometry(
+            layer_names=tuple(f"model.layers.{index}.self_attn.attn" for index in range(self.num_layers)),
+            block_size=self.block_size, hash_block_size=self.hash_block, blocks_per_chunk=blocks,
+            page_bytes=page, num_heads=self.heads_per_rank, content_bytes=self.content_bytes,
+            dtype=self.dtype, layout=self.kv_cache_layout, page_order=PAGE_ORDER[self.kv_cache_layout],
+            world_size=self.tensor_parallel_size, num_slots=1,
+            disk_capacity=disk_chunk_capacity(self.disk_bytes, page * self.num_layers * blocks,
+                                              self.tensor_parallel_size))
+
+    def _environ(self) -> dict[str, str]:
+        return {} if self.hash_seed is None else {"PYTHONHASHSEED": self.hash_seed}
+
+    def namespace(self) -> Namespace:
+        """The connector's namespace for this engine (``vllm_config.build_namespace``)."""
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(model=self.model_id, revision=self.revision, quantization=None),
+            cache_config=SimpleNamespace(prefix_caching_hash_algo=self.hash_algo, cache_dtype="auto"),
+            num_hash_lookahead_tokens=0)
+        return build_namespace(vllm_config, self.geometry(), self.vllm_version, self._environ())
+
+    def disk_config(self, store_dir: Path) -> DiskTierConfig:
+        """The per-rank disk tier config the connector opens the store with."""
+        settings = ConnectorSettings(disk_path=str(store_dir), disk_bytes=self.disk_bytes,
+                                     tokens_per_chunk=self.chunk_tokens)
+        check_hash_stability(self.hash_algo, settings, self._environ())
+        config: DiskTierConfig = disk_tier_config(settings, self.geometry())
+        return config
+
+    def chunk_keys(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """Keys of the full chunks of ``token_ids``, as the connector derives them."""
+        full = len(token_ids) // self.chunk_tokens * self.chunk_tokens
+        hashes = vllm_block_hashes(token_ids[:full], self.hash_block, self.hash_algo,
+                                   self.hash_seed, cache_salt)
+        return chunk_keys_from_block_hashes(hashes, self.chunk_tokens // self.hash_block)
+
+    def pack(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per rank, ``uint8 [num_chunks, chunk_bytes]`` from HF-style per-layer K and V
+        (``[kv_heads, seq, head]`` or ``[1, kv_heads, seq, head]``, ``seq`` a multiple of the
+        chunk): pages as vLLM's paged cache holds them (``[N, H, C]`` NHD, ``[H, N, C]`` HND,
+        ``C`` = K then V of one head and token), in the slot byte layout (layer-major)."""
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
+            raise ConfigError(f"warmup: got K/V of {len(keys)}/{len(values)} layers, the model "
+                              f"has {self.num_layers}")
+        dtype, tpc, bs = _DTYPES[self.dtype], self.chunk_tokens, self.block_size
+        per_layer: list[torch.Tensor] = []
+        for layer, (key, value) in enumerate(zip(keys, values)):
+            key, value = (key[0] if key.dim() == 4 else key), (value[0] if value.dim() == 4 else value)
+            heads, seq, _ = key.shape
+            if (heads != self.num_kv_heads or key.shape[2] != self.head_size or seq % tpc
+                    or value.shape[:2] != key.shape[:2]
+                    or value.shape[2] != (self.head_size_v or self.head_size)):
+                raise ConfigError(
+                    f"warmup: layer {layer} K {tuple(key.shape)} / V {tuple(value.shape)} do not "
+                    f"match {self.num_kv_heads} KV heads of size {self.head_size} over a multiple "
+                    f"of {tpc} tokens")
+            per_layer.append(torch.cat([key.to(dtype), value.to(dtype)], dim=-1))  # [H, S, C]
+        num_chunks = per_layer[0].shape[1] // tpc
+        out: list[torch.Tensor] = []
+        for rank in range(self.tensor_parallel_size):
+            rows = []
+            for cells in per_layer:
+                part = cells[self.rank_heads(rank)]  # [h, S, C]
+                h, _, c = part.shape
+                if PAGE_ORDER[self.kv_cache_layout] == "NHD":
+                    pages = part.permute(1, 0, 2)  # [S, h, C]: each block's page is [N, h, C]
+                else:
+                    pages = part.reshape(h, num_chunks * tpc // bs, bs, c).permute(1, 0, 2, 3)
+                rows.append(pages.reshape(num_chunks, -1))
+            chunk = torch.stack(rows, dim=1).contiguous()  # [chunks, L, page elements x blocks]
+            out.append(chunk.view(num_chunks, -1).view(torch.uint8).to("cpu"))
+        return out
