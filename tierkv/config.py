@@ -20,6 +20,11 @@ from tierkv.units import GiB, MiB
 DISK_OVERHEAD_BYTES = 8192
 
 
+def cpu_slot_count(cpu_bytes: int, chunk_bytes: int, ranks: int = 1) -> int:
+    """CPU slots ``cpu_bytes`` holds, each ``chunk_bytes`` on each of ``ranks`` ranks."""
+    return cpu_bytes // (chunk_bytes * ranks)
+
+
 def disk_chunk_capacity(disk_bytes: int, chunk_bytes: int, ranks: int = 1) -> int:
     """Chunks a disk cap of ``disk_bytes`` holds, each ``chunk_bytes`` on each of ``ranks``
     ranks (with :data:`DISK_OVERHEAD_BYTES` per chunk and rank): the one capacity formula."""

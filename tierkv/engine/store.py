@@ -54,16 +54,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 import torch
 
-from tierkv.config import StoreConfig, disk_chunk_capacity
-from tierkv.core.index import BlockIndex, IndexStats
-from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobIds, JobKind, LoadSpec, StoreSpec
-from tierkv.engine.executor import JobExecutor
-from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, UsageError
+from tierkv.config import StoreConfig, cpu_slot_count, disk_chunk_capacity
+from tierkv.core.index import IndexStats
+from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
+from tierkv.engine.stack import build_index, build_worker
+from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES, Namespace
-from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
-from tierkv.transfer.disk_io import DiskIO
-from tierkv.transfer.factory import make_transfer_engine
 from tierkv.transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -187,22 +184,9 @@ class TierKVStore:
         self._pid = os.getpid()
         self._busy = threading.Lock()
         self._closed = False
-        self.disk: DiskTier | None = None
-        self.executor: JobExecutor | None = None
-        self._transfer: Any = None
-        self._disk_io: DiskIO | None = None
         self.config = config or StoreConfig()
         if not isinstance(self.config, StoreConfig):
             raise ConfigError(f"store: config must be a StoreConfig, got {self.config!r}")
-        try:
-            self._build(kv_caches, model_id, tokens_per_block, namespace)
-        except BaseException:
-            self._closed = True
-            self._release()
-            raise
-
-    def _build(self, kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
-               model_id: str | None, tokens_per_block: int, namespace: Namespace | None) -> None:
         cfg = self.config
         self.layout = KVLayout.from_tensors(kv_caches)
         if namespace is None:
@@ -215,37 +199,35 @@ class TierKVStore:
         self.blocks_per_chunk = cfg.blocks_per_chunk
         self.tokens_per_chunk = namespace.tokens_per_chunk
         self.chunk_bytes = self.layout.chunk_bytes(cfg.blocks_per_chunk)
-        num_slots = cfg.cpu.max_bytes // self.chunk_bytes
+        num_slots = cpu_slot_count(cfg.cpu.max_bytes, self.chunk_bytes)
         if num_slots < 1:
             raise ConfigError(
                 f"cpu tier: cpu.max_bytes={cfg.cpu.max_bytes} holds no chunk of "
                 f"{self.chunk_bytes} bytes (raise cpu.max_bytes or lower blocks_per_chunk)"
             )
-        disk_io: DiskIO | None = None
-        disk_capacity = 0
+        open_disk = None
         if cfg.disk.path is not None:
-            self.disk = DiskTier(Path(cfg.disk.path), namespace, cfg.rank, cfg.disk,
-                                 self.chunk_bytes, exclusive=True)
-            disk_capacity = disk_chunk_capacity(cfg.disk.max_bytes, self.chunk_bytes)
-            if disk_capacity < 1:
-                log.warning("disk tier: disk.max_bytes=%d holds no chunk; the disk tier stays empty",
-                            cfg.disk.max_bytes)
-        self.slab = CpuSlab(num_slots, self.chunk_bytes, cfg.cpu.pin_memory)
-        self._transfer = make_transfer_engine(cfg.device, self.layout, self.slab, cfg.blocks_per_chunk)
-        if self.disk is not None:
-            disk_io = self._disk_io = DiskIO(self.disk, self.slab, cfg.disk.write_batch_bytes)
-        self.executor = JobExecutor(self._transfer, disk_io)
-        self.index = BlockIndex(
-            num_slots,
-            disk_capacity,
-            write_through=cfg.disk.write_through,
-            spill_ahead_fraction=cfg.cpu.spill_ahead_fraction,
-            retry_after_full_seconds=cfg.disk.retry_after_full_seconds,
-            job_ids=JobIds(),
-        )
-        if self.disk is not None:
-            records = sorted(self.disk.scan(), key=lambda record: record.seq)
-            self.index.add_on_disk(record.key for record in records)
+            def open_disk() -> DiskTier:
+                assert cfg.disk.path is not None
+                return DiskTier(Path(cfg.disk.path), namespace, cfg.rank, cfg.disk,
+                                self.chunk_bytes, exclusive=True)
+        self._stack = build_worker(cfg, self.layout, num_slots, open_disk=open_disk)
+        self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
+        try:
+            disk_capacity = 0
+            if self.disk is not None:
+                disk_capacity = disk_chunk_capacity(cfg.disk.max_bytes, self.chunk_bytes)
+                if disk_capacity < 1:
+                    log.warning("disk tier: disk.max_bytes=%d holds no chunk; the disk tier stays "
+                                "empty", cfg.disk.max_bytes)
+            self.index = build_index(cfg, num_slots, disk_capacity)
+            if self.disk is not None:
+                records = sorted(self.disk.scan(), key=lambda record: record.seq)
+                self.index.add_on_disk(record.key for record in records)
+        except BaseException:
+            self._closed = True
+            self._stack.close()
+            raise
         self._bytes = {kind: [0, 0.0] for kind in JobKind}
         self._ready: list[Completion] = []
 
@@ -270,21 +252,6 @@ class TierKVStore:
                     f"tierkv.engine.store.build_namespace (and dataclasses.replace for model "
                     f"id, hash scheme or extra)")
 
-    def _release(self) -> None:
-        """Stop threads and close the disk tier; every step runs even if one fails."""
-        try:
-            if self.executor is not None:
-                self.executor.shutdown()
-            else:  # construction failed before the executor owned them
-                for part in (self._disk_io, self._transfer):
-                    if part is not None:
-                        part.shutdown()
-        except Exception as exc:  # noqa: BLE001 - releasing must go on
-            log.warning("tierkv: stopping the store's threads failed: %s", exc)
-        finally:
-            if self.disk is not None:
-                self.disk.close()
-
     # ------------------------------------------------------------------ API
     @_one_caller
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -307,7 +274,7 @@ class TierKVStore:
             return None
         blocks = dict(zip(keys, per_chunk))
         chunks = tuple(ChunkCopy(key, slot, blocks[key]) for key, slot in plan.chunks)
-        self._executor.submit(StoreSpec.of(plan.job_id, chunks))
+        self.executor.submit(StoreSpec.of(plan.job_id, chunks))
         return plan.job_id
 
     @_one_caller
@@ -324,7 +291,7 @@ class TierKVStore:
             ChunkCopy(key, slot, per_chunk[position], from_disk)
             for position, (key, slot, from_disk) in enumerate(plan.chunks)
         )
-        self._executor.submit(LoadSpec(plan.job_id, chunks))
+        self.executor.submit(LoadSpec(plan.job_id, chunks))
         return LoadHandle(plan.job_id, len(chunks), sum(c.from_disk for c in chunks))
 
     @_one_caller
@@ -347,7 +314,7 @@ class TierKVStore:
                 raise ConfigError(f"store: wait() on {job_id!r:.40}, which is not a job id "
                                   f"(store() and load() return them)")
             wanted.append(JobId(int(job_id)))
-        self._executor.wait(wanted)
+        self.executor.wait(wanted)
         self._pump()
 
     @_one_caller
@@ -393,7 +360,7 @@ class TierKVStore:
             log.warning("tierkv: close could not flush the CPU tier to disk: %s", exc)
         finally:
             self._closed = True
-            self._release()
+            self._stack.close()
 
     def __enter__(self) -> TierKVStore:
         return self
@@ -402,27 +369,22 @@ class TierKVStore:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    @property
-    def _executor(self) -> JobExecutor:
-        assert self.executor is not None  # set by _build, or the constructor raised
-        return self.executor
-
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("store: used after close()")
 
     def _drain(self) -> None:
         while self.index.jobs_in_flight():
-            in_flight = self._executor.in_flight_ids()
+            in_flight = self.executor.in_flight_ids()
             assert in_flight, "block index holds jobs the worker never received"
-            self._executor.wait(in_flight)
+            self.executor.wait(in_flight)
             self._pump()
 
     def _flush(self) -> None:
         self._drain()
         spec = self.index.take_spills(flush=True)
         if spec is not None:
-            self._executor.submit(spec)
+            self.executor.submit(spec)
         self._drain()
         if self.disk is not None:
             self.disk.sync()
@@ -467,15 +429,15 @@ class TierKVStore:
         spill-ahead."""
         spec = self.index.take_spills(at_least=num_chunks)
         if spec is not None:
-            self._executor.submit(spec)
+            self.executor.submit(spec)
         spills = self.index.spill_jobs()
         if spills:
-            self._executor.wait(spills)
+            self.executor.wait(spills)
             self._pump()
 
     def _pump(self) -> None:
         """Apply finished jobs to the index and start the spills it asks for."""
-        for completion in self._executor.poll_finished():
+        for completion in self.executor.poll_finished():
             kind = self.index.job_kind(completion.job_id)
             self.index.complete(completion)
             if kind is not None:
@@ -488,5 +450,5 @@ class TierKVStore:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
         spec = self.index.take_spills()
         if spec is not None:
-            self._executor.submit(spec)
+            self.executor.submit(spec)
 

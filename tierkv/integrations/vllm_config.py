@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
-from tierkv.config import disk_chunk_capacity
+from tierkv.config import (CpuTierConfig, DiskTierConfig, StoreConfig, cpu_slot_count,
+                           disk_chunk_capacity)
+from tierkv.engine.adapter import AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv.units import GiB
 
 SUPPORTED_VLLM = (0, 33)
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -66,20 +67,22 @@ def check_vllm_version(version: str) -> None:
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """``kv_connector_extra_config`` keys. The defaults here are the only ones."""
+    """``kv_connector_extra_config`` keys. Their defaults are tierkv's own settings'
+    (:mod:`tierkv.config`, :class:`AdapterConfig`): :func:`store_config` and
+    :func:`adapter_config` translate them."""
 
-    cpu_bytes: int = 4 * GiB  # pinned CPU tier, total over TP ranks
+    cpu_bytes: int = CpuTierConfig.max_bytes  # pinned CPU tier, total over TP ranks
     disk_path: str | None = None  # LMDB disk tier root; None = no disk tier
-    disk_bytes: int = 64 * GiB  # disk tier cap, total over TP ranks
+    disk_bytes: int = DiskTierConfig.max_bytes  # disk tier cap, total over TP ranks
     tokens_per_chunk: int | None = None  # None: 256 rounded up to the block size
-    offload_prompt_only: bool = False  # True: never store decode tokens
-    write_through: bool = False  # spill every stored chunk at once (else write-back)
-    spill_ahead_fraction: float = 0.25  # share of CPU slots kept clean by early spills
-    disk_sync_mode: str = "periodic"  # "periodic", "always" (fsync each txn), "close"
-    max_chunks_per_request: int | None = None  # store at most this many chunks per request
-    promotion_wait_seconds: float = 5.0  # how long a request waits on a disk promotion
-    device: str = "auto"  # transfer engine: "auto", "cuda", "cpu"
-    pin_memory: str = "auto"  # CPU slab: "auto" (pin with CUDA), "always", "never"
+    offload_prompt_only: bool = AdapterConfig.offload_prompt_only  # never store decode tokens
+    write_through: bool = DiskTierConfig.write_through  # spill each stored chunk at once
+    spill_ahead_fraction: float = CpuTierConfig.spill_ahead_fraction  # slots kept clean early
+    disk_sync_mode: str = DiskTierConfig.sync_mode  # "periodic", "always", "close"
+    max_chunks_per_request: int | None = AdapterConfig.max_chunks_per_request
+    promotion_wait_seconds: float = AdapterConfig.promotion_wait_seconds  # wait on a promotion
+    device: str = StoreConfig.device  # transfer engine: "auto", "cuda", "cpu"
+    pin_memory: str = CpuTierConfig.pin_memory  # CPU slab: "auto", "always", "never"
     flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
 
 
@@ -240,7 +243,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         disk_capacity=0,
     )
     chunk_bytes = geometry.chunk_bytes
-    num_slots = settings.cpu_bytes // (chunk_bytes * world_size)
+    num_slots = cpu_slot_count(settings.cpu_bytes, chunk_bytes, world_size)
     if num_slots < 1:
         raise _bad("cpu_bytes", settings.cpu_bytes,
                    f"holds no chunk: one chunk of {tokens_per_chunk} tokens is {chunk_bytes} bytes "
@@ -333,13 +336,30 @@ def disk_rank(vllm_config: Any, rank: int, world_size: int) -> int:
     return dp_index * world_size + rank
 
 
-def disk_tier_config(settings: ConnectorSettings, geometry: Geometry) -> Any:
-    """The per-rank :class:`~tierkv.config.DiskTierConfig` (map sized for its share)."""
-    from tierkv.config import DiskTierConfig
+def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0) -> StoreConfig:
+    """One rank's :class:`~tierkv.config.StoreConfig`: its share of ``cpu_bytes`` and
+    ``disk_bytes`` (the disk map is sized for it), everything else as the settings say."""
+    share = geometry.world_size
+    return StoreConfig(
+        blocks_per_chunk=geometry.blocks_per_chunk,
+        cpu=CpuTierConfig(max_bytes=max(settings.cpu_bytes // share, 1),
+                          pin_memory=settings.pin_memory,
+                          spill_ahead_fraction=settings.spill_ahead_fraction),
+        disk=DiskTierConfig(path=Path(settings.disk_path) if settings.disk_path else None,
+                            max_bytes=max(settings.disk_bytes // share, 1),
+                            write_through=settings.write_through,
+                            sync_mode=settings.disk_sync_mode),
+        device=settings.device,
+        rank=rank,
+    )
 
-    return DiskTierConfig(
-        path=Path(settings.disk_path) if settings.disk_path else None,
-        max_bytes=max(settings.disk_bytes // geometry.world_size, 1),
-        write_through=settings.write_through,
-        sync_mode=settings.disk_sync_mode,
+
+def adapter_config(settings: ConnectorSettings, geometry: Geometry) -> AdapterConfig:
+    return AdapterConfig(
+        tokens_per_block=geometry.block_size,
+        blocks_per_chunk=geometry.blocks_per_chunk,
+        world_size=geometry.world_size,
+        offload_prompt_only=settings.offload_prompt_only,
+        max_chunks_per_request=settings.max_chunks_per_request,
+        promotion_wait_seconds=settings.promotion_wait_seconds,
     )

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tierkv.config import DiskTierConfig
+from tierkv.config import DiskTierConfig, StoreConfig
 from tierkv.errors import ConfigError, DamagedError
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
@@ -96,6 +96,23 @@ def unclaim_env(tier: DiskTier) -> None:
     """The worker is done with the environment (the claim itself ends when the tier closes)."""
     with _LOCK:
         _CLAIMED.discard(tier.path.resolve())
+
+
+def open_claimed(namespace: Namespace, config: StoreConfig, payload_bytes: int) -> DiskTier:
+    """A worker's disk tier: shared in this process, claimed for this worker."""
+    assert config.disk.path is not None
+    tier = acquire_tier(Path(config.disk.path), namespace, config.rank, config.disk, payload_bytes)
+    try:
+        claim_env(tier)
+    except BaseException:
+        release_tier(tier)
+        raise
+    return tier
+
+
+def release_claimed(tier: DiskTier) -> None:
+    unclaim_env(tier)
+    release_tier(tier)
 
 
 def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config: DiskTierConfig,

@@ -35,11 +35,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierkv.core.index import BlockIndex
 from tierkv.core.state import CpuState
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
-from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, disk_tier_config
+from tierkv.engine.stack import build_adapter, build_index
+from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
 from tierkv.integrations.vllm_keys import chunk_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace
@@ -82,26 +81,10 @@ class SchedulerSide:
         self.geometry = geometry
         self.namespace = namespace
         self.fingerprint = namespace.fingerprint()
-        self.index = BlockIndex(
-            geometry.num_slots,
-            geometry.disk_capacity,
-            write_through=settings.write_through,
-            spill_ahead_fraction=settings.spill_ahead_fraction,
-            clock=clock,
-            record_events=record_events,
-        )
-        self.adapter = EngineAdapter(
-            self.index,
-            AdapterConfig(
-                tokens_per_block=geometry.block_size,
-                blocks_per_chunk=geometry.blocks_per_chunk,
-                world_size=geometry.world_size,
-                offload_prompt_only=settings.offload_prompt_only,
-                max_chunks_per_request=settings.max_chunks_per_request,
-                promotion_wait_seconds=settings.promotion_wait_seconds,
-            ),
-            clock=clock,
-        )
+        self.config = store_config(settings, geometry)
+        self.index = build_index(self.config, geometry.num_slots, geometry.disk_capacity,
+                                 clock=clock, record_events=record_events)
+        self.adapter = build_adapter(self.index, adapter_config(settings, geometry), clock)
         self._clock = clock
         self._tpc = geometry.tokens_per_chunk
         self._hpc = geometry.hashes_per_chunk
@@ -133,9 +116,8 @@ class SchedulerSide:
         assert self.settings.disk_path is not None
         started = time.perf_counter()
         keys, deleted = rebuild_keys(
-            Path(self.settings.disk_path), self.namespace, ranks,
-            disk_tier_config(self.settings, self.geometry), self.geometry.chunk_bytes,
-            self.geometry.disk_capacity,
+            Path(self.settings.disk_path), self.namespace, ranks, self.config.disk,
+            self.geometry.chunk_bytes, self.geometry.disk_capacity,
         )
         self.found_on_disk = self.index.add_on_disk(keys)
         self.deleted_on_disk = deleted

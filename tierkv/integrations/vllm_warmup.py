@@ -28,7 +28,7 @@ from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HASHES, PAGE_ORDER,
                                              STABLE_HASHES, ConnectorSettings, Geometry,
                                              build_namespace, check_hash_stability,
-                                             check_vllm_version, disk_tier_config)
+                                             check_vllm_version, store_config)
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 from tierkv.keys import Namespace
 
@@ -198,8 +198,7 @@ class VllmTarget:
         settings = ConnectorSettings(disk_path=str(store_dir), disk_bytes=self.disk_bytes,
                                      tokens_per_chunk=self.chunk_tokens)
         check_hash_stability(self.hash_algo, settings, self._environ())
-        config: DiskTierConfig = disk_tier_config(settings, self.geometry())
-        return config
+        return store_config(settings, self.geometry()).disk
 
     def chunk_keys(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         """Keys of the full chunks of ``token_ids``, as the connector derives them."""

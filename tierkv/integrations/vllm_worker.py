@@ -32,14 +32,13 @@ import torch
 from tierkv.core.jobs import Completion, JobId, JobKind, LoadSpec, SpillSpec, StoreSpec, failed_set
 from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
+from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError
-from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, disk_tier_config
+from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
-from tierkv.transfer.disk_io import DiskIO
-from tierkv.transfer.factory import make_transfer_engine
 from tierkv.transfer.layout import KVLayout
 
 log = logging.getLogger("tierkv.vllm")
@@ -85,7 +84,9 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.rank = rank
         self.disk_rank = disk_rank
+        self.config = store_config(settings, geometry, disk_rank)
         self.layout: KVLayout | None = None
+        self._stack: WorkerStack | None = None
         self.slab: CpuSlab | None = None
         self.disk: DiskTier | None = None
         self.executor: JobExecutor | None = None
@@ -124,25 +125,16 @@ class WorkerSide:
                 f"the scheduler sizes them as {geometry.page_bytes} page bytes x "
                 f"{geometry.num_layers} layers x {geometry.blocks_per_chunk} blocks = "
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
-        settings = self.settings
         self.layout = layout
-        self.slab = CpuSlab(geometry.num_slots, chunk_bytes, settings.pin_memory)
-        disk_io = None
-        if settings.disk_path is not None:
-            from tierkv.integrations.vllm_disk import acquire_tier, claim_env, release_tier
+        from tierkv.integrations.vllm_disk import open_claimed, release_claimed
 
-            config = disk_tier_config(settings, geometry)
-            self.disk = acquire_tier(Path(settings.disk_path), self.namespace, self.disk_rank,
-                                     config, chunk_bytes)
-            try:
-                claim_env(self.disk)
-            except BaseException:
-                release_tier(self.disk)
-                self.disk = None
-                raise
-            disk_io = DiskIO(self.disk, self.slab, config.write_batch_bytes)
-        transfer = make_transfer_engine(settings.device, layout, self.slab, geometry.blocks_per_chunk)
-        self.executor = JobExecutor(transfer, disk_io)
+        open_disk = None
+        if self.config.disk.path is not None:
+            def open_disk() -> DiskTier:
+                return open_claimed(self.namespace, self.config, chunk_bytes)
+        self._stack = build_worker(self.config, layout, geometry.num_slots, open_disk=open_disk,
+                                   release_disk=release_claimed)
+        self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
         self.worker = WorkerAdapter(self.executor, self.rank)
         log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
                  geometry.num_slots, chunk_bytes,
@@ -266,17 +258,13 @@ class WorkerSide:
             self.drain()
         except Exception as exc:  # shutting down: never raise from here
             log.warning("tierkv: rank %d could not drain its jobs at shutdown: %s", self.rank, exc)
+        assert self._stack is not None
+        try:
+            self.worker.shutdown()  # pending stores submitted, jobs finished, threads stopped
+            if self.disk is not None and self.settings.flush_on_shutdown and self._unspilled:
+                flushed = self._flush_unspilled()
         finally:
-            self.worker.shutdown()
-        if self.disk is not None:
-            try:
-                if self.settings.flush_on_shutdown and self._unspilled:
-                    flushed = self._flush_unspilled()
-            finally:
-                from tierkv.integrations.vllm_disk import release_tier, unclaim_env
-
-                unclaim_env(self.disk)
-                release_tier(self.disk)
+            self._stack.close()  # releases the disk tier
         return flushed
 
     def _flush_unspilled(self) -> int:
@@ -286,7 +274,7 @@ class WorkerSide:
         chunks = self.unspilled_chunks()
         written = write_chunks(
             self.disk, self.slab, chunks, self.geometry.chunk_bytes,
-            disk_tier_config(self.settings, self.geometry).write_batch_bytes,
+            self.config.disk.write_batch_bytes,
             on_error=lambda exc: log.warning("tierkv: flush at shutdown failed: %s", exc),
         )
         log.info("tierkv: rank %d wrote %d of %d unspilled chunk(s) to disk at shutdown",
