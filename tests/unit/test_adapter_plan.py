@@ -213,3 +213,47 @@ def test_a_request_with_no_chunk_in_the_step_job_is_not_its_owner() -> None:
     assert plan.jobs_to_flush == ()
     plan = adapter.build_plan(StepInput(preempted=["a"]))
     assert plan.jobs_to_flush == (spec.job_id,)
+
+
+def test_wait_for_stores_answers_not_yet_while_the_next_chunk_is_stored() -> None:
+    clock = [0.0]
+    adapter = EngineAdapter(BlockIndex(num_slots=64),
+                            AdapterConfig(BLOCK, BPC, wait_for_stores=True, promotion_wait_seconds=1.0),
+                            clock=lambda: clock[0])
+    tokens = list(range(3 * TPC + 1))
+    first = view("a", tokens, len(tokens), 0)
+    plan = adapter.build_plan(StepInput({"a": first}, {"a": 2 * TPC}, {"a": list(range(8))}, frozenset({"a"})))
+    assert stored_chunks(plan) == 2  # chunks 0 and 1 are STORING now
+    turn = view("b", tokens, len(tokens), 0)
+    assert adapter.lookup(turn, 0) is None  # chunk 0 is being stored: not yet
+    assert adapter.stats.waits_on_stores == 1
+    adapter.complete(report(plan))
+    assert adapter.lookup(turn, 0) == 2 * TPC  # both landed: the hit, at once
+    # A request that finished: its last chunk is stored by the next plan, so "not yet" ...
+    adapter.request_finished(view("a", tokens, len(tokens), 3 * TPC))
+    assert adapter.lookup(turn, 0) is None
+    clock[0] = 2.0  # ... for at most promotion_wait_seconds
+    assert adapter.lookup(turn, 0) == 2 * TPC
+    plain = make()  # without the setting: the ready prefix, never "not yet"
+    plan = plain.build_plan(StepInput({"a": first}, {"a": 2 * TPC}, {"a": list(range(8))}, frozenset({"a"})))
+    assert plain.lookup(turn, 0) == 0
+
+
+def test_a_planned_load_tells_its_tokens_by_tier_and_touch_refreshes_the_prefix() -> None:
+    index = BlockIndex(num_slots=64, disk_capacity=8)
+    adapter = EngineAdapter(index, AdapterConfig(BLOCK, BPC))
+    tokens = list(range(3 * TPC + 1))
+    keys = chunk_keys(tokens, TPC)
+    index.add_on_disk(keys[2:3])  # chunk 2 only on disk
+    plan = adapter.build_plan(StepInput({"a": view("a", tokens, len(tokens), 0)}, {"a": 2 * TPC},
+                                        {"a": list(range(8))}, frozenset({"a"})))
+    adapter.complete(report(plan))  # chunks 0, 1 in the CPU tier
+    turn = view("b", tokens, len(tokens), 0)
+    assert adapter.lookup(turn, BLOCK) == 3 * TPC - BLOCK  # local hit of one block
+    adapter.update_state_after_alloc(turn, list(range(10, 20)), 3 * TPC - BLOCK, BLOCK)
+    assert adapter.take_load_sources("b") == (2 * TPC - BLOCK, TPC)
+    assert adapter.take_load_sources("b") == (0, 0)  # taken once
+    assert (adapter.stats.hit_tokens_cpu, adapter.stats.hit_tokens_disk) == (2 * TPC - BLOCK, TPC)
+    adapter.touch(turn, 2)  # tail first: chunk 0 ends up the most recent
+    spill = index.take_spills(flush=True)  # writes back the oldest first
+    assert spill is not None and [key for key, _ in spill.writes] == [keys[1], keys[0]]

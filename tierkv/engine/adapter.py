@@ -4,10 +4,16 @@ It never blocks and never touches tensor bytes. Primitives:
 
 - ``lookup(view, num_local_tokens) -> int | None``: tokens of whole chunks, beyond the
   engine's local hit, that the tiers can load; ``None`` = "not yet" (a chunk is being
-  promoted from disk: ask again next step), bounded by ``promotion_wait_seconds``.
+  promoted from disk: ask again next step), bounded by ``promotion_wait_seconds``. With
+  ``wait_for_stores``, also "not yet" while the chunk after the hit is being stored, or
+  belongs to a request that finished and is stored by the next plan (the next turn of a
+  chat then hits what its previous turn completed), bounded the same way.
   Side-effect free on the index.
 - ``update_state_after_alloc(view, block_ids, num_external_tokens)``: the engine gave the
   request its blocks; plans the load of the promised chunks (sent with the next plan).
+  ``take_load_sources(req_id)``: the load's tokens by tier, ``(cpu, disk)``.
+- ``touch(view, num_chunks)``: the engine reused the first chunks from its own cache;
+  they become the most recently used (tail first).
 - ``request_finished(view, aborted=False)``: the request's state survives; the next plan
   stores its last full chunk (watermark below) and frees the state only when none of its
   jobs is in flight. Until then its id may not come back as a new request (request ids
@@ -44,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from tierkv.core.index import BlockIndex
+from tierkv.core.state import CpuState
 from tierkv.core.jobs import ChunkCopy, Completion, CompletionTracker, JobId, LoadSpec, StoreSpec
 from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
 from tierkv.errors import ConfigError, TierKVError
@@ -57,6 +64,7 @@ class AdapterConfig:
     offload_prompt_only: bool = False
     max_chunks_per_request: int | None = None
     promotion_wait_seconds: float = 5.0
+    wait_for_stores: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "blocks_per_chunk", "world_size"):
@@ -112,6 +120,9 @@ class AdapterStats:
     stores_planned: int = 0
     flushes: int = 0
     requests_freed: int = 0
+    waits_on_stores: int = 0
+    hit_tokens_cpu: int = 0
+    hit_tokens_disk: int = 0
 
 
 class EngineAdapter:
@@ -136,6 +147,9 @@ class EngineAdapter:
         # in flight: block -> request. Written once per request, not per chunk.
         self._released: dict[int, str] = {}
         self._pending_since: dict[str, float] = {}
+        self._store_wait_since: dict[str, float] = {}
+        self._finishing: set[bytes] = set()  # chunks of requests that finished since the plan
+        self._load_sources: dict[str, tuple[int, int]] = {}
         self._finished_queue: list[str] = []
         # Requests that finished and whose state is not freed yet (last plan to come, or
         # jobs in flight): their id may not come back as a new request (see _refuse_reuse).
@@ -162,10 +176,34 @@ class EngineAdapter:
                 self.stats.not_yet += 1
                 return None
         self._pending_since.pop(view.req_id, None)
-        tokens = (start + found.num_hits) * self.config.tokens_per_chunk - num_local_tokens
+        stop = start + found.num_hits
+        if self.config.wait_for_stores and stop < end and self._stored_soon(view, stop):
+            return None
+        self._store_wait_since.pop(view.req_id, None)
+        tokens = stop * self.config.tokens_per_chunk - num_local_tokens
         tokens = max(tokens, 0) if found.num_hits else 0
         self.stats.hit_tokens += tokens
         return tokens
+
+    def _stored_soon(self, view: RequestView, chunk: int) -> bool:
+        """Whether chunk ``chunk`` of ``view`` is being stored, or is a finished request's
+        that the next plan stores: "not yet", for at most ``promotion_wait_seconds``."""
+        key = view.chunk_keys[chunk]
+        entry = self.index.entry(key)
+        if not (key in self._finishing if entry is None else entry.cpu is CpuState.STORING):
+            return False
+        since = self._store_wait_since.setdefault(view.req_id, self._clock())
+        if self._clock() - since < self.config.promotion_wait_seconds:
+            self.stats.waits_on_stores += 1
+            return True
+        return False
+
+    def touch(self, view: RequestView, num_chunks: int) -> None:
+        """The engine reused the first ``num_chunks`` chunks of ``view`` from its own cache:
+        refresh them, tail first, so the prefix head is the most recent (evicting a chain
+        from its tail keeps the rest a usable prefix)."""
+        if num_chunks > 0:
+            self.index.touch(reversed(view.chunk_keys[:num_chunks]))
 
     def update_state_after_alloc(
         self, view: RequestView, block_ids: Iterable[int], num_external_tokens: int, num_local_tokens: int
@@ -202,10 +240,34 @@ class EngineAdapter:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._track(plan.job_id, view.req_id)
             self.stats.loads_planned += len(chunks)
+        self._load_sources[view.req_id] = self._tokens_by_tier(plan.chunks, start,
+                                                               num_local_tokens, end * tpc)
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
         self._pending_loads.append(LoadRequest(view.req_id, spec, lost))
 
+    def _tokens_by_tier(self, chunks: Sequence[tuple[bytes, int, bool]], start: int, local: int,
+                        end: int) -> tuple[int, int]:
+        tpc = self._tpc
+        cpu = disk = 0
+        for position, (_, _, from_disk) in enumerate(chunks):
+            chunk = start + position
+            tokens = min((chunk + 1) * tpc, end) - max(chunk * tpc, local)
+            if from_disk:
+                disk += tokens
+            else:
+                cpu += tokens
+        self.stats.hit_tokens_cpu += cpu
+        self.stats.hit_tokens_disk += disk
+        return cpu, disk
+
+    def take_load_sources(self, req_id: str) -> tuple[int, int]:
+        """Tokens of the request's last planned load from the CPU tier and from disk."""
+        return self._load_sources.pop(req_id, (0, 0))
+
     def request_finished(self, view: RequestView, aborted: bool = False) -> None:
+        self._store_wait_since.pop(view.req_id, None)
+        self._load_sources.pop(view.req_id, None)
+        self._finishing.update(view.chunk_keys)
         state = self._requests.get(view.req_id)
         if state is None:
             return
@@ -361,6 +423,7 @@ class EngineAdapter:
         if spec is not None:
             stores.append(spec)
         loads, self._pending_loads = tuple(self._pending_loads), []
+        self._finishing.clear()
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)
         idle = not any(step.num_scheduled_tokens.values())
@@ -421,3 +484,7 @@ class EngineAdapter:
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
+
+    def has_jobs_in_flight(self) -> bool:
+        """Any job (store, load, spill) the index waits for."""
+        return bool(self.index.jobs_in_flight())

@@ -14,6 +14,15 @@ Per step, in the engine's order:
 5. ``poll() -> WorkerReport``: finished jobs, finished loads by request, and the GPU block
    ids of chunks that failed to load (the engine recomputes them).
 
+What the worker's slots hold (``track_slots=True``, with a disk tier): the worker keeps,
+per CPU slot, the key whose bytes the slot holds and whether that chunk is on disk
+(spilled, or promoted from disk, and not deleted since), from the jobs it ran.
+``unspilled_chunks()`` lists the slots holding valid bytes not known to be on disk: a
+worker in another process than the scheduler's index (vLLM's workers) writes them to disk
+at shutdown, so a restart is warm even for chunks the scheduler never got to spill.
+``statistics()``: bytes, seconds and failed jobs per path (gpu_to_cpu, cpu_to_gpu,
+cpu_to_disk), cumulative.
+
 Idle steps yield. When the engine computes nothing (every request waits for its load) it
 loops as fast as it can; in one process that loop can starve the copy and disk threads of
 the GIL for seconds (seen with vLLM's scheduler on CPU: spills stalled for 3000 steps). So
@@ -25,11 +34,66 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tierkv.core.jobs import Completion, JobId, StoreSpec, failed_set
+from tierkv.core.jobs import (Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec, StoreSpec,
+                              failed_set)
 from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
 
 IDLE_YIELD_SECONDS = 0.0005
+PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
+
+
+class SlotResidency:
+    """Which key's valid bytes each CPU slot holds, and which of them are not on disk."""
+
+    def __init__(self) -> None:
+        self._holding: dict[int, bytes] = {}  # slot -> key
+        self._held: dict[bytes, int] = {}  # key -> slot
+        self._unspilled: set[bytes] = set()
+
+    def apply(self, spec: JobSpec, completion: Completion) -> None:
+        """What a finished job did to the slots."""
+        if isinstance(spec, SpillSpec):
+            for key in spec.deletes:  # deletes run before the job's writes
+                if key in self._held:
+                    self._unspilled.add(key)
+            failed = failed_set(completion, tuple(key for key, _ in spec.writes))
+            for key, slot in spec.writes:
+                if key not in failed and self._holding.get(slot) == key:
+                    self._unspilled.discard(key)
+        elif isinstance(spec, StoreSpec):
+            failed = failed_set(completion, spec.keys)
+            for key, slot in zip(spec.keys, spec.slots):
+                self._hold(slot, None if key in failed else key, on_disk=False)
+        else:
+            disk_chunks = [chunk for chunk in spec.chunks if chunk.from_disk]
+            if disk_chunks:  # a promotion rewrote these slots from disk
+                failed = failed_set(completion, tuple(chunk.key for chunk in spec.chunks))
+                for chunk in disk_chunks:
+                    self._hold(chunk.slot, None if chunk.key in failed else chunk.key,
+                               on_disk=True)
+
+    def _hold(self, slot: int, key: bytes | None, on_disk: bool) -> None:
+        """Slot ``slot`` now holds the valid bytes of ``key`` (None: nothing valid)."""
+        old = self._holding.pop(slot, None)
+        if old is not None and self._held.get(old) == slot:
+            del self._held[old]
+            self._unspilled.discard(old)
+        if key is None:
+            return
+        previous = self._held.get(key)
+        if previous is not None and previous != slot:  # the key moved: the old slot is stale
+            self._holding.pop(previous, None)
+        self._holding[slot] = key
+        self._held[key] = slot
+        if on_disk:
+            self._unspilled.discard(key)
+        else:
+            self._unspilled.add(key)
+
+    def unspilled(self) -> list[tuple[bytes, int]]:
+        """``(key, slot)`` of every slot holding valid bytes not known to be on disk."""
+        return sorted(((key, self._held[key]) for key in self._unspilled), key=lambda item: item[1])
 
 
 @dataclass
@@ -40,9 +104,12 @@ class _LoadInFlight:
 
 
 class WorkerAdapter:
-    def __init__(self, executor: JobExecutor, rank: int = 0) -> None:
+    def __init__(self, executor: JobExecutor, rank: int = 0, track_slots: bool = False) -> None:
         self.executor = executor
         self.rank = rank
+        self._specs: dict[JobId, JobSpec] = {}
+        self._residency = SlotResidency() if track_slots else None
+        self._counts: dict[str, float] = {}
         self._pending: list[StoreSpec] = []  # stores planned but not yet submitted
         self._submitted: set[JobId] = set()
         self._loads: dict[JobId, _LoadInFlight] = {}
@@ -52,7 +119,20 @@ class WorkerAdapter:
         self._idle = False
 
     # ------------------------------------------------------------------ steps
+    def _record(self, plan: StepPlan) -> None:
+        if self._handled is plan:
+            return
+        specs = self._specs
+        for spec in plan.stores:
+            specs[spec.job_id] = spec
+        for load in plan.loads:
+            if load.spec is not None:
+                specs[load.spec.job_id] = load.spec
+        for spill in plan.spills:
+            specs[spill.job_id] = spill
+
     def handle_preemptions(self, plan: StepPlan) -> None:
+        self._record(plan)
         flush = set(plan.jobs_to_flush)
         for spec in plan.stores:
             if spec.job_id in flush and spec.job_id not in self._submitted:
@@ -97,6 +177,9 @@ class WorkerAdapter:
         completions = self.executor.poll_finished()
         for completion in completions:
             self._submitted.discard(completion.job_id)
+            spec = self._specs.pop(completion.job_id, None)
+            if spec is not None:
+                self._account(spec, completion)
             load = self._loads.pop(completion.job_id, None)
             if load is not None:
                 self._finish_load(load, completion)
@@ -110,6 +193,29 @@ class WorkerAdapter:
         self._failed_blocks.extend(load.lost)
         for key in failed_keys:
             self._failed_blocks.extend(load.blocks_by_key.get(key, ()))
+
+    def _account(self, spec: JobSpec, completion: Completion) -> None:
+        name, counts = PATH_NAMES[spec.kind], self._counts
+        counts[f"bytes_{name}"] = counts.get(f"bytes_{name}", 0) + completion.num_bytes
+        counts[f"seconds_{name}"] = counts.get(f"seconds_{name}", 0.0) + completion.seconds
+        if not completion.ok:
+            counts[f"failed_jobs_{name}"] = counts.get(f"failed_jobs_{name}", 0) + 1
+        if self._residency is not None:
+            self._residency.apply(spec, completion)
+
+    def statistics(self) -> dict[str, float]:
+        return dict(self._counts)
+
+    def unspilled_chunks(self) -> list[tuple[bytes, int]]:
+        """See the module docstring; empty without ``track_slots``."""
+        return self._residency.unspilled() if self._residency is not None else []
+
+    def drain(self) -> None:
+        """Submit everything pending and poll until no job is in flight."""
+        self.submit_pending()
+        while self.executor.in_flight_ids():
+            self.executor.wait(self.executor.in_flight_ids())
+            self.poll()
 
     def wait_all(self) -> None:
         """Submit everything pending and wait for every job in flight."""

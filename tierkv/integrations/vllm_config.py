@@ -362,4 +362,5 @@ def adapter_config(settings: ConnectorSettings, geometry: Geometry) -> AdapterCo
         offload_prompt_only=settings.offload_prompt_only,
         max_chunks_per_request=settings.max_chunks_per_request,
         promotion_wait_seconds=settings.promotion_wait_seconds,
+        wait_for_stores=True,  # a chat's next turn hits the chunks its previous turn stores
     )

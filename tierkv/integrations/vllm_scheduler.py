@@ -8,7 +8,8 @@ Mapping (one :class:`SchedulerSide` per engine):
 
 - ``get_num_new_matched_tokens(request, local)`` -> ``adapter.lookup``: tokens of whole
   ready chunks beyond vLLM's block-aligned local hit, ``None`` while a chunk is being
-  promoted from disk; loads are always asynchronous (``load_async = n > 0``).
+  promoted from disk or stored (``wait_for_stores``); loads are always asynchronous
+  (``load_async = n > 0``).
 - ``update_state_after_alloc(request, blocks, n)`` -> ``adapter.update_state_after_alloc``
   when ``n > 0`` (the load is planned now and sent with this step's metadata). vLLM also
   calls it with ``n == 0``: for every admitted request, and again when a request whose
@@ -35,7 +36,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierkv.core.state import CpuState
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
@@ -51,7 +51,8 @@ _INDEX_COUNTERS = (
     "stores_failed", "cpu_evictions", "dirty_dropped", "disk_evictions", "spills_ok",
     "spills_failed", "disk_no_room", "corrupt", "disk_missing",
 )
-_ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes")
+_ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
+                     "hit_tokens_disk")
 
 
 class _Tracked:
@@ -95,12 +96,7 @@ class SchedulerSide:
         self._event_hashes: dict[bytes, bytes] = {}  # key -> last block hash (events only)
         self._prune_later: list[list[bytes]] = []  # keys of finished requests (events only)
         self._step = 0
-        self._counts = {"hit_tokens_cpu": 0, "hit_tokens_disk": 0, "bytes_completed": 0,
-                        "waits_on_stores": 0}
-        self._wait_since: dict[str, float] = {}
-        # Keys of requests that finished since the last plan: their last chunk is planned
-        # at the next build_connector_meta.
-        self._finishing: set[bytes] = set()
+        self._counts = {"bytes_completed": 0}
         self._reported: dict[str, int] = {}
         self._last_report = -float("inf")
         self.stats_interval = STATS_INTERVAL_SECONDS
@@ -170,66 +166,25 @@ class SchedulerSide:
         req_id = request.request_id
         view = self._view(self._tracked_for(request))
         tokens = self.adapter.lookup(view, num_computed_tokens)
-        if tokens is None or self._next_chunk_in_flight(view, num_computed_tokens, tokens):
+        if tokens is None:
             return None, False
-        self._wait_since.pop(req_id, None)
         self._local_hit[req_id] = num_computed_tokens
         return tokens, tokens > 0
-
-    def _next_chunk_in_flight(self, view: RequestView, local: int, tokens: int) -> bool:
-        """Whether the hit stops at a chunk that is being stored (STORING), or that a request
-        which just finished is about to store (its last chunk is planned at the next
-        ``build_connector_meta``): then "not yet", so that e.g. the next turn of a chat hits
-        the chunks its previous turn completed. Bounded by ``promotion_wait_seconds``."""
-        tpc = self._tpc
-        stop = (local + tokens) // tpc if tokens else local // tpc
-        end = min((view.num_tokens - 1) // tpc, len(view.chunk_keys))
-        if stop >= end:
-            return False
-        key = view.chunk_keys[stop]
-        entry = self.index.entry(key)
-        in_flight = key in self._finishing if entry is None else entry.cpu is CpuState.STORING
-        if not in_flight:
-            return False
-        since = self._wait_since.setdefault(view.req_id, self._clock())
-        if self._clock() - since < self.settings.promotion_wait_seconds:
-            self._counts["waits_on_stores"] += 1
-            return True
-        return False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
         local = self._local_hit.pop(req_id, None)
         tracked = self._tracked_for(request)
+        view = self._view(tracked)
         if local:  # chunks served by vLLM's GPU prefix cache are being reused: refresh them
-            self.index.touch(reversed(tracked.keys[: local // self._tpc]))
+            self.adapter.touch(view, local // self._tpc)
         if num_external_tokens <= 0:
             return
         if local is None:
             local = request.num_computed_tokens - num_external_tokens
-        view = self._view(tracked)
         block_ids = blocks.get_block_ids()[0]
         self.adapter.update_state_after_alloc(view, block_ids, num_external_tokens, local)
-        self._sources[req_id] = self._split_by_tier(tracked.keys, local, num_external_tokens)
-
-    def _split_by_tier(self, keys: Sequence[bytes], local: int, external: int) -> tuple[int, int]:
-        """Tokens of a planned load by the tier each chunk comes from (after prepare_load,
-        a disk chunk is PROMOTING and a CPU chunk READY)."""
-        tpc = self._tpc
-        end = local + external
-        cpu = disk = 0
-        for chunk in range(local // tpc, end // tpc):
-            entry = self.index.entry(keys[chunk])
-            if entry is None:
-                break
-            tokens = min((chunk + 1) * tpc, end) - max(chunk * tpc, local)
-            if entry.cpu is CpuState.READY:
-                cpu += tokens
-            else:
-                disk += tokens
-        self._counts["hit_tokens_cpu"] += cpu
-        self._counts["hit_tokens_disk"] += disk
-        return cpu, disk
+        self._sources[req_id] = self.adapter.take_load_sources(req_id)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         cpu, disk = self._sources.pop(request.request_id, (0, 0))
@@ -246,13 +201,9 @@ class SchedulerSide:
         self._sources.pop(req_id, None)
         if tracked is None or tracked.request is not request:
             tracked = _Tracked(request)
-        self._wait_since.pop(req_id, None)
         view = self._view(tracked)
-        self._finishing.update(view.chunk_keys)
-        # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache):
-        # refresh them, tail first, so the prefix head is the most recent (evicting a chain
-        # from its tail keeps the rest a usable prefix).
-        self.index.touch(reversed(view.chunk_keys))
+        # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache).
+        self.adapter.touch(view, len(view.chunk_keys))
         self.adapter.request_finished(view, aborted=aborted)
         if self._record_events:
             self._prune_later.append(tracked.keys)
@@ -283,7 +234,6 @@ class SchedulerSide:
         )
         prune, self._prune_later = self._prune_later, []
         plan = self.adapter.build_plan(step)
-        self._finishing.clear()
         for keys in prune:  # their last chunk is planned now: forget keys never stored
             for key in keys:
                 if not self.index.contains(key):
@@ -303,7 +253,7 @@ class SchedulerSide:
     def has_pending_push_work(self) -> bool:
         """Jobs in flight (stores, loads, spills) or finished requests whose last chunk is
         not planned yet: the engine keeps stepping until they settle."""
-        return bool(self.index.jobs_in_flight() or self.adapter.num_requests())
+        return self.adapter.has_jobs_in_flight() or bool(self.adapter.num_requests())
 
     # ------------------------------------------------------------------ events
     def take_events(self) -> list[tuple[str, bytes | None]]:

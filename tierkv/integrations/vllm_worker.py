@@ -13,12 +13,11 @@ code and LMDB).
 - Per step (vLLM's order): ``handle_preemptions(plan)`` before the forward;
   ``start(plan)`` from ``start_load_kv``; ``after_forward()`` from ``wait_for_save``;
   ``poll()`` from ``get_finished``.
-- Shutdown flush: the worker remembers, per CPU slot, the key whose bytes the slot holds
-  and whether that chunk is on disk (spilled, or promoted from disk, and not deleted
-  since). :meth:`shutdown` drains every job, then writes every slot that holds valid,
-  unspilled bytes to the disk tier, so a restart is warm even for chunks the scheduler
-  never got to spill. Chunks past the disk capacity are trimmed by the index at the next
-  start.
+- Shutdown flush: :meth:`shutdown` drains every job, then writes every slot that holds
+  valid bytes not known to be on disk (:meth:`WorkerAdapter.unspilled_chunks`; the index
+  that knows this lives in the scheduler's process) to the disk tier, so a restart is warm
+  even for chunks the scheduler never got to spill. Chunks past the disk capacity are
+  trimmed by the index at the next start.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from tierkv.core.jobs import Completion, JobId, JobKind, LoadSpec, SpillSpec, StoreSpec, failed_set
 from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.engine.stack import WorkerStack, build_worker
@@ -42,8 +40,6 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.transfer.layout import KVLayout
 
 log = logging.getLogger("tierkv.vllm")
-
-_KIND_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
 
 
 def page_order_of(view: torch.Tensor) -> str | None:
@@ -91,14 +87,6 @@ class WorkerSide:
         self.disk: DiskTier | None = None
         self.executor: JobExecutor | None = None
         self.worker: WorkerAdapter | None = None
-        self._specs: dict[JobId, StoreSpec | LoadSpec | SpillSpec] = {}
-        self._recorded: StepPlan | None = None
-        # Shutdown flush bookkeeping (disk tier only): slot -> key of its valid bytes, and
-        # the keys held in a slot that are not known to be on disk.
-        self._holding: dict[int, bytes] = {}
-        self._held: dict[bytes, int] = {}
-        self._unspilled: set[bytes] = set()
-        self._counts: dict[str, float] = {}
         self._reported: dict[str, float] = {}
         self._closed = False
 
@@ -135,7 +123,7 @@ class WorkerSide:
         self._stack = build_worker(self.config, layout, geometry.num_slots, open_disk=open_disk,
                                    release_disk=release_claimed)
         self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
-        self.worker = WorkerAdapter(self.executor, self.rank)
+        self.worker = WorkerAdapter(self.executor, self.rank, track_slots=self.disk is not None)
         log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
                  geometry.num_slots, chunk_bytes,
                  f", disk tier at {self.disk.path}" if self.disk is not None else "")
@@ -146,106 +134,26 @@ class WorkerSide:
         return self.worker
 
     # ------------------------------------------------------------------ steps
-    def _record(self, plan: StepPlan) -> None:
-        if self._recorded is plan:
-            return
-        self._recorded = plan
-        specs = self._specs
-        for spec in plan.stores:
-            specs[spec.job_id] = spec
-        for load in plan.loads:
-            if load.spec is not None:
-                specs[load.spec.job_id] = load.spec
-        for spill in plan.spills:
-            specs[spill.job_id] = spill
-
     def handle_preemptions(self, plan: StepPlan) -> None:
-        worker = self._live()
-        self._record(plan)
-        worker.handle_preemptions(plan)
+        self._live().handle_preemptions(plan)
 
     def start(self, plan: StepPlan) -> None:
-        worker = self._live()
-        self._record(plan)
-        worker.start(plan)
+        self._live().start(plan)
 
     def after_forward(self) -> None:
         self._live().after_forward()
 
     def poll(self) -> WorkerReport:
-        report = self._live().poll()
-        for completion in report.completions:
-            spec = self._specs.pop(completion.job_id, None)
-            if spec is not None:
-                self._account(spec, completion)
-        return report
+        return self._live().poll()
 
-    def _account(self, spec: StoreSpec | LoadSpec | SpillSpec, completion: Completion) -> None:
-        name = _KIND_NAMES[spec.kind]
-        counts = self._counts
-        counts[f"bytes_{name}"] = counts.get(f"bytes_{name}", 0) + completion.num_bytes
-        counts[f"seconds_{name}"] = counts.get(f"seconds_{name}", 0.0) + completion.seconds
-        if not completion.ok:
-            counts[f"failed_jobs_{name}"] = counts.get(f"failed_jobs_{name}", 0) + 1
-        if self.disk is None:
-            return
-        if isinstance(spec, SpillSpec):
-            for key in spec.deletes:  # deletes run before the job's writes
-                if key in self._held:
-                    self._unspilled.add(key)
-            failed = failed_set(completion, tuple(key for key, _ in spec.writes))
-            for key, slot in spec.writes:
-                if key not in failed and self._holding.get(slot) == key:
-                    self._unspilled.discard(key)
-            return
-        if isinstance(spec, StoreSpec):
-            failed = failed_set(completion, spec.keys)
-            for key, slot in zip(spec.keys, spec.slots):
-                self._hold(slot, None if key in failed else key, on_disk=False)
-            return
-        disk_chunks = [chunk for chunk in spec.chunks if chunk.from_disk]
-        if disk_chunks:  # a promotion rewrote these slots from disk
-            failed = failed_set(completion, tuple(chunk.key for chunk in spec.chunks))
-            for chunk in disk_chunks:
-                self._hold(chunk.slot, None if chunk.key in failed else chunk.key, on_disk=True)
-
-    def _hold(self, slot: int, key: bytes | None, on_disk: bool) -> None:
-        """Slot ``slot`` now holds the valid bytes of ``key`` (None: nothing valid)."""
-        old = self._holding.pop(slot, None)
-        if old is not None and self._held.get(old) == slot:
-            del self._held[old]
-            self._unspilled.discard(old)
-        if key is None:
-            return
-        previous = self._held.get(key)
-        if previous is not None and previous != slot:  # the key moved: the old slot is stale
-            self._holding.pop(previous, None)
-        self._holding[slot] = key
-        self._held[key] = slot
-        if on_disk:
-            self._unspilled.discard(key)
-        else:
-            self._unspilled.add(key)
-
-    # ------------------------------------------------------------------ stats
     def stats_since_last(self) -> dict[str, float]:
-        delta = {name: value - self._reported.get(name, 0) for name, value in self._counts.items()}
-        self._reported = dict(self._counts)
+        counts = self._live().statistics() if self.worker is not None else {}
+        delta = {name: value - self._reported.get(name, 0) for name, value in counts.items()}
+        self._reported = counts
         return {name: value for name, value in delta.items() if value}
 
-    # ------------------------------------------------------------------ shutdown
-    def drain(self) -> None:
-        """Submit everything pending and wait until no job is in flight."""
-        worker, executor = self._live(), self.executor
-        assert executor is not None
-        worker.submit_pending()
-        while executor.in_flight_ids():
-            executor.wait(executor.in_flight_ids())
-            self.poll()
-
     def unspilled_chunks(self) -> list[tuple[bytes, int]]:
-        """``(key, slot)`` of every slot holding valid bytes not known to be on disk."""
-        return sorted(((key, self._held[key]) for key in self._unspilled), key=lambda item: item[1])
+        return self._live().unspilled_chunks()
 
     def shutdown(self) -> int:
         """Drain, flush unspilled chunks to disk, stop threads; returns chunks flushed."""
@@ -255,13 +163,13 @@ class WorkerSide:
         self._closed = True
         flushed = 0
         try:
-            self.drain()
+            self.worker.drain()
         except Exception as exc:  # shutting down: never raise from here
             log.warning("tierkv: rank %d could not drain its jobs at shutdown: %s", self.rank, exc)
         assert self._stack is not None
         try:
             self.worker.shutdown()  # pending stores submitted, jobs finished, threads stopped
-            if self.disk is not None and self.settings.flush_on_shutdown and self._unspilled:
+            if self.disk is not None and self.settings.flush_on_shutdown:
                 flushed = self._flush_unspilled()
         finally:
             self._stack.close()  # releases the disk tier
@@ -272,6 +180,8 @@ class WorkerSide:
 
         assert self.disk is not None and self.slab is not None
         chunks = self.unspilled_chunks()
+        if not chunks:
+            return 0
         written = write_chunks(
             self.disk, self.slab, chunks, self.geometry.chunk_bytes,
             self.config.disk.write_batch_bytes,
