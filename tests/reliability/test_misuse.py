@@ -327,7 +327,7 @@ def test_a_namespace_that_does_not_describe_the_tensors_is_refused(tmp_path: Pat
 def test_threads_stop_even_when_waiting_for_the_last_jobs_fails(tmp_path: Path) -> None:
     """The executor waited for its jobs, then stopped its threads: a wait that raised left
     the copy and disk threads running after close()."""
-    from tierkv.engine.executor import JobExecutor
+    from tierkv.transfer.executor import JobExecutor
     from tierkv.errors import TransferError
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.transfer.cpu import CpuTransferEngine

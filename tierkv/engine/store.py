@@ -57,12 +57,12 @@ import torch
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex, IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobIds, JobKind, LoadSpec, StoreSpec
-from tierkv.engine.executor import JobExecutor
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
 from tierkv.transfer.disk_io import DiskIO
+from tierkv.transfer.executor import JobExecutor
 from tierkv.transfer.factory import make_transfer_engine
 from tierkv.transfer.layout import KVLayout
 

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 
 from tierkv.core.jobs import Completion, JobId, StoreSpec, failed_set
-from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
+from tierkv.transfer.executor import JobExecutor
 
 IDLE_YIELD_SECONDS = 0.0005
 

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from tierkv.core.jobs import Completion, JobId, JobKind, LoadSpec, SpillSpec, StoreSpec, failed_set
-from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError
@@ -39,6 +38,7 @@ from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
 from tierkv.transfer.disk_io import DiskIO
+from tierkv.transfer.executor import JobExecutor
 from tierkv.transfer.factory import make_transfer_engine
 from tierkv.transfer.layout import KVLayout
 

@@ -9,6 +9,8 @@ Primitives:
   submitted raises: a wait must follow its submit (the race tierkv exists to prevent).
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 
+It lives with the code that moves bytes (transfer/); engine/ only orchestrates.
+
 A load with disk chunks is chained: the reader thread fills the slots, then submits the
 CPU->GPU copy of the chunks that landed; missing or corrupt chunks are reported as failed
 keys of the same job, so the engine recomputes them and never sees a false hit.
