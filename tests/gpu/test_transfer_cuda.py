@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
-from tierkv.errors import ClosedError, TransferError
+from tierkv.errors import ClosedError, UnknownJobError
 from tierkv.transfer.cuda import CudaTransferEngine
 from tierkv.testing import LayoutKV
 
@@ -131,7 +131,7 @@ def test_completions_are_fifo_per_direction_and_failures_reported() -> None:
         engine.submit_store(StoreSpec.of(JobId(job), (chunk(job, job, blocks_of(job)),)))
     engine.submit_store(StoreSpec.of(JobId(9), (chunk(9, 99, blocks_of(9)),)))
     assert engine.poll_finished() == []  # all held behind the sleep
-    with pytest.raises(TransferError, match="never submitted"):
+    with pytest.raises(UnknownJobError, match="never submitted"):
         engine.wait([JobId(42)])
     finished = drain(engine, 9)
     assert [c.job_id for c in finished] == list(range(1, 10))

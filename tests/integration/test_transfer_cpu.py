@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
-from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, TransferError
+from tierkv.errors import (
+    BrokenError,
+    ClosedError,
+    ConfigError,
+    JobTimeoutError,
+    TransferError,
+    UnknownJobError,
+)
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cpu import CpuTransferEngine
 from tierkv.transfer.factory import make_transfer_engine
@@ -139,7 +146,7 @@ def test_submit_returns_before_the_copy_finishes(kv: KV) -> None:
         assert gate.entered.wait(5)
         assert engine.poll_finished() == []  # in flight: nothing finished yet
         assert not engine.slab.view(0).any()  # and the slot is not written yet
-        with pytest.raises(TransferError, match="still running"):
+        with pytest.raises(JobTimeoutError, match="still running"):
             engine.wait([JobId(1)], timeout=0.05)
         gate.release.set()
         engine.wait([JobId(1)])  # now it finishes
@@ -177,7 +184,7 @@ def test_polling_is_fifo(kv: KV) -> None:
 
 def test_wait_on_a_job_never_submitted_raises(engine: CpuTransferEngine) -> None:
     engine.submit_store(store(1, chunk(1, 0, (0, 1, 2, 3))))
-    with pytest.raises(TierKVError, match="job 2, which was never submitted"):
+    with pytest.raises(UnknownJobError, match="job 2, which was never submitted"):
         engine.wait([JobId(1), JobId(2)])
     engine.wait([JobId(1)])
     assert [c.job_id for c in engine.poll_finished()] == [1]
