@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from types import TracebackType
 
 from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
-from tierkv.errors import ConfigError, short_key
+from tierkv.errors import ConfigError, TransferError, short_key
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.layout import KVLayout
 
@@ -60,13 +60,23 @@ class TransferEngine(ABC):
                 f"bytes); size the slab's slot_bytes from layout.chunk_bytes()"
             )
 
-    @abstractmethod
     def submit_store(self, spec: StoreSpec) -> None:
         """Start copying each chunk's blocks into its slot; returns at once."""
+        if not isinstance(spec, StoreSpec):
+            raise TransferError(f"transfer: submit_store takes a StoreSpec, "
+                                f"got {type(spec).__name__}")
+        self._submit(spec)
 
-    @abstractmethod
     def submit_load(self, spec: LoadSpec) -> None:
         """Start copying each chunk's slot into its blocks; returns at once."""
+        if not isinstance(spec, LoadSpec):
+            raise TransferError(f"transfer: submit_load takes a LoadSpec, "
+                                f"got {type(spec).__name__}")
+        self._submit(spec)
+
+    @abstractmethod
+    def _submit(self, spec: StoreSpec | LoadSpec) -> None:
+        """Start ``spec`` (its type checked); returns at once."""
 
     @abstractmethod
     def poll_finished(self) -> list[Completion]:

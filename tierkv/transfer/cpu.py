@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
-from tierkv.errors import BrokenError, ClosedError, ConfigError, TransferError, short_key
+from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.base import TransferEngine, check_spec, failed_completion
 from tierkv.transfer.layout import KVLayout, consecutive_runs
@@ -78,18 +78,6 @@ class CpuTransferEngine(TransferEngine):
         self._thread.start()
 
     # ------------------------------------------------------------------ submit
-    def submit_store(self, spec: StoreSpec) -> None:
-        if not isinstance(spec, StoreSpec):
-            raise TransferError(f"transfer: submit_store takes a StoreSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec)
-
-    def submit_load(self, spec: LoadSpec) -> None:
-        if not isinstance(spec, LoadSpec):
-            raise TransferError(f"transfer: submit_load takes a LoadSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec)
-
     def _submit(self, spec: StoreSpec | LoadSpec) -> None:
         with self._cond:
             if self._closed:

@@ -47,7 +47,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, StoreSpec
-from tierkv.errors import BrokenError, ClosedError, ConfigError, TransferError
+from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.base import TransferEngine, check_spec, direction_name, failed_completion
 from tierkv.transfer.layout import ChunkViews, KVLayout
@@ -138,19 +138,8 @@ class CudaTransferEngine(TransferEngine):
         self._closed = False
 
     # ------------------------------------------------------------------ submit
-    def submit_store(self, spec: StoreSpec) -> None:
-        if not isinstance(spec, StoreSpec):
-            raise TransferError(f"transfer: submit_store takes a StoreSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec, self._store)
-
-    def submit_load(self, spec: LoadSpec) -> None:
-        if not isinstance(spec, LoadSpec):
-            raise TransferError(f"transfer: submit_load takes a LoadSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec, self._load)
-
-    def _submit(self, spec: StoreSpec | LoadSpec, direction: _Direction) -> None:
+    def _submit(self, spec: StoreSpec | LoadSpec) -> None:
+        direction = self._store if isinstance(spec, StoreSpec) else self._load
         job = _Job(spec)
         with self._lock:
             if self._closed:
