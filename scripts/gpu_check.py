@@ -77,7 +77,7 @@ class Checks:
 
 def engine_for(kv: LayoutKV, bpc: int, slots: int, staging_chunks: float,
                pad: int = 0) -> CudaTransferEngine:
-    engine: CudaTransferEngine = kv.cuda_engine(bpc, slots, staging_chunks, pad)
+    engine: CudaTransferEngine = kv.engine(bpc, slots, staging_chunks, pad)
     return engine
 
 

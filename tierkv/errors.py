@@ -49,6 +49,15 @@ class TransferError(TierKVError):
     """A copy between tiers failed."""
 
 
+class UnknownJobError(TransferError):
+    """A wait on a job id that was never submitted: the race tierkv exists to prevent (a
+    flush waiting on a store that was never started). Submit before waiting."""
+
+
+class JobTimeoutError(TransferError, TimeoutError):
+    """A wait whose timeout expired before its jobs finished."""
+
+
 class NamespaceMismatchError(TierKVError):
     """Persistent data was written under another namespace (model, layout, format)."""
 

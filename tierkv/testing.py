@@ -348,20 +348,23 @@ class LayoutKV:
             raw, index = self.raws[0], block * self.layers + layer
         return raw[index * self.page : (index + 1) * self.page]
 
-    def cuda_engine(self, blocks_per_chunk: int, num_slots: int, staging_chunks: float,
-                    pad: int = 0) -> Any:
-        """A CudaTransferEngine over these tensors and a fresh zeroed pinned slab whose
-        slots are ``pad`` bytes longer than a chunk."""
+    def engine(self, blocks_per_chunk: int, num_slots: int, staging_chunks: float | None = None,
+               pad: int = 0, **options: Any) -> Any:
+        """The transfer engine of these tensors' device over a fresh zeroed slab (pinned for
+        CUDA) whose slots are ``pad`` bytes longer than a chunk; ``staging_chunks`` sizes
+        the CUDA engine's staging in chunks; ``options`` go to the engine."""
         from tierkv.tiers.cpu import CpuSlab
-        from tierkv.transfer.cuda import CudaTransferEngine
+        from tierkv.transfer.factory import make_transfer_engine
         from tierkv.transfer.layout import KVLayout
 
         layout = KVLayout.from_tensors(self.tensors)
         chunk_bytes = layout.chunk_bytes(blocks_per_chunk)
-        slab = CpuSlab(num_slots, chunk_bytes + pad, pin_memory="always")
+        pin = "always" if layout.device.type == "cuda" else "never"
+        slab = CpuSlab(num_slots, chunk_bytes + pad, pin_memory=pin)
         slab.tensor.zero_()
-        return CudaTransferEngine(layout, slab, blocks_per_chunk,
-                                  staging_bytes=int(staging_chunks * chunk_bytes))
+        if staging_chunks is not None:
+            options["staging_bytes"] = int(staging_chunks * chunk_bytes)
+        return make_transfer_engine("auto", layout, slab, blocks_per_chunk, **options)
 
     def chunk(self, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
         """The chunk's reference bytes in tierkv's slot layout, on the CPU."""

@@ -14,7 +14,6 @@ from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import LoadSpec, StoreSpec
 from tierkv.core.state import CpuState
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
-from tierkv.engine.executor import JobExecutor
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.keys import Namespace
 from tierkv.testing import MiniEngine
@@ -22,6 +21,7 @@ from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier, ReadStatus
 from tierkv.transfer.cpu import CpuTransferEngine
 from tierkv.transfer.disk_io import DiskIO
+from tierkv.transfer.executor import JobExecutor
 from tierkv.transfer.layout import KVLayout
 
 BLOCK = 4

@@ -17,7 +17,14 @@ import pytest
 
 from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, SlotId, SpillSpec
-from tierkv.errors import BrokenError, ClosedError, ConfigError
+from tierkv.errors import (
+    BrokenError,
+    ClosedError,
+    ConfigError,
+    JobTimeoutError,
+    TransferError,
+    UnknownJobError,
+)
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier, ReadStatus
@@ -207,8 +214,30 @@ def test_on_done_that_raises_keeps_the_reader_alive(
 
 
 def test_wait_on_a_job_never_submitted_raises(disk_io: DiskIO) -> None:
-    with pytest.raises(ConfigError, match="never submitted"):
+    with pytest.raises(UnknownJobError, match="disk io: wait on job 42, which was never submitted"):
         disk_io.wait([JobId(42)])
+
+
+def test_a_wait_that_times_out_raises_and_the_job_still_completes(
+        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+    with writer_blocked(tier):
+        disk_io.submit_spill(spill(1, [(1, 0)]))
+        with pytest.raises(JobTimeoutError, match=r"disk io: job\(s\) \[1\] still running") as info:
+            disk_io.wait([JobId(1)], timeout=0.05)
+        assert isinstance(info.value, TimeoutError)  # what DiskIO raised before
+    disk_io.wait([JobId(1)], timeout=10)
+    assert [c.job_id for c in disk_io.poll_finished()] == [1]
+
+
+def test_a_spill_job_id_is_taken_once(disk_io: DiskIO) -> None:
+    """DiskIO refused an id only while its job was in flight: a finished spill's id was
+    taken again, so a wait on it could no longer tell the two jobs apart."""
+    disk_io.submit_spill(spill(1, [(1, 0)]))
+    with pytest.raises(TransferError, match="job 1 was already submitted"):
+        disk_io.submit_spill(spill(1, [(2, 1)]))  # in flight
+    disk_io.wait([JobId(1)], timeout=10)
+    with pytest.raises(TransferError, match="job 1 was already submitted"):
+        disk_io.submit_spill(spill(1, [(2, 1)]))  # finished
 
 
 def test_bad_specs_raise_at_submit(disk_io: DiskIO) -> None:

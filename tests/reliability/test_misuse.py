@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.reliability import support
-from tierkv.errors import ConfigError, TierKVError, UsageError
+from tierkv.errors import ConfigError, TierKVError, TransferError, UnknownJobError, UsageError
 from tierkv.tiers.disk import DiskTier
 
 
@@ -156,6 +156,25 @@ def test_block_ids_as_numpy_or_tensors_work_and_floats_are_refused(tmp_path: Pat
         for bad in (["x"], "x", [1.0], [True], [-1]):
             with pytest.raises(ConfigError, match="job id|list of job ids"):
                 store.wait(bad)  # type: ignore[arg-type]
+
+
+def test_a_wait_before_its_submit_raises_unknown_job(tmp_path: Path) -> None:
+    """A wait on a job id that was never submitted is the race tierkv exists to prevent. The
+    worker raised a bare TierKVError for it (the CPU engine TransferError, DiskIO
+    ConfigError); every component raises UnknownJobError now."""
+    kv = support.make_kv()
+    with support.open_store(tmp_path, kv) as store:
+        keys = support.request_keys(7, num_chunks=1)
+        support.fill_chunk(kv, keys[0], support.chunk_blocks(0))
+        job = store.store(keys, support.chunk_blocks(0))
+        assert job is not None
+        with pytest.raises(UnknownJobError, match=f"worker: wait on job {job + 100}, which was "
+                                                  f"never submitted") as info:
+            store.wait([job, job + 100])
+        assert isinstance(info.value, TransferError)
+        store.wait([job])
+        assert [c.job_id for c in store.poll()] == [job]
+        store.wait([job])  # finished and polled: returns at once
 
 
 def test_a_store_used_from_several_threads_fails_loudly_never_with_wrong_bytes(tmp_path: Path) -> None:
@@ -327,7 +346,7 @@ def test_a_namespace_that_does_not_describe_the_tensors_is_refused(tmp_path: Pat
 def test_threads_stop_even_when_waiting_for_the_last_jobs_fails(tmp_path: Path) -> None:
     """The executor waited for its jobs, then stopped its threads: a wait that raised left
     the copy and disk threads running after close()."""
-    from tierkv.engine.executor import JobExecutor
+    from tierkv.transfer.executor import JobExecutor
     from tierkv.errors import TransferError
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.transfer.cpu import CpuTransferEngine

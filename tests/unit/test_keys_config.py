@@ -93,6 +93,33 @@ def test_core_imports_no_torch_lmdb_or_threads() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_imports_flow_one_way() -> None:
+    """keys -> core -> tiers -> transfer -> engine -> integrations -> the rest (cli, tools,
+    warm-up): no module imports a layer above its own, lazily inside a function either."""
+    import ast
+    from pathlib import Path
+
+    layers = {"errors": 0, "units": 0, "keys": 0, "config": 0, "core": 1, "tiers": 2, "transfer": 3,
+              "engine": 4, "integrations": 5}
+
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        return layers.get(parts[1], 6) if parts[0] == "tierkv" and len(parts) > 1 else None
+
+    package = Path(__file__).resolve().parents[2] / "tierkv"
+    upward = []
+    for path in sorted(package.rglob("*.py")):
+        module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        own = layer(module.removesuffix(".__init__"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [])
+            upward += [f"{module} -> {name}" for name in names
+                       if own is not None and (layer(name) or 0) > own]
+    assert upward == []
+
+
 def test_configuration_doc_lists_every_setting() -> None:
     from dataclasses import fields
     from pathlib import Path

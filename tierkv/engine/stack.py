@@ -28,7 +28,7 @@ from tierkv.core.jobs import JobIds
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
-    from tierkv.engine.executor import JobExecutor
+    from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.tiers.disk import DiskTier
     from tierkv.transfer.base import TransferEngine
@@ -105,7 +105,7 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
     transfer engine for ``config.device``, and (``open_disk`` given) the disk tier it opens
     with its I/O threads. The disk tier is opened first: a store path that is refused
     costs no slab and no thread."""
-    from tierkv.engine.executor import JobExecutor
+    from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.transfer.disk_io import DiskIO
     from tierkv.transfer.factory import make_transfer_engine

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from tierkv.core.jobs import (Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec, StoreSpec,
                               failed_set)
-from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
+from tierkv.transfer.executor import JobExecutor
 
 IDLE_YIELD_SECONDS = 0.0005
 PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from tierkv.engine.executor import JobExecutor
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
@@ -37,6 +36,7 @@ from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_c
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
+from tierkv.transfer.executor import JobExecutor
 from tierkv.transfer.layout import KVLayout
 
 log = logging.getLogger("tierkv.vllm")

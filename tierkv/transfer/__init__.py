@@ -1,1 +1,1 @@
-"""Transfer engines move bytes: GPU <-> CPU slab (CUDA or CPU fallback) and slab <-> disk."""
+"""Moving bytes: transfer engines, DiskIO, the JobExecutor over them and the JobLedger."""

@@ -8,17 +8,18 @@ Primitives and their contracts (every engine):
 - ``submit_load(spec: LoadSpec)``: copy each chunk's slot into its blocks, except the
   first ``chunk.skip_blocks`` blocks (already on the GPU; never written). Returns at once.
   ``from_disk`` is ignored: the caller has already read the disk tier into the slot.
-- Both are thread-safe (the disk reader thread submits loads). A job id may be submitted
-  once. A spec that cannot run (wrong block count, block id or slot out of range, a load
-  writing one block twice, one slot stored twice) is not raised: the job completes with
-  ``ok=False`` and ``error`` set, like a copy that raised. The engine keeps working.
+- Both are thread-safe (the disk reader thread submits loads). A spec that cannot run
+  (wrong block count, block id or slot out of range, a load writing one block twice, one
+  slot stored twice) is not raised: the job completes with ``ok=False`` and ``error``
+  set, like a copy that raised. The engine keeps working.
 - ``poll_finished()``: non-blocking; every finished job exactly once, in submission order
   per direction (stores among stores, loads among loads).
 - ``wait(job_ids, timeout=None)``: blocks until every one of those jobs finished. Finished
-  jobs are still returned by a later poll; a job already polled counts as finished (the
-  last ``remember_finished`` polled ids are remembered). A wait on a job id that was never
-  submitted raises :class:`TransferError`: that is the race tierkv exists to prevent (a
-  flush waiting on a store that was never started). ``timeout`` expiring raises too.
+  jobs are still returned by a later poll; a job already polled counts as finished (see
+  :mod:`tierkv.transfer.ledger` for how long). A wait on a job id that was never
+  submitted raises :class:`UnknownJobError`: that is the race tierkv exists to prevent (a
+  flush waiting on a store that was never started). An expired ``timeout`` raises
+  :class:`JobTimeoutError`. A job id is submitted once; reusing one raises TransferError.
 - ``make_compute_wait(job_ids)``: orders the engine's compute work after those loads. On
   CUDA the compute stream waits on the jobs' end events (no host sync); elsewhere it is a
   host ``wait``. Call it before the forward pass that reads loaded blocks.
@@ -27,26 +28,20 @@ Primitives and their contracts (every engine):
 - ``Completion.num_bytes``: bytes that reached their destination (a store: whole chunks
   into slots; a load: the blocks written); ``seconds``: copy time (CUDA: from events).
 
-Helpers shared by the engines: :func:`check_spec`, :func:`failed_completion`,
-:class:`JobBook` (which ids are live, which were polled).
+Helpers shared by the engines: :func:`check_spec`, :func:`failed_completion`; each
+engine keeps its job ids in a :class:`~tierkv.transfer.ledger.JobLedger`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Generic, TypeVar
 
 from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
 from tierkv.errors import ConfigError, TransferError, short_key
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.layout import KVLayout
-
-DEFAULT_REMEMBER_FINISHED = 1 << 16
-
-RecordT = TypeVar("RecordT")
 
 
 class TransferEngine(ABC):
@@ -65,13 +60,23 @@ class TransferEngine(ABC):
                 f"bytes); size the slab's slot_bytes from layout.chunk_bytes()"
             )
 
-    @abstractmethod
     def submit_store(self, spec: StoreSpec) -> None:
         """Start copying each chunk's blocks into its slot; returns at once."""
+        if not isinstance(spec, StoreSpec):
+            raise TransferError(f"transfer: submit_store takes a StoreSpec, "
+                                f"got {type(spec).__name__}")
+        self._submit(spec)
 
-    @abstractmethod
     def submit_load(self, spec: LoadSpec) -> None:
         """Start copying each chunk's slot into its blocks; returns at once."""
+        if not isinstance(spec, LoadSpec):
+            raise TransferError(f"transfer: submit_load takes a LoadSpec, "
+                                f"got {type(spec).__name__}")
+        self._submit(spec)
+
+    @abstractmethod
+    def _submit(self, spec: StoreSpec | LoadSpec) -> None:
+        """Start ``spec`` (its type checked); returns at once."""
 
     @abstractmethod
     def poll_finished(self) -> list[Completion]:
@@ -79,7 +84,7 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
-        """Block until all ``job_ids`` finished; unknown ids raise TransferError."""
+        """Block until all ``job_ids`` finished; unknown ids raise UnknownJobError."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -152,49 +157,3 @@ def failed_completion(spec: StoreSpec | LoadSpec, error: str, first_failed: int 
         error=f"{direction_name(spec)} job {spec.job_id}: {error}",
     )
 
-
-class JobBook(Generic[RecordT]):
-    """The job ids an engine knows. Live ids (submitted, not yet polled) map to the
-    engine's record; polled ids are remembered, the last ``remember`` of them, so that a
-    late wait on them returns at once. Not thread-safe: the engine holds its lock."""
-
-    def __init__(self, remember: int = DEFAULT_REMEMBER_FINISHED) -> None:
-        if remember < 0:
-            raise ConfigError(f"transfer: remember_finished must be >= 0, got {remember}")
-        self._live: dict[JobId, RecordT] = {}
-        self._polled: set[JobId] = set()
-        self._order: deque[JobId] = deque()
-        self._remember = remember
-
-    def add(self, job_id: JobId, record: RecordT) -> None:
-        if job_id in self._live or job_id in self._polled:
-            raise TransferError(f"transfer engine: job {job_id} was already submitted; "
-                                f"job ids are never reused")
-        self._live[job_id] = record
-
-    def retire(self, job_id: JobId) -> None:
-        """The job was returned by a poll."""
-        del self._live[job_id]
-        if self._remember == 0:
-            return
-        self._polled.add(job_id)
-        self._order.append(job_id)
-        if len(self._order) > self._remember:
-            self._polled.discard(self._order.popleft())
-
-    def resolve(self, job_ids: Iterable[JobId]) -> list[RecordT]:
-        """The live records of ``job_ids``; polled ids are skipped, unknown ones raise."""
-        records: list[RecordT] = []
-        for job_id in job_ids:
-            record = self._live.get(job_id)
-            if record is not None:
-                records.append(record)
-            elif job_id not in self._polled:
-                raise TransferError(
-                    f"transfer engine: wait on job {job_id}, which was never submitted "
-                    f"(submit every pending store before waiting on it)"
-                )
-        return records
-
-    def __len__(self) -> int:
-        return len(self._live)

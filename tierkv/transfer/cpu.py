@@ -33,30 +33,17 @@ from collections.abc import Callable, Iterable
 import torch
 
 from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
-from tierkv.errors import BrokenError, ClosedError, ConfigError, TransferError, short_key
+from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.transfer.base import (
-    DEFAULT_REMEMBER_FINISHED,
-    JobBook,
-    TransferEngine,
-    check_spec,
-    failed_completion,
-)
+from tierkv.transfer.base import TransferEngine, check_spec, failed_completion
 from tierkv.transfer.layout import KVLayout, consecutive_runs
+from tierkv.transfer.ledger import REMEMBER_FINISHED, JobLedger
 
 BeforeCopy = Callable[[StoreSpec | LoadSpec], None]
 
 # Block ids in more runs of consecutive ids than this are gathered by index_select and
 # scattered by numpy fancy assignment instead of one copy per run (docs/benchmarks/copy.md).
 MAX_COPY_RUNS = 2
-
-
-class _Job:
-    __slots__ = ("spec", "completion")
-
-    def __init__(self, spec: StoreSpec | LoadSpec) -> None:
-        self.spec = spec
-        self.completion: Completion | None = None
 
 
 class CpuTransferEngine(TransferEngine):
@@ -68,7 +55,7 @@ class CpuTransferEngine(TransferEngine):
         slab: CpuSlab,
         blocks_per_chunk: int,
         before_copy: BeforeCopy | None = None,
-        remember_finished: int = DEFAULT_REMEMBER_FINISHED,
+        remember_finished: int = REMEMBER_FINISHED,
     ) -> None:
         super().__init__(layout, slab, blocks_per_chunk)
         if layout.device.type != "cpu":
@@ -82,36 +69,25 @@ class CpuTransferEngine(TransferEngine):
                         for plan in self._views.plans]
         self._before_copy = before_copy
         self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[StoreSpec | LoadSpec] = deque()
         self._done: deque[Completion] = deque()
-        self._book: JobBook[_Job] = JobBook(remember_finished)
+        self._ledger: JobLedger[None] = JobLedger("cpu transfer engine", remember_finished)
         self._closed = False
         self._broken: str | None = None
         self._thread = threading.Thread(target=self._run, name="tierkv-transfer-cpu", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ submit
-    def submit_store(self, spec: StoreSpec) -> None:
-        if not isinstance(spec, StoreSpec):
-            raise TransferError(f"transfer: submit_store takes a StoreSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec)
-
-    def submit_load(self, spec: LoadSpec) -> None:
-        if not isinstance(spec, LoadSpec):
-            raise TransferError(f"transfer: submit_load takes a LoadSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec)
-
     def _submit(self, spec: StoreSpec | LoadSpec) -> None:
         with self._cond:
             if self._closed:
-                raise ClosedError(f"transfer engine: job {spec.job_id} submitted after shutdown")
+                raise ClosedError(f"cpu transfer engine: job {spec.job_id} submitted after "
+                                  f"shutdown")
             if self._broken is not None:
-                raise BrokenError(f"transfer engine: the copy thread died ({self._broken})")
-            job = _Job(spec)
-            self._book.add(spec.job_id, job)
-            self._queue.append(job)
+                raise BrokenError(f"cpu transfer engine: the copy thread died ({self._broken}); "
+                                  f"restart the worker")
+            self._ledger.add(spec.job_id, None)
+            self._queue.append(spec)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ worker thread
@@ -123,23 +99,22 @@ class CpuTransferEngine(TransferEngine):
                         self._cond.wait()
                     if not self._queue:
                         return
-                    job = self._queue[0]
-                completion = self._execute(job.spec)
+                    spec = self._queue[0]
+                completion = self._execute(spec)
                 with self._cond:
                     self._queue.popleft()
-                    self._finish(job, completion)
+                    self._finish(completion)
         except BaseException as exc:  # a bug or interpreter exit: fail what is left
             with self._cond:
                 self._broken = f"{type(exc).__name__}: {exc}"
                 while self._queue:
-                    left = self._queue.popleft()
-                    self._finish(left, failed_completion(
-                        left.spec, f"the copy thread died ({self._broken})"))
+                    self._finish(failed_completion(
+                        self._queue.popleft(), f"the copy thread died ({self._broken})"))
             raise
 
-    def _finish(self, job: _Job, completion: Completion) -> None:
-        job.completion = completion
+    def _finish(self, completion: Completion) -> None:
         self._done.append(completion)
+        self._ledger.finish(completion.job_id)
         self._cond.notify_all()
 
     def _execute(self, spec: StoreSpec | LoadSpec) -> Completion:
@@ -200,24 +175,11 @@ class CpuTransferEngine(TransferEngine):
         with self._cond:
             finished = list(self._done)
             self._done.clear()
-            for completion in finished:
-                self._book.retire(completion.job_id)
         return finished
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            jobs = self._book.resolve(job_ids)
-            while any(job.completion is None for job in jobs):
-                if deadline is None:
-                    self._cond.wait()
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    pending = [job.spec.job_id for job in jobs if job.completion is None]
-                    raise TransferError(
-                        f"transfer engine: jobs {pending} still running after {timeout} s")
-                self._cond.wait(remaining)
+            self._ledger.wait(self._cond, job_ids, timeout)
 
     def shutdown(self) -> None:
         with self._cond:

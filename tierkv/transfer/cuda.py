@@ -21,8 +21,9 @@ How a job runs (contracts in :mod:`tierkv.transfer.base`):
   batch's copy out of staging finished. Pinned index tensors come from PyTorch's caching
   host allocator, which records an event per async copy before it reuses the memory.
 - Each job records a start and an end event on its stream; ``poll_finished`` queries the
-  end events in FIFO order per direction; ``wait`` synchronizes them; ``seconds`` is
-  ``start.elapsed_time(end)``.
+  end events in FIFO order per direction (a job counts as finished in the engine's
+  :class:`~tierkv.transfer.ledger.JobLedger` once a poll saw it); ``wait`` synchronizes
+  them; ``seconds`` is ``start.elapsed_time(end)``.
 
 The caller's duties:
 - **Loads must be ordered before the forward pass that reads them**: call
@@ -46,17 +47,11 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, StoreSpec
-from tierkv.errors import BrokenError, ClosedError, ConfigError, TransferError
+from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.transfer.base import (
-    DEFAULT_REMEMBER_FINISHED,
-    JobBook,
-    TransferEngine,
-    check_spec,
-    direction_name,
-    failed_completion,
-)
+from tierkv.transfer.base import TransferEngine, check_spec, direction_name, failed_completion
 from tierkv.transfer.layout import ChunkViews, KVLayout
+from tierkv.transfer.ledger import REMEMBER_FINISHED, JobLedger
 
 DEFAULT_STAGING_BYTES = 64 << 20
 
@@ -113,7 +108,7 @@ class CudaTransferEngine(TransferEngine):
         blocks_per_chunk: int,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         compute_stream: torch.cuda.Stream | None = None,
-        remember_finished: int = DEFAULT_REMEMBER_FINISHED,
+        remember_finished: int = REMEMBER_FINISHED,
     ) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(
@@ -139,28 +134,18 @@ class CudaTransferEngine(TransferEngine):
             self._store = _Direction(layout, blocks_per_chunk, self.chunks_per_batch)
             self._load = _Direction(layout, blocks_per_chunk, self.chunks_per_batch)
         self._lock = threading.Lock()
-        self._book: JobBook[_Job] = JobBook(remember_finished)
+        self._ledger: JobLedger[_Job] = JobLedger("cuda transfer engine", remember_finished)
         self._closed = False
 
     # ------------------------------------------------------------------ submit
-    def submit_store(self, spec: StoreSpec) -> None:
-        if not isinstance(spec, StoreSpec):
-            raise TransferError(f"transfer: submit_store takes a StoreSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec, self._store)
-
-    def submit_load(self, spec: LoadSpec) -> None:
-        if not isinstance(spec, LoadSpec):
-            raise TransferError(f"transfer: submit_load takes a LoadSpec, "
-                                f"got {type(spec).__name__}")
-        self._submit(spec, self._load)
-
-    def _submit(self, spec: StoreSpec | LoadSpec, direction: _Direction) -> None:
+    def _submit(self, spec: StoreSpec | LoadSpec) -> None:
+        direction = self._store if isinstance(spec, StoreSpec) else self._load
         job = _Job(spec)
         with self._lock:
             if self._closed:
-                raise ClosedError(f"transfer engine: job {spec.job_id} submitted after shutdown")
-            self._book.add(spec.job_id, job)  # a concurrent wait now blocks on job.enqueued
+                raise ClosedError(f"cuda transfer engine: job {spec.job_id} submitted after "
+                                  f"shutdown")
+            self._ledger.add(spec.job_id, job)  # a concurrent wait now blocks on job.enqueued
         job.error = check_spec(spec, self.layout.num_blocks, self.slab.num_slots,
                                self.blocks_per_chunk)
         with direction.lock:
@@ -240,45 +225,45 @@ class CudaTransferEngine(TransferEngine):
                     while direction.fifo and _finished(direction.fifo[0]):
                         job = direction.fifo.popleft()
                         finished.append(self._completion(job))
-                        self._book.retire(job.spec.job_id)
+                        self._ledger.finish(job.spec.job_id)
                 except RuntimeError as exc:
-                    raise BrokenError(f"transfer engine: CUDA failed under a "
+                    raise BrokenError(f"cuda transfer engine: CUDA failed under a "
                                       f"{direction_name(direction.fifo[0].spec)} ({exc}); "
                                       f"the CUDA context is unusable, restart the worker") from exc
         return finished
 
-    def _jobs(self, job_ids: Iterable[JobId], deadline: float | None) -> list[_Job]:
+    def _jobs(self, job_ids: Iterable[JobId], timeout: float | None = None) -> list[_Job]:
+        """The jobs not yet polled, once their end events are recorded."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            jobs = self._book.resolve(job_ids)
+            jobs = list(self._ledger.pending(job_ids).values())
         for job in jobs:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             if not job.enqueued.wait(remaining):
-                raise TransferError(f"transfer engine: job {job.spec.job_id} not even "
-                                    f"enqueued before the timeout")
+                raise self._ledger.timed_out([job.spec.job_id], timeout)
         return jobs
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            for job in self._jobs(job_ids, deadline):
+            for job in self._jobs(job_ids, timeout):
                 if deadline is None:
                     job.end.synchronize()
                     continue
                 while not _finished(job):
                     if time.monotonic() >= deadline:
-                        raise TransferError(f"transfer engine: job {job.spec.job_id} still "
-                                            f"running after {timeout} s")
+                        raise self._ledger.timed_out([job.spec.job_id], timeout)
                     time.sleep(0.0002)
         except RuntimeError as exc:
-            raise BrokenError(f"transfer engine: CUDA failed while waiting ({exc}); the CUDA "
-                              f"context is unusable, restart the worker") from exc
+            raise BrokenError(f"cuda transfer engine: CUDA failed while waiting ({exc}); the "
+                              f"CUDA context is unusable, restart the worker") from exc
 
     def make_compute_wait(self, job_ids: Iterable[JobId],
                           stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: the compute stream) wait on these jobs' end events,
         without blocking the host. Jobs already polled are complete and need nothing."""
         target = stream or self.compute_stream
-        for job in self._jobs(job_ids, None):
+        for job in self._jobs(job_ids):
             target.wait_event(job.end)
 
     def shutdown(self) -> None:

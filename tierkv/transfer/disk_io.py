@@ -13,9 +13,11 @@ Primitives and contracts:
   ``on_done(ReadOutcome)`` runs in the reader thread (chain the CPU -> GPU copy from there).
   An exception from ``on_done`` is logged and the thread goes on.
 - ``poll_finished()`` spill completions in FIFO order, non-blocking.
-- ``wait(job_ids)`` blocks until those spill jobs completed; it does not consume them from
-  ``poll_finished``. Waiting on a job id that was never submitted raises :class:`ConfigError`
-  (the last 65536 completed ids are remembered).
+- ``wait(job_ids, timeout=None)`` blocks until those jobs completed (a read: with its
+  ``on_done``); it does not consume them from ``poll_finished``. Spill and read ids share
+  one :class:`~tierkv.transfer.ledger.JobLedger`: an id is submitted once (reuse raises
+  :class:`TransferError`), a wait on one never submitted raises :class:`UnknownJobError`,
+  an expired ``timeout`` raises :class:`JobTimeoutError`.
 - ``flush()`` waits for everything submitted so far (spills, reads and their callbacks), then
   syncs the tier. ``shutdown()`` flushes and stops both threads; idempotent. It does not close
   the tier: its owner does, after ``shutdown()``.
@@ -39,10 +41,9 @@ from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
 from tierkv.keys import KEY_BYTES
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.transfer.ledger import JobLedger
 
 logger = logging.getLogger("tierkv.disk_io")
-
-_REMEMBER_DONE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,7 @@ class DiskIO:
         self._spills: deque[SpillSpec] = deque()
         self._reads: deque[_ReadJob] = deque()
         self._finished: deque[Completion] = deque()
-        self._in_flight: set[JobId] = set()
-        self._done_ids: set[JobId] = set()
-        self._done_order: deque[JobId] = deque()
-        self._spills_submitted = self._spills_done = 0  # spill jobs complete in FIFO order
-        self._reads_submitted = self._reads_done = 0
+        self._ledger: JobLedger[None] = JobLedger("disk io")  # spill and read jobs
         self._counts = {"spill_jobs": 0, "write_txns": 0, "read_jobs": 0, "callback_errors": 0}
         self._broken: BaseException | None = None
         self._stopping = False
@@ -141,11 +138,8 @@ class DiskIO:
             self._check_chunk(key, 0)
         with self._cond:
             self._check_usable()
-            if spec.job_id in self._in_flight:
-                raise ConfigError(f"disk io: spill job {spec.job_id} is already in flight")
-            self._in_flight.add(spec.job_id)
+            self._ledger.add(spec.job_id, None)
             self._spills.append(spec)
-            self._spills_submitted += 1
             self._cond.notify_all()
 
     def submit_read(self, job_id: JobId, chunks: Sequence[ChunkCopy],
@@ -155,8 +149,8 @@ class DiskIO:
             self._check_chunk(chunk.key, chunk.slot)
         with self._cond:
             self._check_usable()
+            self._ledger.add(job_id, None)
             self._reads.append(_ReadJob(job_id, tuple(chunks), on_done))
-            self._reads_submitted += 1
             self._cond.notify_all()
 
     def poll_finished(self) -> list[Completion]:
@@ -167,23 +161,14 @@ class DiskIO:
         return finished
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
-        """Block until every job in ``job_ids`` completed (``TimeoutError`` after ``timeout``)."""
-        wanted = set(job_ids)
+        """Block until every job in ``job_ids`` completed."""
         with self._cond:
-            unknown = wanted - self._in_flight - self._done_ids
-            if unknown:
-                raise ConfigError(f"disk io: wait on spill job(s) {sorted(unknown)} that were "
-                                  f"never submitted (submit before waiting)")
-            if not self._cond.wait_for(lambda: not wanted & self._in_flight, timeout):
-                raise TimeoutError(f"disk io: spill job(s) {sorted(wanted & self._in_flight)} "
-                                   f"not done after {timeout} s")
+            self._ledger.wait(self._cond, job_ids, timeout)
 
     def flush(self) -> None:
         """Wait for every job submitted so far (not later ones), then sync the tier."""
         with self._cond:
-            spills, reads = self._spills_submitted, self._reads_submitted
-            self._cond.wait_for(
-                lambda: self._spills_done >= spills and self._reads_done >= reads)
+            self._ledger.wait(self._cond, self._ledger.live_ids())
         self._check_usable()
         self.tier.sync()
 
@@ -253,10 +238,8 @@ class DiskIO:
             with self._cond:
                 for completion in completions:
                     self._finished.append(completion)
-                    self._in_flight.discard(completion.job_id)
-                    self._remember_done(completion.job_id)
+                    self._ledger.finish(completion.job_id)
                 self._counts["spill_jobs"] += len(batch)
-                self._spills_done += len(batch)
                 self._cond.notify_all()
 
     def _idle_sync(self) -> None:
@@ -264,12 +247,6 @@ class DiskIO:
             self.tier.sync_if_due()
         except TierKVError as exc:
             self._mark_broken(exc)
-
-    def _remember_done(self, job_id: JobId) -> None:
-        self._done_ids.add(job_id)
-        self._done_order.append(job_id)
-        if len(self._done_order) > _REMEMBER_DONE:
-            self._done_ids.discard(self._done_order.popleft())
 
     def _mark_broken(self, exc: BaseException) -> None:
         if isinstance(exc, (BrokenError, ClosedError)):
@@ -346,7 +323,7 @@ class DiskIO:
                         self._counts["callback_errors"] += 1
             finally:
                 with self._cond:
-                    self._reads_done += 1
+                    self._ledger.finish(job.job_id)
                     self._counts["read_jobs"] += 1
                     self._cond.notify_all()
 

@@ -3,11 +3,19 @@
 Primitives:
 - ``submit(spec)``: StoreSpec -> GPU->CPU copy; SpillSpec -> disk writer thread;
   LoadSpec -> (disk reader thread for ``from_disk`` chunks, then) CPU->GPU copy.
-  Returns at once.
+  Returns at once. A job id is submitted once (reuse raises :class:`TransferError`).
 - ``poll_finished()``: every finished job exactly once (plain :class:`Completion`s).
-- ``wait(job_ids)``: blocks until those jobs finished. Waiting on a job id that was never
-  submitted raises: a wait must follow its submit (the race tierkv exists to prevent).
+- ``wait(job_ids)``: blocks until those jobs finished; a job already polled has finished.
+  Waiting on a job id that was never submitted raises :class:`UnknownJobError`: a wait
+  must follow its submit (the race tierkv exists to prevent). Ids are kept in a
+  :class:`~tierkv.transfer.ledger.JobLedger`; a job id's record is what to wait on (the
+  transfer engine, the disk threads, a chained load, or nothing: a spill refused by a
+  broken disk tier has its failed completion ready).
+- ``in_flight_ids()``: jobs submitted and not yet polled.
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
+Called from one thread (the worker's); the reader thread only runs chained loads' steps.
+
+It lives with the code that moves bytes (transfer/); engine/ only orchestrates.
 
 A load with disk chunks is chained: the reader thread fills the slots, then submits the
 CPU->GPU copy of the chunks that landed; missing or corrupt chunks are reported as failed
@@ -19,29 +27,27 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
+from typing import Protocol
 
-from tierkv.core.jobs import (
-    Completion,
-    JobId,
-    JobKind,
-    JobSpec,
-    LoadSpec,
-    SpillSpec,
-    StoreSpec,
-    failed_set,
-)
+from tierkv.core.jobs import Completion, JobId, JobSpec, LoadSpec, SpillSpec, StoreSpec, failed_set
 from tierkv.errors import BrokenError, ClosedError, TierKVError
 from tierkv.transfer.base import TransferEngine
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
+from tierkv.transfer.ledger import JobLedger
 
 log = logging.getLogger(__name__)
+
+
+class _Waiter(Protocol):
+    def wait(self, job_ids: Iterable[JobId]) -> None: ...
 
 
 class _ChainedLoad:
     """A load whose disk part runs first; filled in by the reader thread."""
 
-    def __init__(self, keys: tuple[bytes, ...]) -> None:
+    def __init__(self, keys: tuple[bytes, ...], transfer: TransferEngine) -> None:
         self.keys = keys
+        self.transfer = transfer
         self.read_done = threading.Event()
         self.submitted_copy = False
         self.failed: tuple[bytes, ...] = ()
@@ -50,33 +56,39 @@ class _ChainedLoad:
         self.read_bytes = 0
         self.read_seconds = 0.0
 
+    def wait(self, job_ids: Iterable[JobId]) -> None:
+        self.read_done.wait()
+        if self.submitted_copy:
+            self.transfer.wait(job_ids)
+
 
 class JobExecutor:
     def __init__(self, transfer: TransferEngine, disk_io: DiskIO | None = None) -> None:
         self.transfer = transfer
         self.disk_io = disk_io
-        self._kinds: dict[JobId, JobKind] = {}
-        self._chained: dict[JobId, _ChainedLoad] = {}
-        self._direct: list[Completion] = []  # chained loads where nothing was left to copy
+        self._ledger: JobLedger[_Waiter | None] = JobLedger("worker")
+        self._direct: list[Completion] = []  # completions ready at once (see _start)
         self._lock = threading.Lock()
         self._closed = False
-        # Finished job ids, kept compact: every id below _floor has finished.
-        self._finished: set[JobId] = set()
-        self._floor = 1
-        self._failed_now: set[JobId] = set()  # spills failed at submit (their disk broke)
 
     # ------------------------------------------------------------------ submit
     def submit(self, spec: JobSpec) -> None:
         if self._closed:
             raise ClosedError("worker: job submitted after shutdown")
-        self._kinds[spec.job_id] = spec.kind
+        self._ledger.check_new(spec.job_id)  # a reused id raises before anything runs
+        self._ledger.add(spec.job_id, self._start(spec))
+
+    def _start(self, spec: JobSpec) -> _Waiter | None:
+        """Start ``spec``; what to wait on for it (None: its completion is ready)."""
         if isinstance(spec, StoreSpec):
             self.transfer.submit_store(spec)
-        elif isinstance(spec, SpillSpec):
+            return self.transfer
+        if isinstance(spec, SpillSpec):
             if self.disk_io is None:
                 raise TierKVError("worker: spill job without a disk tier (set disk.path)")
             try:
                 self.disk_io.submit_spill(spec)
+                return self.disk_io
             except (BrokenError, ClosedError) as exc:
                 # The engine never fails because its cache did: a broken disk tier fails
                 # its spills like a full one (counted, backed off, chunks stay in the CPU
@@ -86,18 +98,16 @@ class JobExecutor:
                 with self._lock:
                     self._direct.append(Completion(spec.job_id, ok=False, failed_keys=keys,
                                                    full_keys=keys, error=str(exc)))
-                    self._failed_now.add(spec.job_id)
-        elif not any(chunk.from_disk for chunk in spec.chunks):
+                return None
+        if not any(chunk.from_disk for chunk in spec.chunks):
             self.transfer.submit_load(spec)
-        else:
-            self._submit_chained_load(spec)
+            return self.transfer
+        return self._submit_chained_load(spec)
 
-    def _submit_chained_load(self, spec: LoadSpec) -> None:
+    def _submit_chained_load(self, spec: LoadSpec) -> _ChainedLoad:
         if self.disk_io is None:
             raise TierKVError("worker: load from disk without a disk tier (set disk.path)")
-        chained = _ChainedLoad(tuple(c.key for c in spec.chunks))
-        with self._lock:
-            self._chained[spec.job_id] = chained
+        chained = _ChainedLoad(tuple(c.key for c in spec.chunks), self.transfer)
         disk_chunks = [c for c in spec.chunks if c.from_disk]
 
         def on_done(outcome: ReadOutcome) -> None:
@@ -127,6 +137,7 @@ class JobExecutor:
             keys = tuple(c.key for c in disk_chunks)
             log.warning("worker: disk tier unusable, load job %s reads nothing: %s", spec.job_id, exc)
             on_done(ReadOutcome(spec.job_id, (), keys, (), 0, 0.0, failed_keys=keys, error=str(exc)))
+        return chained
 
     # ------------------------------------------------------------------ completions
     def _merge(self, job_id: JobId, copy: Completion | None, chained: _ChainedLoad) -> Completion:
@@ -151,62 +162,26 @@ class JobExecutor:
         )
 
     def poll_finished(self) -> list[Completion]:
-        finished: list[Completion] = []
         with self._lock:
-            finished.extend(self._direct)
-            self._direct.clear()
+            finished, self._direct = self._direct, []
         for completion in self.transfer.poll_finished():
-            with self._lock:
-                chained = self._chained.pop(completion.job_id, None)
-            if chained is not None:
+            chained = self._ledger.record(completion.job_id)
+            if isinstance(chained, _ChainedLoad):
                 completion = self._merge(completion.job_id, completion, chained)
             finished.append(completion)
         if self.disk_io is not None:
             finished.extend(self.disk_io.poll_finished())
         for completion in finished:
-            self._kinds.pop(completion.job_id, None)
-            with self._lock:
-                self._chained.pop(completion.job_id, None)
-                self._failed_now.discard(completion.job_id)
-            self._mark_finished(completion.job_id)
+            self._ledger.finish(completion.job_id)
         return finished
 
-    def _mark_finished(self, job_id: JobId) -> None:
-        self._finished.add(job_id)
-        while self._floor in self._finished:
-            self._finished.discard(JobId(self._floor))
-            self._floor += 1
-
-    def has_finished(self, job_id: JobId) -> bool:
-        return job_id < self._floor or job_id in self._finished
-
     def wait(self, job_ids: Iterable[JobId]) -> None:
-        for job_id in job_ids:
-            kind = self._kinds.get(job_id)
-            if kind is None:
-                if self.has_finished(job_id):
-                    continue
-                raise TierKVError(
-                    f"worker: wait on job {job_id}, which was never submitted "
-                    "(submit every pending store before waiting on it)"
-                )
-            if kind is JobKind.SPILL:
-                assert self.disk_io is not None
-                with self._lock:
-                    failed_now = job_id in self._failed_now
-                if not failed_now:
-                    self.disk_io.wait([job_id])
-            else:
-                with self._lock:
-                    chained = self._chained.get(job_id)
-                if chained is not None:
-                    chained.read_done.wait()
-                    if not chained.submitted_copy:
-                        continue
-                self.transfer.wait([job_id])
+        for job_id, waiter in self._ledger.pending(job_ids).items():
+            if waiter is not None:
+                waiter.wait([job_id])
 
     def in_flight_ids(self) -> list[JobId]:
-        return list(self._kinds)
+        return self._ledger.live_ids()
 
     def shutdown(self) -> None:
         """Wait for the jobs in flight, then stop the threads; the threads stop even when a
@@ -214,7 +189,7 @@ class JobExecutor:
         if self._closed:
             return
         try:
-            self.wait(list(self._kinds))
+            self.wait(self._ledger.live_ids())
         except TierKVError as exc:
             log.warning("worker: shutting down with jobs that failed to finish: %s", exc)
         finally:
