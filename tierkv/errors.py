@@ -24,13 +24,6 @@ class BrokenError(TierKVError):
     """A device, disk or thread underneath failed; the component cannot go on."""
 
 
-class NotFoundError(TierKVError, KeyError):
-    """A chunk that was expected to be present is not."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
 class DamagedError(BrokenError):
     """An environment's files are damaged and this handle may not repair them (read-only
     checks, or another process owns the environment)."""
@@ -39,10 +32,6 @@ class DamagedError(BrokenError):
 class UsageError(TierKVError):
     """The store was used in a way it does not support (from a forked child, from two
     threads at once); nothing was changed."""
-
-
-class CorruptChunkError(TierKVError):
-    """A stored value failed its checks (checksum, length, header, key)."""
 
 
 class TransferError(TierKVError):

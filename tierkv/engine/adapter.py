@@ -53,7 +53,7 @@ from tierkv.core.index import BlockIndex
 from tierkv.core.state import CpuState
 from tierkv.core.jobs import ChunkCopy, Completion, CompletionTracker, JobId, LoadSpec, StoreSpec
 from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import ConfigError, UsageError
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ class EngineAdapter:
         return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
 
     def _refuse_reuse(self, req_id: str) -> NoReturn:
-        raise TierKVError(
+        raise UsageError(
             f"engine adapter: request id {req_id!r} came back before the request that "
             f"finished under it was let go (its last stores planned, none of its jobs in "
             f"flight); request ids must be unique (the fence tells requests apart by id: a "

@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from tierkv.errors import ConfigError, TierKVError  # noqa: E402
+from tierkv.errors import ConfigError, NamespaceMismatchError, UsageError  # noqa: E402
 from tierkv.integrations.vllm_config import (  # noqa: E402
     ConnectorSettings,
     UnsupportedVersionError,
@@ -137,16 +137,16 @@ class TierKVConnector(KVConnectorBase_V1):
     # ================================================================ worker role
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:
-            raise TierKVError("tierkv vLLM connector: worker method called on the scheduler role")
+            raise UsageError("tierkv vLLM connector: worker method called on the scheduler role")
         return self._worker
 
     def _plan_of(self, metadata: KVConnectorMetadata | None) -> Any:
         if not isinstance(metadata, TierKVMetadata):
-            raise TierKVError(f"tierkv vLLM connector: expected TierKVMetadata from the scheduler, "
+            raise UsageError(f"tierkv vLLM connector: expected TierKVMetadata from the scheduler, "
                               f"got {type(metadata).__name__}")
         if not self._checked_namespace:
             if metadata.namespace != self._fingerprint:
-                raise TierKVError(
+                raise NamespaceMismatchError(
                     f"tierkv vLLM connector: the scheduler's namespace {metadata.namespace[:8]} "
                     f"differs from worker rank {self._worker_side().rank}'s {self._fingerprint[:8]} "
                     f"({self.namespace.describe()}); both processes must see the same model, "
@@ -195,7 +195,7 @@ class TierKVConnector(KVConnectorBase_V1):
     # ================================================================ scheduler role
     def _scheduler_side(self) -> SchedulerSide:
         if self._scheduler is None:
-            raise TierKVError("tierkv vLLM connector: scheduler method called on the worker role")
+            raise UsageError("tierkv vLLM connector: scheduler method called on the worker role")
         return self._scheduler
 
     def on_new_request(self, request: Any) -> None:

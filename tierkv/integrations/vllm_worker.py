@@ -31,7 +31,7 @@ import torch
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
@@ -130,7 +130,7 @@ class WorkerSide:
 
     def _live(self) -> WorkerAdapter:
         if self.worker is None:
-            raise ConfigError("tierkv vLLM connector: the worker got a step before register_kv_caches")
+            raise UsageError("tierkv vLLM connector: the worker got a step before register_kv_caches")
         return self.worker
 
     # ------------------------------------------------------------------ steps

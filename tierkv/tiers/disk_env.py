@@ -165,7 +165,7 @@ class LmdbEnv:
         self._last_reader_check = clock()
         self.closed = False
         if exclusive and read_only:
-            raise ConfigError(f"{name}: a read-only tier cannot claim its environment")
+            raise UsageError(f"{name}: a read-only tier cannot claim its environment")
         try:
             if read_only:
                 self._check_existing()

@@ -23,7 +23,8 @@ Primitives and contracts:
   the tier: its owner does, after ``shutdown()``.
 - An exception inside a thread never kills it: the job is reported failed with ``error``
   set. A broken or closed tier underneath surfaces as :class:`BrokenError` on the next call.
-- In ``periodic`` sync mode the idle writer calls ``tier.sync_if_due()`` every
+- When the tier asks for it (``tier.sync_every_seconds``: the disk tier's ``periodic``
+  sync mode) the idle writer calls ``tier.sync_if_due()`` every
   ``disk.sync_every_seconds``, so committed data is synced even when writes stop.
 """
 
@@ -40,7 +41,7 @@ from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
 from tierkv.keys import KEY_BYTES
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.tiers.base import LowerTier, ReadStatus
 from tierkv.transfer.ledger import JobLedger
 
 logger = logging.getLogger("tierkv.disk_io")
@@ -83,9 +84,10 @@ class _ReadJob:
 
 
 class DiskIO:
-    """One writer and one reader thread over a :class:`DiskTier`. See the module docstring."""
+    """One writer and one reader thread over a lower tier (the disk tier: any
+    :class:`~tierkv.tiers.base.LowerTier`). See the module docstring."""
 
-    def __init__(self, tier: DiskTier, slab: CpuSlab, write_batch_bytes: int) -> None:
+    def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int) -> None:
         if isinstance(write_batch_bytes, bool) or not isinstance(write_batch_bytes, int) \
                 or write_batch_bytes <= 0:
             raise ConfigError(f"disk io: disk.write_batch_bytes must be a positive int, "
@@ -106,8 +108,7 @@ class DiskIO:
         self._broken: BaseException | None = None
         self._stopping = False
         self._closed = False
-        periodic = tier.config.sync_mode == "periodic"
-        self._idle_timeout = tier.config.sync_every_seconds if periodic else None
+        self._idle_timeout = tier.sync_every_seconds
         self._writer = threading.Thread(target=self._writer_main, name="tierkv-disk-writer",
                                         daemon=True)
         self._reader = threading.Thread(target=self._reader_main, name="tierkv-disk-reader",

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from tierkv.core.jobs import Completion, JobId, JobSpec, LoadSpec, SpillSpec, StoreSpec, failed_set
-from tierkv.errors import BrokenError, ClosedError, TierKVError
+from tierkv.errors import BrokenError, ClosedError, TierKVError, UsageError
 from tierkv.transfer.base import TransferEngine
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
 from tierkv.transfer.ledger import JobLedger
@@ -85,7 +85,7 @@ class JobExecutor:
             return self.transfer
         if isinstance(spec, SpillSpec):
             if self.disk_io is None:
-                raise TierKVError("worker: spill job without a disk tier (set disk.path)")
+                raise UsageError("worker: spill job without a disk tier (set disk.path)")
             try:
                 self.disk_io.submit_spill(spec)
                 return self.disk_io
@@ -106,7 +106,7 @@ class JobExecutor:
 
     def _submit_chained_load(self, spec: LoadSpec) -> _ChainedLoad:
         if self.disk_io is None:
-            raise TierKVError("worker: load from disk without a disk tier (set disk.path)")
+            raise UsageError("worker: load from disk without a disk tier (set disk.path)")
         chained = _ChainedLoad(tuple(c.key for c in spec.chunks), self.transfer)
         disk_chunks = [c for c in spec.chunks if c.from_disk]
 
