@@ -130,3 +130,20 @@ def test_configuration_doc_lists_every_setting() -> None:
     for cls in (StoreConfig, CpuTierConfig, DiskTierConfig, AdapterConfig):
         for f in fields(cls):
             assert f"`{f.name}`" in doc, f"docs/configuration.md does not describe {cls.__name__}.{f.name}"
+
+
+def test_the_integrations_use_the_engine_not_the_core() -> None:
+    """The vLLM connector goes through the adapter's API: it imports nothing from
+    tierkv.core (it reached into the index's states and entries)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "tierkv" / "integrations"
+    reaching = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [])
+            reaching += [f"{path.name} -> {name}" for name in names if name.startswith("tierkv.core")]
+    assert reaching == []

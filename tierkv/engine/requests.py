@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tierkv.core.jobs import Completion, JobId, LoadSpec, SpillSpec, StoreSpec
+from tierkv.core.jobs import Completion as Completion  # re-exported: reports carry them
+from tierkv.core.jobs import JobId, LoadSpec, SpillSpec, StoreSpec
 
 
 @dataclass(frozen=True)

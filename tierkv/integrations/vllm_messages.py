@@ -25,8 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tierkv.core.jobs import Completion
-from tierkv.engine.requests import StepPlan
+from tierkv.engine.requests import Completion, StepPlan
 
 
 @dataclass
