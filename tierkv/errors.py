@@ -41,6 +41,11 @@ class UsageError(TierKVError):
     threads at once); nothing was changed."""
 
 
+class InvariantError(TierKVError):
+    """An internal invariant does not hold (``BlockIndex.check()``, a policy's ``check()``):
+    a bug in tierkv, raised rather than asserted so that ``python -O`` keeps the check."""
+
+
 class CorruptChunkError(TierKVError):
     """A stored value failed its checks (checksum, length, header, key)."""
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion
 from tierkv.core.state import CpuState, DiskState
+from tierkv.errors import InvariantError
 
 A, B, C, D = (bytes([i]) * 32 for i in range(1, 5))
 
@@ -163,3 +170,38 @@ def test_no_victim_asks_the_next_spill_for_room_even_with_a_clean_reserve() -> N
     assert index.prepare_load([D]).job_id is not None  # room now
     index.complete_load(done(busy.job_id))
     index.check()
+
+
+# broken invariants --------------------------------------------------------------
+
+
+def test_check_raises_an_invariant_error_on_a_broken_invariant() -> None:
+    index = BlockIndex(num_slots=2)
+    index.complete_store(done(index.prepare_store([A]).job_id))
+    index.entry(A).readers = 1  # a reader no load job accounts for
+    with pytest.raises(InvariantError, match="readers"):
+        index.check()
+
+
+def test_check_survives_python_dash_o() -> None:
+    # Regression: check() was made of asserts, which ``python -O`` strips: a broken index
+    # passed it. The child runs this checkout's tierkv.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from tierkv.core.index import BlockIndex\n"
+        "from tierkv.core.jobs import Completion\n"
+        "from tierkv.errors import InvariantError\n"
+        "assert False, 'asserts are on'\n"  # stripped under -O
+        "index = BlockIndex(2)\n"
+        "index.complete_store(Completion(index.prepare_store([b'a' * 32]).job_id, ok=True))\n"
+        "index.entry(b'a' * 32).readers = 1\n"
+        "try:\n"
+        "    index.check()\n"
+        "except InvariantError as exc:\n"
+        "    print('caught', type(exc).__name__)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-O", "-c", code, root], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "caught InvariantError"
