@@ -30,6 +30,10 @@ Primitives (all pure and single-threaded; plain data in and out):
 - ``check()``: every invariant, for tests after each step; raises
   :class:`~tierkv.errors.InvariantError` (``python -O`` keeps it).
 
+Misuse (completing a job that is not in flight, or as another kind of job; runs of keys
+that do not cover the keys given) raises :class:`~tierkv.errors.UsageError` naming the job
+and changes nothing.
+
 Eviction order: an :class:`~tierkv.core.policy.EvictionPolicy` made by name
 (``eviction_policy``, LRU by default) orders the READY CPU chunks in two pools, clean and
 dirty; the disk tier's chunks have a policy of their own (LRU). The index never names a
@@ -59,7 +63,7 @@ from tierkv.core.jobs import (
 from tierkv.core.policy import DEFAULT_POLICY, DISK_POLICY, make_policy, require
 from tierkv.core.slots import SlotAllocator
 from tierkv.core.state import CpuState, DiskState, Entry
-from tierkv.errors import InvariantError
+from tierkv.errors import InvariantError, UsageError
 
 # The CPU policy's pools: READY chunks that are safe to evict now (on disk, or no disk
 # tier), and READY chunks not on disk yet (disk tier on, no spill in flight).
@@ -260,6 +264,9 @@ class BlockIndex:
         # Entry and nothing else; the general loop takes over at the first exception.
         entries = self._entries
         count = len(keys)
+        if (run_ends[-1] if run_ends else 0) != count:
+            raise UsageError(f"block index: runs of keys end at {list(run_ends)[-3:]} but "
+                             f"{count} keys were given; the last run must end at the last key")
         free = self._slots.allocate_many(count)
         storing = CpuState.STORING
         taken = 0
@@ -519,14 +526,20 @@ class BlockIndex:
         elif kind is JobKind.SPILL:
             self.complete_spill(completion)
         else:
-            raise KeyError(f"block index: no job {completion.job_id} in flight")
+            raise UsageError(f"block index: no job {completion.job_id} in flight (completed "
+                             f"already, or never planned by this index)")
         return None
 
     # ------------------------------------------------------------------ internals
     def _pop_job(self, job_id: JobId, kind: JobKind) -> _Job:
-        job = self._jobs.pop(job_id, None)
-        if job is None or job.kind is not kind:
-            raise KeyError(f"block index: no {kind.value} job {job_id} in flight")
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UsageError(f"block index: no {kind.value} job {job_id} in flight (completed "
+                             f"already, or never planned by this index)")
+        if job.kind is not kind:  # the job stays in flight: nothing changed
+            raise UsageError(f"block index: job {job_id} is a {job.kind.value} job, not a "
+                             f"{kind.value} job")
+        del self._jobs[job_id]
         return job
 
     def _take_slot(self, guard: set[bytes]) -> SlotId | None:
