@@ -25,7 +25,8 @@ Primitives (all pure and single-threaded; plain data in and out):
   Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
 - ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
   ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
-- ``touch(keys)``: a request reused these chunks: make them most recently used.
+- ``touch(keys, reuse=True)``: a request reused these chunks (``reuse=False``: it used
+  them again, e.g. the request that stored them finished): make them most recently used.
 - ``add_on_disk(keys)``: rebuild from the disk tier on open (a restart is warm).
 - ``check()``: every invariant, for tests after each step; raises
   :class:`~tierkv.errors.InvariantError` (``python -O`` keeps it).
@@ -483,21 +484,24 @@ class BlockIndex:
                 cpu.place(key, DIRTY, oldest=True)
         self._disk.insert(on_disk, 0)
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark chunks as just used (a request reused them, e.g. through the engine's own
-        prefix cache): READY chunks become the most recent of their CPU pool, chunks on disk
-        the most recent on disk. Keys touched later count as more recent; absent or
-        in-flight keys are skipped. No other effect."""
+    def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
+        """Mark chunks as just used: READY chunks become the most recent of their CPU pool,
+        chunks on disk the most recent on disk. ``reuse=True``: a request reused them (e.g.
+        through the engine's own prefix cache), which a policy may count (ARC: a reused
+        chunk is protected from scans); ``reuse=False``: they were used again without a
+        reuse (their own request finished), recency only. Keys touched later count as more
+        recent; absent or in-flight keys are skipped. No other effect."""
         entries = self._entries
-        cpu, disk = self._cpu, self._disk
+        cpu_use = self._cpu.access if reuse else self._cpu.refresh
+        disk_use = self._disk.access if reuse else self._disk.refresh
         for key in keys:
             entry = entries.get(key)
             if entry is None:
                 continue
             if entry.cpu is CpuState.READY:
-                cpu.access(key)
+                cpu_use(key)
             if entry.disk is DiskState.ON_DISK:
-                disk.access(key)
+                disk_use(key)
 
     def add_on_disk(self, keys: Iterable[bytes]) -> int:
         """Register chunks found on disk at open, oldest first. Chunks over the disk

@@ -269,8 +269,9 @@ class SchedulerSide:
         self._finishing.update(view.chunk_keys)
         # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache):
         # refresh them, tail first, so the prefix head is the most recent (evicting a chain
-        # from its tail keeps the rest a usable prefix).
-        self.index.touch(reversed(view.chunk_keys))
+        # from its tail keeps the rest a usable prefix). Not a reuse: loads and GPU hits
+        # were counted as reuses when they happened, and stores are not reuses.
+        self.index.touch(reversed(view.chunk_keys), reuse=False)
         self.adapter.request_finished(view, aborted=aborted)
         if self._record_events:
             self._prune_later.append(tracked.keys)
