@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tierkv.core.policy import DEFAULT_POLICY, policy_names
 from tierkv.errors import ConfigError
 
 GiB = 1 << 30
@@ -48,6 +49,7 @@ class CpuTierConfig:
     max_bytes: int = 4 * GiB
     pin_memory: str = "auto"  # "auto" (pin when CUDA is present), "always", "never"
     spill_ahead_fraction: float = 0.25
+    eviction_policy: str = DEFAULT_POLICY  # the order chunks leave the tier: "lru", "arc"
 
     def __post_init__(self) -> None:
         _positive_int("cpu", "max_bytes", self.max_bytes)
@@ -60,6 +62,9 @@ class CpuTierConfig:
             raise ConfigError(
                 f"cpu.spill_ahead_fraction must be within [0, 1], got {self.spill_ahead_fraction!r}"
             )
+        if self.eviction_policy not in policy_names():
+            raise ConfigError(f"cpu.eviction_policy must be one of {list(policy_names())}, "
+                              f"got {self.eviction_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def test_namespace_fingerprint_changes_with_every_field() -> None:
         (lambda: CpuTierConfig(max_bytes=0), "cpu.max_bytes"),
         (lambda: CpuTierConfig(pin_memory="sometimes"), "cpu.pin_memory"),
         (lambda: CpuTierConfig(spill_ahead_fraction=2.0), "cpu.spill_ahead_fraction"),
+        (lambda: CpuTierConfig(eviction_policy="fifo"), "cpu.eviction_policy"),
         (lambda: DiskTierConfig(max_bytes=-1), "disk.max_bytes"),
         (lambda: DiskTierConfig(sync_mode="sometimes"), "disk.sync_mode"),
         (lambda: DiskTierConfig(write_batch_bytes=0), "disk.write_batch_bytes"),

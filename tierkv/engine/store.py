@@ -244,6 +244,7 @@ class TierKVStore:
             spill_ahead_fraction=cfg.cpu.spill_ahead_fraction,
             retry_after_full_seconds=cfg.disk.retry_after_full_seconds,
             job_ids=JobIds(),
+            eviction_policy=cfg.cpu.eviction_policy,
         )
         if self.disk is not None:
             records = sorted(self.disk.scan(), key=lambda record: record.seq)

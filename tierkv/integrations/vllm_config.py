@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.config import GiB
+from tierkv.core.policy import DEFAULT_POLICY, policy_names
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import FORMAT_VERSION, Namespace
 
@@ -82,6 +83,7 @@ class ConnectorSettings:
     device: str = "auto"  # transfer engine: "auto", "cuda", "cpu"
     pin_memory: str = "auto"  # CPU slab: "auto" (pin with CUDA), "always", "never"
     flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
+    eviction_policy: str = DEFAULT_POLICY  # CPU tier's eviction order: "lru" or "arc"
 
 
 def _bad(key: str, value: Any, need: str) -> ConfigError:
@@ -143,6 +145,8 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
             out[key] = _choice(key, value, ("auto", "cuda", "cpu"))
         elif key == "pin_memory":
             out[key] = _choice(key, value, ("auto", "always", "never"))
+        elif key == "eviction_policy":
+            out[key] = _choice(key, value, policy_names())
         else:
             out[key] = _flag(key, value)
     return ConnectorSettings(**out)

@@ -89,6 +89,7 @@ class SchedulerSide:
             spill_ahead_fraction=settings.spill_ahead_fraction,
             clock=clock,
             record_events=record_events,
+            eviction_policy=settings.eviction_policy,
         )
         self.adapter = EngineAdapter(
             self.index,
