@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from tierkv.core.index import BlockIndex, IndexStats
-from tierkv.core.jobs import Completion
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
-from tierkv.engine.requests import RequestView, StepInput, WorkerReport
-from tierkv.keys import chunk_keys
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
+
+from tierkv.core.index import BlockIndex, IndexStats  # noqa: E402
+from tierkv.core.jobs import Completion  # noqa: E402
+from tierkv.engine.adapter import AdapterConfig, EngineAdapter  # noqa: E402
+from tierkv.engine.requests import RequestView, StepInput, WorkerReport  # noqa: E402
+from tierkv.keys import chunk_keys  # noqa: E402
 
 
 def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int,

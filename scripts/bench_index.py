@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import OrderedDict
+from pathlib import Path
 
-from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion
-from tierkv.keys import chunk_keys
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
+
+from tierkv.core.index import BlockIndex  # noqa: E402
+from tierkv.core.jobs import Completion  # noqa: E402
+from tierkv.keys import chunk_keys  # noqa: E402
 
 
 def run_index(keys: list[bytes], args: argparse.Namespace) -> dict[str, float]:

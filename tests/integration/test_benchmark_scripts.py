@@ -39,6 +39,26 @@ def test_benchmark_script_runs(name: str, tmp_path: Path) -> None:
     assert expected in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.parametrize("script", sorted(path.name for path in SCRIPTS.glob("*.py")))
+def test_script_runs_this_checkouts_tierkv(script: str, tmp_path: Path) -> None:
+    # Regression: bench_index.py, bench_adapter.py and bench_vllm.py imported whichever
+    # tierkv was installed (in a second git worktree: another branch's code), so their
+    # figures could be of other code than the checkout's.
+    code = ("import runpy, sys\n"
+            "sys.argv = [sys.argv[1], '--help']\n"
+            "try:\n"
+            "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "import tierkv\n"
+            "print('tierkv from', tierkv.__file__)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(SCRIPTS / script)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    root = SCRIPTS.parent / "tierkv"
+    assert f"tierkv from {root / '__init__.py'}" in done.stdout, done.stdout[-500:]
+
+
 def test_gpu_check_says_why_it_skips_without_cuda(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: scripts/gpu_check.py runs for real (see docs/benchmarks/gpu.md)")
