@@ -18,13 +18,19 @@ CASES = {
                 "target <= 2 us per decision"),
     "adapter-full-tier-shared": (["bench_adapter.py", "--requests", "8", "--chunks", "4", "--repeats", "1",
                                   "--cpu-slots", "16", "--shared-chunks", "1"], "evictions"),
+    "adapter-arc": (["bench_adapter.py", "--requests", "8", "--chunks", "4", "--repeats", "1",
+                     "--cpu-slots", "16", "--policy", "arc"], "evictions"),
     "index": (["bench_index.py", "--chunks", "400", "--slots", "32", "--disk-chunks", "64",
                "--repeats", "1"], "target <= 5"),
+    "index-arc": (["bench_index.py", "--chunks", "400", "--slots", "32", "--disk-chunks", "64",
+                   "--repeats", "1", "--policy", "arc"], "target <= 5"),
     "copy": (["bench_copy.py", "--layers", "2", "--num-blocks", "64", "--slots", "8", "--jobs", "8",
               "--repeats", "1", "--no-block-loop", "--layouts", "LB", "--ids", "consecutive"],
              "engine store"),
     "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1"], "cold read"),
-    "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk"),
+    "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk/arc"),
+    "vllm-scan": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1", "--configs",
+                   "gpu-only,tierkv-cpu", "--scan-prompts", "1", "--scan-len", "128"], "tierkv-cpu/arc"),
 }
 
 
