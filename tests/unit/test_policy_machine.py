@@ -109,7 +109,6 @@ class ReferenceARC:
                 self.b2.remove(key)
                 lst = 2
             self.lists[(lst, pool)].append(key)
-        self._bound()
 
     def access(self, key: bytes) -> None:
         if key in self.held:
@@ -146,7 +145,6 @@ class ReferenceARC:
                     ghost.remove(key)
         keys = self.lists[(lst, pool)]
         keys.insert(0, key) if oldest else keys.append(key)
-        self._bound()
 
     def _remove(self, key: bytes) -> int | None:
         if key in self.held:

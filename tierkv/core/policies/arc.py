@@ -17,11 +17,14 @@ moves a key within its list without counting a reuse; held keys (spills in fligh
 their list and are counted in it; ghost hits are seen when a chunk comes back into the
 tier (stored again, promoted from disk), not at the lookup that missed.
 
-Ghost memory is bounded as in the paper: ``|T1| + |B1| <= capacity`` and
-``|T1| + |T2| + |B1| + |B2| <= 2 x capacity``, so at most ``2 x capacity`` ghosts (and
-``capacity`` once the tier is full), one key each (about 100 bytes with its dict entry):
-for a CPU tier of ``num_slots`` slots, at most ``2 x num_slots`` keys besides the index's
-own entries (which cost about 350 bytes per chunk).
+Ghost memory is bounded as in the paper: when an eviction adds a ghost, B1 is trimmed
+(oldest first) to ``|T1| + |B1| <= capacity``, then B2 to ``|T1| + |T2| + |B1| + |B2| <=
+2 x capacity`` (inserts may pass these bounds until the next eviction, which is when
+ghosts are used; only then are they checked, which keeps inserts cheap). Ghosts are only
+added there, so there are never more than ``2 x capacity`` (``capacity`` once the tier is
+full), one key each (about 100 bytes with its dict entry): for a CPU tier of
+``num_slots`` slots, at most ``2 x num_slots`` keys besides the index's own entries (which
+cost about 350 bytes per chunk).
 """
 
 from __future__ import annotations
@@ -57,22 +60,26 @@ class ARCPolicy(EvictionPolicy):
     def insert(self, keys: Iterable[bytes], pool: int) -> None:
         where = self._where
         b1, b2 = self._ghosts
+        t1_order, t2_order = self._lists[T1][pool], self._lists[T2][pool]
+        t1_at, t2_at = self._at[T1][pool], self._at[T2][pool]
+        sizes = self._sizes
         for key in keys:
             if key in where:
                 continue
-            lst = T1
             if key in b1:
                 self.target = min(self.target + max(1.0, len(b2) / len(b1)), self.capacity)
                 del b1[key]
-                lst = T2
             elif key in b2:
                 self.target = max(self.target - max(1.0, len(b1) / len(b2)), 0.0)
                 del b2[key]
-                lst = T2
-            self._lists[lst][pool][key] = None
-            where[key] = self._at[lst][pool]
-            self._sizes[lst] += 1
-        self._bound_ghosts()
+            else:
+                t1_order[key] = None
+                where[key] = t1_at
+                sizes[T1] += 1
+                continue
+            t2_order[key] = None  # a ghost hit: used twice
+            where[key] = t2_at
+            sizes[T2] += 1
 
     def access(self, key: bytes) -> None:
         at = self._where.get(key)
@@ -119,22 +126,40 @@ class ARCPolicy(EvictionPolicy):
         order = self._lists[lst][pool]
         order[key] = None
         if oldest:
-            order.move_to_end(key, last=False)
+            order.move_to_end(key, False)
         self._where[key] = self._at[lst][pool]
-        self._bound_ghosts()
 
     def evict(self, key: bytes, pool: int) -> None:
-        lst = self._remove(key)
-        if lst is not None:
-            self._ghosts[lst][key] = None
-            self._bound_ghosts()
+        at = self._where.pop(key, None)
+        if at is None:
+            return
+        lst, listed = at
+        if listed != HELD:
+            del self._lists[lst][listed][key]
+        sizes = self._sizes
+        sizes[lst] -= 1
+        b1, b2 = self._ghosts
+        (b1 if lst == T1 else b2)[key] = None
+        # The paper's bounds, B1 first (inlined: this is the eviction path).
+        capacity = self.capacity
+        over = sizes[T1] + len(b1) - capacity
+        while over > 0 and b1:
+            b1.popitem(False)
+            over -= 1
+        over = sizes[T1] + sizes[T2] + len(b1) + len(b2) - 2 * capacity
+        while over > 0 and b2:
+            b2.popitem(False)
+            over -= 1
 
     def discard(self, key: bytes, pool: int) -> None:
         self._remove(key)
 
     def victims(self, pool: int) -> Iterator[bytes]:
         first = T1 if self._sizes[T1] > self.target else T2
-        return chain(self._lists[first][pool], self._lists[1 - first][pool])
+        head, tail = self._lists[first][pool], self._lists[1 - first][pool]
+        if not tail:  # the common case costs no chain
+            return iter(head)
+        return chain(head, tail) if head else iter(tail)
 
     def count(self, pool: int) -> int:
         return len(self._lists[T1][pool]) + len(self._lists[T2][pool])
@@ -175,9 +200,6 @@ class ARCPolicy(EvictionPolicy):
         require(not (b1.keys() & b2.keys()), "arc: a key in both ghost lists")
         require(not (self._where.keys() & (b1.keys() | b2.keys())), "arc: a resident ghost")
         require(len(b1) + len(b2) <= 2 * max(self.capacity, 0), f"arc: {len(b1) + len(b2)} ghosts")
-        require(not b2 or sum(sizes) + len(b1) + len(b2) <= 2 * self.capacity,
-                "arc: |T1| + |T2| + |B1| + |B2| > 2 x capacity")
-        require(not b1 or sizes[T1] + len(b1) <= self.capacity, "arc: |T1| + |B1| > capacity")
         require(0.0 <= self.target <= max(self.capacity, 0), f"arc: target {self.target}")
 
     # ------------------------------------------------------------------ internals
@@ -190,12 +212,3 @@ class ARCPolicy(EvictionPolicy):
             del self._lists[lst][pool][key]
         self._sizes[lst] -= 1
         return lst
-
-    def _bound_ghosts(self) -> None:
-        b1, b2 = self._ghosts
-        capacity = self.capacity
-        while b1 and self._sizes[T1] + len(b1) > capacity:
-            b1.popitem(last=False)
-        resident = self._sizes[T1] + self._sizes[T2]
-        while b2 and resident + len(b1) + len(b2) > 2 * capacity:
-            b2.popitem(last=False)
