@@ -555,15 +555,22 @@ class BlockIndex:
     def _evict_for(self, guard: Collection[bytes]) -> SlotId | None:
         """Free the slot of the policy's first evictable clean chunk outside ``guard`` (a
         dirty one when there is no disk tier to write it to, or it is backing off)."""
+        cpu = self._cpu
+        entries = self._entries
         pool = CLEAN
-        victim = self._pick_victim(pool, guard)
+        victim = None
+        for key in cpu.victims(CLEAN):  # _pick_victim inlined: every eviction passes here
+            entry = entries[key]
+            if entry.readers == 0 and key not in guard:
+                victim = entry
+                break
         if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
             pool = DIRTY
             victim = self._pick_victim(pool, guard)
             if victim is not None:
                 self._counters.dirty_dropped += 1
         if victim is None:
-            if self._cpu.count(DIRTY) and self.has_disk:
+            if cpu.count(DIRTY) and self.has_disk:
                 # Demand-driven write-back: the clean reserve may be made of chunks in use
                 # (readers, the request's own keys); ask the next spill for one more.
                 self._room_wanted += 1
@@ -571,7 +578,7 @@ class BlockIndex:
         self._counters.cpu_evictions += 1
         slot = victim.slot
         assert slot is not None
-        self._cpu.evict(victim.key, pool)  # a READY chunk is in one pool: its victim's
+        cpu.evict(victim.key, pool)  # a READY chunk is in one pool: its victim's
         victim.slot = None
         victim.cpu = None
         if victim.disk is None:
