@@ -46,7 +46,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from tierkv.errors import ConfigError, InvariantError
 
-DEFAULT_POLICY = "lru"  # the CPU tier's default (cpu.eviction_policy, the vLLM key)
+DEFAULT_POLICY = "arc"  # the CPU tier's default (benchmarks/policy.md)
 DISK_POLICY = "lru"  # the disk tier's order (not a setting: the disk is the last tier)
 
 
