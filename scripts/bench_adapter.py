@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from tierkv.core.index import BlockIndex, IndexStats
-from tierkv.core.jobs import Completion
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
-from tierkv.engine.requests import RequestView, StepInput, WorkerReport
-from tierkv.keys import chunk_keys
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
+
+from tierkv.core.index import BlockIndex, IndexStats  # noqa: E402
+from tierkv.core.jobs import Completion  # noqa: E402
+from tierkv.core.policy import DEFAULT_POLICY, policy_names  # noqa: E402
+from tierkv.engine.adapter import AdapterConfig, EngineAdapter  # noqa: E402
+from tierkv.engine.requests import RequestView, StepInput, WorkerReport  # noqa: E402
+from tierkv.keys import chunk_keys  # noqa: E402
 
 
 def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int,
@@ -42,7 +47,8 @@ def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace,
                 stats: list[IndexStats] | None = None) -> tuple[float, float, int]:
     tpc = args.block_size * args.blocks_per_chunk
     num_requests, num_chunks = len(views), len(views[0][1])
-    index = BlockIndex(num_slots=args.cpu_slots or num_requests * num_chunks + 16, disk_capacity=0)
+    index = BlockIndex(num_slots=args.cpu_slots or num_requests * num_chunks + 16, disk_capacity=0,
+                       eviction_policy=args.policy)
     adapter = EngineAdapter(index, AdapterConfig(args.block_size, args.blocks_per_chunk))
     blocks = {
         req_id: list(range(r * num_chunks * args.blocks_per_chunk, (r + 1) * num_chunks * args.blocks_per_chunk))
@@ -80,7 +86,7 @@ def run_decode_steps(views: list[tuple[str, list[bytes]]], args: argparse.Namesp
     request costs the plan on the steps that store nothing, which are most steps."""
     tpc = args.block_size * args.blocks_per_chunk
     num_chunks = len(views[0][1])
-    index = BlockIndex(num_slots=len(views) * num_chunks + 16, disk_capacity=0)
+    index = BlockIndex(num_slots=len(views) * num_chunks + 16, disk_capacity=0, eviction_policy=args.policy)
     adapter = EngineAdapter(index, AdapterConfig(args.block_size, args.blocks_per_chunk))
     computed = num_chunks * tpc - tpc // 2  # mid-chunk: no chunk completes for a while
     blocks = {req_id: list(range(num_chunks * args.blocks_per_chunk)) for req_id, _ in views}
@@ -143,6 +149,8 @@ def main() -> None:
     parser.add_argument("--chunks-per-step", type=int, default=1,
                         help="chunks each request completes per step: 1 = decode-like steady "
                              "state, --chunks = the whole prompt in one prefill step")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
+                        help="the CPU tier's eviction policy")
     args = parser.parse_args()
     tpc = args.block_size * args.blocks_per_chunk
     views = build_views(args.requests, args.chunks, tpc, args.shared_chunks)
@@ -158,7 +166,7 @@ def main() -> None:
     slots = f"{args.cpu_slots} CPU slots (evicting)" if args.cpu_slots else "room for every chunk"
     if args.shared_chunks:
         slots += f", first {args.shared_chunks} chunks shared by all"
-    print(f"{args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
+    print(f"{args.policy}: {args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
           f"request per step ({steps} steps), {slots}, {args.repeats} repeats (median [min-max])")
     medians = {}
     for name, runs in rows.items():

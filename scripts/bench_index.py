@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import OrderedDict
+from pathlib import Path
 
-from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion
-from tierkv.keys import chunk_keys
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
+
+from tierkv.core.index import BlockIndex  # noqa: E402
+from tierkv.core.jobs import Completion  # noqa: E402
+from tierkv.core.policy import DEFAULT_POLICY, policy_names  # noqa: E402
+from tierkv.keys import chunk_keys  # noqa: E402
 
 
 def run_index(keys: list[bytes], args: argparse.Namespace) -> dict[str, float]:
     """Seconds per chunk for each phase of a chunk's life."""
-    index = BlockIndex(args.slots, args.disk_chunks, spill_ahead_fraction=0.25)
+    index = BlockIndex(args.slots, args.disk_chunks, spill_ahead_fraction=0.25,
+                       eviction_policy=args.policy)
     per = args.chunks_per_job
     clock = time.perf_counter
     spent = dict.fromkeys(("store", "spill", "lookup", "load"), 0.0)
@@ -78,12 +84,14 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4096)
     parser.add_argument("--disk-chunks", type=int, default=32_768)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
+                        help="the CPU tier's eviction policy")
     args = parser.parse_args()
     keys = chunk_keys(list(range(args.chunks * 4)), 4)
     run_index(keys[:2000], args)  # warm-up
     runs = [run_index(keys, args) for _ in range(args.repeats)]
     dict_us = [run_dict(keys, args) * 1e6 for _ in range(args.repeats)]
-    print(f"{args.chunks} chunks, {args.chunks_per_job} per job, {args.slots} CPU slots, "
+    print(f"{args.policy}: {args.chunks} chunks, {args.chunks_per_job} per job, {args.slots} CPU slots, "
           f"{args.disk_chunks} disk chunks, {args.repeats} repeats (median [min-max] us per chunk)")
     worst = 0.0
     for phase, label in (("store", "prepare_store + complete_store (evicting)"),

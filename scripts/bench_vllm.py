@@ -14,6 +14,12 @@ message), run side by side in one process through ``tests/integration/vllm_harne
 - ``tierkv-cpu``             tierkv with the same CPU bytes.
 - ``tierkv-cpu+disk``        tierkv with the same CPU bytes and an LMDB disk tier.
 
+Each tierkv configuration runs once per eviction policy in ``--policies`` (named
+``tierkv-cpu/lru``, ``tierkv-cpu/arc``, ...). ``--scan-prompts N`` turns the workload
+scan-heavy: before each next chat turn, N one-off prompts of ``--scan-len`` fresh tokens
+(a document read once) are added, so they are scheduled between the turns and compete
+for the CPU tier; they are never reused, so they add nothing to the reusable tokens.
+
 Both connectors use the same chunk size (``--tokens-per-chunk``). The GPU block pool is
 too small to keep earlier turns (so reuse must come from the connector), and the CPU
 bytes hold about a third of the workload's chunks.
@@ -35,6 +41,7 @@ dropped):
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -46,6 +53,7 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 import vllm_harness as harness_lib  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
@@ -89,8 +97,41 @@ class Timer:
         setattr(target, name, timed)
 
 
-def tierkv_transfer(args: argparse.Namespace, disk: Path | None) -> KVTransferConfig:
-    extra: dict[str, Any] = {"cpu_bytes": args.cpu_bytes, "tokens_per_chunk": args.tokens_per_chunk}
+class ScanWorkload(harness_lib.Workload):
+    """The chat workload with one-off long prompts between its turns: when a chat turn
+    finishes and has a next turn, ``num_scans`` prompts of ``scan_len`` fresh random tokens
+    are added first, then the next turn (vLLM schedules them in that order)."""
+
+    def __init__(self, chat: harness_lib.MultiTurnWorkload, num_scans: int, scan_len: int,
+                 max_tokens: int, seed: int, vocab_size: int = 1000) -> None:
+        self.chat = chat
+        self.num_scans = num_scans
+        self.scan_len = scan_len
+        self.max_tokens = max_tokens
+        self.vocab_size = vocab_size
+        self._rng = random.Random(seed + 1_000_003)  # the chat's own tokens stay the same
+        self._next = 0
+
+    def initial_requests(self) -> list[harness_lib.RequestSpec]:
+        return self.chat.initial_requests()
+
+    def on_finished(self, request_id: str, all_token_ids: list[int]) -> list[harness_lib.RequestSpec]:
+        if request_id.startswith("scan"):
+            return []
+        follow_ups = self.chat.on_finished(request_id, all_token_ids)
+        if not follow_ups:
+            return []
+        scans = []
+        for _ in range(self.num_scans):
+            tokens = [self._rng.randrange(self.vocab_size) for _ in range(self.scan_len)]
+            scans.append(harness_lib.RequestSpec(f"scan{self._next}", tokens, self.max_tokens))
+            self._next += 1
+        return scans + follow_ups
+
+
+def tierkv_transfer(args: argparse.Namespace, disk: Path | None, policy: str) -> KVTransferConfig:
+    extra: dict[str, Any] = {"cpu_bytes": args.cpu_bytes, "tokens_per_chunk": args.tokens_per_chunk,
+                             "eviction_policy": policy}
     if disk is not None:
         extra.update(disk_path=str(disk), disk_bytes=1 << 30)
     return KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
@@ -105,9 +146,10 @@ def transfer_for(name: str, args: argparse.Namespace, tmp: Path) -> KVTransferCo
         return harness_lib.offloading_transfer_config(
             cpu_bytes_to_use=args.cpu_bytes, copy=False, block_size=args.tokens_per_chunk,
             offload_prompt_only=(name == "vllm-offloading"))
-    if name == "tierkv-cpu":
-        return tierkv_transfer(args, None)
-    return tierkv_transfer(args, Path(tempfile.mkdtemp(dir=tmp)))
+    config, _, policy = name.partition("/")
+    if config == "tierkv-cpu":
+        return tierkv_transfer(args, None, policy)
+    return tierkv_transfer(args, Path(tempfile.mkdtemp(dir=tmp)), policy)
 
 
 def reusable_tokens(result: harness_lib.RunResult, order: list[str], block_size: int) -> dict[str, int]:
@@ -144,10 +186,13 @@ def run_once(name: str, args: argparse.Namespace, tmp: Path) -> Outcome:
             connector_timer.wrap(connector, method)
     scheduler_timer.wrap(harness.scheduler, "schedule")
     scheduler_timer.wrap(harness.scheduler, "update_from_output")
-    workload = harness_lib.MultiTurnWorkload(
+    workload: harness_lib.Workload = harness_lib.MultiTurnWorkload(
         num_conversations=args.conversations, num_turns=args.turns, system_prompt_len=args.system,
         first_user_len=args.first_user, user_turn_len=args.user_turn, max_tokens=args.max_tokens,
         seed=args.seed)
+    if args.scan_prompts:
+        assert isinstance(workload, harness_lib.MultiTurnWorkload)
+        workload = ScanWorkload(workload, args.scan_prompts, args.scan_len, args.scan_max_tokens, args.seed)
     order: list[str] = []
     add_request = engine.add_request
 
@@ -197,9 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--configs", default="gpu-only,vllm-offloading,vllm-offloading-all,tierkv-cpu,tierkv-cpu+disk")
+    parser.add_argument("--policies", default="lru,arc",
+                        help="tierkv eviction policies; each tierkv config runs once per policy")
+    parser.add_argument("--scan-prompts", type=int, default=0,
+                        help="one-off prompts added before each next chat turn (0: chat only)")
+    parser.add_argument("--scan-len", type=int, default=1024, help="tokens per one-off prompt")
+    parser.add_argument("--scan-max-tokens", type=int, default=4, help="output tokens per one-off prompt")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    names = args.configs.split(",")
+    names = [f"{name}/{policy}" if name.startswith("tierkv") else name
+             for name in args.configs.split(",")
+             for policy in (args.policies.split(",") if name.startswith("tierkv") else [""])]
     outcomes: dict[str, list[Outcome]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-vllm-") as tmp:
         for run in range(args.runs + 1):  # interleaved, so drift hits every configuration
@@ -207,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = run_once(name, args, Path(tmp))
                 if run > 0:
                     outcomes[name].append(outcome)
+    if args.scan_prompts:
+        print(f"scan-heavy: {args.scan_prompts} one-off prompt(s) of {args.scan_len} tokens before each "
+              f"next chat turn")
     header = (f"{'config':<22} {'hit tokens':>10} {'reusable':>9} {'hit/reusable':>12} {'steps':>6} "
               f"{'conn ms/step':>12} {'sched ms/step':>13} {'wall s':>7} {'bad outputs':>11}")
     print(header)
@@ -225,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{med(lambda o: o.hit_fraction):>12.3f} {med(lambda o: o.steps):>6.0f} "
               f"{per_step_conn:>12.3f} {per_step_sched:>13.3f} {med(lambda o: o.wall_seconds):>7.2f} "
               f"{max(o.mismatched for o in runs):>11}")
-        print(f"{'':<22} spread: conn ms/step {spread(lambda o: 1e3 * o.connector_seconds / o.steps)}, "
+        print(f"{'':<22} spread: hit/reusable {spread(lambda o: o.hit_fraction)}, "
+              f"conn ms/step {spread(lambda o: 1e3 * o.connector_seconds / o.steps)}, "
               f"sched ms/step {spread(lambda o: 1e3 * o.scheduler_seconds / o.steps)}")
     return 0
 

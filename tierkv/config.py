@@ -13,8 +13,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tierkv.core.policy import DEFAULT_POLICY, policy_names
 from tierkv.errors import ConfigError
 from tierkv.units import GiB, MiB
+
+EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
 
 # Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
 DISK_OVERHEAD_BYTES = 8192
@@ -60,6 +63,7 @@ class CpuTierConfig:
     max_bytes: int = 4 * GiB
     pin_memory: str = "auto"  # "auto" (pin when CUDA is present), "always", "never"
     spill_ahead_fraction: float = 0.25
+    eviction_policy: str = DEFAULT_POLICY  # the order chunks leave the tier: "lru", "arc"
 
     def __post_init__(self) -> None:
         _positive_int("cpu", "max_bytes", self.max_bytes)
@@ -72,6 +76,9 @@ class CpuTierConfig:
             raise ConfigError(
                 f"cpu.spill_ahead_fraction must be within [0, 1], got {self.spill_ahead_fraction!r}"
             )
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"cpu.eviction_policy must be one of {list(EVICTION_POLICIES)}, "
+                              f"got {self.eviction_policy!r}")
 
 
 @dataclass(frozen=True)

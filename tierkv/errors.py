@@ -34,6 +34,11 @@ class UsageError(TierKVError):
     threads at once); nothing was changed."""
 
 
+class InvariantError(TierKVError):
+    """An internal invariant does not hold (``BlockIndex.check()``, a policy's ``check()``):
+    a bug in tierkv, raised rather than asserted so that ``python -O`` keeps the check."""
+
+
 class TransferError(TierKVError):
     """A copy between tiers failed."""
 

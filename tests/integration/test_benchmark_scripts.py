@@ -18,13 +18,19 @@ CASES = {
                 "target <= 2 us per decision"),
     "adapter-full-tier-shared": (["bench_adapter.py", "--requests", "8", "--chunks", "4", "--repeats", "1",
                                   "--cpu-slots", "16", "--shared-chunks", "1"], "evictions"),
+    "adapter-arc": (["bench_adapter.py", "--requests", "8", "--chunks", "4", "--repeats", "1",
+                     "--cpu-slots", "16", "--policy", "arc"], "evictions"),
     "index": (["bench_index.py", "--chunks", "400", "--slots", "32", "--disk-chunks", "64",
                "--repeats", "1"], "target <= 5"),
+    "index-arc": (["bench_index.py", "--chunks", "400", "--slots", "32", "--disk-chunks", "64",
+                   "--repeats", "1", "--policy", "arc"], "target <= 5"),
     "copy": (["bench_copy.py", "--layers", "2", "--num-blocks", "64", "--slots", "8", "--jobs", "8",
               "--repeats", "1", "--no-block-loop", "--layouts", "LB", "--ids", "consecutive"],
              "engine store"),
     "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1"], "cold read"),
-    "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk"),
+    "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk/arc"),
+    "vllm-scan": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1", "--configs",
+                   "gpu-only,tierkv-cpu", "--scan-prompts", "1", "--scan-len", "128"], "tierkv-cpu/arc"),
 }
 
 
@@ -37,6 +43,26 @@ def test_benchmark_script_runs(name: str, tmp_path: Path) -> None:
                           text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert expected in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in SCRIPTS.glob("*.py")))
+def test_script_runs_this_checkouts_tierkv(script: str, tmp_path: Path) -> None:
+    # Regression: bench_index.py, bench_adapter.py and bench_vllm.py imported whichever
+    # tierkv was installed (in a second git worktree: another branch's code), so their
+    # figures could be of other code than the checkout's.
+    code = ("import runpy, sys\n"
+            "sys.argv = [sys.argv[1], '--help']\n"
+            "try:\n"
+            "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "import tierkv\n"
+            "print('tierkv from', tierkv.__file__)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(SCRIPTS / script)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    root = SCRIPTS.parent / "tierkv"
+    assert f"tierkv from {root / '__init__.py'}" in done.stdout, done.stdout[-500:]
 
 
 def test_gpu_check_says_why_it_skips_without_cuda(tmp_path: Path) -> None:

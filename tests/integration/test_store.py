@@ -29,10 +29,12 @@ def chunk_bytes() -> int:
 
 
 def open_store(tmp_path: Path | None, kv: list[torch.Tensor], cpu_chunks: int = 4, disk_chunks: int = 64,
-               model_id: str = "m", **disk_kw) -> TierKVStore:  # type: ignore[no-untyped-def]
+               model_id: str = "m", eviction_policy: str | None = None,
+               **disk_kw) -> TierKVStore:  # type: ignore[no-untyped-def]
     disk = DiskTierConfig(path=tmp_path / "store", max_bytes=disk_chunks * (chunk_bytes() + 8192), **disk_kw) \
         if tmp_path is not None else DiskTierConfig()
-    config = StoreConfig(blocks_per_chunk=BPC, cpu=CpuTierConfig(max_bytes=cpu_chunks * chunk_bytes()),
+    cpu_kw = {} if eviction_policy is None else {"eviction_policy": eviction_policy}
+    config = StoreConfig(blocks_per_chunk=BPC, cpu=CpuTierConfig(max_bytes=cpu_chunks * chunk_bytes(), **cpu_kw),
                          disk=disk, device="cpu")
     return TierKVStore(kv, model_id=model_id, tokens_per_block=TOKENS_PER_BLOCK, config=config)
 

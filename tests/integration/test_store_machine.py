@@ -4,7 +4,8 @@ KV tensors -> CPU slots -> disk -> CPU -> KV tensors in random orders, with a CP
 few chunks and a small disk cap so that evictions, spills, promotions and disk deletes
 all happen; restarts reopen the same directory. Every chunk that lands must equal the
 bytes stored under its key; every hit must be a key that was stored; the index invariants
-hold after each step; after a drain no slot, reader or job is left.
+hold after each step; after a drain no slot, reader or job is left. Each run draws the CPU
+tier's eviction policy (cpu.eviction_policy) and keeps it across restarts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tierkv.core.policy import policy_names
 from tierkv.engine.store import TierKVStore
 
 from .test_store import BPC, NUM_BLOCKS, PAGE_SHAPE, keys_for, make_kv, open_store
@@ -38,17 +40,21 @@ class StoreMachine(RuleBasedStateMachine):
         self.store: TierKVStore | None = None
         self.cpu_chunks = 3
         self.disk_chunks = 6
+        self.policy = "lru"
         self.stored: set[int] = set()  # key indexes whose store was submitted
         self.pending: list[tuple[object, list[int], list[int]]] = []  # (handle, key idx, blocks)
         self.store_jobs: list[tuple[object, set[int]]] = []  # stores in flight and their blocks
 
     def _open(self) -> None:
-        self.store = open_store(self.dir, self.kv, cpu_chunks=self.cpu_chunks, disk_chunks=self.disk_chunks)
+        self.store = open_store(self.dir, self.kv, cpu_chunks=self.cpu_chunks, disk_chunks=self.disk_chunks,
+                                eviction_policy=self.policy)
+        assert self.store.index.eviction_policy == self.policy
 
     @precondition(lambda self: self.store is None)
-    @rule(cpu=st.sampled_from([2, 3, 5]), disk=st.sampled_from([3, 6, 20]))
-    def open(self, cpu: int, disk: int) -> None:
-        self.cpu_chunks, self.disk_chunks = cpu, disk
+    @rule(cpu=st.sampled_from([2, 3, 5]), disk=st.sampled_from([3, 6, 20]),
+          policy=st.sampled_from(policy_names()))
+    def open(self, cpu: int, disk: int, policy: str) -> None:
+        self.cpu_chunks, self.disk_chunks, self.policy = cpu, disk, policy
         self._open()
 
     @precondition(lambda self: self.store is not None)

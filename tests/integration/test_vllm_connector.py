@@ -169,6 +169,26 @@ def test_chat_turns_hit_every_chunk_of_the_previous_turn(async_scheduling: bool)
     assert worker_metas and pickle.loads(pickle.dumps(worker_metas)) == worker_metas
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["cpu", "cpu+disk"])
+def test_chat_with_the_arc_eviction_policy(disk: bool, tmp_path: Path) -> None:
+    # The extra-config key reaches the block index; a CPU tier of 6 chunks evicts under ARC
+    # through the real Scheduler, the index's invariants hold after every step, and every
+    # output token is right (no load delivered another chunk's KV).
+    extra: dict[str, Any] = {"eviction_policy": "arc", "cpu_bytes": 6 * 4096}
+    if disk:
+        extra["disk_path"] = str(tmp_path)
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config(**extra))
+    run = Run(cfg)
+    assert run.side.index.eviction_policy == "arc" and run.side.geometry.num_slots == 6
+    result = run.run(MultiTurnWorkload(**CHAT))
+    assert_clean(result, cfg.vocab_size)
+    stats = run.side.statistics()
+    assert stats["cpu_evictions"] > 0 and stats["loads_failed"] == 0
+    assert stats["hit_tokens_cpu"] + stats["hit_tokens_disk"] > 0
+    run.shutdown()
+
+
 def test_chat_with_vllm_prefix_cache_and_the_v1_runner(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     cfg = HarnessConfig(num_gpu_blocks=16, max_num_batched_tokens=48,
@@ -391,6 +411,7 @@ def test_kernel_block_split_views() -> None:
         ({"disk_sync_mode": "never"}, r"\['disk_sync_mode'\] = 'never': must be one of"),
         ({"spill_ahead_fraction": 2}, r"\['spill_ahead_fraction'\] = 2"),
         ({"offload_prompt_only": "yes"}, r"\['offload_prompt_only'\] = 'yes': must be true or false"),
+        ({"eviction_policy": "mru"}, r"\['eviction_policy'\] = 'mru': must be one of \['arc', 'lru'\]"),
     ],
 )
 def test_config_errors_name_the_key_and_value(extra: dict[str, Any], match: str) -> None:

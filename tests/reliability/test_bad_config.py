@@ -28,6 +28,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "max_bytes": [0, -1, 1.5, 4e9, "4GiB", True, None, NAN],
         "pin_memory": ["yes", "", None, True, 1],
         "spill_ahead_fraction": [-0.1, 1.5, NAN, "0.5", None, True],
+        "eviction_policy": ["mru", "", "LRU", "lru ", None, 1, ["lru"]],
     },
     "disk": {
         "path": [123, "", b"/tmp/cache", "/tmp/a\0b", ["/tmp"]],

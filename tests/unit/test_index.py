@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion
+from tierkv.core.jobs import Completion, JobId
 from tierkv.core.state import CpuState, DiskState
+from tierkv.errors import InvariantError, UsageError
 
 A, B, C, D = (bytes([i]) * 32 for i in range(1, 5))
 
@@ -163,3 +170,74 @@ def test_no_victim_asks_the_next_spill_for_room_even_with_a_clean_reserve() -> N
     assert index.prepare_load([D]).job_id is not None  # room now
     index.complete_load(done(busy.job_id))
     index.check()
+
+
+# misuse and broken invariants --------------------------------------------------------------
+
+
+def test_completing_a_job_not_in_flight_is_a_usage_error_naming_it() -> None:
+    # Regression: a bare KeyError came out of the index for misuse.
+    index = BlockIndex(num_slots=2)
+    job = index.prepare_store([A]).job_id
+    index.complete_store(done(job))
+    with pytest.raises(UsageError, match=f"no store job {job} in flight"):
+        index.complete_store(done(job))  # completed twice
+    with pytest.raises(UsageError, match="no job 999 in flight"):
+        index.complete(done(JobId(999)))  # never planned
+    index.check()
+
+
+def test_completing_a_job_as_another_kind_changes_nothing() -> None:
+    # Regression: the job record was dropped before its kind was checked, so the store
+    # stayed STORING forever (its slot leaked) and its real completion failed too.
+    index = BlockIndex(num_slots=2)
+    job = index.prepare_store([A]).job_id
+    with pytest.raises(UsageError, match=f"job {job} is a store job, not a load job"):
+        index.complete_load(done(job))
+    assert index.jobs_in_flight() == 1  # still in flight
+    index.complete_store(done(job))  # ... and completes as what it is
+    assert index.lookup([A]).num_hits == 1
+    index.check()
+
+
+def test_runs_that_do_not_cover_the_keys_are_a_usage_error() -> None:
+    # Regression: runs ending early raised IndexError deep in the loop (or, when every
+    # key found a free slot, went unnoticed); now nothing is planned and the error says why.
+    index = BlockIndex(num_slots=1)
+    index.complete_store(done(index.prepare_store([D]).job_id))  # full: the general loop runs
+    with pytest.raises(UsageError, match="3 keys were given"):
+        index.prepare_store_many([A, B, C], [1], lambda run: ())
+    assert index.statistics().stores_planned == 1 and index.jobs_in_flight() == 0
+    index.check()
+
+
+def test_check_raises_an_invariant_error_on_a_broken_invariant() -> None:
+    index = BlockIndex(num_slots=2)
+    index.complete_store(done(index.prepare_store([A]).job_id))
+    index.entry(A).readers = 1  # a reader no load job accounts for
+    with pytest.raises(InvariantError, match="readers"):
+        index.check()
+
+
+def test_check_survives_python_dash_o() -> None:
+    # Regression: check() was made of asserts, which ``python -O`` strips: a broken index
+    # passed it. The child runs this checkout's tierkv.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from tierkv.core.index import BlockIndex\n"
+        "from tierkv.core.jobs import Completion\n"
+        "from tierkv.errors import InvariantError\n"
+        "assert False, 'asserts are on'\n"  # stripped under -O
+        "index = BlockIndex(2)\n"
+        "index.complete_store(Completion(index.prepare_store([b'a' * 32]).job_id, ok=True))\n"
+        "index.entry(b'a' * 32).readers = 1\n"
+        "try:\n"
+        "    index.check()\n"
+        "except InvariantError as exc:\n"
+        "    print('caught', type(exc).__name__)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-O", "-c", code, root], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "caught InvariantError"

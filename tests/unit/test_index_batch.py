@@ -4,16 +4,19 @@ evicted, the same counts. The reference is the plain per-run algorithm (below, w
 against the index's internals): find the new keys, take free slots, evict for the rest
 outside the run's guard, store a prefix. Checked with hypothesis on indexes brought to the
 same random state (ready, dirty, spilling, read, storing and on-disk chunks, failed
-stores, a full disk that lets dirty chunks be dropped, a full tier).
+stores, a full disk that lets dirty chunks be dropped, a full tier), with every eviction
+policy.
 """
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.core.index import BlockIndex
+from tierkv.core.index import CLEAN, DIRTY, BlockIndex
 from tierkv.core.jobs import Completion, SlotId
+from tierkv.core.policy import policy_names
 from tierkv.core.state import CpuState, Entry
 
 KEYS = [bytes([i]) * 8 for i in range(16)]
@@ -41,8 +44,9 @@ runs_strategy = st.lists(
 )
 
 
-def replay(num_slots: int, disk_capacity: int, history: list[tuple[str, object]]) -> BlockIndex:
-    index = BlockIndex(num_slots, disk_capacity, clock=lambda: 0.0)
+def replay(num_slots: int, disk_capacity: int, history: list[tuple[str, object]],
+           policy: str = "lru") -> BlockIndex:
+    index = BlockIndex(num_slots, disk_capacity, clock=lambda: 0.0, eviction_policy=policy)
     spills = []
     for op, arg in history:
         if op in ("store", "storing", "store_fails"):
@@ -87,24 +91,28 @@ def reference_store(index: BlockIndex, keys: list[bytes], protected: list[bytes]
 
 def snapshot(index: BlockIndex) -> object:
     """Everything a decision can change, internals included: entries, counters, the free
-    slots in the order they will be handed out, the LRU orders, the write-back demand."""
+    slots in the order they will be handed out, the victim orders (clean, dirty, disk), the
+    policy's own state (ARC: its lists, ghosts and target), the write-back demand."""
     return (
         {key: (e.slot, e.cpu, e.readers, e.disk) for key, e in index._entries.items()},
         index.statistics(),
         list(index._slots._free),
-        [list(lru.oldest_first()) for lru in (index._clean, index._dirty, index._disk)],
+        [list(index._cpu.victims(CLEAN)), list(index._cpu.victims(DIRTY)),
+         list(index._disk.victims(0))],
+        {name: value for name, value in vars(index._cpu).items() if name != "_at"},
         index._room_wanted,
     )
 
 
+@pytest.mark.parametrize("policy", policy_names())
 @settings(max_examples=500, deadline=None)
 @given(num_slots=st.integers(1, 8), disk_capacity=st.sampled_from([0, 3, 20]),
        history=history_ops, runs=runs_strategy)
-def test_a_batch_decides_as_one_store_per_run(num_slots: int, disk_capacity: int,
+def test_a_batch_decides_as_one_store_per_run(policy: str, num_slots: int, disk_capacity: int,
                                               history: list[tuple[str, object]],
                                               runs: list[tuple[list[bytes], int, int]]) -> None:
-    batched = replay(num_slots, disk_capacity, history)
-    reference = replay(num_slots, disk_capacity, history)
+    batched = replay(num_slots, disk_capacity, history, policy)
+    reference = replay(num_slots, disk_capacity, history, policy)
     assert snapshot(batched) == snapshot(reference)
     before = reference.statistics()
 

@@ -5,7 +5,8 @@ a unique value; GPU stores write it into a slot, spills copy slots to a disk dic
 read slots (after reading the disk for promotions). Jobs finish in FIFO order per queue
 (transfer, disk reader, disk writer), queues interleaved at random, with injected
 failures: a full disk, a corrupt chunk, a failed copy. Every load must deliver the value
-of its own key; after a drain nothing is left in flight and no slot or reader leaks.
+of its own key; after a drain nothing is left in flight and no slot or reader leaks. The
+index runs with each eviction policy (drawn when it opens), touches included.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobId, SpillSpec
+from tierkv.core.policy import policy_names
 from tierkv.core.state import CpuState
 
 KEYS = [bytes([i]) * 4 for i in range(12)]
@@ -52,9 +54,11 @@ class IndexMachine(RuleBasedStateMachine):
         disk_capacity=st.sampled_from([0, 2, 5, 20]),
         write_through=st.booleans(),
         spill_ahead=st.sampled_from([0.0, 0.25, 1.0]),
+        policy=st.sampled_from(policy_names()),
     )
     @precondition(lambda self: self.index is None)
-    def open(self, num_slots: int, disk_capacity: int, write_through: bool, spill_ahead: float) -> None:
+    def open(self, num_slots: int, disk_capacity: int, write_through: bool, spill_ahead: float,
+             policy: str) -> None:
         self.index = BlockIndex(
             num_slots,
             disk_capacity,
@@ -62,6 +66,7 @@ class IndexMachine(RuleBasedStateMachine):
             spill_ahead_fraction=spill_ahead,
             retry_after_full_seconds=1.0,
             clock=self.clock,
+            eviction_policy=policy,
         )
 
     # ---------------------------------------------------------------- plans
@@ -98,6 +103,14 @@ class IndexMachine(RuleBasedStateMachine):
         if spec is not None:
             assert len(set(spec.deletes)) == len(spec.deletes)
             self.writer.append(spec)
+
+    @precondition(lambda self: self.index is not None)
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4), reuse=st.booleans())
+    def touch(self, keys: list[bytes], reuse: bool) -> None:
+        assert self.index is not None
+        before = self.index.statistics()
+        self.index.touch(keys, reuse=reuse)
+        assert self.index.statistics() == before  # order only: no state or counter moves
 
     @precondition(lambda self: self.index is not None)
     @rule(seconds=st.sampled_from([0.5, 2.0]))

@@ -25,12 +25,21 @@ Primitives (all pure and single-threaded; plain data in and out):
   Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
 - ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
   ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
-- ``touch(keys)``: a request reused these chunks: make them most recently used.
+- ``touch(keys, reuse=True)``: a request reused these chunks (``reuse=False``: it used
+  them again, e.g. the request that stored them finished): make them most recently used.
 - ``add_on_disk(keys)``: rebuild from the disk tier on open (a restart is warm).
-- ``check()``: every invariant, for tests after each step.
+- ``check()``: every invariant, for tests after each step; raises
+  :class:`~tierkv.errors.InvariantError` (``python -O`` keeps it).
 
-Recency: one LRU of clean READY chunks and one of dirty READY chunks. A chunk whose spill
-completes joins the clean LRU at its oldest end (it was spilled because it was old).
+Misuse (completing a job that is not in flight, or as another kind of job; runs of keys
+that do not cover the keys given) raises :class:`~tierkv.errors.UsageError` naming the job
+and changes nothing.
+
+Eviction order: an :class:`~tierkv.core.policy.EvictionPolicy` made by name
+(``eviction_policy``, ARC by default) orders the READY CPU chunks in two pools, clean and
+dirty; the disk tier's chunks have a policy of their own (LRU). The index never names a
+concrete policy. A chunk whose spill completes joins the clean pool as its oldest chunk of
+its kind (it was spilled because it was next to go).
 """
 
 from __future__ import annotations
@@ -52,9 +61,14 @@ from tierkv.core.jobs import (
     SpillSpec,
     failed_set,
 )
-from tierkv.core.lru import LRUPolicy
+from tierkv.core.policy import DEFAULT_POLICY, DISK_POLICY, make_policy, require
 from tierkv.core.slots import SlotAllocator
 from tierkv.core.state import CpuState, DiskState, Entry
+from tierkv.errors import InvariantError, UsageError
+
+# The CPU policy's pools: READY chunks that are safe to evict now (on disk, or no disk
+# tier), and READY chunks not on disk yet (disk tier on, no spill in flight).
+CLEAN, DIRTY = 0, 1
 
 
 class Lookup(NamedTuple):
@@ -157,6 +171,7 @@ class BlockIndex:
         clock: Callable[[], float] = time.monotonic,
         job_ids: JobIds | None = None,
         record_events: bool = False,
+        eviction_policy: str = DEFAULT_POLICY,
     ) -> None:
         self.num_slots = num_slots
         self.disk_capacity = disk_capacity  # in chunks; 0 = no disk tier
@@ -167,9 +182,9 @@ class BlockIndex:
         self._job_ids = job_ids or JobIds()
         self._slots = SlotAllocator(num_slots)
         self._entries: dict[bytes, Entry] = {}
-        self._clean = LRUPolicy()  # READY, safe to evict now (on disk, or no disk tier)
-        self._dirty = LRUPolicy()  # READY, not on disk, disk tier on, no spill in flight
-        self._disk = LRUPolicy()  # ON_DISK
+        self.eviction_policy = eviction_policy
+        self._cpu = make_policy(eviction_policy, num_slots, num_pools=2)  # CLEAN, DIRTY
+        self._disk = make_policy(DISK_POLICY, disk_capacity)  # ON_DISK, one pool
         self._disk_used = 0  # ON_DISK + SPILLING
         self._num_spilling = 0
         self._pending_deletes: list[bytes] = []
@@ -209,10 +224,10 @@ class BlockIndex:
         """How many of ``keys`` (not yet present) would find neither a free slot nor a
         clean chunk to evict, while chunks not on disk yet (dirty, or spilling now) could
         become clean: the chunks to write back, or wait for, to make room for them."""
-        if not (self._dirty or self._num_spilling):
+        if not (self._cpu.count(DIRTY) or self._num_spilling):
             return 0
         new = sum(1 for key in keys if key not in self._entries)
-        return max(new - self._slots.num_free - len(self._clean), 0)
+        return max(new - self._slots.num_free - self._cpu.count(CLEAN), 0)
 
     def contains(self, key: bytes) -> bool:
         return key in self._entries
@@ -250,6 +265,9 @@ class BlockIndex:
         # Entry and nothing else; the general loop takes over at the first exception.
         entries = self._entries
         count = len(keys)
+        if (run_ends[-1] if run_ends else 0) != count:
+            raise UsageError(f"block index: runs of keys end at {list(run_ends)[-3:]} but "
+                             f"{count} keys were given; the last run must end at the last key")
         free = self._slots.allocate_many(count)
         storing = CpuState.STORING
         taken = 0
@@ -326,9 +344,9 @@ class BlockIndex:
             entry = entries[key]
             assert entry.cpu is storing
             entry.cpu = ready
-        # A newly READY chunk joins the dirty LRU when a disk tier is there (a STORING key
-        # is never on disk, nor in any LRU), else the clean one.
-        (self._dirty if self.has_disk else self._clean).add_new(landed)
+        # A newly READY chunk joins the dirty pool when a disk tier is there (a STORING key
+        # is never on disk, nor in any pool), else the clean one.
+        self._cpu.insert(landed, DIRTY if self.has_disk else CLEAN)
         if self._events is not None:
             self._events.extend(("stored", key) for key in landed)
         if failed:
@@ -351,7 +369,7 @@ class BlockIndex:
             if entry.cpu is CpuState.READY:
                 assert entry.slot is not None
                 entry.readers += 1
-                self._touch_ready(entry)
+                self._cpu.access(key)
                 chunks.append((key, entry.slot, False))
                 self._counters.loads_cpu += 1
             elif entry.cpu is None and entry.disk is DiskState.ON_DISK:
@@ -362,7 +380,7 @@ class BlockIndex:
                 entry.slot = slot
                 entry.cpu = CpuState.PROMOTING
                 entry.readers = 1
-                self._disk.touch(key)
+                self._disk.access(key)
                 chunks.append((key, slot, True))
                 self._counters.loads_disk += 1
             else:
@@ -393,9 +411,9 @@ class BlockIndex:
             if not from_disk:
                 continue
             assert entry.cpu is CpuState.PROMOTING and entry.readers == 0
-            if landed:
+            if landed:  # a PROMOTING chunk is on disk (never a disk victim): clean
                 entry.cpu = CpuState.READY
-                self._file_ready(entry)
+                self._cpu.insert((key,), CLEAN)
                 continue
             self._release_slot(entry)
             if key in corrupt or key in missing:  # deleted on disk, or not there at all
@@ -403,7 +421,7 @@ class BlockIndex:
                     self._counters.corrupt += 1
                 else:
                     self._counters.disk_missing += 1
-                self._drop_disk(entry)
+                self._drop_disk(entry, evicted=False)
                 self._remove(key)
         return LoadResult(tuple(ok_keys), tuple(failed_keys))
 
@@ -413,20 +431,22 @@ class BlockIndex:
             return None
         writes: list[tuple[bytes, SlotId]] = []
         if flush or self._clock() >= self._disk_retry_at:
+            cpu = self._cpu
             if flush or self.write_through:
-                want = len(self._dirty)
+                want = cpu.count(DIRTY)
             else:
-                clean_now = self._slots.num_free + len(self._clean) + self._num_spilling
+                clean_now = self._slots.num_free + cpu.count(CLEAN) + self._num_spilling
                 wanted = max(self._clean_target - clean_now, at_least, self._room_wanted)
-                want = min(len(self._dirty), wanted)
+                want = min(cpu.count(DIRTY), wanted)
             self._room_wanted = 0
-            for key in list(islice(self._dirty.oldest_first(), max(want, 0))):
+            # Dirty chunks in the policy's victim order: the next to go become clean first.
+            for key in list(islice(cpu.victims(DIRTY), max(want, 0))):
                 if self._disk_used >= self.disk_capacity and not self._evict_disk():
                     self._counters.disk_no_room += 1
                     break
                 entry = self._entries[key]
                 assert entry.slot is not None
-                self._dirty.discard(key)
+                cpu.hold(key, DIRTY)
                 entry.disk = DiskState.SPILLING
                 self._disk_used += 1
                 self._num_spilling += 1
@@ -446,42 +466,47 @@ class BlockIndex:
         if full:
             self._disk_retry_at = self._clock() + self._retry_after_full
             self._counters.disk_no_room += len(full)
+        cpu = self._cpu
+        on_disk: list[bytes] = []
         for key in job.keys:
             entry = self._entries[key]
             assert entry.disk is DiskState.SPILLING and entry.cpu is CpuState.READY
             self._num_spilling -= 1
             if key not in failed:
                 entry.disk = DiskState.ON_DISK
-                self._disk.touch(key)
+                on_disk.append(key)
                 self._counters.spills_ok += 1
-                self._clean.touch(key)
-                self._clean.move_to_oldest(key)
+                cpu.place(key, CLEAN, oldest=True)
             else:
                 entry.disk = None
                 self._disk_used -= 1
                 self._counters.spills_failed += 1
-                self._dirty.touch(key)
-                self._dirty.move_to_oldest(key)
+                cpu.place(key, DIRTY, oldest=True)
+        self._disk.insert(on_disk, 0)
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark chunks as just used (a request reused them, e.g. through the engine's own
-        prefix cache): READY chunks move to the recent end of their CPU LRU, chunks on disk
-        to the recent end of the disk LRU. Keys touched later count as more recent; absent
-        or in-flight keys are skipped. No other effect."""
+    def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
+        """Mark chunks as just used: READY chunks become the most recent of their CPU pool,
+        chunks on disk the most recent on disk. ``reuse=True``: a request reused them (e.g.
+        through the engine's own prefix cache), which a policy may count (ARC: a reused
+        chunk is protected from scans); ``reuse=False``: they were used again without a
+        reuse (their own request finished), recency only. Keys touched later count as more
+        recent; absent or in-flight keys are skipped. No other effect."""
         entries = self._entries
+        cpu_use = self._cpu.access if reuse else self._cpu.refresh
+        disk_use = self._disk.access if reuse else self._disk.refresh
         for key in keys:
             entry = entries.get(key)
             if entry is None:
                 continue
             if entry.cpu is CpuState.READY:
-                self._touch_ready(entry)
+                cpu_use(key)
             if entry.disk is DiskState.ON_DISK:
-                self._disk.touch(key)
+                disk_use(key)
 
     def add_on_disk(self, keys: Iterable[bytes]) -> int:
         """Register chunks found on disk at open, oldest first. Chunks over the disk
         capacity are queued for deletion (sent with the next spill job)."""
-        added = 0
+        added: list[bytes] = []
         for key in keys:
             if key in self._entries:
                 continue
@@ -489,10 +514,10 @@ class BlockIndex:
                 self._pending_deletes.append(key)
                 continue
             self._entries[key] = Entry(key, disk=DiskState.ON_DISK)
-            self._disk.touch(key)
+            added.append(key)
             self._disk_used += 1
-            added += 1
-        return added
+        self._disk.insert(added, 0)
+        return len(added)
 
     # ------------------------------------------------------------------ completion
     def complete(self, completion: Completion) -> LoadResult | None:
@@ -505,30 +530,21 @@ class BlockIndex:
         elif kind is JobKind.SPILL:
             self.complete_spill(completion)
         else:
-            raise KeyError(f"block index: no job {completion.job_id} in flight")
+            raise UsageError(f"block index: no job {completion.job_id} in flight (completed "
+                             f"already, or never planned by this index)")
         return None
 
     # ------------------------------------------------------------------ internals
     def _pop_job(self, job_id: JobId, kind: JobKind) -> _Job:
-        job = self._jobs.pop(job_id, None)
-        if job is None or job.kind is not kind:
-            raise KeyError(f"block index: no {kind.value} job {job_id} in flight")
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UsageError(f"block index: no {kind.value} job {job_id} in flight (completed "
+                             f"already, or never planned by this index)")
+        if job.kind is not kind:  # the job stays in flight: nothing changed
+            raise UsageError(f"block index: job {job_id} is a {job.kind.value} job, not a "
+                             f"{kind.value} job")
+        del self._jobs[job_id]
         return job
-
-    def _file_ready(self, entry: Entry) -> None:
-        """Put a READY entry into the LRU that matches its disk state."""
-        if entry.disk is DiskState.SPILLING:
-            return
-        if entry.disk is DiskState.ON_DISK or not self.has_disk:
-            self._clean.touch(entry.key)
-        else:
-            self._dirty.touch(entry.key)
-
-    def _touch_ready(self, entry: Entry) -> None:
-        if entry.key in self._clean:
-            self._clean.touch(entry.key)
-        elif entry.key in self._dirty:
-            self._dirty.touch(entry.key)
 
     def _take_slot(self, guard: set[bytes]) -> SlotId | None:
         slot = self._slots.allocate()
@@ -537,16 +553,24 @@ class BlockIndex:
         return self._evict_for(guard)
 
     def _evict_for(self, guard: Collection[bytes]) -> SlotId | None:
-        """Free the slot of the least recently used evictable chunk outside ``guard``."""
-        lru = self._clean
-        victim = self._pick_victim(lru, guard)
+        """Free the slot of the policy's first evictable clean chunk outside ``guard`` (a
+        dirty one when there is no disk tier to write it to, or it is backing off)."""
+        cpu = self._cpu
+        entries = self._entries
+        pool = CLEAN
+        victim = None
+        for key in cpu.victims(CLEAN):  # _pick_victim inlined: every eviction passes here
+            entry = entries[key]
+            if entry.readers == 0 and key not in guard:
+                victim = entry
+                break
         if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
-            lru = self._dirty
-            victim = self._pick_victim(lru, guard)
+            pool = DIRTY
+            victim = self._pick_victim(pool, guard)
             if victim is not None:
                 self._counters.dirty_dropped += 1
         if victim is None:
-            if self._dirty and self.has_disk:
+            if cpu.count(DIRTY) and self.has_disk:
                 # Demand-driven write-back: the clean reserve may be made of chunks in use
                 # (readers, the request's own keys); ask the next spill for one more.
                 self._room_wanted += 1
@@ -554,33 +578,34 @@ class BlockIndex:
         self._counters.cpu_evictions += 1
         slot = victim.slot
         assert slot is not None
-        lru.discard(victim.key)  # a READY chunk is in one LRU: the one it was picked from
+        cpu.evict(victim.key, pool)  # a READY chunk is in one pool: its victim's
         victim.slot = None
         victim.cpu = None
         if victim.disk is None:
             self._remove(victim.key)
         return slot
 
-    def _pick_victim(self, lru: LRUPolicy, guard: Collection[bytes]) -> Entry | None:
-        for key in lru.oldest_first():
-            entry = self._entries[key]
+    def _pick_victim(self, pool: int, guard: Collection[bytes]) -> Entry | None:
+        entries = self._entries
+        for key in self._cpu.victims(pool):
+            entry = entries[key]
             if entry.readers == 0 and key not in guard:
                 return entry
         return None
 
     def _evict_disk(self) -> bool:
-        for key in self._disk.oldest_first():
+        for key in self._disk.victims(0):
             entry = self._entries[key]
             if entry.cpu is CpuState.PROMOTING:
                 continue
             self._pending_deletes.append(key)
             self._counters.disk_evictions += 1
-            self._drop_disk(entry)
+            self._drop_disk(entry, evicted=True)
             if entry.cpu is None:
                 self._remove(key)
-            elif entry.cpu is CpuState.READY:
-                self._clean.discard(key)
-                self._file_ready(entry)
+            elif entry.cpu is CpuState.READY:  # clean no more: dirty, its most recent
+                self._cpu.hold(key, CLEAN)
+                self._cpu.place(key, DIRTY, oldest=False)
             return True
         return False
 
@@ -596,9 +621,12 @@ class BlockIndex:
         events, self._events = self._events, []
         return events
 
-    def _drop_disk(self, entry: Entry) -> None:
+    def _drop_disk(self, entry: Entry, *, evicted: bool) -> None:
         if entry.disk is DiskState.ON_DISK:
-            self._disk.discard(entry.key)
+            if evicted:
+                self._disk.evict(entry.key, 0)
+            else:
+                self._disk.discard(entry.key, 0)
             self._disk_used -= 1
         entry.disk = None
 
@@ -624,50 +652,64 @@ class BlockIndex:
         )
 
     def check(self) -> None:
-        """Assert every invariant (tests call this after each step)."""
+        """Check every invariant (tests call this after each step); a broken one raises
+        :class:`~tierkv.errors.InvariantError` naming the entry (``python -O`` keeps it)."""
         used: set[SlotId] = set()
-        spilling = 0
+        spilling: set[bytes] = set()
+        cpu_listed: dict[bytes, int] = {}
+        disk_listed: dict[bytes, int] = {}
         for key, entry in self._entries.items():
-            assert entry.key == key
-            assert (entry.slot is None) == (entry.cpu is None), entry
-            assert entry.cpu is not None or entry.disk is not None, f"empty entry {entry}"
-            assert entry.readers >= 0, entry
+            require(entry.key == key, "entry filed under another key:", entry)
+            require((entry.slot is None) == (entry.cpu is None), entry)
+            require(entry.cpu is not None or entry.disk is not None, "empty entry:", entry)
+            require(entry.readers >= 0, entry)
             if entry.readers:
-                assert entry.cpu in (CpuState.READY, CpuState.PROMOTING), entry
+                require(entry.cpu in (CpuState.READY, CpuState.PROMOTING), entry)
             if entry.cpu is CpuState.PROMOTING:
-                assert entry.readers == 1 and entry.disk is DiskState.ON_DISK, entry
+                require(entry.readers == 1 and entry.disk is DiskState.ON_DISK, entry)
             if entry.slot is not None:
-                assert entry.slot not in used, f"slot {entry.slot} held twice"
-                assert not self._slots.is_free(entry.slot), entry
+                require(entry.slot not in used, "slot held twice:", entry)
+                require(not self._slots.is_free(entry.slot), "slot of an entry is free:", entry)
                 used.add(entry.slot)
             if entry.disk is DiskState.SPILLING:
-                assert entry.cpu is CpuState.READY, entry
-                spilling += 1
+                require(entry.cpu is CpuState.READY, entry)
+                spilling.add(key)
             ready = entry.cpu is CpuState.READY
             spill = entry.disk is DiskState.SPILLING
             clean = ready and not spill and (entry.disk is DiskState.ON_DISK or not self.has_disk)
             dirty = ready and not spill and entry.disk is None and self.has_disk
-            assert (key in self._clean) == clean, entry
-            assert (key in self._dirty) == dirty, entry
-            assert (key in self._disk) == (entry.disk is DiskState.ON_DISK), entry
-        assert len(used) + self._slots.num_free == self.num_slots
-        assert spilling == self._num_spilling
-        assert self._disk_used == len(self._disk) + spilling
-        assert self._disk_used <= max(self.disk_capacity, 0)
+            if clean or dirty:
+                cpu_listed[key] = CLEAN if clean else DIRTY
+            require(self._cpu.pool_of(key) == cpu_listed.get(key), "cpu pool of", entry)
+            if entry.disk is DiskState.ON_DISK:
+                disk_listed[key] = 0
+            require(self._disk.pool_of(key) == disk_listed.get(key), "disk order of", entry)
+        self._cpu.check(cpu_listed, spilling)
+        self._disk.check(disk_listed, ())
+        require(len(used) + self._slots.num_free == self.num_slots,
+                f"{len(used)} slots used + {self._slots.num_free} free != {self.num_slots}")
+        require(len(spilling) == self._num_spilling,
+                f"{len(spilling)} chunks spilling, counted {self._num_spilling}")
+        require(self._disk_used == len(self._disk) + len(spilling),
+                f"disk used {self._disk_used} != {len(self._disk)} on disk + {len(spilling)}")
+        require(self._disk_used <= max(self.disk_capacity, 0),
+                f"disk used {self._disk_used} > capacity {self.disk_capacity}")
         readers: dict[bytes, int] = {}
-        for job in self._jobs.values():
+        for job_id, job in self._jobs.items():
             for i, key in enumerate(job.keys):
-                entry = self._entries[key]
+                found = self._entries.get(key)
+                if found is None:
+                    raise InvariantError(f"job {job_id} names chunk {key[:4].hex()}, not indexed")
                 if job.kind is JobKind.STORE:
-                    assert entry.cpu is CpuState.STORING, entry
+                    require(found.cpu is CpuState.STORING, "store job", job_id, "for", found)
                 elif job.kind is JobKind.SPILL:
-                    assert entry.disk is DiskState.SPILLING, entry
+                    require(found.disk is DiskState.SPILLING, "spill job", job_id, "for", found)
                 else:
                     readers[key] = readers.get(key, 0) + 1
                     if job.from_disk[i]:
-                        assert entry.cpu is CpuState.PROMOTING, entry
+                        require(found.cpu is CpuState.PROMOTING, "promotion", job_id, "for", found)
         for key, entry in self._entries.items():
-            assert entry.readers == readers.get(key, 0), entry
+            require(entry.readers == readers.get(key, 0), "readers != load jobs:", entry)
 
 
 __all__ = [

@@ -198,12 +198,13 @@ class EngineAdapter:
             return True
         return False
 
-    def touch(self, view: RequestView, num_chunks: int) -> None:
-        """The engine reused the first ``num_chunks`` chunks of ``view`` from its own cache:
-        refresh them, tail first, so the prefix head is the most recent (evicting a chain
-        from its tail keeps the rest a usable prefix)."""
+    def touch(self, view: RequestView, num_chunks: int, reuse: bool = True) -> None:
+        """The engine used the first ``num_chunks`` chunks of ``view`` again (``reuse``: from
+        its own cache, which a policy may count; else recency only): refresh them, tail
+        first, so the prefix head is the most recent (evicting a chain from its tail keeps
+        the rest a usable prefix)."""
         if num_chunks > 0:
-            self.index.touch(reversed(view.chunk_keys[:num_chunks]))
+            self.index.touch(reversed(view.chunk_keys[:num_chunks]), reuse=reuse)
 
     def update_state_after_alloc(
         self, view: RequestView, block_ids: Iterable[int], num_external_tokens: int, num_local_tokens: int

@@ -52,6 +52,7 @@ def build_index(config: StoreConfig, num_slots: int, disk_capacity: int, *,
         clock=clock,
         job_ids=JobIds(),
         record_events=record_events,
+        eviction_policy=config.cpu.eviction_policy,
     )
 
 

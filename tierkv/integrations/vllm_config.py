@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
-from tierkv.config import (CpuTierConfig, DiskTierConfig, StoreConfig, cpu_slot_count,
-                           disk_chunk_capacity)
+from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, StoreConfig,
+                           cpu_slot_count, disk_chunk_capacity)
 from tierkv.engine.adapter import AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import FORMAT_VERSION, Namespace
@@ -84,6 +84,7 @@ class ConnectorSettings:
     device: str = StoreConfig.device  # transfer engine: "auto", "cuda", "cpu"
     pin_memory: str = CpuTierConfig.pin_memory  # CPU slab: "auto", "always", "never"
     flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
+    eviction_policy: str = CpuTierConfig.eviction_policy  # CPU tier's eviction order
 
 
 def _bad(key: str, value: Any, need: str) -> ConfigError:
@@ -145,6 +146,8 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
             out[key] = _choice(key, value, ("auto", "cuda", "cpu"))
         elif key == "pin_memory":
             out[key] = _choice(key, value, ("auto", "always", "never"))
+        elif key == "eviction_policy":
+            out[key] = _choice(key, value, EVICTION_POLICIES)
         else:
             out[key] = _flag(key, value)
     return ConnectorSettings(**out)
@@ -344,7 +347,8 @@ def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0)
         blocks_per_chunk=geometry.blocks_per_chunk,
         cpu=CpuTierConfig(max_bytes=max(settings.cpu_bytes // share, 1),
                           pin_memory=settings.pin_memory,
-                          spill_ahead_fraction=settings.spill_ahead_fraction),
+                          spill_ahead_fraction=settings.spill_ahead_fraction,
+                          eviction_policy=settings.eviction_policy),
         disk=DiskTierConfig(path=Path(settings.disk_path) if settings.disk_path else None,
                             max_bytes=max(settings.disk_bytes // share, 1),
                             write_through=settings.write_through,

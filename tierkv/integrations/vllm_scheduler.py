@@ -203,7 +203,9 @@ class SchedulerSide:
             tracked = _Tracked(request)
         view = self._view(tracked)
         # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache).
-        self.adapter.touch(view, len(view.chunk_keys))
+        # Not a reuse: loads and GPU hits were counted as reuses when they happened, and
+        # stores are not reuses.
+        self.adapter.touch(view, len(view.chunk_keys), reuse=False)
         self.adapter.request_finished(view, aborted=aborted)
         if self._record_events:
             self._prune_later.append(tracked.keys)

@@ -1,0 +1,99 @@
+"""With the LRU policy the index decides exactly as it did before eviction policies were
+pluggable (commit ce484b3, where LRU was wired into the index): a seeded random workload
+drives every primitive (stores, batched stores with guards, lookups, loads and promotions,
+spills with full disks, failures, corrupt and missing chunks, touches, a rebuild from disk,
+a fake clock), and every decision it returns (plans, slots, spill writes and deletes, load
+results, shortfalls, statistics) is hashed. The digest was recorded by this same driver
+at that commit; a change to it is a change of LRU behaviour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import random
+
+from tierkv.core.index import BlockIndex
+from tierkv.core.jobs import Completion
+
+RECORDED = "ec09beebb605453ca5aab8e409ffabaab6a4b911454271abf351a2e8a3c33212"  # at ce484b3
+KEYS = [bytes([i]) * 8 for i in range(24)]
+
+
+def drive(seed: int, steps: int = 300) -> str:
+    rng = random.Random(seed)
+    now = [0.0]
+    extra = {"eviction_policy": "lru"} if "eviction_policy" in inspect.signature(BlockIndex).parameters else {}
+    index = BlockIndex(rng.choice([2, 3, 6, 10]), rng.choice([0, 0, 3, 8, 30]),
+                       write_through=rng.random() < 0.2,
+                       spill_ahead_fraction=rng.choice([0.0, 0.25, 0.5, 1.0]),
+                       retry_after_full_seconds=1.0, clock=lambda: now[0], **extra)
+    digest = hashlib.sha256()
+
+    def record(*items: object) -> None:
+        digest.update(repr(items).encode())
+
+    if index.has_disk and rng.random() < 0.5:
+        record("open", index.add_on_disk(rng.sample(KEYS, rng.randrange(1, 10))))
+    stores: list[tuple[int, tuple[bytes, ...]]] = []
+    loads: list[tuple[int, tuple[tuple[bytes, int, bool], ...]]] = []
+    spills: list[tuple[int, tuple[bytes, ...]]] = []
+    for _ in range(steps):
+        op = rng.randrange(11)
+        conversation = KEYS[rng.randrange(3) * 8:][: rng.randrange(1, 9)]
+        if op == 0:
+            plan = index.prepare_store(conversation, rng.sample(KEYS, rng.randrange(3)))
+            record("store", plan)
+            if plan.job_id is not None:
+                stores.append((plan.job_id, tuple(k for k, _ in plan.chunks)))
+        elif op == 1:
+            runs = [rng.sample(KEYS, rng.randrange(1, 5)) for _ in range(rng.randrange(1, 4))]
+            flat = [key for run in runs for key in run]
+            ends = [sum(map(len, runs[: i + 1])) for i in range(len(runs))]
+            batch = index.prepare_store_many(flat, ends, lambda r: runs[r])
+            record("batch", batch)
+            if batch.job_id is not None:
+                stores.append((batch.job_id, batch.keys))
+        elif op == 2:
+            hits = index.lookup(conversation)
+            plan = index.prepare_load(conversation[: hits.num_hits])
+            record("load", hits, plan, index.shortfall(conversation))
+            if plan.job_id is not None:
+                loads.append((plan.job_id, plan.chunks))
+        elif op == 3 and stores:
+            job_id, keys = stores.pop(rng.randrange(len(stores)) if rng.random() < 0.3 else 0)
+            failed = tuple(k for k in keys if rng.random() < 0.15)
+            index.complete_store(Completion(job_id, ok=not failed, failed_keys=failed))
+            record("stored", job_id, failed)
+        elif op == 4 and loads:
+            job_id, chunks = loads.pop(0)
+            disk_keys = [k for k, _, from_disk in chunks if from_disk]
+            corrupt = tuple(k for k in disk_keys if rng.random() < 0.1)
+            missing = tuple(k for k in disk_keys if k not in corrupt and rng.random() < 0.1)
+            failed = tuple(k for k, _, _ in chunks if rng.random() < 0.1) + corrupt + missing
+            result = index.complete_load(Completion(job_id, ok=not failed, failed_keys=failed,
+                                                    corrupt_keys=corrupt, missing_keys=missing))
+            record("loaded", result)
+        elif op == 5:
+            spec = index.take_spills(flush=rng.random() < 0.1, at_least=rng.randrange(3))
+            record("spill", spec)
+            if spec is not None:
+                spills.append((spec.job_id, tuple(k for k, _ in spec.writes)))
+        elif op == 6 and spills:
+            job_id, keys = spills.pop(0)
+            full = tuple(k for k in keys[-1:] if rng.random() < 0.2)
+            failed = full + tuple(k for k in keys if k not in full and rng.random() < 0.1)
+            index.complete_spill(Completion(job_id, ok=not failed, failed_keys=failed, full_keys=full))
+            record("spilled", job_id, failed)
+        elif op == 7:
+            index.touch(reversed(rng.sample(KEYS, rng.randrange(1, 6))))
+        elif op == 8:
+            now[0] += rng.choice([0.3, 1.5])
+        record(index.statistics())
+    index.check()
+    return digest.hexdigest()
+
+
+def test_lru_decides_as_before_policies_were_pluggable() -> None:
+    combined = hashlib.sha256("".join(drive(seed) for seed in range(40)).encode()).hexdigest()
+    assert combined == RECORDED
