@@ -21,6 +21,7 @@ from tierkv.errors import BrokenError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cpu import CpuTransferEngine
 from tierkv.transfer.factory import make_transfer_engine
+from tests.integration.test_transfer_contract import chunk, load, store
 from tierkv.testing import LayoutKV
 from tierkv.transfer.layout import KVLayout
 
@@ -32,16 +33,6 @@ def KV(kind: str, separate: bool = False) -> LayoutKV:
     return LayoutKV(kind, LAYERS, BLOCKS, (4, 2, 8), torch.bfloat16, separate)
 
 
-def chunk(key: int, slot: int, blocks: tuple[int, ...], skip: int = 0) -> ChunkCopy:
-    return ChunkCopy(bytes([key]) * 32, SlotId(slot), blocks, skip_blocks=skip)
-
-
-def store(job: int, *chunks: ChunkCopy) -> StoreSpec:
-    return StoreSpec.of(JobId(job), chunks)
-
-
-def load(job: int, *chunks: ChunkCopy) -> LoadSpec:
-    return LoadSpec(JobId(job), chunks)
 
 
 class Gate:
