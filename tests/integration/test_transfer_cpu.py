@@ -21,7 +21,7 @@ from tierkv.errors import BrokenError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cpu import CpuTransferEngine
 from tierkv.transfer.factory import make_transfer_engine
-from tests.integration.test_transfer_contract import chunk, load, store
+from tests.integration.test_transfer_contract import chunk, drain, load, store
 from tierkv.testing import LayoutKV
 from tierkv.transfer.layout import KVLayout
 
@@ -68,15 +68,6 @@ def engine(kv: KV) -> Iterator[CpuTransferEngine]:
     engine = make_engine(kv)
     yield engine
     engine.shutdown()
-
-
-def drain(engine: CpuTransferEngine, count: int) -> list[Completion]:
-    finished: list[Completion] = []
-    deadline = time.monotonic() + 10
-    while len(finished) < count and time.monotonic() < deadline:
-        finished.extend(engine.poll_finished())
-        time.sleep(0.001)
-    return finished
 
 
 def test_one_queue_completes_in_submission_order_across_directions(kv: KV) -> None:
