@@ -10,13 +10,12 @@ deciding the outcome.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
+from tierkv.core.jobs import JobId, LoadSpec, StoreSpec
 from tierkv.errors import BrokenError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cpu import CpuTransferEngine

@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tierkv.core.jobs import (Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec, StoreSpec,
+from tierkv.core.jobs import (Completion, JobId, JobKind, JobSpec, SpillSpec, StoreSpec,
                               failed_set)
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.transfer.executor import JobExecutor

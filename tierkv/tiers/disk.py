@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -141,22 +142,11 @@ class DiskTier(LowerTier):
             map_size=map_size_for(config.max_bytes, payload_bytes, os.sysconf("SC_PAGE_SIZE")),
             sync_always=config.sync_mode == "always", name=self._name, clock=clock,
             exclusive=exclusive, repair=repair, read_only=read_only)
+        self.path, self.namespace_dir = self._lmdb.path, self._lmdb.namespace_dir
 
     @property
-    def path(self) -> Path:
-        return self._lmdb.path
-
-    @property
-    def namespace_dir(self) -> Path:
-        return self._lmdb.namespace_dir
-
-    @property
-    def map_size(self) -> int:
+    def map_size(self) -> int:  # grows when a map another process grew is adopted
         return self._lmdb.map_size
-
-    @property
-    def repair(self) -> bool:
-        return self._lmdb.repair
 
     @property
     def sync_every_seconds(self) -> float | None:
@@ -534,7 +524,7 @@ class DiskTier(LowerTier):
         for step in (values_after, orphans_after):
             last: bytes | None = None
             while self._lmdb.replacements == replaced:
-                keys, found = self._lmdb.run("verifying", lambda env: step(env, last))
+                keys, found = self._lmdb.run("verifying", partial(step, last=last))
                 if self._lmdb.replacements != replaced:
                     break  # rebuilt empty meanwhile: nothing of the old environment is left
                 checked += len(keys) if step is values_after else 0
