@@ -97,7 +97,6 @@ class ChunkWriter:
         self.tiers: list[DiskTier] = []
         self.num_ranks = len(ranks)
         self._pending: list[tuple[bytes, tuple[memoryview, ...]]] = []
-        self._closed = False
         try:
             for rank in ranks:  # claimed: an engine running over the store is refused
                 self.tiers.append(DiskTier(self.root, namespace, rank, self.config, chunk_bytes,
@@ -139,13 +138,12 @@ class ChunkWriter:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        landed: set[bytes] | None = None
-        for position, tier in enumerate(self.tiers):
-            result = tier.put_many([(key, buffers[position]) for key, buffers in pending])
-            landed = set(result.written) if landed is None else landed & set(result.written)
-            if result.full and self.full_message is None:
-                self.full_message = result.message or "the disk map is full"
-        assert landed is not None
+        results = [tier.put_many([(key, buffers[position]) for key, buffers in pending])
+                   for position, tier in enumerate(self.tiers)]
+        landed = set.intersection(*(set(result.written) for result in results))
+        full = [result.message for result in results if result.full]
+        if full and self.full_message is None:
+            self.full_message = full[0] or "the disk map is full"
         self._queued.difference_update(key for key, _ in pending)
         self._present.update(landed)
         self._stored += len(landed)
@@ -153,13 +151,10 @@ class ChunkWriter:
 
     def close(self) -> None:
         """Flush what is queued, sync and close; idempotent."""
-        if self._closed:
-            return
         try:
             if self.tiers:
                 self.flush()
         finally:
-            self._closed = True
             tiers, self.tiers = self.tiers, []
             for tier in tiers:
                 tier.close()
