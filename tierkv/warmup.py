@@ -169,14 +169,13 @@ class ChunkWriter:
 def warm_sequence(writer: ChunkWriter, report: WarmupReport, token_ids: Sequence[int],
                   keys: Sequence[bytes], tokens_per_chunk: int,
                   produce: Callable[[list[int]], Sequence[Sequence[Payload]]],
-                  on_chunks: Callable[[int], None] | None = None) -> bool:
+                  on_chunks: Callable[[int], None] = lambda count: None) -> bool:
     """Write the chunks of one sequence that the store lacks. ``produce(prefix)`` gets the
     token ids up to the end of the last missing chunk and returns, per chunk of that prefix,
     one payload per rank. Returns False once the writer stopped (full)."""
     missing = [index for index, key in enumerate(keys) if not writer.has(key)]
     report.chunks_present += len(keys) - len(missing)
-    if on_chunks is not None:
-        on_chunks(len(keys) - len(missing))
+    on_chunks(len(keys) - len(missing))
     if not missing:
         return True
     upto = missing[-1] + 1
@@ -187,17 +186,19 @@ def warm_sequence(writer: ChunkWriter, report: WarmupReport, token_ids: Sequence
     for index in missing:
         if not writer.add(keys[index], chunks[index]):
             return False
-        if on_chunks is not None:
-            on_chunks(1)
+        on_chunks(1)
     return True
 
 
 def finish_report(report: WarmupReport, writer: ChunkWriter) -> WarmupReport:
-    """Fill in what the writer did and the time taken."""
-    report.chunks_written = writer.written
-    report.bytes_written = writer.written * writer.chunk_bytes * writer.num_ranks
-    report.full_message = writer.full_message
-    report.seconds = time.perf_counter() - report.started
+    """Close ``writer`` and, even if closing raises, fill in what it did and the time taken."""
+    try:
+        writer.close()
+    finally:
+        report.chunks_written = writer.written
+        report.bytes_written = writer.written * writer.chunk_bytes * writer.num_ranks
+        report.full_message = writer.full_message
+        report.seconds = time.perf_counter() - report.started
     return report
 
 
@@ -228,13 +229,10 @@ def warmup_tokens(
         raise ConfigError(f"warmup: tokens_per_chunk={tpc} but the namespace has "
                           f"{namespace.tokens_per_chunk}")
 
-    def default_keys(token_ids: Sequence[int]) -> list[bytes]:
-        return list(chunk_keys(token_ids, tpc, parent, extra))
-
     def produce(prefix: list[int]) -> list[tuple[Payload]]:
         return [(payload,) for payload in kv_producer(prefix)]
 
-    keys_of = key_fn or default_keys
+    keys_of = key_fn or (lambda token_ids: list(chunk_keys(token_ids, tpc, parent, extra)))
     report = WarmupReport(fingerprint=namespace.fingerprint())
     writer = ChunkWriter(Path(store_dir), namespace, chunk_bytes, ranks=(rank,),
                          disk_config=disk_config, capacity=capacity)
@@ -247,7 +245,6 @@ def warmup_tokens(
             elif not warm_sequence(writer, report, token_ids, keys, tpc, produce):
                 break
     finally:
-        writer.close()
         finish_report(report, writer)
     return report
 

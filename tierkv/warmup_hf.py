@@ -362,10 +362,7 @@ async def _run(args: argparse.Namespace) -> int:
         interrupted = True
     finally:
         progress.close()
-        try:
-            writer.close()
-        finally:
-            finish_report(report, writer)
+        finish_report(report, writer)
     if interrupted:
         print(f"interrupted: {report.summary()}; run again to resume")
         return 130
