@@ -16,14 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tierkv import demo
+    from tierkv import demo, tools, warmup_hf
 
     demo_parser = sub.add_parser("demo", help="multi-turn chat workload on CPU tensors")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(handler=demo.run)
-
-    from tierkv import tools, warmup_hf
-
     warmup_parser = sub.add_parser(
         "warmup", help="compute KV for a prompts file with a HF model and write it into a store",
         description="Compute KV for every prompt of a JSONL file with a HF transformers model and "

@@ -24,7 +24,6 @@ from tierkv.keys import ChunkKey, chunk_keys
 from tierkv.units import MiB
 
 
-
 @dataclass
 class DemoTotals:
     chunks_asked: int = 0
@@ -104,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 store.wait([job])
                 store.poll()
                 free_blocks.extend(blocks)
-                rng_reply = [rng.randrange(32000) for _ in range(rng.randrange(20, 120))]
-                history.extend(rng_reply)
+                history.extend(rng.randrange(32000) for _ in range(rng.randrange(20, 120)))  # reply
         stats = store.statistics()
     seconds = time.perf_counter() - started
     idx = stats.index
