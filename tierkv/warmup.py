@@ -7,15 +7,11 @@ Primitives (``tierkv warmup``, :mod:`tierkv.warmup_hf`, drives them from a HF mo
 - :class:`ChunkWriter`  one namespace, one or more ranks: skips keys present on every rank
   (a rerun resumes) or queued earlier, writes transactions of ~``disk.write_batch_bytes``,
   stops at ``capacity`` chunks or a full map (``full_message``); ``close()`` flushes, syncs.
-- :func:`warmup_tokens`  custom engines: token id sequences and a caller's KV producer ->
-  chunks keyed by :func:`tierkv.keys.chunk_keys` (or ``key_fn``) under ``namespace``.
-- :func:`gather_chunks`  a producer's helper: copy blocks of the engine's own KV tensors
-  into chunk payloads with :class:`~tierkv.transfer.layout.KVLayout`, byte for byte what
-  the worker stores.
+- :func:`warmup_tokens`  custom engines: token id sequences and a KV producer -> chunks.
+- :func:`gather_chunks`  a producer's helper: the engine's KV blocks -> the worker's bytes.
 - :class:`WarmupReport`  the counts and the one summary line.
 
-It knows no engine: the vLLM target (keys from vLLM's block hashes, the connector's
-geometry and namespace) is :mod:`tierkv.integrations.vllm_warmup`.
+It knows no engine: the vLLM target is :mod:`tierkv.integrations.vllm_warmup`.
 """
 
 from __future__ import annotations

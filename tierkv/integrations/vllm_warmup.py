@@ -1,9 +1,8 @@
 """The vLLM target of the warm-up: chunks keyed and laid out as tierkv's vLLM connector
 stores them, so a vLLM 0.33 server over the store serves them as prefix hits.
 
-- :func:`vllm_block_hashes` computes the ``request.block_hashes`` vLLM 0.33 computes for a
-  text-only request without LoRA (:func:`vllm_hash_function`, :func:`vllm_none_hash`: the
-  algorithms of ``vllm/utils/hashing.py``, checked against vLLM's own hasher in the tests).
+- :func:`vllm_block_hashes` vLLM 0.33's ``request.block_hashes`` (:func:`vllm_hash_function`,
+  :func:`vllm_none_hash`: ``vllm/utils/hashing.py``'s, checked against vLLM's in the tests).
 - :class:`VllmTarget` the engine the chunks are for: its geometry and namespace are the
   connector's (:mod:`tierkv.integrations.vllm_config`, one definition); ``chunk_keys`` as
   the connector derives them (:mod:`tierkv.integrations.vllm_keys`); :meth:`VllmTarget.pack`
