@@ -179,8 +179,7 @@ class VerifyOutcome:
 
 def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome) -> None:
-    """Check one environment through :class:`DiskTier` (``repair``: it may delete bad chunks,
-    and move a damaged environment aside and rebuild it, as the engine itself does)."""
+    """Check one environment through :class:`DiskTier` (``repair``: see the module docstring)."""
     name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
     if rank.problem is not None:
         outcome.damaged += 1
