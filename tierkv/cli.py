@@ -39,16 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        code: int = args.handler(args)
+        return int(args.handler(args))
     except TierKVError as exc:
         print(f"tierkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    return code
 
 
 if __name__ == "__main__":
