@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import JobIds
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
@@ -50,7 +49,6 @@ def build_index(config: StoreConfig, num_slots: int, disk_capacity: int, *,
         spill_ahead_fraction=config.cpu.spill_ahead_fraction,
         retry_after_full_seconds=config.disk.retry_after_full_seconds,
         clock=clock,
-        job_ids=JobIds(),
         record_events=record_events,
         eviction_policy=config.cpu.eviction_policy,
     )
