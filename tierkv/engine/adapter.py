@@ -211,10 +211,16 @@ class EngineAdapter:
         plan = self.index.prepare_load(view.chunk_keys[start:end])
         skip_first = first_new - start * bpc
         chunks = []
+        cpu_tokens = disk_tokens = 0
         for position, (key, slot, from_disk) in enumerate(plan.chunks):
             chunk = start + position
             blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
             chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip_first if position == 0 else 0))
+            tokens = min(tpc, (chunk + 1) * tpc - num_local_tokens)  # only the first is partial
+            if from_disk:
+                disk_tokens += tokens
+            else:
+                cpu_tokens += tokens
         lost_from = (start + len(plan.chunks)) * bpc
         lost = tuple(state.block_ids[max(lost_from, first_new) : end * bpc])
         spec = None
@@ -222,25 +228,11 @@ class EngineAdapter:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._track(plan.job_id, view.req_id)
             self.stats.loads_planned += len(chunks)
-        self._load_sources[view.req_id] = self._tokens_by_tier(plan.chunks, start,
-                                                               num_local_tokens, end * tpc)
+        self._load_sources[view.req_id] = (cpu_tokens, disk_tokens)
+        self.stats.hit_tokens_cpu += cpu_tokens
+        self.stats.hit_tokens_disk += disk_tokens
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
         self._pending_loads.append(LoadRequest(view.req_id, spec, lost))
-
-    def _tokens_by_tier(self, chunks: Sequence[tuple[bytes, int, bool]], start: int, local: int,
-                        end: int) -> tuple[int, int]:
-        tpc = self._tpc
-        cpu = disk = 0
-        for position, (_, _, from_disk) in enumerate(chunks):
-            chunk = start + position
-            tokens = min((chunk + 1) * tpc, end) - max(chunk * tpc, local)
-            if from_disk:
-                disk += tokens
-            else:
-                cpu += tokens
-        self.stats.hit_tokens_cpu += cpu
-        self.stats.hit_tokens_disk += disk
-        return cpu, disk
 
     def take_load_sources(self, req_id: str) -> tuple[int, int]:
         """Tokens of the request's last planned load from the CPU tier and from disk."""
