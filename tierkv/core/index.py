@@ -37,9 +37,7 @@ and changes nothing.
 
 Eviction order: an :class:`~tierkv.core.policy.EvictionPolicy` made by name
 (``eviction_policy``, ARC by default) orders the READY CPU chunks in two pools, clean and
-dirty; the disk tier's chunks have a policy of their own (LRU). The index never names a
-concrete policy. A chunk whose spill completes joins the clean pool as its oldest chunk of
-its kind (it was spilled because it was next to go).
+dirty; the disk tier's chunks have an LRU of their own (docs/design.md, "States").
 """
 
 from __future__ import annotations

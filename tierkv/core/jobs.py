@@ -45,10 +45,9 @@ class ChunkCopy(NamedTuple):
 
 
 class StoreSpec(NamedTuple):
-    """GPU blocks -> CPU slots, by columns: chunk ``i`` is ``keys[i]``, copied into
-    ``slots[i]`` from ``block_ids[i * n : (i + 1) * n]``, n = blocks per chunk. The
-    scheduler builds one per step for every running request, so a chunk costs it no
-    object of its own; ``chunks`` is the per-chunk view for the worker side."""
+    """GPU blocks -> CPU slots, by columns (see the module docstring): chunk ``i`` is
+    ``keys[i]``, copied into ``slots[i]`` from ``block_ids[i * n : (i + 1) * n]``, n =
+    blocks per chunk; ``chunks`` is the per-chunk view for the worker side."""
 
     job_id: JobId
     keys: tuple[Key, ...]

@@ -10,8 +10,7 @@ vLLM connector roles (one each, in their own processes):
   with its I/O threads, and the :class:`JobExecutor` over them, as a :class:`WorkerStack`.
   A failure while building releases what was built (threads, slab, disk tier).
 
-A new tier plugs in here: built from its config section next to the disk tier, handed to
-the executor, and sized for the index.
+A new tier plugs in here (docs/design.md, "Where a new tier plugs in").
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""TierKVStore: the library API for custom engines, both sides in one process.
-
-    store = TierKVStore(kv_caches, model_id="my-model", tokens_per_block=16,
-                        config=StoreConfig(blocks_per_chunk=16,
-                                           cpu=CpuTierConfig(max_bytes=8 << 30),
-                                           disk=DiskTierConfig(path="/var/cache/tierkv")))
-    keys = chunk_keys(token_ids, store.tokens_per_chunk)
-    num_hit = store.lookup(keys)                 # ready prefix across CPU and disk
-    job = store.load(keys[:num_hit], block_ids)  # async disk -> CPU -> GPU
-    store.wait([job.job_id]); done = store.poll()
-    store.store(keys, block_ids)                 # async GPU -> CPU (-> disk by spill)
-    store.close()                                # flushes the CPU tier to disk
+"""TierKVStore: the library API for custom engines, both sides in one process (a runnable
+example: README.md).
 
 Primitives:
 - ``lookup(keys) -> int``: chunks in the ready, contiguous prefix (no side effects).
