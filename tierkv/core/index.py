@@ -290,15 +290,12 @@ class BlockIndex:
                 while position >= run_ends[run]:
                     run += 1
                 key = keys[position]
-                if key in entries or run == failed_run:
-                    if placed is None:  # the first key not stored: positions from now on
-                        placed = list(range(position))
-                    if key in entries:
-                        present += 1
-                    else:
-                        no_room += 1
-                    continue
-                if taken < len(free):
+                slot: SlotId | None = None
+                if key in entries:
+                    present += 1
+                elif run == failed_run:
+                    no_room += 1
+                elif taken < len(free):
                     slot = free[taken]
                     taken += 1
                 else:
@@ -306,14 +303,14 @@ class BlockIndex:
                         guard_run, guard = run, protected(run)
                     elif not isinstance(guard, set):
                         guard = set(guard)
-                    evicted = self._evict_for(guard)
-                    if evicted is None:  # a prefix of the run is stored, never a gap
+                    slot = self._evict_for(guard)
+                    if slot is None:  # a prefix of the run is stored, never a gap
                         failed_run = run
-                        if placed is None:
-                            placed = list(range(position))
                         no_room += 1
-                        continue
-                    slot = evicted
+                if slot is None:
+                    if placed is None:  # the first key not stored: positions from now on
+                        placed = list(range(position))
+                    continue
                 entries[key] = Entry(key, slot, storing)
                 if placed is not None:
                     placed.append(position)
@@ -483,12 +480,10 @@ class BlockIndex:
         self._disk.insert(on_disk, 0)
 
     def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
-        """Mark chunks as just used: READY chunks become the most recent of their CPU pool,
-        chunks on disk the most recent on disk. ``reuse=True``: a request reused them (e.g.
-        through the engine's own prefix cache), which a policy may count (ARC: a reused
-        chunk is protected from scans); ``reuse=False``: they were used again without a
-        reuse (their own request finished), recency only. Keys touched later count as more
-        recent; absent or in-flight keys are skipped. No other effect."""
+        """Mark chunks as just used (``reuse``: see the module docstring; a policy may count
+        a reuse, ARC protects reused chunks from scans): READY chunks become the most recent
+        of their CPU pool, chunks on disk the most recent on disk. Keys touched later count
+        as more recent; absent or in-flight keys are skipped. No other effect."""
         entries = self._entries
         cpu_use = self._cpu.access if reuse else self._cpu.refresh
         disk_use = self._disk.access if reuse else self._disk.refresh
