@@ -340,10 +340,7 @@ class TierKVStore:
         if self._closed:
             return
         try:
-            if self.disk is not None:
-                self._flush()
-            else:
-                self._drain()
+            self._flush()  # without a disk tier: a drain
         except TierKVError as exc:
             # A disk tier that broke underneath loses its unflushed chunks; closing the
             # store must still succeed (the engine never fails because its cache did).
