@@ -18,15 +18,11 @@ wrong: keys are 32-byte ``bytes``; ``block_ids`` is one sequence per chunk
 arrays and tensors too; never floats or bools) in ``[0, num_blocks)``; job ids are what
 ``store``/``load`` returned.
 
-Not thread-safe: call it from one thread at a time. A call that overlaps another one, or
-any call from a forked child of the process that built the store, raises
-:class:`UsageError` and changes nothing (LMDB, threads and CUDA streams do not survive
-``fork()``). Spills and completions advance on every call; ``poll()`` in the engine loop
-keeps them moving.
-
-Opening claims the disk environment for this process (a second store on the same
-``disk.path``, namespace and rank, in this process or another, is refused); a failed
-construction releases everything it had taken (threads, slab, environment, claim).
+Not thread-safe, and not for a forked child: a call that overlaps another one, or any call
+from a child, raises :class:`UsageError` and changes nothing. Opening claims the disk
+environment (a second store on it is refused); a failed construction releases all it took.
+Why: docs/operations.md ("Fork", "Threads", "One writer per environment"). Spills and
+completions advance on every call; ``poll()`` in the engine loop keeps them moving.
 """
 
 from __future__ import annotations
