@@ -541,9 +541,7 @@ class BlockIndex:
 
     def _take_slot(self, guard: set[bytes]) -> SlotId | None:
         slot = self._slots.allocate()
-        if slot is not None:
-            return slot
-        return self._evict_for(guard)
+        return slot if slot is not None else self._evict_for(guard)
 
     def _evict_for(self, guard: Collection[bytes]) -> SlotId | None:
         """Free the slot of the policy's first evictable clean chunk outside ``guard`` (a
