@@ -46,7 +46,7 @@ import math
 import time
 from itertools import islice
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from tierkv.core.jobs import (
@@ -154,7 +154,7 @@ class _Job:
     kind: JobKind
     keys: tuple[bytes, ...]
     from_disk: tuple[bool, ...] = ()
-    deletes: tuple[bytes, ...] = field(default=())
+    deletes: tuple[bytes, ...] = ()
 
 
 class BlockIndex:
@@ -665,11 +665,8 @@ class BlockIndex:
             if entry.disk is DiskState.SPILLING:
                 require(entry.cpu is CpuState.READY, entry)
                 spilling.add(key)
-            ready = entry.cpu is CpuState.READY
-            spill = entry.disk is DiskState.SPILLING
-            clean = ready and not spill and (entry.disk is DiskState.ON_DISK or not self.has_disk)
-            dirty = ready and not spill and entry.disk is None and self.has_disk
-            if clean or dirty:
+            if entry.cpu is CpuState.READY and entry.disk is not DiskState.SPILLING:
+                clean = entry.disk is DiskState.ON_DISK or not self.has_disk  # else dirty
                 cpu_listed[key] = CLEAN if clean else DIRTY
             require(self._cpu.pool_of(key) == cpu_listed.get(key), "cpu pool of", entry)
             if entry.disk is DiskState.ON_DISK:
