@@ -337,20 +337,18 @@ class EngineAdapter:
                     state.block_ids.extend(blocks)
             if self._released:
                 allocated.update(dict.fromkeys(blocks, req_id))
-        stores: list[StoreSpec] = []
         # Finished requests first: their last full chunk is stored now, in a job of its
         # own: its bytes are on the GPU already, so a fence may flush it before the forward
         # pass; the running requests' job needs this step's forward pass.
         finished, self._finished_queue = self._finished_queue, []
+        finished_job = None
         if finished:
             batch = _Candidates()
             for req_id in finished:
                 state = self._requests.get(req_id)
                 if state is not None:
                     self._add_departed_run(state, batch)
-            spec = self._store_job(batch)
-            if spec is not None:
-                stores.append(spec)
+            finished_job = self._store_job(batch)
         # Fence: a block handed out this step (to a scheduled request or an async load)
         # that a departed request's job may still use: that request's jobs finish first.
         for block, req_id in allocated.items():
@@ -393,15 +391,13 @@ class EngineAdapter:
                 blocks_to_store += state.block_ids[first * bpc : target * bpc]
                 ends.append(len(keys_to_store))
                 owners.append(state)
-        spec = self._store_job(batch)
-        if spec is not None:
-            stores.append(spec)
+        stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         loads, self._pending_loads = tuple(self._pending_loads), []
         self._finishing.clear()
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)
         idle = not any(step.num_scheduled_tokens.values())
-        return StepPlan(loads, tuple(stores), (spill,) if spill is not None else (), tuple(flush), idle)
+        return StepPlan(loads, stores, (spill,) if spill is not None else (), tuple(flush), idle)
 
     def take_flush_spills(self) -> StepPlan:
         """A plan that writes every dirty CPU chunk to disk (clean shutdown)."""
