@@ -149,19 +149,18 @@ class StoreConfig:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"store settings must be a mapping of setting names to values, "
                               f"got {raw!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        _refuse_unknown(cls, raw)
         kwargs = dict(raw)
         for name, sub in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
             if name in kwargs and isinstance(kwargs[name], Mapping):
-                sub_known = {f.name for f in fields(sub)}
-                bad = set(kwargs[name]) - sub_known
-                if bad:
-                    raise ConfigError(
-                        f"unknown setting(s) {sorted(f'{name}.{b}' for b in bad)}; "
-                        f"known: {sorted(sub_known)}"
-                    )
+                _refuse_unknown(sub, kwargs[name], f"{name}.")
                 kwargs[name] = sub(**kwargs[name])
         return cls(**kwargs)
+
+
+def _refuse_unknown(cls: type[Any], raw: Mapping[str, Any], prefix: str = "") -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {sorted(prefix + name for name in unknown)}; "
+                          f"known: {sorted(known)}")
