@@ -34,7 +34,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -191,12 +190,9 @@ class TierKVStore:
                 f"cpu tier: cpu.max_bytes={cfg.cpu.max_bytes} holds no chunk of "
                 f"{self.chunk_bytes} bytes (raise cpu.max_bytes or lower blocks_per_chunk)"
             )
-        open_disk = None
-        if cfg.disk.path is not None:
-            def open_disk() -> DiskTier:
-                assert cfg.disk.path is not None
-                return DiskTier(Path(cfg.disk.path), namespace, cfg.rank, cfg.disk,
-                                self.chunk_bytes, exclusive=True)
+        open_disk = None if cfg.disk.path is None else functools.partial(
+            DiskTier, cfg.disk.path, namespace, cfg.rank, cfg.disk, self.chunk_bytes,
+            exclusive=True)
         self._stack = build_worker(cfg, self.layout, num_slots, open_disk=open_disk)
         self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
         try:
