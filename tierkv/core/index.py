@@ -550,16 +550,19 @@ class BlockIndex:
         entries = self._entries
         pool = CLEAN
         victim = None
-        for key in cpu.victims(CLEAN):  # _pick_victim inlined: every eviction passes here
+        for key in cpu.victims(CLEAN):  # walks inline: every eviction passes here
             entry = entries[key]
             if entry.readers == 0 and key not in guard:
                 victim = entry
                 break
         if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
             pool = DIRTY
-            victim = self._pick_victim(pool, guard)
-            if victim is not None:
-                self._counters.dirty_dropped += 1
+            for key in cpu.victims(DIRTY):
+                entry = entries[key]
+                if entry.readers == 0 and key not in guard:
+                    victim = entry
+                    self._counters.dirty_dropped += 1
+                    break
         if victim is None:
             if cpu.count(DIRTY) and self.has_disk:
                 # Demand-driven write-back: the clean reserve may be made of chunks in use
@@ -575,14 +578,6 @@ class BlockIndex:
         if victim.disk is None:
             self._remove(victim.key)
         return slot
-
-    def _pick_victim(self, pool: int, guard: Collection[bytes]) -> Entry | None:
-        entries = self._entries
-        for key in self._cpu.victims(pool):
-            entry = entries[key]
-            if entry.readers == 0 and key not in guard:
-                return entry
-        return None
 
     def _evict_disk(self) -> bool:
         for key in self._disk.victims(0):
