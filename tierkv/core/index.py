@@ -638,8 +638,7 @@ class BlockIndex:
         )
 
     def check(self) -> None:
-        """Check every invariant (tests call this after each step); a broken one raises
-        :class:`~tierkv.errors.InvariantError` naming the entry (``python -O`` keeps it)."""
+        """Every invariant (see the module docstring); the error names the broken entry."""
         used: set[SlotId] = set()
         spilling: set[bytes] = set()
         cpu_listed: dict[bytes, int] = {}
