@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +49,14 @@ class UnsupportedVersionError(TierKVError, RuntimeError):
     """The installed vLLM is not a version this connector was built and tested for."""
 
 
+def vllm_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
 def check_vllm_version(version: str) -> None:
     """Accept 0.33.x only: vLLM's connector API changes between minor versions."""
-    parts = version.split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        major_minor = None
-    if major_minor != SUPPORTED_VLLM:
-        want = ".".join(map(str, SUPPORTED_VLLM))
+    want = ".".join(map(str, SUPPORTED_VLLM))
+    if vllm_minor(version) != want:
         raise UnsupportedVersionError(
             f"tierkv vLLM connector: vLLM {version} is not supported; tierkv.integrations.vllm "
             f"targets vLLM {want}.x (pip install 'vllm=={want}.*', or use the tierkv release "
@@ -117,6 +116,11 @@ def _flag(key: str, value: Any) -> bool:
     return value
 
 
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "disk_sync_mode": ("periodic", "always", "close"), "device": ("auto", "cuda", "cpu"),
+    "pin_memory": ("auto", "always", "never"), "eviction_policy": EVICTION_POLICIES}
+
+
 def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     """Validate ``kv_connector_extra_config``; unknown keys and bad values raise."""
     raw = dict(raw or {})
@@ -140,14 +144,8 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
             out[key] = _number(key, value, 0.0, 1.0)
         elif key == "promotion_wait_seconds":
             out[key] = _number(key, value, 0.0)
-        elif key == "disk_sync_mode":
-            out[key] = _choice(key, value, ("periodic", "always", "close"))
-        elif key == "device":
-            out[key] = _choice(key, value, ("auto", "cuda", "cpu"))
-        elif key == "pin_memory":
-            out[key] = _choice(key, value, ("auto", "always", "never"))
-        elif key == "eviction_policy":
-            out[key] = _choice(key, value, EVICTION_POLICIES)
+        elif key in _CHOICES:
+            out[key] = _choice(key, value, _CHOICES[key])
         else:
             out[key] = _flag(key, value)
     return ConnectorSettings(**out)
@@ -257,13 +255,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         if disk_capacity < 1:
             raise _bad("disk_bytes", settings.disk_bytes,
                        f"holds no chunk of {chunk_bytes} bytes per rank x {world_size} rank(s)")
-    return _replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
-
-
-def _replace(geometry: Geometry, **changes: int) -> Geometry:
-    values = {f.name: getattr(geometry, f.name) for f in fields(Geometry)}
-    values.update(changes)
-    return Geometry(**values)
+    return replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
 
 
 def hash_seed_fingerprint(environ: Mapping[str, str] | None = None) -> str:
@@ -289,10 +281,6 @@ def check_hash_stability(algorithm: str, settings: ConnectorSettings,
         f"PYTHONHASHSEED to a fixed value in the vLLM server's environment, or use "
         f"--prefix-caching-hash-algo sha256 (or sha256_cbor), or remove disk_path"
     )
-
-
-def vllm_minor(version: str) -> str:
-    return ".".join(version.split(".")[:2])
 
 
 def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
