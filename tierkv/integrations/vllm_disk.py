@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -50,28 +51,22 @@ def acquire_tier(root: Path, namespace: Namespace, rank: int, config: DiskTierCo
                  payload_bytes: int) -> DiskTier:
     path = env_path(root, namespace, rank).resolve()
     with _LOCK:
-        entry = _OPEN.get(path)
-        if entry is not None:
-            tier, count = entry
-            _OPEN[path] = (tier, count + 1)
-            return tier
-        tier = DiskTier(Path(root), namespace, rank, config, payload_bytes)
-        _OPEN[tier.path.resolve()] = (tier, 1)
+        tier, count = _OPEN.get(path, (None, 0))
+        if tier is None:
+            tier = DiskTier(Path(root), namespace, rank, config, payload_bytes)
+        _OPEN[tier.path.resolve()] = (tier, count + 1)
         return tier
 
 
 def release_tier(tier: DiskTier) -> None:
     path = tier.path.resolve()
     with _LOCK:
-        entry = _OPEN.get(path)
-        if entry is None or entry[0] is not tier:
-            tier.close()
+        shared, count = _OPEN.get(path, (None, 0))
+        if shared is tier and count > 1:
+            _OPEN[path] = (tier, count - 1)
             return
-        count = entry[1] - 1
-        if count:
-            _OPEN[path] = (tier, count)
-            return
-        del _OPEN[path]
+        if shared is tier:
+            del _OPEN[path]
     tier.close()
 
 
@@ -122,7 +117,7 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
     environment is damaged and owned by its worker (which rebuilds it when it meets the
     damage) counts as holding nothing."""
     tiers: list[DiskTier] = []
-    held: list[list[bytes] | None] = []  # None: damaged
+    holders: Counter[bytes] = Counter()  # how many undamaged ranks hold each key
     seqs: dict[bytes, int] = {}
     try:
         for rank in ranks:
@@ -130,24 +125,18 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
                 tier = acquire_tier(root, namespace, rank, config, payload_bytes)
             except DamagedError as exc:
                 log.warning("tierkv: %s; its chunks are not used", exc)
-                held.append(None)
                 continue
             tiers.append(tier)
             try:
                 records = list(tier.scan())
             except DamagedError as exc:
                 log.warning("tierkv: %s; its chunks are not used", exc)
-                held.append(None)
                 tiers.pop()
                 release_tier(tier)
                 continue
-            held.append([record.key for record in records])
+            holders.update(record.key for record in records)
             for record in records:
                 seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
-        holders: dict[bytes, int] = {}
-        for keys in held:
-            for key in keys or ():
-                holders[key] = holders.get(key, 0) + 1
         whole = [key for key, count in holders.items() if count == len(ranks)]
         partial = [key for key, count in holders.items() if count != len(ranks)]
         whole.sort(key=seqs.__getitem__)
