@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.config import DiskTierConfig, StoreConfig
@@ -157,9 +157,10 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
             release_tier(tier)
 
 
-def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, int]], payload_bytes: int,
-                 write_batch_bytes: int, on_error: Callable[[Exception], None] | None = None) -> int:
-    """Write ``(key, slot)`` chunks from the slab; returns how many landed."""
+def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, int]],
+                 payload_bytes: int, write_batch_bytes: int) -> int:
+    """Write ``(key, slot)`` chunks from the slab; returns how many landed. A failed write
+    is logged and ends the flush: the engine is shutting down, nothing is raised."""
     per_txn = max(1, write_batch_bytes // payload_bytes)
     written = 0
     for start in range(0, len(chunks), per_txn):
@@ -167,9 +168,8 @@ def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, in
         items = [(key, slab.memoryview(slot)[:payload_bytes]) for key, slot in batch]
         try:
             result = tier.put_many(items)
-        except Exception as exc:  # the engine is shutting down: report, do not raise
-            if on_error is not None:
-                on_error(exc)
+        except Exception as exc:
+            log.warning("tierkv: flush at shutdown failed: %s", exc)
             break
         written += len(result.written)
         if result.full:

@@ -181,11 +181,8 @@ class WorkerSide:
         chunks = self.unspilled_chunks()
         if not chunks:
             return 0
-        written = write_chunks(
-            self.disk, self.slab, chunks, self.geometry.chunk_bytes,
-            self.config.disk.write_batch_bytes,
-            on_error=lambda exc: log.warning("tierkv: flush at shutdown failed: %s", exc),
-        )
+        written = write_chunks(self.disk, self.slab, chunks, self.geometry.chunk_bytes,
+                               self.config.disk.write_batch_bytes)
         log.info("tierkv: rank %d wrote %d of %d unspilled chunk(s) to disk at shutdown",
                  self.rank, written, len(chunks))
         return written
