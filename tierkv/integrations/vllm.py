@@ -162,9 +162,8 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM calls this before the forward only for synchronous loads (tierkv has none),
-        # else after it. Either way: loads target blocks of requests that wait in
-        # WAITING_FOR_REMOTE_KVS (no forward touches them), the plan's stores are only
-        # queued here and submitted by wait_for_save, after the forward.
+        # else after it. Either way is safe (docs/vllm.md, "When loads start"): loads fill
+        # blocks no forward touches yet, stores are submitted by wait_for_save.
         self._worker_side().adapter().start(self._plan_of(self._get_connector_metadata()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -4,28 +4,11 @@ It runs in vLLM's EngineCore process, never blocks and never touches KV bytes. v
 ``SchedulerOutput`` carries block ids but no tokens, so requests are taken from the
 ``Request`` objects vLLM hands to ``on_new_request`` and kept until ``request_finished``.
 
-Mapping (one :class:`SchedulerSide` per engine):
-
-- ``get_num_new_matched_tokens(request, local)`` -> ``adapter.lookup``: tokens of whole
-  ready chunks beyond vLLM's block-aligned local hit, ``None`` while a chunk is being
-  promoted from disk or stored (``wait_for_stores``); loads are always asynchronous
-  (``load_async = n > 0``).
-- ``update_state_after_alloc(request, blocks, n)`` -> ``adapter.update_state_after_alloc``
-  when ``n > 0`` (the load is planned now and sent with this step's metadata). vLLM also
-  calls it with ``n == 0``: for every admitted request, and again when a request whose
-  load finished is admitted; such a request is scheduled in the same step, so its block
-  table reaches the adapter through ``build_connector_meta`` and nothing is done here.
-- ``build_connector_meta(so)`` -> ``adapter.build_plan(StepInput)``: ``scheduled_new_reqs``
-  (full block tables, which is also how vLLM's v2 model runner sends resumed requests),
-  ``scheduled_cached_reqs`` (new block ids, or the whole table for ``resumed_req_ids``),
-  ``num_scheduled_tokens``, ``preempted_req_ids``.
-- ``request_finished(request)`` -> ``adapter.request_finished(view, aborted)``; returns
-  ``(False, None)``: the blocks go back to vLLM at once and the adapter fences (see
-  ``docs/vllm.md``, "Why blocks are freed at once").
-- ``update_connector_output(out)`` -> ``adapter.complete`` with the completions every
-  rank sent in :class:`TierKVWorkerMetadata`.
-- At start, with a disk tier, the index is rebuilt from every rank's environment
-  (:func:`tierkv.integrations.vllm_disk.rebuild_keys`).
+One :class:`SchedulerSide` per engine maps each scheduler-role call onto the adapter as the
+table in ``docs/vllm.md`` ("How it works") says: loads are always asynchronous, a lookup
+answers ``None`` while a chunk is promoted from disk or stored, and a finished request's
+blocks go back to vLLM at once (the adapter fences). At start, with a disk tier, the index
+is rebuilt from every rank's environment (:func:`tierkv.integrations.vllm_disk.rebuild_keys`).
 """
 
 from __future__ import annotations
