@@ -70,7 +70,6 @@ class SchedulerSide:
                                  clock=clock, record_events=record_events)
         self.adapter = build_adapter(self.index, adapter_config(settings, geometry), clock)
         self._clock = clock
-        self._tpc = geometry.tokens_per_chunk
         self._hpc = geometry.hashes_per_chunk
         self._tracked: dict[str, _Tracked] = {}
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
@@ -110,15 +109,14 @@ class SchedulerSide:
         keys, sources, hashes, hpc = tracked.keys, tracked.sources, request.block_hashes, self._hpc
         if sources:
             last = len(sources) * hpc - 1
-            if len(hashes) <= last or (hashes[last] is not sources[-1] and hashes[last] != sources[-1]):
+            if len(hashes) <= last or hashes[last] != sources[-1]:
                 self._rewind(tracked)
-        if len(hashes) >= (len(keys) + 1) * hpc:
-            for index in range(len(keys), len(hashes) // hpc):
-                source = hashes[(index + 1) * hpc - 1]
-                sources.append(source)
-                keys.append(chunk_key(source))
-                if self._record_events:
-                    self._event_hashes.setdefault(keys[-1], bytes(source))
+        for index in range(len(keys), len(hashes) // hpc):
+            source = hashes[(index + 1) * hpc - 1]
+            sources.append(source)
+            keys.append(chunk_key(source))
+            if self._record_events:
+                self._event_hashes.setdefault(keys[-1], bytes(source))
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
                            request.num_computed_tokens)
 
@@ -146,22 +144,20 @@ class SchedulerSide:
         self._tracked[request.request_id] = _Tracked(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        req_id = request.request_id
         view = self._view(self._tracked_for(request))
         tokens = self.adapter.lookup(view, num_computed_tokens)
         if tokens is None:
             return None, False
-        self._local_hit[req_id] = num_computed_tokens
+        self._local_hit[request.request_id] = num_computed_tokens
         return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
         local = self._local_hit.pop(req_id, None)
-        tracked = self._tracked_for(request)
-        view = self._view(tracked)
+        view = self._view(self._tracked_for(request))
         if local:  # chunks served by vLLM's GPU prefix cache are being reused: refresh them
-            self.adapter.touch(view, local // self._tpc)
-        if num_external_tokens <= 0:
+            self.adapter.touch(view, local // self.geometry.tokens_per_chunk)
+        if num_external_tokens <= 0:  # no load: build_meta hands the blocks to the adapter
             return
         if local is None:
             local = request.num_computed_tokens - num_external_tokens
@@ -179,11 +175,10 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, aborted: bool) -> None:
         req_id = request.request_id
-        tracked = self._tracked.pop(req_id, None)
+        tracked = self._tracked_for(request)
+        del self._tracked[req_id]
         self._local_hit.pop(req_id, None)
         self._sources.pop(req_id, None)
-        if tracked is None or tracked.request is not request:
-            tracked = _Tracked(request)
         view = self._view(tracked)
         # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache).
         # Not a reuse: loads and GPU hits were counted as reuses when they happened, and
@@ -208,8 +203,7 @@ class SchedulerSide:
                 new_block_ids[req_id] = blocks[0]
             if req_id in resumed:
                 replaced.add(req_id)
-        tracked = self._tracked
-        views = {req_id: self._view(tracked[req_id]) for req_id in so.num_scheduled_tokens}
+        views = {req_id: self._view(self._tracked[req_id]) for req_id in so.num_scheduled_tokens}
         step = StepInput(
             requests=views,
             num_scheduled_tokens=so.num_scheduled_tokens,
@@ -244,13 +238,9 @@ class SchedulerSide:
     def take_events(self) -> list[tuple[str, bytes | None]]:
         """``("stored" | "removed", last block hash)`` since the last call; the hash is None
         for chunks found on disk at start (their block hashes are not stored)."""
-        events: list[tuple[str, bytes | None]] = []
-        for kind, key in self.index.take_events():
-            if kind == "removed":
-                events.append((kind, self._event_hashes.pop(key, None)))
-            else:
-                events.append((kind, self._event_hashes.get(key)))
-        return events
+        hashes = self._event_hashes
+        return [(kind, hashes.pop(key, None) if kind == "removed" else hashes.get(key))
+                for kind, key in self.index.take_events()]
 
     # ------------------------------------------------------------------ stats
     def statistics(self) -> dict[str, int]:
