@@ -100,7 +100,6 @@ class MiniEngine:
         self.loaded_tokens = 0
         self.preemptions = 0
         self._arrivals = 0
-        self._finished_ids: list[str] = []
         self.key_prefix: dict[bytes, tuple[int, ...]] = {}  # chunk key -> its tokens
 
     # ------------------------------------------------------------------ requests
@@ -201,15 +200,11 @@ class MiniEngine:
         external = self.adapter.lookup(view, 0)
         if external is None:
             return  # "not yet": a chunk is being promoted from disk
-        if external > 0:
-            blocks = self._allocate(req, external)
-            if blocks is None:
-                external = 0
-            else:
-                self.adapter.update_state_after_alloc(view, list(req.block_ids), external, 0)
-                req.status = "loading"
-                req.external = external
-                return
+        if external > 0 and self._allocate(req, external) is not None:
+            self.adapter.update_state_after_alloc(view, list(req.block_ids), external, 0)
+            req.status = "loading"
+            req.external = external
+            return
         self.adapter.update_state_after_alloc(view, list(req.block_ids), 0, 0)
         req.status = "running"
 
@@ -277,8 +272,7 @@ class MiniEngine:
                     self._finish(req)
 
     def _finish(self, req: Req) -> None:
-        if req.placeholder is not None:  # async: the in-flight token is dropped
-            req.placeholder = None
+        req.placeholder = None  # async: the in-flight token is dropped
         req.num_computed = min(req.num_computed, len(req.tokens))
         self.adapter.request_finished(self.view(req, final=True), aborted=req.aborted)
         req.status = "done"
@@ -307,7 +301,6 @@ def run_worker_in_order(worker: WorkerAdapter, plan: StepPlan, forward: Callable
     worker.start(plan)
     forward()
     worker.after_forward()
-
 
 
 class LayoutKV:
