@@ -31,6 +31,7 @@ from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
+from tierkv.integrations.vllm_disk import open_claimed, release_claimed, write_chunks
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
@@ -106,8 +107,6 @@ class WorkerSide:
                 f"the scheduler sizes them as {geometry.page_bytes} page bytes x "
                 f"{geometry.num_layers} layers x {geometry.blocks_per_chunk} blocks = "
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
-        from tierkv.integrations.vllm_disk import open_claimed, release_claimed
-
         open_disk = None
         if self.config.disk.path is not None:
             def open_disk() -> DiskTier:
@@ -156,8 +155,6 @@ class WorkerSide:
         return flushed
 
     def _flush_unspilled(self) -> int:
-        from tierkv.integrations.vllm_disk import write_chunks
-
         assert self.disk is not None and self.slab is not None
         chunks = self.unspilled_chunks()
         if not chunks:
