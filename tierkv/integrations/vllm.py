@@ -8,10 +8,8 @@
 :class:`TierKVConnector` is one class for both of vLLM's roles. The scheduler role
 (EngineCore process) maps vLLM's ``Request`` / ``SchedulerOutput`` onto tierkv's
 :class:`~tierkv.engine.adapter.EngineAdapter` (:mod:`.vllm_scheduler`); the worker role
-(one per GPU rank) runs the plans on the rank's KV tensors (:mod:`.vllm_worker`). Plans go
-down in :class:`TierKVMetadata`; job completions come back in
-:class:`TierKVWorkerMetadata`, requests whose load finished in ``finished_recving``, and the
-blocks of chunks that failed to load in ``get_block_ids_with_load_errors``.
+(one per GPU rank) runs the plans on the rank's KV tensors (:mod:`.vllm_worker`). What
+goes between the roles, and in which of vLLM's fields, is :mod:`.vllm_messages`.
 
 Importing this module is light (vLLM imports it while it builds ``VllmConfig``): no LMDB,
 no CUDA, no threads; the worker role imports its transfer and disk code when it is built.

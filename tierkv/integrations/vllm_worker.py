@@ -1,18 +1,14 @@
 """The worker role of tierkv's vLLM connector: one per GPU rank, it moves bytes and decides
 nothing. Imported only when vLLM builds a worker-role connector (it loads torch's transfer
-code and LMDB).
+code and LMDB). What each worker-role call does is the table in ``docs/vllm.md``.
 
 - :meth:`WorkerSide.register_kv_caches` takes vLLM 0.33's per-layer views: logical
   ``[B, H, N, C]`` over one shared buffer, in any of the layouts LBNHC, LBHNC (layer
   outermost) and BLNHC, BLHNC (block outermost: the views have a block stride of every
   layer's page). Views split into kernel blocks (``[B * r, H, N / r, C]``) are regrouped
   per vLLM block (NHD pages only: their bytes are the same either way). Layers are taken
-  in the KV cache group's order. It builds the :class:`CpuSlab`, the transfer engine, the
-  rank's :class:`DiskTier` with its :class:`DiskIO`, the :class:`JobExecutor` and the
-  :class:`WorkerAdapter`, and checks ``chunk_bytes`` against the scheduler's arithmetic.
-- Per step the connector hands the plan to the rank's :meth:`WorkerSide.adapter` in vLLM's
-  order: ``handle_preemptions(plan)`` before the forward; ``start(plan)`` from
-  ``start_load_kv``; ``after_forward()`` from ``wait_for_save``; ``poll()`` from ``get_finished``.
+  in the KV cache group's order; ``chunk_bytes`` must equal the scheduler's, or it raises.
+- Each step's plan runs on the rank's :class:`WorkerAdapter` (:meth:`WorkerSide.adapter`).
 - Shutdown flush: :meth:`shutdown` drains every job, then writes every slot that holds
   valid bytes not known to be on disk (:meth:`WorkerAdapter.unspilled_chunks`; the index
   that knows this lives in the scheduler's process) to the disk tier, so a restart is warm
