@@ -130,8 +130,6 @@ class MiniEngine:
     # ------------------------------------------------------------------ scheduling
     def _allocate(self, req: Req, num_tokens: int) -> list[int] | None:
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return []
         if need > len(self.free_blocks):
             return None
         blocks = [self.free_blocks.pop() for _ in range(need)]
@@ -143,13 +141,11 @@ class MiniEngine:
         req.block_ids = []
 
     def _preempt_one(self, keep: Req, preempted: list[str], scheduled: dict[str, int]) -> bool:
-        victims = [
-            r for r in self.requests.values()
-            if r.status == "running" and r is not keep and r.req_id not in scheduled
-        ]
-        if not victims:
+        victim = max((r for r in self.requests.values()
+                      if r.status == "running" and r is not keep and r.req_id not in scheduled),
+                     key=lambda r: r.arrival, default=None)
+        if victim is None:
             return False
-        victim = max(victims, key=lambda r: r.arrival)
         self._free(victim)
         victim.status = "waiting"
         victim.num_computed = 0
