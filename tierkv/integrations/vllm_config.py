@@ -12,9 +12,8 @@ them and must get the same answer):
   ``chunk_bytes`` from the tensors it registers and refuses to run if they differ.
 - :func:`check_hash_stability` refuses a disk tier when vLLM's block hashes change from
   one process to the next (xxhash without ``PYTHONHASHSEED``).
-- :func:`build_namespace`     what makes stored chunks incompatible: model, cache dtype,
-  page geometry and order (NHD/HND), block size, tokens per chunk, layers, TP layout,
-  hash algorithm and seed fingerprint, vLLM minor version, tierkv format version.
+- :func:`build_namespace`     what makes stored chunks incompatible (the list and the
+  reasons are ``docs/vllm.md``, "Namespace").
 
 ``cpu_bytes`` and ``disk_bytes`` are the engine's totals over all TP ranks, as vLLM's
 own ``cpu_bytes_to_use``: each rank holds ``1 / world_size`` of every chunk.
@@ -227,13 +226,12 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         raise _bad("tokens_per_chunk", tokens_per_chunk,
                    f"must be a multiple of vLLM's block size {block_size}")
     world_size = world_size_of(vllm_config)
-    page_bytes = int(spec.real_page_size_bytes)
     geometry = Geometry(
         layer_names=tuple(group.layer_names),
         block_size=block_size,
         hash_block_size=hash_block_size,
         blocks_per_chunk=tokens_per_chunk // block_size,
-        page_bytes=page_bytes,
+        page_bytes=int(spec.real_page_size_bytes),
         num_heads=int(getattr(spec, "num_heads", spec.num_kv_heads)),
         content_bytes=int(getattr(spec, "state_content_size_bytes", 0)),
         dtype=str(spec.dtype).removeprefix("torch."),
@@ -261,9 +259,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
 def hash_seed_fingerprint(environ: Mapping[str, str] | None = None) -> str:
     """``unset``, or 12 hex digits of sha256 over ``PYTHONHASHSEED`` (the value stays private)."""
     seed = (os.environ if environ is None else environ).get("PYTHONHASHSEED")
-    if seed is None:
-        return "unset"
-    return hashlib.sha256(seed.encode()).hexdigest()[:12]
+    return "unset" if seed is None else hashlib.sha256(seed.encode()).hexdigest()[:12]
 
 
 def check_hash_stability(algorithm: str, settings: ConnectorSettings,
@@ -290,10 +286,8 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
     LBHNC and BLHNC), so those layouts share a namespace."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    model_id = str(model.model)
     revision = getattr(model, "revision", None)
-    if revision:
-        model_id += f"@{revision}"
+    model_id = f"{model.model}@{revision}" if revision else str(model.model)
     quantization = getattr(model, "quantization", None)
     lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
     hash_scheme = (f"vllm-{cache.prefix_caching_hash_algo}"
