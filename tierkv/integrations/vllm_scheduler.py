@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,14 @@ _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_to
                      "hit_tokens_disk")
 
 
+@dataclass(eq=False, slots=True)
 class _Tracked:
     """A live request: vLLM's object, its chunk keys so far (they grow with it) and the
     block hash each key was derived from."""
 
-    __slots__ = ("request", "keys", "sources")
-
-    def __init__(self, request: Any) -> None:
-        self.request = request
-        self.keys: list[bytes] = []
-        self.sources: list[bytes] = []
+    request: Any
+    keys: list[bytes] = field(default_factory=list)
+    sources: list[bytes] = field(default_factory=list)
 
 
 class SchedulerSide:
