@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 
@@ -103,10 +104,8 @@ class WorkerSide:
                 f"the scheduler sizes them as {geometry.page_bytes} page bytes x "
                 f"{geometry.num_layers} layers x {geometry.blocks_per_chunk} blocks = "
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
-        open_disk = None
-        if self.config.disk.path is not None:
-            def open_disk() -> DiskTier:
-                return open_claimed(self.namespace, self.config, chunk_bytes)
+        open_disk = (partial(open_claimed, self.namespace, self.config, chunk_bytes)
+                     if self.config.disk.path is not None else None)
         self._stack = build_worker(self.config, layout, geometry.num_slots, open_disk=open_disk,
                                    release_disk=release_claimed)
         self.slab, self.disk = self._stack.slab, self._stack.disk
@@ -136,7 +135,6 @@ class WorkerSide:
         closed, self._closed = self._closed, True
         if closed or self.worker is None:
             return 0
-        flushed = 0
         try:
             self.worker.drain()
         except Exception as exc:  # shutting down: never raise from here
@@ -144,11 +142,10 @@ class WorkerSide:
         assert self._stack is not None
         try:
             self.worker.shutdown()  # pending stores submitted, jobs finished, threads stopped
-            if self.disk is not None and self.settings.flush_on_shutdown:
-                flushed = self._flush_unspilled()
+            flush = self.disk is not None and self.settings.flush_on_shutdown
+            return self._flush_unspilled() if flush else 0
         finally:
             self._stack.close()  # releases the disk tier
-        return flushed
 
     def _flush_unspilled(self) -> int:
         assert self.disk is not None and self.slab is not None
