@@ -121,18 +121,15 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
     seqs: dict[bytes, int] = {}
     try:
         for rank in ranks:
+            tier = None
             try:
                 tier = acquire_tier(root, namespace, rank, config, payload_bytes)
-            except DamagedError as exc:
-                log.warning("tierkv: %s; its chunks are not used", exc)
-                continue
-            tiers.append(tier)
-            try:
+                tiers.append(tier)
                 records = list(tier.scan())
             except DamagedError as exc:
                 log.warning("tierkv: %s; its chunks are not used", exc)
-                tiers.pop()
-                release_tier(tier)
+                if tier is not None:  # opened, but its scan met the damage
+                    release_tier(tiers.pop())
                 continue
             holders.update(record.key for record in records)
             for record in records:
