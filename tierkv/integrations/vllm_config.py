@@ -177,8 +177,7 @@ class Geometry:
         return len(self.layer_names)
 
     @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one chunk on one rank: page bytes x layers x blocks per chunk."""
+    def chunk_bytes(self) -> int:  # on one rank
         return self.page_bytes * self.num_layers * self.blocks_per_chunk
 
     @property
@@ -265,10 +264,9 @@ def hash_seed_fingerprint(environ: Mapping[str, str] | None = None) -> str:
 def check_hash_stability(algorithm: str, settings: ConnectorSettings,
                          environ: Mapping[str, str] | None = None) -> None:
     """Refuse a disk tier when vLLM's block hashes would differ after a restart."""
-    if settings.disk_path is None or algorithm in STABLE_HASHES:
-        return
-    seed_set = (os.environ if environ is None else environ).get("PYTHONHASHSEED") is not None
-    if algorithm in KNOWN_HASHES and seed_set:
+    seeded = (os.environ if environ is None else environ).get("PYTHONHASHSEED") is not None
+    if settings.disk_path is None or algorithm in STABLE_HASHES or (
+            seeded and algorithm in KNOWN_HASHES):
         return
     raise ConfigError(
         f"tierkv vLLM connector: prefix_caching_hash_algo={algorithm!r} without PYTHONHASHSEED "
