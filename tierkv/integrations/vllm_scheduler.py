@@ -92,12 +92,11 @@ class SchedulerSide:
 
         assert self.settings.disk_path is not None
         started = time.perf_counter()
-        keys, deleted = rebuild_keys(
+        keys, self.deleted_on_disk = rebuild_keys(
             Path(self.settings.disk_path), self.namespace, ranks, self.config.disk,
             self.geometry.chunk_bytes, self.geometry.disk_capacity,
         )
         self.found_on_disk = self.index.add_on_disk(keys)
-        self.deleted_on_disk = deleted
         log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s",
                  self.found_on_disk, self.fingerprint[:8], self.settings.disk_path,
                  time.perf_counter() - started)
