@@ -100,7 +100,6 @@ class MiniEngine:
         self.loaded_tokens = 0
         self.preemptions = 0
         self._arrivals = 0
-        self._finished_ids: list[str] = []
         self.key_prefix: dict[bytes, tuple[int, ...]] = {}  # chunk key -> its tokens
 
     # ------------------------------------------------------------------ requests
@@ -131,8 +130,6 @@ class MiniEngine:
     # ------------------------------------------------------------------ scheduling
     def _allocate(self, req: Req, num_tokens: int) -> list[int] | None:
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return []
         if need > len(self.free_blocks):
             return None
         blocks = [self.free_blocks.pop() for _ in range(need)]
@@ -144,13 +141,11 @@ class MiniEngine:
         req.block_ids = []
 
     def _preempt_one(self, keep: Req, preempted: list[str], scheduled: dict[str, int]) -> bool:
-        victims = [
-            r for r in self.requests.values()
-            if r.status == "running" and r is not keep and r.req_id not in scheduled
-        ]
-        if not victims:
+        victim = max((r for r in self.requests.values()
+                      if r.status == "running" and r is not keep and r.req_id not in scheduled),
+                     key=lambda r: r.arrival, default=None)
+        if victim is None:
             return False
-        victim = max(victims, key=lambda r: r.arrival)
         self._free(victim)
         victim.status = "waiting"
         victim.num_computed = 0
@@ -201,15 +196,11 @@ class MiniEngine:
         external = self.adapter.lookup(view, 0)
         if external is None:
             return  # "not yet": a chunk is being promoted from disk
-        if external > 0:
-            blocks = self._allocate(req, external)
-            if blocks is None:
-                external = 0
-            else:
-                self.adapter.update_state_after_alloc(view, list(req.block_ids), external, 0)
-                req.status = "loading"
-                req.external = external
-                return
+        if external > 0 and self._allocate(req, external) is not None:
+            self.adapter.update_state_after_alloc(view, list(req.block_ids), external, 0)
+            req.status = "loading"
+            req.external = external
+            return
         self.adapter.update_state_after_alloc(view, list(req.block_ids), 0, 0)
         req.status = "running"
 
@@ -277,8 +268,7 @@ class MiniEngine:
                     self._finish(req)
 
     def _finish(self, req: Req) -> None:
-        if req.placeholder is not None:  # async: the in-flight token is dropped
-            req.placeholder = None
+        req.placeholder = None  # async: the in-flight token is dropped
         req.num_computed = min(req.num_computed, len(req.tokens))
         self.adapter.request_finished(self.view(req, final=True), aborted=req.aborted)
         req.status = "done"
@@ -307,7 +297,6 @@ def run_worker_in_order(worker: WorkerAdapter, plan: StepPlan, forward: Callable
     worker.start(plan)
     forward()
     worker.after_forward()
-
 
 
 class LayoutKV:

@@ -8,10 +8,8 @@
 :class:`TierKVConnector` is one class for both of vLLM's roles. The scheduler role
 (EngineCore process) maps vLLM's ``Request`` / ``SchedulerOutput`` onto tierkv's
 :class:`~tierkv.engine.adapter.EngineAdapter` (:mod:`.vllm_scheduler`); the worker role
-(one per GPU rank) runs the plans on the rank's KV tensors (:mod:`.vllm_worker`). Plans go
-down in :class:`TierKVMetadata`; job completions come back in
-:class:`TierKVWorkerMetadata`, requests whose load finished in ``finished_recving``, and the
-blocks of chunks that failed to load in ``get_block_ids_with_load_errors``.
+(one per GPU rank) runs the plans on the rank's KV tensors (:mod:`.vllm_worker`). What
+goes between the roles, and in which of vLLM's fields, is :mod:`.vllm_messages`.
 
 Importing this module is light (vLLM imports it while it builds ``VllmConfig``): no LMDB,
 no CUDA, no threads; the worker role imports its transfer and disk code when it is built.
@@ -158,14 +156,13 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker_side().register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self._worker_side().handle_preemptions(self._plan_of(kv_connector_metadata))
+        self._worker_side().adapter().handle_preemptions(self._plan_of(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM calls this before the forward only for synchronous loads (tierkv has none),
-        # else after it. Either way: loads target blocks of requests that wait in
-        # WAITING_FOR_REMOTE_KVS (no forward touches them), the plan's stores are only
-        # queued here and submitted by wait_for_save, after the forward.
-        self._worker_side().start(self._plan_of(self._get_connector_metadata()))
+        # else after it. Either way is safe (docs/vllm.md, "When loads start"): loads fill
+        # blocks no forward touches yet, stores are submitted by wait_for_save.
+        self._worker_side().adapter().start(self._plan_of(self._get_connector_metadata()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -174,10 +171,10 @@ class TierKVConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        self._worker_side().after_forward()
+        self._worker_side().adapter().after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        report = self._worker_side().poll()
+        report = self._worker_side().adapter().poll()
         self._completions.extend(report.completions)
         self._failed_blocks.update(report.failed_block_ids)
         return None, (set(report.finished_loads) or None)
@@ -258,7 +255,5 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> TierKVConnectorStats | None:
         if self._scheduler is not None:
             return self._scheduler.stats_since_last()
-        if self._worker is not None:
-            data = self._worker.stats_since_last()
-            return TierKVConnectorStats(data=data) if data else None
-        return None
+        data = self._worker_side().stats_since_last()
+        return TierKVConnectorStats(data=data) if data else None

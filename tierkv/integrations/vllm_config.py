@@ -12,9 +12,8 @@ them and must get the same answer):
   ``chunk_bytes`` from the tensors it registers and refuses to run if they differ.
 - :func:`check_hash_stability` refuses a disk tier when vLLM's block hashes change from
   one process to the next (xxhash without ``PYTHONHASHSEED``).
-- :func:`build_namespace`     what makes stored chunks incompatible: model, cache dtype,
-  page geometry and order (NHD/HND), block size, tokens per chunk, layers, TP layout,
-  hash algorithm and seed fingerprint, vLLM minor version, tierkv format version.
+- :func:`build_namespace`     what makes stored chunks incompatible (the list and the
+  reasons are ``docs/vllm.md``, "Namespace").
 
 ``cpu_bytes`` and ``disk_bytes`` are the engine's totals over all TP ranks, as vLLM's
 own ``cpu_bytes_to_use``: each rank holds ``1 / world_size`` of every chunk.
@@ -25,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +48,14 @@ class UnsupportedVersionError(TierKVError, RuntimeError):
     """The installed vLLM is not a version this connector was built and tested for."""
 
 
+def vllm_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
 def check_vllm_version(version: str) -> None:
     """Accept 0.33.x only: vLLM's connector API changes between minor versions."""
-    parts = version.split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        major_minor = None
-    if major_minor != SUPPORTED_VLLM:
-        want = ".".join(map(str, SUPPORTED_VLLM))
+    want = ".".join(map(str, SUPPORTED_VLLM))
+    if vllm_minor(version) != want:
         raise UnsupportedVersionError(
             f"tierkv vLLM connector: vLLM {version} is not supported; tierkv.integrations.vllm "
             f"targets vLLM {want}.x (pip install 'vllm=={want}.*', or use the tierkv release "
@@ -117,6 +115,11 @@ def _flag(key: str, value: Any) -> bool:
     return value
 
 
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "disk_sync_mode": ("periodic", "always", "close"), "device": ("auto", "cuda", "cpu"),
+    "pin_memory": ("auto", "always", "never"), "eviction_policy": EVICTION_POLICIES}
+
+
 def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     """Validate ``kv_connector_extra_config``; unknown keys and bad values raise."""
     raw = dict(raw or {})
@@ -140,14 +143,8 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
             out[key] = _number(key, value, 0.0, 1.0)
         elif key == "promotion_wait_seconds":
             out[key] = _number(key, value, 0.0)
-        elif key == "disk_sync_mode":
-            out[key] = _choice(key, value, ("periodic", "always", "close"))
-        elif key == "device":
-            out[key] = _choice(key, value, ("auto", "cuda", "cpu"))
-        elif key == "pin_memory":
-            out[key] = _choice(key, value, ("auto", "always", "never"))
-        elif key == "eviction_policy":
-            out[key] = _choice(key, value, EVICTION_POLICIES)
+        elif key in _CHOICES:
+            out[key] = _choice(key, value, _CHOICES[key])
         else:
             out[key] = _flag(key, value)
     return ConnectorSettings(**out)
@@ -180,8 +177,7 @@ class Geometry:
         return len(self.layer_names)
 
     @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one chunk on one rank: page bytes x layers x blocks per chunk."""
+    def chunk_bytes(self) -> int:  # on one rank
         return self.page_bytes * self.num_layers * self.blocks_per_chunk
 
     @property
@@ -229,13 +225,12 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         raise _bad("tokens_per_chunk", tokens_per_chunk,
                    f"must be a multiple of vLLM's block size {block_size}")
     world_size = world_size_of(vllm_config)
-    page_bytes = int(spec.real_page_size_bytes)
     geometry = Geometry(
         layer_names=tuple(group.layer_names),
         block_size=block_size,
         hash_block_size=hash_block_size,
         blocks_per_chunk=tokens_per_chunk // block_size,
-        page_bytes=page_bytes,
+        page_bytes=int(spec.real_page_size_bytes),
         num_heads=int(getattr(spec, "num_heads", spec.num_kv_heads)),
         content_bytes=int(getattr(spec, "state_content_size_bytes", 0)),
         dtype=str(spec.dtype).removeprefix("torch."),
@@ -257,30 +252,21 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         if disk_capacity < 1:
             raise _bad("disk_bytes", settings.disk_bytes,
                        f"holds no chunk of {chunk_bytes} bytes per rank x {world_size} rank(s)")
-    return _replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
-
-
-def _replace(geometry: Geometry, **changes: int) -> Geometry:
-    values = {f.name: getattr(geometry, f.name) for f in fields(Geometry)}
-    values.update(changes)
-    return Geometry(**values)
+    return replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
 
 
 def hash_seed_fingerprint(environ: Mapping[str, str] | None = None) -> str:
     """``unset``, or 12 hex digits of sha256 over ``PYTHONHASHSEED`` (the value stays private)."""
     seed = (os.environ if environ is None else environ).get("PYTHONHASHSEED")
-    if seed is None:
-        return "unset"
-    return hashlib.sha256(seed.encode()).hexdigest()[:12]
+    return "unset" if seed is None else hashlib.sha256(seed.encode()).hexdigest()[:12]
 
 
 def check_hash_stability(algorithm: str, settings: ConnectorSettings,
                          environ: Mapping[str, str] | None = None) -> None:
     """Refuse a disk tier when vLLM's block hashes would differ after a restart."""
-    if settings.disk_path is None or algorithm in STABLE_HASHES:
-        return
-    seed_set = (os.environ if environ is None else environ).get("PYTHONHASHSEED") is not None
-    if algorithm in KNOWN_HASHES and seed_set:
+    seeded = (os.environ if environ is None else environ).get("PYTHONHASHSEED") is not None
+    if settings.disk_path is None or algorithm in STABLE_HASHES or (
+            seeded and algorithm in KNOWN_HASHES):
         return
     raise ConfigError(
         f"tierkv vLLM connector: prefix_caching_hash_algo={algorithm!r} without PYTHONHASHSEED "
@@ -291,10 +277,6 @@ def check_hash_stability(algorithm: str, settings: ConnectorSettings,
     )
 
 
-def vllm_minor(version: str) -> str:
-    return ".".join(version.split(".")[:2])
-
-
 def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
                     environ: Mapping[str, str] | None = None) -> Namespace:
     """The namespace of this engine's chunks; equal on every role and restart that can
@@ -302,10 +284,8 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
     LBHNC and BLHNC), so those layouts share a namespace."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    model_id = str(model.model)
     revision = getattr(model, "revision", None)
-    if revision:
-        model_id += f"@{revision}"
+    model_id = f"{model.model}@{revision}" if revision else str(model.model)
     quantization = getattr(model, "quantization", None)
     lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
     hash_scheme = (f"vllm-{cache.prefix_caching_hash_algo}"

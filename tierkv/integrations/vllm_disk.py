@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.config import DiskTierConfig, StoreConfig
@@ -50,28 +51,22 @@ def acquire_tier(root: Path, namespace: Namespace, rank: int, config: DiskTierCo
                  payload_bytes: int) -> DiskTier:
     path = env_path(root, namespace, rank).resolve()
     with _LOCK:
-        entry = _OPEN.get(path)
-        if entry is not None:
-            tier, count = entry
-            _OPEN[path] = (tier, count + 1)
-            return tier
-        tier = DiskTier(Path(root), namespace, rank, config, payload_bytes)
-        _OPEN[tier.path.resolve()] = (tier, 1)
+        tier, count = _OPEN.get(path, (None, 0))
+        if tier is None:
+            tier = DiskTier(Path(root), namespace, rank, config, payload_bytes)
+        _OPEN[tier.path.resolve()] = (tier, count + 1)
         return tier
 
 
 def release_tier(tier: DiskTier) -> None:
     path = tier.path.resolve()
     with _LOCK:
-        entry = _OPEN.get(path)
-        if entry is None or entry[0] is not tier:
-            tier.close()
+        shared, count = _OPEN.get(path, (None, 0))
+        if shared is tier and count > 1:
+            _OPEN[path] = (tier, count - 1)
             return
-        count = entry[1] - 1
-        if count:
-            _OPEN[path] = (tier, count)
-            return
-        del _OPEN[path]
+        if shared is tier:
+            del _OPEN[path]
     tier.close()
 
 
@@ -122,32 +117,23 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
     environment is damaged and owned by its worker (which rebuilds it when it meets the
     damage) counts as holding nothing."""
     tiers: list[DiskTier] = []
-    held: list[list[bytes] | None] = []  # None: damaged
+    holders: Counter[bytes] = Counter()  # how many undamaged ranks hold each key
     seqs: dict[bytes, int] = {}
     try:
         for rank in ranks:
+            tier = None
             try:
                 tier = acquire_tier(root, namespace, rank, config, payload_bytes)
-            except DamagedError as exc:
-                log.warning("tierkv: %s; its chunks are not used", exc)
-                held.append(None)
-                continue
-            tiers.append(tier)
-            try:
+                tiers.append(tier)
                 records = list(tier.scan())
             except DamagedError as exc:
                 log.warning("tierkv: %s; its chunks are not used", exc)
-                held.append(None)
-                tiers.pop()
-                release_tier(tier)
+                if tier is not None:  # opened, but its scan met the damage
+                    release_tier(tiers.pop())
                 continue
-            held.append([record.key for record in records])
+            holders.update(record.key for record in records)
             for record in records:
                 seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
-        holders: dict[bytes, int] = {}
-        for keys in held:
-            for key in keys or ():
-                holders[key] = holders.get(key, 0) + 1
         whole = [key for key, count in holders.items() if count == len(ranks)]
         partial = [key for key, count in holders.items() if count != len(ranks)]
         whole.sort(key=seqs.__getitem__)
@@ -168,9 +154,10 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
             release_tier(tier)
 
 
-def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, int]], payload_bytes: int,
-                 write_batch_bytes: int, on_error: Callable[[Exception], None] | None = None) -> int:
-    """Write ``(key, slot)`` chunks from the slab; returns how many landed."""
+def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, int]],
+                 payload_bytes: int, write_batch_bytes: int) -> int:
+    """Write ``(key, slot)`` chunks from the slab; returns how many landed. A failed write
+    is logged and ends the flush: the engine is shutting down, nothing is raised."""
     per_txn = max(1, write_batch_bytes // payload_bytes)
     written = 0
     for start in range(0, len(chunks), per_txn):
@@ -178,9 +165,8 @@ def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, in
         items = [(key, slab.memoryview(slot)[:payload_bytes]) for key, slot in batch]
         try:
             result = tier.put_many(items)
-        except Exception as exc:  # the engine is shutting down: report, do not raise
-            if on_error is not None:
-                on_error(exc)
+        except Exception as exc:
+            log.warning("tierkv: flush at shutdown failed: %s", exc)
             break
         written += len(result.written)
         if result.full:

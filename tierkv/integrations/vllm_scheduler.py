@@ -4,28 +4,11 @@ It runs in vLLM's EngineCore process, never blocks and never touches KV bytes. v
 ``SchedulerOutput`` carries block ids but no tokens, so requests are taken from the
 ``Request`` objects vLLM hands to ``on_new_request`` and kept until ``request_finished``.
 
-Mapping (one :class:`SchedulerSide` per engine):
-
-- ``get_num_new_matched_tokens(request, local)`` -> ``adapter.lookup``: tokens of whole
-  ready chunks beyond vLLM's block-aligned local hit, ``None`` while a chunk is being
-  promoted from disk or stored (``wait_for_stores``); loads are always asynchronous
-  (``load_async = n > 0``).
-- ``update_state_after_alloc(request, blocks, n)`` -> ``adapter.update_state_after_alloc``
-  when ``n > 0`` (the load is planned now and sent with this step's metadata). vLLM also
-  calls it with ``n == 0``: for every admitted request, and again when a request whose
-  load finished is admitted; such a request is scheduled in the same step, so its block
-  table reaches the adapter through ``build_connector_meta`` and nothing is done here.
-- ``build_connector_meta(so)`` -> ``adapter.build_plan(StepInput)``: ``scheduled_new_reqs``
-  (full block tables, which is also how vLLM's v2 model runner sends resumed requests),
-  ``scheduled_cached_reqs`` (new block ids, or the whole table for ``resumed_req_ids``),
-  ``num_scheduled_tokens``, ``preempted_req_ids``.
-- ``request_finished(request)`` -> ``adapter.request_finished(view, aborted)``; returns
-  ``(False, None)``: the blocks go back to vLLM at once and the adapter fences (see
-  ``docs/vllm.md``, "Why blocks are freed at once").
-- ``update_connector_output(out)`` -> ``adapter.complete`` with the completions every
-  rank sent in :class:`TierKVWorkerMetadata`.
-- At start, with a disk tier, the index is rebuilt from every rank's environment
-  (:func:`tierkv.integrations.vllm_disk.rebuild_keys`).
+One :class:`SchedulerSide` per engine maps each scheduler-role call onto the adapter as the
+table in ``docs/vllm.md`` ("How it works") says: loads are always asynchronous, a lookup
+answers ``None`` while a chunk is promoted from disk or stored, and a finished request's
+blocks go back to vLLM at once (the adapter fences). At start, with a disk tier, the index
+is rebuilt from every rank's environment (:func:`tierkv.integrations.vllm_disk.rebuild_keys`).
 """
 
 from __future__ import annotations
@@ -33,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,16 +39,14 @@ _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_to
                      "hit_tokens_disk")
 
 
+@dataclass(eq=False, slots=True)
 class _Tracked:
     """A live request: vLLM's object, its chunk keys so far (they grow with it) and the
     block hash each key was derived from."""
 
-    __slots__ = ("request", "keys", "sources")
-
-    def __init__(self, request: Any) -> None:
-        self.request = request
-        self.keys: list[bytes] = []
-        self.sources: list[bytes] = []
+    request: Any
+    keys: list[bytes] = field(default_factory=list)
+    sources: list[bytes] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -87,7 +69,6 @@ class SchedulerSide:
                                  clock=clock, record_events=record_events)
         self.adapter = build_adapter(self.index, adapter_config(settings, geometry), clock)
         self._clock = clock
-        self._tpc = geometry.tokens_per_chunk
         self._hpc = geometry.hashes_per_chunk
         self._tracked: dict[str, _Tracked] = {}
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
@@ -111,12 +92,11 @@ class SchedulerSide:
 
         assert self.settings.disk_path is not None
         started = time.perf_counter()
-        keys, deleted = rebuild_keys(
+        keys, self.deleted_on_disk = rebuild_keys(
             Path(self.settings.disk_path), self.namespace, ranks, self.config.disk,
             self.geometry.chunk_bytes, self.geometry.disk_capacity,
         )
         self.found_on_disk = self.index.add_on_disk(keys)
-        self.deleted_on_disk = deleted
         log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s",
                  self.found_on_disk, self.fingerprint[:8], self.settings.disk_path,
                  time.perf_counter() - started)
@@ -127,15 +107,14 @@ class SchedulerSide:
         keys, sources, hashes, hpc = tracked.keys, tracked.sources, request.block_hashes, self._hpc
         if sources:
             last = len(sources) * hpc - 1
-            if len(hashes) <= last or (hashes[last] is not sources[-1] and hashes[last] != sources[-1]):
+            if len(hashes) <= last or hashes[last] != sources[-1]:
                 self._rewind(tracked)
-        if len(hashes) >= (len(keys) + 1) * hpc:
-            for index in range(len(keys), len(hashes) // hpc):
-                source = hashes[(index + 1) * hpc - 1]
-                sources.append(source)
-                keys.append(chunk_key(source))
-                if self._record_events:
-                    self._event_hashes.setdefault(keys[-1], bytes(source))
+        for index in range(len(keys), len(hashes) // hpc):
+            source = hashes[(index + 1) * hpc - 1]
+            sources.append(source)
+            keys.append(chunk_key(source))
+            if self._record_events:
+                self._event_hashes.setdefault(keys[-1], bytes(source))
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
                            request.num_computed_tokens)
 
@@ -163,22 +142,20 @@ class SchedulerSide:
         self._tracked[request.request_id] = _Tracked(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        req_id = request.request_id
         view = self._view(self._tracked_for(request))
         tokens = self.adapter.lookup(view, num_computed_tokens)
         if tokens is None:
             return None, False
-        self._local_hit[req_id] = num_computed_tokens
+        self._local_hit[request.request_id] = num_computed_tokens
         return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
         local = self._local_hit.pop(req_id, None)
-        tracked = self._tracked_for(request)
-        view = self._view(tracked)
+        view = self._view(self._tracked_for(request))
         if local:  # chunks served by vLLM's GPU prefix cache are being reused: refresh them
-            self.adapter.touch(view, local // self._tpc)
-        if num_external_tokens <= 0:
+            self.adapter.touch(view, local // self.geometry.tokens_per_chunk)
+        if num_external_tokens <= 0:  # no load: build_meta hands the blocks to the adapter
             return
         if local is None:
             local = request.num_computed_tokens - num_external_tokens
@@ -196,11 +173,10 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, aborted: bool) -> None:
         req_id = request.request_id
-        tracked = self._tracked.pop(req_id, None)
+        tracked = self._tracked_for(request)
+        del self._tracked[req_id]
         self._local_hit.pop(req_id, None)
         self._sources.pop(req_id, None)
-        if tracked is None or tracked.request is not request:
-            tracked = _Tracked(request)
         view = self._view(tracked)
         # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache).
         # Not a reuse: loads and GPU hits were counted as reuses when they happened, and
@@ -225,8 +201,7 @@ class SchedulerSide:
                 new_block_ids[req_id] = blocks[0]
             if req_id in resumed:
                 replaced.add(req_id)
-        tracked = self._tracked
-        views = {req_id: self._view(tracked[req_id]) for req_id in so.num_scheduled_tokens}
+        views = {req_id: self._view(self._tracked[req_id]) for req_id in so.num_scheduled_tokens}
         step = StepInput(
             requests=views,
             num_scheduled_tokens=so.num_scheduled_tokens,
@@ -261,13 +236,9 @@ class SchedulerSide:
     def take_events(self) -> list[tuple[str, bytes | None]]:
         """``("stored" | "removed", last block hash)`` since the last call; the hash is None
         for chunks found on disk at start (their block hashes are not stored)."""
-        events: list[tuple[str, bytes | None]] = []
-        for kind, key in self.index.take_events():
-            if kind == "removed":
-                events.append((kind, self._event_hashes.pop(key, None)))
-            else:
-                events.append((kind, self._event_hashes.get(key)))
-        return events
+        hashes = self._event_hashes
+        return [(kind, hashes.pop(key, None) if kind == "removed" else hashes.get(key))
+                for kind, key in self.index.take_events()]
 
     # ------------------------------------------------------------------ stats
     def statistics(self) -> dict[str, int]:

@@ -1,18 +1,14 @@
 """The worker role of tierkv's vLLM connector: one per GPU rank, it moves bytes and decides
 nothing. Imported only when vLLM builds a worker-role connector (it loads torch's transfer
-code and LMDB).
+code and LMDB). What each worker-role call does is the table in ``docs/vllm.md``.
 
 - :meth:`WorkerSide.register_kv_caches` takes vLLM 0.33's per-layer views: logical
   ``[B, H, N, C]`` over one shared buffer, in any of the layouts LBNHC, LBHNC (layer
   outermost) and BLNHC, BLHNC (block outermost: the views have a block stride of every
   layer's page). Views split into kernel blocks (``[B * r, H, N / r, C]``) are regrouped
   per vLLM block (NHD pages only: their bytes are the same either way). Layers are taken
-  in the KV cache group's order. It builds the :class:`CpuSlab`, the transfer engine, the
-  rank's :class:`DiskTier` with its :class:`DiskIO`, the :class:`JobExecutor` and the
-  :class:`WorkerAdapter`, and checks ``chunk_bytes`` against the scheduler's arithmetic.
-- Per step (vLLM's order): ``handle_preemptions(plan)`` before the forward;
-  ``start(plan)`` from ``start_load_kv``; ``after_forward()`` from ``wait_for_save``;
-  ``poll()`` from ``get_finished``.
+  in the KV cache group's order; ``chunk_bytes`` must equal the scheduler's, or it raises.
+- Each step's plan runs on the rank's :class:`WorkerAdapter` (:meth:`WorkerSide.adapter`).
 - Shutdown flush: :meth:`shutdown` drains every job, then writes every slot that holds
   valid bytes not known to be on disk (:meth:`WorkerAdapter.unspilled_chunks`; the index
   that knows this lives in the scheduler's process) to the disk tier, so a restart is warm
@@ -24,18 +20,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 
-from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
+from tierkv.integrations.vllm_disk import open_claimed, release_claimed, write_chunks
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
-from tierkv.transfer.executor import JobExecutor
 from tierkv.transfer.layout import KVLayout
 
 log = logging.getLogger("tierkv.vllm")
@@ -75,16 +71,12 @@ class WorkerSide:
         self.settings = settings
         self.geometry = geometry
         self.namespace = namespace
-        self.fingerprint = namespace.fingerprint()
         self.num_blocks = num_blocks
         self.rank = rank
-        self.disk_rank = disk_rank
         self.config = store_config(settings, geometry, disk_rank)
-        self.layout: KVLayout | None = None
         self._stack: WorkerStack | None = None
         self.slab: CpuSlab | None = None
         self.disk: DiskTier | None = None
-        self.executor: JobExecutor | None = None
         self.worker: WorkerAdapter | None = None
         self._reported: dict[str, float] = {}
         self._closed = False
@@ -112,55 +104,37 @@ class WorkerSide:
                 f"the scheduler sizes them as {geometry.page_bytes} page bytes x "
                 f"{geometry.num_layers} layers x {geometry.blocks_per_chunk} blocks = "
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
-        self.layout = layout
-        from tierkv.integrations.vllm_disk import open_claimed, release_claimed
-
-        open_disk = None
-        if self.config.disk.path is not None:
-            def open_disk() -> DiskTier:
-                return open_claimed(self.namespace, self.config, chunk_bytes)
+        open_disk = (partial(open_claimed, self.namespace, self.config, chunk_bytes)
+                     if self.config.disk.path is not None else None)
         self._stack = build_worker(self.config, layout, geometry.num_slots, open_disk=open_disk,
                                    release_disk=release_claimed)
-        self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
-        self.worker = WorkerAdapter(self.executor, self.rank, track_slots=self.disk is not None)
+        self.slab, self.disk = self._stack.slab, self._stack.disk
+        self.worker = WorkerAdapter(self._stack.executor, self.rank,
+                                    track_slots=self.disk is not None)
         log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
                  geometry.num_slots, chunk_bytes,
                  f", disk tier at {self.disk.path}" if self.disk is not None else "")
 
-    def _live(self) -> WorkerAdapter:
+    def adapter(self) -> WorkerAdapter:
+        """The rank's :class:`WorkerAdapter`, which runs each step's plan."""
         if self.worker is None:
             raise UsageError("tierkv vLLM connector: the worker got a step before register_kv_caches")
         return self.worker
 
-    # ------------------------------------------------------------------ steps
-    def handle_preemptions(self, plan: StepPlan) -> None:
-        self._live().handle_preemptions(plan)
-
-    def start(self, plan: StepPlan) -> None:
-        self._live().start(plan)
-
-    def after_forward(self) -> None:
-        self._live().after_forward()
-
-    def poll(self) -> WorkerReport:
-        return self._live().poll()
-
     def stats_since_last(self) -> dict[str, float]:
-        counts = self._live().statistics() if self.worker is not None else {}
+        counts = self.worker.statistics() if self.worker is not None else {}
         delta = {name: value - self._reported.get(name, 0) for name, value in counts.items()}
         self._reported = counts
         return {name: value for name, value in delta.items() if value}
 
     def unspilled_chunks(self) -> list[tuple[bytes, int]]:
-        return self._live().unspilled_chunks()
+        return self.adapter().unspilled_chunks()
 
     def shutdown(self) -> int:
         """Drain, flush unspilled chunks to disk, stop threads; returns chunks flushed."""
-        if self._closed or self.worker is None:
-            self._closed = True
+        closed, self._closed = self._closed, True
+        if closed or self.worker is None:
             return 0
-        self._closed = True
-        flushed = 0
         try:
             self.worker.drain()
         except Exception as exc:  # shutting down: never raise from here
@@ -168,24 +142,18 @@ class WorkerSide:
         assert self._stack is not None
         try:
             self.worker.shutdown()  # pending stores submitted, jobs finished, threads stopped
-            if self.disk is not None and self.settings.flush_on_shutdown:
-                flushed = self._flush_unspilled()
+            flush = self.disk is not None and self.settings.flush_on_shutdown
+            return self._flush_unspilled() if flush else 0
         finally:
             self._stack.close()  # releases the disk tier
-        return flushed
 
     def _flush_unspilled(self) -> int:
-        from tierkv.integrations.vllm_disk import write_chunks
-
         assert self.disk is not None and self.slab is not None
         chunks = self.unspilled_chunks()
         if not chunks:
             return 0
-        written = write_chunks(
-            self.disk, self.slab, chunks, self.geometry.chunk_bytes,
-            self.config.disk.write_batch_bytes,
-            on_error=lambda exc: log.warning("tierkv: flush at shutdown failed: %s", exc),
-        )
+        written = write_chunks(self.disk, self.slab, chunks, self.geometry.chunk_bytes,
+                               self.config.disk.write_batch_bytes)
         log.info("tierkv: rank %d wrote %d of %d unspilled chunk(s) to disk at shutdown",
                  self.rank, written, len(chunks))
         return written
