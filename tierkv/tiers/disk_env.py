@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 import lmdb
 import msgpack
+import numpy as np
 
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
                            NamespaceMismatchError, TierKVError, UsageError, short_key)
@@ -159,6 +160,7 @@ class LmdbEnv:
         self.meta: Any = None
         self._data_fd: int | None = None
         self._data_floor = 0  # data.mdb never shrinks; smaller means truncated under us
+        self._map_span: tuple[int, int, int] | None = None  # (start, end, generation)
         self._size_lock = threading.Lock()
         self._counts_lock = threading.Lock()
         self._counts = dict.fromkeys(("rebuilds", "stale_readers", "map_adopted"), 0)
@@ -273,7 +275,7 @@ class LmdbEnv:
             raise BrokenError(f"{self._name}: no environment at {self.path} (no data.mdb)")
         env = lmdb.open(
             str(self.path), map_size=self.map_size, subdir=True, sync=self._sync_always,
-            metasync=self._sync_always, map_async=False, mode=FILE_MODE, readahead=True,
+            metasync=self._sync_always, map_async=False, mode=FILE_MODE, readahead=False,
             writemap=False, meminit=True, max_dbs=MAX_DBS, lock=True, readonly=not writable,
         )
         data_fd: int | None = None
@@ -460,6 +462,52 @@ class LmdbEnv:
 
     def readers_due(self) -> bool:
         return self._clock() - self._last_reader_check >= READER_CHECK_SECONDS
+
+    # -- payload reads by pread -------------------------------------------------------------
+
+    def _map_start(self, address: int) -> int | None:
+        """Where the map holding ``address`` starts (``/proc/self/maps``; cached per
+        generation), or None when that is not this environment's ``data.mdb``."""
+        span = self._map_span
+        if span is not None and span[2] == self.generation and span[0] <= address < span[1]:
+            return span[0]
+        assert self._data_fd is not None
+        inode = os.fstat(self._data_fd).st_ino
+        try:
+            with open("/proc/self/maps", "rb") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    start, end = (int(part, 16) for part in fields[0].split(b"-"))
+                    if start <= address < end:
+                        if int(fields[2], 16) != 0 or int(fields[4]) != inode:
+                            return None
+                        self._map_span = (start, end, self.generation)
+                        return start
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    def pread_value(self, value: Any, head: memoryview, payload: memoryview) -> bool:
+        """Read ``value`` (a buffer into this environment's map, inside a read txn) from
+        ``data.mdb`` into ``head`` (its first bytes) and ``payload`` (the rest) with one
+        ``preadv``: the GIL is released and a cold read needs no page faults in the map
+        (which has readahead off, so a restart reads only the pages it touches). True only
+        when every byte came and ``head`` equals the map's bytes there (the offset is
+        right); on False the caller copies from the map instead."""
+        if self._data_fd is None or len(head) + len(payload) != len(value):
+            return False
+        address = int(np.frombuffer(value, dtype=np.uint8).ctypes.data)
+        start = self._map_start(address)
+        if start is None:
+            return False
+        try:
+            got = os.preadv(self._data_fd, [head, payload], address - start)
+        except OSError:
+            return False
+        if got == len(value) and head == value[:len(head)]:
+            return True
+        self._map_span = None
+        return False
 
     # -- running calls -----------------------------------------------------------------------
 
