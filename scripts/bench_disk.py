@@ -1,90 +1,321 @@
 #!/usr/bin/env python3
 """Benchmark the LMDB disk tier against baselines measured in the same run.
 
-Write paths (each run writes ``--chunks`` chunks of ``--chunk-mib`` MiB into a fresh place and
-ends durable, i.e. after an fsync of everything it wrote):
+The whole comparison runs once per chunk size (``--chunk-sizes``, MiB; default 0.5, 2, 8)
+over ``--total-mib`` of chunks per method (``--chunks`` sets the count instead).
+
+Write paths (each run writes every chunk into a fresh place and ends durable, i.e. after an
+fsync of everything it wrote, inside the timed part):
 
 - tierkv periodic   ``DiskTier.put_many`` in batches of ``--batch-mib``, then ``sync()``
                     (the default policy: no fsync per transaction)
-- tierkv DiskIO     the same through ``DiskIO``'s writer thread, then ``flush()``
+- tierkv DiskIO     the same through ``DiskIO``'s writer thread, one spill job per
+                    ``--batch-mib``, then ``flush()``
+- tierkv one job    ``DiskIO``: one ``SpillSpec`` of every chunk, then ``flush()``
+- tierkv many jobs  ``DiskIO``: one ``SpillSpec`` of one chunk per chunk, all submitted at
+                    once, then ``flush()`` (the writer groups queued jobs into transactions)
 - tierkv always     ``sync_mode='always'``: LMDB fsyncs every transaction
-- dd fdatasync      ``dd if=/dev/zero of=F bs=<chunk>M count=N conv=fdatasync``
+- vLLM fs one job   vLLM's ``FileSystemTierManager`` (the installed vLLM, see below):
+                    one ``submit_store`` of a ``TransferJob`` of every chunk,
+                    ``drain_jobs()``, then the fsync vLLM does not do (``--vllm-sync``)
+- vLLM fs many jobs the same with one ``TransferJob`` of one chunk per chunk, all submitted
+                    at once (its pool runs them on its 16 + 16 threads)
+- dd fdatasync      ``dd if=/dev/zero of=F bs=<chunk> count=N conv=fdatasync``
 - bare lmdb         raw payloads, one txn per ``--batch-mib``, ``sync=False``, ``env.sync()``
 - file per chunk    temp file + fsync + rename per chunk, then one directory fsync
 
-Cold reads (page cache dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` before each,
-environments closed so no mapping pins pages): tierkv ``read_into`` of every chunk in write
-order and in random order, bare file-per-chunk reads, and ``dd if=F of=/dev/null``.
+Cold loads (page cache dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` before each,
+needs root; environments closed so no mapping pins pages): tierkv ``read_into`` of every
+chunk in write order and in random order; tierkv ``DiskIO`` read jobs (one job of every
+chunk, and one job per chunk, all submitted at once) into a second ``CpuSlab``; vLLM fs
+``submit_load`` (one job, and one job per chunk) into a second slab; bare file-per-chunk
+reads; ``dd if=F of=/dev/null``. Every load but dd lands in a slab poisoned beforehand and
+is checked after the timed part: byte-exact against the source and xxh3 checksum of every
+chunk against the one taken of the source.
 
-Opening a DiskTier tunes glibc malloc for the whole process (``tune_malloc``; the bare lmdb
-baseline shares it); run with ``TIERKV_MALLOPT=0`` to measure without.
+The vLLM fs tier is ``vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager`` as
+installed, built the way ``SecondaryTierFactory`` builds it (its default thread counts, its
+``FileMapper`` file layout, its O_DIRECT probe) over a page-aligned mmap slab shaped
+``(chunks, chunk_bytes)`` like the ``SharedOffloadRegion`` view vLLM hands it; jobs are the
+``TransferJob`` its tiering manager submits, and completion is ``drain_jobs()`` then
+``get_finished_jobs()`` (every job must report success). Its C io (``vllm.fs_io_C``) links
+CUDA torch (libtorch_cuda, libnvrtc); where it does not import (a CPU-only torch) the tier
+runs its own Python io path (``os.write`` / ``os.readv`` per block), and the header says
+which ran. vLLM never fsyncs; to end durable the benchmark adds, inside the timed part,
+``syncfs()`` of the filesystem (``--vllm-sync syncfs``, the default: one journal commit) or
+an fsync of every file and directory it wrote (``--vllm-sync fsync``). Without vLLM
+installed (or with ``--no-vllm``) its rows are left out.
 
-All write rounds run first, then all read rounds. Methods run round-robin inside each round
+Before each timed write the previous writes' deletions are settled (``sync``), so one
+method's fsync does not pay for another's discards. Opening a DiskTier tunes glibc malloc
+for the whole process (``tune_malloc``; the bare lmdb baseline shares it); run with
+``TIERKV_MALLOPT=0`` to measure without.
+
+All write rounds run first, then all load rounds. Methods run round-robin inside each round
 so drift hits all of them alike; the first round of each phase is a warm-up and is not
-reported. Prints median MiB/s with min-max spread, then the ratios.
+reported. Prints median MiB/s with min-max spread, then the ratios, per chunk size, then a
+summary of the target ratios over all sizes. ``--profile`` adds a cProfile of one tierkv
+periodic write (the put_many path DiskIO's writer thread runs) per size.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import ctypes
+import io
+import mmap
 import os
+import pstats
 import random
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tierkv.config import DiskTierConfig  # noqa: E402
-from tierkv.core.jobs import JobId, SlotId, SpillSpec  # noqa: E402
+from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec  # noqa: E402
 from tierkv.keys import Namespace  # noqa: E402
 from tierkv.tiers.cpu import CpuSlab  # noqa: E402
 from tierkv.tiers.disk import DiskTier, ReadStatus, tune_malloc  # noqa: E402
-from tierkv.transfer.disk_io import DiskIO  # noqa: E402
+from tierkv.transfer.disk_io import DiskIO, ReadOutcome  # noqa: E402
 
 MiB = 1 << 20
+ALIGN = 4096  # O_DIRECT (vLLM's fs tier) needs block-aligned sizes and buffers
+POISON = 0xA5
 REPO = Path(__file__).resolve().parents[1]
+
+# (label, numerator row, denominator row, target or None); rows missing from a run are skipped
+RATIOS: list[tuple[str, str, str, float | None]] = [
+    ("tierkv one job / vLLM fs one job", "tierkv DiskIO one job", "vLLM fs one job", 1.0),
+    ("tierkv many / vLLM fs many jobs", "tierkv DiskIO many jobs", "vLLM fs many jobs", 0.9),
+    ("tierkv always / dd write", "tierkv sync_mode=always", "dd conv=fdatasync", 0.8),
+    ("cold: tierkv one / vLLM fs one", "load: tierkv DiskIO one job", "load: vLLM fs one job",
+     1.0),
+    ("cold: tierkv many / vLLM fs many", "load: tierkv DiskIO many jobs",
+     "load: vLLM fs many jobs", 1.0),
+    ("tierkv periodic / dd write", "tierkv periodic + sync", "dd conv=fdatasync", 0.7),
+    ("tierkv periodic / file-per-chunk", "tierkv periodic + sync", "file per chunk + fsync",
+     3.0),
+    ("tierkv DiskIO / dd write", "tierkv DiskIO + flush", "dd conv=fdatasync", 0.7),
+    ("tierkv one job / dd write", "tierkv DiskIO one job", "dd conv=fdatasync", None),
+    ("vLLM fs one job / dd write", "vLLM fs one job", "dd conv=fdatasync", None),
+    ("tierkv always / file-per-chunk", "tierkv sync_mode=always", "file per chunk + fsync",
+     None),
+    ("tierkv / bare lmdb write", "tierkv periodic + sync", "bare lmdb + sync", None),
+    ("tierkv / dd cold read", "tierkv read_into (in order)", "dd of=/dev/null", 0.7),
+    ("tierkv random / dd cold read", "tierkv read_into (random)", "dd of=/dev/null", None),
+    ("tierkv / file-per-chunk cold read", "tierkv read_into (in order)", "file per chunk",
+     None),
+    ("cold: vLLM fs one / dd", "load: vLLM fs one job", "dd of=/dev/null", None),
+]
+TARGET_RATIOS = 5  # the first rows of RATIOS are the issue's targets, summarised at the end
+
+
+def parse_sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--chunk-sizes: {exc}") from exc
+    if not sizes or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError("--chunk-sizes: positive MiB values, e.g. 0.5,2,8")
+    return sizes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--chunk-mib", type=float, default=2.0, help="payload size of a chunk")
-    parser.add_argument("--chunks", type=int, default=256, help="chunks written per run")
-    parser.add_argument("--repeats", type=int, default=5, help="measured rounds (after warm-up)")
+    parser.add_argument("--chunk-sizes", type=parse_sizes, default=[0.5, 2.0, 8.0],
+                        help="comma-separated chunk payload sizes in MiB; the whole comparison "
+                             "runs once per size (rounded down to 4 KiB multiples)")
+    parser.add_argument("--chunk-mib", type=float, default=None,
+                        help="a single chunk size in MiB (overrides --chunk-sizes)")
+    parser.add_argument("--total-mib", type=float, default=1024.0,
+                        help="bytes of chunks each method writes and loads per run")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="chunks per run (overrides --total-mib)")
+    parser.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=5,
+                        help="measured rounds (after warm-up), methods interleaved in each")
     parser.add_argument("--batch-mib", type=float, default=8.0,
                         help="bytes per write transaction (disk.write_batch_bytes)")
     parser.add_argument("--dir", type=Path, default=REPO / ".bench",
                         help="scratch directory (must be on the disk under test, not tmpfs)")
     parser.add_argument("--no-always", action="store_true", help="skip sync_mode='always'")
-    parser.add_argument("--no-cold", action="store_true", help="skip the cold-read section")
-    return parser.parse_args(argv)
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold-load section")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fs tier rows")
+    parser.add_argument("--vllm-sync", choices=("syncfs", "fsync"), default="syncfs",
+                        help="how the vLLM fs rows are made durable at the end of a round")
+    parser.add_argument("--profile", action="store_true",
+                        help="also cProfile one tierkv periodic write per chunk size")
+    args = parser.parse_args(argv)
+    if args.chunk_mib is not None:
+        args.chunk_sizes = [args.chunk_mib]
+    if args.chunks is not None and args.chunks < 1:
+        parser.error("--chunks must be >= 1")
+    return args
+
+
+# -- vLLM's fs tier ------------------------------------------------------------------------
+
+
+class VllmFs:
+    """The installed vLLM fs tier, imported lazily (the import pulls in much of vLLM)."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm.v1.kv_offload import base, config
+        from vllm.v1.kv_offload.tiering import base as tiering_base
+        from vllm.v1.kv_offload.tiering.fs import io as fs_io
+        from vllm.v1.kv_offload.tiering.fs import manager
+        import vllm
+
+        self.version = vllm.__version__
+        self.config = config
+        self.base = base
+        self.TransferJob = tiering_base.TransferJob
+        self.Manager = manager.FileSystemTierManager
+        self.has_c_io = fs_io._HAS_FSIO_C
+        self.probe_o_direct = fs_io.probe_o_direct
+        self.c_io_problem = ""
+        if not self.has_c_io:
+            try:
+                import vllm.fs_io_C  # noqa: F401
+            except ImportError as exc:
+                self.c_io_problem = str(exc)
+
+        class Spec(base.OffloadingSpec):  # the spec only configures; nothing else is used
+            def get_manager(self) -> Any:
+                raise NotImplementedError
+
+            def get_worker(self, kv_caches: Any) -> Any:
+                raise NotImplementedError
+
+        self.Spec = Spec
+        self.req = base.ReqContext(req_id="bench")
+
+    @property
+    def io_path(self) -> str:
+        if self.has_c_io:
+            return "C io (vllm.fs_io_C)"
+        return f"Python io (vllm.fs_io_C unavailable: {self.c_io_problem or 'not built'})"
+
+    def spec(self, chunk_bytes: int) -> Any:
+        c = self.config
+        offloading = c.OffloadingConfig(
+            groups=(c.OffloadingGroupConfig(tokens_per_block=256, layer_names=("layer0",),
+                                            group_id=0),),
+            worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False,
+            extra_config={}, engine_id="bench",
+            model=c.OffloadingModelConfig(name="bench", dtype="bfloat16"),
+            cache=c.OffloadingCacheConfig(tokens_per_hash=256, blocks_per_chunk=1),
+            parallel=c.OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                is_parallelism_agnostic=True))
+        return self.Spec(offloading)
+
+    def manager(self, root: Path, view: memoryview, chunk_bytes: int) -> Any:
+        # What SecondaryTierFactory.create_secondary_tier({"type": "fs", "root_dir": ...})
+        # builds: the tier's own defaults for everything else.
+        return self.Manager(offloading_spec=self.spec(chunk_bytes), primary_kv_view=view,
+                            tier_type="fs", root_dir=str(root))
+
+    def job(self, job_id: int, keys: list[Any], chunk_ids: Sequence[int],
+            promotion: bool) -> Any:
+        return self.TransferJob(job_id=job_id, keys=keys,
+                                chunk_ids=np.asarray(chunk_ids, dtype=np.int32),
+                                is_promotion=promotion, req_context=self.req)
+
+    @staticmethod
+    def finish(tier: Any, num_jobs: int) -> None:
+        """Wait for every submitted job (the tier's own drain), then check each succeeded."""
+        tier.drain_jobs()
+        results = list(tier.get_finished_jobs())
+        assert len(results) == num_jobs, (len(results), num_jobs)
+        failed = [r.job_id for r in results if not r.success]
+        assert not failed, f"vLLM fs jobs failed: {failed[:5]}"
+
+
+def load_vllm() -> tuple[VllmFs | None, str]:
+    try:
+        return VllmFs(), ""
+    except Exception as exc:  # not installed, or another version's API
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def syncfs(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MmapSlab:
+    """A page-aligned anonymous mmap shaped (chunks, chunk_bytes): what vLLM's primary tier
+    hands its secondary tiers (a view over its SharedOffloadRegion mmap)."""
+
+    def __init__(self, num_chunks: int, chunk_bytes: int) -> None:
+        self.mmap = mmap.mmap(-1, num_chunks * chunk_bytes)
+        self.array = np.frombuffer(self.mmap, dtype=np.uint8).reshape(num_chunks, chunk_bytes)
+        self.view = memoryview(self.array)  # type: ignore[arg-type]  # 2-D, strides[0] = chunk
+
+
+# -- the benchmark -------------------------------------------------------------------------
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None) -> None:
         self.args = args
-        self.chunk_bytes = int(args.chunk_mib * MiB)
+        self.vllm = vllm
+        self.chunk_bytes = max(ALIGN, int(chunk_mib * MiB) // ALIGN * ALIGN)
+        self.chunk_mib = self.chunk_bytes / MiB
         self.batch_bytes = int(args.batch_mib * MiB)
-        self.num_chunks = args.chunks
+        self.num_chunks = args.chunks or max(1, int(args.total_mib * MiB) // self.chunk_bytes)
         self.total = self.chunk_bytes * self.num_chunks
-        self.dir = args.dir / f"bench_disk-{os.getpid()}"  # only this is created and removed
+        self.dir: Path = args.dir / f"bench_disk-{os.getpid()}"  # only this is created and removed
         self.slab = CpuSlab(self.num_chunks, self.chunk_bytes, pin_memory="never")
+        self.source = self.slab.tensor.numpy()
         rng = np.random.default_rng(1234)
-        self.slab.tensor.numpy()[:] = rng.integers(0, 256, self.slab.tensor.shape, np.uint8)
+        self.source[:] = rng.integers(0, 256, self.source.shape, np.uint8)
+        self.checksums = [xxhash.xxh3_64_intdigest(row) for row in self.source]
+        # loads land here (poisoned first), never in the source
+        self.dest = CpuSlab(self.num_chunks, self.chunk_bytes, pin_memory="never")
         self.keys = [rng.bytes(32) for _ in range(self.num_chunks)]
         self.namespace = Namespace(model_id="bench", dtype="bfloat16", kv_layout="NHD",
                                    page_bytes=self.chunk_bytes, tokens_per_chunk=256)
         self.per_txn = max(1, self.batch_bytes // self.chunk_bytes)
         self.can_drop = True
+        self.o_direct: bool | None = None
+        if vllm is not None:
+            self.vsource = MmapSlab(self.num_chunks, self.chunk_bytes)
+            self.vsource.array[:] = self.source
+            self.vdest = MmapSlab(self.num_chunks, self.chunk_bytes)
+            self.vkeys = [vllm.base.make_offload_key(key, 0) for key in self.keys]
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -92,6 +323,7 @@ class Bench:
         path = self.dir / name
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
+        os.sync()  # settle the deletion (ext4 discards at commit) before the timed part
         return path
 
     def tier(self, root: Path, sync_mode: str = "periodic") -> DiskTier:
@@ -109,11 +341,27 @@ class Bench:
                 print(f"note: cannot drop the page cache ({exc}): cold numbers are warm")
             self.can_drop = False
 
+    def poison(self, array: np.ndarray) -> None:
+        array.fill(POISON)
+
+    def verify(self, array: np.ndarray, order: Sequence[int] | None = None,
+               what: str = "") -> None:
+        """Slot ``s`` must hold chunk ``order[s]`` (``s`` itself by default): byte for byte,
+        and by checksum."""
+        for slot in range(self.num_chunks):
+            chunk = slot if order is None else order[slot]
+            row = array[slot]
+            if xxhash.xxh3_64_intdigest(row) != self.checksums[chunk] or \
+                    not np.array_equal(row, self.source[chunk]):
+                raise AssertionError(f"{what}: slot {slot} does not hold chunk {chunk}")
+
     # -- writes ----------------------------------------------------------------------------
 
-    def write_tierkv(self, sync_mode: str) -> float:
+    def write_tierkv(self, sync_mode: str, profiler: cProfile.Profile | None = None) -> float:
         root = self.fresh(f"tierkv-{sync_mode}")
         tier = self.tier(root, sync_mode)
+        if profiler is not None:
+            profiler.enable()
         start = time.perf_counter()
         for first in range(0, self.num_chunks, self.per_txn):
             items = [(self.keys[i], self.slab.memoryview(i))
@@ -122,23 +370,73 @@ class Bench:
             assert not result.full, result.message
         tier.sync()
         seconds = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+        tier.close()
+        return seconds
+
+    def _spill(self, name: str, specs: list[SpillSpec]) -> float:
+        root = self.fresh(name)
+        tier = self.tier(root)
+        disk_io = DiskIO(tier, self.slab, self.batch_bytes)
+        start = time.perf_counter()
+        for spec in specs:
+            disk_io.submit_spill(spec)
+        disk_io.flush()
+        seconds = time.perf_counter() - start
+        done = disk_io.poll_finished()
+        assert len(done) == len(specs) and all(c.ok for c in done), \
+            [c for c in done if not c.ok][:3]
+        disk_io.shutdown()
         tier.close()
         return seconds
 
     def write_disk_io(self) -> float:
-        root = self.fresh("tierkv-diskio")
-        tier = self.tier(root)
-        disk_io = DiskIO(tier, self.slab, self.batch_bytes)
+        specs = [SpillSpec(JobId(first + 1), tuple(
+                     (self.keys[i], SlotId(i))
+                     for i in range(first, min(first + self.per_txn, self.num_chunks))))
+                 for first in range(0, self.num_chunks, self.per_txn)]
+        return self._spill("tierkv-diskio", specs)
+
+    def write_disk_io_one(self) -> float:
+        writes = tuple((self.keys[i], SlotId(i)) for i in range(self.num_chunks))
+        return self._spill("tierkv-one", [SpillSpec(JobId(1), writes)])
+
+    def write_disk_io_many(self) -> float:
+        specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))
+                 for i in range(self.num_chunks)]
+        return self._spill("tierkv-many", specs)
+
+    def _vllm_durable(self, root: Path, tier: Any) -> None:
+        if self.args.vllm_sync == "syncfs":
+            syncfs(root)
+            return
+        dirs: set[str] = set()
+        for key in self.vkeys:
+            path = tier.file_mapper.get_file_name(key)
+            fsync_path(path)
+            dirs.add(os.path.dirname(path))
+        parents = {os.path.dirname(d) for d in dirs}
+        for path in sorted(dirs | parents | {os.path.dirname(p) for p in parents}):
+            fsync_path(path)
+
+    def write_vllm(self, many: bool) -> float:
+        assert self.vllm is not None
+        root = self.fresh("vllm-many" if many else "vllm-one")
+        tier = self.vllm.manager(root, self.vsource.view, self.chunk_bytes)
+        self.o_direct = tier._use_o_direct
+        if many:
+            jobs = [self.vllm.job(i + 1, [self.vkeys[i]], [i], False)
+                    for i in range(self.num_chunks)]
+        else:
+            jobs = [self.vllm.job(1, list(self.vkeys), range(self.num_chunks), False)]
         start = time.perf_counter()
-        for first in range(0, self.num_chunks, self.per_txn):
-            writes = tuple((self.keys[i], SlotId(i))
-                           for i in range(first, min(first + self.per_txn, self.num_chunks)))
-            disk_io.submit_spill(SpillSpec(JobId(first + 1), writes))
-        disk_io.flush()
+        for job in jobs:
+            tier.submit_store(job)
+        self.vllm.finish(tier, len(jobs))
+        self._vllm_durable(root, tier)
         seconds = time.perf_counter() - start
-        assert all(c.ok for c in disk_io.poll_finished())
-        disk_io.shutdown()
-        tier.close()
+        tier.shutdown()
         return seconds
 
     def write_dd(self) -> float:
@@ -184,30 +482,75 @@ class Bench:
         os.close(dir_fd)
         return time.perf_counter() - start
 
-    # -- cold reads ------------------------------------------------------------------------
+    # -- cold loads ------------------------------------------------------------------------
 
     def read_tierkv(self, shuffled: bool) -> float:
         order = list(range(self.num_chunks))
         if shuffled:
             random.Random(7).shuffle(order)
+        self.poison(self.dest.tensor.numpy())
         self.drop_caches()
         tier = self.tier(self.dir / "tierkv-periodic")
         start = time.perf_counter()
         for slot, i in enumerate(order):
-            status = tier.read_into(self.keys[i], self.slab.memoryview(slot))
+            status = tier.read_into(self.keys[i], self.dest.memoryview(slot))
             assert status is ReadStatus.OK, status
         seconds = time.perf_counter() - start
         tier.close()
+        self.verify(self.dest.tensor.numpy(), order, "tierkv read_into")
+        return seconds
+
+    def load_disk_io(self, many: bool) -> float:
+        self.poison(self.dest.tensor.numpy())
+        self.drop_caches()
+        tier = self.tier(self.dir / "tierkv-one")
+        disk_io = DiskIO(tier, self.dest, self.batch_bytes)
+        chunks = [ChunkCopy(self.keys[i], SlotId(i), ()) for i in range(self.num_chunks)]
+        outcomes: list[ReadOutcome] = []
+        jobs = [(JobId(i + 1), [chunk]) for i, chunk in enumerate(chunks)] if many else \
+            [(JobId(1), chunks)]
+        start = time.perf_counter()
+        for job_id, job_chunks in jobs:
+            disk_io.submit_read(job_id, job_chunks, outcomes.append)
+        disk_io.wait([job_id for job_id, _ in jobs])
+        seconds = time.perf_counter() - start
+        disk_io.shutdown()
+        tier.close()
+        assert len(outcomes) == len(jobs) and all(o.ok for o in outcomes), \
+            [o for o in outcomes if not o.ok][:3]
+        self.verify(self.dest.tensor.numpy(), None, "tierkv DiskIO load")
+        return seconds
+
+    def load_vllm(self, many: bool) -> float:
+        assert self.vllm is not None
+        self.poison(self.vdest.array)
+        self.drop_caches()
+        tier = self.vllm.manager(self.dir / "vllm-one", self.vdest.view, self.chunk_bytes)
+        if many:
+            jobs = [self.vllm.job(i + 1, [self.vkeys[i]], [i], True)
+                    for i in range(self.num_chunks)]
+        else:
+            jobs = [self.vllm.job(1, list(self.vkeys), range(self.num_chunks), True)]
+        start = time.perf_counter()
+        for job in jobs:
+            tier.submit_load(job)
+        self.vllm.finish(tier, len(jobs))
+        seconds = time.perf_counter() - start
+        tier.shutdown()
+        self.verify(self.vdest.array, None, "vLLM fs load")
         return seconds
 
     def read_files(self) -> float:
+        self.poison(self.dest.tensor.numpy())
         self.drop_caches()
         root = self.dir / "files"
         start = time.perf_counter()
         for i in range(self.num_chunks):
             with open(root / self.keys[i].hex(), "rb", buffering=0) as handle:
-                handle.readinto(self.slab.memoryview(i))
-        return time.perf_counter() - start
+                handle.readinto(self.dest.memoryview(i))
+        seconds = time.perf_counter() - start
+        self.verify(self.dest.tensor.numpy(), None, "file per chunk")
+        return seconds
 
     def read_dd(self) -> float:
         self.drop_caches()
@@ -217,82 +560,139 @@ class Bench:
         subprocess.run(command, check=True)
         return time.perf_counter() - start
 
+    # -- driving ---------------------------------------------------------------------------
+
+    def methods(self) -> tuple[dict[str, Callable[[], float]], dict[str, Callable[[], float]]]:
+        args = self.args
+        writes: dict[str, Callable[[], float]] = {
+            "tierkv periodic + sync": lambda: self.write_tierkv("periodic"),
+            "tierkv DiskIO + flush": self.write_disk_io,
+            "tierkv DiskIO one job": self.write_disk_io_one,
+            "tierkv DiskIO many jobs": self.write_disk_io_many,
+        }
+        if self.vllm is not None:
+            writes["vLLM fs one job"] = lambda: self.write_vllm(False)
+            writes["vLLM fs many jobs"] = lambda: self.write_vllm(True)
+        writes.update({
+            "dd conv=fdatasync": self.write_dd,
+            "bare lmdb + sync": self.write_bare_lmdb,
+            "file per chunk + fsync": self.write_files,
+        })
+        if not args.no_always:
+            writes["tierkv sync_mode=always"] = lambda: self.write_tierkv("always")
+        reads: dict[str, Callable[[], float]] = {}
+        if not args.no_cold:
+            reads = {
+                "tierkv read_into (in order)": lambda: self.read_tierkv(False),
+                "tierkv read_into (random)": lambda: self.read_tierkv(True),
+                "load: tierkv DiskIO one job": lambda: self.load_disk_io(False),
+                "load: tierkv DiskIO many jobs": lambda: self.load_disk_io(True),
+            }
+            if self.vllm is not None:
+                reads["load: vLLM fs one job"] = lambda: self.load_vllm(False)
+                reads["load: vLLM fs many jobs"] = lambda: self.load_vllm(True)
+            reads["file per chunk"] = self.read_files
+            reads["dd of=/dev/null"] = self.read_dd
+        return writes, reads
+
+    def profile(self) -> None:
+        profiler = cProfile.Profile()
+        seconds = self.write_tierkv("periodic", profiler)
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+        lines = [line for line in out.getvalue().splitlines() if line.strip()]
+        start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+        print(f"profile of one tierkv periodic write ({self.total / MiB / seconds:.0f} MiB/s "
+              f"under cProfile), by own time:")
+        for line in lines[start:]:
+            print(f"    {line}")
+
 
 def summarize(name: str, seconds: list[float], total: int) -> float:
     rates = sorted(total / MiB / s for s in seconds)
     median = statistics.median(rates)
-    print(f"  {name:<28} {median:8.0f} MiB/s   (min {rates[0]:.0f}, max {rates[-1]:.0f}, "
+    print(f"  {name:<30} {median:8.0f} MiB/s   (min {rates[0]:.0f}, max {rates[-1]:.0f}, "
           f"n={len(rates)})")
     return median
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    bench = Bench(args)
+def run_size(args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None,
+             fs_type: str) -> dict[str, float]:
+    bench = Bench(args, chunk_mib, vllm)
     bench.dir.mkdir(parents=True, exist_ok=True)
-    tuned = tune_malloc(bench.batch_bytes)  # what opening a DiskTier does; once per process
-    fs = subprocess.run(["stat", "-f", "-c", "%T", str(bench.dir)], capture_output=True,
-                        text=True).stdout.strip()
-    print(f"disk tier benchmark: {args.chunks} chunks x {args.chunk_mib:g} MiB = "
+    print(f"\n== chunk {bench.chunk_mib:g} MiB: {bench.num_chunks} chunks = "
           f"{bench.total / MiB:.0f} MiB per run, {args.batch_mib:g} MiB per txn, "
-          f"{args.repeats} rounds + 1 warm-up, dir {args.dir} ({fs}), malloc tuned: "
-          f"{'yes' if tuned else 'no (TIERKV_MALLOPT=0 or not glibc)'}")
-    writes: dict[str, Callable[[], float]] = {
-        "tierkv periodic + sync": lambda: bench.write_tierkv("periodic"),
-        "tierkv DiskIO + flush": bench.write_disk_io,
-        "dd conv=fdatasync": bench.write_dd,
-        "bare lmdb + sync": bench.write_bare_lmdb,
-        "file per chunk + fsync": bench.write_files,
-    }
-    if not args.no_always:
-        writes["tierkv sync_mode=always"] = lambda: bench.write_tierkv("always")
-    reads: dict[str, Callable[[], float]] = {} if args.no_cold else {
-        "tierkv read_into (in order)": lambda: bench.read_tierkv(False),
-        "tierkv read_into (random)": lambda: bench.read_tierkv(True),
-        "file per chunk": bench.read_files,
-        "dd of=/dev/null": bench.read_dd,
-    }
+          f"{args.rounds} rounds + 1 warm-up, dir {args.dir} ({fs_type})")
+    writes, reads = bench.methods()
     results: dict[str, list[float]] = {name: [] for name in [*writes, *reads]}
     try:
-        # Writes first, then reads: a page-cache drop between writes would hand some writers
+        # Writes first, then loads: a page-cache drop between writes would hand some writers
         # freshly reclaimed memory and others the pages their own deleted output freed.
         for phase in (writes, reads):
-            for round_number in range(args.repeats + 1 if phase else 0):
+            for round_number in range(args.rounds + 1 if phase else 0):
                 for name, run in phase.items():
                     seconds = run()
                     if round_number > 0:
                         results[name].append(seconds)
-                label = "warm-up" if round_number == 0 else f"round {round_number}/{args.repeats}"
-                kind = "writes" if phase is writes else "cold reads"
-                print(f"  ... {kind} {label} done", file=sys.stderr)
+                label = "warm-up" if round_number == 0 else f"round {round_number}/{args.rounds}"
+                kind = "writes" if phase is writes else "cold loads"
+                print(f"  ... {bench.chunk_mib:g} MiB {kind} {label} done", file=sys.stderr)
+        if args.profile:
+            bench.profile()
     finally:
         shutil.rmtree(bench.dir, ignore_errors=True)
+    if vllm is not None:
+        print(f"  vLLM fs tier: O_DIRECT {'on' if bench.o_direct else 'off (buffered)'}, "
+              f"durable by {args.vllm_sync}")
     print("durable writes:")
     medians = {name: summarize(name, results[name], bench.total) for name in writes}
     if reads:
-        print("cold reads" + ("" if bench.can_drop else " (page cache NOT dropped: warm)") + ":")
+        print("cold loads" + ("" if bench.can_drop else " (page cache NOT dropped: warm)") +
+              " (all but dd verified byte-exact and by checksum):")
         medians.update({name: summarize(name, results[name], bench.total) for name in reads})
     print("ratios (of medians):")
-    pairs = [
-        ("tierkv periodic / dd write", "tierkv periodic + sync", "dd conv=fdatasync", 0.7),
-        ("tierkv periodic / file-per-chunk", "tierkv periodic + sync", "file per chunk + fsync",
-         3.0),
-        ("tierkv DiskIO / dd write", "tierkv DiskIO + flush", "dd conv=fdatasync", 0.7),
-        ("tierkv always / dd write", "tierkv sync_mode=always", "dd conv=fdatasync", None),
-        ("tierkv always / file-per-chunk", "tierkv sync_mode=always", "file per chunk + fsync",
-         None),
-        ("tierkv / bare lmdb write", "tierkv periodic + sync", "bare lmdb + sync", None),
-        ("tierkv / dd cold read", "tierkv read_into (in order)", "dd of=/dev/null", 0.7),
-        ("tierkv random / dd cold read", "tierkv read_into (random)", "dd of=/dev/null", None),
-        ("tierkv / file-per-chunk cold read", "tierkv read_into (in order)", "file per chunk",
-         None),
-    ]
-    for label, top, bottom, target in pairs:
+    for label, top, bottom, target in RATIOS:
         if top in medians and bottom in medians:
             ratio = medians[top] / medians[bottom]
             verdict = "" if target is None else (
                 f"   target >= {target:g}: {'met' if ratio >= target else 'MISSED'}")
             print(f"  {label:<34} {ratio:5.2f}x{verdict}")
+    return medians
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    tuned = tune_malloc(int(args.batch_mib * MiB))  # what opening a DiskTier does; once
+    fs_type = subprocess.run(["stat", "-f", "-c", "%T", str(args.dir)], capture_output=True,
+                             text=True).stdout.strip()
+    vllm, why = (None, "--no-vllm") if args.no_vllm else load_vllm()
+    print(f"disk tier benchmark: chunk sizes {', '.join(f'{s:g}' for s in args.chunk_sizes)} "
+          f"MiB, {args.rounds} rounds + 1 warm-up, malloc tuned: "
+          f"{'yes' if tuned else 'no (TIERKV_MALLOPT=0 or not glibc)'}")
+    if vllm is None:
+        print(f"vLLM fs tier: left out ({why})")
+    else:
+        probe = args.dir / f"probe-{os.getpid()}"
+        probe.mkdir(exist_ok=True)
+        o_direct = vllm.probe_o_direct(str(probe))
+        probe.rmdir()
+        print(f"vLLM fs tier: vllm {vllm.version} FileSystemTierManager, {vllm.io_path}, "
+              f"O_DIRECT {'works' if o_direct else 'refused (buffered)'} in {args.dir}")
+    by_size = {size: run_size(args, size, vllm, fs_type) for size in args.chunk_sizes}
+    print("\ntargets (ratios of medians) by chunk size, ! = missed:")
+    print(f"  {'':<34} " + " ".join(f"{f'{s:g} MiB':>9}" for s in by_size) + "   target")
+    for label, top, bottom, target in RATIOS[:TARGET_RATIOS]:
+        cells = []
+        for medians in by_size.values():
+            if top in medians and bottom in medians:
+                ratio = medians[top] / medians[bottom]
+                missed = target is not None and ratio < target
+                cells.append(f"{ratio:5.2f}x{'!' if missed else ' '}".rjust(9))
+            else:
+                cells.append("-".rjust(9))
+        if any(cell.strip() != "-" for cell in cells):
+            print(f"  {label:<34} " + " ".join(cells) + f"   >= {target:g}")
     return 0
 
 

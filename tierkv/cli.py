@@ -16,14 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tierkv import demo
+    from tierkv import demo, tools, warmup_hf
 
     demo_parser = sub.add_parser("demo", help="multi-turn chat workload on CPU tensors")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(handler=demo.run)
-
-    from tierkv import tools, warmup_hf
-
     warmup_parser = sub.add_parser(
         "warmup", help="compute KV for a prompts file with a HF model and write it into a store",
         description="Compute KV for every prompt of a JSONL file with a HF transformers model and "
@@ -42,16 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        code: int = args.handler(args)
+        return int(args.handler(args))
     except TierKVError as exc:
         print(f"tierkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    return code
 
 
 if __name__ == "__main__":

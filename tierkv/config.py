@@ -93,8 +93,7 @@ class DiskTierConfig:
     sync_every_bytes: int = 256 * MiB
     sync_every_seconds: float = 5.0
     retry_after_full_seconds: float = 1.0
-    # Process-wide glibc malloc tuning so LMDB's page buffers are reused rather than faulted
-    # in afresh on every put (0.43x -> 0.77x of dd on durable writes). False opts out.
+    # Process-wide glibc malloc tuning for LMDB's page buffers (docs/configuration.md).
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
@@ -149,19 +148,18 @@ class StoreConfig:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"store settings must be a mapping of setting names to values, "
                               f"got {raw!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        _refuse_unknown(cls, raw)
         kwargs = dict(raw)
         for name, sub in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
             if name in kwargs and isinstance(kwargs[name], Mapping):
-                sub_known = {f.name for f in fields(sub)}
-                bad = set(kwargs[name]) - sub_known
-                if bad:
-                    raise ConfigError(
-                        f"unknown setting(s) {sorted(f'{name}.{b}' for b in bad)}; "
-                        f"known: {sorted(sub_known)}"
-                    )
+                _refuse_unknown(sub, kwargs[name], f"{name}.")
                 kwargs[name] = sub(**kwargs[name])
         return cls(**kwargs)
+
+
+def _refuse_unknown(cls: type[Any], raw: Mapping[str, Any], prefix: str = "") -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {sorted(prefix + name for name in unknown)}; "
+                          f"known: {sorted(known)}")

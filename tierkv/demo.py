@@ -24,13 +24,11 @@ from tierkv.keys import ChunkKey, chunk_keys
 from tierkv.units import MiB
 
 
-
 @dataclass
 class DemoTotals:
     chunks_asked: int = 0
     hits_cpu: int = 0
     hits_disk: int = 0
-    computed: int = 0
     verified_bytes: int = 0
 
 
@@ -77,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
             for history in histories:
                 history.extend(rng.randrange(32000) for _ in range(rng.randrange(40, 200)))
                 keys = chunk_keys(history, tokens_per_chunk)
-                blocks = [free_blocks.pop() for _ in range(len(keys) * blocks_per_chunk)]
-                per_chunk = [blocks[i * blocks_per_chunk : (i + 1) * blocks_per_chunk] for i in range(len(keys))]
+                per_chunk = [[free_blocks.pop() for _ in range(blocks_per_chunk)] for _ in keys]
                 handle = store.load(keys, per_chunk)
                 store.wait([handle.job_id])
                 landed = handle.num_chunks
@@ -99,20 +96,19 @@ def run(args: argparse.Namespace) -> int:
                         else:  # "compute" it
                             for layer in kv:
                                 layer[block].copy_(want)
-                totals.computed += len(keys) - landed
                 job = store.store(keys, per_chunk)
                 store.wait([job])
                 store.poll()
-                free_blocks.extend(blocks)
-                rng_reply = [rng.randrange(32000) for _ in range(rng.randrange(20, 120))]
-                history.extend(rng_reply)
+                free_blocks.extend(block for blocks in per_chunk for block in blocks)
+                history.extend(rng.randrange(32000) for _ in range(rng.randrange(20, 120)))  # reply
         stats = store.statistics()
     seconds = time.perf_counter() - started
     idx = stats.index
+    computed = totals.chunks_asked - totals.hits_cpu - totals.hits_disk
     print(f"tierkv demo: {args.conversations} conversations x {args.turns} turns, "
           f"{args.layers} layers, chunk {chunk_bytes / MiB:.2f} MiB, CPU tier {idx.num_slots} chunks, disk {args.dir}")
     print(f"  chunks asked {totals.chunks_asked}: hits from CPU {totals.hits_cpu}, "
-          f"hits from disk {totals.hits_disk}, computed {totals.computed}")
+          f"hits from disk {totals.hits_disk}, computed {computed}")
     print(f"  verified {totals.verified_bytes / MiB:.1f} MiB of loaded KV byte-exact")
     for name, path in (("GPU->CPU", stats.gpu_to_cpu), ("CPU->GPU (incl. disk reads)", stats.cpu_to_gpu),
                        ("CPU->disk", stats.cpu_to_disk)):

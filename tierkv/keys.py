@@ -9,12 +9,9 @@ encoding of ``[parent_key, token_ids, extra]``. The first chunk's parent is
 :data:`ROOT_KEY` (32 zero bytes) unless the caller passes a salt-derived root (tenant
 isolation: :func:`salted_root`). Never Python's ``hash()``; no per-process seeds.
 
-A :class:`Namespace` names everything that decides what a chunk's bytes mean: model,
-dtype, KV layout, page bytes, tokens per chunk and how they split into blocks, the
-layers' names in registration order, parallel layout, hash scheme and the tierkv format
-version. Persistent data lives under its namespace's fingerprint, every stored value is
-bound to that fingerprint (and to its rank and key), and a store opened under another
-namespace never serves it.
+A :class:`Namespace` names everything that decides what a chunk's bytes mean. Persistent
+data lives under its fingerprint, every stored value is bound to it (and to its rank and
+key), and a store opened under another namespace never serves it.
 """
 
 from __future__ import annotations

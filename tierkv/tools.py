@@ -1,22 +1,18 @@
-"""Operator tools over a disk tier root: ``tierkv inspect`` and ``tierkv verify``.
+"""Operator tools over a disk tier root: ``tierkv inspect`` and ``tierkv verify``
+(``docs/warmup.md`` shows their output).
 
-- :func:`inspect_store` reads every ``ns-<fingerprint>/rank-<r>`` environment through a
-  **read-only** :class:`DiskTier` (its index records only; no payload is read, nothing is
-  changed): namespace, chunks, payload bytes, file size, oldest and newest chunk by write
-  sequence, last write time, format version, environments moved aside.
+- :func:`inspect_store` opens every ``ns-<fingerprint>/rank-<r>`` environment through a
+  **read-only** :class:`DiskTier` and reads its index records only: nothing is changed.
 - :func:`verify_store` checks every value's header and checksum and the index
-  (:meth:`DiskTier.verify`). Without ``repair`` nothing is changed (every environment is
-  opened read-only): one that is damaged (LMDB reports damage, its meta record is
-  unreadable, or its files are not this user's) is reported; with ``repair`` bad chunks are
-  deleted and a damaged environment is moved aside and rebuilt empty (what the engine
-  itself does when it meets damage), unless a running engine claims it.
-- Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found
-  (also when ``--repair`` fixed them: a rerun then answers 0), 2 error (no store, the
-  store cannot be read, a format this build does not read).
+  (:meth:`DiskTier.verify`), opening every environment read-only and reporting a damaged one
+  (LMDB reports damage, its meta record is unreadable, or its files are not this user's).
+  With ``repair`` it deletes bad chunks and moves a damaged environment aside and rebuilds it
+  empty (what the engine itself does when it meets damage), unless a running engine claims it.
+- Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found (also
+  when ``--repair`` fixed them: a rerun then answers 0), 2 error.
 
-Both are safe to run while an engine has the store open (LMDB is multi-process); a chunk
-deleted by ``--repair`` under a running engine is a failed load there, which the engine
-recomputes.
+Both are safe while an engine has the store open (LMDB is multi-process); a chunk deleted by
+``--repair`` under a running engine is a failed load there, which the engine recomputes.
 """
 
 from __future__ import annotations
@@ -109,8 +105,7 @@ def _open_tier(root: Path, namespace: Namespace, rank: RankReport, **how: Any) -
 
 
 def peek_rank(root: Path, namespace: Namespace, rank: int, path: Path) -> RankReport:
-    """A :class:`RankReport` of one environment, through a read-only :class:`DiskTier`
-    (index records only: no payload is read, nothing is changed)."""
+    """A :class:`RankReport` of one environment (index records only, read-only)."""
     report = RankReport(rank, path)
     data = path / "data.mdb"
     if check_file(data, fix=False) is Trust.OK:
@@ -184,8 +179,7 @@ class VerifyOutcome:
 
 def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome) -> None:
-    """Check one environment through :class:`DiskTier` (``repair``: it may delete bad chunks,
-    and move a damaged environment aside and rebuild it, as the engine itself does)."""
+    """Check one environment through :class:`DiskTier` (``repair``: see the module docstring)."""
     name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
     if rank.problem is not None:
         outcome.damaged += 1
@@ -207,7 +201,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         if rank.problem is None:
             outcome.damaged += 1
             outcome.lines.append(f"{name}: damaged environment {rank.path}: {exc}")
-        elif repair:
+        else:  # a known problem: only a repair got here
             outcome.lines.append(f"  not repaired: {exc}")
         return
     moved = sorted(set(rank.path.parent.glob(f"{rank.path.name}.*-*")) - before)
@@ -215,7 +209,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         outcome.moved_aside += len(moved)
         outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "
                              f"and started an empty environment")
-    elif rank.problem is not None and repair:
+    elif rank.problem is not None:
         outcome.lines.append("  not repaired: the environment opened and verified cleanly "
                              "(rerun tierkv verify)")
 
@@ -317,9 +311,7 @@ def run_verify(args: argparse.Namespace) -> int:
     parts = [f"{outcome.bad} bad"]
     if outcome.damaged:
         parts.append(f"{outcome.damaged} damaged environment(s)")
-    if args.repair:
-        parts.append(f"deleted {outcome.deleted}, moved aside {outcome.moved_aside}")
-    else:
-        parts.append("run with --repair to delete them")
+    parts.append(f"deleted {outcome.deleted}, moved aside {outcome.moved_aside}" if args.repair
+                 else "run with --repair to delete them")
     print(f"{what}: {', '.join(parts)} ({seconds:.1f} s)")
     return 1

@@ -7,15 +7,11 @@ Primitives (``tierkv warmup``, :mod:`tierkv.warmup_hf`, drives them from a HF mo
 - :class:`ChunkWriter`  one namespace, one or more ranks: skips keys present on every rank
   (a rerun resumes) or queued earlier, writes transactions of ~``disk.write_batch_bytes``,
   stops at ``capacity`` chunks or a full map (``full_message``); ``close()`` flushes, syncs.
-- :func:`warmup_tokens`  custom engines: token id sequences and a caller's KV producer ->
-  chunks keyed by :func:`tierkv.keys.chunk_keys` (or ``key_fn``) under ``namespace``.
-- :func:`gather_chunks`  a producer's helper: copy blocks of the engine's own KV tensors
-  into chunk payloads with :class:`~tierkv.transfer.layout.KVLayout`, byte for byte what
-  the worker stores.
+- :func:`warmup_tokens`  custom engines: token id sequences and a KV producer -> chunks.
+- :func:`gather_chunks`  a producer's helper: the engine's KV blocks -> the worker's bytes.
 - :class:`WarmupReport`  the counts and the one summary line.
 
-It knows no engine: the vLLM target (keys from vLLM's block hashes, the connector's
-geometry and namespace) is :mod:`tierkv.integrations.vllm_warmup`.
+It knows no engine: the vLLM target is :mod:`tierkv.integrations.vllm_warmup`.
 """
 
 from __future__ import annotations
@@ -97,7 +93,6 @@ class ChunkWriter:
         self.tiers: list[DiskTier] = []
         self.num_ranks = len(ranks)
         self._pending: list[tuple[bytes, tuple[memoryview, ...]]] = []
-        self._closed = False
         try:
             for rank in ranks:  # claimed: an engine running over the store is refused
                 self.tiers.append(DiskTier(self.root, namespace, rank, self.config, chunk_bytes,
@@ -139,13 +134,12 @@ class ChunkWriter:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        landed: set[bytes] | None = None
-        for position, tier in enumerate(self.tiers):
-            result = tier.put_many([(key, buffers[position]) for key, buffers in pending])
-            landed = set(result.written) if landed is None else landed & set(result.written)
-            if result.full and self.full_message is None:
-                self.full_message = result.message or "the disk map is full"
-        assert landed is not None
+        results = [tier.put_many([(key, buffers[position]) for key, buffers in pending])
+                   for position, tier in enumerate(self.tiers)]
+        landed = set.intersection(*(set(result.written) for result in results))
+        full = [result.message for result in results if result.full]
+        if full and self.full_message is None:
+            self.full_message = full[0] or "the disk map is full"
         self._queued.difference_update(key for key, _ in pending)
         self._present.update(landed)
         self._stored += len(landed)
@@ -153,13 +147,10 @@ class ChunkWriter:
 
     def close(self) -> None:
         """Flush what is queued, sync and close; idempotent."""
-        if self._closed:
-            return
         try:
             if self.tiers:
                 self.flush()
         finally:
-            self._closed = True
             tiers, self.tiers = self.tiers, []
             for tier in tiers:
                 tier.close()
@@ -174,14 +165,13 @@ class ChunkWriter:
 def warm_sequence(writer: ChunkWriter, report: WarmupReport, token_ids: Sequence[int],
                   keys: Sequence[bytes], tokens_per_chunk: int,
                   produce: Callable[[list[int]], Sequence[Sequence[Payload]]],
-                  on_chunks: Callable[[int], None] | None = None) -> bool:
+                  on_chunks: Callable[[int], None] = lambda count: None) -> bool:
     """Write the chunks of one sequence that the store lacks. ``produce(prefix)`` gets the
     token ids up to the end of the last missing chunk and returns, per chunk of that prefix,
     one payload per rank. Returns False once the writer stopped (full)."""
     missing = [index for index, key in enumerate(keys) if not writer.has(key)]
     report.chunks_present += len(keys) - len(missing)
-    if on_chunks is not None:
-        on_chunks(len(keys) - len(missing))
+    on_chunks(len(keys) - len(missing))
     if not missing:
         return True
     upto = missing[-1] + 1
@@ -192,17 +182,19 @@ def warm_sequence(writer: ChunkWriter, report: WarmupReport, token_ids: Sequence
     for index in missing:
         if not writer.add(keys[index], chunks[index]):
             return False
-        if on_chunks is not None:
-            on_chunks(1)
+        on_chunks(1)
     return True
 
 
 def finish_report(report: WarmupReport, writer: ChunkWriter) -> WarmupReport:
-    """Fill in what the writer did and the time taken."""
-    report.chunks_written = writer.written
-    report.bytes_written = writer.written * writer.chunk_bytes * writer.num_ranks
-    report.full_message = writer.full_message
-    report.seconds = time.perf_counter() - report.started
+    """Close ``writer`` and, even if closing raises, fill in what it did and the time taken."""
+    try:
+        writer.close()
+    finally:
+        report.chunks_written = writer.written
+        report.bytes_written = writer.written * writer.chunk_bytes * writer.num_ranks
+        report.full_message = writer.full_message
+        report.seconds = time.perf_counter() - report.started
     return report
 
 
@@ -233,13 +225,10 @@ def warmup_tokens(
         raise ConfigError(f"warmup: tokens_per_chunk={tpc} but the namespace has "
                           f"{namespace.tokens_per_chunk}")
 
-    def default_keys(token_ids: Sequence[int]) -> list[bytes]:
-        return list(chunk_keys(token_ids, tpc, parent, extra))
-
     def produce(prefix: list[int]) -> list[tuple[Payload]]:
         return [(payload,) for payload in kv_producer(prefix)]
 
-    keys_of = key_fn or default_keys
+    keys_of = key_fn or (lambda token_ids: list(chunk_keys(token_ids, tpc, parent, extra)))
     report = WarmupReport(fingerprint=namespace.fingerprint())
     writer = ChunkWriter(Path(store_dir), namespace, chunk_bytes, ranks=(rank,),
                          disk_config=disk_config, capacity=capacity)
@@ -252,7 +241,6 @@ def warmup_tokens(
             elif not warm_sequence(writer, report, token_ids, keys, tpc, produce):
                 break
     finally:
-        writer.close()
         finish_report(report, writer)
     return report
 

@@ -1,18 +1,13 @@
 """``tierkv warmup``: a prompts file -> a HF transformers forward -> chunks a vLLM engine hits.
 
-Order of work, so that bad input never touches the store:
+Order of work, so that bad input never touches the store (the input format: ``docs/warmup.md``):
 
-1. Read the model's ``config.json`` (no weights) and build the :class:`VllmTarget`
-   (keys, namespace, geometry shared with the connector).
-2. Stream the prompts file (aiofiles) once: every line must be a JSON object with
-   ``"text"`` (tokenized with the model's tokenizer, special tokens as vLLM adds them) or
-   ``"token_ids"``, optionally ``"cache_salt"`` and ``"add_special_tokens"``; count the
-   chunks for the progress bar. A bad line stops here, naming its number.
-3. Check the store: a store holding only other namespaces is refused unless
-   ``--allow-new-namespace`` (the message names the settings that differ).
-4. Stream again: tokenize, derive keys, skip chunks already present (a rerun resumes),
-   run the model over the prefix up to the last missing chunk (loaded on first use),
-   pack K/V into the worker's slot bytes and write them; then one summary line.
+1. The model's ``config.json`` (no weights) -> the :class:`VllmTarget` (keys, namespace, geometry).
+2. Stream the prompts file (aiofiles) once: validate every line (a bad one stops here, naming
+   its number) and count the chunks for the progress bar.
+3. Refuse a store holding only other namespaces, unless ``--allow-new-namespace``.
+4. Stream again: skip chunks already present (a rerun resumes), run the model (loaded on first
+   use) over the prefix up to the last missing chunk, write its K/V as the worker's slot bytes.
 
 Exit codes: 0 done, 1 the store filled up (``--disk-bytes``), 2 error, 130 interrupted.
 """
@@ -122,7 +117,6 @@ class HfModel:
         except Exception as exc:  # transformers raises many types for a bad config
             raise ConfigError(f"warmup: --model {model_dir}: config.json does not load: {exc}") from exc
         text = config.get_text_config()
-        self.config = text
         heads = int(text.num_attention_heads)
         self.num_layers = int(text.num_hidden_layers)
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -218,7 +212,6 @@ def check_store(store: Path, namespace: Any, allow_new: bool) -> None:
         f"would write namespace {fingerprint[:8]}: {detail}. An engine configured like the "
         f"store would never see these chunks; match those settings, or pass "
         f"--allow-new-namespace to add a namespace to the store")
-
 
 
 def _size(text: str) -> int:
@@ -362,10 +355,7 @@ async def _run(args: argparse.Namespace) -> int:
         interrupted = True
     finally:
         progress.close()
-        try:
-            writer.close()
-        finally:
-            finish_report(report, writer)
+        finish_report(report, writer)
     if interrupted:
         print(f"interrupted: {report.summary()}; run again to resume")
         return 130

@@ -37,9 +37,7 @@ and changes nothing.
 
 Eviction order: an :class:`~tierkv.core.policy.EvictionPolicy` made by name
 (``eviction_policy``, ARC by default) orders the READY CPU chunks in two pools, clean and
-dirty; the disk tier's chunks have a policy of their own (LRU). The index never names a
-concrete policy. A chunk whose spill completes joins the clean pool as its oldest chunk of
-its kind (it was spilled because it was next to go).
+dirty; the disk tier's chunks have an LRU of their own (docs/design.md, "States").
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ import math
 import time
 from itertools import islice
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from tierkv.core.jobs import (
@@ -156,7 +154,7 @@ class _Job:
     kind: JobKind
     keys: tuple[bytes, ...]
     from_disk: tuple[bool, ...] = ()
-    deletes: tuple[bytes, ...] = field(default=())
+    deletes: tuple[bytes, ...] = ()
 
 
 class BlockIndex:
@@ -292,15 +290,12 @@ class BlockIndex:
                 while position >= run_ends[run]:
                     run += 1
                 key = keys[position]
-                if key in entries or run == failed_run:
-                    if placed is None:  # the first key not stored: positions from now on
-                        placed = list(range(position))
-                    if key in entries:
-                        present += 1
-                    else:
-                        no_room += 1
-                    continue
-                if taken < len(free):
+                slot: SlotId | None = None
+                if key in entries:
+                    present += 1
+                elif run == failed_run:
+                    no_room += 1
+                elif taken < len(free):
                     slot = free[taken]
                     taken += 1
                 else:
@@ -308,14 +303,14 @@ class BlockIndex:
                         guard_run, guard = run, protected(run)
                     elif not isinstance(guard, set):
                         guard = set(guard)
-                    evicted = self._evict_for(guard)
-                    if evicted is None:  # a prefix of the run is stored, never a gap
+                    slot = self._evict_for(guard)
+                    if slot is None:  # a prefix of the run is stored, never a gap
                         failed_run = run
-                        if placed is None:
-                            placed = list(range(position))
                         no_room += 1
-                        continue
-                    slot = evicted
+                if slot is None:
+                    if placed is None:  # the first key not stored: positions from now on
+                        placed = list(range(position))
+                    continue
                 entries[key] = Entry(key, slot, storing)
                 if placed is not None:
                     placed.append(position)
@@ -485,12 +480,10 @@ class BlockIndex:
         self._disk.insert(on_disk, 0)
 
     def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
-        """Mark chunks as just used: READY chunks become the most recent of their CPU pool,
-        chunks on disk the most recent on disk. ``reuse=True``: a request reused them (e.g.
-        through the engine's own prefix cache), which a policy may count (ARC: a reused
-        chunk is protected from scans); ``reuse=False``: they were used again without a
-        reuse (their own request finished), recency only. Keys touched later count as more
-        recent; absent or in-flight keys are skipped. No other effect."""
+        """Mark chunks as just used (``reuse``: see the module docstring; a policy may count
+        a reuse, ARC protects reused chunks from scans): READY chunks become the most recent
+        of their CPU pool, chunks on disk the most recent on disk. Keys touched later count
+        as more recent; absent or in-flight keys are skipped. No other effect."""
         entries = self._entries
         cpu_use = self._cpu.access if reuse else self._cpu.refresh
         disk_use = self._disk.access if reuse else self._disk.refresh
@@ -548,9 +541,7 @@ class BlockIndex:
 
     def _take_slot(self, guard: set[bytes]) -> SlotId | None:
         slot = self._slots.allocate()
-        if slot is not None:
-            return slot
-        return self._evict_for(guard)
+        return slot if slot is not None else self._evict_for(guard)
 
     def _evict_for(self, guard: Collection[bytes]) -> SlotId | None:
         """Free the slot of the policy's first evictable clean chunk outside ``guard`` (a
@@ -559,16 +550,19 @@ class BlockIndex:
         entries = self._entries
         pool = CLEAN
         victim = None
-        for key in cpu.victims(CLEAN):  # _pick_victim inlined: every eviction passes here
+        for key in cpu.victims(CLEAN):  # walks inline: every eviction passes here
             entry = entries[key]
             if entry.readers == 0 and key not in guard:
                 victim = entry
                 break
         if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
             pool = DIRTY
-            victim = self._pick_victim(pool, guard)
-            if victim is not None:
-                self._counters.dirty_dropped += 1
+            for key in cpu.victims(DIRTY):
+                entry = entries[key]
+                if entry.readers == 0 and key not in guard:
+                    victim = entry
+                    self._counters.dirty_dropped += 1
+                    break
         if victim is None:
             if cpu.count(DIRTY) and self.has_disk:
                 # Demand-driven write-back: the clean reserve may be made of chunks in use
@@ -584,14 +578,6 @@ class BlockIndex:
         if victim.disk is None:
             self._remove(victim.key)
         return slot
-
-    def _pick_victim(self, pool: int, guard: Collection[bytes]) -> Entry | None:
-        entries = self._entries
-        for key in self._cpu.victims(pool):
-            entry = entries[key]
-            if entry.readers == 0 and key not in guard:
-                return entry
-        return None
 
     def _evict_disk(self) -> bool:
         for key in self._disk.victims(0):
@@ -652,8 +638,7 @@ class BlockIndex:
         )
 
     def check(self) -> None:
-        """Check every invariant (tests call this after each step); a broken one raises
-        :class:`~tierkv.errors.InvariantError` naming the entry (``python -O`` keeps it)."""
+        """Every invariant (see the module docstring); the error names the broken entry."""
         used: set[SlotId] = set()
         spilling: set[bytes] = set()
         cpu_listed: dict[bytes, int] = {}
@@ -674,11 +659,8 @@ class BlockIndex:
             if entry.disk is DiskState.SPILLING:
                 require(entry.cpu is CpuState.READY, entry)
                 spilling.add(key)
-            ready = entry.cpu is CpuState.READY
-            spill = entry.disk is DiskState.SPILLING
-            clean = ready and not spill and (entry.disk is DiskState.ON_DISK or not self.has_disk)
-            dirty = ready and not spill and entry.disk is None and self.has_disk
-            if clean or dirty:
+            if entry.cpu is CpuState.READY and entry.disk is not DiskState.SPILLING:
+                clean = entry.disk is DiskState.ON_DISK or not self.has_disk  # else dirty
                 cpu_listed[key] = CLEAN if clean else DIRTY
             require(self._cpu.pool_of(key) == cpu_listed.get(key), "cpu pool of", entry)
             if entry.disk is DiskState.ON_DISK:

@@ -17,7 +17,6 @@ builds it for every running request each step without an object per chunk.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, NewType
 
@@ -46,10 +45,9 @@ class ChunkCopy(NamedTuple):
 
 
 class StoreSpec(NamedTuple):
-    """GPU blocks -> CPU slots, by columns: chunk ``i`` is ``keys[i]``, copied into
-    ``slots[i]`` from ``block_ids[i * n : (i + 1) * n]``, n = blocks per chunk. The
-    scheduler builds one per step for every running request, so a chunk costs it no
-    object of its own; ``chunks`` is the per-chunk view for the worker side."""
+    """GPU blocks -> CPU slots, by columns (see the module docstring): chunk ``i`` is
+    ``keys[i]``, copied into ``slots[i]`` from ``block_ids[i * n : (i + 1) * n]``, n =
+    blocks per chunk; ``chunks`` is the per-chunk view for the worker side."""
 
     job_id: JobId
     keys: tuple[Key, ...]
@@ -118,10 +116,8 @@ def failed_set(completion: Completion, keys: tuple[Key, ...]) -> set[Key]:
     """The keys of a job that did not land. A completion that is not ok and names no
     keys failed as a whole; one that names keys failed for exactly those."""
     named = set(completion.failed_keys) | set(completion.corrupt_keys) | set(completion.full_keys)
-    if completion.ok and not named:
-        return set()
     if not named:
-        return set(keys)
+        return set() if completion.ok else set(keys)
     return named
 
 
@@ -137,12 +133,6 @@ class JobIds:
         return job_id
 
 
-@dataclass
-class _Pending:
-    reports: int = 0
-    completions: list[Completion] = field(default_factory=list)
-
-
 class CompletionTracker:
     """A job is complete only when every one of ``world_size`` workers reported it.
 
@@ -154,26 +144,21 @@ class CompletionTracker:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
-        self._pending: dict[JobId, _Pending] = {}
+        self._pending: dict[JobId, list[Completion]] = {}  # job -> the ranks' reports so far
 
     def report(self, completion: Completion) -> Completion | None:
         if self.world_size == 1:
             return completion
-        pending = self._pending.setdefault(completion.job_id, _Pending())
-        pending.reports += 1
-        pending.completions.append(completion)
-        if pending.reports < self.world_size:
+        parts = self._pending.setdefault(completion.job_id, [])
+        parts.append(completion)
+        if len(parts) < self.world_size:
             return None
         del self._pending[completion.job_id]
-        return merge_completions(pending.completions)
+        return merge_completions(parts)
 
 
 def _union(groups: list[tuple[Key, ...]]) -> tuple[Key, ...]:
-    seen: dict[Key, None] = {}
-    for group in groups:
-        for key in group:
-            seen[key] = None
-    return tuple(seen)
+    return tuple(dict.fromkeys(key for group in groups for key in group))
 
 
 def merge_completions(parts: list[Completion]) -> Completion:

@@ -49,9 +49,7 @@ class SlotAllocator:
         self._free.extend(reversed(slots))
 
     def free(self, slot: SlotId) -> None:
-        assert not self._is_free[slot], f"slot {slot} freed twice"
-        self._is_free[slot] = True
-        self._free.append(slot)
+        self.give_back([slot])
 
     def is_free(self, slot: SlotId) -> bool:
         return self._is_free[slot]

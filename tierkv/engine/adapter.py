@@ -15,31 +15,19 @@ It never blocks and never touches tensor bytes. Primitives:
 - ``touch(view, num_chunks)``: the engine reused the first chunks from its own cache;
   they become the most recently used (tail first).
 - ``request_finished(view, aborted=False)``: the request's state survives; the next plan
-  stores its last full chunk (watermark below) and frees the state only when none of its
+  stores its last full chunk and frees the state only when none of its
   jobs is in flight. Until then its id may not come back as a new request (request ids
   must be unique): ``build_plan`` and ``update_state_after_alloc`` refuse it. A step's
   store job lists as owners only the requests with a chunk in it.
 - ``build_plan(step) -> StepPlan``: loads, stores up to each request's watermark,
   spills, and ``jobs_to_flush`` (fences). A step's stores are at most two jobs: one for
-  the requests that finished (their bytes are on the GPU already, so a fence may flush
-  it before the forward pass) and one for every running request (its chunks are
-  written by this step's forward pass). Per-job costs are paid once per step, not
-  once per request (docs/benchmarks/adapter.md).
+  the requests that finished (a fence may flush it before the forward pass) and one for
+  every running request (written by this step's forward pass).
 - ``complete(report)``: a worker's report; a job counts once all ``world_size`` workers
   reported it.
 
-Store watermark, in tokens: running ``num_computed_tokens + num_scheduled_tokens``;
-finished normally ``max(num_prompt_tokens, num_tokens - 1)`` (the last sampled token's
-slot was never written: storing it would poison the cache under a valid key), never past
-what was computed; aborted ``num_computed_tokens``; capped by ``offload_prompt_only``.
-
-Fence: a request that finished keeps its GPU block list until none of its jobs is in
-flight. When the engine hands one of those blocks out again (``new_block_ids``, or the
-blocks of an async load), every job of that request goes into ``jobs_to_flush``; so do
-the jobs of a preempted request. The worker submits every pending store and waits for
-them before the forward pass may overwrite the block: a job shared with other requests
-is waited on whole. (Tracking per request, not per job and block, keeps the per-chunk
-cost of a step small.)
+The store watermarks, the fence and why it is kept per request (the per-chunk cost of a
+step) are in docs/engine-adapter.md and docs/design.md.
 """
 
 from __future__ import annotations
@@ -159,44 +147,40 @@ class EngineAdapter:
         self.stats = AdapterStats()
 
     # ------------------------------------------------------------------ lookup
-    def _chunk_range(self, view: RequestView, num_local_tokens: int) -> tuple[int, int]:
-        tpc = self.config.tokens_per_chunk
-        start = num_local_tokens // tpc
-        # At least one token must be left to compute, and only whole chunks load.
-        end = min((view.num_tokens - 1) // tpc, len(view.chunk_keys))
-        return start, max(end, start)
-
     def lookup(self, view: RequestView, num_local_tokens: int) -> int | None:
         self.stats.lookups += 1
-        start, end = self._chunk_range(view, num_local_tokens)
+        tpc = self._tpc
+        start = num_local_tokens // tpc
+        # At least one token must be left to compute, and only whole chunks load.
+        end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
         found = self.index.lookup(view.chunk_keys[start:end])
-        if found.pending:
-            since = self._pending_since.setdefault(view.req_id, self._clock())
-            if self._clock() - since < self.config.promotion_wait_seconds:
-                self.stats.not_yet += 1
-                return None
+        if found.pending and self._may_wait(self._pending_since, view.req_id):
+            self.stats.not_yet += 1
+            return None
         self._pending_since.pop(view.req_id, None)
         stop = start + found.num_hits
         if self.config.wait_for_stores and stop < end and self._stored_soon(view, stop):
+            self.stats.waits_on_stores += 1
             return None
         self._store_wait_since.pop(view.req_id, None)
-        tokens = stop * self.config.tokens_per_chunk - num_local_tokens
-        tokens = max(tokens, 0) if found.num_hits else 0
+        tokens = max(stop * tpc - num_local_tokens, 0) if found.num_hits else 0
         self.stats.hit_tokens += tokens
         return tokens
 
     def _stored_soon(self, view: RequestView, chunk: int) -> bool:
         """Whether chunk ``chunk`` of ``view`` is being stored, or is a finished request's
-        that the next plan stores: "not yet", for at most ``promotion_wait_seconds``."""
+        that the next plan stores (and the request may still wait for it)."""
         key = view.chunk_keys[chunk]
         entry = self.index.entry(key)
         if not (key in self._finishing if entry is None else entry.cpu is CpuState.STORING):
             return False
-        since = self._store_wait_since.setdefault(view.req_id, self._clock())
-        if self._clock() - since < self.config.promotion_wait_seconds:
-            self.stats.waits_on_stores += 1
-            return True
-        return False
+        return self._may_wait(self._store_wait_since, view.req_id)
+
+    def _may_wait(self, since: dict[str, float], req_id: str) -> bool:
+        """Whether ``req_id`` may hear "not yet" again: ``since`` holds when it first did,
+        and it may for ``promotion_wait_seconds`` from then."""
+        first = since.setdefault(req_id, self._clock())
+        return self._clock() - first < self.config.promotion_wait_seconds
 
     def touch(self, view: RequestView, num_chunks: int, reuse: bool = True) -> None:
         """The engine used the first ``num_chunks`` chunks of ``view`` again (``reuse``: from
@@ -216,50 +200,39 @@ class EngineAdapter:
             state = self._requests[view.req_id] = _Request(view)
         state.view = view
         state.block_ids = list(block_ids)
+        first_new = num_local_tokens // self.config.tokens_per_block  # past the local hit
         if self._released:  # only blocks of departed requests can need a fence
-            first_new = num_local_tokens // self.config.tokens_per_block
             self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
         if num_external_tokens <= 0:
             return
-        cfg = self.config
-        tpc, bpc = cfg.tokens_per_chunk, cfg.blocks_per_chunk
+        tpc, bpc = self._tpc, self._bpc
         start = num_local_tokens // tpc
         end = (num_local_tokens + num_external_tokens) // tpc
-        keys = list(view.chunk_keys[start:end])
-        plan = self.index.prepare_load(keys)
-        skip_first = (num_local_tokens - start * tpc) // cfg.tokens_per_block
+        plan = self.index.prepare_load(view.chunk_keys[start:end])
+        skip_first = first_new - start * bpc
         chunks = []
+        cpu_tokens = disk_tokens = 0
         for position, (key, slot, from_disk) in enumerate(plan.chunks):
             chunk = start + position
             blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
             chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip_first if position == 0 else 0))
+            tokens = min(tpc, (chunk + 1) * tpc - num_local_tokens)  # only the first is partial
+            if from_disk:
+                disk_tokens += tokens
+            else:
+                cpu_tokens += tokens
         lost_from = (start + len(plan.chunks)) * bpc
-        first_external_block = num_local_tokens // cfg.tokens_per_block
-        lost = tuple(state.block_ids[max(lost_from, first_external_block) : end * bpc])
+        lost = tuple(state.block_ids[max(lost_from, first_new) : end * bpc])
         spec = None
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._track(plan.job_id, view.req_id)
             self.stats.loads_planned += len(chunks)
-        self._load_sources[view.req_id] = self._tokens_by_tier(plan.chunks, start,
-                                                               num_local_tokens, end * tpc)
+        self._load_sources[view.req_id] = (cpu_tokens, disk_tokens)
+        self.stats.hit_tokens_cpu += cpu_tokens
+        self.stats.hit_tokens_disk += disk_tokens
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
         self._pending_loads.append(LoadRequest(view.req_id, spec, lost))
-
-    def _tokens_by_tier(self, chunks: Sequence[tuple[bytes, int, bool]], start: int, local: int,
-                        end: int) -> tuple[int, int]:
-        tpc = self._tpc
-        cpu = disk = 0
-        for position, (_, _, from_disk) in enumerate(chunks):
-            chunk = start + position
-            tokens = min((chunk + 1) * tpc, end) - max(chunk * tpc, local)
-            if from_disk:
-                disk += tokens
-            else:
-                cpu += tokens
-        self.stats.hit_tokens_cpu += cpu
-        self.stats.hit_tokens_disk += disk
-        return cpu, disk
 
     def take_load_sources(self, req_id: str) -> tuple[int, int]:
         """Tokens of the request's last planned load from the CPU tier and from disk."""
@@ -364,20 +337,18 @@ class EngineAdapter:
                     state.block_ids.extend(blocks)
             if self._released:
                 allocated.update(dict.fromkeys(blocks, req_id))
-        stores: list[StoreSpec] = []
         # Finished requests first: their last full chunk is stored now, in a job of its
         # own: its bytes are on the GPU already, so a fence may flush it before the forward
         # pass; the running requests' job needs this step's forward pass.
         finished, self._finished_queue = self._finished_queue, []
+        finished_job = None
         if finished:
             batch = _Candidates()
             for req_id in finished:
                 state = self._requests.get(req_id)
                 if state is not None:
                     self._add_departed_run(state, batch)
-            spec = self._store_job(batch)
-            if spec is not None:
-                stores.append(spec)
+            finished_job = self._store_job(batch)
         # Fence: a block handed out this step (to a scheduled request or an async load)
         # that a departed request's job may still use: that request's jobs finish first.
         for block, req_id in allocated.items():
@@ -420,15 +391,13 @@ class EngineAdapter:
                 blocks_to_store += state.block_ids[first * bpc : target * bpc]
                 ends.append(len(keys_to_store))
                 owners.append(state)
-        spec = self._store_job(batch)
-        if spec is not None:
-            stores.append(spec)
+        stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         loads, self._pending_loads = tuple(self._pending_loads), []
         self._finishing.clear()
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)
         idle = not any(step.num_scheduled_tokens.values())
-        return StepPlan(loads, tuple(stores), (spill,) if spill is not None else (), tuple(flush), idle)
+        return StepPlan(loads, stores, (spill,) if spill is not None else (), tuple(flush), idle)
 
     def take_flush_spills(self) -> StepPlan:
         """A plan that writes every dirty CPU chunk to disk (clean shutdown)."""

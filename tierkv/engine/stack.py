@@ -10,8 +10,7 @@ vLLM connector roles (one each, in their own processes):
   with its I/O threads, and the :class:`JobExecutor` over them, as a :class:`WorkerStack`.
   A failure while building releases what was built (threads, slab, disk tier).
 
-A new tier plugs in here: built from its config section next to the disk tier, handed to
-the executor, and sized for the index.
+A new tier plugs in here (docs/design.md, "Where a new tier plugs in").
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from typing import TYPE_CHECKING
 
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import JobIds
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
@@ -50,7 +48,6 @@ def build_index(config: StoreConfig, num_slots: int, disk_capacity: int, *,
         spill_ahead_fraction=config.cpu.spill_ahead_fraction,
         retry_after_full_seconds=config.disk.retry_after_full_seconds,
         clock=clock,
-        job_ids=JobIds(),
         record_events=record_events,
         eviction_policy=config.cpu.eviction_policy,
     )

@@ -1,15 +1,5 @@
-"""TierKVStore: the library API for custom engines, both sides in one process.
-
-    store = TierKVStore(kv_caches, model_id="my-model", tokens_per_block=16,
-                        config=StoreConfig(blocks_per_chunk=16,
-                                           cpu=CpuTierConfig(max_bytes=8 << 30),
-                                           disk=DiskTierConfig(path="/var/cache/tierkv")))
-    keys = chunk_keys(token_ids, store.tokens_per_chunk)
-    num_hit = store.lookup(keys)                 # ready prefix across CPU and disk
-    job = store.load(keys[:num_hit], block_ids)  # async disk -> CPU -> GPU
-    store.wait([job.job_id]); done = store.poll()
-    store.store(keys, block_ids)                 # async GPU -> CPU (-> disk by spill)
-    store.close()                                # flushes the CPU tier to disk
+"""TierKVStore: the library API for custom engines, both sides in one process (a runnable
+example: README.md).
 
 Primitives:
 - ``lookup(keys) -> int``: chunks in the ready, contiguous prefix (no side effects).
@@ -28,15 +18,11 @@ wrong: keys are 32-byte ``bytes``; ``block_ids`` is one sequence per chunk
 arrays and tensors too; never floats or bools) in ``[0, num_blocks)``; job ids are what
 ``store``/``load`` returned.
 
-Not thread-safe: call it from one thread at a time. A call that overlaps another one, or
-any call from a forked child of the process that built the store, raises
-:class:`UsageError` and changes nothing (LMDB, threads and CUDA streams do not survive
-``fork()``). Spills and completions advance on every call; ``poll()`` in the engine loop
-keeps them moving.
-
-Opening claims the disk environment for this process (a second store on the same
-``disk.path``, namespace and rank, in this process or another, is refused); a failed
-construction releases everything it had taken (threads, slab, environment, claim).
+Not thread-safe, and not for a forked child: a call that overlaps another one, or any call
+from a child, raises :class:`UsageError` and changes nothing. Opening claims the disk
+environment (a second store on it is refused); a failed construction releases all it took.
+Why: docs/operations.md ("Fork", "Threads", "One writer per environment"). Spills and
+completions advance on every call; ``poll()`` in the engine loop keeps them moving.
 """
 
 from __future__ import annotations
@@ -48,7 +34,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -205,12 +190,9 @@ class TierKVStore:
                 f"cpu tier: cpu.max_bytes={cfg.cpu.max_bytes} holds no chunk of "
                 f"{self.chunk_bytes} bytes (raise cpu.max_bytes or lower blocks_per_chunk)"
             )
-        open_disk = None
-        if cfg.disk.path is not None:
-            def open_disk() -> DiskTier:
-                assert cfg.disk.path is not None
-                return DiskTier(Path(cfg.disk.path), namespace, cfg.rank, cfg.disk,
-                                self.chunk_bytes, exclusive=True)
+        open_disk = None if cfg.disk.path is None else functools.partial(
+            DiskTier, cfg.disk.path, namespace, cfg.rank, cfg.disk, self.chunk_bytes,
+            exclusive=True)
         self._stack = build_worker(cfg, self.layout, num_slots, open_disk=open_disk)
         self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
         try:
@@ -350,10 +332,7 @@ class TierKVStore:
         if self._closed:
             return
         try:
-            if self.disk is not None:
-                self._flush()
-            else:
-                self._drain()
+            self._flush()  # without a disk tier: a drain
         except TierKVError as exc:
             # A disk tier that broke underneath loses its unflushed chunks; closing the
             # store must still succeed (the engine never fails because its cache did).

@@ -1,12 +1,11 @@
 """WorkerAdapter: executes a StepPlan on one worker (one GPU rank). Decides no policy.
 
-Per step, in the engine's order:
+Per step, in the engine's order (why: docs/design.md, "Worker order and when stores start"):
 
 1. ``handle_preemptions(plan)`` before the forward pass: the plan's stores named in
    ``jobs_to_flush`` join the pending list, **every** pending store is submitted, and only
-   then does it wait on ``jobs_to_flush``. (Waiting on a job never submitted is the race
-   that corrupted vLLM's offloading connector: the block would be overwritten while the
-   store had not even started.)
+   then does it wait on ``jobs_to_flush`` (waiting on a job never submitted is the race of
+   docs/engine-adapter.md, "Flush order").
 2. ``start(plan)``: submits pending stores, the plan's loads and spills.
 3. the engine's forward pass writes KV into the scheduled slots.
 4. ``after_forward()``: submits the plan's remaining stores (their chunks were completed
@@ -23,10 +22,9 @@ at shutdown, so a restart is warm even for chunks the scheduler never got to spi
 ``statistics()``: bytes, seconds and failed jobs per path (gpu_to_cpu, cpu_to_gpu,
 cpu_to_disk), cumulative.
 
-Idle steps yield. When the engine computes nothing (every request waits for its load) it
-loops as fast as it can; in one process that loop can starve the copy and disk threads of
-the GIL for seconds (seen with vLLM's scheduler on CPU: spills stalled for 3000 steps). So
-``poll()`` after an idle plan with jobs in flight sleeps ``IDLE_YIELD_SECONDS`` first.
+Idle steps yield: ``poll()`` after an idle plan with jobs in flight sleeps
+``IDLE_YIELD_SECONDS`` first, or an engine loop with nothing to compute starves the copy
+and disk threads of the GIL (docs/design.md, "Threads and the GIL").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The vLLM target of the warm-up: chunks keyed and laid out as tierkv's vLLM connector
 stores them, so a vLLM 0.33 server over the store serves them as prefix hits.
 
-- :func:`vllm_block_hashes` computes the ``request.block_hashes`` vLLM 0.33 computes for a
-  text-only request without LoRA (:func:`vllm_hash_function`, :func:`vllm_none_hash`: the
-  algorithms of ``vllm/utils/hashing.py``, checked against vLLM's own hasher in the tests).
+- :func:`vllm_block_hashes` vLLM 0.33's ``request.block_hashes`` (:func:`vllm_hash_function`,
+  :func:`vllm_none_hash`: ``vllm/utils/hashing.py``'s, checked against vLLM's in the tests).
 - :class:`VllmTarget` the engine the chunks are for: its geometry and namespace are the
   connector's (:mod:`tierkv.integrations.vllm_config`, one definition); ``chunk_keys`` as
   the connector derives them (:mod:`tierkv.integrations.vllm_keys`); :meth:`VllmTarget.pack`
@@ -151,14 +150,12 @@ class VllmTarget:
 
     def rank_heads(self, rank: int) -> slice:
         """KV heads of ``rank``: contiguous runs, replicated when heads < ranks (as vLLM)."""
-        per = self.heads_per_rank
-        first = rank * per if self.num_kv_heads >= self.tensor_parallel_size else \
-            rank * self.num_kv_heads // self.tensor_parallel_size
-        return slice(first, first + per)
+        first = rank * self.num_kv_heads // self.tensor_parallel_size
+        return slice(first, first + self.heads_per_rank)
 
     @property
     def content_bytes(self) -> int:
-        element = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        element = _DTYPES[self.dtype].itemsize
         return (self.head_size + (self.head_size_v or self.head_size)) * element
 
     @property
@@ -234,12 +231,10 @@ class VllmTarget:
             rows = []
             for cells in per_layer:
                 part = cells[self.rank_heads(rank)]  # [h, S, C]
-                h, _, c = part.shape
-                if PAGE_ORDER[self.kv_cache_layout] == "NHD":
-                    pages = part.permute(1, 0, 2)  # [S, h, C]: each block's page is [N, h, C]
-                else:
-                    pages = part.reshape(h, num_chunks * tpc // bs, bs, c).permute(1, 0, 2, 3)
-                rows.append(pages.reshape(num_chunks, -1))
+                if PAGE_ORDER[self.kv_cache_layout] == "HND":
+                    part = part.reshape(len(part), -1, bs, part.shape[-1])  # [h, blocks, N, C]
+                # pages first: NHD [S, h, C] (a block is [N, h, C]), HND [blocks, h, N, C]
+                rows.append(part.transpose(0, 1).reshape(num_chunks, -1))
             chunk = torch.stack(rows, dim=1).contiguous()  # [chunks, L, page elements x blocks]
             out.append(chunk.view(num_chunks, -1).view(torch.uint8).to("cpu"))
         return out
