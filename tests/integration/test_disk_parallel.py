@@ -1,9 +1,10 @@
-"""The disk tier's parallel paths: payloads read by pread, reads split across reader threads,
-the periodic fsync on its own thread (never on the writer)."""
+"""The disk tier's parallel paths: reads split across reader threads, the periodic fsync on
+its own thread (never on the writer), and an index scan without read-ahead."""
 
 from __future__ import annotations
 
 import random
+import sys
 import threading
 from pathlib import Path
 
@@ -14,11 +15,11 @@ from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import PREAD_MIN_BYTES, DiskTier, ReadStatus
-from tierkv.tiers.disk_env import LmdbEnv
+from tierkv.tiers import disk_env
+from tierkv.tiers.disk import DiskTier, ReadStatus
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
 
-PAYLOAD = 4 * PREAD_MIN_BYTES  # large enough for the pread path
+PAYLOAD = 256 * 1024
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=4096,
                tokens_per_chunk=16)
 
@@ -35,75 +36,30 @@ def open_tier(root: Path, **config: object) -> DiskTier:
     return DiskTier(root, NS, 0, DiskTierConfig(path=root, **config), PAYLOAD)  # type: ignore[arg-type]
 
 
-class CountingEnv:
-    """Counts what ``LmdbEnv.pread_value`` answered, for one test."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.answers: list[bool] = []
-        original = LmdbEnv.pread_value
-
-        def counted(env: LmdbEnv, *args: object) -> bool:
-            answer = original(env, *args)  # type: ignore[arg-type]
-            self.answers.append(answer)
-            return answer
-
-        monkeypatch.setattr(LmdbEnv, "pread_value", counted)
-
-
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="pread path needs Linux")
-def test_large_payloads_are_read_by_pread_byte_exact(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    counting = CountingEnv(monkeypatch)
-    with open_tier(tmp_path) as tier:
-        tier.put_many([(key_of(i), payload_of(i)) for i in range(6)])
-        out = memoryview(bytearray(PAYLOAD + 100))
-        for i in range(6):
-            assert tier.read_into(key_of(i), out) is ReadStatus.OK
-            assert bytes(out[:PAYLOAD]) == payload_of(i)
-    assert counting.answers == [True] * 6  # every payload came by pread
-
-
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="pread path needs Linux")
-def test_a_wrong_map_offset_falls_back_to_the_map(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    counting = CountingEnv(monkeypatch)
+@pytest.mark.skipif(sys.platform != "linux", reason="the map is found through /proc/self/maps")
+def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
+    """A restart walks the index with the map's read-ahead off: each page fault then reads
+    one page, not megabytes of payloads around it (scripts/bench_restart.py measures it)."""
+    advice: list[tuple[int, int, int]] = []
     with open_tier(tmp_path) as tier:
         tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
+        span = tier._lmdb._map_span_of_data()
+        assert span is not None and span[1] >= tier.map_size  # this environment's map
+        real = disk_env._madvise
+        assert real is not None
+
+        def recorded(start: int, length: int, how: int) -> int:
+            advice.append((start, length, how))
+            return real(start, length, how)
+
+        disk_env._madvise = recorded
+        try:
+            assert [record.key for record in tier.scan()] == sorted(key_of(i) for i in range(3))
+        finally:
+            disk_env._madvise = real
         out = memoryview(bytearray(PAYLOAD))
-        assert tier.read_into(key_of(0), out) is ReadStatus.OK
-        env = tier._lmdb
-        assert env._map_span is not None
-        start, end, generation = env._map_span
-        env._map_span = (start - 4096, end, generation)  # every offset now 4 KiB off
-        for i in range(3):
-            assert tier.read_into(key_of(i), out) is ReadStatus.OK  # never a false corrupt
-            assert bytes(out) == payload_of(i)
-        assert tier.statistics().corrupt == 0
-    assert counting.answers[1] is False  # the wrong offset was caught, then found again
-    assert counting.answers[2:] == [True, True]
-
-
-def test_a_flipped_payload_byte_is_corrupt_on_the_pread_path(tmp_path: Path) -> None:
-    with open_tier(tmp_path) as tier:
-        tier.put_many([(key_of(1), payload_of(1))])
-        path = tier.path / "data.mdb"
-    raw = bytearray(path.read_bytes())
-    where = raw.find(payload_of(1)[:64])
-    assert where > 0
-    raw[where + PAYLOAD // 2] ^= 0x01
-    path.write_bytes(bytes(raw))
-    with open_tier(tmp_path) as tier:
-        out = memoryview(bytearray(PAYLOAD))
-        assert tier.read_into(key_of(1), out) is ReadStatus.CORRUPT
-        assert tier.read_into(key_of(1), out) is ReadStatus.MISSING  # deleted, counted
-        assert tier.statistics().corrupt == 1
-
-
-def test_environment_maps_without_readahead(tmp_path: Path) -> None:
-    """A restart reads the pages it touches, not megabytes of read-ahead around them."""
-    with open_tier(tmp_path) as tier:
-        assert tier._lmdb._env is not None
-        assert tier._lmdb._env.flags()["readahead"] is False
+        assert tier.read_into(key_of(2), out) is ReadStatus.OK and bytes(out) == payload_of(2)
+    assert advice == [(*span, 1), (*span, 0)]  # MADV_RANDOM for the scan, then MADV_NORMAL
 
 
 def spill(job: int, writes: list[tuple[int, int]]) -> SpillSpec:

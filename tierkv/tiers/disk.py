@@ -47,7 +47,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -65,8 +64,7 @@ from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.disk_env import META_NEXT_SEQ, FilesDamaged, LmdbEnv
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
-from tierkv.tiers.disk_format import (MAX_VALUE_OVERHEAD, PREFIX_BYTES, ValueWriter, binding_of,
-                                      check_value, pack_index, unpack_index)
+from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value, pack_index, unpack_index
 from tierkv.tiers.lmdb_tuning import map_size_for, tune_malloc
 from tierkv.units import format_bytes
 
@@ -76,10 +74,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("tierkv.disk")
-
-# Payloads this big are read by pread from data.mdb (GIL released, no page faults in the map);
-# smaller ones are copied from the map, which costs less per call when they are cached.
-PREAD_MIN_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -141,7 +135,6 @@ class DiskTier(LowerTier):
         self._unsynced_bytes = 0
         self._last_sync = clock()
         self._writer = ValueWriter(payload_bytes, self._binding)
-        self._pread = payload_bytes >= PREAD_MIN_BYTES and sys.platform == "linux"
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
         self._lmdb = LmdbEnv(
@@ -425,19 +418,12 @@ class DiskTier(LowerTier):
 
         def read(env: lmdb.Environment) -> tuple[bool, str | None]:
             with env.begin(db=self._lmdb.chunks, buffers=True) as txn:
-                value = txn.get(key)
-                if value is None:
-                    return False, None
-                filled = False
-                head_bytes = len(value) - self.payload_bytes
-                if self._pread and PREFIX_BYTES <= head_bytes <= MAX_VALUE_OVERHEAD:
-                    filled = self._lmdb.pread_value(value, memoryview(bytearray(head_bytes)),
-                                                    out[:self.payload_bytes])
-                problem = check_value(self._binding, key, value, self.payload_bytes, out, filled)
-                if problem is not None and filled:  # judge the value, not the read
-                    problem = check_value(self._binding, key, value, self.payload_bytes, out)
+                value = txn.get(key)  # py-lmdb touches each page first, GIL released
+                found = value is not None
+                problem = check_value(self._binding, key, value, self.payload_bytes,
+                                      out) if found else None
                 del value  # LMDB's buffer is valid only inside the txn
-            return True, problem
+            return found, problem
 
         found, problem = self._lmdb.run("reading chunk", read, key)
         if not found:
@@ -484,20 +470,21 @@ class DiskTier(LowerTier):
             with env.begin(db=self._lmdb.index) as txn:
                 return self._rows_after(txn, self._lmdb.index, last, batch, True)
 
-        while True:
-            rows = self._lmdb.run("scanning", rows_of)
-            if self._lmdb.replacements != replaced:  # rebuilt meanwhile: start over, on empty
-                records, replaced = [], self._lmdb.replacements
-                if last is not None:
-                    last = None
-                    continue
-            for key, raw in rows:
-                parsed = unpack_index(raw)
-                if parsed is not None:
-                    records.append(ChunkRecord(key, parsed[0], parsed[1]))
-            if len(rows) < batch:
-                break
-            last = rows[-1][0]
+        with self._lmdb.random_access():  # a restart reads index pages, not read-ahead
+            while True:
+                rows = self._lmdb.run("scanning", rows_of)
+                if self._lmdb.replacements != replaced:  # rebuilt meanwhile: start over
+                    records, replaced = [], self._lmdb.replacements
+                    if last is not None:
+                        last = None
+                        continue
+                for key, raw in rows:
+                    parsed = unpack_index(raw)
+                    if parsed is not None:
+                        records.append(ChunkRecord(key, parsed[0], parsed[1]))
+                if len(rows) < batch:
+                    break
+                last = rows[-1][0]
         yield from records
 
     def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport:

@@ -38,9 +38,11 @@ Primitives and contracts:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +52,6 @@ from typing import Any, TypeVar
 
 import lmdb
 import msgpack
-import numpy as np
 
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
                            NamespaceMismatchError, TierKVError, UsageError, short_key)
@@ -68,6 +69,20 @@ READER_CHECK_SECONDS = 1.0
 META_NAMESPACE = b"namespace"
 META_NEXT_SEQ = b"next_seq"
 _ENV_FILES = ("data.mdb", "lock.mdb")
+_MADV_NORMAL, _MADV_RANDOM = 0, 1  # <sys/mman.h>
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise  # type: ignore[no-any-return]
+
+
+_madvise = _load_madvise() if sys.platform == "linux" else None
 _T = TypeVar("_T")
 
 
@@ -160,7 +175,6 @@ class LmdbEnv:
         self.meta: Any = None
         self._data_fd: int | None = None
         self._data_floor = 0  # data.mdb never shrinks; smaller means truncated under us
-        self._map_span: tuple[int, int, int] | None = None  # (start, end, generation)
         self._size_lock = threading.Lock()
         self._counts_lock = threading.Lock()
         self._counts = dict.fromkeys(("rebuilds", "stale_readers", "map_adopted"), 0)
@@ -275,7 +289,7 @@ class LmdbEnv:
             raise BrokenError(f"{self._name}: no environment at {self.path} (no data.mdb)")
         env = lmdb.open(
             str(self.path), map_size=self.map_size, subdir=True, sync=self._sync_always,
-            metasync=self._sync_always, map_async=False, mode=FILE_MODE, readahead=False,
+            metasync=self._sync_always, map_async=False, mode=FILE_MODE, readahead=True,
             writemap=False, meminit=True, max_dbs=MAX_DBS, lock=True, readonly=not writable,
         )
         data_fd: int | None = None
@@ -463,51 +477,38 @@ class LmdbEnv:
     def readers_due(self) -> bool:
         return self._clock() - self._last_reader_check >= READER_CHECK_SECONDS
 
-    # -- payload reads by pread -------------------------------------------------------------
+    # -- access pattern ----------------------------------------------------------------------
 
-    def _map_start(self, address: int) -> int | None:
-        """Where the map holding ``address`` starts (``/proc/self/maps``; cached per
-        generation), or None when that is not this environment's ``data.mdb``."""
-        span = self._map_span
-        if span is not None and span[2] == self.generation and span[0] <= address < span[1]:
-            return span[0]
-        assert self._data_fd is not None
-        inode = os.fstat(self._data_fd).st_ino
+    @contextmanager
+    def random_access(self) -> Iterator[None]:
+        """Within: no read-ahead on the map (``MADV_RANDOM``), so walking the index reads
+        the pages it touches, not megabytes around each. Loads need read-ahead (py-lmdb
+        touches every page of a value, with the GIL released, before it is copied), so it
+        is back on after. A no-op where the map cannot be found (not Linux)."""
+        span = self._map_span_of_data()
+        if span is None or _madvise is None or _madvise(span[0], span[1], _MADV_RANDOM):
+            yield
+            return
         try:
+            yield
+        finally:
+            _madvise(span[0], span[1], _MADV_NORMAL)
+
+    def _map_span_of_data(self) -> tuple[int, int] | None:
+        """(start, length) of the map of this environment's ``data.mdb``."""
+        try:
+            inode = os.fstat(self._data_fd).st_ino if self._data_fd is not None else None
             with open("/proc/self/maps", "rb") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
-                    start, end = (int(part, 16) for part in fields[0].split(b"-"))
-                    if start <= address < end:
-                        if int(fields[2], 16) != 0 or int(fields[4]) != inode:
-                            return None
-                        self._map_span = (start, end, self.generation)
-                        return start
-        except (OSError, ValueError, IndexError):
+                    if inode and len(fields) == 6 and int(fields[4]) == inode \
+                            and int(fields[2], 16) == 0 \
+                            and fields[5].strip().endswith(b"/data.mdb"):
+                        start, end = (int(part, 16) for part in fields[0].split(b"-"))
+                        return start, end - start
+        except (OSError, ValueError):
             pass
         return None
-
-    def pread_value(self, value: Any, head: memoryview, payload: memoryview) -> bool:
-        """Read ``value`` (a buffer into this environment's map, inside a read txn) from
-        ``data.mdb`` into ``head`` (its first bytes) and ``payload`` (the rest) with one
-        ``preadv``: the GIL is released and a cold read needs no page faults in the map
-        (which has readahead off, so a restart reads only the pages it touches). True only
-        when every byte came and ``head`` equals the map's bytes there (the offset is
-        right); on False the caller copies from the map instead."""
-        if self._data_fd is None or len(head) + len(payload) != len(value):
-            return False
-        address = int(np.frombuffer(value, dtype=np.uint8).ctypes.data)
-        start = self._map_start(address)
-        if start is None:
-            return False
-        try:
-            got = os.preadv(self._data_fd, [head, payload], address - start)
-        except OSError:
-            return False
-        if got == len(value) and head == value[:len(head)]:
-            return True
-        self._map_span = None
-        return False
 
     # -- running calls -----------------------------------------------------------------------
 

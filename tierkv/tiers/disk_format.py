@@ -92,10 +92,9 @@ class ValueWriter:
 
 
 def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
-                out: memoryview, filled: bool = False) -> str | None:
+                out: memoryview) -> str | None:
     """None when ``value`` is a good value of ``key`` under ``binding`` (its payload is then
-    in ``out``), else what is wrong with it. ``filled``: ``out`` already holds the bytes of
-    ``value`` after its header (read by ``pread``); the checksum is verified there."""
+    in ``out``), else what is wrong with it."""
     total = len(value)
     if total < _PREFIX.size:
         return f"value of {total} bytes is shorter than its prefix"
@@ -126,8 +125,7 @@ def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
     if total - start != payload_len:
         return f"payload has {total - start} bytes, header says {payload_len}"
     target = out[:payload_len]
-    if not filled:
-        target[:] = value[start:]
+    target[:] = value[start:]
     if checksum(binding, key, version, payload_len, seq, target) != expected:
         return "checksum mismatch (damaged, or a value of another key, namespace or rank)"
     return None
