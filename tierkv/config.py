@@ -93,6 +93,7 @@ class DiskTierConfig:
     sync_every_bytes: int = 256 * MiB
     sync_every_seconds: float = 5.0
     retry_after_full_seconds: float = 1.0
+    reader_threads: int = 4  # a load's chunks are read in parallel (docs/benchmarks/disk.md)
     # Process-wide glibc malloc tuning for LMDB's page buffers (docs/configuration.md).
     tune_malloc: bool = True
 
@@ -107,6 +108,7 @@ class DiskTierConfig:
                 object.__setattr__(self, "path", Path(text))
         _positive_int("disk", "max_bytes", self.max_bytes)
         _positive_int("disk", "write_batch_bytes", self.write_batch_bytes)
+        _positive_int("disk", "reader_threads", self.reader_threads)
         _positive_int("disk", "sync_every_bytes", self.sync_every_bytes)
         _positive("disk", "sync_every_seconds", self.sync_every_seconds)
         _non_negative("disk", "retry_after_full_seconds", self.retry_after_full_seconds)

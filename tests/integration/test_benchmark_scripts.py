@@ -27,6 +27,7 @@ CASES = {
     "copy": (["bench_copy.py", "--layers", "2", "--num-blocks", "64", "--slots", "8", "--jobs", "8",
               "--repeats", "1", "--no-block-loop", "--layouts", "LB", "--ids", "consecutive"],
              "engine store"),
+    "restart": (["bench_restart.py", "--chunks", "300", "--rounds", "1"], "verdict: cold read"),
     "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1"], "cold read"),
     "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk/arc"),
     "vllm-scan": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1", "--configs",
@@ -37,7 +38,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_benchmark_script_runs(name: str, tmp_path: Path) -> None:
     argv, expected = CASES[name]
-    if name == "disk":
+    if name in ("disk", "restart"):
         argv = [*argv, "--dir", str(tmp_path)]
     done = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:]], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)

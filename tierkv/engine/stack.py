@@ -117,7 +117,7 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
         slab = CpuSlab(num_slots, chunk_bytes, config.cpu.pin_memory)
         transfer = make_transfer_engine(config.device, layout, slab, config.blocks_per_chunk)
         if disk is not None:
-            disk_io = DiskIO(disk, slab, config.disk.write_batch_bytes)
+            disk_io = DiskIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
         executor = JobExecutor(transfer, disk_io)
     except BaseException:
         _release(None, disk_io, transfer, disk, release_disk)

@@ -22,7 +22,8 @@ Primitives and their contracts (every implementation):
   :class:`ClosedError`).
 - ``read_only``: nothing is changed; writes raise :class:`UsageError`.
 - ``sync_every_seconds``: how often an idle I/O thread should call ``sync_if_due`` (None:
-  never).
+  never). ``sync_inline`` (True): ``put_many`` itself syncs when due; an I/O layer that
+  syncs on a thread of its own sets it False, so no writer waits on an fsync.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class LowerTier(ABC):
 
     payload_bytes: int
     read_only: bool
+    sync_inline: bool = True
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[bytes, Any]],

@@ -375,7 +375,7 @@ class DiskTier(LowerTier):
             self._unsynced_bytes += num_bytes
         if self._lmdb.readers_due():
             self._lmdb.run("checking readers", self._lmdb.clear_stale_readers)
-        if self.config.sync_mode == "periodic":
+        if self.config.sync_mode == "periodic" and self.sync_inline:
             self.sync_if_due()
 
     def sync_if_due(self) -> bool:
@@ -398,11 +398,13 @@ class DiskTier(LowerTier):
         if self.read_only:
             self._lmdb.check_usable("syncing")
             return
+        with self._stats_lock:  # commits during the fsync count toward the next one
+            unsynced, started = self._unsynced_bytes, self._clock()
         self._lmdb.run("syncing", lambda env: env.sync(True))
         with self._stats_lock:
             self._counts["syncs"] += 1
-            self._unsynced_bytes = 0
-        self._last_sync = self._clock()
+            self._unsynced_bytes -= unsynced
+            self._last_sync = started
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -416,7 +418,7 @@ class DiskTier(LowerTier):
 
         def read(env: lmdb.Environment) -> tuple[bool, str | None]:
             with env.begin(db=self._lmdb.chunks, buffers=True) as txn:
-                value = txn.get(key)
+                value = txn.get(key)  # py-lmdb touches each page first, GIL released
                 found = value is not None
                 problem = check_value(self._binding, key, value, self.payload_bytes,
                                       out) if found else None
@@ -468,20 +470,21 @@ class DiskTier(LowerTier):
             with env.begin(db=self._lmdb.index) as txn:
                 return self._rows_after(txn, self._lmdb.index, last, batch, True)
 
-        while True:
-            rows = self._lmdb.run("scanning", rows_of)
-            if self._lmdb.replacements != replaced:  # rebuilt meanwhile: start over, on empty
-                records, replaced = [], self._lmdb.replacements
-                if last is not None:
-                    last = None
-                    continue
-            for key, raw in rows:
-                parsed = unpack_index(raw)
-                if parsed is not None:
-                    records.append(ChunkRecord(key, parsed[0], parsed[1]))
-            if len(rows) < batch:
-                break
-            last = rows[-1][0]
+        with self._lmdb.random_access():  # a restart reads index pages, not read-ahead
+            while True:
+                rows = self._lmdb.run("scanning", rows_of)
+                if self._lmdb.replacements != replaced:  # rebuilt meanwhile: start over
+                    records, replaced = [], self._lmdb.replacements
+                    if last is not None:
+                        last = None
+                        continue
+                for key, raw in rows:
+                    parsed = unpack_index(raw)
+                    if parsed is not None:
+                        records.append(ChunkRecord(key, parsed[0], parsed[1]))
+                if len(rows) < batch:
+                    break
+                last = rows[-1][0]
         yield from records
 
     def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport:

@@ -38,9 +38,11 @@ Primitives and contracts:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,6 +69,20 @@ READER_CHECK_SECONDS = 1.0
 META_NAMESPACE = b"namespace"
 META_NEXT_SEQ = b"next_seq"
 _ENV_FILES = ("data.mdb", "lock.mdb")
+_MADV_NORMAL, _MADV_RANDOM = 0, 1  # <sys/mman.h>
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise  # type: ignore[no-any-return]
+
+
+_madvise = _load_madvise() if sys.platform == "linux" else None
 _T = TypeVar("_T")
 
 
@@ -460,6 +476,39 @@ class LmdbEnv:
 
     def readers_due(self) -> bool:
         return self._clock() - self._last_reader_check >= READER_CHECK_SECONDS
+
+    # -- access pattern ----------------------------------------------------------------------
+
+    @contextmanager
+    def random_access(self) -> Iterator[None]:
+        """Within: no read-ahead on the map (``MADV_RANDOM``), so walking the index reads
+        the pages it touches, not megabytes around each. Loads need read-ahead (py-lmdb
+        touches every page of a value, with the GIL released, before it is copied), so it
+        is back on after. A no-op where the map cannot be found (not Linux)."""
+        span = self._map_span_of_data()
+        if span is None or _madvise is None or _madvise(span[0], span[1], _MADV_RANDOM):
+            yield
+            return
+        try:
+            yield
+        finally:
+            _madvise(span[0], span[1], _MADV_NORMAL)
+
+    def _map_span_of_data(self) -> tuple[int, int] | None:
+        """(start, length) of the map of this environment's ``data.mdb``."""
+        try:
+            inode = os.fstat(self._data_fd).st_ino if self._data_fd is not None else None
+            with open("/proc/self/maps", "rb") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if inode and len(fields) == 6 and int(fields[4]) == inode \
+                            and int(fields[2], 16) == 0 \
+                            and fields[5].strip().endswith(b"/data.mdb"):
+                        start, end = (int(part, 16) for part in fields[0].split(b"-"))
+                        return start, end - start
+        except (OSError, ValueError):
+            pass
+        return None
 
     # -- running calls -----------------------------------------------------------------------
 

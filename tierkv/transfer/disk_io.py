@@ -8,10 +8,11 @@ Primitives and contracts:
   ``write_batch_bytes``; a job bigger than that runs alone over several transactions. A job is
   reported only after the commit of its last transaction. A key the map could not take is in
   ``full_keys`` and ``failed_keys`` of the job's :class:`Completion` (``ok`` is then False).
-- ``submit_read(job_id, chunks, on_done)`` returns at once. One reader thread runs read jobs
-  in submission order: each ``chunk.key`` is read into slot ``chunk.slot``, then
-  ``on_done(ReadOutcome)`` runs in the reader thread (chain the CPU -> GPU copy from there).
-  An exception from ``on_done`` is logged and the thread goes on.
+- ``submit_read(job_id, chunks, on_done)`` returns at once. ``reader_threads`` threads run
+  read jobs, taken in submission order, a job's chunks split between the idle threads:
+  each ``chunk.key`` is read into slot ``chunk.slot``, then ``on_done(ReadOutcome)`` runs in
+  the thread that read the job's last piece (chain the CPU -> GPU copy from there). Jobs may
+  finish out of order. An exception from ``on_done`` is logged and the thread goes on.
 - ``poll_finished()`` spill completions in FIFO order, non-blocking.
 - ``wait(job_ids, timeout=None)`` blocks until those jobs completed (a read: with its
   ``on_done``); it does not consume them from ``poll_finished``. Spill and read ids share
@@ -24,8 +25,9 @@ Primitives and contracts:
 - An exception inside a thread never kills it: the job is reported failed with ``error``
   set. A broken or closed tier underneath surfaces as :class:`BrokenError` on the next call.
 - When the tier asks for it (``tier.sync_every_seconds``: the disk tier's ``periodic``
-  sync mode) the idle writer calls ``tier.sync_if_due()`` every
-  ``disk.sync_every_seconds``, so committed data is synced even when writes stop.
+  sync mode) a sync thread calls ``tier.sync_if_due()`` after each commit and every
+  ``disk.sync_every_seconds``, so the writer never waits on an fsync and committed data is
+  synced even when writes stop (the tier's own inline sync is turned off).
 """
 
 from __future__ import annotations
@@ -76,22 +78,27 @@ class DiskIOStatistics:
     callback_errors: int
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _ReadJob:
     job_id: JobId
     chunks: tuple[ChunkCopy, ...]
     on_done: Callable[[ReadOutcome], None]
+    pieces: int  # pieces not yet read
+    status: list[ReadStatus | None]  # per chunk; None: not looked up (the tier failed)
+    start: float = 0.0
+    error: str | None = None
 
 
 class DiskIO:
     """One writer and one reader thread over a lower tier (the disk tier: any
     :class:`~tierkv.tiers.base.LowerTier`). See the module docstring."""
 
-    def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int) -> None:
-        if isinstance(write_batch_bytes, bool) or not isinstance(write_batch_bytes, int) \
-                or write_batch_bytes <= 0:
-            raise ConfigError(f"disk io: disk.write_batch_bytes must be a positive int, "
-                              f"got {write_batch_bytes!r}")
+    def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
+                 reader_threads: int = 4) -> None:
+        for name, value in (("write_batch_bytes", write_batch_bytes),
+                            ("reader_threads", reader_threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"disk io: disk.{name} must be a positive int, got {value!r}")
         if slab.slot_bytes < tier.payload_bytes:
             raise ConfigError(f"disk io: cpu slots of {slab.slot_bytes} bytes cannot hold "
                               f"disk chunks of {tier.payload_bytes} bytes")
@@ -101,20 +108,25 @@ class DiskIO:
         self._payload = tier.payload_bytes
         self._cond = threading.Condition()
         self._spills: deque[SpillSpec] = deque()
-        self._reads: deque[_ReadJob] = deque()
+        self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
         self._finished: deque[Completion] = deque()
         self._ledger: JobLedger[None] = JobLedger("disk io")  # spill and read jobs
         self._counts = {"spill_jobs": 0, "write_txns": 0, "read_jobs": 0, "callback_errors": 0}
         self._broken: BaseException | None = None
         self._stopping = False
         self._closed = False
-        self._idle_timeout = tier.sync_every_seconds
-        self._writer = threading.Thread(target=self._writer_main, name="tierkv-disk-writer",
-                                        daemon=True)
-        self._reader = threading.Thread(target=self._reader_main, name="tierkv-disk-reader",
-                                        daemon=True)
-        self._writer.start()
-        self._reader.start()
+        self._sync_every = tier.sync_every_seconds
+        self._committed = False  # a commit since the sync thread last looked
+        threads = [(self._writer_main, "writer")]
+        threads += [(self._reader_main, "reader")] * reader_threads
+        if self._sync_every is not None:
+            tier.sync_inline = False
+            threads.append((self._syncer_main, "sync"))
+        self._threads = [threading.Thread(target=target, name=f"tierkv-disk-{name}", daemon=True)
+                         for target, name in threads]
+        self._num_readers = reader_threads
+        for thread in self._threads:
+            thread.start()
 
     # -- caller side -----------------------------------------------------------------------
 
@@ -148,10 +160,15 @@ class DiskIO:
         """Queue a read job for the reader thread; ``on_done`` runs there when it is done."""
         for chunk in chunks:
             self._check_chunk(chunk.key, chunk.slot)
+        chunks = tuple(chunks)
+        size = max(1, -(-len(chunks) // self._num_readers))
+        firsts = range(0, max(len(chunks), 1), size)
+        job = _ReadJob(job_id, chunks, on_done, len(firsts), [None] * len(chunks))
         with self._cond:
             self._check_usable()
             self._ledger.add(job_id, None)
-            self._reads.append(_ReadJob(job_id, tuple(chunks), on_done))
+            job.start = time.perf_counter()
+            self._reads.extend((job, first, first + size) for first in firsts)
             self._cond.notify_all()
 
     def poll_finished(self) -> list[Completion]:
@@ -186,8 +203,8 @@ class DiskIO:
                 self._stopping = True
                 self._closed = True
                 self._cond.notify_all()
-            self._writer.join()
-            self._reader.join()
+            for thread in self._threads:
+                thread.join()
 
     def statistics(self) -> DiskIOStatistics:
         with self._cond:
@@ -199,16 +216,12 @@ class DiskIO:
         return len(spec.writes) * self._payload
 
     def _take_spills(self) -> list[SpillSpec] | None:
-        """The next batch of jobs (empty when idle for ``sync_every_seconds``), or None to stop."""
+        """The next batch of jobs, or None to stop."""
         with self._cond:
-            deadline = None if self._idle_timeout is None else time.monotonic() + self._idle_timeout
             while not self._spills:
                 if self._stopping:
                     return None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return []
-                self._cond.wait(remaining)
+                self._cond.wait()
             batch = [self._spills.popleft()]
             total = self._spill_bytes(batch[0])
             written = {key for key, _ in batch[0].writes}
@@ -228,9 +241,6 @@ class DiskIO:
             batch = self._take_spills()
             if batch is None:
                 return
-            if not batch:
-                self._idle_sync()
-                continue
             try:
                 completions = self._run_spills(batch)
             except Exception as exc:  # never die silently: fail the batch
@@ -241,13 +251,21 @@ class DiskIO:
                     self._finished.append(completion)
                     self._ledger.finish(completion.job_id)
                 self._counts["spill_jobs"] += len(batch)
+                self._committed = True
                 self._cond.notify_all()
 
-    def _idle_sync(self) -> None:
-        try:
-            self.tier.sync_if_due()
-        except TierKVError as exc:
-            self._mark_broken(exc)
+    def _syncer_main(self) -> None:
+        """Sync when due: woken by each commit, and every ``sync_every_seconds``."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._committed or self._stopping, self._sync_every)
+                if self._stopping:
+                    return
+                self._committed = False
+            try:
+                self.tier.sync_if_due()
+            except TierKVError as exc:
+                self._mark_broken(exc)
 
     def _mark_broken(self, exc: BaseException) -> None:
         if isinstance(exc, (BrokenError, ClosedError)):
@@ -304,7 +322,7 @@ class DiskIO:
             full_keys=job_full,
             error=None if error is None else f"{type(error).__name__}: {error}")
 
-    # -- reader thread ---------------------------------------------------------------------
+    # -- reader threads --------------------------------------------------------------------
 
     def _reader_main(self) -> None:
         while True:
@@ -313,9 +331,14 @@ class DiskIO:
                     self._cond.wait()
                 if not self._reads:
                     return
-                job = self._reads.popleft()
+                job, first, end = self._reads.popleft()
+            self._read_piece(job, first, end)
+            with self._cond:
+                job.pieces -= 1
+                if job.pieces:
+                    continue
             try:
-                outcome = self._run_read(job)
+                outcome = self._outcome(job)
                 try:
                     job.on_done(outcome)
                 except Exception:
@@ -328,24 +351,26 @@ class DiskIO:
                     self._counts["read_jobs"] += 1
                     self._cond.notify_all()
 
-    def _run_read(self, job: _ReadJob) -> ReadOutcome:
-        start = time.perf_counter()
-        found: dict[ReadStatus, list[Key]] = {status: [] for status in ReadStatus}
-        failed: list[Key] = []
-        error: str | None = None
-        for position, chunk in enumerate(job.chunks):
+    def _read_piece(self, job: _ReadJob, first: int, end: int) -> None:
+        """Read ``job.chunks[first:end]``; a failing tier leaves the rest unread."""
+        for position in range(first, min(end, len(job.chunks))):
+            chunk = job.chunks[position]
             try:
-                status = self.tier.read_into(chunk.key, self.slab.memoryview(chunk.slot))
+                job.status[position] = self.tier.read_into(chunk.key,
+                                                           self.slab.memoryview(chunk.slot))
             except Exception as exc:
                 self._mark_broken(exc)
                 logger.error("disk io: read job %s failed: %s", job.job_id, exc)
-                error = f"{type(exc).__name__}: {exc}"
-                failed = [c.key for c in job.chunks[position:]]
-                break
-            found[status].append(chunk.key)
+                with self._cond:
+                    job.error = job.error or f"{type(exc).__name__}: {exc}"
+                return
+
+    def _outcome(self, job: _ReadJob) -> ReadOutcome:
+        keys = {status: tuple(chunk.key for chunk, got in zip(job.chunks, job.status)
+                              if got is status) for status in (*ReadStatus, None)}
         return ReadOutcome(
-            job_id=job.job_id, ok_keys=tuple(found[ReadStatus.OK]),
-            missing_keys=tuple(found[ReadStatus.MISSING]) + tuple(failed),
-            corrupt_keys=tuple(found[ReadStatus.CORRUPT]),
-            num_bytes=len(found[ReadStatus.OK]) * self._payload,
-            seconds=time.perf_counter() - start, failed_keys=tuple(failed), error=error)
+            job_id=job.job_id, ok_keys=keys[ReadStatus.OK],
+            missing_keys=keys[ReadStatus.MISSING] + keys[None],
+            corrupt_keys=keys[ReadStatus.CORRUPT],
+            num_bytes=len(keys[ReadStatus.OK]) * self._payload,
+            seconds=time.perf_counter() - job.start, failed_keys=keys[None], error=job.error)

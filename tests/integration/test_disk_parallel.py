@@ -1,0 +1,158 @@
+"""The disk tier's parallel paths: reads split across reader threads, the periodic fsync on
+its own thread (never on the writer), and an index scan without read-ahead."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tierkv.config import DiskTierConfig
+from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec
+from tierkv.keys import Namespace
+from tierkv.tiers.cpu import CpuSlab
+from tierkv.tiers import disk_env
+from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.transfer.disk_io import DiskIO, ReadOutcome
+
+PAYLOAD = 256 * 1024
+NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=4096,
+               tokens_per_chunk=16)
+
+
+def key_of(i: int) -> bytes:
+    return bytes([0x6B]) + i.to_bytes(31, "big")
+
+
+def payload_of(i: int) -> bytes:
+    return random.Random(i).randbytes(PAYLOAD)
+
+
+def open_tier(root: Path, **config: object) -> DiskTier:
+    return DiskTier(root, NS, 0, DiskTierConfig(path=root, **config), PAYLOAD)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the map is found through /proc/self/maps")
+def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
+    """A restart walks the index with the map's read-ahead off: each page fault then reads
+    one page, not megabytes of payloads around it (scripts/bench_restart.py measures it)."""
+    advice: list[tuple[int, int, int]] = []
+    with open_tier(tmp_path) as tier:
+        tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
+        span = tier._lmdb._map_span_of_data()
+        assert span is not None and span[1] >= tier.map_size  # this environment's map
+        real = disk_env._madvise
+        assert real is not None
+
+        def recorded(start: int, length: int, how: int) -> int:
+            advice.append((start, length, how))
+            return real(start, length, how)
+
+        disk_env._madvise = recorded
+        try:
+            assert [record.key for record in tier.scan()] == sorted(key_of(i) for i in range(3))
+        finally:
+            disk_env._madvise = real
+        out = memoryview(bytearray(PAYLOAD))
+        assert tier.read_into(key_of(2), out) is ReadStatus.OK and bytes(out) == payload_of(2)
+    assert advice == [(*span, 1), (*span, 0)]  # MADV_RANDOM for the scan, then MADV_NORMAL
+
+
+def spill(job: int, writes: list[tuple[int, int]]) -> SpillSpec:
+    return SpillSpec(JobId(job), tuple((key_of(i), SlotId(slot)) for i, slot in writes), ())
+
+
+def test_one_read_job_is_split_across_reader_threads(tmp_path: Path) -> None:
+    slab = CpuSlab(num_slots=40, slot_bytes=PAYLOAD, pin_memory="never")
+    with open_tier(tmp_path) as tier:
+        io = DiskIO(tier, slab, write_batch_bytes=4 * PAYLOAD, reader_threads=4)
+        try:
+            for i in range(16):
+                slab.memoryview(i)[:] = payload_of(i)
+            io.submit_spill(spill(1, [(i, i) for i in range(16)]))
+            io.wait([JobId(1)])
+            readers: set[str] = set()
+            original = tier.read_into
+            gate = threading.Barrier(4, timeout=10)
+
+            def read_into(key: bytes, out: memoryview) -> ReadStatus:
+                reader = f"{threading.current_thread().name} {threading.get_ident()}"
+                if reader not in readers:
+                    readers.add(reader)
+                    try:
+                        gate.wait()  # four threads inside at once, or this times out
+                    except threading.BrokenBarrierError:
+                        pass
+                return original(key, out)
+
+            tier.read_into = read_into  # type: ignore[method-assign]
+            outcomes: list[ReadOutcome] = []
+            chunks = [ChunkCopy(key_of(i), SlotId(20 + i), (), True) for i in range(16)]
+            chunks.append(ChunkCopy(key_of(99), SlotId(39), (), True))
+            io.submit_read(JobId(2), chunks, outcomes.append)
+            io.wait([JobId(2)])
+            (outcome,) = outcomes
+            assert not gate.broken
+            assert len(readers) == 4
+            assert outcome.ok_keys == tuple(key_of(i) for i in range(16))  # in job order
+            assert outcome.missing_keys == (key_of(99),)
+            for i in range(16):
+                assert bytes(slab.memoryview(20 + i)) == payload_of(i)
+        finally:
+            io.shutdown()
+
+
+def test_periodic_fsync_runs_on_its_own_thread(tmp_path: Path) -> None:
+    slab = CpuSlab(num_slots=8, slot_bytes=PAYLOAD, pin_memory="never")
+    syncs: list[str] = []
+    with open_tier(tmp_path, sync_every_bytes=PAYLOAD) as tier:
+        original = tier.sync
+
+        def sync() -> None:
+            syncs.append(threading.current_thread().name)
+            original()
+
+        tier.sync = sync  # type: ignore[method-assign]
+        io = DiskIO(tier, slab, write_batch_bytes=PAYLOAD)
+        try:
+            for job in range(1, 6):
+                slab.memoryview(job)[:] = payload_of(job)
+                io.submit_spill(spill(job, [(job, job)]))
+                io.wait([JobId(job)])
+            for _ in range(200):
+                if syncs:
+                    break
+                threading.Event().wait(0.01)
+        finally:
+            io.shutdown()
+    assert syncs[0] == "tierkv-disk-sync"  # due after the first commit, synced off the writer
+    assert "tierkv-disk-writer" not in syncs  # (the last one is shutdown's flush)
+
+
+def test_sync_during_commits_keeps_their_bytes_unsynced(tmp_path: Path) -> None:
+    """Bytes committed while an fsync runs still count toward the next sync."""
+    with open_tier(tmp_path, sync_every_bytes=1 << 40, sync_every_seconds=3600) as tier:
+        tier.sync_inline = False
+        tier.put_many([(key_of(1), payload_of(1))])
+        env = tier._lmdb._env
+        assert env is not None
+        real_sync = lmdb.Environment.sync
+
+        class Racing:
+            def __getattr__(self, name: str) -> object:
+                return getattr(env, name)
+
+            def sync(self, force: bool = False) -> None:
+                tier.put_many([(key_of(2), payload_of(2))])  # commits during the fsync
+                real_sync(env, force)
+
+        tier._lmdb._env = Racing()  # type: ignore[assignment]
+        try:
+            tier.sync()
+        finally:
+            tier._lmdb._env = env
+        assert tier._unsynced_bytes == PAYLOAD
