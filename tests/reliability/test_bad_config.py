@@ -39,6 +39,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "sync_every_bytes": [0, -1, 1.0, NAN, "256M"],
         "sync_every_seconds": [0, -1, NAN, "5", None, True],
         "retry_after_full_seconds": [-1, NAN, "1", None, True],
+        "reader_threads": [0, -1, 2.0, "4", True, None],
         "tune_malloc": ["no", 0, None],
     },
     "store": {
@@ -95,7 +96,7 @@ def test_good_values_pass_and_from_dict_builds_the_same_config(tmp_path: Path) -
         "disk": {"path": str(tmp_path), "max_bytes": 1 << 30, "write_through": True,
                  "write_batch_bytes": 1 << 20, "sync_mode": "always", "sync_every_bytes": 1,
                  "sync_every_seconds": 0.5, "retry_after_full_seconds": 0.0,
-                 "tune_malloc": False}}
+                 "reader_threads": 2, "tune_malloc": False}}
     config = StoreConfig.from_dict(raw)
     assert config == StoreConfig(blocks_per_chunk=8, device="cpu", rank=1,
                                  cpu=CpuTierConfig(**raw["cpu"]),
