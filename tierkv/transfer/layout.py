@@ -42,6 +42,7 @@ Primitives (device-agnostic torch ops; none synchronizes anything):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -176,13 +177,12 @@ class KVLayout:
                     f"{page_view.device}, layer {infos[0].name!r} has {num_blocks} on {device}; "
                     f"all layers need the same num_blocks (dim 0) and device"
                 )
-        for i, first in enumerate(infos):
-            for second in infos[i + 1:]:
-                if _pages_overlap(first, second, num_blocks):
-                    raise ConfigError(
-                        f"kv layout: layers {first.name!r} and {second.name!r} share memory "
-                        f"(their pages overlap); register each layer's pages once"
-                    )
+        for first, second in itertools.combinations(infos, 2):
+            if _pages_overlap(first, second, num_blocks):
+                raise ConfigError(
+                    f"kv layout: layers {first.name!r} and {second.name!r} share memory "
+                    f"(their pages overlap); register each layer's pages once"
+                )
         return cls(infos, pages, num_blocks, device)
 
     def _build_groups(self) -> tuple[CopyGroup, ...]:
@@ -288,17 +288,14 @@ class KVLayout:
         """A canonical string of what fixes the slot byte layout (for the namespace): per
         run of alike layers, the count, dtype, page shape and the page's memory order
         (dims of size > 1, outermost first). Block counts and addresses are left out."""
-        parts: list[tuple[str, int]] = []
+        texts: list[str] = []
         for info in self._layers:
             dims = [(stride, dim) for dim, (size, stride)
                     in enumerate(zip(info.shape[1:], info.memory_strides)) if size > 1]
             order = ",".join(str(dim) for _, dim in sorted(dims, reverse=True))
-            text = f"{str(info.dtype).removeprefix('torch.')}{list(info.shape[1:])}({order})"
-            if parts and parts[-1][0] == text:
-                parts[-1] = (text, parts[-1][1] + 1)
-            else:
-                parts.append((text, 1))
-        return "slot-v1 layer-major " + " ".join(f"{count}x{text}" for text, count in parts)
+            texts.append(f"{str(info.dtype).removeprefix('torch.')}{list(info.shape[1:])}({order})")
+        runs = [f"{len(list(alike))}x{text}" for text, alike in itertools.groupby(texts)]
+        return "slot-v1 layer-major " + " ".join(runs)
 
     def __repr__(self) -> str:
         return (f"KVLayout({self.num_layers} layers, {self._num_blocks} blocks, "
