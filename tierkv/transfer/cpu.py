@@ -1,8 +1,7 @@
 """CpuTransferEngine: the :class:`TransferEngine` for KV tensors in CPU memory (no GPU, CI).
 
 One background worker thread runs the jobs from one FIFO queue, so the asynchrony is
-real and testable: ``submit_*`` returns at once, the copy completes later, ``wait``
-blocks. Completions come out in submission order (one queue, one worker).
+real and testable, and completions come out in submission order.
 
 Primitives (contracts in :mod:`tierkv.transfer.base`):
 - ``submit_store`` / ``submit_load``: queue the job (thread-safe); ClosedError after
@@ -90,8 +89,7 @@ class CpuTransferEngine(TransferEngine):
         try:
             while True:
                 with self._cond:
-                    while not self._queue and not self._closed:
-                        self._cond.wait()
+                    self._cond.wait_for(lambda: self._queue or self._closed)
                     if not self._queue:
                         return
                     spec = self._queue[0]

@@ -1,7 +1,6 @@
 """Worker-side threads that move chunks between the CPU slab and the disk tier.
 
 Primitives and contracts:
-
 - ``submit_spill(spec)`` returns at once. One writer thread (the only one that writes to the
   tier) runs spill jobs in submission order: each job's deletes, then its writes (bytes from
   ``slab.memoryview(slot)``). Consecutive queued jobs share one write transaction up to
@@ -18,7 +17,7 @@ Primitives and contracts:
   ``on_done``); it does not consume them from ``poll_finished``. Spill and read ids share
   one :class:`~tierkv.transfer.ledger.JobLedger`, and raise as it does.
 - ``flush()`` waits for everything submitted so far (spills, reads and their callbacks), then
-  syncs the tier. ``shutdown()`` flushes and stops both threads; idempotent. It does not close
+  syncs the tier. ``shutdown()`` flushes and stops the threads; idempotent. It does not close
   the tier: its owner does, after ``shutdown()``.
 - An exception inside a thread never kills it: the job is reported failed with ``error``
   set. A broken or closed tier underneath surfaces as :class:`BrokenError` on the next call.
@@ -187,7 +186,7 @@ class DiskIO:
         self.tier.sync()
 
     def shutdown(self) -> None:
-        """Flush, then stop both threads; idempotent. The tier stays open."""
+        """Flush, then stop the threads; idempotent. The tier stays open."""
         if self._closed:
             return
         try:
@@ -213,10 +212,9 @@ class DiskIO:
     def _take_spills(self) -> list[SpillSpec] | None:
         """The next batch of jobs, or None to stop."""
         with self._cond:
-            while not self._spills:
-                if self._closed:
-                    return None
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._spills or self._closed)
+            if not self._spills:
+                return None
             batch = [self._spills.popleft()]
             total = self._spill_bytes(batch[0])
             written = {key for key, _ in batch[0].writes}
@@ -317,8 +315,7 @@ class DiskIO:
     def _reader_main(self) -> None:
         while True:
             with self._cond:
-                while not self._reads and not self._closed:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._reads or self._closed)
                 if not self._reads:
                     return
                 job, first, end = self._reads.popleft()
