@@ -2,8 +2,9 @@
 
 Primitives:
 - ``submit(spec)``: StoreSpec -> GPU->CPU copy; SpillSpec -> disk writer thread;
-  LoadSpec -> (disk reader thread for ``from_disk`` chunks, then) CPU->GPU copy.
-  Returns at once.
+  LoadSpec -> (disk reader thread for ``from_disk`` chunks, then) CPU->GPU copy of the
+  chunks that landed; missing or corrupt ones are failed keys of the same job, so the
+  engine recomputes them and never sees a false hit. Returns at once.
 - ``poll_finished()``: every finished job exactly once (plain :class:`Completion`s).
 - ``wait(job_ids)``: blocks until those jobs finished; a job already polled has finished.
   Job ids follow :mod:`tierkv.transfer.ledger` (reuse raises :class:`TransferError`, a
@@ -13,10 +14,6 @@ Primitives:
 - ``in_flight_ids()``: jobs submitted and not yet polled.
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 Called from one thread (the worker's); the reader thread only runs chained loads' steps.
-
-A load with disk chunks is chained: the reader thread fills the slots, then submits the
-CPU->GPU copy of the chunks that landed; missing or corrupt chunks are reported as failed
-keys of the same job, so the engine recomputes them and never sees a false hit.
 """
 
 from __future__ import annotations
