@@ -35,8 +35,6 @@ from tierkv.transfer.base import TransferEngine, check_spec, failed_completion
 from tierkv.transfer.layout import KVLayout, consecutive_runs
 from tierkv.transfer.ledger import REMEMBER_FINISHED, JobLedger
 
-BeforeCopy = Callable[[StoreSpec | LoadSpec], None]
-
 MAX_COPY_RUNS = 2  # see the module docstring
 
 
@@ -48,7 +46,7 @@ class CpuTransferEngine(TransferEngine):
         layout: KVLayout,
         slab: CpuSlab,
         blocks_per_chunk: int,
-        before_copy: BeforeCopy | None = None,
+        before_copy: Callable[[StoreSpec | LoadSpec], None] | None = None,
         remember_finished: int = REMEMBER_FINISHED,
     ) -> None:
         super().__init__(layout, slab, blocks_per_chunk)
