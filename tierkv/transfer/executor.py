@@ -135,11 +135,10 @@ class JobExecutor:
 
     # ------------------------------------------------------------------ completions
     def _merge(self, job_id: JobId, copy: Completion | None, chained: _ChainedLoad) -> Completion:
-        copied_failed: tuple[bytes, ...] = ()
+        failed = chained.failed
         if copy is not None:
             copied = tuple(k for k in chained.keys if k not in chained.failed)
-            copied_failed = tuple(failed_set(copy, copied))
-        failed = chained.failed + copied_failed
+            failed += tuple(failed_set(copy, copied))
         error = copy.error if copy else None
         if chained.corrupt and not error:
             error = f"{len(chained.corrupt)} chunk(s) failed their checksum on disk"
