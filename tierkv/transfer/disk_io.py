@@ -17,8 +17,7 @@ Primitives and contracts:
   ``on_done``); it does not consume them from ``poll_finished``. Spill and read ids share
   one :class:`~tierkv.transfer.ledger.JobLedger`, and raise as it does.
 - ``flush()`` waits for everything submitted so far (spills, reads and their callbacks), then
-  syncs the tier. ``shutdown()`` flushes and stops the threads; idempotent. It does not close
-  the tier: its owner does, after ``shutdown()``.
+  syncs the tier. ``shutdown()`` flushes and stops the threads, idempotent; the tier stays open.
 - An exception inside a thread never kills it: the job is reported failed with ``error``
   set. A broken or closed tier underneath surfaces as :class:`BrokenError` on the next call.
 - When the tier asks for it (``tier.sync_every_seconds``: the disk tier's ``periodic``
@@ -87,8 +86,7 @@ class _ReadJob:
 
 
 class DiskIO:
-    """The writer, reader and sync threads over a lower tier (the disk tier: any
-    :class:`~tierkv.tiers.base.LowerTier`). See the module docstring."""
+    """The threads over a lower tier (the disk tier); see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
                  reader_threads: int = 4) -> None:
@@ -125,7 +123,6 @@ class DiskIO:
             thread.start()
 
     # -- caller side -----------------------------------------------------------------------
-
     def _check_usable(self) -> None:
         if self._closed:
             raise ClosedError("disk io: used after shutdown(); create a new DiskIO")
@@ -205,7 +202,6 @@ class DiskIO:
             return DiskIOStatistics(**self._counts)
 
     # -- writer thread ---------------------------------------------------------------------
-
     def _spill_bytes(self, spec: SpillSpec) -> int:
         return len(spec.writes) * self._payload
 
@@ -311,7 +307,6 @@ class DiskIO:
             error=None if error is None else f"{type(error).__name__}: {error}")
 
     # -- reader threads --------------------------------------------------------------------
-
     def _reader_main(self) -> None:
         while True:
             with self._cond:
