@@ -3,8 +3,7 @@
 Primitives and their contracts (every engine):
 - ``submit_store(spec: StoreSpec)``: copy each chunk's blocks (``blocks_per_chunk`` of
   ``spec.block_ids`` per chunk; ``spec.chunks`` is the per-chunk view) into its slot, in
-  the slot byte layout of :mod:`tierkv.transfer.layout`. Returns at once; the copy
-  completes later.
+  the slot byte layout of :mod:`tierkv.transfer.layout`. Returns at once.
 - ``submit_load(spec: LoadSpec)``: copy each chunk's slot into its blocks, except the
   first ``chunk.skip_blocks`` blocks (already on the GPU; never written). Returns at once.
   ``from_disk`` is ignored: the caller has already read the disk tier into the slot.
@@ -14,12 +13,10 @@ Primitives and their contracts (every engine):
   set, like a copy that raised. The engine keeps working.
 - ``poll_finished()``: non-blocking; every finished job exactly once, in submission order
   per direction (stores among stores, loads among loads).
-- ``wait(job_ids, timeout=None)``: blocks until every one of those jobs finished. Finished
-  jobs are still returned by a later poll; a job already polled counts as finished (see
-  :mod:`tierkv.transfer.ledger` for how long). A wait on a job id that was never
-  submitted raises :class:`UnknownJobError`: that is the race tierkv exists to prevent (a
-  flush waiting on a store that was never started). An expired ``timeout`` raises
-  :class:`JobTimeoutError`. A job id is submitted once; reusing one raises TransferError.
+- ``wait(job_ids, timeout=None)``: blocks until every one of those jobs finished; a job
+  already polled counts as finished. Job ids follow :mod:`tierkv.transfer.ledger`: reuse
+  raises :class:`TransferError`, an id never submitted :class:`UnknownJobError`, an
+  expired ``timeout`` :class:`JobTimeoutError`.
 - ``make_compute_wait(job_ids)``: orders the engine's compute work after those loads. On
   CUDA the compute stream waits on the jobs' end events (no host sync); elsewhere it is a
   host ``wait``. Call it before the forward pass that reads loaded blocks.
@@ -27,9 +24,6 @@ Primitives and their contracts (every engine):
   :class:`ClosedError`. Polling afterwards still returns what finished.
 - ``Completion.num_bytes``: bytes that reached their destination (a store: whole chunks
   into slots; a load: the blocks written); ``seconds``: copy time (CUDA: from events).
-
-Helpers shared by the engines: :func:`check_spec`, :func:`failed_completion`; each
-engine keeps its job ids in a :class:`~tierkv.transfer.ledger.JobLedger`.
 """
 
 from __future__ import annotations
@@ -137,23 +131,17 @@ def check_spec(spec: StoreSpec | LoadSpec, num_blocks: int, num_slots: int,
             if len(set(targets)) != len(targets) or not written.isdisjoint(targets):
                 return f"{where}: a load writes some block twice"
             written.update(targets)
-        else:
-            if chunk.slot in slots:
-                return f"{where}: slot {chunk.slot} is stored twice in one job"
-            slots.add(chunk.slot)
+        elif chunk.slot in slots:
+            return f"{where}: slot {chunk.slot} is stored twice in one job"
+        slots.add(chunk.slot)  # only stores read it back
     return None
 
 
 def failed_completion(spec: StoreSpec | LoadSpec, error: str, first_failed: int = 0,
                       num_bytes: int = 0, seconds: float = 0.0) -> Completion:
     """A completion whose chunks from ``first_failed`` on did not land."""
-    return Completion(
-        job_id=spec.job_id,
-        ok=False,
-        num_bytes=num_bytes,
-        seconds=seconds,
-        failed_keys=(spec.keys[first_failed:] if isinstance(spec, StoreSpec)
-                     else tuple(chunk.key for chunk in spec.chunks[first_failed:])),
-        error=f"{direction_name(spec)} job {spec.job_id}: {error}",
-    )
+    failed = (spec.keys[first_failed:] if isinstance(spec, StoreSpec)
+              else tuple(chunk.key for chunk in spec.chunks[first_failed:]))
+    return Completion(spec.job_id, False, num_bytes, seconds, failed_keys=failed,
+                      error=f"{direction_name(spec)} job {spec.job_id}: {error}")
 

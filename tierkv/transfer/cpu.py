@@ -1,8 +1,7 @@
 """CpuTransferEngine: the :class:`TransferEngine` for KV tensors in CPU memory (no GPU, CI).
 
 One background worker thread runs the jobs from one FIFO queue, so the asynchrony is
-real and testable: ``submit_*`` returns at once, the copy completes later, ``wait``
-blocks. Completions come out in submission order (one queue, one worker).
+real and testable, and completions come out in submission order.
 
 Primitives (contracts in :mod:`tierkv.transfer.base`):
 - ``submit_store`` / ``submit_load``: queue the job (thread-safe); ClosedError after
@@ -11,16 +10,13 @@ Primitives (contracts in :mod:`tierkv.transfer.base`):
 - ``before_copy(spec)``: a test hook run in the worker thread before each job's copy, to
   slow a job down (a wide race window) or to raise (a failed copy, reported not raised).
 
-Copies, per copy group (layers sharing one buffer form one group, see
-:mod:`tierkv.transfer.layout`: a chunk of a block- or layer-outermost buffer is one group,
-separate per-layer tensors are one group each):
-- block ids in at most ``MAX_COPY_RUNS`` runs of consecutive ids: one copy per run,
-  through numpy views of the same memory (a numpy slice copy costs ~1 us of overhead, a
-  torch ``copy_`` 3-5 us: that decides speed when a chunk is 32 separate layers);
-- more scattered ids: a store gathers with one ``torch.index_select(..., out=slot)``, a
-  load scatters with one numpy fancy assignment (1.5-1.8x faster here than torch
-  ``index_put_`` / ``index_copy_``, which beat a copy per page).
-``docs/benchmarks/copy.md`` has the figures against one raw ``copy_``.
+Copies, per copy group of :mod:`tierkv.transfer.layout`: block ids in at most
+``MAX_COPY_RUNS`` runs of consecutive ids are copied one run at a time through numpy views
+of the same memory (a numpy slice copy costs ~1 us of overhead, a torch ``copy_`` 3-5 us:
+that decides speed when a chunk is 32 separate layers). More scattered ids are gathered by
+one ``torch.index_select(..., out=slot)`` and scattered by one numpy fancy assignment
+(1.5-1.8x faster here than torch ``index_put_`` / ``index_copy_``, which beat a copy per
+page). ``docs/benchmarks/copy.md`` has the figures against one raw ``copy_``.
 """
 
 from __future__ import annotations
@@ -39,11 +35,7 @@ from tierkv.transfer.base import TransferEngine, check_spec, failed_completion
 from tierkv.transfer.layout import KVLayout, consecutive_runs
 from tierkv.transfer.ledger import REMEMBER_FINISHED, JobLedger
 
-BeforeCopy = Callable[[StoreSpec | LoadSpec], None]
-
-# Block ids in more runs of consecutive ids than this are gathered by index_select and
-# scattered by numpy fancy assignment instead of one copy per run (docs/benchmarks/copy.md).
-MAX_COPY_RUNS = 2
+MAX_COPY_RUNS = 2  # see the module docstring
 
 
 class CpuTransferEngine(TransferEngine):
@@ -54,7 +46,7 @@ class CpuTransferEngine(TransferEngine):
         layout: KVLayout,
         slab: CpuSlab,
         blocks_per_chunk: int,
-        before_copy: BeforeCopy | None = None,
+        before_copy: Callable[[StoreSpec | LoadSpec], None] | None = None,
         remember_finished: int = REMEMBER_FINISHED,
     ) -> None:
         super().__init__(layout, slab, blocks_per_chunk)
@@ -70,7 +62,7 @@ class CpuTransferEngine(TransferEngine):
         self._before_copy = before_copy
         self._cond = threading.Condition()
         self._queue: deque[StoreSpec | LoadSpec] = deque()
-        self._done: deque[Completion] = deque()
+        self._done: list[Completion] = []
         self._ledger: JobLedger[None] = JobLedger("cpu transfer engine", remember_finished)
         self._closed = False
         self._broken: str | None = None
@@ -95,8 +87,7 @@ class CpuTransferEngine(TransferEngine):
         try:
             while True:
                 with self._cond:
-                    while not self._queue and not self._closed:
-                        self._cond.wait()
+                    self._cond.wait_for(lambda: self._queue or self._closed)
                     if not self._queue:
                         return
                     spec = self._queue[0]
@@ -173,8 +164,7 @@ class CpuTransferEngine(TransferEngine):
     # ------------------------------------------------------------------ completions
     def poll_finished(self) -> list[Completion]:
         with self._cond:
-            finished = list(self._done)
-            self._done.clear()
+            finished, self._done = self._done, []
         return finished
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:

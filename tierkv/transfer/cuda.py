@@ -4,35 +4,28 @@ The only module of tierkv that touches ``torch.cuda``; it imports on a CPU-only 
 (nothing runs at import) and its constructor raises :class:`ConfigError` without CUDA.
 
 How a job runs (contracts in :mod:`tierkv.transfer.base`):
-- One CUDA stream per direction; each direction has a preallocated GPU staging buffer of
-  ``staging_bytes`` (rounded to whole chunks, at least one) and a lock, so concurrent
-  submitters (the worker thread, the disk reader thread) enqueue whole jobs one by one.
-- A **store** first makes its stream wait on the compute stream (``wait_stream``), so it
-  copies what the forward pass wrote; then per batch of chunks that fits in staging: the
-  block ids go up through pinned memory, one gather per copy group (``index_select``)
-  packs the pages into staging in the slot byte layout, and one large ``non_blocking``
-  device->host copy per run of consecutive slots moves them into the pinned slab.
-- A **load** also waits on the compute stream (its blocks may have been freed and
-  reallocated while an earlier forward still reads them); then one large host->device copy
-  per run of slots into staging, and one scatter per copy group (``index_put_``) into the
-  blocks, leaving each chunk's ``skip_blocks`` untouched.
+- Each direction has its own CUDA stream, a GPU staging buffer of ``staging_bytes``
+  (whole chunks, at least one) and a lock, so concurrent submitters (the worker thread,
+  the disk reader thread) enqueue whole jobs one by one.
+- Both directions first wait on the compute stream (``wait_stream``): a store must copy
+  what the forward pass wrote, a load's blocks may have been freed and reallocated while
+  an earlier forward still reads them. Then per batch of chunks that fits in staging:
+  a store gathers the pages into staging (one ``index_select`` per copy group, block ids
+  sent through pinned memory), then copies each run of consecutive slots into the slab in
+  one ``non_blocking`` copy; a load copies the other way and scatters (``index_put_``),
+  leaving each chunk's ``skip_blocks`` untouched.
 - Staging reuse is safe by stream order: each staging buffer is allocated on, and only
-  used by, its own stream, so the next batch's gather cannot start before the previous
-  batch's copy out of staging finished. Pinned index tensors come from PyTorch's caching
-  host allocator, which records an event per async copy before it reuses the memory.
-- Each job records a start and an end event on its stream; ``poll_finished`` queries the
-  end events in FIFO order per direction (a job counts as finished in the engine's
-  :class:`~tierkv.transfer.ledger.JobLedger` once a poll saw it); ``wait`` synchronizes
-  them; ``seconds`` is ``start.elapsed_time(end)``.
+  used by, its own stream, so a batch cannot overwrite staging before the previous copy
+  out of it finished. Pinned index tensors come from PyTorch's caching host allocator,
+  which records an event per async copy before it reuses the memory.
+- Each job records a start and an end event: ``poll_finished`` queries end events in
+  FIFO order per direction (a poll that sees one finishes the job in the ledger), ``wait``
+  synchronizes them, ``seconds`` is ``start.elapsed_time(end)``.
 
-The caller's duties:
-- **Loads must be ordered before the forward pass that reads them**: call
-  ``make_compute_wait(job_ids)`` (the compute stream waits on the loads' end events, no
-  host sync), or ``wait`` / see the job in ``poll_finished`` first.
-- ``compute_stream`` is the stream the forward pass runs on; by default the current
-  stream of the constructing thread at construction time.
-- Do not touch a slot while a job that uses it is in flight (the scheduler side's states
-  do that); do not free the KV cache before ``shutdown``.
+The caller's duties, besides ordering loads before the forward pass that reads them:
+- ``compute_stream`` is the forward pass's stream (default: the constructing thread's
+  current stream). Do not touch a slot while a job that uses it is in flight, nor free
+  the KV cache before ``shutdown``.
 - An asynchronous CUDA error (e.g. a device-side assert) poisons the CUDA context: polls
   and waits then raise :class:`BrokenError`; the worker must be restarted.
 """

@@ -1,7 +1,6 @@
 """Worker-side threads that move chunks between the CPU slab and the disk tier.
 
 Primitives and contracts:
-
 - ``submit_spill(spec)`` returns at once. One writer thread (the only one that writes to the
   tier) runs spill jobs in submission order: each job's deletes, then its writes (bytes from
   ``slab.memoryview(slot)``). Consecutive queued jobs share one write transaction up to
@@ -16,12 +15,9 @@ Primitives and contracts:
 - ``poll_finished()`` spill completions in FIFO order, non-blocking.
 - ``wait(job_ids, timeout=None)`` blocks until those jobs completed (a read: with its
   ``on_done``); it does not consume them from ``poll_finished``. Spill and read ids share
-  one :class:`~tierkv.transfer.ledger.JobLedger`: an id is submitted once (reuse raises
-  :class:`TransferError`), a wait on one never submitted raises :class:`UnknownJobError`,
-  an expired ``timeout`` raises :class:`JobTimeoutError`.
+  one :class:`~tierkv.transfer.ledger.JobLedger`, and raise as it does.
 - ``flush()`` waits for everything submitted so far (spills, reads and their callbacks), then
-  syncs the tier. ``shutdown()`` flushes and stops both threads; idempotent. It does not close
-  the tier: its owner does, after ``shutdown()``.
+  syncs the tier. ``shutdown()`` flushes and stops the threads, idempotent; the tier stays open.
 - An exception inside a thread never kills it: the job is reported failed with ``error``
   set. A broken or closed tier underneath surfaces as :class:`BrokenError` on the next call.
 - When the tier asks for it (``tier.sync_every_seconds``: the disk tier's ``periodic``
@@ -90,8 +86,7 @@ class _ReadJob:
 
 
 class DiskIO:
-    """One writer and one reader thread over a lower tier (the disk tier: any
-    :class:`~tierkv.tiers.base.LowerTier`). See the module docstring."""
+    """The threads over a lower tier (the disk tier); see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
                  reader_threads: int = 4) -> None:
@@ -109,12 +104,11 @@ class DiskIO:
         self._cond = threading.Condition()
         self._spills: deque[SpillSpec] = deque()
         self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
-        self._finished: deque[Completion] = deque()
+        self._finished: list[Completion] = []
         self._ledger: JobLedger[None] = JobLedger("disk io")  # spill and read jobs
         self._counts = {"spill_jobs": 0, "write_txns": 0, "read_jobs": 0, "callback_errors": 0}
         self._broken: BaseException | None = None
-        self._stopping = False
-        self._closed = False
+        self._closed = False  # shutdown(): the threads stop once their queues are empty
         self._sync_every = tier.sync_every_seconds
         self._committed = False  # a commit since the sync thread last looked
         threads = [(self._writer_main, "writer")]
@@ -129,7 +123,6 @@ class DiskIO:
             thread.start()
 
     # -- caller side -----------------------------------------------------------------------
-
     def _check_usable(self) -> None:
         if self._closed:
             raise ClosedError("disk io: used after shutdown(); create a new DiskIO")
@@ -174,8 +167,7 @@ class DiskIO:
     def poll_finished(self) -> list[Completion]:
         """Spill completions since the last poll, in FIFO order."""
         with self._cond:
-            finished = list(self._finished)
-            self._finished.clear()
+            finished, self._finished = self._finished, []
         return finished
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
@@ -191,7 +183,7 @@ class DiskIO:
         self.tier.sync()
 
     def shutdown(self) -> None:
-        """Flush, then stop both threads; idempotent. The tier stays open."""
+        """Flush, then stop the threads; idempotent. The tier stays open."""
         if self._closed:
             return
         try:
@@ -200,7 +192,6 @@ class DiskIO:
             logger.warning("disk io: flush at shutdown failed: %s", exc)
         finally:
             with self._cond:
-                self._stopping = True
                 self._closed = True
                 self._cond.notify_all()
             for thread in self._threads:
@@ -211,17 +202,15 @@ class DiskIO:
             return DiskIOStatistics(**self._counts)
 
     # -- writer thread ---------------------------------------------------------------------
-
     def _spill_bytes(self, spec: SpillSpec) -> int:
         return len(spec.writes) * self._payload
 
     def _take_spills(self) -> list[SpillSpec] | None:
         """The next batch of jobs, or None to stop."""
         with self._cond:
-            while not self._spills:
-                if self._stopping:
-                    return None
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._spills or self._closed)
+            if not self._spills:
+                return None
             batch = [self._spills.popleft()]
             total = self._spill_bytes(batch[0])
             written = {key for key, _ in batch[0].writes}
@@ -237,10 +226,7 @@ class DiskIO:
             return batch
 
     def _writer_main(self) -> None:
-        while True:
-            batch = self._take_spills()
-            if batch is None:
-                return
+        while (batch := self._take_spills()) is not None:
             try:
                 completions = self._run_spills(batch)
             except Exception as exc:  # never die silently: fail the batch
@@ -258,8 +244,8 @@ class DiskIO:
         """Sync when due: woken by each commit, and every ``sync_every_seconds``."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._committed or self._stopping, self._sync_every)
-                if self._stopping:
+                self._cond.wait_for(lambda: self._committed or self._closed, self._sync_every)
+                if self._closed:
                     return
                 self._committed = False
             try:
@@ -314,21 +300,17 @@ class DiskIO:
                     error: BaseException | None, seconds: float) -> Completion:
         keys = [key for key, _ in spec.writes]
         failed = tuple(key for key in keys if key not in landed)
-        job_full = tuple(key for key in keys if key in full)
-        num_written = sum(1 for key in keys if key in landed)
         return Completion(
             job_id=spec.job_id, ok=not failed and error is None,
-            num_bytes=num_written * self._payload, seconds=seconds, failed_keys=failed,
-            full_keys=job_full,
+            num_bytes=(len(keys) - len(failed)) * self._payload, seconds=seconds,
+            failed_keys=failed, full_keys=tuple(key for key in keys if key in full),
             error=None if error is None else f"{type(error).__name__}: {error}")
 
     # -- reader threads --------------------------------------------------------------------
-
     def _reader_main(self) -> None:
         while True:
             with self._cond:
-                while not self._reads and not self._stopping:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._reads or self._closed)
                 if not self._reads:
                     return
                 job, first, end = self._reads.popleft()

@@ -2,24 +2,18 @@
 
 Primitives:
 - ``submit(spec)``: StoreSpec -> GPU->CPU copy; SpillSpec -> disk writer thread;
-  LoadSpec -> (disk reader thread for ``from_disk`` chunks, then) CPU->GPU copy.
-  Returns at once. A job id is submitted once (reuse raises :class:`TransferError`).
+  LoadSpec -> (disk reader thread for ``from_disk`` chunks, then) CPU->GPU copy of the
+  chunks that landed; missing or corrupt ones are failed keys of the same job, so the
+  engine recomputes them and never sees a false hit. Returns at once.
 - ``poll_finished()``: every finished job exactly once (plain :class:`Completion`s).
 - ``wait(job_ids)``: blocks until those jobs finished; a job already polled has finished.
-  Waiting on a job id that was never submitted raises :class:`UnknownJobError`: a wait
-  must follow its submit (the race tierkv exists to prevent). Ids are kept in a
-  :class:`~tierkv.transfer.ledger.JobLedger`; a job id's record is what to wait on (the
-  transfer engine, the disk threads, a chained load, or nothing: a spill refused by a
-  broken disk tier has its failed completion ready).
+  Job ids follow :mod:`tierkv.transfer.ledger` (reuse raises :class:`TransferError`, a
+  wait before its submit :class:`UnknownJobError`); a job id's record is what to wait on
+  (the transfer engine, the disk threads, a chained load, or nothing: a spill refused by
+  a broken disk tier has its failed completion ready).
 - ``in_flight_ids()``: jobs submitted and not yet polled.
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 Called from one thread (the worker's); the reader thread only runs chained loads' steps.
-
-It lives with the code that moves bytes (transfer/); engine/ only orchestrates.
-
-A load with disk chunks is chained: the reader thread fills the slots, then submits the
-CPU->GPU copy of the chunks that landed; missing or corrupt chunks are reported as failed
-keys of the same job, so the engine recomputes them and never sees a false hit.
 """
 
 from __future__ import annotations
@@ -141,25 +135,17 @@ class JobExecutor:
 
     # ------------------------------------------------------------------ completions
     def _merge(self, job_id: JobId, copy: Completion | None, chained: _ChainedLoad) -> Completion:
-        copied_failed: tuple[bytes, ...] = ()
+        failed = chained.failed
         if copy is not None:
             copied = tuple(k for k in chained.keys if k not in chained.failed)
-            copied_failed = tuple(failed_set(copy, copied))
-        failed = chained.failed + copied_failed
-        ok = not failed
+            failed += tuple(failed_set(copy, copied))
         error = copy.error if copy else None
         if chained.corrupt and not error:
             error = f"{len(chained.corrupt)} chunk(s) failed their checksum on disk"
         return Completion(
-            job_id=job_id,
-            ok=ok,
-            num_bytes=(copy.num_bytes if copy else 0) + chained.read_bytes,
-            seconds=(copy.seconds if copy else 0.0) + chained.read_seconds,
-            failed_keys=failed,
-            corrupt_keys=chained.corrupt,
-            error=error,
-            missing_keys=chained.missing,
-        )
+            job_id, not failed, (copy.num_bytes if copy else 0) + chained.read_bytes,
+            (copy.seconds if copy else 0.0) + chained.read_seconds, failed_keys=failed,
+            corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing)
 
     def poll_finished(self) -> list[Completion]:
         with self._lock:

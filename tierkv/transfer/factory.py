@@ -1,13 +1,10 @@
 """make_transfer_engine: pick the GPU <-> CPU transfer engine for a registered KV layout.
 
-- ``device="auto"``: :class:`~tierkv.transfer.cuda.CudaTransferEngine` when the layout's
-  tensors are on a CUDA device, else :class:`~tierkv.transfer.cpu.CpuTransferEngine`.
-- ``device="cuda"`` / ``device="cpu"``: that engine; it raises :class:`ConfigError` when
-  the tensors are elsewhere (or CUDA is missing).
-- ``**engine_options`` go to the engine (``before_copy`` for the CPU engine,
-  ``staging_bytes`` / ``compute_stream`` for the CUDA one, ``remember_finished`` for both).
-
-The CUDA module is imported only when chosen, so a CPU-only process never loads it.
+``device="auto"`` picks :class:`~tierkv.transfer.cuda.CudaTransferEngine` for tensors on a
+CUDA device, else :class:`~tierkv.transfer.cpu.CpuTransferEngine`; ``"cuda"`` / ``"cpu"``
+pick that engine, which raises :class:`ConfigError` for tensors elsewhere (or no CUDA).
+``**engine_options`` go to the engine's constructor. The CUDA module is imported only
+when chosen, so a CPU-only process never loads it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The engine's KV cache as tierkv sees it: per layer, ``num_blocks`` pages of raw bytes.
 
-:class:`KVLayout` registers an engine's KV cache tensors once (``from_tensors``) and
-turns them into byte pages that the transfer engines copy.
-
-Input contract (checked; a violation raises :class:`ConfigError` naming the layer):
+Input contract of ``KVLayout.from_tensors`` (checked; a violation raises
+:class:`ConfigError` naming the layer):
 - One tensor per layer (or per layer group), in registration order: the order of the
   sequence, or the mapping's iteration order. Any dtype, any shape, **block dim first**.
 - All tensors have the same ``num_blocks`` (dim 0) and live on the same device.
@@ -26,34 +24,25 @@ Slot byte layout -- also the disk payload format (format version 1):
     the host's byte order, little-endian on every supported machine). Bytes of a slot
     past ``chunk_bytes`` are never read or written.
 
-Copy groups (an optimization that keeps that byte layout): consecutive layers that share
-one storage, page size and block stride, with their first pages a constant multiple of
-the page size apart and no overlap (layer-outermost ``[L, B, ...]`` buffers viewed per
-layer, or block-outermost ``[B, L, ...]`` buffers viewed per layer), form one group. A
-group is copied by one gather/scatter op over a ``[rows, page]`` tiling of its storage;
-other layers form groups of one. Copies use the widest word (8/4/2/1 bytes) that every
-offset and stride allows.
+Copy groups keep that byte layout with fewer ops: consecutive layers that share one
+storage, page size and block stride, their first pages a constant multiple of the page
+size apart without overlap (per-layer views of one ``[L, B, ...]`` or ``[B, L, ...]``
+buffer), are copied by one gather/scatter over a ``[rows, page]`` tiling of the storage,
+in the widest word (8/4/2/1 bytes) that every offset and stride allows.
 
-Primitives:
-- ``KVLayout.from_tensors(tensors)``   validate and register; builds uint8 page views.
-- ``num_layers``, ``num_blocks``, ``device``, ``page_bytes``, ``layer_names``,
-  ``layer_pages`` (uint8 ``[num_blocks, page_bytes]`` per layer), ``groups``,
-  ``dtype_name`` and ``describe()`` (canonical strings for the store's namespace).
-- ``chunk_bytes(blocks_per_chunk)``    bytes of one chunk in a slot.
-- ``slot_layer_views(slot, blocks_per_chunk)``  per layer ``[blocks_per_chunk, page_bytes]``.
-- ``chunk_views(buffer, blocks_per_chunk)``  a :class:`ChunkViews` over a 2-D uint8
-  buffer of chunk rows (the CPU slab, or a GPU staging buffer), cut per copy group.
-- ``gather(views, row, block_ids)``: one chunk, one ``index_select`` per group.
-- ``gather_batch(views, first_row, block_ids)`` / ``scatter_batch(..., first)``: chunks
-  in consecutive rows, one op per group (``index_select`` / ``index_put_``). A scatter
-  writes positions ``first ..`` only: a load's ``skip_blocks`` stay untouched.
-- ``row_index(plan, block_ids)``: the rows of a group's pages, for engines with their own
-  copy loops (the CPU engine copies runs of consecutive blocks through numpy views).
-All are device-agnostic torch ops; they do not synchronize anything themselves.
+Primitives (device-agnostic torch ops; none synchronizes anything):
+- ``from_tensors(tensors)``: validate and register; ``chunk_bytes(blocks_per_chunk)``.
+- ``slot_layer_views(slot, bpc)`` / ``chunk_views(buffer, bpc)``: a slot cut per layer, a
+  2-D buffer of chunk rows (the slab, or GPU staging) cut per copy group.
+- ``gather`` (one chunk) / ``gather_batch`` / ``scatter_batch`` (chunks in consecutive
+  rows): one op per copy group; a scatter leaves a load's ``skip_blocks`` untouched.
+- ``row_index(plan, block_ids)``: a group's page rows, for engines with own copy loops.
+- ``dtype_name`` and ``describe()``: canonical strings for the store's namespace.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,10 +57,7 @@ _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch
 
 def _word_bytes(*values: int) -> int:
     """The widest word size (8, 4, 2 or 1) dividing every value."""
-    for word in (8, 4, 2):
-        if all(value % word == 0 for value in values):
-            return word
-    return 1
+    return math.gcd(8, *values)
 
 
 def _is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
@@ -191,19 +177,17 @@ class KVLayout:
                     f"{page_view.device}, layer {infos[0].name!r} has {num_blocks} on {device}; "
                     f"all layers need the same num_blocks (dim 0) and device"
                 )
-        for i, first in enumerate(infos):
-            for second in infos[i + 1:]:
-                if _pages_overlap(first, second, num_blocks):
-                    raise ConfigError(
-                        f"kv layout: layers {first.name!r} and {second.name!r} share memory "
-                        f"(their pages overlap); register each layer's pages once"
-                    )
+        for first, second in itertools.combinations(infos, 2):
+            if _pages_overlap(first, second, num_blocks):
+                raise ConfigError(
+                    f"kv layout: layers {first.name!r} and {second.name!r} share memory "
+                    f"(their pages overlap); register each layer's pages once"
+                )
         return cls(infos, pages, num_blocks, device)
 
     def _build_groups(self) -> tuple[CopyGroup, ...]:
         groups: list[CopyGroup] = []
-        first = 0
-        page_offset = 0
+        first = page_offset = 0
         while first < len(self._layers):
             count, layer_step = 1, 0
             while first + count < len(self._layers):
@@ -304,17 +288,14 @@ class KVLayout:
         """A canonical string of what fixes the slot byte layout (for the namespace): per
         run of alike layers, the count, dtype, page shape and the page's memory order
         (dims of size > 1, outermost first). Block counts and addresses are left out."""
-        parts: list[tuple[str, int]] = []
+        texts: list[str] = []
         for info in self._layers:
             dims = [(stride, dim) for dim, (size, stride)
                     in enumerate(zip(info.shape[1:], info.memory_strides)) if size > 1]
             order = ",".join(str(dim) for _, dim in sorted(dims, reverse=True))
-            text = f"{str(info.dtype).removeprefix('torch.')}{list(info.shape[1:])}({order})"
-            if parts and parts[-1][0] == text:
-                parts[-1] = (text, parts[-1][1] + 1)
-            else:
-                parts.append((text, 1))
-        return "slot-v1 layer-major " + " ".join(f"{count}x{text}" for text, count in parts)
+            texts.append(f"{str(info.dtype).removeprefix('torch.')}{list(info.shape[1:])}({order})")
+        runs = [f"{len(list(alike))}x{text}" for text, alike in itertools.groupby(texts)]
+        return "slot-v1 layer-major " + " ".join(runs)
 
     def __repr__(self) -> str:
         return (f"KVLayout({self.num_layers} layers, {self._num_blocks} blocks, "
@@ -330,13 +311,9 @@ class KVLayout:
                 f"kv layout: a slot must be a 1-D uint8 tensor of at least {need} bytes "
                 f"(chunk_bytes({blocks_per_chunk})), got {slot.dtype} {tuple(slot.shape)}"
             )
-        views: list[torch.Tensor] = []
-        offset = 0
-        for info in self._layers:
-            size = blocks_per_chunk * info.page_bytes
-            views.append(slot.narrow(0, offset, size).view(blocks_per_chunk, info.page_bytes))
-            offset += size
-        return views
+        sizes = [blocks_per_chunk * info.page_bytes for info in self._layers]
+        return [part.view(blocks_per_chunk, info.page_bytes)
+                for part, info in zip(torch.split(slot[:need], sizes), self._layers)]
 
     def chunk_views(self, buffer: torch.Tensor, blocks_per_chunk: int) -> ChunkViews:
         """Cut a 2-D uint8 ``[num_rows, >= chunk_bytes]`` buffer of chunk rows per copy group."""
@@ -355,8 +332,7 @@ class KVLayout:
         for group in self._groups:
             offset = blocks_per_chunk * group.page_offset
             length = blocks_per_chunk * group.num_layers * group.page_bytes
-            word = math.gcd(group.word_bytes, _word_bytes(
-                buffer.data_ptr() + offset, buffer.stride(0)))
+            word = _word_bytes(group.word_bytes, buffer.data_ptr() + offset, buffer.stride(0))
             dtype, words = _WORD_DTYPES[word], group.page_bytes // word
             region = buffer[:, offset:offset + length].view(dtype)
             layer_rows = torch.arange(group.num_layers, device=self._device) * group.layer_step

@@ -1,16 +1,14 @@
 """JobLedger: the job ids one worker-side component was given, and which of them finished.
 
-Both transfer engines, DiskIO and the JobExecutor keep one, so "is this id known, has it
-finished, wait for it" means the same everywhere and fails with the same errors.
+Both transfer engines, DiskIO and the JobExecutor keep one (why: docs/design.md).
 
 Primitives and their contracts (not thread-safe: the owner holds its lock around calls):
 - ``add(job_id, record)``: a submitted job and the owner's record of it. An id is taken
   once: a live or remembered id raises :class:`TransferError`; ``check_new(job_id)``
   raises the same without adding. ``record(job_id)``: the live record or None.
 - ``finish(job_id)``: the job finished (the owner decides when: threads when the job ran,
-  CUDA and the executor when a poll saw it). Finished ids are remembered compactly and
-  bounded: a floor below which every id from 1 finished (dense ids, as an executor sees
-  them), plus the finished ids above it, at most ``remember`` (the oldest forgotten first).
+  CUDA and the executor when a poll saw it). Remembered compactly: every id below a floor
+  (dense ids), plus at most ``remember`` finished ids above it, the oldest forgotten first.
 - ``job_id in ledger``: live or remembered; ``is_finished(job_id)``; ``live_ids()``.
 - ``pending(job_ids)``: the live records among ``job_ids``, finished ones skipped. An id
   never submitted raises :class:`UnknownJobError`: a wait before its submit is the race
