@@ -31,13 +31,8 @@ called from several threads: LMDB serializes write transactions, reads run concu
   :class:`ClosedError`; any call from a forked child raises :class:`UsageError`).
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
 
-The environment underneath is kept by :class:`tierkv.tiers.disk_env.LmdbEnv`: it trusts
-only this user's private files (moving the rest aside), refuses a foreign or shared root,
-moves a damaged environment aside and rebuilds it wherever the damage shows (the call then
-runs on the empty one), adopts a map another process grew, clears stale readers, turns a
-``data.mdb`` truncated under the running tier into damage instead of SIGBUS, and moves
-aside a directory that holds another namespace, rank or format version (a read-only or
-``repair=False`` handle raises :class:`NamespaceMismatchError` instead). See its
+The environment underneath (which files are trusted, damage and rebuilds, a map another
+process grew, stale readers) is kept by :class:`tierkv.tiers.disk_env.LmdbEnv`; see its
 docstring. Opening a tier tunes glibc malloc once per process (:func:`tune_malloc`, opt
 out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
 """
@@ -162,13 +157,14 @@ class DiskTier(LowerTier):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _out_of_space(self, exc: lmdb.Error, needed_bytes: int) -> bool:
-        """Whether a failed write means the filesystem is full (a value, like a full map).
+    def _out_of_space(self, exc: lmdb.Error, num_items: int) -> bool:
+        """Whether a failed write of ``num_items`` values means the filesystem is full (a
+        value, like a full map).
 
         LMDB reports ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO when a write came back
         short, which on a full filesystem is what ENOSPC looks like. EIO counts as full only
-        when the filesystem has less than ``needed_bytes`` free; otherwise it is a real I/O
-        error."""
+        when the filesystem has less free than such a txn writes at least (a page more per
+        value, one value for a txn of deletes); otherwise it is a real I/O error."""
         if isinstance(exc, lmdb.DiskError):
             return True
         text = str(exc)
@@ -180,7 +176,7 @@ class DiskTier(LowerTier):
             fs = os.statvfs(self.path)
         except OSError:
             return False
-        return fs.f_bavail * fs.f_frsize < needed_bytes
+        return fs.f_bavail * fs.f_frsize < max(num_items, 1) * (self.payload_bytes + 4096)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -245,14 +241,11 @@ class DiskTier(LowerTier):
         num_bytes = len(written) * self.payload_bytes
         self._count(bytes_written=num_bytes, puts=len(written), full=len(full), write_txns=1)
         message = None
-        if full and no_space:
-            message = (f"{self._name}: filesystem full writing chunk {short_key(full[0])} "
-                       f"({len(full)} chunk(s) not written; free space under {self.root} or "
-                       f"lower disk.max_bytes, now {format_bytes(self.config.max_bytes)})")
-            logger.warning("%s", message)
-        elif full:
-            message = (f"{self._name}: map full writing chunk {short_key(full[0])} "
-                       f"({len(full)} chunk(s) not written; raise disk.max_bytes, now "
+        if full:
+            what, hint = (("filesystem", f"free space under {self.root} or lower disk.max_bytes")
+                          if no_space else ("map", "raise disk.max_bytes"))
+            message = (f"{self._name}: {what} full writing chunk {short_key(full[0])} "
+                       f"({len(full)} chunk(s) not written; {hint}, now "
                        f"{format_bytes(self.config.max_bytes)})")
             logger.warning("%s", message)
         self._after_commit(num_bytes)
@@ -271,7 +264,7 @@ class DiskTier(LowerTier):
             except lmdb.MapFullError:  # raised by commit: retry without the last item
                 failed_at, deleted = len(pending) - 1, 0
             except lmdb.Error as exc:
-                if not self._out_of_space(exc, self._txn_bytes(len(pending))):
+                if not self._out_of_space(exc, len(pending)):
                     raise
                 # nothing of this txn landed; after deletes settle, retry once, then give up
                 failed_at, deleted, no_space = 0, 0, True
@@ -288,10 +281,6 @@ class DiskTier(LowerTier):
             pending = pending[:failed_at]
         deleted = (deleted if failed_at is None else 0) + settled
         return tuple(key for key, _ in pending), tuple(full), deleted, no_space
-
-    def _txn_bytes(self, num_items: int) -> int:
-        """Bytes a txn of ``num_items`` values writes, at least (for the out-of-space check)."""
-        return max(num_items, 1) * (self.payload_bytes + 4096)
 
     def _write_txn(
         self, env: lmdb.Environment, items: list[tuple[bytes, memoryview | bytes]],
@@ -337,24 +326,19 @@ class DiskTier(LowerTier):
         except lmdb.MapFullError:
             pass  # the retry reports its keys as full
         except lmdb.Error as exc:
-            if not self._out_of_space(exc, self._txn_bytes(0)):
+            if not self._out_of_space(exc, 0):
                 raise
         return deleted
 
     def _delete_txn(self, env: lmdb.Environment, keys: Sequence[bytes]) -> int:
         try:
-            with env.begin(write=True) as txn:
-                deleted = 0
-                for key in keys:
-                    deleted += bool(txn.delete(key, db=self._lmdb.chunks))
-                    txn.delete(key, db=self._lmdb.index)
-            return deleted
+            return self._write_txn(env, [], keys)[1]
         except lmdb.MapFullError:  # copy-on-write needs a few pages even to delete
             logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now %s",
                            self._name, len(keys), format_bytes(self.config.max_bytes))
             return 0
         except lmdb.Error as exc:
-            if not self._out_of_space(exc, self._txn_bytes(0)):
+            if not self._out_of_space(exc, 0):
                 raise
             logger.warning("%s: filesystem full even for %d delete(s); free space under %s",
                            self._name, len(keys), self.root)
@@ -433,25 +417,23 @@ class DiskTier(LowerTier):
             self._count(reads=1, hits=1, bytes_read=self.payload_bytes)
             return ReadStatus.OK
         self._count(reads=1, misses=1, corrupt=1)
-        if self.read_only:
-            logger.warning("%s: corrupt chunk %s (%s)", self._name, short_key(key), problem)
-        else:
-            logger.warning("%s: corrupt chunk %s (%s); deleted it", self._name, short_key(key),
-                           problem)
+        logger.warning("%s: corrupt chunk %s (%s)%s", self._name, short_key(key), problem,
+                       "" if self.read_only else "; deleted it")
+        if not self.read_only:
             self.delete_many([key])
         return ReadStatus.CORRUPT
 
     @staticmethod
-    def _rows_after(txn: Any, db: Any, last: bytes | None, batch: int,
-                    values: bool) -> list[tuple[bytes, bytes]]:
-        """Up to ``batch`` (key, value or b"") rows of ``db`` after key ``last``, in ``txn``."""
-        rows: list[tuple[bytes, bytes]] = []
+    def _rows_after(txn: Any, db: Any, last: bytes | None, batch: int) -> list[tuple[bytes, Any]]:
+        """Up to ``batch`` (key, value) rows of ``db`` after key ``last``, in ``txn`` (in a
+        ``buffers=True`` txn the values are LMDB's buffers, valid only inside it)."""
+        rows: list[tuple[bytes, Any]] = []
         cursor = txn.cursor(db=db)
         more = cursor.set_range(last) if last is not None else cursor.first()
         if more and last is not None and bytes(cursor.key()) == last:
             more = cursor.next()
         while more and len(rows) < batch:
-            rows.append((bytes(cursor.key()), bytes(cursor.value()) if values else b""))
+            rows.append((bytes(cursor.key()), cursor.value()))
             more = cursor.next()
         return rows
 
@@ -468,7 +450,7 @@ class DiskTier(LowerTier):
 
         def rows_of(env: lmdb.Environment) -> list[tuple[bytes, bytes]]:
             with env.begin(db=self._lmdb.index) as txn:
-                return self._rows_after(txn, self._lmdb.index, last, batch, True)
+                return self._rows_after(txn, self._lmdb.index, last, batch)
 
         with self._lmdb.random_access():  # a restart reads index pages, not read-ahead
             while True:
@@ -503,35 +485,30 @@ class DiskTier(LowerTier):
         scratch = memoryview(bytearray(self.payload_bytes))
         replaced = self._lmdb.replacements
 
-        def values_after(env: lmdb.Environment, last: bytes | None) -> tuple[list[bytes], list[bytes]]:
-            found: list[bytes] = []
+        def bad_after(env: lmdb.Environment, last: bytes | None,
+                      values: bool) -> tuple[list[bytes], list[bytes]]:
+            """The next ``batch`` keys after ``last`` of the values (else of the index), and
+            the bad ones: values failing their checks or without a good index entry (index
+            entries without a value)."""
+            chunks, index = self._lmdb.chunks, self._lmdb.index
             with env.begin(buffers=True) as txn:
-                keys = [key for key, _ in self._rows_after(txn, self._lmdb.chunks, last, batch, False)]
-                for key in keys:
-                    value = txn.get(key, db=self._lmdb.chunks)
-                    entry = txn.get(key, db=self._lmdb.index)
-                    problem = "vanished" if value is None else check_value(
-                        self._binding, key, value, self.payload_bytes, scratch)
-                    if problem is None and unpack_index(bytes(entry or b"")) is None:
-                        problem = "index entry missing or malformed"
-                    if problem is not None:
-                        found.append(key)
-                    del value, entry
-            return keys, found
+                rows = self._rows_after(txn, chunks if values else index, last, batch)
+                keys = [key for key, _ in rows]
+                if not values:
+                    return keys, [key for key in keys if txn.get(key, db=chunks) is None]
+                return keys, [key for key, value in rows if check_value(
+                    self._binding, key, value, self.payload_bytes, scratch) is not None
+                    or unpack_index(bytes(txn.get(key, db=index) or b"")) is None]
 
-        def orphans_after(env: lmdb.Environment, last: bytes | None) -> tuple[list[bytes], list[bytes]]:
-            with env.begin(buffers=True) as txn:  # index entries without values
-                keys = [key for key, _ in self._rows_after(txn, self._lmdb.index, last, batch, False)]
-                return keys, [key for key in keys if txn.get(key, db=self._lmdb.chunks) is None]
-
-        for step in (values_after, orphans_after):
+        for values in (True, False):
             last: bytes | None = None
             while self._lmdb.replacements == replaced:
-                keys, found = self._lmdb.run("verifying", partial(step, last=last))
+                keys, found = self._lmdb.run("verifying",
+                                             partial(bad_after, last=last, values=values))
                 if self._lmdb.replacements != replaced:
                     break  # rebuilt empty meanwhile: nothing of the old environment is left
-                checked += len(keys) if step is values_after else 0
-                bad.update((key, None) for key in found)
+                checked += len(keys) if values else 0
+                bad.update(dict.fromkeys(found))
                 if len(keys) < batch:
                     break
                 last = keys[-1]
@@ -555,7 +532,8 @@ class DiskTier(LowerTier):
         chunks = self._lmdb.run("counting chunks", count)
         with self._stats_lock:
             counts = dict(self._counts)
-        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts, **self._lmdb.counts())
+        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts,
+                              **self._lmdb.counts())
 
     def close(self) -> None:
         """Sync and close; idempotent."""
