@@ -99,6 +99,8 @@ DAMAGE_ERRORS: tuple[type[Exception], ...] = (
     FilesDamaged, lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
     lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
     lmdb.BadChecksumError)
+# What run() deals with (in the exclusive section) before retrying the call.
+_FIXABLE = DAMAGE_ERRORS + (lmdb.MapResizedError, lmdb.ReadersFullError)
 
 
 class _Guard:
@@ -252,19 +254,8 @@ class LmdbEnv:
     def _open(self) -> None:
         try:
             self._open_once()
-            return
-        except NamespaceMismatchError as exc:
-            if not self._may_repair():  # read-only, repair=False, or another process's
-                raise
-            self._replace_env(exc, why="foreign")
-            return
-        except DAMAGE_ERRORS as exc:
-            if not self._may_repair():
-                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
-                                   f"({exc}); not repaired here: {self._why_not_repaired()}"
-                                   ) from exc
-            self._replace_env(exc)
-            return
+        except DAMAGE_ERRORS + (NamespaceMismatchError,) as exc:
+            self._repair(exc)
         except OSError as exc:
             raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
                               f"(check disk.path)") from exc
@@ -297,7 +288,8 @@ class LmdbEnv:
             data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             floor = self._check_file_size(env, data_fd)
             cleared = env.reader_check()
-            meta, chunks, index = (self._open_db(env, name) for name in (b"meta", b"chunks", b"index"))
+            meta, chunks, index = (self._open_db(env, name)
+                                   for name in (b"meta", b"chunks", b"index"))
             self._check_meta(env, meta, chunks)
         except BaseException:
             if data_fd is not None:
@@ -399,9 +391,19 @@ class LmdbEnv:
         if env is not None:
             env.close()
 
-    def _replace_env(self, exc: BaseException, why: str = "broken") -> None:
-        """Move the damaged (``broken``) or misplaced (``foreign``: another namespace, rank
-        or format) environment aside and open an empty one (the claim held)."""
+    def _repair(self, exc: BaseException, action: str = "") -> None:
+        """Move the damaged (``broken``) or misplaced (``foreign``: ``exc`` is a
+        :class:`NamespaceMismatchError`) environment aside and open an empty one (the claim
+        held), when this handle may repair; else raise ``exc`` if misplaced, or
+        :class:`DamagedError`."""
+        why = "foreign" if isinstance(exc, NamespaceMismatchError) else "broken"
+        if not self._may_repair():
+            if why == "foreign":
+                raise exc
+            during = f" while {action}" if action else ""
+            raise DamagedError(f"{self._name}: environment at {self.path} is damaged ({exc})"
+                               f"{during}; not repaired here: {self._why_not_repaired()}"
+                               ) from exc
         self._close_env()
         if isinstance(exc, lmdb.PanicError):  # a fatal write error: the files may be fine
             try:
@@ -440,11 +442,8 @@ class LmdbEnv:
     def _fix(self, problem: BaseException, generation: int, action: str) -> None:
         """Deal with what stopped a call, outside its shared section; the call is retried."""
         with self._guard.exclusive():
-            if self.closed:
-                raise ClosedError(f"{self._name}: closed while {action}")
-            if self._env is None:
-                raise BrokenError(f"{self._name}: no environment ({action}): it could not be "
-                                  f"rebuilt after damage; restart the store")
+            if self.closed or self._env is None:
+                raise self._stopped(action)
             if self.generation != generation:
                 return  # another thread replaced or resized the environment meanwhile
             if isinstance(problem, lmdb.MapResizedError):
@@ -457,12 +456,8 @@ class LmdbEnv:
             elif isinstance(problem, lmdb.ReadersFullError):
                 self.clear_stale_readers(self._env)
                 self.generation += 1
-            elif not self._may_repair():
-                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
-                                   f"({problem}) while {action}; not repaired here: "
-                                   f"{self._why_not_repaired()}") from problem
             else:
-                self._replace_env(problem)
+                self._repair(problem, action)
 
     def clear_stale_readers(self, env: lmdb.Environment) -> int:
         """Free the reader slots of dead processes; how many there were."""
@@ -544,29 +539,29 @@ class LmdbEnv:
             try:
                 env, generation = self._env, self.generation
                 if env is None:
-                    if self.closed:
-                        raise ClosedError(f"{self._name}: closed while {_action(action, key)}")
-                    raise BrokenError(f"{self._name}: no environment ({_action(action, key)}): "
-                                      f"it could not be rebuilt after damage; restart the store")
+                    raise self._stopped(_action(action, key))
                 try:
                     self._check_data_file()
                     return work(env)
-                except (lmdb.MapResizedError, lmdb.ReadersFullError) as exc:
+                except _FIXABLE as exc:
                     problem: BaseException = exc
-                except DAMAGE_ERRORS as exc:
-                    problem = exc
                 except lmdb.Error as exc:
-                    raise self._failure(_action(action, key), exc) from exc
+                    raise self._stopped(_action(action, key), exc) from exc
             finally:
                 guard.leave()
             self._fix(problem, generation, _action(action, key))
         raise BrokenError(f"{self._name}: {_action(action, key)} kept failing after repairs "
                           f"({problem})")
 
-    def _failure(self, action: str, exc: BaseException) -> Exception:
+    def _stopped(self, action: str, exc: lmdb.Error | None = None) -> TierKVError:
+        """What a call that cannot go on raises: closed meanwhile; else LMDB's error ``exc``;
+        else no environment (a rebuild after damage failed)."""
         if self.closed:
             return ClosedError(f"{self._name}: closed while {action}")
-        return BrokenError(f"{self._name}: LMDB failed {action} at {self.path}: {exc}")
+        if exc is not None:
+            return BrokenError(f"{self._name}: LMDB failed {action} at {self.path}: {exc}")
+        return BrokenError(f"{self._name}: no environment ({action}): it could not be rebuilt "
+                           f"after damage; restart the store")
 
     def _count(self, **deltas: int) -> None:
         with self._counts_lock:
