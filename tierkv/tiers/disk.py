@@ -5,30 +5,25 @@ Layout (``docs/on-disk-format.md`` has every byte)::
     root/ns-<fingerprint>/namespace.json      what the namespace is, for operators
     root/ns-<fingerprint>/rank-<r>/data.mdb   LMDB, sub-dbs "meta", "chunks", "index"
 
-Primitives and contracts (one :class:`DiskTier` holds bytes and starts no threads; it may be
-called from several threads: LMDB serializes write transactions, reads run concurrently):
+Primitives and contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and (one
+:class:`DiskTier` holds bytes and starts no threads; it may be called from several threads:
+LMDB serializes write transactions, reads run concurrently):
 
-- ``put_many(items, deletes=())`` one write txn: deletes, then puts. Values are copied into
-  LMDB before it returns, so slots may be reused. A full map or a full filesystem (ENOSPC,
-  EDQUOT, or EIO from a short write with the filesystem out of space) is a value
-  (``PutResult.full``), never an exception; the disk cap is soft here (the scheduler side
-  accounts for it).
-- ``delete_many(keys)`` one write txn.
-- ``read_into(key, out)`` a short read txn: verify header and checksum, copy the payload
-  straight into ``out``. ``OK`` only for verified bytes of this namespace, rank and key; a
-  bad value is deleted, counted and answered ``CORRUPT``. On anything but ``OK`` the
-  contents of ``out`` are unspecified.
-- ``scan(batch)`` yields ``ChunkRecord`` from the small "index" sub-db, read in short txns
-  of ``batch`` keys (restart warm without reading payloads).
-- ``verify(repair)`` checks every value (and index consistency); ``repair`` deletes bad ones.
+- ``put_many(items, deletes=())`` is one write txn (deletes, then puts), ``delete_many``
+  one too. A full map or a full filesystem (ENOSPC, EDQUOT, or EIO from a short write with
+  the filesystem out of space) is ``PutResult.full``; the disk cap is soft here (the
+  scheduler side accounts for it).
+- ``read_into(key, out)`` is one short read txn: header and checksum verified, the payload
+  copied straight into ``out``; a bad value is deleted and counted.
+- ``scan(batch)`` reads the small "index" sub-db in short txns of ``batch`` keys (restart
+  warm without reading payloads); ``verify`` also checks the index against the values.
 - ``claim()`` makes this process the environment's one writer (``exclusive=True`` does it
   at open, before anything is judged or moved): a second claim, from any process, is
   refused with a :class:`ConfigError` naming the holder.
 - ``read_only=True`` (operator tools): nothing is created, written, moved or chmod-ed;
   what is not trusted, or damaged, raises :class:`DamagedError`; a corrupt value is
-  answered ``CORRUPT`` and left in place; writes raise :class:`UsageError`.
-- ``sync()``, ``sync_if_due()``, ``statistics()``, ``close()`` (idempotent; later calls raise
-  :class:`ClosedError`; any call from a forked child raises :class:`UsageError`).
+  answered ``CORRUPT`` and left in place.
+- Any call from a forked child raises :class:`UsageError`.
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
 
 The environment underneath (which files are trusted, damage and rebuilds, a map another
@@ -158,8 +153,7 @@ class DiskTier(LowerTier):
     # -- helpers ---------------------------------------------------------------------------
 
     def _out_of_space(self, exc: lmdb.Error, num_items: int) -> bool:
-        """Whether a failed write of ``num_items`` values means the filesystem is full (a
-        value, like a full map).
+        """Whether a failed write txn of ``num_items`` values means the filesystem is full.
 
         LMDB reports ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO when a write came back
         short, which on a full filesystem is what ENOSPC looks like. EIO counts as full only
@@ -323,10 +317,8 @@ class DiskTier(LowerTier):
                 seq_raw = txn.get(META_NEXT_SEQ, db=self._lmdb.meta)
                 if seq_raw is not None:
                     txn.put(META_NEXT_SEQ, seq_raw, db=self._lmdb.meta)
-        except lmdb.MapFullError:
-            pass  # the retry reports its keys as full
-        except lmdb.Error as exc:
-            if not self._out_of_space(exc, 0):
+        except lmdb.Error as exc:  # full: the retry reports its keys as full
+            if not isinstance(exc, lmdb.MapFullError) and not self._out_of_space(exc, 0):
                 raise
         return deleted
 

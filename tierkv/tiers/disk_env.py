@@ -169,7 +169,6 @@ class LmdbEnv:
         self.generation = 0  # bumped whenever the environment underneath is changed
         self.replacements = 0  # times it was moved aside and started empty
         self.last_damage: str | None = None
-        self._unclaimable = ""
         self._owner: OwnerLock | None = None
         self._env: lmdb.Environment | None = None
         self.chunks: Any = None
@@ -363,25 +362,19 @@ class LmdbEnv:
 
     # -- damage, resizes, stale readers -----------------------------------------------------
 
-    def _may_repair(self) -> bool:
-        """Whether damage may be repaired here: it needs ``repair`` and the claim (taken now
-        if no other process holds it)."""
-        if not self.repair:  # also false when read-only
-            return False
-        if self._owner is None:
-            try:
-                self.claim()
-            except ConfigError as err:
-                self._unclaimable = str(err)
-                return False
-        return True
-
-    def _why_not_repaired(self) -> str:
+    def _why_not_repaired(self) -> str | None:
+        """Why damage may not be repaired here, or None: repair needs ``repair`` and the
+        claim (taken now if no other process holds it)."""
         if self.read_only:
             return "opened read-only (run tierkv verify --repair)"
         if not self.repair:
             return "opened with repair=False (run tierkv verify --repair)"
-        return self._unclaimable or "another process owns it"
+        if self._owner is None:
+            try:
+                self.claim()
+            except ConfigError as err:
+                return str(err)
+        return None
 
     def _close_env(self) -> None:
         env, self._env = self._env, None
@@ -397,13 +390,13 @@ class LmdbEnv:
         held), when this handle may repair; else raise ``exc`` if misplaced, or
         :class:`DamagedError`."""
         why = "foreign" if isinstance(exc, NamespaceMismatchError) else "broken"
-        if not self._may_repair():
+        refused = self._why_not_repaired()
+        if refused is not None:
             if why == "foreign":
                 raise exc
             during = f" while {action}" if action else ""
             raise DamagedError(f"{self._name}: environment at {self.path} is damaged ({exc})"
-                               f"{during}; not repaired here: {self._why_not_repaired()}"
-                               ) from exc
+                               f"{during}; not repaired here: {refused}") from exc
         self._close_env()
         if isinstance(exc, lmdb.PanicError):  # a fatal write error: the files may be fine
             try:

@@ -206,7 +206,7 @@ def _forget_claims_in_child() -> None:
     """After fork, in the child: close the inherited claims (closing, not unlocking: the
     parent's lock stays; it must not outlive the parent because of the child)."""
     for lock in list(_HELD):
-        lock.abandon()
+        lock.release(unlock=False)
 
 
 os.register_at_fork(after_in_child=_forget_claims_in_child)
@@ -245,21 +245,17 @@ class OwnerLock:
         self._fd: int | None = fd
         _HELD.add(self)
 
-    def release(self) -> None:
+    def release(self, unlock: bool = True) -> None:
+        """Give up the claim; ``unlock=False`` only closes this process's copy (what a
+        forked child inherited)."""
         fd, self._fd = self._fd, None
         _HELD.discard(self)
         if fd is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                if unlock:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
-
-    def abandon(self) -> None:
-        """Close this process's copy without unlocking (a forked child's inheritance)."""
-        fd, self._fd = self._fd, None
-        _HELD.discard(self)
-        if fd is not None:
-            os.close(fd)
 
 
 @dataclass(frozen=True)

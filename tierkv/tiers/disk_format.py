@@ -39,9 +39,7 @@ _PREFIX = struct.Struct("<2sH")  # magic, msgpack header length
 _FIXED = struct.Struct("<QQQ")  # format version, payload length, seq: fed to the checksum
 _INDEX = struct.Struct("<QQ")  # "index" sub-db value: payload length, seq
 _RANK = struct.Struct("<I")
-PREFIX_BYTES = _PREFIX.size
 MAX_VALUE_OVERHEAD = _PREFIX.size + MAX_HEADER_BYTES
-BINDING_BYTES = 16 + _RANK.size
 
 
 def binding_of(fingerprint: str, rank: int) -> bytes:
