@@ -273,8 +273,7 @@ class DiskTier(LowerTier):
                     continue
             full[:0] = [key for key, _ in pending[failed_at:]]
             pending = pending[:failed_at]
-        deleted = (deleted if failed_at is None else 0) + settled
-        return tuple(key for key, _ in pending), tuple(full), deleted, no_space
+        return tuple(key for key, _ in pending), tuple(full), deleted + settled, no_space
 
     def _write_txn(
         self, env: lmdb.Environment, items: list[tuple[bytes, memoryview | bytes]],
@@ -361,13 +360,11 @@ class DiskTier(LowerTier):
             return False
         with self._stats_lock:
             unsynced = self._unsynced_bytes
-        if unsynced <= 0:
-            return False
-        elapsed = self._clock() - self._last_sync
-        if unsynced >= self.config.sync_every_bytes or elapsed >= self.config.sync_every_seconds:
+        due = unsynced > 0 and (unsynced >= self.config.sync_every_bytes or
+                                self._clock() - self._last_sync >= self.config.sync_every_seconds)
+        if due:
             self.sync()
-            return True
-        return False
+        return due
 
     def sync(self) -> None:
         """fsync everything committed so far (the durability point); nothing to do read-only."""
@@ -416,7 +413,8 @@ class DiskTier(LowerTier):
         return ReadStatus.CORRUPT
 
     @staticmethod
-    def _rows_after(txn: Any, db: Any, last: bytes | None, batch: int) -> list[tuple[bytes, Any]]:
+    def _rows_after(txn: Any, db: Any, last: bytes | None,
+                    batch: int) -> list[tuple[bytes, Any]]:
         """Up to ``batch`` (key, value) rows of ``db`` after key ``last``, in ``txn`` (in a
         ``buffers=True`` txn the values are LMDB's buffers, valid only inside it)."""
         rows: list[tuple[bytes, Any]] = []

@@ -6,11 +6,10 @@ does its reads and writes through :meth:`LmdbEnv.run`.
 
 Primitives and contracts:
 
-- Opening trusts only files this user owns and no one else can write
-  (:mod:`tierkv.tiers.disk_files`): the root must be such a directory (else
-  ``ConfigError``); an untrusted namespace or rank directory is moved aside
-  (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is not
-  exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
+- Opening trusts only this user's private files (:mod:`tierkv.tiers.disk_files`; an
+  untrusted root is a ``ConfigError``): an untrusted namespace or rank directory is moved
+  aside (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is
+  not exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
 - The meta record (namespace, fingerprint, rank, format version) must match. An
   environment that holds another one (a directory copied, swapped or renamed by hand) is
   never read and never deleted: it is moved aside (``.foreign-<time>``) and an empty one
@@ -286,7 +285,7 @@ class LmdbEnv:
         try:
             data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             floor = self._check_file_size(env, data_fd)
-            cleared = env.reader_check()
+            self.clear_stale_readers(env)  # before any txn: dead readers may fill the table
             meta, chunks, index = (self._open_db(env, name)
                                    for name in (b"meta", b"chunks", b"index"))
             self._check_meta(env, meta, chunks)
@@ -299,9 +298,6 @@ class LmdbEnv:
             check_file(self.path / name, fix=writable)  # created by LMDB: clears read bits
         self._env, self.chunks, self.index, self.meta = env, chunks, index, meta
         self._data_fd, self._data_floor = data_fd, floor
-        self._count(stale_readers=cleared)
-        if cleared:
-            logger.warning("%s: cleared %d reader slot(s) of dead processes", self._name, cleared)
         if fresh:
             self._warn_old_formats()
 
