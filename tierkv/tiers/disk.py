@@ -1,9 +1,5 @@
-"""The disk tier: chunk payloads in one LMDB environment per namespace and rank.
-
-Layout (``docs/on-disk-format.md`` has every byte)::
-
-    root/ns-<fingerprint>/namespace.json      what the namespace is, for operators
-    root/ns-<fingerprint>/rank-<r>/data.mdb   LMDB, sub-dbs "meta", "chunks", "index"
+"""The disk tier: chunk payloads in one LMDB environment per namespace and rank, at
+``root/ns-<fingerprint>/rank-<r>/`` (``docs/on-disk-format.md`` has every byte).
 
 Primitives and contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and (one
 :class:`DiskTier` holds bytes and starts no threads; it may be called from several threads:
@@ -464,9 +460,8 @@ class DiskTier(LowerTier):
 
         Each batch is listed and checked inside one short read txn (one snapshot), so a
         chunk that another thread or process deletes meanwhile is simply not seen, never
-        reported bad. Damage of the environment itself is reported in ``damaged``: with
-        the tier's ``repair`` the environment was rebuilt empty (``rebuilt``); without it,
-        :class:`DamagedError` says why not."""
+        reported bad. Damage of the environment itself is reported in ``damaged`` (see
+        :class:`VerifyReport`); where it may not be repaired, :class:`DamagedError` says why."""
         self._check_batch(batch)
         if repair:
             self._check_writable("repairing")

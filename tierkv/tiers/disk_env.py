@@ -10,23 +10,20 @@ Primitives and contracts:
   untrusted root is a ``ConfigError``): an untrusted namespace or rank directory is moved
   aside (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is
   not exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
-- The meta record (namespace, fingerprint, rank, format version) must match. An
-  environment that holds another one (a directory copied, swapped or renamed by hand) is
-  never read and never deleted: it is moved aside (``.foreign-<time>``) and an empty one
-  opened, with a warning, when this handle may repair (below); otherwise
-  :class:`NamespaceMismatchError`.
+- The meta record (namespace, fingerprint, rank, format version) must match: another
+  environment is never read nor deleted, but moved aside (``.foreign-<time>``) and an
+  empty one opened when this handle may repair (below); else :class:`NamespaceMismatchError`.
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
   (one plain lock on entry and on exit). Before it, a fork check (:class:`UsageError` in a
   child), a closed check (:class:`ClosedError`) and a size check of ``data.mdb`` (it never
   shrinks; smaller means truncated under us, which would SIGBUS). What stops ``work`` is
   dealt with in the exclusive section and the call retried (at most twice):
   ``MDB_MAP_RESIZED`` adopts the map another process grew; a full reader table clears
-  stale readers; **damage** (LMDB reports a corrupted, invalid or wrong-type page, a panic;
-  meta records that do not decode; a short or shrunk file; an untrusted ``data.mdb`` or
-  ``lock.mdb``) moves the environment aside (``.broken-<time>``) and opens an empty one,
-  the retried call running on it. Repair needs ``repair`` and the claim (taken then if no
-  other process holds it); otherwise :class:`DamagedError`, nothing changed. Other LMDB
-  errors are :class:`BrokenError`.
+  stale readers; **damage** (:data:`DAMAGE_ERRORS`: what LMDB reports as corrupt, a panic,
+  or what tierkv finds, :class:`FilesDamaged`) moves the environment aside
+  (``.broken-<time>``) and opens an empty one, the retried call running on it. Repair
+  needs ``repair`` and the claim (taken then if no other process holds it); otherwise
+  :class:`DamagedError`, nothing changed. Other LMDB errors are :class:`BrokenError`.
 - ``claim()`` makes this process the environment's one writer (an ``flock``); refused with
   :class:`ConfigError` naming the holder.
 - ``clear_stale_readers(env)`` frees reader slots of dead processes (also at open, and
@@ -254,10 +251,7 @@ class LmdbEnv:
             self._open_once()
         except DAMAGE_ERRORS + (NamespaceMismatchError,) as exc:
             self._repair(exc)
-        except OSError as exc:
-            raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
-                              f"(check disk.path)") from exc
-        except lmdb.Error as exc:
+        except (OSError, lmdb.Error) as exc:
             if "already open in this process" in str(exc):
                 raise UsageError(f"{self._name}: {self.path} is already open in this process; "
                                  f"open each environment once per process and share that "
@@ -517,9 +511,8 @@ class LmdbEnv:
 
     def run(self, action: str, work: Callable[[lmdb.Environment], _T],
             key: bytes | None = None) -> _T:
-        """``work(env)`` in a shared section; damage, a grown map or a full reader table are
-        dealt with and the call retried (at most twice). ``action`` (with ``key``'s short
-        hex, when given) names the call in errors; it is formatted only for one."""
+        """``work(env)`` as the module docstring says; ``action`` (with ``key``'s short hex,
+        when given) names the call in errors, formatted only for one."""
         guard = self._guard
         for _ in range(3):
             if self.closed or os.getpid() != self._pid:

@@ -129,7 +129,6 @@ def _judge(path: Path, want_dir: bool, mode: int, fix: bool) -> Trust:
     except FileNotFoundError:
         return Trust.MISSING
     kind_ok = stat.S_ISDIR(info.st_mode) if want_dir else stat.S_ISREG(info.st_mode)
-    loose = stat.S_IMODE(info.st_mode) & 0o077
     writable_by_others = stat.S_IMODE(info.st_mode) & 0o022  # they could have written it
     if not kind_ok or info.st_uid != os.geteuid() or writable_by_others:
         what = "directory" if want_dir else "regular file"
@@ -137,7 +136,7 @@ def _judge(path: Path, want_dir: bool, mode: int, fix: bool) -> Trust:
                        "it is not used", path, what, stat.filemode(info.st_mode),
                        _owner(info.st_uid))
         return Trust.FOREIGN
-    if loose and fix:
+    if fix and stat.S_IMODE(info.st_mode) & 0o077:  # group or other bits: made private
         logger.warning("disk tier: %s had mode %#o; made it %#o (store files are private)",
                        path, stat.S_IMODE(info.st_mode), mode)
         os.chmod(path, mode)

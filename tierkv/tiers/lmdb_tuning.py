@@ -39,13 +39,11 @@ def tune_malloc(write_batch_bytes: int) -> bool:
     """Keep LMDB's freed dirty pages in the heap (glibc; once per process; opt out with
     ``TIERKV_MALLOPT=0``). Returns whether it changed anything.
 
-    With ``writemap=False`` LMDB mallocs every value's overflow pages in the write txn and
-    frees them at commit. Once a process has loaded torch, glibc often serves each of those
-    multi-MiB blocks with a fresh ``mmap`` (or trims the heap after each commit), so every
-    put page-faults its buffer in again (``docs/benchmarks/disk.md``). This sets
-    ``M_MMAP_THRESHOLD`` to 32 MiB (glibc's own dynamic ceiling) and ``M_TRIM_THRESHOLD``
-    to ``max(4 * write_batch_bytes, 32 MiB)``, at most 1 GiB: the free heap kept.
-    """
+    LMDB (``writemap=False``) mallocs each value's overflow pages per write txn; once torch
+    is loaded, glibc tends to ``mmap`` those blocks afresh or trim the heap at each commit,
+    so every put faults its buffer in again (``docs/benchmarks/disk.md``). Hence
+    ``M_MMAP_THRESHOLD`` 32 MiB (glibc's own dynamic ceiling) and ``M_TRIM_THRESHOLD``
+    ``max(4 * write_batch_bytes, 32 MiB)``, at most 1 GiB: the free heap kept."""
     global _malloc_tuned
     if _malloc_tuned or os.environ.get("TIERKV_MALLOPT", "1") == "0":
         return False
