@@ -149,12 +149,10 @@ class DiskTier(LowerTier):
     # -- helpers ---------------------------------------------------------------------------
 
     def _out_of_space(self, exc: lmdb.Error, num_items: int) -> bool:
-        """Whether a failed write txn of ``num_items`` values means the filesystem is full.
-
-        LMDB reports ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO when a write came back
-        short, which on a full filesystem is what ENOSPC looks like. EIO counts as full only
-        when the filesystem has less free than such a txn writes at least (a page more per
-        value, one value for a txn of deletes); otherwise it is a real I/O error."""
+        """Whether a failed write txn of ``num_items`` values means the filesystem is full:
+        ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO from a short write (what ENOSPC looks
+        like on a full filesystem) when less is free than such a txn writes at least (a page
+        more per value, one value for deletes); any other EIO is a real I/O error."""
         if isinstance(exc, lmdb.DiskError):
             return True
         text = str(exc)
@@ -446,10 +444,8 @@ class DiskTier(LowerTier):
                     if last is not None:
                         last = None
                         continue
-                for key, raw in rows:
-                    parsed = unpack_index(raw)
-                    if parsed is not None:
-                        records.append(ChunkRecord(key, parsed[0], parsed[1]))
+                records += [ChunkRecord(key, *parsed) for key, raw in rows
+                            if (parsed := unpack_index(raw)) is not None]
                 if len(rows) < batch:
                     break
                 last = rows[-1][0]
@@ -500,11 +496,9 @@ class DiskTier(LowerTier):
         rebuilt = self._lmdb.replacements != replaced
         if rebuilt:
             bad.clear()
-        repaired = 0
         if repair and bad:
             self.delete_many(list(bad))
-            repaired = len(bad)
-        return VerifyReport(checked, tuple(bad), repaired,
+        return VerifyReport(checked, tuple(bad), len(bad) if repair else 0,
                             damaged=self._lmdb.last_damage if rebuilt else None, rebuilt=rebuilt)
 
     # -- life cycle ------------------------------------------------------------------------

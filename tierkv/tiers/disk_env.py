@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -228,9 +228,8 @@ class LmdbEnv:
         path = self.namespace_dir / "namespace.json"
         text = (json.dumps(self._record, indent=2, sort_keys=True) + "\n").encode()
         try:
-            if check_file(path) is Trust.OK and read_private_file(path, len(text)) == text:
-                return
-            write_private_file(path, text)
+            if check_file(path) is not Trust.OK or read_private_file(path, len(text)) != text:
+                write_private_file(path, text)
         except OSError as exc:
             raise BrokenError(f"{self._name}: cannot write {path}: {exc} "
                               f"(check disk.path)") from exc
@@ -296,10 +295,8 @@ class LmdbEnv:
             self._warn_old_formats()
 
     def _open_db(self, env: lmdb.Environment, name: bytes) -> Any:
-        if not self.read_only:
-            return env.open_db(name)
         try:
-            return env.open_db(name, create=False)
+            return env.open_db(name, create=not self.read_only)
         except lmdb.NotFoundError as exc:
             raise FilesDamaged(f"sub-db {name.decode()} missing") from exc
 
@@ -374,17 +371,15 @@ class LmdbEnv:
         if env is not None:
             env.close()
 
-    def _repair(self, exc: BaseException, action: str = "") -> None:
-        """Move the damaged (``broken``) or misplaced (``foreign``: ``exc`` is a
-        :class:`NamespaceMismatchError`) environment aside and open an empty one (the claim
-        held), when this handle may repair; else raise ``exc`` if misplaced, or
-        :class:`DamagedError`."""
+    def _repair(self, exc: BaseException, during: str = "") -> None:
+        """Move the damaged (``broken``) or misplaced (``foreign``: a NamespaceMismatchError)
+        environment aside and open an empty one, the claim held; where this handle may not
+        repair, raise ``exc`` if misplaced, else :class:`DamagedError` (``during``: what met it)."""
         why = "foreign" if isinstance(exc, NamespaceMismatchError) else "broken"
         refused = self._why_not_repaired()
         if refused is not None:
             if why == "foreign":
                 raise exc
-            during = f" while {action}" if action else ""
             raise DamagedError(f"{self._name}: environment at {self.path} is damaged ({exc})"
                                f"{during}; not repaired here: {refused}") from exc
         self._close_env()
@@ -440,7 +435,7 @@ class LmdbEnv:
                 self.clear_stale_readers(self._env)
                 self.generation += 1
             else:
-                self._repair(problem, action)
+                self._repair(problem, during=f" while {action}")
 
     def clear_stale_readers(self, env: lmdb.Environment) -> int:
         """Free the reader slots of dead processes; how many there were."""
@@ -474,7 +469,7 @@ class LmdbEnv:
 
     def _map_span_of_data(self) -> tuple[int, int] | None:
         """(start, length) of the map of this environment's ``data.mdb``."""
-        try:
+        with suppress(OSError, ValueError):
             inode = os.fstat(self._data_fd).st_ino if self._data_fd is not None else None
             with open("/proc/self/maps", "rb") as maps:
                 for line in maps:
@@ -484,8 +479,6 @@ class LmdbEnv:
                             and fields[5].strip().endswith(b"/data.mdb"):
                         start, end = (int(part, 16) for part in fields[0].split(b"-"))
                         return start, end - start
-        except (OSError, ValueError):
-            pass
         return None
 
     # -- running calls -----------------------------------------------------------------------

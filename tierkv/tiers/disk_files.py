@@ -27,12 +27,14 @@ files (``docs/reliability.md``). Not against root, or against this user's own pr
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
 import json
 import logging
 import os
+import pwd
 import secrets
 import stat
 import time
@@ -59,10 +61,8 @@ class Trust(enum.Enum):
 
 def _owner(uid: int) -> str:
     try:
-        import pwd
-
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except (ImportError, KeyError):
+    except KeyError:  # a uid without a passwd entry
         return f"uid {uid}"
 
 
@@ -228,10 +228,8 @@ class OwnerLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = ""
-            try:
+            with contextlib.suppress(OSError):
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            except OSError:
-                pass
             os.close(fd)
             who = "this process" if holder == str(os.getpid()) else (
                 f"process {holder}" if holder else "another process")

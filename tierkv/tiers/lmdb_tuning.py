@@ -21,9 +21,8 @@ logger = logging.getLogger("tierkv.disk")
 def map_size_for(max_bytes: int, payload_bytes: int, page_bytes: int = 4096) -> int:
     """LMDB ``map_size`` for a disk cap of ``max_bytes`` of payloads: every value's overflow
     pages, under 256 bytes per chunk for the two B-trees, 25% for copy-on-write and free-list
-    fragmentation and 4 MiB for meta pages and roots, rounded up to 1 MiB
-    (``docs/on-disk-format.md`` has the formula). The file is sparse: only written pages
-    take disk space."""
+    fragmentation and 4 MiB for meta pages and roots, rounded up to 1 MiB (the formula is in
+    ``docs/on-disk-format.md``). A sparse file: only written pages take disk space."""
     num_chunks = -(-max_bytes // payload_bytes)
     value_pages = -(-(payload_bytes + MAX_VALUE_OVERHEAD + LMDB_PAGE_HEADER) // page_bytes)
     data = num_chunks * value_pages * page_bytes
