@@ -16,10 +16,6 @@ from tierkv.core.jobs import SlotId
 from tierkv.errors import ConfigError
 
 
-def cuda_available() -> bool:
-    return bool(torch.cuda.is_available())
-
-
 class CpuSlab:
     def __init__(self, num_slots: int, slot_bytes: int, pin_memory: str = "auto") -> None:
         if num_slots <= 0:
@@ -29,7 +25,7 @@ class CpuSlab:
             )
         if slot_bytes <= 0:
             raise ConfigError(f"cpu tier: slot_bytes must be > 0, got {slot_bytes}")
-        pin = pin_memory == "always" or (pin_memory == "auto" and cuda_available())
+        pin = pin_memory == "always" or (pin_memory == "auto" and torch.cuda.is_available())
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.pinned = pin
@@ -48,7 +44,3 @@ class CpuSlab:
         self._check(slot)
         row: np.ndarray = self._array[slot]
         return memoryview(row)  # type: ignore[arg-type]  # ndarray implements the buffer protocol
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_slots * self.slot_bytes

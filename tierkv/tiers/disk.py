@@ -1,43 +1,29 @@
-"""The disk tier: chunk payloads in one LMDB environment per namespace and rank.
+"""The disk tier: chunk payloads in one LMDB environment per namespace and rank, at
+``root/ns-<fingerprint>/rank-<r>/`` (``docs/on-disk-format.md`` has every byte).
 
-Layout (``docs/on-disk-format.md`` has every byte)::
+Primitives and contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and (one
+:class:`DiskTier` holds bytes and starts no threads; it may be called from several threads:
+LMDB serializes write transactions, reads run concurrently):
 
-    root/ns-<fingerprint>/namespace.json      what the namespace is, for operators
-    root/ns-<fingerprint>/rank-<r>/data.mdb   LMDB, sub-dbs "meta", "chunks", "index"
-
-Primitives and contracts (one :class:`DiskTier` holds bytes and starts no threads; it may be
-called from several threads: LMDB serializes write transactions, reads run concurrently):
-
-- ``put_many(items, deletes=())`` one write txn: deletes, then puts. Values are copied into
-  LMDB before it returns, so slots may be reused. A full map or a full filesystem (ENOSPC,
-  EDQUOT, or EIO from a short write with the filesystem out of space) is a value
-  (``PutResult.full``), never an exception; the disk cap is soft here (the scheduler side
-  accounts for it).
-- ``delete_many(keys)`` one write txn.
-- ``read_into(key, out)`` a short read txn: verify header and checksum, copy the payload
-  straight into ``out``. ``OK`` only for verified bytes of this namespace, rank and key; a
-  bad value is deleted, counted and answered ``CORRUPT``. On anything but ``OK`` the
-  contents of ``out`` are unspecified.
-- ``scan(batch)`` yields ``ChunkRecord`` from the small "index" sub-db, read in short txns
-  of ``batch`` keys (restart warm without reading payloads).
-- ``verify(repair)`` checks every value (and index consistency); ``repair`` deletes bad ones.
+- ``put_many(items, deletes=())`` is one write txn (deletes, then puts), ``delete_many``
+  one too. A full map or a full filesystem (ENOSPC, EDQUOT, or EIO from a short write with
+  the filesystem out of space) is ``PutResult.full``; the disk cap is soft here (the
+  scheduler side accounts for it).
+- ``read_into(key, out)`` is one short read txn: header and checksum verified, the payload
+  copied straight into ``out``; a bad value is deleted and counted.
+- ``scan(batch)`` reads the small "index" sub-db in short txns of ``batch`` keys (restart
+  warm without reading payloads); ``verify`` also checks the index against the values.
 - ``claim()`` makes this process the environment's one writer (``exclusive=True`` does it
   at open, before anything is judged or moved): a second claim, from any process, is
   refused with a :class:`ConfigError` naming the holder.
 - ``read_only=True`` (operator tools): nothing is created, written, moved or chmod-ed;
   what is not trusted, or damaged, raises :class:`DamagedError`; a corrupt value is
-  answered ``CORRUPT`` and left in place; writes raise :class:`UsageError`.
-- ``sync()``, ``sync_if_due()``, ``statistics()``, ``close()`` (idempotent; later calls raise
-  :class:`ClosedError`; any call from a forked child raises :class:`UsageError`).
+  answered ``CORRUPT`` and left in place.
+- Any call from a forked child raises :class:`UsageError`.
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
 
-The environment underneath is kept by :class:`tierkv.tiers.disk_env.LmdbEnv`: it trusts
-only this user's private files (moving the rest aside), refuses a foreign or shared root,
-moves a damaged environment aside and rebuilds it wherever the damage shows (the call then
-runs on the empty one), adopts a map another process grew, clears stale readers, turns a
-``data.mdb`` truncated under the running tier into damage instead of SIGBUS, and moves
-aside a directory that holds another namespace, rank or format version (a read-only or
-``repair=False`` handle raises :class:`NamespaceMismatchError` instead). See its
+The environment underneath (which files are trusted, damage and rebuilds, a map another
+process grew, stale readers) is kept by :class:`tierkv.tiers.disk_env.LmdbEnv`; see its
 docstring. Opening a tier tunes glibc malloc once per process (:func:`tune_malloc`, opt
 out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
 """
@@ -162,13 +148,11 @@ class DiskTier(LowerTier):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _out_of_space(self, exc: lmdb.Error, needed_bytes: int) -> bool:
-        """Whether a failed write means the filesystem is full (a value, like a full map).
-
-        LMDB reports ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO when a write came back
-        short, which on a full filesystem is what ENOSPC looks like. EIO counts as full only
-        when the filesystem has less than ``needed_bytes`` free; otherwise it is a real I/O
-        error."""
+    def _out_of_space(self, exc: lmdb.Error, num_items: int) -> bool:
+        """Whether a failed write txn of ``num_items`` values means the filesystem is full:
+        ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO from a short write (what ENOSPC looks
+        like on a full filesystem) when less is free than such a txn writes at least (a page
+        more per value, one value for deletes); any other EIO is a real I/O error."""
         if isinstance(exc, lmdb.DiskError):
             return True
         text = str(exc)
@@ -180,7 +164,7 @@ class DiskTier(LowerTier):
             fs = os.statvfs(self.path)
         except OSError:
             return False
-        return fs.f_bavail * fs.f_frsize < needed_bytes
+        return fs.f_bavail * fs.f_frsize < max(num_items, 1) * (self.payload_bytes + 4096)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -245,14 +229,11 @@ class DiskTier(LowerTier):
         num_bytes = len(written) * self.payload_bytes
         self._count(bytes_written=num_bytes, puts=len(written), full=len(full), write_txns=1)
         message = None
-        if full and no_space:
-            message = (f"{self._name}: filesystem full writing chunk {short_key(full[0])} "
-                       f"({len(full)} chunk(s) not written; free space under {self.root} or "
-                       f"lower disk.max_bytes, now {format_bytes(self.config.max_bytes)})")
-            logger.warning("%s", message)
-        elif full:
-            message = (f"{self._name}: map full writing chunk {short_key(full[0])} "
-                       f"({len(full)} chunk(s) not written; raise disk.max_bytes, now "
+        if full:
+            what, hint = (("filesystem", f"free space under {self.root} or lower disk.max_bytes")
+                          if no_space else ("map", "raise disk.max_bytes"))
+            message = (f"{self._name}: {what} full writing chunk {short_key(full[0])} "
+                       f"({len(full)} chunk(s) not written; {hint}, now "
                        f"{format_bytes(self.config.max_bytes)})")
             logger.warning("%s", message)
         self._after_commit(num_bytes)
@@ -271,7 +252,7 @@ class DiskTier(LowerTier):
             except lmdb.MapFullError:  # raised by commit: retry without the last item
                 failed_at, deleted = len(pending) - 1, 0
             except lmdb.Error as exc:
-                if not self._out_of_space(exc, self._txn_bytes(len(pending))):
+                if not self._out_of_space(exc, len(pending)):
                     raise
                 # nothing of this txn landed; after deletes settle, retry once, then give up
                 failed_at, deleted, no_space = 0, 0, True
@@ -286,12 +267,7 @@ class DiskTier(LowerTier):
                     continue
             full[:0] = [key for key, _ in pending[failed_at:]]
             pending = pending[:failed_at]
-        deleted = (deleted if failed_at is None else 0) + settled
-        return tuple(key for key, _ in pending), tuple(full), deleted, no_space
-
-    def _txn_bytes(self, num_items: int) -> int:
-        """Bytes a txn of ``num_items`` values writes, at least (for the out-of-space check)."""
-        return max(num_items, 1) * (self.payload_bytes + 4096)
+        return tuple(key for key, _ in pending), tuple(full), deleted + settled, no_space
 
     def _write_txn(
         self, env: lmdb.Environment, items: list[tuple[bytes, memoryview | bytes]],
@@ -334,27 +310,20 @@ class DiskTier(LowerTier):
                 seq_raw = txn.get(META_NEXT_SEQ, db=self._lmdb.meta)
                 if seq_raw is not None:
                     txn.put(META_NEXT_SEQ, seq_raw, db=self._lmdb.meta)
-        except lmdb.MapFullError:
-            pass  # the retry reports its keys as full
-        except lmdb.Error as exc:
-            if not self._out_of_space(exc, self._txn_bytes(0)):
+        except lmdb.Error as exc:  # full: the retry reports its keys as full
+            if not isinstance(exc, lmdb.MapFullError) and not self._out_of_space(exc, 0):
                 raise
         return deleted
 
     def _delete_txn(self, env: lmdb.Environment, keys: Sequence[bytes]) -> int:
         try:
-            with env.begin(write=True) as txn:
-                deleted = 0
-                for key in keys:
-                    deleted += bool(txn.delete(key, db=self._lmdb.chunks))
-                    txn.delete(key, db=self._lmdb.index)
-            return deleted
+            return self._write_txn(env, [], keys)[1]
         except lmdb.MapFullError:  # copy-on-write needs a few pages even to delete
             logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now %s",
                            self._name, len(keys), format_bytes(self.config.max_bytes))
             return 0
         except lmdb.Error as exc:
-            if not self._out_of_space(exc, self._txn_bytes(0)):
+            if not self._out_of_space(exc, 0):
                 raise
             logger.warning("%s: filesystem full even for %d delete(s); free space under %s",
                            self._name, len(keys), self.root)
@@ -385,13 +354,11 @@ class DiskTier(LowerTier):
             return False
         with self._stats_lock:
             unsynced = self._unsynced_bytes
-        if unsynced <= 0:
-            return False
-        elapsed = self._clock() - self._last_sync
-        if unsynced >= self.config.sync_every_bytes or elapsed >= self.config.sync_every_seconds:
+        due = unsynced > 0 and (unsynced >= self.config.sync_every_bytes or
+                                self._clock() - self._last_sync >= self.config.sync_every_seconds)
+        if due:
             self.sync()
-            return True
-        return False
+        return due
 
     def sync(self) -> None:
         """fsync everything committed so far (the durability point); nothing to do read-only."""
@@ -433,25 +400,24 @@ class DiskTier(LowerTier):
             self._count(reads=1, hits=1, bytes_read=self.payload_bytes)
             return ReadStatus.OK
         self._count(reads=1, misses=1, corrupt=1)
-        if self.read_only:
-            logger.warning("%s: corrupt chunk %s (%s)", self._name, short_key(key), problem)
-        else:
-            logger.warning("%s: corrupt chunk %s (%s); deleted it", self._name, short_key(key),
-                           problem)
+        logger.warning("%s: corrupt chunk %s (%s)%s", self._name, short_key(key), problem,
+                       "" if self.read_only else "; deleted it")
+        if not self.read_only:
             self.delete_many([key])
         return ReadStatus.CORRUPT
 
     @staticmethod
-    def _rows_after(txn: Any, db: Any, last: bytes | None, batch: int,
-                    values: bool) -> list[tuple[bytes, bytes]]:
-        """Up to ``batch`` (key, value or b"") rows of ``db`` after key ``last``, in ``txn``."""
-        rows: list[tuple[bytes, bytes]] = []
+    def _rows_after(txn: Any, db: Any, last: bytes | None,
+                    batch: int) -> list[tuple[bytes, Any]]:
+        """Up to ``batch`` (key, value) rows of ``db`` after key ``last``, in ``txn`` (in a
+        ``buffers=True`` txn the values are LMDB's buffers, valid only inside it)."""
+        rows: list[tuple[bytes, Any]] = []
         cursor = txn.cursor(db=db)
         more = cursor.set_range(last) if last is not None else cursor.first()
         if more and last is not None and bytes(cursor.key()) == last:
             more = cursor.next()
         while more and len(rows) < batch:
-            rows.append((bytes(cursor.key()), bytes(cursor.value()) if values else b""))
+            rows.append((bytes(cursor.key()), cursor.value()))
             more = cursor.next()
         return rows
 
@@ -468,7 +434,7 @@ class DiskTier(LowerTier):
 
         def rows_of(env: lmdb.Environment) -> list[tuple[bytes, bytes]]:
             with env.begin(db=self._lmdb.index) as txn:
-                return self._rows_after(txn, self._lmdb.index, last, batch, True)
+                return self._rows_after(txn, self._lmdb.index, last, batch)
 
         with self._lmdb.random_access():  # a restart reads index pages, not read-ahead
             while True:
@@ -478,10 +444,8 @@ class DiskTier(LowerTier):
                     if last is not None:
                         last = None
                         continue
-                for key, raw in rows:
-                    parsed = unpack_index(raw)
-                    if parsed is not None:
-                        records.append(ChunkRecord(key, parsed[0], parsed[1]))
+                records += [ChunkRecord(key, *parsed) for key, raw in rows
+                            if (parsed := unpack_index(raw)) is not None]
                 if len(rows) < batch:
                     break
                 last = rows[-1][0]
@@ -492,9 +456,8 @@ class DiskTier(LowerTier):
 
         Each batch is listed and checked inside one short read txn (one snapshot), so a
         chunk that another thread or process deletes meanwhile is simply not seen, never
-        reported bad. Damage of the environment itself is reported in ``damaged``: with
-        the tier's ``repair`` the environment was rebuilt empty (``rebuilt``); without it,
-        :class:`DamagedError` says why not."""
+        reported bad. Damage of the environment itself is reported in ``damaged`` (see
+        :class:`VerifyReport`); where it may not be repaired, :class:`DamagedError` says why."""
         self._check_batch(batch)
         if repair:
             self._check_writable("repairing")
@@ -503,46 +466,39 @@ class DiskTier(LowerTier):
         scratch = memoryview(bytearray(self.payload_bytes))
         replaced = self._lmdb.replacements
 
-        def values_after(env: lmdb.Environment, last: bytes | None) -> tuple[list[bytes], list[bytes]]:
-            found: list[bytes] = []
+        def bad_after(env: lmdb.Environment, last: bytes | None,
+                      values: bool) -> tuple[list[bytes], list[bytes]]:
+            """The next ``batch`` keys after ``last`` of the values (else of the index), and
+            the bad ones: values failing their checks or without a good index entry (index
+            entries without a value)."""
+            chunks, index = self._lmdb.chunks, self._lmdb.index
             with env.begin(buffers=True) as txn:
-                keys = [key for key, _ in self._rows_after(txn, self._lmdb.chunks, last, batch, False)]
-                for key in keys:
-                    value = txn.get(key, db=self._lmdb.chunks)
-                    entry = txn.get(key, db=self._lmdb.index)
-                    problem = "vanished" if value is None else check_value(
-                        self._binding, key, value, self.payload_bytes, scratch)
-                    if problem is None and unpack_index(bytes(entry or b"")) is None:
-                        problem = "index entry missing or malformed"
-                    if problem is not None:
-                        found.append(key)
-                    del value, entry
-            return keys, found
+                rows = self._rows_after(txn, chunks if values else index, last, batch)
+                keys = [key for key, _ in rows]
+                if not values:
+                    return keys, [key for key in keys if txn.get(key, db=chunks) is None]
+                return keys, [key for key, value in rows if check_value(
+                    self._binding, key, value, self.payload_bytes, scratch) is not None
+                    or unpack_index(bytes(txn.get(key, db=index) or b"")) is None]
 
-        def orphans_after(env: lmdb.Environment, last: bytes | None) -> tuple[list[bytes], list[bytes]]:
-            with env.begin(buffers=True) as txn:  # index entries without values
-                keys = [key for key, _ in self._rows_after(txn, self._lmdb.index, last, batch, False)]
-                return keys, [key for key in keys if txn.get(key, db=self._lmdb.chunks) is None]
-
-        for step in (values_after, orphans_after):
+        for values in (True, False):
             last: bytes | None = None
             while self._lmdb.replacements == replaced:
-                keys, found = self._lmdb.run("verifying", partial(step, last=last))
+                keys, found = self._lmdb.run("verifying",
+                                             partial(bad_after, last=last, values=values))
                 if self._lmdb.replacements != replaced:
                     break  # rebuilt empty meanwhile: nothing of the old environment is left
-                checked += len(keys) if step is values_after else 0
-                bad.update((key, None) for key in found)
+                checked += len(keys) if values else 0
+                bad.update(dict.fromkeys(found))
                 if len(keys) < batch:
                     break
                 last = keys[-1]
         rebuilt = self._lmdb.replacements != replaced
         if rebuilt:
             bad.clear()
-        repaired = 0
         if repair and bad:
             self.delete_many(list(bad))
-            repaired = len(bad)
-        return VerifyReport(checked, tuple(bad), repaired,
+        return VerifyReport(checked, tuple(bad), len(bad) if repair else 0,
                             damaged=self._lmdb.last_damage if rebuilt else None, rebuilt=rebuilt)
 
     # -- life cycle ------------------------------------------------------------------------
@@ -555,7 +511,8 @@ class DiskTier(LowerTier):
         chunks = self._lmdb.run("counting chunks", count)
         with self._stats_lock:
             counts = dict(self._counts)
-        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts, **self._lmdb.counts())
+        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts,
+                              **self._lmdb.counts())
 
     def close(self) -> None:
         """Sync and close; idempotent."""

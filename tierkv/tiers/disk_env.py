@@ -6,28 +6,24 @@ does its reads and writes through :meth:`LmdbEnv.run`.
 
 Primitives and contracts:
 
-- Opening trusts only files this user owns and no one else can write
-  (:mod:`tierkv.tiers.disk_files`): the root must be such a directory (else
-  ``ConfigError``); an untrusted namespace or rank directory is moved aside
-  (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is not
-  exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
-- The meta record (namespace, fingerprint, rank, format version) must match. An
-  environment that holds another one (a directory copied, swapped or renamed by hand) is
-  never read and never deleted: it is moved aside (``.foreign-<time>``) and an empty one
-  opened, with a warning, when this handle may repair (below); otherwise
-  :class:`NamespaceMismatchError`.
+- Opening trusts only this user's private files (:mod:`tierkv.tiers.disk_files`; an
+  untrusted root is a ``ConfigError``): an untrusted namespace or rank directory is moved
+  aside (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is
+  not exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
+- The meta record (namespace, fingerprint, rank, format version) must match: another
+  environment is never read nor deleted, but moved aside (``.foreign-<time>``) and an
+  empty one opened when this handle may repair (below); else :class:`NamespaceMismatchError`.
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
   (one plain lock on entry and on exit). Before it, a fork check (:class:`UsageError` in a
   child), a closed check (:class:`ClosedError`) and a size check of ``data.mdb`` (it never
   shrinks; smaller means truncated under us, which would SIGBUS). What stops ``work`` is
   dealt with in the exclusive section and the call retried (at most twice):
   ``MDB_MAP_RESIZED`` adopts the map another process grew; a full reader table clears
-  stale readers; **damage** (LMDB reports a corrupted, invalid or wrong-type page, a panic;
-  meta records that do not decode; a short or shrunk file; an untrusted ``data.mdb`` or
-  ``lock.mdb``) moves the environment aside (``.broken-<time>``) and opens an empty one,
-  the retried call running on it. Repair needs ``repair`` and the claim (taken then if no
-  other process holds it); otherwise :class:`DamagedError`, nothing changed. Other LMDB
-  errors are :class:`BrokenError`.
+  stale readers; **damage** (:data:`DAMAGE_ERRORS`: what LMDB reports as corrupt, a panic,
+  or what tierkv finds, :class:`FilesDamaged`) moves the environment aside
+  (``.broken-<time>``) and opens an empty one, the retried call running on it. Repair
+  needs ``repair`` and the claim (taken then if no other process holds it); otherwise
+  :class:`DamagedError`, nothing changed. Other LMDB errors are :class:`BrokenError`.
 - ``claim()`` makes this process the environment's one writer (an ``flock``); refused with
   :class:`ConfigError` naming the holder.
 - ``clear_stale_readers(env)`` frees reader slots of dead processes (also at open, and
@@ -46,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -99,6 +95,8 @@ DAMAGE_ERRORS: tuple[type[Exception], ...] = (
     FilesDamaged, lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
     lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.PanicError,
     lmdb.BadChecksumError)
+# What run() deals with (in the exclusive section) before retrying the call.
+_FIXABLE = DAMAGE_ERRORS + (lmdb.MapResizedError, lmdb.ReadersFullError)
 
 
 class _Guard:
@@ -167,7 +165,6 @@ class LmdbEnv:
         self.generation = 0  # bumped whenever the environment underneath is changed
         self.replacements = 0  # times it was moved aside and started empty
         self.last_damage: str | None = None
-        self._unclaimable = ""
         self._owner: OwnerLock | None = None
         self._env: lmdb.Environment | None = None
         self.chunks: Any = None
@@ -231,9 +228,8 @@ class LmdbEnv:
         path = self.namespace_dir / "namespace.json"
         text = (json.dumps(self._record, indent=2, sort_keys=True) + "\n").encode()
         try:
-            if check_file(path) is Trust.OK and read_private_file(path, len(text)) == text:
-                return
-            write_private_file(path, text)
+            if check_file(path) is not Trust.OK or read_private_file(path, len(text)) != text:
+                write_private_file(path, text)
         except OSError as exc:
             raise BrokenError(f"{self._name}: cannot write {path}: {exc} "
                               f"(check disk.path)") from exc
@@ -252,23 +248,9 @@ class LmdbEnv:
     def _open(self) -> None:
         try:
             self._open_once()
-            return
-        except NamespaceMismatchError as exc:
-            if not self._may_repair():  # read-only, repair=False, or another process's
-                raise
-            self._replace_env(exc, why="foreign")
-            return
-        except DAMAGE_ERRORS as exc:
-            if not self._may_repair():
-                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
-                                   f"({exc}); not repaired here: {self._why_not_repaired()}"
-                                   ) from exc
-            self._replace_env(exc)
-            return
-        except OSError as exc:
-            raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
-                              f"(check disk.path)") from exc
-        except lmdb.Error as exc:
+        except DAMAGE_ERRORS + (NamespaceMismatchError,) as exc:
+            self._repair(exc)
+        except (OSError, lmdb.Error) as exc:
             if "already open in this process" in str(exc):
                 raise UsageError(f"{self._name}: {self.path} is already open in this process; "
                                  f"open each environment once per process and share that "
@@ -296,8 +278,9 @@ class LmdbEnv:
         try:
             data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             floor = self._check_file_size(env, data_fd)
-            cleared = env.reader_check()
-            meta, chunks, index = (self._open_db(env, name) for name in (b"meta", b"chunks", b"index"))
+            self.clear_stale_readers(env)  # before any txn: dead readers may fill the table
+            meta, chunks, index = (self._open_db(env, name)
+                                   for name in (b"meta", b"chunks", b"index"))
             self._check_meta(env, meta, chunks)
         except BaseException:
             if data_fd is not None:
@@ -308,17 +291,12 @@ class LmdbEnv:
             check_file(self.path / name, fix=writable)  # created by LMDB: clears read bits
         self._env, self.chunks, self.index, self.meta = env, chunks, index, meta
         self._data_fd, self._data_floor = data_fd, floor
-        self._count(stale_readers=cleared)
-        if cleared:
-            logger.warning("%s: cleared %d reader slot(s) of dead processes", self._name, cleared)
         if fresh:
             self._warn_old_formats()
 
     def _open_db(self, env: lmdb.Environment, name: bytes) -> Any:
-        if not self.read_only:
-            return env.open_db(name)
         try:
-            return env.open_db(name, create=False)
+            return env.open_db(name, create=not self.read_only)
         except lmdb.NotFoundError as exc:
             raise FilesDamaged(f"sub-db {name.decode()} missing") from exc
 
@@ -371,25 +349,19 @@ class LmdbEnv:
 
     # -- damage, resizes, stale readers -----------------------------------------------------
 
-    def _may_repair(self) -> bool:
-        """Whether damage may be repaired here: it needs ``repair`` and the claim (taken now
-        if no other process holds it)."""
-        if not self.repair:  # also false when read-only
-            return False
-        if self._owner is None:
-            try:
-                self.claim()
-            except ConfigError as err:
-                self._unclaimable = str(err)
-                return False
-        return True
-
-    def _why_not_repaired(self) -> str:
+    def _why_not_repaired(self) -> str | None:
+        """Why damage may not be repaired here, or None: repair needs ``repair`` and the
+        claim (taken now if no other process holds it)."""
         if self.read_only:
             return "opened read-only (run tierkv verify --repair)"
         if not self.repair:
             return "opened with repair=False (run tierkv verify --repair)"
-        return self._unclaimable or "another process owns it"
+        if self._owner is None:
+            try:
+                self.claim()
+            except ConfigError as err:
+                return str(err)
+        return None
 
     def _close_env(self) -> None:
         env, self._env = self._env, None
@@ -399,9 +371,17 @@ class LmdbEnv:
         if env is not None:
             env.close()
 
-    def _replace_env(self, exc: BaseException, why: str = "broken") -> None:
-        """Move the damaged (``broken``) or misplaced (``foreign``: another namespace, rank
-        or format) environment aside and open an empty one (the claim held)."""
+    def _repair(self, exc: BaseException, during: str = "") -> None:
+        """Move the damaged (``broken``) or misplaced (``foreign``: a NamespaceMismatchError)
+        environment aside and open an empty one, the claim held; where this handle may not
+        repair, raise ``exc`` if misplaced, else :class:`DamagedError` (``during``: what met it)."""
+        why = "foreign" if isinstance(exc, NamespaceMismatchError) else "broken"
+        refused = self._why_not_repaired()
+        if refused is not None:
+            if why == "foreign":
+                raise exc
+            raise DamagedError(f"{self._name}: environment at {self.path} is damaged ({exc})"
+                               f"{during}; not repaired here: {refused}") from exc
         self._close_env()
         if isinstance(exc, lmdb.PanicError):  # a fatal write error: the files may be fine
             try:
@@ -440,11 +420,8 @@ class LmdbEnv:
     def _fix(self, problem: BaseException, generation: int, action: str) -> None:
         """Deal with what stopped a call, outside its shared section; the call is retried."""
         with self._guard.exclusive():
-            if self.closed:
-                raise ClosedError(f"{self._name}: closed while {action}")
-            if self._env is None:
-                raise BrokenError(f"{self._name}: no environment ({action}): it could not be "
-                                  f"rebuilt after damage; restart the store")
+            if self.closed or self._env is None:
+                raise self._stopped(action)
             if self.generation != generation:
                 return  # another thread replaced or resized the environment meanwhile
             if isinstance(problem, lmdb.MapResizedError):
@@ -457,12 +434,8 @@ class LmdbEnv:
             elif isinstance(problem, lmdb.ReadersFullError):
                 self.clear_stale_readers(self._env)
                 self.generation += 1
-            elif not self._may_repair():
-                raise DamagedError(f"{self._name}: environment at {self.path} is damaged "
-                                   f"({problem}) while {action}; not repaired here: "
-                                   f"{self._why_not_repaired()}") from problem
             else:
-                self._replace_env(problem)
+                self._repair(problem, during=f" while {action}")
 
     def clear_stale_readers(self, env: lmdb.Environment) -> int:
         """Free the reader slots of dead processes; how many there were."""
@@ -496,7 +469,7 @@ class LmdbEnv:
 
     def _map_span_of_data(self) -> tuple[int, int] | None:
         """(start, length) of the map of this environment's ``data.mdb``."""
-        try:
+        with suppress(OSError, ValueError):
             inode = os.fstat(self._data_fd).st_ino if self._data_fd is not None else None
             with open("/proc/self/maps", "rb") as maps:
                 for line in maps:
@@ -506,8 +479,6 @@ class LmdbEnv:
                             and fields[5].strip().endswith(b"/data.mdb"):
                         start, end = (int(part, 16) for part in fields[0].split(b"-"))
                         return start, end - start
-        except (OSError, ValueError):
-            pass
         return None
 
     # -- running calls -----------------------------------------------------------------------
@@ -533,9 +504,8 @@ class LmdbEnv:
 
     def run(self, action: str, work: Callable[[lmdb.Environment], _T],
             key: bytes | None = None) -> _T:
-        """``work(env)`` in a shared section; damage, a grown map or a full reader table are
-        dealt with and the call retried (at most twice). ``action`` (with ``key``'s short
-        hex, when given) names the call in errors; it is formatted only for one."""
+        """``work(env)`` as the module docstring says; ``action`` (with ``key``'s short hex,
+        when given) names the call in errors, formatted only for one."""
         guard = self._guard
         for _ in range(3):
             if self.closed or os.getpid() != self._pid:
@@ -544,29 +514,29 @@ class LmdbEnv:
             try:
                 env, generation = self._env, self.generation
                 if env is None:
-                    if self.closed:
-                        raise ClosedError(f"{self._name}: closed while {_action(action, key)}")
-                    raise BrokenError(f"{self._name}: no environment ({_action(action, key)}): "
-                                      f"it could not be rebuilt after damage; restart the store")
+                    raise self._stopped(_action(action, key))
                 try:
                     self._check_data_file()
                     return work(env)
-                except (lmdb.MapResizedError, lmdb.ReadersFullError) as exc:
+                except _FIXABLE as exc:
                     problem: BaseException = exc
-                except DAMAGE_ERRORS as exc:
-                    problem = exc
                 except lmdb.Error as exc:
-                    raise self._failure(_action(action, key), exc) from exc
+                    raise self._stopped(_action(action, key), exc) from exc
             finally:
                 guard.leave()
             self._fix(problem, generation, _action(action, key))
         raise BrokenError(f"{self._name}: {_action(action, key)} kept failing after repairs "
                           f"({problem})")
 
-    def _failure(self, action: str, exc: BaseException) -> Exception:
+    def _stopped(self, action: str, exc: lmdb.Error | None = None) -> TierKVError:
+        """What a call that cannot go on raises: closed meanwhile; else LMDB's error ``exc``;
+        else no environment (a rebuild after damage failed)."""
         if self.closed:
             return ClosedError(f"{self._name}: closed while {action}")
-        return BrokenError(f"{self._name}: LMDB failed {action} at {self.path}: {exc}")
+        if exc is not None:
+            return BrokenError(f"{self._name}: LMDB failed {action} at {self.path}: {exc}")
+        return BrokenError(f"{self._name}: no environment ({action}): it could not be rebuilt "
+                           f"after damage; restart the store")
 
     def _count(self, **deltas: int) -> None:
         with self._counts_lock:

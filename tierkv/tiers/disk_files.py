@@ -27,12 +27,14 @@ files (``docs/reliability.md``). Not against root, or against this user's own pr
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
 import json
 import logging
 import os
+import pwd
 import secrets
 import stat
 import time
@@ -59,10 +61,8 @@ class Trust(enum.Enum):
 
 def _owner(uid: int) -> str:
     try:
-        import pwd
-
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except (ImportError, KeyError):
+    except KeyError:  # a uid without a passwd entry
         return f"uid {uid}"
 
 
@@ -129,7 +129,6 @@ def _judge(path: Path, want_dir: bool, mode: int, fix: bool) -> Trust:
     except FileNotFoundError:
         return Trust.MISSING
     kind_ok = stat.S_ISDIR(info.st_mode) if want_dir else stat.S_ISREG(info.st_mode)
-    loose = stat.S_IMODE(info.st_mode) & 0o077
     writable_by_others = stat.S_IMODE(info.st_mode) & 0o022  # they could have written it
     if not kind_ok or info.st_uid != os.geteuid() or writable_by_others:
         what = "directory" if want_dir else "regular file"
@@ -137,7 +136,7 @@ def _judge(path: Path, want_dir: bool, mode: int, fix: bool) -> Trust:
                        "it is not used", path, what, stat.filemode(info.st_mode),
                        _owner(info.st_uid))
         return Trust.FOREIGN
-    if loose and fix:
+    if fix and stat.S_IMODE(info.st_mode) & 0o077:  # group or other bits: made private
         logger.warning("disk tier: %s had mode %#o; made it %#o (store files are private)",
                        path, stat.S_IMODE(info.st_mode), mode)
         os.chmod(path, mode)
@@ -206,7 +205,7 @@ def _forget_claims_in_child() -> None:
     """After fork, in the child: close the inherited claims (closing, not unlocking: the
     parent's lock stays; it must not outlive the parent because of the child)."""
     for lock in list(_HELD):
-        lock.abandon()
+        lock.release(unlock=False)
 
 
 os.register_at_fork(after_in_child=_forget_claims_in_child)
@@ -229,10 +228,8 @@ class OwnerLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = ""
-            try:
+            with contextlib.suppress(OSError):
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            except OSError:
-                pass
             os.close(fd)
             who = "this process" if holder == str(os.getpid()) else (
                 f"process {holder}" if holder else "another process")
@@ -245,21 +242,17 @@ class OwnerLock:
         self._fd: int | None = fd
         _HELD.add(self)
 
-    def release(self) -> None:
+    def release(self, unlock: bool = True) -> None:
+        """Give up the claim; ``unlock=False`` only closes this process's copy (what a
+        forked child inherited)."""
         fd, self._fd = self._fd, None
         _HELD.discard(self)
         if fd is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                if unlock:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
-
-    def abandon(self) -> None:
-        """Close this process's copy without unlocking (a forked child's inheritance)."""
-        fd, self._fd = self._fd, None
-        _HELD.discard(self)
-        if fd is not None:
-            os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,11 @@ _PREFIX = struct.Struct("<2sH")  # magic, msgpack header length
 _FIXED = struct.Struct("<QQQ")  # format version, payload length, seq: fed to the checksum
 _INDEX = struct.Struct("<QQ")  # "index" sub-db value: payload length, seq
 _RANK = struct.Struct("<I")
-PREFIX_BYTES = _PREFIX.size
 MAX_VALUE_OVERHEAD = _PREFIX.size + MAX_HEADER_BYTES
-BINDING_BYTES = 16 + _RANK.size
 
 
 def binding_of(fingerprint: str, rank: int) -> bytes:
-    """The bytes every value's checksum starts with: namespace fingerprint (16 bytes) and
-    rank (``<I``)."""
+    """What every value's checksum starts with: the fingerprint (16 bytes), rank (``<I``)."""
     raw = bytes.fromhex(fingerprint)
     if len(raw) != 16:
         raise ValueError(f"a namespace fingerprint is 32 hex digits, got {fingerprint!r}")
@@ -72,8 +69,7 @@ def pack_header(binding: bytes, key: bytes, payload: Any, seq: int) -> bytes:
 
 
 class ValueWriter:
-    """Builds values of one binding in one reused buffer; one user at a time (the LMDB
-    write lock holder)."""
+    """Builds values of one binding in one reused buffer; one user at a time (LMDB's writer)."""
 
     def __init__(self, payload_bytes: int, binding: bytes) -> None:
         self._buffer = bytearray(MAX_VALUE_OVERHEAD + payload_bytes)

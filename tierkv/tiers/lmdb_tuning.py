@@ -19,15 +19,10 @@ logger = logging.getLogger("tierkv.disk")
 
 
 def map_size_for(max_bytes: int, payload_bytes: int, page_bytes: int = 4096) -> int:
-    """LMDB ``map_size`` for a disk cap of ``max_bytes`` of payloads.
-
-    ``chunks = ceil(max_bytes / payload_bytes)``; each value takes
-    ``ceil((payload + 68 + 16) / page)`` overflow pages (68: largest prefix + header, 16:
-    LMDB's page header); the two B-trees take under 256 bytes per chunk; then 25% for
-    copy-on-write and free-list fragmentation, plus 4 MiB for meta pages and roots, rounded
-    up to 1 MiB. 64 GiB of 2 MiB chunks gives 80.2 GiB (a sparse file: only written pages
-    take disk space).
-    """
+    """LMDB ``map_size`` for a disk cap of ``max_bytes`` of payloads: every value's overflow
+    pages, under 256 bytes per chunk for the two B-trees, 25% for copy-on-write and free-list
+    fragmentation and 4 MiB for meta pages and roots, rounded up to 1 MiB (the formula is in
+    ``docs/on-disk-format.md``). A sparse file: only written pages take disk space."""
     num_chunks = -(-max_bytes // payload_bytes)
     value_pages = -(-(payload_bytes + MAX_VALUE_OVERHEAD + LMDB_PAGE_HEADER) // page_bytes)
     data = num_chunks * value_pages * page_bytes
@@ -43,14 +38,11 @@ def tune_malloc(write_batch_bytes: int) -> bool:
     """Keep LMDB's freed dirty pages in the heap (glibc; once per process; opt out with
     ``TIERKV_MALLOPT=0``). Returns whether it changed anything.
 
-    With ``writemap=False`` LMDB mallocs every value's overflow pages in the write txn and
-    frees them at commit. Once a process has loaded torch, glibc often serves each of those
-    multi-MiB blocks with a fresh ``mmap`` (or trims the heap after each commit), so every
-    put page-faults its buffer in again: measured 0.4-0.5x of ``dd`` instead of 0.75-0.8x
-    (``docs/benchmarks/disk.md``). This sets ``M_MMAP_THRESHOLD`` to 32 MiB (glibc's own
-    dynamic ceiling) and ``M_TRIM_THRESHOLD`` to ``max(4 * write_batch_bytes, 32 MiB)``:
-    the process keeps up to that much free heap instead of returning it to the OS.
-    """
+    LMDB (``writemap=False``) mallocs each value's overflow pages per write txn; once torch
+    is loaded, glibc tends to ``mmap`` those blocks afresh or trim the heap at each commit,
+    so every put faults its buffer in again (``docs/benchmarks/disk.md``). Hence
+    ``M_MMAP_THRESHOLD`` 32 MiB (glibc's own dynamic ceiling) and ``M_TRIM_THRESHOLD``
+    ``max(4 * write_batch_bytes, 32 MiB)``, at most 1 GiB: the free heap kept."""
     global _malloc_tuned
     if _malloc_tuned or os.environ.get("TIERKV_MALLOPT", "1") == "0":
         return False
