@@ -7,24 +7,18 @@ GPU -> pinned CPU LRU tier -> LMDB disk tier, and back. Start with
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
 
 __all__ = ["TierKVStore", "StoreConfig", "Namespace", "chunk_keys", "__version__"]
 
+_HOMES = {"TierKVStore": "tierkv.engine.store", "StoreConfig": "tierkv.config",
+          "Namespace": "tierkv.keys", "chunk_keys": "tierkv.keys"}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "TierKVStore":
-        from tierkv.engine.store import TierKVStore
-
-        return TierKVStore
-    if name == "StoreConfig":
-        from tierkv.config import StoreConfig
-
-        return StoreConfig
-    if name in ("Namespace", "chunk_keys"):
-        from tierkv import keys
-
-        return getattr(keys, name)
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
