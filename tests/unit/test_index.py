@@ -219,6 +219,24 @@ def test_check_raises_an_invariant_error_on_a_broken_invariant() -> None:
         index.check()
 
 
+def test_statistics_keeps_state_counts_that_check_recounts() -> None:
+    index = BlockIndex(num_slots=4, disk_capacity=4)
+    index.add_on_disk([D])
+    store = index.prepare_store([A, B])
+    index.complete_store(done(index.prepare_store([C]).job_id))
+    load = index.prepare_load([C, D])  # C from the CPU tier, D promoted from disk
+    stats = index.statistics()
+    assert (stats.storing, stats.promoting, stats.cpu_ready, stats.free_slots) == (2, 1, 1, 0)
+    index.complete_store(done(store.job_id, failed_keys=(B,)))  # A lands, B is forgotten
+    index.complete_load(done(load.job_id))
+    stats = index.statistics()
+    assert (stats.storing, stats.promoting, stats.cpu_ready, stats.free_slots) == (0, 0, 3, 1)
+    index.check()
+    index._num_storing += 1  # a count that drifted from the entries
+    with pytest.raises(InvariantError, match="0 chunks storing, counted 1"):
+        index.check()
+
+
 def test_check_survives_python_dash_o() -> None:
     # Regression: check() was made of asserts, which ``python -O`` strips: a broken index
     # passed it. The child runs this checkout's tierkv.

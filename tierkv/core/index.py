@@ -185,6 +185,10 @@ class BlockIndex:
         self._disk = make_policy(DISK_POLICY, disk_capacity)  # ON_DISK, one pool
         self._disk_used = 0  # ON_DISK + SPILLING
         self._num_spilling = 0
+        # The transient CPU states, counted as they change (READY chunks are the rest of the
+        # used slots), so that statistics() walks nothing.
+        self._num_storing = 0
+        self._num_promoting = 0
         self._pending_deletes: list[bytes] = []
         self._disk_retry_at = -math.inf
         self._room_wanted = 0  # slots that found no victim since the last spill plan
@@ -324,6 +328,7 @@ class BlockIndex:
             return StoreBatch(None, (), (), placed, present, no_room)
         stored = tuple(keys) if placed is None else tuple(keys[i] for i in placed)
         counters.stores_planned += len(stored)
+        self._num_storing += len(stored)
         job_id = self._job_ids.allocate()
         self._jobs[job_id] = _Job(JobKind.STORE, stored)
         return StoreBatch(job_id, stored, tuple(slots), placed, present, no_room)
@@ -331,6 +336,7 @@ class BlockIndex:
     def complete_store(self, completion: Completion) -> None:
         job = self._pop_job(completion.job_id, JobKind.STORE)
         failed = failed_set(completion, job.keys)
+        self._num_storing -= len(job.keys)  # each becomes READY or is forgotten
         entries = self._entries
         ready = CpuState.READY
         storing = CpuState.STORING
@@ -378,6 +384,7 @@ class BlockIndex:
                 self._disk.access(key)
                 chunks.append((key, slot, True))
                 self._counters.loads_disk += 1
+                self._num_promoting += 1
             else:
                 break
         if not chunks:
@@ -406,6 +413,7 @@ class BlockIndex:
             if not from_disk:
                 continue
             assert entry.cpu is CpuState.PROMOTING and entry.readers == 0
+            self._num_promoting -= 1
             if landed:  # a PROMOTING chunk is on disk (never a disk victim): clean
                 entry.cpu = CpuState.READY
                 self._cpu.insert((key,), CLEAN)
@@ -624,13 +632,14 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ reports
     def statistics(self) -> IndexStats:
-        states = [e.cpu for e in self._entries.values()]
+        """A snapshot in O(1): every used slot holds a STORING, PROMOTING or READY chunk."""
+        free = self._slots.num_free
         return IndexStats(
             num_slots=self.num_slots,
-            free_slots=self._slots.num_free,
-            cpu_ready=states.count(CpuState.READY),
-            storing=states.count(CpuState.STORING),
-            promoting=states.count(CpuState.PROMOTING),
+            free_slots=free,
+            cpu_ready=self.num_slots - free - self._num_storing - self._num_promoting,
+            storing=self._num_storing,
+            promoting=self._num_promoting,
             spilling=self._num_spilling,
             on_disk=len(self._disk),
             disk_capacity=self.disk_capacity,
@@ -672,6 +681,13 @@ class BlockIndex:
                 f"{len(used)} slots used + {self._slots.num_free} free != {self.num_slots}")
         require(len(spilling) == self._num_spilling,
                 f"{len(spilling)} chunks spilling, counted {self._num_spilling}")
+        states = [entry.cpu for entry in self._entries.values()]
+        stats = self.statistics()
+        for state, kept in ((CpuState.STORING, stats.storing),
+                            (CpuState.PROMOTING, stats.promoting),
+                            (CpuState.READY, stats.cpu_ready)):
+            require(states.count(state) == kept,
+                    f"{states.count(state)} chunks {state.value}, counted {kept}")
         require(self._disk_used == len(self._disk) + len(spilling),
                 f"disk used {self._disk_used} != {len(self._disk)} on disk + {len(spilling)}")
         require(self._disk_used <= max(self.disk_capacity, 0),
