@@ -18,11 +18,13 @@ Primitives (all pure and single-threaded; plain data in and out):
 - ``complete_load(completion)``: readers -= 1; promoted chunks become READY (or are
   dropped; corrupt ones, and ones the disk did not have, are forgotten: no phantom hit).
 - ``take_spills(flush=False, at_least=0)`` -> :class:`SpillSpec` | None: write-back. Dirty
-  READY chunks (not on disk) are spilled, oldest first, so that a fraction of the slots
-  stays clean (evictable at once), and at least ``at_least`` of them, and at least one for
-  every slot that found no victim since the last call (the clean reserve can consist of
-  chunks in use); with write-through, or when flushing, every dirty chunk.
-  Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
+  READY chunks (not on disk) are spilled, oldest first, so that a fraction of the slots (of
+  the disk, if smaller) stays clean (evictable at once), and at least ``at_least`` of them,
+  and at least one for every slot that found no victim since the last call (the clean
+  reserve can consist of chunks in use); with write-through, or when flushing, every dirty
+  chunk. Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
+  A chunk is written once per stay in the CPU tier: one whose disk copy the disk evicts is
+  EVICTED (clean), written again only by a flush, into free room.
 - ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
   ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
 - ``touch(keys, reuse=True)``: a request reused these chunks (``reuse=False``: it used
@@ -155,6 +157,7 @@ class _Job:
     keys: tuple[bytes, ...]
     from_disk: tuple[bool, ...] = ()
     deletes: tuple[bytes, ...] = ()
+    again: tuple[bytes, ...] = ()  # a flush's EVICTED chunks (EVICTED again if they fail)
 
 
 class BlockIndex:
@@ -174,7 +177,9 @@ class BlockIndex:
         self.num_slots = num_slots
         self.disk_capacity = disk_capacity  # in chunks; 0 = no disk tier
         self.write_through = write_through
-        self._clean_target = math.ceil(spill_ahead_fraction * num_slots)
+        # A reserve beyond the disk's size is kept only by evicting the disk's copies of
+        # chunks still in the CPU tier (EVICTED), crowding out what the CPU tier evicted.
+        self._clean_target = math.ceil(spill_ahead_fraction * min(num_slots, disk_capacity))
         self._retry_after_full = retry_after_full_seconds
         self._clock = clock
         self._job_ids = job_ids or JobIds()
@@ -433,6 +438,7 @@ class BlockIndex:
         if not self.has_disk:
             return None
         writes: list[tuple[bytes, SlotId]] = []
+        again: list[bytes] = []
         if flush or self._clock() >= self._disk_retry_at:
             cpu = self._cpu
             if flush or self.write_through:
@@ -447,20 +453,31 @@ class BlockIndex:
                 if self._disk_used >= self.disk_capacity and not self._evict_disk():
                     self._counters.disk_no_room += 1
                     break
-                entry = self._entries[key]
-                assert entry.slot is not None
-                cpu.hold(key, DIRTY)
-                entry.disk = DiskState.SPILLING
-                self._disk_used += 1
-                self._num_spilling += 1
-                writes.append((key, entry.slot))
+                writes.append(self._start_spill(key, DIRTY))
+            if flush:  # written before, their disk copy evicted: again, but only into free room
+                for key in list(cpu.victims(CLEAN)):
+                    if self._disk_used >= self.disk_capacity:
+                        break
+                    if self._entries[key].disk is DiskState.EVICTED:
+                        writes.append(self._start_spill(key, CLEAN))
+                        again.append(key)
         deletes = tuple(self._pending_deletes)
         self._pending_deletes.clear()
         if not writes and not deletes:
             return None
         job_id = self._job_ids.allocate()
-        self._jobs[job_id] = _Job(JobKind.SPILL, tuple(k for k, _ in writes), deletes=deletes)
+        self._jobs[job_id] = _Job(JobKind.SPILL, tuple(k for k, _ in writes), deletes=deletes,
+                                  again=tuple(again))
         return SpillSpec(job_id, tuple(writes), deletes)
+
+    def _start_spill(self, key: bytes, pool: int) -> tuple[bytes, SlotId]:
+        entry = self._entries[key]
+        assert entry.slot is not None
+        self._cpu.hold(key, pool)
+        entry.disk = DiskState.SPILLING
+        self._disk_used += 1
+        self._num_spilling += 1
+        return key, entry.slot
 
     def complete_spill(self, completion: Completion) -> None:
         job = self._pop_job(completion.job_id, JobKind.SPILL)
@@ -480,11 +497,12 @@ class BlockIndex:
                 on_disk.append(key)
                 self._counters.spills_ok += 1
                 cpu.place(key, CLEAN, oldest=True)
-            else:
-                entry.disk = None
+            else:  # not written: as it was (a chunk written once stays EVICTED, clean)
+                again = key in job.again
+                entry.disk = DiskState.EVICTED if again else None
                 self._disk_used -= 1
                 self._counters.spills_failed += 1
-                cpu.place(key, DIRTY, oldest=True)
+                cpu.place(key, CLEAN if again else DIRTY, oldest=True)
         self._disk.insert(on_disk, 0)
 
     def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
@@ -583,7 +601,7 @@ class BlockIndex:
         cpu.evict(victim.key, pool)  # a READY chunk is in one pool: its victim's
         victim.slot = None
         victim.cpu = None
-        if victim.disk is None:
+        if victim.disk is not DiskState.ON_DISK:  # dirty or EVICTED: nowhere else
             self._remove(victim.key)
         return slot
 
@@ -597,9 +615,8 @@ class BlockIndex:
             self._drop_disk(entry, evicted=True)
             if entry.cpu is None:
                 self._remove(key)
-            elif entry.cpu is CpuState.READY:  # clean no more: dirty, its most recent
-                self._cpu.hold(key, CLEAN)
-                self._cpu.place(key, DIRTY, oldest=False)
+            else:  # READY: written once in this stay, never again (it stays clean)
+                entry.disk = DiskState.EVICTED
             return True
         return False
 
@@ -655,7 +672,8 @@ class BlockIndex:
         for key, entry in self._entries.items():
             require(entry.key == key, "entry filed under another key:", entry)
             require((entry.slot is None) == (entry.cpu is None), entry)
-            require(entry.cpu is not None or entry.disk is not None, "empty entry:", entry)
+            require(entry.cpu is not None or entry.disk is DiskState.ON_DISK, "empty entry:",
+                    entry)
             require(entry.readers >= 0, entry)
             if entry.readers:
                 require(entry.cpu in (CpuState.READY, CpuState.PROMOTING), entry)
@@ -669,7 +687,7 @@ class BlockIndex:
                 require(entry.cpu is CpuState.READY, entry)
                 spilling.add(key)
             if entry.cpu is CpuState.READY and entry.disk is not DiskState.SPILLING:
-                clean = entry.disk is DiskState.ON_DISK or not self.has_disk  # else dirty
+                clean = entry.disk is not None or not self.has_disk  # else dirty
                 cpu_listed[key] = CLEAN if clean else DIRTY
             require(self._cpu.pool_of(key) == cpu_listed.get(key), "cpu pool of", entry)
             if entry.disk is DiskState.ON_DISK:
