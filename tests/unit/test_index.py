@@ -172,6 +172,60 @@ def test_no_victim_asks_the_next_spill_for_room_even_with_a_clean_reserve() -> N
     index.check()
 
 
+def test_a_disk_smaller_than_the_cpu_tier_writes_a_chunk_once_per_stay() -> None:
+    # Regression (spills thrashed, 17x writes per eviction): the disk evicted the copy of a
+    # chunk still in the CPU tier, which became dirty, was written again and pushed out the
+    # next such copy, so every take_spills wrote the same chunks anew.
+    index = BlockIndex(num_slots=4, disk_capacity=2, write_through=True)
+    index.complete_store(done(index.prepare_store([A, B]).job_id))
+    index.complete_spill(done(index.take_spills().job_id))  # A and B on disk: it is full
+    index.complete_store(done(index.prepare_store([C]).job_id))
+    spill = index.take_spills()
+    assert [k for k, _ in spill.writes] == [C] and spill.deletes == (A,)  # the disk's LRU
+    index.complete_spill(done(spill.job_id))
+    assert index.entry(A).disk is DiskState.EVICTED  # still a CPU hit, and clean
+    assert index.lookup([A]).num_hits == 1
+    assert index.take_spills() is None  # A was written once in this stay: not again
+    assert index.statistics().spills_ok == 3
+    index.complete_store(done(index.prepare_store([D]).job_id))  # the free slot
+    assert index.prepare_store([bytes(32)], protected=[B, C]).chunks  # evicts A (D is dirty)
+    assert index.entry(A) is None  # on neither tier now: forgotten
+    index.check()
+
+
+def test_the_spill_ahead_reserve_is_bounded_by_the_disk() -> None:
+    index = BlockIndex(num_slots=8, disk_capacity=2, spill_ahead_fraction=0.5)
+    keys = [bytes([i]) * 32 for i in range(8)]
+    index.complete_store(done(index.prepare_store(keys).job_id))
+    spill = index.take_spills()
+    assert len(spill.writes) == 1  # half the disk (1), not half the slots (4)
+    index.complete_spill(done(spill.job_id))
+    assert index.take_spills() is None
+    index.check()
+
+
+def test_a_flush_writes_evicted_chunks_into_free_disk_room_only() -> None:
+    index = BlockIndex(num_slots=3, disk_capacity=2, write_through=True)
+    index.add_on_disk([D])
+    index.complete_store(done(index.prepare_store([A]).job_id))
+    index.complete_spill(done(index.take_spills().job_id))  # D, A on disk: full
+    index.touch([D])  # A is the disk's LRU chunk now
+    index.complete_store(done(index.prepare_store([B]).job_id))
+    index.complete_spill(done(index.take_spills().job_id))  # B evicts A's copy
+    assert index.entry(A).disk is DiskState.EVICTED
+    assert index.take_spills(flush=True) is None  # the disk is full: no room for A
+    load = index.prepare_load([D])  # D is found corrupt: the disk has room again
+    index.complete_load(done(load.job_id, failed_keys=(D,), corrupt_keys=(D,)))
+    spill = index.take_spills(flush=True)
+    assert [k for k, _ in spill.writes] == [A] and not spill.deletes  # into the free room
+    index.complete_spill(done(spill.job_id, failed_keys=(A,)))
+    assert index.entry(A).disk is DiskState.EVICTED  # not written: as it was, clean
+    assert index.take_spills() is None  # only a flush writes it again
+    index.complete_spill(done(index.take_spills(flush=True).job_id))
+    assert index.entry(A).on_disk
+    index.check()
+
+
 # misuse and broken invariants --------------------------------------------------------------
 
 
@@ -216,6 +270,24 @@ def test_check_raises_an_invariant_error_on_a_broken_invariant() -> None:
     index.complete_store(done(index.prepare_store([A]).job_id))
     index.entry(A).readers = 1  # a reader no load job accounts for
     with pytest.raises(InvariantError, match="readers"):
+        index.check()
+
+
+def test_statistics_keeps_state_counts_that_check_recounts() -> None:
+    index = BlockIndex(num_slots=4, disk_capacity=4)
+    index.add_on_disk([D])
+    store = index.prepare_store([A, B])
+    index.complete_store(done(index.prepare_store([C]).job_id))
+    load = index.prepare_load([C, D])  # C from the CPU tier, D promoted from disk
+    stats = index.statistics()
+    assert (stats.storing, stats.promoting, stats.cpu_ready, stats.free_slots) == (2, 1, 1, 0)
+    index.complete_store(done(store.job_id, failed_keys=(B,)))  # A lands, B is forgotten
+    index.complete_load(done(load.job_id))
+    stats = index.statistics()
+    assert (stats.storing, stats.promoting, stats.cpu_ready, stats.free_slots) == (0, 0, 3, 1)
+    index.check()
+    index._num_storing += 1  # a count that drifted from the entries
+    with pytest.raises(InvariantError, match="0 chunks storing, counted 1"):
         index.check()
 
 

@@ -84,6 +84,7 @@ def reference_store(index: BlockIndex, keys: list[bytes], protected: list[bytes]
     index._counters.stores_present += len(keys) - len(new)
     index._counters.stores_no_room += len(new) - len(slots)
     index._counters.stores_planned += len(slots)
+    index._num_storing += len(slots)
     for key, slot in zip(new, slots):
         entries[key] = Entry(key, slot, CpuState.STORING)
     return list(zip(new, slots))

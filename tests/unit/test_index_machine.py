@@ -5,8 +5,10 @@ a unique value; GPU stores write it into a slot, spills copy slots to a disk dic
 read slots (after reading the disk for promotions). Jobs finish in FIFO order per queue
 (transfer, disk reader, disk writer), queues interleaved at random, with injected
 failures: a full disk, a corrupt chunk, a failed copy. Every load must deliver the value
-of its own key; after a drain nothing is left in flight and no slot or reader leaks. The
-index runs with each eviction policy (drawn when it opens), touches included.
+of its own key; after a drain nothing is left in flight and no slot or reader leaks; a
+chunk is written at most once per stay in the CPU tier (a flush may write a chunk whose
+disk copy was evicted again, into free room). The index runs with each eviction policy
+(drawn when it opens), touches included.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobId, SpillSpec
 from tierkv.core.policy import policy_names
-from tierkv.core.state import CpuState
+from tierkv.core.state import CpuState, DiskState
 
 KEYS = [bytes([i]) * 4 for i in range(12)]
 
@@ -46,7 +48,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.disk: dict[bytes, str] = {}
         self.transfer: deque[tuple[str, JobId, tuple]] = deque()
         self.reader: deque[tuple[str, JobId, tuple]] = deque()
-        self.writer: deque[SpillSpec] = deque()
+        self.writer: deque[tuple[SpillSpec, frozenset[bytes]]] = deque()  # spec, rewrites
+        self.written: dict[bytes, int] = {}  # writes of chunks in their stay in the CPU tier
         self.delivered = 0
 
     @rule(
@@ -99,10 +102,18 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(flush=st.booleans())
     def spill(self, flush: bool) -> None:
         assert self.index is not None
+        self._take_spills(flush)
+
+    def _take_spills(self, flush: bool) -> None:
+        assert self.index is not None
+        evicted = {key for key in KEYS if (entry := self.index.entry(key)) is not None
+                   and entry.disk is DiskState.EVICTED}
         spec = self.index.take_spills(flush=flush)
         if spec is not None:
             assert len(set(spec.deletes)) == len(spec.deletes)
-            self.writer.append(spec)
+            rewrites = frozenset(key for key, _ in spec.writes if key in evicted)
+            assert flush or not rewrites, "a spill that is no flush wrote an EVICTED chunk"
+            self.writer.append((spec, rewrites))
 
     @precondition(lambda self: self.index is not None)
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4), reuse=st.booleans())
@@ -134,7 +145,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(full=st.booleans())
     def finish_spill(self, full: bool) -> None:
         assert self.index is not None
-        spec = self.writer.popleft()
+        spec, rewrites = self.writer.popleft()
         for key in spec.deletes:
             self.disk.pop(key, None)
         full_keys = []
@@ -144,6 +155,9 @@ class IndexMachine(RuleBasedStateMachine):
                 continue
             assert self.slots[slot] == value_of(key), "spill of a slot that holds another key"
             self.disk[key] = self.slots[slot]
+            if key not in rewrites:
+                self.written[key] = self.written.get(key, 0) + 1
+                assert self.written[key] == 1, "a chunk written twice in one stay in the CPU tier"
         self.index.complete_spill(
             Completion(spec.job_id, ok=not full_keys, full_keys=tuple(full_keys),
                        failed_keys=tuple(full_keys))
@@ -185,10 +199,20 @@ class IndexMachine(RuleBasedStateMachine):
             self.index.check()
 
     @invariant()
+    def stays_end_when_chunks_leave_the_cpu_tier(self) -> None:
+        # A stay cannot end and start again within one step: an eviction spares the keys
+        # being stored or loaded.
+        if self.index is not None:
+            for key in list(self.written):
+                entry = self.index.entry(key)
+                if entry is None or entry.cpu is None:
+                    del self.written[key]
+
+    @invariant()
     def on_disk_means_on_model_disk(self) -> None:
         if self.index is None:
             return
-        pending_deletes = {k for spec in self.writer for k in spec.deletes}
+        pending_deletes = {k for spec, _ in self.writer for k in spec.deletes}
         for key in KEYS:
             entry = self.index.entry(key)
             if entry is not None and entry.on_disk and key not in pending_deletes:
@@ -204,9 +228,7 @@ class IndexMachine(RuleBasedStateMachine):
             while self.reader:
                 self._finish(*self.reader.popleft(), fail=False, corrupt=False)
             self.clock.now += 10
-            spec = self.index.take_spills(flush=True)
-            if spec is not None:
-                self.writer.append(spec)
+            self._take_spills(flush=True)
             while self.writer:
                 self.finish_spill(full=False)
         self.index.check()

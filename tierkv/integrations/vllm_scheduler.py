@@ -253,8 +253,7 @@ class SchedulerSide:
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
-        """Counters since the last report, at most once per ``stats_interval`` seconds
-        (``BlockIndex.statistics`` walks every entry)."""
+        """Counters since the last report, at most once per ``stats_interval`` seconds."""
         now = self._clock()
         if not force and now - self._last_report < self.stats_interval:
             return None
