@@ -23,8 +23,7 @@ Primitives (all pure and single-threaded; plain data in and out):
   and at least one for every slot that found no victim since the last call (the clean
   reserve can consist of chunks in use); with write-through, or when flushing, every dirty
   chunk. Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
-  A chunk is written once per stay in the CPU tier: one whose disk copy the disk evicts is
-  EVICTED (clean), written again only by a flush, into free room.
+  A chunk is written once per stay in the CPU tier (``DiskState.EVICTED``).
 - ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
   ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
 - ``touch(keys, reuse=True)``: a request reused these chunks (``reuse=False``: it used
@@ -178,8 +177,7 @@ class BlockIndex:
         self.num_slots = num_slots
         self.disk_capacity = disk_capacity  # in chunks; 0 = no disk tier
         self.write_through = write_through
-        # A reserve beyond the disk's size is kept only by evicting the disk's copies of
-        # chunks still in the CPU tier (EVICTED), crowding out what the CPU tier evicted.
+        # A reserve larger than the disk would only evict the disk's copies of CPU chunks.
         self._clean_target = math.ceil(spill_ahead_fraction * min(num_slots, disk_capacity))
         self._retry_after_full = retry_after_full_seconds
         self._clock = clock

@@ -5,9 +5,9 @@ CPU side:  STORING (slot allocated, GPU->CPU copy in flight: not a hit)
            READY with ``readers = n > 0`` is LOADING(n): not evictable.
            PROMOTING (disk -> CPU -> GPU in flight for one load: "not yet" to lookups).
 Disk side: SPILLING (CPU -> disk write in flight; the CPU slot is pinned until it ends)
-           -> ON_DISK -> EVICTED (the disk evicted the copy of a chunk still READY in the CPU
-           tier: it was written once in this stay, so it is clean, not written again, and
-           forgotten when the CPU tier evicts it; a flush may write it into free disk room).
+           -> ON_DISK -> EVICTED (the disk dropped the copy of a chunk still READY in the CPU
+           tier: clean, dropped when the CPU tier evicts it, written again only by a flush,
+           into free disk room: a chunk is written once per stay in the CPU tier).
 """
 
 from __future__ import annotations
