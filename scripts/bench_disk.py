@@ -420,16 +420,20 @@ class Bench:
         for path in sorted(dirs | parents | {os.path.dirname(p) for p in parents}):
             fsync_path(path)
 
+    def _vllm_jobs(self, many: bool, load: bool) -> list[Any]:
+        """One vLLM job of every chunk, or (``many``) one job per chunk."""
+        assert self.vllm is not None
+        if many:
+            return [self.vllm.job(i + 1, [self.vkeys[i]], [i], load)
+                    for i in range(self.num_chunks)]
+        return [self.vllm.job(1, list(self.vkeys), range(self.num_chunks), load)]
+
     def write_vllm(self, many: bool) -> float:
         assert self.vllm is not None
         root = self.fresh("vllm-many" if many else "vllm-one")
         tier = self.vllm.manager(root, self.vsource.view, self.chunk_bytes)
         self.o_direct = tier._use_o_direct
-        if many:
-            jobs = [self.vllm.job(i + 1, [self.vkeys[i]], [i], False)
-                    for i in range(self.num_chunks)]
-        else:
-            jobs = [self.vllm.job(1, list(self.vkeys), range(self.num_chunks), False)]
+        jobs = self._vllm_jobs(many, load=False)
         start = time.perf_counter()
         for job in jobs:
             tier.submit_store(job)
@@ -526,11 +530,7 @@ class Bench:
         self.poison(self.vdest.array)
         self.drop_caches()
         tier = self.vllm.manager(self.dir / "vllm-one", self.vdest.view, self.chunk_bytes)
-        if many:
-            jobs = [self.vllm.job(i + 1, [self.vkeys[i]], [i], True)
-                    for i in range(self.num_chunks)]
-        else:
-            jobs = [self.vllm.job(1, list(self.vkeys), range(self.num_chunks), True)]
+        jobs = self._vllm_jobs(many, load=True)
         start = time.perf_counter()
         for job in jobs:
             tier.submit_load(job)
