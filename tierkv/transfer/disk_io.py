@@ -43,6 +43,7 @@ from tierkv.tiers.base import LowerTier, ReadStatus
 from tierkv.transfer.ledger import JobLedger
 
 logger = logging.getLogger("tierkv.disk_io")
+PIECE_BYTES = 1 << 20  # a read job's pieces are at least this big: a hand-off costs too
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class _ReadJob:
     on_done: Callable[[ReadOutcome], None]
     pieces: int  # pieces not yet read
     status: list[ReadStatus | None]  # per chunk; None: not looked up (the tier failed)
-    start: float = 0.0
+    start: float
     error: str | None = None
 
 
@@ -154,13 +155,13 @@ class DiskIO:
         for chunk in chunks:
             self._check_chunk(chunk.key, chunk.slot)
         chunks = tuple(chunks)
-        size = max(1, -(-len(chunks) // self._num_readers))
+        size = max(1, -(-len(chunks) // self._num_readers), PIECE_BYTES // self._payload)
         firsts = range(0, max(len(chunks), 1), size)
-        job = _ReadJob(job_id, chunks, on_done, len(firsts), [None] * len(chunks))
+        job = _ReadJob(job_id, chunks, on_done, len(firsts), [None] * len(chunks),
+                       time.perf_counter())
         with self._cond:
             self._check_usable()
             self._ledger.add(job_id, None)
-            job.start = time.perf_counter()
             self._reads.extend((job, first, first + size) for first in firsts)
             self._cond.notify_all()
 
@@ -335,8 +336,7 @@ class DiskIO:
 
     def _read_piece(self, job: _ReadJob, first: int, end: int) -> None:
         """Read ``job.chunks[first:end]``; a failing tier leaves the rest unread."""
-        for position in range(first, min(end, len(job.chunks))):
-            chunk = job.chunks[position]
+        for position, chunk in enumerate(job.chunks[first:end], first):
             try:
                 job.status[position] = self.tier.read_into(chunk.key,
                                                            self.slab.memoryview(chunk.slot))
