@@ -7,7 +7,7 @@ Primitives and their contracts (every engine):
 - ``submit_load(spec: LoadSpec)``: copy each chunk's slot into its blocks, except the
   first ``chunk.skip_blocks`` blocks (already on the GPU; never written). Returns at once.
   ``from_disk`` is ignored: the caller has already read the disk tier into the slot.
-- Both are thread-safe (the disk reader thread submits loads). A spec that cannot run
+- Both are thread-safe (disk reader threads submit loads). A spec that cannot run
   (wrong block count, block id or slot out of range, a load writing one block twice, one
   slot stored twice) is not raised: the job completes with ``ok=False`` and ``error``
   set, like a copy that raised. The engine keeps working.

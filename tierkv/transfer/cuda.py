@@ -6,7 +6,7 @@ The only module of tierkv that touches ``torch.cuda``; it imports on a CPU-only 
 How a job runs (contracts in :mod:`tierkv.transfer.base`):
 - Each direction has its own CUDA stream, a GPU staging buffer of ``staging_bytes``
   (whole chunks, at least one) and a lock, so concurrent submitters (the worker thread,
-  the disk reader thread) enqueue whole jobs one by one.
+  the disk reader threads) enqueue whole jobs one by one.
 - Both directions first wait on the compute stream (``wait_stream``): a store must copy
   what the forward pass wrote, a load's blocks may have been freed and reallocated while
   an earlier forward still reads them. Then per batch of chunks that fits in staging:

@@ -151,7 +151,7 @@ class DiskIO:
 
     def submit_read(self, job_id: JobId, chunks: Sequence[ChunkCopy],
                     on_done: Callable[[ReadOutcome], None]) -> None:
-        """Queue a read job for the reader thread; ``on_done`` runs there when it is done."""
+        """Queue a read job for the reader threads; ``on_done`` runs in the one that ends it."""
         for chunk in chunks:
             self._check_chunk(chunk.key, chunk.slot)
         chunks = tuple(chunks)

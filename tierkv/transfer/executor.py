@@ -2,7 +2,7 @@
 
 Primitives:
 - ``submit(spec)``: StoreSpec -> GPU->CPU copy; SpillSpec -> disk writer thread;
-  LoadSpec -> (disk reader thread for ``from_disk`` chunks, then) CPU->GPU copy of the
+  LoadSpec -> (disk reader threads for ``from_disk`` chunks, then) CPU->GPU copy of the
   chunks that landed; missing or corrupt ones are failed keys of the same job, so the
   engine recomputes them and never sees a false hit. Returns at once.
 - ``poll_finished()``: every finished job exactly once (plain :class:`Completion`s).
@@ -13,7 +13,7 @@ Primitives:
   a broken disk tier has its failed completion ready).
 - ``in_flight_ids()``: jobs submitted and not yet polled.
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
-Called from one thread (the worker's); the reader thread only runs chained loads' steps.
+Called from one thread (the worker's); reader threads only run chained loads' steps.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class _Waiter(Protocol):
 
 
 class _ChainedLoad:
-    """A load whose disk part runs first; filled in by the reader thread."""
+    """A load whose disk part runs first; filled in by a reader thread."""
 
     def __init__(self, keys: tuple[bytes, ...], transfer: TransferEngine) -> None:
         self.keys = keys
