@@ -156,3 +156,36 @@ def test_sync_during_commits_keeps_their_bytes_unsynced(tmp_path: Path) -> None:
         finally:
             tier._lmdb._env = env
         assert tier._unsynced_bytes == PAYLOAD
+
+
+def test_small_chunks_are_not_split_into_pieces(tmp_path: Path) -> None:
+    """A piece is at least 1 MiB: 16 chunks of 16 KiB are read by one thread, not four
+    (a hand-off per small chunk costs more than the overlap gains)."""
+    small = 16 * 1024
+    slab = CpuSlab(num_slots=40, slot_bytes=small, pin_memory="never")
+    with DiskTier(tmp_path, NS, 0, DiskTierConfig(path=tmp_path), small) as tier:
+        io = DiskIO(tier, slab, write_batch_bytes=64 * small, reader_threads=4)
+        try:
+            for i in range(16):
+                slab.memoryview(i)[:] = payload_of(i)[:small]
+            io.submit_spill(spill(1, [(i, i) for i in range(16)]))
+            io.wait([JobId(1)])
+            readers: set[int] = set()
+            original = tier.read_into
+
+            def read_into(key: bytes, out: memoryview) -> ReadStatus:
+                readers.add(threading.get_ident())
+                threading.Event().wait(0.005)  # slow enough that idle threads would join in
+                return original(key, out)
+
+            tier.read_into = read_into  # type: ignore[method-assign]
+            outcomes: list[ReadOutcome] = []
+            chunks = [ChunkCopy(key_of(i), SlotId(20 + i), (), True) for i in range(16)]
+            io.submit_read(JobId(2), chunks, outcomes.append)
+            io.wait([JobId(2)])
+            assert len(readers) == 1
+            assert outcomes[0].ok_keys == tuple(key_of(i) for i in range(16))
+            for i in range(16):
+                assert bytes(slab.memoryview(20 + i)) == payload_of(i)[:small]
+        finally:
+            io.shutdown()
