@@ -50,7 +50,8 @@ def restart(root: Path, config: DiskTierConfig, payload: int, readahead: bool
     before, start = read_bytes(), time.perf_counter()
     tier = DiskTier(root, NS, 0, config, payload)
     if readahead:  # the baseline: scan with the map's read-ahead on
-        tier._lmdb.random_access = nullcontext  # type: ignore[method-assign]
+        for shard in tier._shards:
+            shard.random_access = nullcontext  # type: ignore[method-assign]
     chunks = sum(1 for _ in tier.scan())
     seconds, got = time.perf_counter() - start, read_bytes() - before
     tier.close()
@@ -74,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         for first in range(0, args.chunks, 256):
             tier.put_many([(os.urandom(32), value)
                            for _ in range(min(256, args.chunks - first))])
-        env = tier._lmdb._env
-        assert env is not None
-        with env.begin() as txn:
-            stat = txn.stat(tier._lmdb.index)
-        index_bytes = (stat["branch_pages"] + stat["leaf_pages"]) * stat["psize"]
+        index_bytes = 0
+        for shard in tier._shards:  # every shard's index
+            assert shard._env is not None
+            with shard._env.begin() as txn:
+                stat = txn.stat(shard.index)
+            index_bytes += (stat["branch_pages"] + stat["leaf_pages"]) * stat["psize"]
     cold = drop_caches()
     rows: dict[str, list[tuple[int, float, int]]] = {"tierkv": [], "readahead on": []}
     for _ in range(args.rounds):

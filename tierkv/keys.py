@@ -27,7 +27,7 @@ from tierkv.errors import ConfigError
 
 ChunkKey = NewType("ChunkKey", bytes)
 
-FORMAT_VERSION = 2  # 2: values bound to namespace and rank; layers and block split in the namespace
+FORMAT_VERSION = 3  # 2: values bound to namespace and rank, layers, block split; 3: shards
 KEY_BYTES = 32
 ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
 HASH_SCHEME = "tierkv-sha256-msgpack-v1"

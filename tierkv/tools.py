@@ -29,7 +29,7 @@ from tierkv.config import DiskTierConfig
 from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
                            short_key)
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk import DiskTier, written_at
 from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, Trust, check_file,
                                      read_private_file)
 from tierkv.units import MiB, format_bytes
@@ -59,7 +59,8 @@ class NamespaceReport:
     format_version: int | None
     description: dict[str, Any]
     ranks: list[RankReport] = field(default_factory=list)
-    broken: list[str] = field(default_factory=list)  # rank-<r>.broken-* directories
+    # rank-<r>.broken-*, rank-<r>/shard-<s>.broken-* (and .foreign-*) directories
+    broken: list[str] = field(default_factory=list)
     problem: str | None = None
 
 
@@ -104,14 +105,18 @@ def _open_tier(root: Path, namespace: Namespace, rank: RankReport, **how: Any) -
     return DiskTier(root, namespace, rank.rank, config, payload, **how)
 
 
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
 def peek_rank(root: Path, namespace: Namespace, rank: int, path: Path) -> RankReport:
     """A :class:`RankReport` of one environment (index records only, read-only)."""
     report = RankReport(rank, path)
-    data = path / "data.mdb"
-    if check_file(data, fix=False) is Trust.OK:
-        info = data.stat()
-        report.file_bytes = info.st_size
-        report.last_write = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.st_mtime))
+    infos = [data.stat() for data in sorted(path.glob("shard-*/data.mdb"))
+             if check_file(data, fix=False) is Trust.OK]
+    if infos:
+        report.file_bytes = sum(info.st_size for info in infos)
+        report.last_write = _utc(max(info.st_mtime for info in infos))
     try:
         with _open_tier(root, namespace, report, read_only=True) as tier:
             lengths: collections.Counter[int] = collections.Counter()
@@ -157,6 +162,9 @@ def inspect_store(root: Path) -> list[NamespaceReport]:
                     report.ranks.append(peek_rank(Path(root), namespace, int(suffix), rank_dir))
             elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
                 report.broken.append(rank_dir.name)
+            if rank_dir.is_dir():
+                report.broken += [f"{rank_dir.name}/{shard.name}" for shard in
+                                  sorted(rank_dir.glob("shard-*.*-*"))]
         reports.append(report)
     return reports
 
@@ -186,7 +194,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
         if not repair:
             return
-    before = set(rank.path.parent.glob(f"{rank.path.name}.*-*"))
+    before = set(rank.path.glob("shard-*.*-*"))
     try:
         with _open_tier(root, namespace, rank, repair=repair, read_only=not repair) as tier:
             result = tier.verify(repair=repair)
@@ -204,7 +212,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         else:  # a known problem: only a repair got here
             outcome.lines.append(f"  not repaired: {exc}")
         return
-    moved = sorted(set(rank.path.parent.glob(f"{rank.path.name}.*-*")) - before)
+    moved = sorted(set(rank.path.glob("shard-*.*-*")) - before)
     if moved:
         outcome.moved_aside += len(moved)
         outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "
@@ -279,8 +287,9 @@ def run_inspect(args: argparse.Namespace) -> int:
                 continue
             ends = ""
             if rank.oldest and rank.newest:
-                ends = (f", oldest {rank.oldest[0][:8]} (seq {rank.oldest[1]}), newest "
-                        f"{rank.newest[0][:8]} (seq {rank.newest[1]})")
+                ends = ", ".join(["", *(f"{what} {key[:8]} (written {_utc(written_at(seq))})"
+                                        for what, (key, seq) in (("oldest", rank.oldest),
+                                                                 ("newest", rank.newest)))])
             print(f"  rank {rank.rank}: {rank.chunks} chunks, {format_bytes(rank.payload_bytes, 2)}"
                   f" (file {format_bytes(rank.file_bytes, 2)}){ends}, last write {rank.last_write}")
         for name in report.broken:

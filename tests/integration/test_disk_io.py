@@ -66,7 +66,7 @@ def disk_io(tier: DiskTier, slab: CpuSlab) -> Iterator[DiskIO]:
 
 @contextmanager
 def writer_blocked(tier: DiskTier) -> Iterator[None]:
-    txn = tier._lmdb._env.begin(write=True)  # LMDB's single-writer lock
+    txn = tier._shard(key_of(0))._env.begin(write=True)  # LMDB's single-writer lock
     try:
         yield
     finally:
@@ -189,10 +189,10 @@ def test_corrupt_value_is_reported_and_deleted(
     fill(slab, 0, seed=0)
     disk_io.submit_spill(spill(1, [(1, 0)]))
     disk_io.flush()
-    with tier._lmdb._env.begin(write=True) as txn:  # flip the last payload byte in place
-        value = bytearray(txn.get(key_of(1), db=tier._lmdb.chunks))
+    with tier._shard(key_of(0))._env.begin(write=True) as txn:  # flip the last payload byte in place
+        value = bytearray(txn.get(key_of(1), db=tier._shard(key_of(0)).chunks))
         value[-1] ^= 0x01
-        txn.put(key_of(1), bytes(value), db=tier._lmdb.chunks)
+        txn.put(key_of(1), bytes(value), db=tier._shard(key_of(0)).chunks)
     outcomes: list[ReadOutcome] = []
     disk_io.submit_read(JobId(2), [ChunkCopy(key_of(1), SlotId(5), ())], outcomes.append)
     disk_io.flush()

@@ -16,7 +16,7 @@ from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers import disk_env
-from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
 
 PAYLOAD = 256 * 1024
@@ -43,8 +43,9 @@ def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
     advice: list[tuple[int, int, int]] = []
     with open_tier(tmp_path) as tier:
         tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
-        span = tier._lmdb._map_span_of_data()
-        assert span is not None and span[1] >= tier.map_size  # this environment's map
+        spans = [shard._map_span_of_data() for shard in tier._shards]
+        span = tier._shard(key_of(0))._map_span_of_data()
+        assert span is not None and span[1] >= tier.map_size // SHARDS  # this shard's map
         real = disk_env._madvise
         assert real is not None
 
@@ -59,7 +60,9 @@ def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
             disk_env._madvise = real
         out = memoryview(bytearray(PAYLOAD))
         assert tier.read_into(key_of(2), out) is ReadStatus.OK and bytes(out) == payload_of(2)
-    assert advice == [(*span, 1), (*span, 0)]  # MADV_RANDOM for the scan, then MADV_NORMAL
+    # MADV_RANDOM for the scan of each shard's index, then MADV_NORMAL
+    assert advice == [(*span, how) for span in spans if span is not None for how in (1, 0)]
+    assert len(advice) == 2 * SHARDS
 
 
 def spill(job: int, writes: list[tuple[int, int]]) -> SpillSpec:
@@ -138,7 +141,7 @@ def test_sync_during_commits_keeps_their_bytes_unsynced(tmp_path: Path) -> None:
     with open_tier(tmp_path, sync_every_bytes=1 << 40, sync_every_seconds=3600) as tier:
         tier.sync_inline = False
         tier.put_many([(key_of(1), payload_of(1))])
-        env = tier._lmdb._env
+        env = tier._shard(key_of(0))._env
         assert env is not None
         real_sync = lmdb.Environment.sync
 
@@ -150,11 +153,11 @@ def test_sync_during_commits_keeps_their_bytes_unsynced(tmp_path: Path) -> None:
                 tier.put_many([(key_of(2), payload_of(2))])  # commits during the fsync
                 real_sync(env, force)
 
-        tier._lmdb._env = Racing()  # type: ignore[assignment]
+        tier._shard(key_of(0))._env = Racing()  # type: ignore[assignment]
         try:
             tier.sync()
         finally:
-            tier._lmdb._env = env
+            tier._shard(key_of(0))._env = env
         assert tier._unsynced_bytes == PAYLOAD
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ClosedError, ConfigError, NamespaceMismatchError
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv.tiers.disk import DiskTier, ReadStatus, list_namespaces, map_size_for
+from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, list_namespaces, map_size_for, shard_of
 from tierkv.tiers.disk_format import MAGIC, binding_of, checksum, pack_header
 
 PAYLOAD = 8192
@@ -39,6 +39,11 @@ def key_of(i: int) -> bytes:
     return bytes([0xA5]) + i.to_bytes(31, "big")
 
 
+def env_dir(tier: DiskTier) -> Path:
+    """The environment (shard) that every ``key_of`` key lives in."""
+    return tier.shard_paths[shard_of(key_of(0))]
+
+
 def payload_of(i: int, size: int = PAYLOAD) -> bytes:
     return random.Random(i).randbytes(size)
 
@@ -51,7 +56,7 @@ def open_tier(root: Path, payload_bytes: int = PAYLOAD, namespace: Namespace = N
 @contextmanager
 def raw_chunks(tier: DiskTier) -> Iterator[tuple[lmdb.Transaction, Any]]:
     """A write txn on the (closed) tier's environment opened with lmdb directly."""
-    env = lmdb.open(str(tier.path), map_size=tier.map_size, max_dbs=4)
+    env = lmdb.open(str(env_dir(tier)), map_size=tier.map_size // SHARDS, max_dbs=4)
     try:
         db = env.open_db(b"chunks")
         with env.begin(write=True) as txn:
@@ -141,7 +146,7 @@ def test_other_namespace_under_the_same_root_sees_nothing(tmp_path: Path) -> Non
 def test_namespace_record_mismatch_raises(tmp_path: Path) -> None:
     tier = open_tier(tmp_path)
     tier.close()
-    env = lmdb.open(str(tier.path), map_size=tier.map_size, max_dbs=4)
+    env = lmdb.open(str(env_dir(tier)), map_size=tier.map_size // SHARDS, max_dbs=4)
     with env.begin(write=True) as txn:
         record = {"fingerprint": OTHER_NS.fingerprint(), "format_version": FORMAT_VERSION,
                   "namespace": OTHER_NS.describe()}
@@ -153,7 +158,7 @@ def test_namespace_record_mismatch_raises(tmp_path: Path) -> None:
         DiskTier(tmp_path, NS, 0, DiskTierConfig(path=tmp_path), PAYLOAD, read_only=True)
     with open_tier(tmp_path) as tier:  # may repair: moved aside, kept, started empty
         assert list(tier.scan()) == [] and tier.statistics().rebuilds == 1
-    (aside,) = tier.path.parent.glob("rank-0.foreign-*")
+    (aside,) = env_dir(tier).parent.glob(f"{env_dir(tier).name}.foreign-*")
     assert (aside / "data.mdb").exists()
 
 
@@ -303,23 +308,23 @@ def test_files_are_private(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     with open_tier(root) as tier:
         tier.put_many([(key_of(1), payload_of(1))])
-    for path in (root, tier.namespace_dir, tier.path):
+    for path in (root, tier.namespace_dir, tier.path, *tier.shard_paths):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
-    for path in (tier.namespace_dir / "namespace.json", tier.path / "data.mdb",
-                 tier.path / "lock.mdb"):
+    for path in (tier.namespace_dir / "namespace.json", env_dir(tier) / "data.mdb",
+                 env_dir(tier) / "lock.mdb"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
 def test_damaged_environment_is_moved_aside(tmp_path: Path, caplog: Any) -> None:
     with open_tier(tmp_path) as tier:
         tier.put_many([(key_of(1), payload_of(1))])
-    (tier.path / "data.mdb").write_bytes(os.urandom(16384))
+    (env_dir(tier) / "data.mdb").write_bytes(os.urandom(16384))
     with caplog.at_level(logging.WARNING, logger="tierkv.disk"), open_tier(tmp_path) as tier:
         assert "is damaged" in caplog.text
         assert read(tier, key_of(1))[0] is ReadStatus.MISSING
         tier.put_many([(key_of(2), payload_of(2))])
         assert read(tier, key_of(2)) == (ReadStatus.OK, payload_of(2))
-    aside = list(tier.namespace_dir.glob("rank-0.broken-*"))
+    aside = list(env_dir(tier).parent.glob(f"{env_dir(tier).name}.broken-*"))
     assert len(aside) == 1 and (aside[0] / "data.mdb").exists()
 
 
@@ -327,25 +332,25 @@ def test_truncated_data_file_is_moved_aside_not_faulted(tmp_path: Path, caplog: 
     """Pages past the end of a cut file would raise SIGBUS when mapped: caught at open."""
     with open_tier(tmp_path, 64 * 1024) as tier:
         tier.put_many([(key_of(i), payload_of(i, 64 * 1024)) for i in range(8)])
-    data = tier.path / "data.mdb"
+    data = env_dir(tier) / "data.mdb"
     os.truncate(data, data.stat().st_size // 2)
     with open_tier(tmp_path, 64 * 1024) as tier:
         assert "meta page needs" in caplog.text
         assert read(tier, key_of(1))[0] is ReadStatus.MISSING
-    assert len(list(tier.namespace_dir.glob("rank-0.broken-*"))) == 1
+    assert len(list(env_dir(tier).parent.glob(f"{env_dir(tier).name}.broken-*"))) == 1
 
 
 def test_damaged_meta_record_is_moved_aside(tmp_path: Path, caplog: Any) -> None:
     tier = open_tier(tmp_path)
     tier.close()
-    env = lmdb.open(str(tier.path), map_size=tier.map_size, max_dbs=4)
+    env = lmdb.open(str(env_dir(tier)), map_size=tier.map_size // SHARDS, max_dbs=4)
     with env.begin(write=True) as txn:
         txn.put(b"namespace", b"\xc1garbage", db=env.open_db(b"meta", txn=txn))
     env.close()
     with open_tier(tmp_path) as tier:
         assert "is damaged" in caplog.text
         assert tier.statistics().chunks == 0
-    assert len(list(tier.namespace_dir.glob("rank-0.broken-*"))) == 1
+    assert len(list(env_dir(tier).parent.glob(f"{env_dir(tier).name}.broken-*"))) == 1
 
 
 def test_close_is_idempotent_and_later_calls_raise(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import torch
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import chunk_keys
+from tierkv.tiers.disk import shard_of
 
 BPC = 2
 LAYERS = 3
@@ -112,7 +113,7 @@ def test_restart_serves_disk_byte_exact_and_other_namespace_sees_nothing(tmp_pat
 
 
 def corrupt_one_value(store_dir: Path, key: bytes, offset: int) -> None:
-    env_dir = next(store_dir.glob("ns-*/rank-0"))
+    env_dir = next(store_dir.glob("ns-*/rank-0")) / f"shard-{shard_of(key)}"
     env = lmdb.open(str(env_dir), max_dbs=8, subdir=True)
     chunks = env.open_db(b"chunks")
     with env.begin(write=True) as txn:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import lmdb
@@ -19,7 +20,7 @@ import pytest
 from tierkv.cli import main
 from tierkv.config import DiskTierConfig
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.tiers.disk import DiskTier, ReadStatus, shard_of
 
 PAYLOAD = 4096
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=512, tokens_per_chunk=16)
@@ -77,26 +78,29 @@ def store(tmp_path: Path) -> Path:
 
 def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in store.rglob("data.mdb")}
+    today = time.strftime("%Y-%m-%dT", time.gmtime())
     assert main(["inspect", str(store)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == f"inspected 2 namespace(s): 35 chunks (140.00 KiB) in {store}"
     assert f"namespace {NS.fingerprint()} (format version {FORMAT_VERSION})" in out
     assert "rank 0: 30 chunks, 120.00 KiB" in out and "rank 0: 5 chunks, 20.00 KiB" in out
-    assert f"oldest {key_of(0).hex()[:8]} (seq 1), newest {key_of(29).hex()[:8]} (seq 30)" in out
+    assert f"oldest {key_of(0).hex()[:8]} (written {today}" in out
+    assert f"newest {key_of(29).hex()[:8]} (written {today}" in out
     assert "dtype:            bfloat16" in out
     assert main(["inspect", str(store), "--json"]) == 0
     reports = {item["fingerprint"]: item for item in json.loads(capsys.readouterr().out)}
     rank = reports[NS.fingerprint()]["ranks"][0]
     assert (rank["chunks"], rank["payload_bytes"], rank["payload_len"]) == (30, 30 * PAYLOAD, PAYLOAD)
-    assert rank["newest"] == [key_of(29).hex(), 30] and reports[OTHER.fingerprint()]["format_version"] == FORMAT_VERSION
+    assert rank["newest"][0] == key_of(29).hex() and rank["oldest"][1] < rank["newest"][1]
+    assert reports[OTHER.fingerprint()]["format_version"] == FORMAT_VERSION
     # Read-only: the data files are untouched (readers only register in lock.mdb).
     assert {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in store.rglob("data.mdb")} == files
 
 
 def test_verify_finds_every_corrupted_chunk_and_repair_keeps_the_good_ones(
         store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    env = store / f"ns-{NS.fingerprint()}" / "rank-0"
-    other_env = store / f"ns-{OTHER.fingerprint()}" / "rank-0"
+    env = store / f"ns-{NS.fingerprint()}" / "rank-0" / f"shard-{shard_of(key_of(0))}"
+    other_env = store / f"ns-{OTHER.fingerprint()}" / "rank-0" / f"shard-{shard_of(key_of(0))}"
     value = stored_value(env, key_of(3))
     bad = {
         key_of(3): flip(value, len(value) - 100),  # a payload byte
@@ -133,7 +137,8 @@ def test_verify_finds_every_corrupted_chunk_and_repair_keeps_the_good_ones(
 
 def test_verify_reports_a_damaged_environment_and_repair_moves_it_aside(
         store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data = store / f"ns-{OTHER.fingerprint()}" / "rank-0" / "data.mdb"
+    shard = f"shard-{shard_of(key_of(0))}"
+    data = store / f"ns-{OTHER.fingerprint()}" / "rank-0" / shard / "data.mdb"
     size = data.stat().st_size
     os.truncate(data, size // 2)
     assert main(["verify", str(store)]) == 1
@@ -143,11 +148,11 @@ def test_verify_reports_a_damaged_environment_and_repair_moves_it_aside(
     assert main(["inspect", str(store)]) == 0
     assert "rank 0: DAMAGED" in capsys.readouterr().out
     assert main(["verify", str(store), "--repair"]) == 1
-    assert "moved it to rank-0.broken-" in capsys.readouterr().out
+    assert f"moved it to {shard}.broken-" in capsys.readouterr().out
     assert main(["verify", str(store)]) == 0
     capsys.readouterr()
     assert main(["inspect", str(store)]) == 0
-    assert "moved aside: rank-0.broken-" in capsys.readouterr().out
+    assert f"moved aside: rank-0/{shard}.broken-" in capsys.readouterr().out
 
 
 def test_verify_only_one_namespace(store: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@ import hashlib
 import multiprocessing
 import random
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.core.jobs import Completion
 from tierkv.engine.store import TierKVStore, build_namespace
 from tierkv.keys import Namespace, chunk_keys
+from tierkv.tiers.disk import SHARDS, shard_of
 from tierkv.transfer.layout import KVLayout
 
 LAYERS = 2
@@ -162,21 +163,58 @@ def load_chunks(store: TierKVStore, keys: Sequence[bytes],
 
 
 def env_dirs(root: Path) -> list[Path]:
+    """The rank directories under ``root`` (each holds one environment per shard)."""
     return sorted(p for p in root.glob("ns-*/rank-*") if ".broken-" not in p.name)
 
 
+def shard_dirs(env_dir: Path) -> list[Path]:
+    """The shard environments of a rank directory (``env_dir`` itself if it is one)."""
+    if (env_dir / "data.mdb").exists() or env_dir.name.startswith("shard-"):
+        return [env_dir]
+    return [env_dir / f"shard-{shard}" for shard in range(SHARDS)]
+
+
+def data_files(env_dir: Path) -> list[Path]:
+    """Every ``data.mdb`` of a rank directory's shards."""
+    return [shard / "data.mdb" for shard in shard_dirs(env_dir)]
+
+
+class ShardedTxn:
+    """Write txns on every shard of a rank: ``get``/``put``/``delete`` go to the key's."""
+
+    def __init__(self, txns: dict[int, tuple[lmdb.Transaction, dict[str, Any]]]) -> None:
+        self._txns = txns
+
+    def _of(self, key: bytes, db: str) -> tuple[lmdb.Transaction, Any]:
+        txn, dbs = self._txns[shard_of(key)] if len(self._txns) > 1 else self._txns[0]
+        return txn, dbs[db]
+
+    def get(self, key: bytes, db: str) -> Any:
+        txn, handle = self._of(key, db)
+        return txn.get(key, db=handle)
+
+    def put(self, key: bytes, value: bytes, db: str) -> bool:
+        txn, handle = self._of(key, db)
+        return bool(txn.put(key, value, db=handle))
+
+    def delete(self, key: bytes, db: str) -> bool:
+        txn, handle = self._of(key, db)
+        return bool(txn.delete(key, db=handle))
+
+
 @contextmanager
-def raw_env(env_dir: Path) -> Iterator[tuple[lmdb.Transaction, Any, Any]]:
-    """A write txn on a (closed) tier's environment, opened with lmdb directly:
-    (txn, chunks db, index db). Fault injection at tierkv's boundary, not a mock."""
-    env = lmdb.open(str(env_dir), max_dbs=4, subdir=True)
-    try:
-        chunks = env.open_db(b"chunks")
-        index = env.open_db(b"index")
-        with env.begin(write=True) as txn:
-            yield txn, chunks, index
-    finally:
-        env.close()
+def raw_env(env_dir: Path) -> Iterator[tuple[ShardedTxn, str, str]]:
+    """Write txns on a (closed) tier's environments, opened with lmdb directly:
+    (txn, chunks db, index db), the txn routing each key to its shard. Fault injection at
+    tierkv's boundary, not a mock."""
+    with ExitStack() as stack:
+        txns: dict[int, tuple[lmdb.Transaction, dict[str, Any]]] = {}
+        for shard, path in enumerate(shard_dirs(env_dir)):
+            env = lmdb.open(str(path), max_dbs=4, subdir=True)
+            stack.callback(env.close)
+            dbs = {"chunks": env.open_db(b"chunks"), "index": env.open_db(b"index")}
+            txns[shard] = (stack.enter_context(env.begin(write=True)), dbs)
+        yield ShardedTxn(txns), "chunks", "index"
 
 
 _CONTEXT: Any = None
@@ -217,5 +255,13 @@ def damage_page(env_dir: Path, pgno: int, psize: int) -> None:
         file.write(b"\x00\x00")
 
 
-def damage_subdb(env_dir: Path, name: bytes) -> None:
-    damage_page(env_dir, *subdb_root(env_dir, name))
+def damage_subdb(env_dir: Path, name: bytes, keys: Sequence[bytes] | None = None) -> None:
+    """Damage sub-database ``name`` of every shard of ``env_dir`` that has one (of those
+    holding ``keys``, when given)."""
+    shards = shard_dirs(env_dir)
+    if keys is not None:
+        shards = [shards[shard] for shard in sorted({shard_of(key) for key in keys})]
+    for shard in shards:
+        pgno, psize = subdb_root(shard, name)
+        if pgno != 2**64 - 1:  # P_INVALID: an empty sub-database has no page to damage
+            damage_page(shard, pgno, psize)

@@ -20,7 +20,7 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.errors import NamespaceMismatchError
 from tierkv.keys import Namespace, chunk_keys
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk import SHARDS, DiskTier
 from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value
 
 
@@ -74,12 +74,15 @@ def test_swapped_rank_directories_are_never_served_nor_destroyed(tmp_path: Path,
                 assert store.lookup(keys) == 0
                 assert _served_bytes(store, kv, keys, b"rank%d" % (1 - rank)) == (0, 0)
     assert "rank 1" in caplog.text and "rank 0" in caplog.text
-    for rank in (0, 1):  # put each shard back where it belongs
-        (aside,) = ns_dir.glob(f"rank-{rank}.foreign-*")
+    for rank in (0, 1):  # put each rank's environments back where they belong
+        for shard in range(SHARDS):
+            (aside,) = (ns_dir / f"rank-{rank}").glob(f"shard-{shard}.foreign-*")
+            aside.rename(ns_dir / f"back-{1 - rank}-{shard}")
         shutil.rmtree(ns_dir / f"rank-{rank}")
-        aside.rename(ns_dir / f"rank-{1 - rank}.back")
+        (ns_dir / f"rank-{rank}").mkdir(mode=0o700)
     for rank in (0, 1):
-        (ns_dir / f"rank-{rank}.back").rename(ns_dir / f"rank-{rank}")
+        for shard in range(SHARDS):
+            (ns_dir / f"back-{rank}-{shard}").rename(ns_dir / f"rank-{rank}" / f"shard-{shard}")
     for rank in (0, 1):
         kv = support.make_kv()
         with support.open_store(tmp_path, kv, rank=rank) as store:
@@ -219,8 +222,10 @@ def test_a_directory_copied_under_another_namespace_is_never_read(tmp_path: Path
                  support.CHUNK_BYTES, repair=False)
     with support.open_store(tmp_path, support.make_kv(), model_id="model-b") as other:
         assert other.lookup(keys) == 0
-    (aside,) = target.parent.glob("rank-0.foreign-*")  # kept, never read
-    assert (aside / "data.mdb").stat().st_size == (source / "data.mdb").stat().st_size
+    for shard in range(SHARDS):  # kept, never read
+        (aside,) = target.glob(f"shard-{shard}.foreign-*")
+        assert (aside / "data.mdb").stat().st_size == \
+            (source / f"shard-{shard}" / "data.mdb").stat().st_size
 
 
 def test_verify_reports_swapped_ranks_and_repair_moves_them_aside(
@@ -234,7 +239,7 @@ def test_verify_reports_swapped_ranks_and_repair_moves_them_aside(
     assert main(["verify", str(tmp_path)]) == 1  # reported, nothing touched
     out = capsys.readouterr().out
     assert out.count(": damaged environment") == 2 and not list(ns_dir.glob("*.foreign-*"))
-    assert "rank 1; expected" in out and "rank 0; expected" in out
+    assert "rank 1, shard 0; expected" in out and "rank 0, shard 0; expected" in out
     assert main(["verify", "--repair", str(tmp_path)]) == 1
-    assert len(list(ns_dir.glob("rank-*.foreign-*"))) == 2
+    assert len(list(ns_dir.glob("rank-*/shard-*.foreign-*"))) == 2 * SHARDS
     assert main(["verify", str(tmp_path)]) == 0

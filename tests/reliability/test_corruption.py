@@ -25,7 +25,7 @@ import pytest
 
 from tests.reliability import support
 from tierkv.keys import FORMAT_VERSION
-from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.tiers.disk import DiskTier, ReadStatus, shard_of
 from tierkv.tiers.disk_format import MAGIC, checksum
 
 Edit = Callable[[bytes, bytes, bytes], bytes]  # (value, value of another key, key) -> value
@@ -188,7 +188,8 @@ def test_bit_rot_in_the_data_file_is_caught_for_every_damaged_chunk(tmp_path: Pa
     for key in sorted(damaged):
         payload = support.payload_for(key)
         start = rng.randrange(len(payload) - 64)
-        _bit_rot(env_dir / "data.mdb", payload[start : start + 64], rng)
+        _bit_rot(support.shard_dirs(env_dir)[shard_of(key)] / "data.mdb",
+                 payload[start : start + 64], rng)
     with DiskTier(tmp_path, support.namespace_of(), 0, support.store_config(tmp_path).disk,
                   support.CHUNK_BYTES) as tier:
         report = tier.verify()

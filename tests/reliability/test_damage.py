@@ -23,6 +23,7 @@ import pytest
 from tests.reliability import support
 from tierkv.cli import main
 from tierkv.errors import UsageError
+from tierkv.tiers.disk import SHARDS, shard_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def _fill(root: Path, requests: int = 8, **options: object) -> list[bytes]:
 
 
 def _broken_dirs(root: Path) -> list[Path]:
-    return sorted(root.glob("ns-*/rank-*.broken-*"))
+    return sorted(root.glob("ns-*/rank-*/shard-*.broken-*"))
 
 
 def test_a_damaged_index_at_start_is_moved_aside_and_the_store_starts(tmp_path: Path) -> None:
@@ -47,11 +48,11 @@ def test_a_damaged_index_at_start_is_moved_aside_and_the_store_starts(tmp_path: 
     support.damage_subdb(support.env_dirs(tmp_path)[0], b"index")
     kv = support.make_kv()
     with support.open_store(tmp_path, kv) as store:  # raised BrokenError on every start
-        assert store.disk is not None and store.disk.statistics().rebuilds == 1
+        assert store.disk is not None and store.disk.statistics().rebuilds == SHARDS
         assert store.lookup(keys) == 0
         fresh = support.request_keys(100)
         support.store_chunks(store, kv, fresh)
-    assert len(_broken_dirs(tmp_path)) == 1
+    assert len(_broken_dirs(tmp_path)) == SHARDS  # every shard was damaged
     with support.open_store(tmp_path, support.make_kv()) as store:
         assert store.lookup(fresh) == len(fresh)
         assert store.disk is not None and store.disk.statistics().rebuilds == 0
@@ -59,7 +60,8 @@ def test_a_damaged_index_at_start_is_moved_aside_and_the_store_starts(tmp_path: 
 
 def test_damaged_chunks_are_moved_aside_on_the_first_read_not_on_every_start(tmp_path: Path) -> None:
     keys = _fill(tmp_path, cpu_chunks=4)
-    support.damage_subdb(support.env_dirs(tmp_path)[0], b"chunks")
+    support.damage_subdb(support.env_dirs(tmp_path)[0], b"chunks", keys[:4])
+    damaged = len({shard_of(key) for key in keys[:4]})  # the shards of the keys read
     kv = support.make_kv()
     with support.open_store(tmp_path, kv) as store:
         assert store.lookup(keys[:4]) == 4  # the (intact) index still names them
@@ -69,7 +71,7 @@ def test_damaged_chunks_are_moved_aside_on_the_first_read_not_on_every_start(tmp
         assert num == 4 and completion is not None and not completion.ok
         assert set(completion.failed_keys) == set(keys[:4])
         assert support.untouched(kv, blocks[:1])  # nothing landed
-        assert store.disk is not None and store.disk.statistics().rebuilds == 1
+        assert store.disk is not None and store.disk.statistics().rebuilds == damaged
         assert store.lookup(keys[:4]) == 0
         fresh = support.request_keys(101)
         support.store_chunks(store, kv, fresh)
@@ -92,8 +94,8 @@ def test_verify_reports_damage_and_repair_moves_it_aside(tmp_path: Path, subdb: 
     assert "damaged environment" in out and not _broken_dirs(tmp_path)  # nothing changed
     assert main(["verify", "--repair", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    (aside,) = _broken_dirs(tmp_path)  # it printed that it moved it, and did not
-    assert f"moved it to {aside.name}" in out
+    asides = _broken_dirs(tmp_path)  # it printed that it moved them, and did not
+    assert len(asides) == SHARDS and f"moved it to {', '.join(p.name for p in asides)}" in out
     assert main(["verify", str(tmp_path)]) == 0
     with support.open_store(tmp_path) as store:
         assert store.disk is not None and store.disk.statistics().rebuilds == 0
@@ -131,10 +133,12 @@ store.close()
 
 
 def _pin_snapshot_and_die(env_dir: str) -> None:
-    """An inspect or verify run killed inside its read transaction (OOM killer, kill -9)."""
-    env = lmdb.open(env_dir, readonly=True, subdir=True, lock=True, max_dbs=4)
-    txn = env.begin()
-    txn.get(b"namespace")
+    """An inspect or verify run killed inside its read transactions (OOM killer, kill -9)."""
+    txns = []
+    for shard in support.shard_dirs(Path(env_dir)):
+        env = lmdb.open(str(shard), readonly=True, subdir=True, lock=True, max_dbs=4)
+        txns.append((env, env.begin()))
+        txns[-1][1].get(b"namespace")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -176,6 +180,7 @@ def test_a_data_file_truncated_under_a_running_store_is_damage_not_sigbus(tmp_pa
 import os
 from pathlib import Path
 from tests.reliability import support
+from tierkv.tiers.disk import shard_of
 root = Path({str(tmp_path)!r})
 kv = support.make_kv()
 store = support.open_store(root, kv, cpu_chunks=4)
@@ -185,7 +190,7 @@ for seed in range(6):
     support.store_chunks(store, kv, request)
     keys += request
 store.flush()
-data = support.env_dirs(root)[0] / "data.mdb"
+data = support.shard_dirs(support.env_dirs(root)[0])[shard_of(keys[0])] / "data.mdb"
 os.truncate(data, os.path.getsize(data) // 3)  # another process truncates it
 num, completion = support.load_chunks(store, keys[:4])  # on disk only: a read of the file
 print("load", num, completion is not None and completion.ok)
@@ -300,14 +305,18 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
         if damage == "index":
             support.damage_subdb(rank1, b"index")
         else:
-            os.truncate(rank1 / "data.mdb", 4096 * 3)  # shorter than its meta page says
-        fd = os.open(rank1 / vllm_disk.OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as rank 1's worker holds it
+            for data in support.data_files(rank1):
+                os.truncate(data, 4096 * 3)  # shorter than its meta page says
+        fds = [os.open(shard / vllm_disk.OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+               for shard in support.shard_dirs(rank1)]
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as rank 1's worker holds it
         try:
             kept, deleted = vllm_disk.rebuild_keys(tmp_path, namespace, [0, 1], config, 4096,
                                                    capacity=100)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         assert kept == [] and vllm_disk._OPEN == {}, (damage, kept)  # nothing left open
         assert not _broken_dirs(tmp_path)  # the worker's environment was not moved
 

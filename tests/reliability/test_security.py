@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import tierkv
 from tests.reliability import support
 from tierkv.keys import FORMAT_VERSION, ROOT_KEY, Namespace, chunk_keys, salted_root
-from tierkv.tiers.disk import DiskTier, ReadStatus, list_namespaces
+from tierkv.tiers.disk import DiskTier, ReadStatus, list_namespaces, shard_of
 from tierkv.tiers.disk_format import MAGIC, checksum
 
 PACKAGE = Path(tierkv.__file__).parent
@@ -256,7 +256,8 @@ def test_a_crafted_meta_record_is_damage_not_code(tmp_path: Path, caplog: Any) -
                                      msgpack.packb({"namespace": msgpack.ExtType(1, b"x")})]):
         with DiskTier(tmp_path, support.namespace_of(), 0, config, SIZE) as tier:
             tier.put_many([(KEY, bytes(SIZE))])
-        (env_dir,) = support.env_dirs(tmp_path)
+        (rank_dir,) = support.env_dirs(tmp_path)
+        env_dir = support.shard_dirs(rank_dir)[shard_of(KEY)]
         env = lmdb.open(str(env_dir), max_dbs=4)
         with env.begin(write=True) as txn:
             txn.put(b"namespace", record, db=env.open_db(b"meta", txn=txn))
@@ -264,7 +265,7 @@ def test_a_crafted_meta_record_is_damage_not_code(tmp_path: Path, caplog: Any) -
         with caplog.at_level(logging.WARNING, logger="tierkv.disk"), \
                 DiskTier(tmp_path, support.namespace_of(), 0, config, SIZE) as tier:
             assert tier.statistics().chunks == 0
-        assert len(list(env_dir.parent.glob("rank-0.broken-*"))) == number + 1
+        assert len(list(rank_dir.glob(f"{env_dir.name}.broken-*"))) == number + 1
         assert not marker.exists()
     assert "is damaged" in caplog.text
 
@@ -319,7 +320,8 @@ def test_files_are_private_under_a_permissive_umask(tmp_path: Path) -> None:
         with support.open_store(root, kv) as store:
             assert support.store_chunks(store, kv, keys) is not None
         (env_dir,) = support.env_dirs(root)
-        (env_dir / "data.mdb").write_bytes(os.urandom(8192))  # damage: moved aside, rebuilt
+        for data in support.data_files(env_dir):  # damage: moved aside, rebuilt
+            data.write_bytes(os.urandom(8192))
         with support.open_store(root, kv) as store:
             assert support.store_chunks(store, kv, keys) is not None
     finally:
@@ -329,7 +331,7 @@ def test_files_are_private_under_a_permissive_umask(tmp_path: Path) -> None:
     wrong = {str(path): oct(mode) for path, mode in modes.items()
              if mode != (0o700 if path.is_dir() else 0o600)}
     assert not wrong, wrong
-    assert list(env_dir.parent.glob("rank-0.broken-*"))
+    assert list(env_dir.glob("shard-*.broken-*"))
 
 
 # -- namespaces and tenant salts ----------------------------------------------------------

@@ -64,7 +64,7 @@ def test_a_root_pre_created_by_another_user_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="disk.path") as info:
         support.open_store(root)
     assert f"uid {OTHER_UID}" in str(info.value)
-    assert (root / support.env_dirs(root)[0].relative_to(root) / "data.mdb").stat().st_uid == OTHER_UID
+    assert support.data_files(support.env_dirs(root)[0])[0].stat().st_uid == OTHER_UID
 
 
 def test_a_root_others_can_write_is_refused(tmp_path: Path) -> None:
@@ -85,12 +85,16 @@ def test_entries_of_another_user_are_moved_aside_never_used(tmp_path: Path, plan
     keys = support.request_keys(2)
     _forge(root, keys)
     env_dir = support.env_dirs(root)[0]
-    target = {"namespace dir": env_dir.parent, "rank dir": env_dir,
-              "data.mdb": env_dir / "data.mdb", "lock.mdb": env_dir / "lock.mdb"}[planted]
-    _chown_tree(target, OTHER_UID) if target.is_dir() else os.chown(target, OTHER_UID, OTHER_UID)
+    shards = support.shard_dirs(env_dir)
+    targets = {"namespace dir": [env_dir.parent], "rank dir": [env_dir],
+               "data.mdb": [shard / "data.mdb" for shard in shards],
+               "lock.mdb": [shard / "lock.mdb" for shard in shards]}[planted]
+    for target in targets:
+        _chown_tree(target, OTHER_UID) if target.is_dir() else os.chown(target, OTHER_UID, OTHER_UID)
     assert not _serves_forged(root, keys)
     env_dir = support.env_dirs(root)[0]
-    for path in (root, env_dir.parent, env_dir, env_dir / "data.mdb", env_dir / "lock.mdb"):
+    for path in (root, env_dir.parent, env_dir, *(shard / name for shard in shards
+                                                   for name in ("", "data.mdb", "lock.mdb"))):
         info = path.lstat()
         assert info.st_uid == os.geteuid(), path
         assert stat.S_IMODE(info.st_mode) & 0o077 == 0, path
@@ -105,13 +109,15 @@ def test_own_files_readable_by_others_are_tightened_and_served(tmp_path: Path) -
     with support.open_store(tmp_path, kv) as store:
         support.store_chunks(store, kv, keys)
     env_dir = support.env_dirs(tmp_path)[0]
-    for path, mode in ((env_dir.parent, 0o755), (env_dir, 0o750), (env_dir / "data.mdb", 0o644),
-                       (env_dir.parent / "namespace.json", 0o640)):
+    shard = support.shard_dirs(env_dir)[0]
+    for path, mode in ((env_dir.parent, 0o755), (env_dir, 0o750), (shard, 0o750),
+                       (shard / "data.mdb", 0o644), (env_dir.parent / "namespace.json", 0o640)):
         os.chmod(path, mode)
     kv = support.make_kv()
     with support.open_store(tmp_path, kv) as store:
         assert store.lookup(keys) == len(keys)  # nobody else could have written them
-    for path in (env_dir.parent, env_dir, env_dir / "data.mdb", env_dir.parent / "namespace.json"):
+    for path in (env_dir.parent, env_dir, shard, shard / "data.mdb",
+                 env_dir.parent / "namespace.json"):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
 
 
@@ -132,7 +138,7 @@ def test_own_files_others_could_write_are_never_trusted(tmp_path: Path, loose: s
     with support.raw_env(env_dir) as (txn, chunks, _):  # what another user could now write
         txn.put(keys[0], forged, db=chunks)
     targets = {"everything below the root": [p for p in tmp_path.rglob("*")],
-               "rank dir": [env_dir], "data.mdb": [env_dir / "data.mdb"]}[loose]
+               "rank dir": [env_dir], "data.mdb": support.data_files(env_dir)}[loose]
     for path in targets:
         os.chmod(path, 0o777 if path.is_dir() else 0o666)
     assert not _serves_forged(tmp_path, keys)
@@ -151,7 +157,8 @@ keys = support.request_keys(4)
 with support.open_store(root, kv) as store:
     support.store_chunks(store, kv, keys)
 env_dir = support.env_dirs(root)[0]
-target = env_dir.parent / "namespace.json" if {which!r} == "namespace.json" else env_dir / {which!r}
+shard = support.shard_dirs(env_dir)[0]
+target = env_dir.parent / "namespace.json" if {which!r} == "namespace.json" else shard / {which!r}
 target.unlink()
 os.mkfifo(target, 0o600)
 with support.open_store(root, kv) as store:
@@ -284,7 +291,8 @@ def test_verify_without_repair_changes_nothing(tmp_path: Path, state: str,
         os.chown(env_dir, OTHER_UID, OTHER_UID)  # the directory only: its files look fine
     elif state == "loose modes":
         os.chmod(env_dir.parent, 0o755)
-        os.chmod(env_dir / "data.mdb", 0o644)
+        for data in support.data_files(env_dir):
+            os.chmod(data, 0o644)
     elif state == "bad chunk":
         with support.raw_env(env_dir) as (txn, chunks, _):
             value = bytearray(txn.get(keys[0], db=chunks))

@@ -24,6 +24,8 @@ Primitives and their contracts (every implementation):
 - ``sync_every_seconds``: how often an idle I/O thread should call ``sync_if_due`` (None:
   never). ``sync_inline`` (True): ``put_many`` itself syncs when due; an I/O layer that
   syncs on a thread of its own sets it False, so no writer waits on an fsync.
+- ``write_lanes`` (1) and ``lane_of(key)`` (0): writes of keys in different lanes may run
+  concurrently (the disk tier: one lane per shard); within a lane they run in order.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class LowerTier(ABC):
     payload_bytes: int
     read_only: bool
     sync_inline: bool = True
+    write_lanes: int = 1
+
+    @staticmethod
+    def lane_of(key: bytes) -> int:
+        return 0
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[bytes, Any]],

@@ -1,21 +1,24 @@
-"""The disk tier: chunk payloads in one LMDB environment per namespace and rank, at
-``root/ns-<fingerprint>/rank-<r>/`` (``docs/on-disk-format.md`` has every byte).
+"""The disk tier: chunk payloads of one namespace and rank in :data:`SHARDS` LMDB
+environments, at ``root/ns-<fingerprint>/rank-<r>/shard-<s>/``, a chunk in the shard
+:func:`shard_of` its key (``docs/on-disk-format.md`` has every byte).
 
 Primitives and contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and (one
 :class:`DiskTier` holds bytes and starts no threads; it may be called from several threads:
 LMDB serializes write transactions, reads run concurrently):
 
-- ``put_many(items, deletes=())`` is one write txn (deletes, then puts), ``delete_many``
-  one too. A full map or a full filesystem (ENOSPC, EDQUOT, or EIO from a short write with
-  the filesystem out of space) is ``PutResult.full``; the disk cap is soft here (the
-  scheduler side accounts for it).
+- ``put_many(items, deletes=())`` is one write txn per shard it touches (deletes, then
+  puts), ``delete_many`` too; ``write_lanes``/``lane_of`` tell an I/O layer which keys may
+  be written in parallel (another shard: another LMDB writer lock). A full map or a full
+  filesystem (ENOSPC, EDQUOT, or EIO from a short write with the filesystem out of space)
+  is ``PutResult.full``; the disk cap is soft here (the scheduler side accounts for it).
+  Pages a delete frees are reused by its own shard only.
 - ``read_into(key, out)`` is one short read txn: header and checksum verified, the payload
   copied straight into ``out``; a bad value is deleted and counted.
 - ``scan(batch)`` reads the small "index" sub-db in short txns of ``batch`` keys (restart
   warm without reading payloads); ``verify`` also checks the index against the values.
-- ``claim()`` makes this process the environment's one writer (``exclusive=True`` does it
-  at open, before anything is judged or moved): a second claim, from any process, is
-  refused with a :class:`ConfigError` naming the holder.
+- ``claim()`` makes this process the one writer of the rank's environments
+  (``exclusive=True`` does it at open, before anything is judged or moved): a second
+  claim, from any process, is refused with a :class:`ConfigError` naming the holder.
 - ``read_only=True`` (operator tools): nothing is created, written, moved or chmod-ed;
   what is not trusted, or damaged, raises :class:`DamagedError`; a corrupt value is
   answered ``CORRUPT`` and left in place.
@@ -48,15 +51,16 @@ from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
-from tierkv.tiers.disk_env import META_NEXT_SEQ, FilesDamaged, LmdbEnv
+from tierkv.tiers.disk_env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value, pack_index, unpack_index
 from tierkv.tiers.lmdb_tuning import map_size_for, tune_malloc
 from tierkv.units import format_bytes
 
 __all__ = [
-    "ChunkRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult", "ReadStatus",
-    "VerifyReport", "list_namespaces", "map_size_for", "tune_malloc",
+    "SHARDS", "ChunkRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult",
+    "ReadStatus", "VerifyReport", "list_namespaces", "map_size_for", "shard_of", "tune_malloc",
+    "written_at",
 ]
 
 logger = logging.getLogger("tierkv.disk")
@@ -64,7 +68,8 @@ logger = logging.getLogger("tierkv.disk")
 
 @dataclass(frozen=True)
 class DiskStatistics:
-    """Counters since open; ``chunks`` and ``map_size`` are current."""
+    """Counters since open, over all shards; ``chunks`` and ``map_size`` (all shards' maps)
+    are current."""
 
     chunks: int
     bytes_written: int
@@ -81,6 +86,12 @@ class DiskStatistics:
     rebuilds: int = 0  # damaged or misplaced environments moved aside, started empty
     stale_readers: int = 0  # reader slots of dead processes cleared
     map_adopted: int = 0  # times a map grown by another process was adopted
+
+
+def written_at(seq: int) -> float:
+    """When the value of write sequence ``seq`` was written (seconds since the epoch; the
+    clock of the writing host, see :meth:`DiskTier._first_seq`)."""
+    return seq // SHARDS / 1e6
 
 
 class DiskTier(LowerTier):
@@ -120,19 +131,46 @@ class DiskTier(LowerTier):
              "full", "syncs", "write_txns"), 0)
         self._unsynced_bytes = 0
         self._last_sync = clock()
-        self._writer = ValueWriter(payload_bytes, self._binding)
+        self._writers = [ValueWriter(payload_bytes, self._binding) for _ in range(SHARDS)]
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
-        self._lmdb = LmdbEnv(
-            self.root, namespace, rank,
-            map_size=map_size_for(config.max_bytes, payload_bytes, os.sysconf("SC_PAGE_SIZE")),
-            sync_always=config.sync_mode == "always", name=self._name, clock=clock,
-            exclusive=exclusive, repair=repair, read_only=read_only)
-        self.path, self.namespace_dir = self._lmdb.path, self._lmdb.namespace_dir
+        # a shard's fair share twice over (the cap itself is kept by the scheduler side)
+        shard_cap = min(config.max_bytes, -(-config.max_bytes // SHARDS) * 2 + 64 * payload_bytes)
+        self._shards: list[LmdbEnv] = []
+        try:
+            for shard in range(SHARDS):
+                self._shards.append(LmdbEnv(
+                    self.root, namespace, rank, shard,
+                    map_size=map_size_for(shard_cap, payload_bytes, os.sysconf("SC_PAGE_SIZE")),
+                    sync_always=config.sync_mode == "always", name=f"{self._name[:-1]}, shard "
+                    f"{shard})", clock=clock, exclusive=exclusive, repair=repair,
+                    read_only=read_only))
+        except BaseException:
+            for env in self._shards:
+                env.close(sync=False)
+            raise
+        self.namespace_dir = self._shards[0].namespace_dir
+        self.path = self._shards[0].rank_dir
+        self.shard_paths = tuple(env.path for env in self._shards)
 
     @property
-    def map_size(self) -> int:  # grows when a map another process grew is adopted
-        return self._lmdb.map_size
+    def map_size(self) -> int:  # all shards; grows when a map another process grew is adopted
+        return sum(env.map_size for env in self._shards)
+
+    write_lanes = SHARDS
+
+    @staticmethod
+    def lane_of(key: bytes) -> int:
+        return shard_of(key)
+
+    def _shard(self, key: bytes) -> LmdbEnv:
+        return self._shards[shard_of(key)]
+
+    def _by_shard(self, keys: Sequence[bytes]) -> dict[int, list[bytes]]:
+        groups: dict[int, list[bytes]] = {}
+        for key in keys:
+            groups.setdefault(shard_of(key), []).append(key)
+        return groups
 
     @property
     def sync_every_seconds(self) -> float | None:
@@ -140,11 +178,19 @@ class DiskTier(LowerTier):
 
     @property
     def claimed(self) -> bool:
-        return self._lmdb.claimed
+        return all(env.claimed for env in self._shards)
 
     def claim(self) -> None:
-        """Make this process the one writer of the environment (idempotent)."""
-        self._lmdb.claim()
+        """Make this process the one writer of the rank's environments (idempotent); when
+        refused, the shards claimed by this call are given back."""
+        taken = [env for env in self._shards if not env.claimed]
+        try:
+            for env in taken:
+                env.claim()
+        except BaseException:
+            for env in taken:
+                env.unclaim()
+            raise
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -197,6 +243,14 @@ class DiskTier(LowerTier):
                               f"{self.payload_bytes}")
         return view
 
+    @staticmethod
+    def _first_seq(shard: int, stored: bytes) -> int:
+        """A txn's first write sequence: after the shard's ``stored`` next one, at least the
+        wall clock in us (so the order holds across shards), and ``shard`` modulo
+        :data:`SHARDS` (so no two shards of a rank give the same number)."""
+        base = max(int.from_bytes(stored, "little"), time.time_ns() // 1000 * SHARDS)
+        return base + (shard - base) % SHARDS
+
     def _check_batch(self, batch: Any) -> None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
             raise ConfigError(f"{self._name}: batch must be a positive int, got {batch!r}")
@@ -224,10 +278,27 @@ class DiskTier(LowerTier):
             views.append((key, self._bytes_of(payload, f"chunk {short_key(key)}")))
         for key in deletes:
             self._check_key(key)
-        written, full, deleted, no_space = self._lmdb.run(
-            "writing chunks", lambda env: self._put(env, views, tuple(deletes)))
+        puts: dict[int, list[tuple[bytes, memoryview | bytes]]] = {}
+        for item in views:
+            puts.setdefault(shard_of(item[0]), []).append(item)
+        drops = self._by_shard(deletes)
+        if not views and not deletes:
+            self._shards[0].check_usable("writing chunks")
+        landed: set[bytes] = set()
+        full: list[bytes] = []
+        deleted, no_space = 0, False
+        for shard in sorted(puts.keys() | drops.keys()):
+            lmdb_env = self._shards[shard]
+            put, drop = puts.get(shard, []), tuple(drops.get(shard, ()))
+            done, no_room, gone, space = lmdb_env.run(
+                "writing chunks", partial(self._put, lmdb_env, pending=put, deletes=drop))
+            landed.update(done)
+            full += no_room
+            deleted, no_space = deleted + gone, no_space or space
+        written = tuple(key for key, _ in views if key in landed)
         num_bytes = len(written) * self.payload_bytes
-        self._count(bytes_written=num_bytes, puts=len(written), full=len(full), write_txns=1)
+        self._count(bytes_written=num_bytes, puts=len(written), full=len(full),
+                    write_txns=len(puts.keys() | drops.keys()))
         message = None
         if full:
             what, hint = (("filesystem", f"free space under {self.root} or lower disk.max_bytes")
@@ -237,10 +308,11 @@ class DiskTier(LowerTier):
                        f"{format_bytes(self.config.max_bytes)})")
             logger.warning("%s", message)
         self._after_commit(num_bytes)
-        return PutResult(written, full, deleted, num_bytes, message)
+        return PutResult(written, tuple(full), deleted, num_bytes, message)
 
-    def _put(self, env: lmdb.Environment, pending: list[tuple[bytes, memoryview | bytes]],
-             deletes: tuple[bytes, ...]) -> tuple[tuple[bytes, ...], tuple[bytes, ...], int, bool]:
+    def _put(self, lm: LmdbEnv, env: lmdb.Environment,
+             pending: list[tuple[bytes, memoryview | bytes]], deletes: tuple[bytes, ...],
+             ) -> tuple[tuple[bytes, ...], tuple[bytes, ...], int, bool]:
         """(written, full, deleted, filesystem full) of one ``put_many``."""
         full: list[bytes] = []
         settled, deleted, failed_at = 0, 0, None
@@ -248,7 +320,7 @@ class DiskTier(LowerTier):
         readers_checked = False
         while pending or deletes:
             try:
-                failed_at, deleted = self._write_txn(env, pending, deletes)
+                failed_at, deleted = self._write_txn(lm, env, pending, deletes)
             except lmdb.MapFullError:  # raised by commit: retry without the last item
                 failed_at, deleted = len(pending) - 1, 0
             except lmdb.Error as exc:
@@ -259,18 +331,18 @@ class DiskTier(LowerTier):
             if failed_at is None:
                 break
             if deletes:  # LMDB reuses pages freed by txn T from txn T+2 on
-                settled, deletes = self._settle_deletes(env, deletes), ()
+                settled, deletes = self._settle_deletes(lm, env, deletes), ()
                 continue
             if not no_space and not readers_checked:
                 readers_checked = True  # a dead reader may pin the pages we need
-                if self._lmdb.clear_stale_readers(env):
+                if lm.clear_stale_readers(env):
                     continue
             full[:0] = [key for key, _ in pending[failed_at:]]
             pending = pending[:failed_at]
         return tuple(key for key, _ in pending), tuple(full), deleted + settled, no_space
 
     def _write_txn(
-        self, env: lmdb.Environment, items: list[tuple[bytes, memoryview | bytes]],
+        self, lm: LmdbEnv, env: lmdb.Environment, items: list[tuple[bytes, memoryview | bytes]],
         deletes: Sequence[bytes],
     ) -> tuple[int | None, int]:
         """One txn; returns (index of the first item the map could not take or None, deleted).
@@ -280,44 +352,45 @@ class DiskTier(LowerTier):
         try:
             deleted = 0
             for key in deletes:
-                deleted += bool(txn.delete(key, db=self._lmdb.chunks))
-                txn.delete(key, db=self._lmdb.index)
+                deleted += bool(txn.delete(key, db=lm.chunks))
+                txn.delete(key, db=lm.index)
             if items:
-                seq_raw = txn.get(META_NEXT_SEQ, db=self._lmdb.meta)
+                seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
                 if seq_raw is None or len(seq_raw) != 8:
                     raise FilesDamaged("next_seq record missing or malformed")
-                seq = int.from_bytes(seq_raw, "little")
+                seq, writer = self._first_seq(lm.shard, seq_raw), self._writers[lm.shard]
                 for position, (key, payload) in enumerate(items):
                     try:
-                        txn.put(key, self._writer.build(key, payload, seq), db=self._lmdb.chunks)
-                        txn.put(key, pack_index(self.payload_bytes, seq), db=self._lmdb.index)
+                        txn.put(key, writer.build(key, payload, seq), db=lm.chunks)
+                        txn.put(key, pack_index(self.payload_bytes, seq), db=lm.index)
                     except lmdb.MapFullError:
                         txn.abort()
                         return position, 0
-                    seq += 1
-                txn.put(META_NEXT_SEQ, seq.to_bytes(8, "little"), db=self._lmdb.meta)
+                    seq += SHARDS
+                txn.put(META_NEXT_SEQ, seq.to_bytes(8, "little"), db=lm.meta)
             txn.commit()
         except BaseException:
             txn.abort()
             raise
         return None, deleted
 
-    def _settle_deletes(self, env: lmdb.Environment, deletes: Sequence[bytes]) -> int:
+    def _settle_deletes(self, lm: LmdbEnv, env: lmdb.Environment,
+                        deletes: Sequence[bytes]) -> int:
         """Commit ``deletes`` alone, then one small txn, so the next txn can reuse their pages."""
-        deleted = self._delete_txn(env, deletes)
+        deleted = self._delete_txn(lm, env, deletes)
         try:
             with env.begin(write=True) as txn:
-                seq_raw = txn.get(META_NEXT_SEQ, db=self._lmdb.meta)
+                seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
                 if seq_raw is not None:
-                    txn.put(META_NEXT_SEQ, seq_raw, db=self._lmdb.meta)
+                    txn.put(META_NEXT_SEQ, seq_raw, db=lm.meta)
         except lmdb.Error as exc:  # full: the retry reports its keys as full
             if not isinstance(exc, lmdb.MapFullError) and not self._out_of_space(exc, 0):
                 raise
         return deleted
 
-    def _delete_txn(self, env: lmdb.Environment, keys: Sequence[bytes]) -> int:
+    def _delete_txn(self, lm: LmdbEnv, env: lmdb.Environment, keys: Sequence[bytes]) -> int:
         try:
-            return self._write_txn(env, [], keys)[1]
+            return self._write_txn(lm, env, [], keys)[1]
         except lmdb.MapFullError:  # copy-on-write needs a few pages even to delete
             logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now %s",
                            self._name, len(keys), format_bytes(self.config.max_bytes))
@@ -335,22 +408,24 @@ class DiskTier(LowerTier):
         for key in keys:
             self._check_key(key)
         if not keys:
-            self._lmdb.check_usable("deleting chunks")
-            return 0
-        return self._lmdb.run("deleting chunks", lambda env: self._delete_txn(env, keys))
+            self._shards[0].check_usable("deleting chunks")
+        return sum(self._shards[shard].run("deleting chunks", partial(
+            self._delete_txn, self._shards[shard], keys=group))
+            for shard, group in self._by_shard(keys).items())
 
     def _after_commit(self, num_bytes: int) -> None:
         with self._stats_lock:
             self._unsynced_bytes += num_bytes
-        if self._lmdb.readers_due():
-            self._lmdb.run("checking readers", self._lmdb.clear_stale_readers)
+        for env in self._shards:
+            if env.readers_due():
+                env.run("checking readers", env.clear_stale_readers)
         if self.config.sync_mode == "periodic" and self.sync_inline:
             self.sync_if_due()
 
     def sync_if_due(self) -> bool:
         """In ``periodic`` mode, sync when ``disk.sync_every_bytes`` or
         ``disk.sync_every_seconds`` passed since the last sync with data unsynced."""
-        if self.config.sync_mode != "periodic" or self._lmdb.closed:
+        if self.config.sync_mode != "periodic" or self._shards[0].closed:
             return False
         with self._stats_lock:
             unsynced = self._unsynced_bytes
@@ -363,11 +438,12 @@ class DiskTier(LowerTier):
     def sync(self) -> None:
         """fsync everything committed so far (the durability point); nothing to do read-only."""
         if self.read_only:
-            self._lmdb.check_usable("syncing")
+            self._shards[0].check_usable("syncing")
             return
         with self._stats_lock:  # commits during the fsync count toward the next one
             unsynced, started = self._unsynced_bytes, self._clock()
-        self._lmdb.run("syncing", lambda env: env.sync(True))
+        for shard in self._shards:
+            shard.run("syncing", lambda env: env.sync(True))
         with self._stats_lock:
             self._counts["syncs"] += 1
             self._unsynced_bytes -= unsynced
@@ -382,9 +458,10 @@ class DiskTier(LowerTier):
                 and not out.readonly and out.c_contiguous and len(out) >= self.payload_bytes):
             out = self._bytes_of(out, f"the read buffer for chunk {short_key(key)}",
                                  writable=True)
+        lm = self._shard(key)
 
         def read(env: lmdb.Environment) -> tuple[bool, str | None]:
-            with env.begin(db=self._lmdb.chunks, buffers=True) as txn:
+            with env.begin(db=lm.chunks, buffers=True) as txn:
                 value = txn.get(key)  # py-lmdb touches each page first, GIL released
                 found = value is not None
                 problem = check_value(self._binding, key, value, self.payload_bytes,
@@ -392,7 +469,7 @@ class DiskTier(LowerTier):
                 del value  # LMDB's buffer is valid only inside the txn
             return found, problem
 
-        found, problem = self._lmdb.run("reading chunk", read, key)
+        found, problem = lm.run("reading chunk", read, key)
         if not found:
             self._count(reads=1, misses=1)
             return ReadStatus.MISSING
@@ -422,101 +499,119 @@ class DiskTier(LowerTier):
         return rows
 
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]:
-        """Every stored chunk as (key, payload_len, seq), from the index; no payload is read.
+        """Every stored chunk as (key, payload_len, seq), from the shards' indexes; no
+        payload is read.
 
-        The index is read whole (one short txn per ``batch`` keys) before the first record
-        is yielded, so damage met anywhere in it (the environment is then rebuilt empty)
+        A shard's index is read whole (one short txn per ``batch`` keys) before the first
+        record is yielded, so damage met anywhere in it (the shard is then rebuilt empty)
         never leaves a caller holding records of an environment that is gone."""
         self._check_batch(batch)
+        records = [self._scan_shard(lm, batch) for lm in self._shards]
+        for shard_records in records:
+            yield from shard_records
+
+    def _scan_shard(self, lm: LmdbEnv, batch: int) -> list[ChunkRecord]:
         records: list[ChunkRecord] = []
         last: bytes | None = None
-        replaced = self._lmdb.replacements
+        replaced = lm.replacements
 
         def rows_of(env: lmdb.Environment) -> list[tuple[bytes, bytes]]:
-            with env.begin(db=self._lmdb.index) as txn:
-                return self._rows_after(txn, self._lmdb.index, last, batch)
+            with env.begin(db=lm.index) as txn:
+                return self._rows_after(txn, lm.index, last, batch)
 
-        with self._lmdb.random_access():  # a restart reads index pages, not read-ahead
+        with lm.random_access():  # a restart reads index pages, not read-ahead
             while True:
-                rows = self._lmdb.run("scanning", rows_of)
-                if self._lmdb.replacements != replaced:  # rebuilt meanwhile: start over
-                    records, replaced = [], self._lmdb.replacements
+                rows = lm.run("scanning", rows_of)
+                if lm.replacements != replaced:  # rebuilt meanwhile: start over
+                    records, replaced = [], lm.replacements
                     if last is not None:
                         last = None
                         continue
                 records += [ChunkRecord(key, *parsed) for key, raw in rows
                             if (parsed := unpack_index(raw)) is not None]
                 if len(rows) < batch:
-                    break
+                    return records
                 last = rows[-1][0]
-        yield from records
 
     def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport:
-        """Check every value's header and checksum and the index; ``repair`` deletes bad keys.
+        """Check every value's header and checksum, its shard and the index; ``repair``
+        deletes bad keys.
 
         Each batch is listed and checked inside one short read txn (one snapshot), so a
         chunk that another thread or process deletes meanwhile is simply not seen, never
-        reported bad. Damage of the environment itself is reported in ``damaged`` (see
+        reported bad. Damage of a shard's environment is reported in ``damaged`` (see
         :class:`VerifyReport`); where it may not be repaired, :class:`DamagedError` says why."""
         self._check_batch(batch)
         if repair:
             self._check_writable("repairing")
-        bad: dict[bytes, None] = {}
-        checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
-        replaced = self._lmdb.replacements
+        checked, repaired = 0, 0
+        bad: list[bytes] = []
+        damaged: list[str] = []
+        for lm in self._shards:
+            replaced = lm.replacements
+            count, found = self._verify_shard(lm, batch, scratch)
+            if lm.replacements != replaced:  # rebuilt empty: nothing of it is left
+                damaged.append(str(lm.last_damage))
+                continue
+            checked, bad = checked + count, bad + found
+            if repair and found:
+                repaired += lm.run("repairing", partial(self._delete_txn, lm, keys=found))
+        return VerifyReport(checked, tuple(bad), len(bad) if repair else 0,
+                            damaged="; ".join(damaged) or None, rebuilt=bool(damaged))
+
+    def _verify_shard(self, lm: LmdbEnv, batch: int,
+                      scratch: memoryview) -> tuple[int, list[bytes]]:
+        """(values checked, bad keys) of one shard: values failing their checks, in the
+        wrong shard or without a good index entry; index entries without a value."""
 
         def bad_after(env: lmdb.Environment, last: bytes | None,
                       values: bool) -> tuple[list[bytes], list[bytes]]:
             """The next ``batch`` keys after ``last`` of the values (else of the index), and
-            the bad ones: values failing their checks or without a good index entry (index
-            entries without a value)."""
-            chunks, index = self._lmdb.chunks, self._lmdb.index
+            the bad ones."""
+            chunks, index = lm.chunks, lm.index
             with env.begin(buffers=True) as txn:
                 rows = self._rows_after(txn, chunks if values else index, last, batch)
                 keys = [key for key, _ in rows]
                 if not values:
                     return keys, [key for key in keys if txn.get(key, db=chunks) is None]
-                return keys, [key for key, value in rows if check_value(
-                    self._binding, key, value, self.payload_bytes, scratch) is not None
-                    or unpack_index(bytes(txn.get(key, db=index) or b"")) is None]
+                return keys, [key for key, value in rows if shard_of(key) != lm.shard
+                              or check_value(self._binding, key, value, self.payload_bytes,
+                                             scratch) is not None
+                              or unpack_index(bytes(txn.get(key, db=index) or b"")) is None]
 
+        bad: dict[bytes, None] = {}
+        checked, replaced = 0, lm.replacements
         for values in (True, False):
             last: bytes | None = None
-            while self._lmdb.replacements == replaced:
-                keys, found = self._lmdb.run("verifying",
-                                             partial(bad_after, last=last, values=values))
-                if self._lmdb.replacements != replaced:
-                    break  # rebuilt empty meanwhile: nothing of the old environment is left
+            while lm.replacements == replaced:
+                keys, found = lm.run("verifying", partial(bad_after, last=last, values=values))
                 checked += len(keys) if values else 0
                 bad.update(dict.fromkeys(found))
                 if len(keys) < batch:
                     break
                 last = keys[-1]
-        rebuilt = self._lmdb.replacements != replaced
-        if rebuilt:
-            bad.clear()
-        if repair and bad:
-            self.delete_many(list(bad))
-        return VerifyReport(checked, tuple(bad), len(bad) if repair else 0,
-                            damaged=self._lmdb.last_damage if rebuilt else None, rebuilt=rebuilt)
+        return checked, list(bad)
 
     # -- life cycle ------------------------------------------------------------------------
 
     def statistics(self) -> DiskStatistics:
-        def count(env: lmdb.Environment) -> int:
+        def count(lm: LmdbEnv, env: lmdb.Environment) -> int:
             with env.begin() as txn:
-                return int(txn.stat(self._lmdb.chunks)["entries"])
+                return int(txn.stat(lm.chunks)["entries"])
 
-        chunks = self._lmdb.run("counting chunks", count)
+        chunks = sum(lm.run("counting chunks", partial(count, lm)) for lm in self._shards)
         with self._stats_lock:
             counts = dict(self._counts)
-        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts,
-                              **self._lmdb.counts())
+        for lm in self._shards:
+            for name, value in lm.counts().items():
+                counts[name] = counts.get(name, 0) + value
+        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts)
 
     def close(self) -> None:
         """Sync and close; idempotent."""
-        if self._lmdb.close(sync=True):
+        synced = [lm.close(sync=True) for lm in self._shards]
+        if any(synced):
             self._count(syncs=1)
 
     def __enter__(self) -> DiskTier:
@@ -527,5 +622,5 @@ class DiskTier(LowerTier):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._lmdb.closed else "open"
+        state = "closed" if self._shards[0].closed else "open"
         return f"DiskTier({str(self.path)!r}, payload_bytes={self.payload_bytes}, {state})"

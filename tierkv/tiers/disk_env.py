@@ -1,16 +1,18 @@
 """One LMDB environment of the disk tier, kept trustworthy and usable under its calls.
 
-:class:`LmdbEnv` owns ``root/ns-<fingerprint>/rank-<r>``: the LMDB environment, its three
-sub-dbs, the writer claim and the checks around them. :class:`~tierkv.tiers.disk.DiskTier`
-does its reads and writes through :meth:`LmdbEnv.run`.
+:class:`LmdbEnv` owns ``root/ns-<fingerprint>/rank-<r>/shard-<s>``: one LMDB environment,
+its three sub-dbs, the writer claim and the checks around them. A rank's chunks are spread
+over :data:`SHARDS` such environments by :func:`shard_of` (each has its own writer lock, so
+their commits run in parallel). :class:`~tierkv.tiers.disk.DiskTier` does its reads and
+writes through :meth:`LmdbEnv.run`.
 
 Primitives and contracts:
 
 - Opening trusts only this user's private files (:mod:`tierkv.tiers.disk_files`; an
-  untrusted root is a ``ConfigError``): an untrusted namespace or rank directory is moved
+  untrusted root is a ``ConfigError``): an untrusted namespace, rank or shard directory is moved
   aside (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is
   not exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
-- The meta record (namespace, fingerprint, rank, format version) must match: another
+- The meta record (namespace, fingerprint, rank, shard, format version) must match: another
   environment is never read nor deleted, but moved aside (``.foreign-<time>``) and an
   empty one opened when this handle may repair (below); else :class:`NamespaceMismatchError`.
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
@@ -66,6 +68,12 @@ META_NAMESPACE = b"namespace"
 META_NEXT_SEQ = b"next_seq"
 _ENV_FILES = ("data.mdb", "lock.mdb")
 _MADV_NORMAL, _MADV_RANDOM = 0, 1  # <sys/mman.h>
+SHARDS = 4  # environments per rank: a format constant (docs/on-disk-format.md)
+
+
+def shard_of(key: bytes) -> int:
+    """The shard of a chunk key (keys are hashes: their first byte is uniform)."""
+    return key[0] % SHARDS
 
 
 def _load_madvise() -> Callable[[int, int, int], int] | None:
@@ -141,23 +149,24 @@ class _Guard:
 class LmdbEnv:
     """One namespace and rank's environment; see the module docstring."""
 
-    def __init__(self, root: Path, namespace: Namespace, rank: int, *, map_size: int,
+    def __init__(self, root: Path, namespace: Namespace, rank: int, shard: int, *, map_size: int,
                  sync_always: bool, name: str, clock: Callable[[], float] = time.monotonic,
                  exclusive: bool = False, repair: bool = True, read_only: bool = False) -> None:
         self.root = Path(root)
         self.namespace = namespace
-        self.rank = rank
+        self.rank, self.shard = rank, shard
         self.map_size = map_size
         self.read_only = read_only
         self.repair = repair and not read_only
         self.fingerprint = namespace.fingerprint()
         self.namespace_dir = self.root / f"ns-{self.fingerprint}"
-        self.path = self.namespace_dir / f"rank-{rank}"
+        self.rank_dir = self.namespace_dir / f"rank-{rank}"
+        self.path = self.rank_dir / f"shard-{shard}"
         self._name = name
         self._sync_always = sync_always
         self._clock = clock
         self._record = namespace_record(self.fingerprint, namespace.describe())
-        meta = namespace_record(self.fingerprint, namespace.describe(), rank)
+        meta = namespace_record(self.fingerprint, namespace.describe(), rank) | {"shard": shard}
         self._meta_raw: bytes = msgpack.packb(meta)
         self._expected_meta = msgpack.unpackb(msgpack.packb(meta), raw=False)
         self._guard = _Guard()
@@ -186,6 +195,7 @@ class LmdbEnv:
                 prepare_root(self.root)
                 self._prepare_dir(self.namespace_dir)
                 self._write_namespace_json()
+                self._prepare_dir(self.rank_dir)
                 self._prepare_dir(self.path)
                 if exclusive:
                     self.claim()
@@ -201,7 +211,7 @@ class LmdbEnv:
         """Read-only: the environment must exist and be trusted; nothing is changed."""
         if not self.root.is_dir():
             raise ConfigError(f"{self._name}: no store directory at {self.root} (disk.path)")
-        for path in (self.namespace_dir, self.path):
+        for path in (self.namespace_dir, self.rank_dir, self.path):
             trust = check_dir(path, fix=False)
             if trust is Trust.MISSING:
                 raise BrokenError(f"{self._name}: no environment at {self.path}")
@@ -240,6 +250,11 @@ class LmdbEnv:
             raise UsageError(f"{self._name}: opened read-only; it cannot claim {self.path}")
         if self._owner is None:
             self._owner = OwnerLock(self.path, self._name)
+
+    def unclaim(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.release()
 
     @property
     def claimed(self) -> bool:
@@ -291,7 +306,7 @@ class LmdbEnv:
             check_file(self.path / name, fix=writable)  # created by LMDB: clears read bits
         self._env, self.chunks, self.index, self.meta = env, chunks, index, meta
         self._data_fd, self._data_floor = data_fd, floor
-        if fresh:
+        if fresh and self.shard == 0:
             self._warn_old_formats()
 
     def _open_db(self, env: lmdb.Environment, name: bytes) -> Any:
@@ -327,12 +342,13 @@ class LmdbEnv:
                 raise FilesDamaged("namespace record has the wrong shape")
             if stored != self._expected_meta:
                 what = (f"format version {stored.get('format_version')!r}, namespace "
-                        f"{stored.get('fingerprint')!r}, rank {stored.get('rank', '?')!r}")
+                        f"{stored.get('fingerprint')!r}, rank {stored.get('rank', '?')!r}, "
+                        f"shard {stored.get('shard', '?')!r}")
                 raise NamespaceMismatchError(
                     f"{self._name}: {self.path} holds {what}; expected format version "
-                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, rank {self.rank}. The "
-                    f"directory was copied, swapped or renamed, or written by another tierkv "
-                    f"version; nothing was read from it")
+                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, rank {self.rank}, shard "
+                    f"{self.shard}. The directory was copied, swapped or renamed, or written "
+                    f"by another tierkv version; nothing was read from it")
             seq_raw = txn.get(META_NEXT_SEQ, db=meta)
             if seq_raw is None or len(seq_raw) != 8:
                 raise FilesDamaged("next_seq record missing or malformed")
@@ -553,9 +569,7 @@ class LmdbEnv:
         try:
             self._close_env()
         finally:
-            owner, self._owner = self._owner, None
-            if owner is not None:
-                owner.release()
+            self.unclaim()
 
     def close(self, sync: bool) -> bool:
         """Close (after an fsync when ``sync``); idempotent. Whether the fsync happened."""

@@ -1,11 +1,13 @@
 """Worker-side threads that move chunks between the CPU slab and the disk tier.
 
 Primitives and contracts:
-- ``submit_spill(spec)`` returns at once. One writer thread (the only one that writes to the
-  tier) runs spill jobs in submission order: each job's deletes, then its writes (bytes from
-  ``slab.memoryview(slot)``). Consecutive queued jobs share one write transaction up to
-  ``write_batch_bytes``; a job bigger than that runs alone over several transactions. A job is
-  reported only after the commit of its last transaction. A key the map could not take is in
+- ``submit_spill(spec)`` returns at once. A job's keys are split by the tier's write lanes
+  (``tier.lane_of``: the disk tier's shards); one writer thread per lane (the only one that
+  writes that lane) runs its parts of the jobs in submission order: each part's deletes,
+  then its writes (bytes from ``slab.memoryview(slot)``). Consecutive queued parts share one
+  write transaction up to ``write_batch_bytes``; a part bigger than that runs alone over
+  several transactions. A job is reported only after the commit of its last transaction in
+  every lane, and jobs are reported in submission order. A key the map could not take is in
   ``full_keys`` and ``failed_keys`` of the job's :class:`Completion` (``ok`` is then False).
 - ``submit_read(job_id, chunks, on_done)`` returns at once. ``reader_threads`` threads run
   read jobs, taken in submission order, a job's chunks split between the idle threads:
@@ -33,7 +35,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from functools import partial
+from dataclasses import dataclass, field
 
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
@@ -76,6 +79,19 @@ class DiskIOStatistics:
 
 
 @dataclass(eq=False)
+class _SpillJob:
+    spec: SpillSpec
+    parts: int  # lane parts not yet committed
+    landed: set[Key] = field(default_factory=set)
+    full: set[Key] = field(default_factory=set)
+    start: float = 0.0  # when its first part began
+    error: BaseException | None = None
+
+
+_Part = tuple[_SpillJob, tuple[tuple[Key, int], ...], tuple[Key, ...]]  # writes, deletes
+
+
+@dataclass(eq=False)
 class _ReadJob:
     job_id: JobId
     chunks: tuple[ChunkCopy, ...]
@@ -103,7 +119,9 @@ class DiskIO:
         self.write_batch_bytes = write_batch_bytes
         self._payload = tier.payload_bytes
         self._cond = threading.Condition()
-        self._spills: deque[SpillSpec] = deque()
+        self._lanes = tier.write_lanes
+        self._spills: list[deque[_Part]] = [deque() for _ in range(self._lanes)]
+        self._order: deque[_SpillJob] = deque()  # jobs not yet reported, in submission order
         self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
         self._finished: list[Completion] = []
         self._ledger: JobLedger[None] = JobLedger("disk io")  # spill and read jobs
@@ -112,7 +130,8 @@ class DiskIO:
         self._closed = False  # shutdown(): the threads stop once their queues are empty
         self._sync_every = tier.sync_every_seconds
         self._committed = False  # a commit since the sync thread last looked
-        threads = [(self._writer_main, "writer")]
+        threads: list[tuple[Callable[[], None], str]] = [
+            (partial(self._writer_main, lane), "writer") for lane in range(self._lanes)]
         threads += [(self._reader_main, "reader")] * reader_threads
         if self._sync_every is not None:
             tier.sync_inline = False
@@ -143,10 +162,22 @@ class DiskIO:
             self._check_chunk(key, slot)
         for key in spec.deletes:
             self._check_chunk(key, 0)
+        lane_of = self.tier.lane_of
+        writes: dict[int, list[tuple[Key, int]]] = {}
+        deletes: dict[int, list[Key]] = {}
+        for write in spec.writes:
+            writes.setdefault(lane_of(write[0]), []).append(write)
+        for key in spec.deletes:
+            deletes.setdefault(lane_of(key), []).append(key)
+        lanes = sorted(writes.keys() | deletes.keys()) or [0]
+        job = _SpillJob(spec, len(lanes))
         with self._cond:
             self._check_usable()
             self._ledger.add(spec.job_id, None)
-            self._spills.append(spec)
+            self._order.append(job)
+            for lane in lanes:
+                self._spills[lane].append(
+                    (job, tuple(writes.get(lane, ())), tuple(deletes.get(lane, ()))))
             self._cond.notify_all()
 
     def submit_read(self, job_id: JobId, chunks: Sequence[ChunkCopy],
@@ -202,42 +233,49 @@ class DiskIO:
         with self._cond:
             return DiskIOStatistics(**self._counts)
 
-    # -- writer thread ---------------------------------------------------------------------
-    def _spill_bytes(self, spec: SpillSpec) -> int:
-        return len(spec.writes) * self._payload
-
-    def _take_spills(self) -> list[SpillSpec] | None:
-        """The next batch of jobs, or None to stop."""
+    # -- writer threads --------------------------------------------------------------------
+    def _take_spills(self, lane: int) -> list[_Part] | None:
+        """The next batch of ``lane``'s parts, or None to stop."""
+        queue = self._spills[lane]
         with self._cond:
-            self._cond.wait_for(lambda: self._spills or self._closed)
-            if not self._spills:
+            self._cond.wait_for(lambda: queue or self._closed)
+            if not queue:
                 return None
-            batch = [self._spills.popleft()]
-            total = self._spill_bytes(batch[0])
-            written = {key for key, _ in batch[0].writes}
-            while self._spills:
-                nxt = self._spills[0]
+            batch = [queue.popleft()]
+            total = len(batch[0][1]) * self._payload
+            written = {key for key, _ in batch[0][1]}
+            while queue:
+                nxt = queue[0]
                 # a later delete of a key written earlier in the batch must not run first
-                if total + self._spill_bytes(nxt) > self.write_batch_bytes or \
-                        not written.isdisjoint(nxt.deletes):
+                if total + len(nxt[1]) * self._payload > self.write_batch_bytes or \
+                        not written.isdisjoint(nxt[2]):
                     break
-                batch.append(self._spills.popleft())
-                total += self._spill_bytes(nxt)
-                written.update(key for key, _ in nxt.writes)
+                batch.append(queue.popleft())
+                total += len(nxt[1]) * self._payload
+                written.update(key for key, _ in nxt[1])
+            for job, _, _ in batch:
+                job.start = job.start or time.perf_counter()
             return batch
 
-    def _writer_main(self) -> None:
-        while (batch := self._take_spills()) is not None:
+    def _writer_main(self, lane: int) -> None:
+        while (batch := self._take_spills(lane)) is not None:
             try:
-                completions = self._run_spills(batch)
+                landed, full, error = self._run_parts(batch)
             except Exception as exc:  # never die silently: fail the batch
                 logger.exception("disk io: spill batch failed")
-                completions = [self._failed(spec, exc) for spec in batch]
+                self._mark_broken(exc)
+                landed, full, error = set(), set(), exc
             with self._cond:
-                for completion in completions:
+                for job, _, _ in batch:
+                    job.landed |= landed
+                    job.full |= full
+                    job.error = job.error or error
+                    job.parts -= 1
+                while self._order and not self._order[0].parts:
+                    completion = self._completion(self._order.popleft())
                     self._finished.append(completion)
                     self._ledger.finish(completion.job_id)
-                self._counts["spill_jobs"] += len(batch)
+                    self._counts["spill_jobs"] += 1
                 self._committed = True
                 self._cond.notify_all()
 
@@ -261,50 +299,43 @@ class DiskIO:
                     self._broken = exc
                     logger.error("disk io: disk tier failed: %s", exc)
 
-    def _failed(self, spec: SpillSpec, exc: BaseException) -> Completion:
-        self._mark_broken(exc)
-        return Completion(job_id=spec.job_id, ok=False,
-                          failed_keys=tuple(key for key, _ in spec.writes),
-                          error=f"{type(exc).__name__}: {exc}")
-
-    def _run_spills(self, batch: list[SpillSpec]) -> list[Completion]:
-        start = time.perf_counter()
-        if len(batch) == 1 and self._spill_bytes(batch[0]) > self.write_batch_bytes:
+    def _run_parts(self, batch: list[_Part]) -> tuple[set[Key], set[Key], BaseException | None]:
+        """Write one lane's batch: (keys landed, keys the tier had no room for, the error
+        that stopped it)."""
+        if len(batch) == 1 and len(batch[0][1]) * self._payload > self.write_batch_bytes:
             per_txn = max(1, self.write_batch_bytes // self._payload)
-            writes = batch[0].writes
-            groups = [writes[i : i + per_txn] for i in range(0, len(writes), per_txn)]
-            plans = [(group, batch[0].deletes if i == 0 else ()) for i, group in enumerate(groups)]
+            _, writes, deletes = batch[0]
+            plans = [(writes[i : i + per_txn], deletes if i == 0 else ())
+                     for i in range(0, len(writes), per_txn)]
         else:
-            plans = [(tuple(w for spec in batch for w in spec.writes),
-                      tuple(d for spec in batch for d in spec.deletes))]
+            plans = [(tuple(w for _, part, _ in batch for w in part),
+                      tuple(d for _, _, part in batch for d in part))]
         landed: set[Key] = set()
         full: set[Key] = set()
-        error: BaseException | None = None
         for writes, deletes in plans:
             items = [(key, self.slab.memoryview(slot)[: self._payload]) for key, slot in writes]
             try:
                 result = self.tier.put_many(items, deletes=deletes)
             except Exception as exc:  # this and later transactions of the batch did not land
-                error = exc
                 logger.error("disk io: spill job(s) %s failed: %s",
-                             [spec.job_id for spec in batch], exc)
+                             [job.spec.job_id for job, _, _ in batch], exc)
                 self._mark_broken(exc)
-                break
+                return landed, full, exc
             with self._cond:
                 self._counts["write_txns"] += 1
             landed.update(result.written)
             full.update(result.full)
-        seconds = time.perf_counter() - start
-        return [self._completion(spec, landed, full, error, seconds) for spec in batch]
+        return landed, full, None
 
-    def _completion(self, spec: SpillSpec, landed: set[Key], full: set[Key],
-                    error: BaseException | None, seconds: float) -> Completion:
-        keys = [key for key, _ in spec.writes]
-        failed = tuple(key for key in keys if key not in landed)
+    def _completion(self, job: _SpillJob) -> Completion:
+        keys = [key for key, _ in job.spec.writes]
+        failed = tuple(key for key in keys if key not in job.landed)
+        error = job.error
         return Completion(
-            job_id=spec.job_id, ok=not failed and error is None,
-            num_bytes=(len(keys) - len(failed)) * self._payload, seconds=seconds,
-            failed_keys=failed, full_keys=tuple(key for key in keys if key in full),
+            job_id=job.spec.job_id, ok=not failed and error is None,
+            num_bytes=(len(keys) - len(failed)) * self._payload,
+            seconds=time.perf_counter() - job.start, failed_keys=failed,
+            full_keys=tuple(key for key in keys if key in job.full),
             error=None if error is None else f"{type(error).__name__}: {error}")
 
     # -- reader threads --------------------------------------------------------------------
