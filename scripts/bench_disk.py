@@ -14,7 +14,10 @@ fsync of everything it wrote, inside the timed part):
 - tierkv one job    ``DiskIO``: one ``SpillSpec`` of every chunk, then ``flush()``
 - tierkv many jobs  ``DiskIO``: one ``SpillSpec`` of one chunk per chunk, all submitted at
                     once, then ``flush()`` (the writer groups queued jobs into transactions)
-- tierkv always     ``sync_mode='always'``: LMDB fsyncs every transaction
+- tierkv always     ``sync_mode='always'`` (LMDB fsyncs every transaction), through DiskIO
+                    (the engine's path: one job of every chunk, a writer per shard)
+- tierkv always, put_many  the same from one thread calling ``put_many`` (one
+                    transaction, and fsync, per shard a batch touches)
 - vLLM fs one job   vLLM's ``FileSystemTierManager`` (the installed vLLM, see below):
                     one ``submit_store`` of a ``TransferJob`` of every chunk,
                     ``drain_jobs()``, then the fsync vLLM does not do (``--vllm-sync``)
@@ -22,6 +25,7 @@ fsync of everything it wrote, inside the timed part):
                     at once (its pool runs them on its 16 + 16 threads)
 - dd fdatasync      ``dd if=/dev/zero of=F bs=<chunk> count=N conv=fdatasync``
 - bare lmdb         raw payloads, one txn per ``--batch-mib``, ``sync=False``, ``env.sync()``
+- bare lmdb xN      the same over the tier's N shards (environments), one thread each
 - file per chunk    temp file + fsync + rename per chunk, then one directory fsync
 
 Cold loads (page cache dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` before each,
@@ -72,6 +76,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -87,7 +92,7 @@ from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec  # noqa: E402
 from tierkv.keys import Namespace  # noqa: E402
 from tierkv.tiers.cpu import CpuSlab  # noqa: E402
-from tierkv.tiers.disk import DiskTier, ReadStatus, tune_malloc  # noqa: E402
+from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, shard_of, tune_malloc  # noqa: E402
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome  # noqa: E402
 
 MiB = 1 << 20
@@ -110,9 +115,15 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
     ("tierkv DiskIO / dd write", "tierkv DiskIO + flush", "dd conv=fdatasync", 0.7),
     ("tierkv one job / dd write", "tierkv DiskIO one job", "dd conv=fdatasync", None),
     ("vLLM fs one job / dd write", "vLLM fs one job", "dd conv=fdatasync", None),
+    ("tierkv always put_many / dd", "tierkv always, put_many", "dd conv=fdatasync", None),
     ("tierkv always / file-per-chunk", "tierkv sync_mode=always", "file per chunk + fsync",
      None),
     ("tierkv / bare lmdb write", "tierkv periodic + sync", "bare lmdb + sync", None),
+    ("tierkv one job / bare lmdb shards", "tierkv DiskIO one job",
+     f"bare lmdb x{SHARDS} threads", None),
+    ("bare lmdb shards / vLLM fs one job", f"bare lmdb x{SHARDS} threads", "vLLM fs one job",
+     None),
+    ("bare lmdb shards / vLLM fs many", f"bare lmdb x{SHARDS} threads", "vLLM fs many jobs", None),
     ("tierkv / dd cold read", "tierkv read_into (in order)", "dd of=/dev/null", 0.7),
     ("tierkv random / dd cold read", "tierkv read_into (random)", "dd of=/dev/null", None),
     ("tierkv / file-per-chunk cold read", "tierkv read_into (in order)", "file per chunk",
@@ -375,9 +386,9 @@ class Bench:
         tier.close()
         return seconds
 
-    def _spill(self, name: str, specs: list[SpillSpec]) -> float:
+    def _spill(self, name: str, specs: list[SpillSpec], sync_mode: str = "periodic") -> float:
         root = self.fresh(name)
-        tier = self.tier(root)
+        tier = self.tier(root, sync_mode)
         disk_io = DiskIO(tier, self.slab, self.batch_bytes)
         start = time.perf_counter()
         for spec in specs:
@@ -398,9 +409,10 @@ class Bench:
                  for first in range(0, self.num_chunks, self.per_txn)]
         return self._spill("tierkv-diskio", specs)
 
-    def write_disk_io_one(self) -> float:
+    def write_disk_io_one(self, sync_mode: str = "periodic") -> float:
         writes = tuple((self.keys[i], SlotId(i)) for i in range(self.num_chunks))
-        return self._spill("tierkv-one", [SpillSpec(JobId(1), writes)])
+        name = "tierkv-one" if sync_mode == "periodic" else f"tierkv-one-{sync_mode}"
+        return self._spill(name, [SpillSpec(JobId(1), writes)], sync_mode)
 
     def write_disk_io_many(self) -> float:
         specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))
@@ -463,6 +475,33 @@ class Bench:
         env.sync(True)
         seconds = time.perf_counter() - start
         env.close()
+        return seconds
+
+    def write_bare_lmdb_shards(self) -> float:
+        """The ceiling of the sharded layout: a chunk per environment by its key's shard,
+        one thread per environment, each ending with its own fsync."""
+        root = self.fresh("lmdb-shards")
+        envs = [lmdb.open(str(root / f"shard-{shard}"), map_size=self.total * 2, sync=False,
+                          metasync=False, writemap=False, readahead=True)
+                for shard in range(SHARDS)]
+
+        def write(shard: int) -> None:
+            mine = [i for i in range(self.num_chunks) if shard_of(self.keys[i]) == shard]
+            for first in range(0, len(mine), self.per_txn):
+                with envs[shard].begin(write=True) as txn:
+                    for i in mine[first : first + self.per_txn]:
+                        txn.put(self.keys[i], self.slab.memoryview(i))
+            envs[shard].sync(True)
+
+        threads = [threading.Thread(target=write, args=(shard,)) for shard in range(SHARDS)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
+        for env in envs:
+            env.close()
         return seconds
 
     def write_files(self) -> float:
@@ -576,10 +615,12 @@ class Bench:
         writes.update({
             "dd conv=fdatasync": self.write_dd,
             "bare lmdb + sync": self.write_bare_lmdb,
+            f"bare lmdb x{SHARDS} threads": self.write_bare_lmdb_shards,
             "file per chunk + fsync": self.write_files,
         })
         if not args.no_always:
-            writes["tierkv sync_mode=always"] = lambda: self.write_tierkv("always")
+            writes["tierkv sync_mode=always"] = lambda: self.write_disk_io_one("always")
+            writes["tierkv always, put_many"] = lambda: self.write_tierkv("always")
         reads: dict[str, Callable[[], float]] = {}
         if not args.no_cold:
             reads = {

@@ -157,7 +157,7 @@ class DiskIO:
             raise ConfigError(f"disk io: slot {slot} out of range [0, {self.slab.num_slots})")
 
     def submit_spill(self, spec: SpillSpec) -> None:
-        """Queue ``spec`` for the writer thread; returns at once."""
+        """Queue ``spec``'s parts for the writer threads of their lanes; returns at once."""
         for key, slot in spec.writes:
             self._check_chunk(key, slot)
         for key in spec.deletes:
