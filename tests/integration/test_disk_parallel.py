@@ -43,8 +43,8 @@ def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
     advice: list[tuple[int, int, int]] = []
     with open_tier(tmp_path) as tier:
         tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
-        spans = [shard._map_span_of_data() for shard in tier._shards]
-        span = tier._shard(key_of(0))._map_span_of_data()
+        spans = [shard._map_span_of_data(shard._data_fd) for shard in tier._shards]
+        span = tier._shard(key_of(0))._map_span_of_data(tier._shard(key_of(0))._data_fd)
         assert span is not None and span[1] >= tier.map_size // SHARDS  # this shard's map
         real = disk_env._madvise
         assert real is not None
@@ -61,6 +61,32 @@ def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
         out = memoryview(bytearray(PAYLOAD))
         assert tier.read_into(key_of(2), out) is ReadStatus.OK and bytes(out) == payload_of(2)
     # MADV_RANDOM for the scan of each shard's index, then MADV_NORMAL
+    assert advice == [(*span, how) for span in spans if span is not None for how in (1, 0)]
+    assert len(advice) == 2 * SHARDS
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the map is found through /proc/self/maps")
+def test_opening_reads_the_meta_records_without_read_ahead(tmp_path: Path) -> None:
+    """Opening checks each shard's meta records and sub-db roots: a few pages, each of
+    which pulled a read-ahead window with it (52.6 MiB read to open and scan 50k chunks
+    over four shards, 12.7x the index; 4.9 MiB, 1.2x, with the advice)."""
+    with open_tier(tmp_path) as tier:
+        tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
+    advice: list[tuple[int, int, int]] = []
+    real = disk_env._madvise
+    assert real is not None
+
+    def recorded(start: int, length: int, how: int) -> int:
+        advice.append((start, length, how))
+        return real(start, length, how)
+
+    disk_env._madvise = recorded
+    try:
+        tier = open_tier(tmp_path)
+    finally:
+        disk_env._madvise = real
+    with tier:
+        spans = [shard._map_span_of_data(shard._data_fd) for shard in tier._shards]
     assert advice == [(*span, how) for span in spans if span is not None for how in (1, 0)]
     assert len(advice) == 2 * SHARDS
 

@@ -294,9 +294,10 @@ class LmdbEnv:
             data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             floor = self._check_file_size(env, data_fd)
             self.clear_stale_readers(env)  # before any txn: dead readers may fill the table
-            meta, chunks, index = (self._open_db(env, name)
-                                   for name in (b"meta", b"chunks", b"index"))
-            self._check_meta(env, meta, chunks)
+            with self.random_access(data_fd):  # a few pages, not the read-ahead around each
+                meta, chunks, index = (self._open_db(env, name)
+                                       for name in (b"meta", b"chunks", b"index"))
+                self._check_meta(env, meta, chunks)
         except BaseException:
             if data_fd is not None:
                 os.close(data_fd)
@@ -469,12 +470,13 @@ class LmdbEnv:
     # -- access pattern ----------------------------------------------------------------------
 
     @contextmanager
-    def random_access(self) -> Iterator[None]:
-        """Within: no read-ahead on the map (``MADV_RANDOM``), so walking the index reads
-        the pages it touches, not megabytes around each. Loads need read-ahead (py-lmdb
-        touches every page of a value, with the GIL released, before it is copied), so it
-        is back on after. A no-op where the map cannot be found (not Linux)."""
-        span = self._map_span_of_data()
+    def random_access(self, data_fd: int | None = None) -> Iterator[None]:
+        """Within: no read-ahead on the map (``MADV_RANDOM``), so walking the index (or the
+        meta records, at open) reads the pages it touches, not megabytes around each. Loads
+        need read-ahead (py-lmdb touches every page of a value, with the GIL released,
+        before it is copied), so it is back on after. A no-op where the map cannot be found
+        (not Linux). ``data_fd``: of the environment being opened."""
+        span = self._map_span_of_data(self._data_fd if data_fd is None else data_fd)
         if span is None or _madvise is None or _madvise(span[0], span[1], _MADV_RANDOM):
             yield
             return
@@ -483,10 +485,11 @@ class LmdbEnv:
         finally:
             _madvise(span[0], span[1], _MADV_NORMAL)
 
-    def _map_span_of_data(self) -> tuple[int, int] | None:
-        """(start, length) of the map of this environment's ``data.mdb``."""
+    @staticmethod
+    def _map_span_of_data(data_fd: int | None) -> tuple[int, int] | None:
+        """(start, length) of the map of the ``data.mdb`` open as ``data_fd``."""
         with suppress(OSError, ValueError):
-            inode = os.fstat(self._data_fd).st_ino if self._data_fd is not None else None
+            inode = os.fstat(data_fd).st_ino if data_fd is not None else None
             with open("/proc/self/maps", "rb") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
