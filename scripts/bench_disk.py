@@ -33,9 +33,10 @@ needs root; environments closed so no mapping pins pages): tierkv ``read_into`` 
 chunk in write order and in random order; tierkv ``DiskIO`` read jobs (one job of every
 chunk, and one job per chunk, all submitted at once) into a second ``CpuSlab``; vLLM fs
 ``submit_load`` (one job, and one job per chunk) into a second slab; bare file-per-chunk
-reads; ``dd if=F of=/dev/null``. Every load but dd lands in a slab poisoned beforehand and
-is checked after the timed part: byte-exact against the source and xxh3 checksum of every
-chunk against the one taken of the source.
+reads; the bare shards read by a thread each (the load ceiling); ``dd if=F of=/dev/null``.
+Every load but dd lands in a slab poisoned beforehand and is checked after the timed part:
+byte-exact against the source and xxh3 checksum of every chunk against the one taken of
+the source.
 
 The vLLM fs tier is ``vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager`` as
 installed, built the way ``SecondaryTierFactory`` builds it (its default thread counts, its
@@ -125,6 +126,10 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
      None),
     ("bare lmdb shards / vLLM fs many", f"bare lmdb x{SHARDS} threads", "vLLM fs many jobs", None),
     ("tierkv / dd cold read", "tierkv read_into (in order)", "dd of=/dev/null", 0.7),
+    ("cold: tierkv one / bare lmdb shards", "load: tierkv DiskIO one job",
+     f"bare lmdb x{SHARDS} threads read", None),
+    ("cold: bare lmdb shards / vLLM one", f"bare lmdb x{SHARDS} threads read",
+     "load: vLLM fs one job", None),
     ("tierkv random / dd cold read", "tierkv read_into (random)", "dd of=/dev/null", None),
     ("tierkv / file-per-chunk cold read", "tierkv read_into (in order)", "file per chunk",
      None),
@@ -579,6 +584,37 @@ class Bench:
         self.verify(self.vdest.array, None, "vLLM fs load")
         return seconds
 
+    def read_bare_lmdb_shards(self) -> float:
+        """The load ceiling of the sharded layout: the bare shards written by
+        ``write_bare_lmdb_shards`` read by one thread each, every value copied into its slot
+        (no header, no checksum)."""
+        self.poison(self.dest.tensor.numpy())
+        self.drop_caches()
+        root = self.dir / "lmdb-shards"
+        envs = [lmdb.open(str(root / f"shard-{shard}"), readonly=True, readahead=True)
+                for shard in range(SHARDS)]
+        dest = self.dest.tensor.numpy()
+
+        def read(shard: int) -> None:
+            with envs[shard].begin(buffers=True) as txn:
+                for i in range(self.num_chunks):
+                    if shard_of(self.keys[i]) == shard:
+                        value = txn.get(self.keys[i])
+                        assert value is not None
+                        dest[i] = np.frombuffer(value, np.uint8)
+
+        threads = [threading.Thread(target=read, args=(shard,)) for shard in range(SHARDS)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
+        for env in envs:
+            env.close()
+        self.verify(dest, None, "bare lmdb shards read")
+        return seconds
+
     def read_files(self) -> float:
         self.poison(self.dest.tensor.numpy())
         self.drop_caches()
@@ -632,6 +668,7 @@ class Bench:
             if self.vllm is not None:
                 reads["load: vLLM fs one job"] = lambda: self.load_vllm(False)
                 reads["load: vLLM fs many jobs"] = lambda: self.load_vllm(True)
+            reads[f"bare lmdb x{SHARDS} threads read"] = self.read_bare_lmdb_shards
             reads["file per chunk"] = self.read_files
             reads["dd of=/dev/null"] = self.read_dd
         return writes, reads

@@ -28,6 +28,7 @@ import struct
 from typing import Any
 
 import msgpack
+import numpy as np
 import xxhash
 
 from tierkv.keys import FORMAT_VERSION
@@ -40,6 +41,12 @@ _FIXED = struct.Struct("<QQQ")  # format version, payload length, seq: fed to th
 _INDEX = struct.Struct("<QQ")  # "index" sub-db value: payload length, seq
 _RANK = struct.Struct("<I")
 MAX_VALUE_OVERHEAD = _PREFIX.size + MAX_HEADER_BYTES
+
+
+def copy_bytes(out: Any, data: Any) -> None:
+    """``out[:] = data`` for equal-sized byte buffers, with the GIL released (numpy does;
+    a memoryview assignment holds it, so the disk threads' copies ran one at a time)."""
+    np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(data, np.uint8))
 
 
 def binding_of(fingerprint: str, rank: int) -> bytes:
@@ -83,7 +90,7 @@ class ValueWriter:
         head = pack_header(self._binding, key, payload, seq)
         start = len(head)
         self._view[:start] = head
-        self._view[start : start + len(payload)] = payload
+        copy_bytes(self._view[start : start + len(payload)], payload)
         return self._view[: start + len(payload)]
 
 
@@ -121,7 +128,7 @@ def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
     if total - start != payload_len:
         return f"payload has {total - start} bytes, header says {payload_len}"
     target = out[:payload_len]
-    target[:] = value[start:]
+    copy_bytes(target, value[start:])
     if checksum(binding, key, version, payload_len, seq, target) != expected:
         return "checksum mismatch (damaged, or a value of another key, namespace or rank)"
     return None
