@@ -498,7 +498,12 @@ class Bench:
                         txn.put(self.keys[i], self.slab.memoryview(i))
             envs[shard].sync(True)
 
-        threads = [threading.Thread(target=write, args=(shard,)) for shard in range(SHARDS)]
+        return self._per_shard(write, envs)
+
+    @staticmethod
+    def _per_shard(work: Callable[[int], None], envs: list[Any]) -> float:
+        """Seconds for ``work(shard)`` on a thread per shard; the environments closed after."""
+        threads = [threading.Thread(target=work, args=(shard,)) for shard in range(SHARDS)]
         start = time.perf_counter()
         for thread in threads:
             thread.start()
@@ -603,15 +608,7 @@ class Bench:
                         assert value is not None
                         dest[i] = np.frombuffer(value, np.uint8)
 
-        threads = [threading.Thread(target=read, args=(shard,)) for shard in range(SHARDS)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - start
-        for env in envs:
-            env.close()
+        seconds = self._per_shard(read, envs)
         self.verify(dest, None, "bare lmdb shards read")
         return seconds
 

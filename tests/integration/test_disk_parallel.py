@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -36,28 +38,35 @@ def open_tier(root: Path, **config: object) -> DiskTier:
     return DiskTier(root, NS, 0, DiskTierConfig(path=root, **config), PAYLOAD)  # type: ignore[arg-type]
 
 
+@contextmanager
+def advice_recorded() -> Iterator[list[tuple[int, int, int]]]:
+    """Every madvise the disk tier makes meanwhile: (start, length, advice)."""
+    advice: list[tuple[int, int, int]] = []
+    real = disk_env._madvise
+    assert real is not None
+
+    def recorded(start: int, length: int, how: int) -> int:
+        advice.append((start, length, how))
+        return real(start, length, how)
+
+    disk_env._madvise = recorded
+    try:
+        yield advice
+    finally:
+        disk_env._madvise = real
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the map is found through /proc/self/maps")
 def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
     """A restart walks the index with the map's read-ahead off: each page fault then reads
     one page, not megabytes of payloads around it (scripts/bench_restart.py measures it)."""
-    advice: list[tuple[int, int, int]] = []
     with open_tier(tmp_path) as tier:
         tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
         spans = [shard._map_span_of_data(shard._data_fd) for shard in tier._shards]
         span = tier._shard(key_of(0))._map_span_of_data(tier._shard(key_of(0))._data_fd)
         assert span is not None and span[1] >= tier.map_size // SHARDS  # this shard's map
-        real = disk_env._madvise
-        assert real is not None
-
-        def recorded(start: int, length: int, how: int) -> int:
-            advice.append((start, length, how))
-            return real(start, length, how)
-
-        disk_env._madvise = recorded
-        try:
+        with advice_recorded() as advice:
             assert [record.key for record in tier.scan()] == sorted(key_of(i) for i in range(3))
-        finally:
-            disk_env._madvise = real
         out = memoryview(bytearray(PAYLOAD))
         assert tier.read_into(key_of(2), out) is ReadStatus.OK and bytes(out) == payload_of(2)
     # MADV_RANDOM for the scan of each shard's index, then MADV_NORMAL
@@ -72,19 +81,8 @@ def test_opening_reads_the_meta_records_without_read_ahead(tmp_path: Path) -> No
     over four shards, 12.7x the index; 4.9 MiB, 1.2x, with the advice)."""
     with open_tier(tmp_path) as tier:
         tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
-    advice: list[tuple[int, int, int]] = []
-    real = disk_env._madvise
-    assert real is not None
-
-    def recorded(start: int, length: int, how: int) -> int:
-        advice.append((start, length, how))
-        return real(start, length, how)
-
-    disk_env._madvise = recorded
-    try:
+    with advice_recorded() as advice:
         tier = open_tier(tmp_path)
-    finally:
-        disk_env._madvise = real
     with tier:
         spans = [shard._map_span_of_data(shard._data_fd) for shard in tier._shards]
     assert advice == [(*span, how) for span in spans if span is not None for how in (1, 0)]
