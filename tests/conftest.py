@@ -3,10 +3,15 @@ without CUDA they are skipped, with the reason printed (``-ra``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from tests.redis_cluster import RedisCluster
 
 REASON = "CUDA not available: tests marked cuda run only where a GPU exists"
 GPU_TESTS = Path(__file__).parent / "gpu"
@@ -18,3 +23,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cuda)
         if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason=REASON))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """Three real Redis Cluster masters on loopback for the whole session, stopped by pid."""
+    from tests.redis_cluster import RedisCluster
+
+    with RedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster

@@ -122,6 +122,33 @@ class DiskTierConfig:
 
 
 @dataclass(frozen=True)
+class RemoteTierConfig:
+    """A shared remote tier on Redis / Valkey (Cluster). Not yet part of
+    :class:`StoreConfig`: the library API opens :class:`tierkv.tiers.remote.RemoteTier`
+    with it directly (``docs/remote.md``)."""
+
+    url: str  # redis://host:port or rediss:// (TLS); more seed nodes after commas
+    key_prefix: str = "tierkv:"
+    timeout_seconds: float = 0.5  # per network operation
+    ttl_seconds: float | None = None  # None: no TTL (rely on the server's maxmemory-policy)
+    password_env: str = "TIERKV_REMOTE_PASSWORD"  # used when the URL carries no password
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://")):
+            raise ConfigError(f"remote.url must start with redis:// or rediss://, got "
+                              f"{self.url!r:.60}")
+        if not isinstance(self.key_prefix, str) or not self.key_prefix or \
+                any(ch in self.key_prefix for ch in "{}*?[] "):
+            raise ConfigError(f"remote.key_prefix must be a non-empty str without braces, "
+                              f"wildcards or spaces, got {self.key_prefix!r}")
+        _positive("remote", "timeout_seconds", self.timeout_seconds)
+        if self.ttl_seconds is not None:
+            _positive("remote", "ttl_seconds", self.ttl_seconds)
+        if not isinstance(self.password_env, str):
+            raise ConfigError(f"remote.password_env must be a str, got {self.password_env!r}")
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Everything a :class:`tierkv.engine.store.TierKVStore` needs besides the KV tensors."""
 

@@ -1,0 +1,238 @@
+"""The remote tier on real Redis processes: a 3-master cluster (the session's
+``redis_cluster`` fixture) and, where a test says so, one plain server of its own.
+Everything talks to 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis as redis_py
+from redis.cluster import RedisCluster as ClusterClient
+
+from tests.redis_cluster import HOST, RedisCluster, free_port
+from tierkv.config import RemoteTierConfig
+from tierkv.errors import BrokenError, ConfigError
+from tierkv.keys import Namespace
+from tierkv.tiers import remote as remote_module
+from tierkv.tiers.base import ReadStatus
+from tierkv.tiers.remote import RemoteTier, safe_url
+from tierkv.tiers.remote_format import redis_key
+
+PAYLOAD = 8192
+NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=512,
+               tokens_per_chunk=16)
+OTHER = Namespace(model_id="tiny-b", dtype="float16", kv_layout="NHD", page_bytes=512,
+                  tokens_per_chunk=16)
+
+
+def key_of(i: int, salt: int = 0) -> bytes:
+    return random.Random(i * 7919 + salt).randbytes(32)
+
+
+def payload_of(key: bytes) -> bytes:
+    return random.Random(key).randbytes(PAYLOAD)
+
+
+def read(tier: RemoteTier, key: bytes) -> tuple[ReadStatus, bytes]:
+    out = bytearray(PAYLOAD)
+    return tier.read_into(key, memoryview(out)), bytes(out)
+
+
+@pytest.fixture()
+def cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
+    redis_cluster.flushall()
+    yield redis_cluster
+
+
+def open_tier(cluster: RedisCluster, namespace: Namespace = NS, rank: int = 0,
+              **config: object) -> RemoteTier:
+    return RemoteTier(RemoteTierConfig(url=cluster.url, **config),  # type: ignore[arg-type]
+                      namespace, rank, PAYLOAD)
+
+
+def raw(cluster: RedisCluster) -> ClusterClient:
+    return ClusterClient.from_url(cluster.url)
+
+
+def test_chunks_round_trip_byte_exact_over_every_master(cluster: RedisCluster) -> None:
+    keys = [key_of(i) for i in range(60)]
+    with open_tier(cluster) as tier:
+        assert tier.cluster
+        result = tier.put_many([(key, payload_of(key)) for key in keys])
+        assert result.written == tuple(keys) and result.num_bytes == 60 * PAYLOAD
+        assert tier.exists_many(keys + [key_of(999)]) == [True] * 60 + [False]
+        for key in keys:
+            assert read(tier, key) == (ReadStatus.OK, payload_of(key))
+        assert sorted(record.key for record in tier.scan()) == sorted(keys)
+        stats = tier.statistics()
+        assert (stats.puts, stats.hits, stats.corrupt) == (60, 60, 0)
+    client = raw(cluster)
+    sizes = [client.dbsize(target_nodes=node) for node in client.get_primaries()]
+    assert len(sizes) == 3 and all(size > 0 for size in sizes) and sum(sizes) == 60
+    client.close()
+
+
+def test_what_another_engine_stored_is_left_and_counted(cluster: RedisCluster) -> None:
+    key = key_of(1)
+    with open_tier(cluster) as first, open_tier(cluster) as second:
+        first.put_many([(key, payload_of(key))])
+        result = second.put_many([(key, payload_of(key))])
+        assert result.written == (key,) and result.num_bytes == 0
+        assert second.statistics().already == 1
+        assert read(second, key) == (ReadStatus.OK, payload_of(key))
+
+
+def test_another_namespace_or_rank_never_hits(cluster: RedisCluster) -> None:
+    key = key_of(2)
+    with open_tier(cluster) as tier, open_tier(cluster, OTHER) as other, \
+            open_tier(cluster, rank=1) as rank1:
+        tier.put_many([(key, payload_of(key))])
+        assert other.exists_many([key]) == [False] and read(other, key)[0] is ReadStatus.MISSING
+        assert rank1.exists_many([key]) == [False] and read(rank1, key)[0] is ReadStatus.MISSING
+        assert list(other.scan()) == [] and list(rank1.scan()) == []
+
+
+def test_a_planted_or_damaged_value_is_a_miss_counted_and_deleted(cluster: RedisCluster) -> None:
+    good, planted, flipped = key_of(3), key_of(4), key_of(5)
+    client = raw(cluster)
+    with open_tier(cluster) as tier, open_tier(cluster, OTHER) as other:
+        tier.put_many([(good, payload_of(good)), (flipped, payload_of(flipped))])
+        other.put_many([(planted, payload_of(planted))])
+        # another namespace's valid value, and another key's, put under this tier's keys
+        client.set(redis_key(b"tierkv:", NS.fingerprint(), 0, planted),
+                   client.get(redis_key(b"tierkv:", OTHER.fingerprint(), 0, planted)))
+        value = bytearray(client.get(redis_key(b"tierkv:", NS.fingerprint(), 0, flipped)))
+        value[-1] ^= 1
+        client.set(redis_key(b"tierkv:", NS.fingerprint(), 0, flipped), bytes(value))
+        assert set(tier.verify().bad_keys) == {planted, flipped}
+        for key in (planted, flipped):
+            assert read(tier, key)[0] is ReadStatus.CORRUPT
+            assert tier.exists_many([key]) == [False]  # deleted
+        assert read(tier, good) == (ReadStatus.OK, payload_of(good))
+        assert tier.statistics().corrupt == 2 and tier.verify().bad_keys == ()
+        assert read(other, planted) == (ReadStatus.OK, payload_of(planted))  # its own is kept
+    client.close()
+
+
+def test_a_bad_value_replaced_meanwhile_is_not_deleted(cluster: RedisCluster,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the read of a bad value and its delete, another engine stores a good one:
+    the good one stays (the delete compares first)."""
+    key = key_of(6)
+    name = redis_key(b"tierkv:", NS.fingerprint(), 0, key)
+    client = raw(cluster)
+    with open_tier(cluster) as tier:
+        tier.put_many([(key, payload_of(key))])
+        good = client.get(name)
+        client.set(name, good[:-1])
+        real = remote_module.check_value
+
+        def check_then_replace(*args: object) -> str | None:
+            problem = real(*args)  # type: ignore[arg-type]
+            client.set(name, good)  # the other engine's store lands now
+            return problem
+
+        monkeypatch.setattr(remote_module, "check_value", check_then_replace)
+        assert read(tier, key)[0] is ReadStatus.CORRUPT
+        monkeypatch.setattr(remote_module, "check_value", real)
+        assert read(tier, key) == (ReadStatus.OK, payload_of(key))
+    client.close()
+
+
+def test_a_value_gone_between_lookup_and_load_is_missing(cluster: RedisCluster) -> None:
+    key = key_of(7)
+    with open_tier(cluster) as tier, open_tier(cluster) as other_engine:
+        tier.put_many([(key, payload_of(key))])
+        assert tier.exists_many([key]) == [True]
+        other_engine.delete_many([key])  # or the server evicted it
+        assert read(tier, key)[0] is ReadStatus.MISSING
+        assert tier.statistics().misses == 1
+
+
+def test_deletes_and_ttl(cluster: RedisCluster) -> None:
+    keys = [key_of(i, 1) for i in range(4)]
+    with open_tier(cluster, ttl_seconds=1) as tier:
+        tier.put_many([(key, payload_of(key)) for key in keys[:2]])
+        result = tier.put_many([(key, payload_of(key)) for key in keys[2:]], deletes=keys[:1])
+        assert result.deleted == 1 and tier.exists_many(keys) == [False, True, True, True]
+        assert tier.delete_many(keys[1:2] + [key_of(500)]) == 1
+        ttl = raw(cluster).ttl(redis_key(b"tierkv:", NS.fingerprint(), 0, keys[2]))
+        assert 0 < ttl <= 1
+        deadline = time.monotonic() + 10
+        while tier.exists_many(keys[2:]) != [False, False]:  # expired: a normal miss
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_a_node_that_stops_fails_loudly_and_the_tier_reconnects(cluster: RedisCluster) -> None:
+    keys = [key_of(i, 2) for i in range(30)]
+    with open_tier(cluster, timeout_seconds=0.3) as tier:
+        tier.put_many([(key, payload_of(key)) for key in keys])
+        port = cluster.ports[1]
+        cluster.stop_node(port)
+        try:
+            with pytest.raises(BrokenError, match="remote tier redis://127.0.0.1") as info:
+                for key in keys:
+                    read(tier, key)
+            assert "remote.timeout_seconds" in str(info.value)
+        finally:
+            cluster.start_node(port)  # same nodes.conf: it rejoins (its data is gone)
+            cluster.wait_ok()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                statuses = {read(tier, key)[0] for key in keys}
+                break
+            except BrokenError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert ReadStatus.OK in statuses and ReadStatus.CORRUPT not in statuses
+
+
+def test_one_plain_server_with_a_password_that_is_never_shown(tmp_path: Path) -> None:
+    port, secret = free_port(), "s3cret-pw"
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", HOST, "--save", "",
+                             "--requirepass", secret, "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis_py.Redis(host=HOST, port=port, password=secret).ping()
+                break
+            except redis_py.RedisError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        url = f"redis://:{secret}@{HOST}:{port}"
+        with RemoteTier(RemoteTierConfig(url=url), NS, 0, PAYLOAD) as tier:
+            assert not tier.cluster and secret not in tier._name
+            key = key_of(8)
+            tier.put_many([(key, payload_of(key))])
+            assert read(tier, key) == (ReadStatus.OK, payload_of(key))
+            assert [record.key for record in tier.scan()] == [key]
+        os.environ["TIERKV_TEST_PW"] = "wrong-" + secret
+        try:
+            with pytest.raises(BrokenError) as info:
+                RemoteTier(RemoteTierConfig(url=f"redis://{HOST}:{port}",
+                                            password_env="TIERKV_TEST_PW"), NS, 0, PAYLOAD)
+            assert secret not in str(info.value) and "remote.url" in str(info.value)
+        finally:
+            del os.environ["TIERKV_TEST_PW"]
+        assert safe_url(url) == f"redis://***@{HOST}:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(url="http://x"), dict(url="redis://h", key_prefix="a{b"), dict(url="redis://h",
+    timeout_seconds=0), dict(url="redis://h", ttl_seconds=-1)])
+def test_bad_remote_settings_name_the_field(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="remote\\."):
+        RemoteTierConfig(**bad)  # type: ignore[arg-type]

@@ -1,0 +1,63 @@
+"""The remote tier's value format: only the exact value of (namespace, rank, key) passes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.tiers.remote_format import HEADER_BYTES, check_value, pack_value, redis_key
+
+FP = "802a6c76d0e36bab4a92f7e8a8c80f25"
+OTHER_FP = "0123456789abcdef0123456789abcdef"
+KEY = bytes(range(32))
+PAYLOAD = os.urandom(4096)
+
+
+def check(value: bytes, fp: str = FP, rank: int = 0, key: bytes = KEY) -> str | None:
+    out = memoryview(bytearray(len(PAYLOAD)))
+    problem = check_value(fp, rank, key, value, len(PAYLOAD), out)
+    if problem is None:
+        assert bytes(out) == PAYLOAD
+    return problem
+
+
+def test_a_value_round_trips_and_its_header_is_80_bytes() -> None:
+    value = pack_value(FP, 0, KEY, PAYLOAD)
+    assert len(value) == HEADER_BYTES + len(PAYLOAD) == 80 + 4096
+    assert value[:4] == b"TKRV" and value[HEADER_BYTES:] == PAYLOAD
+    assert check(value) is None
+
+
+@pytest.mark.parametrize("what,args", [
+    ("another namespace", dict(fp=OTHER_FP)),
+    ("another rank", dict(rank=1)),
+    ("another key", dict(key=bytes(32))),
+])
+def test_a_value_read_for_another_namespace_rank_or_key_fails(what: str, args: dict) -> None:
+    assert check(pack_value(FP, 0, KEY, PAYLOAD), **args) is not None, what
+
+
+@pytest.mark.parametrize("edit", [
+    lambda v: v[:-1], lambda v: v + b"\0", lambda v: v[:HEADER_BYTES - 1], lambda v: b"",
+    lambda v: b"XKRV" + v[4:], lambda v: v[:4] + b"\x02" + v[5:],
+])
+def test_truncated_extended_or_misframed_values_fail(edit: object) -> None:
+    assert check(edit(pack_value(FP, 0, KEY, PAYLOAD))) is not None  # type: ignore[operator]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, HEADER_BYTES + len(PAYLOAD) - 1), st.integers(1, 255))
+def test_any_changed_byte_fails(position: int, flip: int) -> None:
+    value = bytearray(pack_value(FP, 0, KEY, PAYLOAD))
+    value[position] ^= flip
+    assert check(bytes(value)) is not None
+
+
+def test_the_ranks_of_a_chunk_share_one_hash_tag() -> None:
+    keys = [redis_key(b"tierkv:", FP, rank, KEY) for rank in (0, 1)]
+    assert keys[0] == b"tierkv:" + FP.encode() + b":{" + KEY.hex().encode() + b"}:0"
+    tags = {k[k.index(b"{") + 1 : k.index(b"}")] for k in keys}
+    assert tags == {KEY.hex().encode()}

@@ -1,0 +1,73 @@
+"""The remote tier's keys and values (``docs/remote.md`` has every byte).
+
+Primitives and contracts:
+
+- :func:`redis_key` is one key per (chunk, rank): ``<prefix><fingerprint>:{<key hex>}:<rank>``.
+  The braces are a Redis Cluster hash tag: every rank of a chunk hashes to one slot, so one
+  node answers whether all of them exist and a reshard moves them together.
+- A value is a fixed 80-byte header, then the raw payload: magic ``b"TKRV"``, format
+  version, header length, the namespace fingerprint, the rank, the chunk key, the payload
+  length and an xxh3 checksum (:func:`tierkv.tiers.disk_format.checksum` with sequence 0:
+  over the fingerprint, rank, key, header fields and payload).
+- :func:`pack_value` builds one; :func:`check_value` accepts only a value this build would
+  have written for that namespace, rank, key and payload size, and copies its payload into
+  the caller's buffer (then checks the checksum there). It answers what is wrong, never
+  raises on bad bytes and never evaluates anything.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from tierkv.tiers.disk_format import binding_of, checksum, copy_bytes
+
+MAGIC = b"TKRV"
+REMOTE_FORMAT = 1
+_HEADER = struct.Struct("<4sHH16sI32sQQ4x")
+HEADER_BYTES = _HEADER.size  # 80
+
+
+def redis_key(prefix: bytes, fingerprint: str, rank: int, key: bytes) -> bytes:
+    """The Redis key of chunk ``key`` on ``rank`` of the namespace ``fingerprint``."""
+    return b"%s%s:{%s}:%d" % (prefix, fingerprint.encode(), key.hex().encode(), rank)
+
+
+def pack_value(fingerprint: str, rank: int, key: bytes, payload: Any) -> bytes:
+    """Header and payload of ``key``'s value, as one bytes object."""
+    view = memoryview(payload).cast("B")
+    size = len(view)
+    digest = checksum(binding_of(fingerprint, rank), key, REMOTE_FORMAT, size, 0, view)
+    out = bytearray(HEADER_BYTES + size)
+    _HEADER.pack_into(out, 0, MAGIC, REMOTE_FORMAT, HEADER_BYTES, bytes.fromhex(fingerprint),
+                      rank, key, size, digest)
+    copy_bytes(memoryview(out)[HEADER_BYTES:], view)
+    return bytes(out)
+
+
+def check_value(fingerprint: str, rank: int, key: bytes, value: Any, payload_bytes: int,
+                out: memoryview) -> str | None:
+    """None when ``value`` is a good value of ``key`` (its payload is then in
+    ``out[:payload_bytes]``), else what is wrong with it."""
+    total = len(value)
+    if total < HEADER_BYTES:
+        return f"value of {total} bytes is shorter than its {HEADER_BYTES}-byte header"
+    magic, version, header, stored_fp, stored_rank, stored_key, size, digest = \
+        _HEADER.unpack_from(value, 0)
+    if magic != MAGIC:
+        return f"bad magic {bytes(magic)!r}"
+    if version != REMOTE_FORMAT or header != HEADER_BYTES:
+        return f"format {version} with a {header}-byte header, this build reads " \
+               f"{REMOTE_FORMAT} with {HEADER_BYTES}"
+    if stored_fp.hex() != fingerprint:
+        return f"value of namespace {stored_fp.hex()[:8]}, not {fingerprint[:8]}"
+    if stored_rank != rank or stored_key != key:
+        return "value of another chunk or rank"
+    if size != payload_bytes or total - HEADER_BYTES != size:
+        return f"payload of {total - HEADER_BYTES} bytes, header says {size}, the tier " \
+               f"stores {payload_bytes}"
+    target = out[:size]
+    copy_bytes(target, memoryview(value)[HEADER_BYTES:])
+    if checksum(binding_of(fingerprint, rank), key, REMOTE_FORMAT, size, 0, target) != digest:
+        return "checksum mismatch (damaged, or bytes of another chunk)"
+    return None
