@@ -56,6 +56,14 @@ def test_any_changed_byte_fails(position: int, flip: int) -> None:
     assert check(bytes(value)) is not None
 
 
+@pytest.mark.parametrize("position", range(HEADER_BYTES))
+def test_every_header_byte_is_checked(position: int) -> None:
+    """The reserved bytes 76..79 too: a flip there passed (struct skips pad bytes)."""
+    value = bytearray(pack_value(FP, 0, KEY, PAYLOAD))
+    value[position] ^= 1
+    assert check(bytes(value)) is not None
+
+
 def test_the_ranks_of_a_chunk_share_one_hash_tag() -> None:
     keys = [redis_key(b"tierkv:", FP, rank, KEY) for rank in (0, 1)]
     assert keys[0] == b"tierkv:" + FP.encode() + b":{" + KEY.hex().encode() + b"}:0"

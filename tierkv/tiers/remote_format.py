@@ -24,7 +24,7 @@ from tierkv.tiers.disk_format import binding_of, checksum, copy_bytes
 
 MAGIC = b"TKRV"
 REMOTE_FORMAT = 1
-_HEADER = struct.Struct("<4sHH16sI32sQQ4x")
+_HEADER = struct.Struct("<4sHH16sI32sQQ4s")  # the last 4 bytes: reserved, zero
 HEADER_BYTES = _HEADER.size  # 80
 
 
@@ -40,7 +40,7 @@ def pack_value(fingerprint: str, rank: int, key: bytes, payload: Any) -> bytes:
     digest = checksum(binding_of(fingerprint, rank), key, REMOTE_FORMAT, size, 0, view)
     out = bytearray(HEADER_BYTES + size)
     _HEADER.pack_into(out, 0, MAGIC, REMOTE_FORMAT, HEADER_BYTES, bytes.fromhex(fingerprint),
-                      rank, key, size, digest)
+                      rank, key, size, digest, bytes(4))
     copy_bytes(memoryview(out)[HEADER_BYTES:], view)
     return bytes(out)
 
@@ -52,10 +52,12 @@ def check_value(fingerprint: str, rank: int, key: bytes, value: Any, payload_byt
     total = len(value)
     if total < HEADER_BYTES:
         return f"value of {total} bytes is shorter than its {HEADER_BYTES}-byte header"
-    magic, version, header, stored_fp, stored_rank, stored_key, size, digest = \
+    magic, version, header, stored_fp, stored_rank, stored_key, size, digest, zero = \
         _HEADER.unpack_from(value, 0)
     if magic != MAGIC:
         return f"bad magic {bytes(magic)!r}"
+    if zero != bytes(4):
+        return "reserved header bytes are not zero"
     if version != REMOTE_FORMAT or header != HEADER_BYTES:
         return f"format {version} with a {header}-byte header, this build reads " \
                f"{REMOTE_FORMAT} with {HEADER_BYTES}"
