@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster as ClusterClient
 
 from tests.redis_cluster import HOST, RedisCluster, free_port
 from tierkv.config import RemoteTierConfig
-from tierkv.errors import BrokenError, ConfigError
+from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.keys import Namespace
 from tierkv.tiers import remote as remote_module
 from tierkv.tiers.base import ReadStatus
@@ -228,6 +228,16 @@ def test_one_plain_server_with_a_password_that_is_never_shown(tmp_path: Path) ->
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_calls_after_close_raise_even_with_nothing_to_do(cluster: RedisCluster) -> None:
+    tier = open_tier(cluster)
+    tier.close()
+    tier.close()  # idempotent
+    for call in (lambda: tier.put_many([]), lambda: tier.delete_many([]),
+                 lambda: tier.exists_many([]), lambda: tier.read_into(key_of(1), bytearray(PAYLOAD))):
+        with pytest.raises(ClosedError, match="after close"):
+            call()
 
 
 @pytest.mark.parametrize("bad", [

@@ -131,9 +131,12 @@ class RemoteTier(LowerTier):
         password = urlsplit(self.config.url).password or os.environ.get(self.config.password_env)
         return text.replace(password, "***") if password else text
 
-    def _run(self, action: str, work: Callable[[], _T], key: bytes | None = None) -> _T:
+    def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError(f"{self._name}: used after close()")
+            raise ClosedError(f"{self._name}: used after close(); open a new RemoteTier")
+
+    def _run(self, action: str, work: Callable[[], _T], key: bytes | None = None) -> _T:
+        self._check_open()
         try:
             return work()
         except (RedisError, RedisClusterException, OSError) as exc:
@@ -162,6 +165,7 @@ class RemoteTier(LowerTier):
 
     def put_many(self, items: Sequence[tuple[bytes, Any]],
                  deletes: Sequence[bytes] = ()) -> PutResult:
+        self._check_open()
         values = []
         for key, payload in items:
             size = memoryview(payload).nbytes
@@ -192,6 +196,7 @@ class RemoteTier(LowerTier):
         return PutResult(written, (), deleted, num_bytes)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
         names = [self._key(key) for key in keys]
 
         def work() -> int:
@@ -206,6 +211,7 @@ class RemoteTier(LowerTier):
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key has a value, in one pipeline (one round trip per node)."""
+        self._check_open()
         names = [self._key(key) for key in keys]
 
         def work() -> list[bool]:
