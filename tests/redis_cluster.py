@@ -125,3 +125,49 @@ class RedisCluster:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class RedisServer:
+    """One plain (not cluster) redis-server on a free loopback port; a context manager.
+    ``args`` are extra server options (``--requirepass x``)."""
+
+    def __init__(self, root: Path, *args: str) -> None:
+        self.root = Path(root)
+        self.port = free_port()
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "",
+             "--appendonly", "no", "--dir", str(self.root), *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        auth = ["-a", self.args[self.args.index("--requirepass") + 1], "--no-auth-warning"] \
+            if "--requirepass" in self.args else []
+        while _cli(self.port, *auth, "PING").strip() != "PONG":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

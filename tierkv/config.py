@@ -132,6 +132,8 @@ class RemoteTierConfig:
     timeout_seconds: float = 0.5  # per network operation
     ttl_seconds: float | None = None  # None: no TTL (rely on the server's maxmemory-policy)
     password_env: str = "TIERKV_REMOTE_PASSWORD"  # used when the URL carries no password
+    breaker_failures: int = 5  # consecutive failed calls that open the circuit breaker
+    breaker_seconds: float = 10.0  # how long an open breaker skips the tier before a probe
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://")):
@@ -142,6 +144,11 @@ class RemoteTierConfig:
             raise ConfigError(f"remote.key_prefix must be a non-empty str without braces, "
                               f"wildcards or spaces, got {self.key_prefix!r}")
         _positive("remote", "timeout_seconds", self.timeout_seconds)
+        _positive("remote", "breaker_seconds", self.breaker_seconds)
+        if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \
+                or self.breaker_failures < 1:
+            raise ConfigError(f"remote.breaker_failures must be an int >= 1, got "
+                              f"{self.breaker_failures!r}")
         if self.ttl_seconds is not None:
             _positive("remote", "ttl_seconds", self.ttl_seconds)
         if not isinstance(self.password_env, str):

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis as redis_py
 from redis.cluster import RedisCluster as ClusterClient
 
-from tests.redis_cluster import HOST, RedisCluster, free_port
+from tests.redis_cluster import HOST, RedisCluster, RedisServer
 from tierkv.config import RemoteTierConfig
 from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.keys import Namespace
@@ -196,20 +194,9 @@ def test_a_node_that_stops_fails_loudly_and_the_tier_reconnects(cluster: RedisCl
 
 
 def test_one_plain_server_with_a_password_that_is_never_shown(tmp_path: Path) -> None:
-    port, secret = free_port(), "s3cret-pw"
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", HOST, "--save", "",
-                             "--requirepass", secret, "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis_py.Redis(host=HOST, port=port, password=secret).ping()
-                break
-            except redis_py.RedisError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        url = f"redis://:{secret}@{HOST}:{port}"
+    secret = "s3cret-pw"
+    with RedisServer(tmp_path, "--requirepass", secret) as server:
+        url = f"redis://:{secret}@{HOST}:{server.port}"
         with RemoteTier(RemoteTierConfig(url=url), NS, 0, PAYLOAD) as tier:
             assert not tier.cluster and secret not in tier._name
             key = key_of(8)
@@ -219,15 +206,47 @@ def test_one_plain_server_with_a_password_that_is_never_shown(tmp_path: Path) ->
         os.environ["TIERKV_TEST_PW"] = "wrong-" + secret
         try:
             with pytest.raises(BrokenError) as info:
-                RemoteTier(RemoteTierConfig(url=f"redis://{HOST}:{port}",
-                                            password_env="TIERKV_TEST_PW"), NS, 0, PAYLOAD)
+                RemoteTier(RemoteTierConfig(url=server.url, password_env="TIERKV_TEST_PW"),
+                           NS, 0, PAYLOAD)
             assert secret not in str(info.value) and "remote.url" in str(info.value)
         finally:
             del os.environ["TIERKV_TEST_PW"]
-        assert safe_url(url) == f"redis://***@{HOST}:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+        assert safe_url(url) == f"redis://***@{HOST}:{server.port}"
+
+
+def test_the_breaker_skips_a_dead_server_fast_warns_once_and_probes_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    key = key_of(9)
+    with RedisServer(tmp_path) as server:
+        config = RemoteTierConfig(url=server.url, timeout_seconds=0.2, breaker_failures=3,
+                                  breaker_seconds=0.5)
+        with RemoteTier(config, NS, 0, PAYLOAD) as tier:
+            tier.put_many([(key, payload_of(key))])
+            server.stop()
+            with caplog.at_level("WARNING", logger="tierkv.remote"):
+                for _ in range(3):
+                    with pytest.raises(BrokenError, match="failed"):
+                        tier.exists_many([key])
+                for _ in range(5):
+                    started = time.monotonic()
+                    with pytest.raises(BrokenError, match="circuit breaker is open"):
+                        tier.exists_many([key])
+                    assert time.monotonic() - started < 0.05  # no network: skipped at once
+            assert caplog.text.count("failed calls in a row") == 1
+            stats = tier.statistics()
+            assert (stats.errors, stats.skipped, stats.breaker_opens) == (3, 5, 1)
+            server.start()  # same port; its data is gone (no persistence)
+            time.sleep(0.6)
+            deadline = time.monotonic() + 10
+            while True:  # the probe after breaker_seconds finds it back
+                try:
+                    assert tier.exists_many([key]) == [False]
+                    break
+                except BrokenError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.6)
+            tier.put_many([(key, payload_of(key))])
+            assert read(tier, key) == (ReadStatus.OK, payload_of(key))
 
 
 def test_calls_after_close_raise_even_with_nothing_to_do(cluster: RedisCluster) -> None:
@@ -242,7 +261,8 @@ def test_calls_after_close_raise_even_with_nothing_to_do(cluster: RedisCluster) 
 
 @pytest.mark.parametrize("bad", [
     dict(url="http://x"), dict(url="redis://h", key_prefix="a{b"), dict(url="redis://h",
-    timeout_seconds=0), dict(url="redis://h", ttl_seconds=-1)])
+    timeout_seconds=0), dict(url="redis://h", ttl_seconds=-1), dict(url="redis://h",
+    breaker_failures=0), dict(url="redis://h", breaker_seconds=0)])
 def test_bad_remote_settings_name_the_field(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="remote\\."):
         RemoteTierConfig(**bad)  # type: ignore[arg-type]

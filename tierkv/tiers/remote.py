@@ -16,6 +16,9 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 - Every network failure (timeout, refused connection, a node gone) raises
   :class:`BrokenError` naming the tier, the address (never the password) and the setting;
   redis-py reconnects on the next call and follows ``MOVED``/``ASK`` during resharding.
+- **Circuit breaker**: after ``remote.breaker_failures`` failed calls in a row, calls fail
+  at once (:class:`BrokenError` saying so, no network) for ``remote.breaker_seconds``, with
+  one warning; the first call after that probes the server, and a success closes it.
 - ``sync`` is a no-op (durability is the server's); nothing is ever unpickled or evaluated.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -69,6 +73,8 @@ class RemoteStatistics:
     misses: int
     corrupt: int
     errors: int  # calls that failed on the network
+    skipped: int  # calls refused at once while the breaker was open
+    breaker_opens: int
     cluster: bool
 
 
@@ -78,7 +84,7 @@ class RemoteTier(LowerTier):
     write_lanes = 1
 
     def __init__(self, config: RemoteTierConfig, namespace: Namespace, rank: int,
-                 payload_bytes: int) -> None:
+                 payload_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(config, RemoteTierConfig):
             raise ConfigError(f"remote tier: config must be a RemoteTierConfig, got {config!r}")
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
@@ -95,7 +101,11 @@ class RemoteTier(LowerTier):
         self._prefix = config.key_prefix.encode()
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("puts", "already", "bytes_written", "reads", "hits",
-                                      "misses", "corrupt", "errors"), 0)
+                                      "misses", "corrupt", "errors", "skipped",
+                                      "breaker_opens"), 0)
+        self._clock = clock
+        self._failures = 0  # consecutive failed calls
+        self._open_until: float | None = None  # the breaker is open until then
         self._client, self.cluster = self._connect()
         self._delete_if_same = self._client.register_script(_DELETE_IF_SAME)
         self._closed = False
@@ -137,14 +147,41 @@ class RemoteTier(LowerTier):
 
     def _run(self, action: str, work: Callable[[], _T], key: bytes | None = None) -> _T:
         self._check_open()
+        what = action if key is None else f"{action} {short_key(key)}"
+        with self._lock:
+            skip = self._open_until is not None and self._clock() < self._open_until
+            if skip:
+                self._counts["skipped"] += 1
+        if skip:
+            raise BrokenError(f"{self._name}: {what} skipped: the circuit breaker is open after "
+                              f"{self.config.breaker_failures} failed calls in a row "
+                              f"(remote.breaker_failures); the server is probed again after "
+                              f"remote.breaker_seconds ({self.config.breaker_seconds} s)")
         try:
-            return work()
+            answer = work()
         except (RedisError, RedisClusterException, OSError) as exc:
-            self._count(errors=1)
-            what = action if key is None else f"{action} {short_key(key)}"
+            self._failed()
             raise BrokenError(f"{self._name}: {what} failed ({type(exc).__name__}: "
                               f"{self._scrub(exc)}); raise remote.timeout_seconds (now "
                               f"{self.config.timeout_seconds} s) if the server is slow") from None
+        with self._lock:
+            self._failures, self._open_until = 0, None
+        return answer
+
+    def _failed(self) -> None:
+        with self._lock:
+            self._counts["errors"] += 1
+            self._failures += 1
+            if self._failures < self.config.breaker_failures:
+                return
+            opened_now = self._open_until is None
+            self._open_until = self._clock() + self.config.breaker_seconds
+            if opened_now:
+                self._counts["breaker_opens"] += 1
+        if opened_now:
+            logger.warning("%s: %d failed calls in a row; skipping the remote tier for %s s "
+                           "(remote.breaker_seconds), then probing it again", self._name,
+                           self.config.breaker_failures, self.config.breaker_seconds)
 
     def _pipeline(self) -> Any:
         return self._client.pipeline() if self.cluster else \
