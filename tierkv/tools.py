@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierkv import remote_tools
 from tierkv.config import DiskTierConfig
 from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
                            short_key)
@@ -256,11 +257,16 @@ def verify_store(root: Path, repair: bool = False, only: str | None = None) -> V
 
 # ------------------------------------------------------------------------------ CLI
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", type=Path, help="store root (the disk tier's disk.path / disk_path)")
+    parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
+                                      "a remote store's redis:// or rediss:// URL")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
+    remote_tools.add_arguments(parser)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if remote_tools.is_remote(args.store):
+        return remote_tools.run_inspect(args)
+    args.store = Path(args.store)
     reports = inspect_store(args.store)
     chunks = sum(rank.chunks for report in reports for rank in report.ranks)
     payload = sum(rank.payload_bytes for report in reports for rank in report.ranks)
@@ -300,7 +306,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", type=Path, help="store root (the disk tier's disk.path / disk_path)")
+    parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
+                                      "a remote store's redis:// or rediss:// URL")
+    remote_tools.add_arguments(parser)
     parser.add_argument("--repair", action="store_true",
                         help="delete bad chunks; move damaged environments aside")
     parser.add_argument("--namespace", metavar="PREFIX",
@@ -308,6 +316,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    if remote_tools.is_remote(args.store):
+        return remote_tools.run_verify(args)
+    args.store = Path(args.store)
     started = time.perf_counter()
     outcome = verify_store(args.store, repair=args.repair, only=args.namespace)
     for line in outcome.lines:

@@ -46,7 +46,7 @@ from tierkv.tiers.remote_format import check_value, pack_value, redis_key
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")
 # Delete KEYS[1] only while it still holds ARGV[1] (the bad value that was read).
-_DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
+DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
                   "return redis.call('DEL', KEYS[1]) end return 0"
 
 
@@ -59,6 +59,49 @@ def safe_url(url: str) -> str:
     netloc = f"{parts.username + ':***@' if parts.username else '***@'}{host}" + \
         (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def scrub(config: RemoteTierConfig, exc: BaseException) -> str:
+    """The text of ``exc`` with the password (from the URL or the environment) masked."""
+    text = str(exc)
+    password = urlsplit(config.url).password or os.environ.get(config.password_env)
+    return text.replace(password, "***") if password else text
+
+
+def connect(config: RemoteTierConfig, name: str) -> tuple[Any, bool]:
+    """A client of ``config.url`` and whether it is a cluster (detected; more seed nodes
+    after commas make it one). A failure is a :class:`BrokenError` that starts with ``name``."""
+    urls = [url.strip() for url in config.url.split(",") if url.strip()]
+    options: dict[str, Any] = dict(socket_timeout=config.timeout_seconds,
+                                   socket_connect_timeout=config.timeout_seconds)
+    if urlsplit(urls[0]).password is None and os.environ.get(config.password_env):
+        options["password"] = os.environ[config.password_env]
+    seeds = [ClusterNode(urlsplit(url).hostname or "127.0.0.1",  # type: ignore[no-untyped-call]
+                         urlsplit(url).port or 6379) for url in urls[1:]]
+    try:
+        try:
+            client: Any = RedisCluster.from_url(
+                urls[0], **options, **({"startup_nodes": seeds} if seeds else {}))
+            return client, True
+        except RedisClusterException as exc:
+            if "cluster mode is not enabled" not in str(exc).lower() or seeds:
+                raise
+        client = redis.Redis.from_url(urls[0], **options)
+        client.ping()
+        return client, False
+    except (RedisError, RedisClusterException, OSError) as exc:
+        raise BrokenError(f"{name}: cannot connect ({type(exc).__name__}: "
+                          f"{scrub(config, exc)}); check remote.url and that the server "
+                          f"runs") from None
+
+
+def scan_names(client: Any, cluster: bool, pattern: bytes, batch: int) -> Iterator[bytes]:
+    """Every key matching ``pattern``, from each primary of a cluster."""
+    if not cluster:
+        yield from client.scan_iter(match=pattern, count=batch)
+        return
+    for node in client.get_primaries():
+        yield from client.scan_iter(match=pattern, count=batch, target_nodes=node)
 
 
 @dataclass(frozen=True)
@@ -106,40 +149,14 @@ class RemoteTier(LowerTier):
         self._clock = clock
         self._failures = 0  # consecutive failed calls
         self._open_until: float | None = None  # the breaker is open until then
-        self._client, self.cluster = self._connect()
-        self._delete_if_same = self._client.register_script(_DELETE_IF_SAME)
+        self._client, self.cluster = connect(config, self._name)
+        self._delete_if_same = self._client.register_script(DELETE_IF_SAME)
         self._closed = False
 
     # -- connection ------------------------------------------------------------------------
 
-    def _connect(self) -> tuple[Any, bool]:
-        urls = [url.strip() for url in self.config.url.split(",") if url.strip()]
-        options: dict[str, Any] = dict(socket_timeout=self.config.timeout_seconds,
-                                       socket_connect_timeout=self.config.timeout_seconds)
-        if urlsplit(urls[0]).password is None and os.environ.get(self.config.password_env):
-            options["password"] = os.environ[self.config.password_env]
-        seeds = [ClusterNode(urlsplit(url).hostname or "127.0.0.1",  # type: ignore[no-untyped-call]
-                             urlsplit(url).port or 6379) for url in urls[1:]]
-        try:
-            try:
-                client: Any = RedisCluster.from_url(
-                    urls[0], **options, **({"startup_nodes": seeds} if seeds else {}))
-                return client, True
-            except RedisClusterException as exc:
-                if "cluster mode is not enabled" not in str(exc).lower() or seeds:
-                    raise
-            client = redis.Redis.from_url(urls[0], **options)
-            client.ping()
-            return client, False
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise BrokenError(f"{self._name}: cannot connect ({type(exc).__name__}: "
-                              f"{self._scrub(exc)}); check remote.url and that the server "
-                              f"runs") from None
-
     def _scrub(self, exc: BaseException) -> str:
-        text = str(exc)
-        password = urlsplit(self.config.url).password or os.environ.get(self.config.password_env)
-        return text.replace(password, "***") if password else text
+        return scrub(self.config, exc)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -283,11 +300,7 @@ class RemoteTier(LowerTier):
 
     def _names(self, batch: int) -> Iterator[bytes]:
         pattern = b"%s%s:{*}:%d" % (self._prefix, self.fingerprint.encode(), self.rank)
-        if not self.cluster:
-            yield from self._client.scan_iter(match=pattern, count=batch)
-            return
-        for node in self._client.get_primaries():
-            yield from self._client.scan_iter(match=pattern, count=batch, target_nodes=node)
+        return scan_names(self._client, self.cluster, pattern, batch)
 
     def _chunk_key(self, name: bytes) -> bytes | None:
         start, end = name.find(b"{"), name.find(b"}")

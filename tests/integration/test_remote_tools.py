@@ -1,0 +1,87 @@
+"""``tierkv inspect URL`` and ``tierkv verify [--repair] URL`` on the real 3-master cluster."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+from redis.cluster import RedisCluster as ClusterClient
+
+from tests.redis_cluster import RedisCluster
+from tierkv.cli import main
+from tierkv.config import RemoteTierConfig
+from tierkv.keys import Namespace
+from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.remote_format import redis_key
+from tierkv.units import format_bytes
+
+PAYLOAD = 4096
+NS = Namespace(model_id="tools", dtype="float16", kv_layout="NHD", page_bytes=512,
+               tokens_per_chunk=16)
+OTHER = Namespace(model_id="tools-b", dtype="float16", kv_layout="NHD", page_bytes=512,
+                  tokens_per_chunk=16)
+
+
+@pytest.fixture()
+def cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
+    redis_cluster.flushall()
+    yield redis_cluster
+
+
+def fill(cluster: RedisCluster) -> list[bytes]:
+    keys = [random.Random(i).randbytes(32) for i in range(12)]
+    for namespace, rank, count in ((NS, 0, 12), (NS, 1, 12), (OTHER, 0, 5)):
+        with RemoteTier(RemoteTierConfig(url=cluster.url), namespace, rank, PAYLOAD) as tier:
+            tier.put_many([(key, random.Random(key).randbytes(PAYLOAD)) for key in keys[:count]])
+    return keys
+
+
+def test_inspect_counts_chunks_and_bytes_per_namespace_and_rank(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(cluster)
+    raw = ClusterClient.from_url(cluster.url)
+    raw.set(b"tierkv:not-a-chunk", b"x")  # under the prefix, not tierkv's: not counted
+    raw.close()
+    assert main(["inspect", cluster.url]) == 0
+    out = capsys.readouterr().out
+    value = PAYLOAD + 80  # header + payload
+    assert f"namespace {NS.fingerprint()} rank 0: 12 chunks, {format_bytes(12 * value, 2)}" in out
+    assert f"namespace {NS.fingerprint()} rank 1: 12 chunks" in out
+    assert f"namespace {OTHER.fingerprint()} rank 0: 5 chunks" in out
+    assert "2 namespace(s)" in out and "inspected 29 chunks" in out
+    assert main(["inspect", cluster.url, "--key-prefix", "elsewhere:"]) == 0
+    assert "inspected 0 chunks" in capsys.readouterr().out
+
+
+def test_verify_finds_bad_values_and_repair_deletes_them(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = fill(cluster)
+    raw = ClusterClient.from_url(cluster.url)
+    flipped = redis_key(b"tierkv:", NS.fingerprint(), 0, keys[3])
+    value = bytearray(raw.get(flipped))
+    value[100] ^= 1
+    raw.set(flipped, bytes(value))
+    moved = redis_key(b"tierkv:", NS.fingerprint(), 1, keys[4])  # rank 0's value under rank 1
+    raw.set(moved, raw.get(redis_key(b"tierkv:", NS.fingerprint(), 0, keys[4])))
+    assert main(["verify", cluster.url]) == 1
+    out = capsys.readouterr().out
+    assert out.count("bad chunk") == 2 and keys[3].hex() in out and keys[4].hex() in out
+    assert "verified 29 chunks" in out and "run with --repair" in out
+    assert raw.exists(flipped) and raw.exists(moved)  # verify alone changed nothing
+    assert main(["verify", cluster.url, "--repair"]) == 1
+    assert "2 bad, deleted 2" in capsys.readouterr().out
+    assert not raw.exists(flipped) and not raw.exists(moved)
+    assert main(["verify", cluster.url]) == 0
+    assert "verified 27 chunks" in capsys.readouterr().out
+    raw.close()
+
+
+def test_a_server_that_is_not_there_is_an_error_naming_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.redis_cluster import free_port
+
+    url = f"redis://:pw-not-shown@127.0.0.1:{free_port()}"
+    assert main(["verify", url, "--timeout", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot connect" in err and "pw-not-shown" not in err and "127.0.0.1" in err
