@@ -26,7 +26,7 @@ def free_port() -> int:
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind((HOST, 0))
-            port = probe.getsockname()[1]
+            port = int(probe.getsockname()[1])
         if port + 10000 > 65535:
             continue
         with socket.socket() as bus:

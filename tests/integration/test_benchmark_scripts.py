@@ -29,6 +29,8 @@ CASES = {
               "--repeats", "1", "--no-block-loop", "--layouts", "LB", "--ids", "consecutive"],
              "engine store"),
     "restart": (["bench_restart.py", "--chunks", "300", "--rounds", "1"], "verdict: cold read"),
+    "remote": (["bench_remote.py", "--chunk-kib", "16", "--total-mib", "1", "--rounds", "1",
+                "--lookup-chunks", "40", "--benchmark-mib", "16"], "verdict: remote tier"),
     "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1"], "cold read"),
     "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk/arc"),
     "vllm-scan": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1", "--configs",
