@@ -16,6 +16,7 @@ starts with ``redis://`` or ``rediss://``.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections import Counter
@@ -118,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_inspect(args: argparse.Namespace) -> int:
     report = inspect_remote(_config(args))
+    if args.json:
+        print(json.dumps([{"fingerprint": fingerprint, "rank": rank, "chunks": chunks,
+                           "value_bytes": report.value_bytes[(fingerprint, rank)]}
+                          for (fingerprint, rank), chunks in sorted(report.chunks.items())]))
+        return 0
     print(f"remote store {safe_url(str(args.store))} (prefix {args.key_prefix!r}): "
           f"{len({fp for fp, _ in report.chunks})} namespace(s)")
     for (fingerprint, rank), chunks in sorted(report.chunks.items()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 
@@ -50,6 +51,11 @@ def test_inspect_counts_chunks_and_bytes_per_namespace_and_rank(
     assert f"namespace {NS.fingerprint()} rank 1: 12 chunks" in out
     assert f"namespace {OTHER.fingerprint()} rank 0: 5 chunks" in out
     assert "2 namespace(s)" in out and "inspected 29 chunks" in out
+    assert main(["inspect", cluster.url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["fingerprint"], row["rank"], row["chunks"], row["value_bytes"]) for row in rows} \
+        == {(NS.fingerprint(), 0, 12, 12 * value), (NS.fingerprint(), 1, 12, 12 * value),
+            (OTHER.fingerprint(), 0, 5, 5 * value)}
     assert main(["inspect", cluster.url, "--key-prefix", "elsewhere:"]) == 0
     assert "inspected 0 chunks" in capsys.readouterr().out
 
