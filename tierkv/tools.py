@@ -163,7 +163,7 @@ def inspect_store(root: Path) -> list[NamespaceReport]:
                     report.ranks.append(peek_rank(Path(root), namespace, int(suffix), rank_dir))
             elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
                 report.broken.append(rank_dir.name)
-            if rank_dir.is_dir():
+            if suffix.isdigit() and rank_dir.is_dir():
                 report.broken += [f"{rank_dir.name}/{shard.name}" for shard in
                                   sorted(rank_dir.glob("shard-*.*-*"))]
         reports.append(report)
@@ -186,6 +186,11 @@ class VerifyOutcome:
         return self.bad == 0 and self.damaged == 0
 
 
+def _moved_aside(rank_dir: Path) -> set[Path]:
+    """What the engine moved aside of one rank: the rank directory, or one of its shards."""
+    return set(rank_dir.parent.glob(f"{rank_dir.name}.*-*")) | set(rank_dir.glob("shard-*.*-*"))
+
+
 def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome) -> None:
     """Check one environment through :class:`DiskTier` (``repair``: see the module docstring)."""
@@ -195,7 +200,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
         if not repair:
             return
-    before = set(rank.path.glob("shard-*.*-*"))
+    before = _moved_aside(rank.path)
     try:
         with _open_tier(root, namespace, rank, repair=repair, read_only=not repair) as tier:
             result = tier.verify(repair=repair)
@@ -213,7 +218,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         else:  # a known problem: only a repair got here
             outcome.lines.append(f"  not repaired: {exc}")
         return
-    moved = sorted(set(rank.path.glob("shard-*.*-*")) - before)
+    moved = sorted(_moved_aside(rank.path) - before)
     if moved:
         outcome.moved_aside += len(moved)
         outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "

@@ -305,3 +305,22 @@ def test_verify_without_repair_changes_nothing(tmp_path: Path, state: str,
     out = capsys.readouterr().out
     assert _tree(tmp_path) == before
     assert code == (0 if state in ("clean", "loose modes") else 1), out
+
+
+@needs_root
+def test_verify_repair_moves_a_foreign_rank_directory_aside_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine moves a whole rank directory aside when it is not this user's; with four
+    shards below it, verify --repair looked for moved shards only and missed it."""
+    from tierkv.cli import main
+
+    kv = support.make_kv()
+    with support.open_store(tmp_path, kv) as store:
+        support.store_chunks(store, kv, support.request_keys(12))
+    env_dir = support.env_dirs(tmp_path)[0]
+    os.chown(env_dir, OTHER_UID, OTHER_UID)
+    assert main(["verify", "--repair", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    (aside,) = env_dir.parent.glob("rank-0.foreign-*")
+    assert f"moved it to {aside.name}" in out and "moved aside 1" in out, out
+    assert main(["verify", str(tmp_path)]) == 0
