@@ -134,6 +134,7 @@ class RemoteTierConfig:
     password_env: str = "TIERKV_REMOTE_PASSWORD"  # used when the URL carries no password
     breaker_failures: int = 5  # consecutive failed calls that open the circuit breaker
     breaker_seconds: float = 10.0  # how long an open breaker skips the tier before a probe
+    queue_bytes: int = 256 * MiB  # write-behind pushes queued at most (RemoteIO); more: skipped
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://")):
@@ -145,6 +146,7 @@ class RemoteTierConfig:
                               f"wildcards or spaces, got {self.key_prefix!r}")
         _positive("remote", "timeout_seconds", self.timeout_seconds)
         _positive("remote", "breaker_seconds", self.breaker_seconds)
+        _positive_int("remote", "queue_bytes", self.queue_bytes)
         if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \
                 or self.breaker_failures < 1:
             raise ConfigError(f"remote.breaker_failures must be an int >= 1, got "
