@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -26,11 +25,10 @@ from typing import Any
 
 from tierkv.config import RemoteTierConfig
 from tierkv.tiers.remote import DELETE_IF_SAME, connect, safe_url, scan_names
-from tierkv.tiers.remote_format import HEADER_BYTES, check_value
+from tierkv.tiers.remote_format import HEADER_BYTES, check_value, parse_redis_key
 from tierkv.units import format_bytes
 
 PROGRESS_EVERY = 10_000
-_KEY = re.compile(rb"^(?P<fp>[0-9a-f]{32}):\{(?P<key>[0-9a-f]{64})\}:(?P<rank>[0-9]+)$")
 
 
 def is_remote(store: str) -> bool:
@@ -45,10 +43,9 @@ def _entries(client: Any, cluster: bool, prefix: bytes,
         seen += 1
         if seen % PROGRESS_EVERY == 0:
             print(f"  ... {seen} keys scanned", file=sys.stderr, flush=True)
-        match = _KEY.match(name[len(prefix):])
-        if match is not None:
-            yield (name, match["fp"].decode(), int(match["rank"]),
-                   bytes.fromhex(match["key"].decode()))
+        parsed = parse_redis_key(prefix, name)
+        if parsed is not None:
+            yield (name, *parsed)
 
 
 @dataclass

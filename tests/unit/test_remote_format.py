@@ -69,3 +69,13 @@ def test_the_ranks_of_a_chunk_share_one_hash_tag() -> None:
     assert keys[0] == b"tierkv:" + FP.encode() + b":{" + KEY.hex().encode() + b"}:0"
     tags = {k[k.index(b"{") + 1 : k.index(b"}")] for k in keys}
     assert tags == {KEY.hex().encode()}
+
+
+def test_a_redis_key_parses_back_and_other_keys_do_not() -> None:
+    from tierkv.tiers.remote_format import parse_redis_key
+
+    name = redis_key(b"tierkv:", FP, 3, KEY)
+    assert parse_redis_key(b"tierkv:", name) == (FP, 3, KEY)
+    for other in (name[:-2], b"tierkv:not-a-chunk", name.replace(b"{", b""),
+                  b"elsewhere:" + name[len(b"tierkv:"):], name + b"x"):
+        assert parse_redis_key(b"tierkv:", other) is None

@@ -557,7 +557,7 @@ class DiskTier(LowerTier):
             checked, bad = checked + count, bad + found
             if repair and found:
                 repaired += lm.run("repairing", partial(self._delete_txn, lm, keys=found))
-        return VerifyReport(checked, tuple(bad), len(bad) if repair else 0,
+        return VerifyReport(checked, tuple(bad), repaired,
                             damaged="; ".join(damaged) or None, rebuilt=bool(damaged))
 
     def _verify_shard(self, lm: LmdbEnv, batch: int,

@@ -41,7 +41,7 @@ from tierkv.config import RemoteTierConfig
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
-from tierkv.tiers.remote_format import check_value, pack_value, redis_key
+from tierkv.tiers.remote_format import check_value, pack_value, parse_redis_key, redis_key
 
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")
@@ -302,20 +302,12 @@ class RemoteTier(LowerTier):
         pattern = b"%s%s:{*}:%d" % (self._prefix, self.fingerprint.encode(), self.rank)
         return scan_names(self._client, self.cluster, pattern, batch)
 
-    def _chunk_key(self, name: bytes) -> bytes | None:
-        start, end = name.find(b"{"), name.find(b"}")
-        try:
-            key = bytes.fromhex(name[start + 1 : end].decode())
-        except ValueError:
-            return None
-        return key if len(key) == KEY_BYTES and self._key(key) == name else None
-
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]:
         names = self._run("scanning", lambda: list(self._names(batch)))
         for name in names:
-            key = self._chunk_key(name)
-            if key is not None:
-                yield ChunkRecord(key, self.payload_bytes, 0)
+            parsed = parse_redis_key(self._prefix, name)
+            if parsed is not None and parsed[:2] == (self.fingerprint, self.rank):
+                yield ChunkRecord(parsed[2], self.payload_bytes, 0)
 
     def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport:
         bad: list[bytes] = []

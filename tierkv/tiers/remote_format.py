@@ -2,7 +2,7 @@
 
 Primitives and contracts:
 
-- :func:`redis_key` is one key per (chunk, rank): ``<prefix><fingerprint>:{<key hex>}:<rank>``.
+- :func:`redis_key` is one key per (chunk, rank) (:func:`parse_redis_key` reads one back): ``<prefix><fingerprint>:{<key hex>}:<rank>``.
   The braces are a Redis Cluster hash tag: every rank of a chunk hashes to one slot, so one
   node answers whether all of them exist and a reshard moves them together.
 - A value is a fixed 80-byte header, then the raw payload: magic ``b"TKRV"``, format
@@ -17,6 +17,7 @@ Primitives and contracts:
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import Any
 
@@ -31,6 +32,18 @@ HEADER_BYTES = _HEADER.size  # 80
 def redis_key(prefix: bytes, fingerprint: str, rank: int, key: bytes) -> bytes:
     """The Redis key of chunk ``key`` on ``rank`` of the namespace ``fingerprint``."""
     return b"%s%s:{%s}:%d" % (prefix, fingerprint.encode(), key.hex().encode(), rank)
+
+
+_NAME = re.compile(rb"^(?P<fp>[0-9a-f]{32}):\{(?P<key>[0-9a-f]{64})\}:(?P<rank>[0-9]+)$")
+
+
+def parse_redis_key(prefix: bytes, name: bytes) -> tuple[str, int, bytes] | None:
+    """(fingerprint, rank, chunk key) of a :func:`redis_key` under ``prefix``; None for
+    any other key."""
+    match = _NAME.match(name[len(prefix):]) if name.startswith(prefix) else None
+    if match is None:
+        return None
+    return match["fp"].decode(), int(match["rank"]), bytes.fromhex(match["key"].decode())
 
 
 def pack_value(fingerprint: str, rank: int, key: bytes, payload: Any) -> bytes:
