@@ -5,6 +5,8 @@ persistence, ``allkeys-lru``) on free loopback ports in a directory of its own, 
 with ``redis-cli --cluster create`` (no replicas), waits until every node says
 ``cluster_state:ok``, and stops them by pid. ``scripts/install_redis.sh`` installs the
 server; where it is missing the fixture fails with what to run (it is never mocked).
+:meth:`RedisCluster.reshard` moves slots and their keys between masters while clients run,
+the way ``redis-cli --cluster reshard`` does.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+import redis
 
 HOST = "127.0.0.1"
 
@@ -42,6 +48,13 @@ def _cli(port: int, *args: str, timeout: float = 10) -> str:
     done = subprocess.run(["redis-cli", "-h", HOST, "-p", str(port), *args],
                           capture_output=True, text=True, timeout=timeout)
     return done.stdout
+
+
+def _command(node: redis.Redis, *args: object) -> Any:
+    """``node.execute_command(*args)``, the command name given word by word: redis-py then
+    applies no reply callback (its ``CLUSTER GETKEYSINSLOT`` one decodes binary keys to str,
+    replacing what is not UTF-8)."""
+    return node.execute_command(*args)  # type: ignore[no-untyped-call]
 
 
 class RedisCluster:
@@ -113,6 +126,60 @@ class RedisCluster:
             self.close()
             raise
         return self
+
+    def node_id(self, port: int) -> str:
+        """The cluster node id of the master on ``port``."""
+        return _cli(port, "CLUSTER", "MYID").strip()
+
+    def slots_of(self, port: int) -> list[int]:
+        """The slots the master on ``port`` owns, as it says itself (ascending)."""
+        myself = next(line for line in _cli(port, "CLUSTER", "NODES").splitlines()
+                      if "myself" in line.split()[2].split(","))
+        slots: list[int] = []
+        for part in myself.split()[8:]:
+            if part.startswith("["):
+                continue  # [slot->-id] / [slot-<-id]: a slot being migrated or imported
+            low, _, high = part.partition("-")
+            slots.extend(range(int(low), int(high or low) + 1))
+        return sorted(slots)
+
+    def reshard(self, source_port: int, target_port: int, num_slots: int,
+                pause: float = 0.0, batch: int = 100) -> int:
+        """Move the ``num_slots`` lowest slots of the master on ``source_port`` to the one on
+        ``target_port`` with their keys (:meth:`move_slots`). Returns the keys moved."""
+        slots = self.slots_of(source_port)
+        if len(slots) < num_slots:
+            raise ValueError(f"port {source_port} owns {len(slots)} slots, not {num_slots}")
+        return self.move_slots(slots[:num_slots], source_port, target_port, pause, batch)
+
+    def move_slots(self, slots: Iterable[int], source_port: int, target_port: int,
+                   pause: float = 0.0, batch: int = 100) -> int:
+        """Move each of ``slots`` (owned by ``source_port``) and its keys to ``target_port``
+        as ``redis-cli --cluster reshard`` does, slot by slot: IMPORTING on the target,
+        MIGRATING on the source, ``MIGRATE`` ``batch`` keys at a time until none is left,
+        then NODE on the target, the source and every other master. ``pause`` seconds are
+        slept after each ``MIGRATE`` and before the NODEs, while the slot is open (clients
+        get ``ASK`` for its keys that moved). Returns the number of keys moved."""
+        ids = {port: self.node_id(port) for port in self.procs}
+        nodes = {port: redis.Redis(host=HOST, port=port) for port in self.procs}
+        source, target = nodes[source_port], nodes[target_port]
+        others = [nodes[port] for port in nodes if port not in (source_port, target_port)]
+        moved = 0
+        try:
+            for slot in slots:
+                _command(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source_port])
+                _command(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target_port])
+                while keys := _command(source, "CLUSTER", "GETKEYSINSLOT", slot, batch):
+                    _command(source, "MIGRATE", HOST, target_port, "", 0, 5000, "KEYS", *keys)
+                    moved += len(keys)
+                    time.sleep(pause)
+                time.sleep(pause)
+                for node in (target, source, *others):
+                    _command(node, "CLUSTER", "SETSLOT", slot, "NODE", ids[target_port])
+        finally:
+            for node in nodes.values():
+                node.close()
+        return moved
 
     def flushall(self) -> None:
         for port in self.procs:

@@ -12,12 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from tierkv.core.policy import DEFAULT_POLICY, policy_names
 from tierkv.errors import ConfigError
 from tierkv.units import GiB, MiB
 
 EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
+
+PUSH_POLICIES = ("on_store", "on_evict", "read_only")  # when chunks go to the remote tier
 
 # Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
 DISK_OVERHEAD_BYTES = 8192
@@ -32,6 +35,22 @@ def disk_chunk_capacity(disk_bytes: int, chunk_bytes: int, ranks: int = 1) -> in
     """Chunks a disk cap of ``disk_bytes`` holds, each ``chunk_bytes`` on each of ``ranks``
     ranks (with :data:`DISK_OVERHEAD_BYTES` per chunk and rank): the one capacity formula."""
     return max(disk_bytes // ((chunk_bytes + DISK_OVERHEAD_BYTES) * ranks), 0)
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password (for messages and logs); every seed of a list."""
+    if "," in url:
+        return ",".join(safe_url(part) for part in url.split(","))
+    try:
+        parts = urlsplit(url)
+        password, host, port = parts.password, parts.hostname or "", parts.port
+    except ValueError:  # not a URL one can split: show its scheme only
+        return url.split("://")[0] + "://..."
+    if password is None:
+        return url
+    netloc = f"{parts.username + ':***@' if parts.username else '***@'}{host}" + \
+        (f":{port}" if port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _is_number(value: Any) -> bool:
@@ -123,9 +142,8 @@ class DiskTierConfig:
 
 @dataclass(frozen=True)
 class RemoteTierConfig:
-    """A shared remote tier on Redis / Valkey (Cluster). Not yet part of
-    :class:`StoreConfig`: the library API opens :class:`tierkv.tiers.remote.RemoteTier`
-    with it directly (``docs/remote.md``)."""
+    """A shared remote tier on Redis / Valkey (Cluster) behind the disk tier
+    (``StoreConfig.remote``; ``docs/remote.md``)."""
 
     url: str  # redis://host:port or rediss:// (TLS); more seed nodes after commas
     key_prefix: str = "tierkv:"
@@ -135,11 +153,17 @@ class RemoteTierConfig:
     breaker_failures: int = 5  # consecutive failed calls that open the circuit breaker
     breaker_seconds: float = 10.0  # how long an open breaker skips the tier before a probe
     queue_bytes: int = 256 * MiB  # write-behind pushes queued at most (RemoteIO); more: skipped
+    push: str = "on_store"  # "on_store", "on_evict" (when written back to disk), "read_only"
+    lookup_deadline_seconds: float = 0.01  # a lookup waits this long for the server, then "not yet"
+    lookup_chunks: int = 64  # candidate chunks beyond the local prefix asked in one lookup
+    mark_seconds: float = 10.0  # a chunk the server had counts as a remote hit this long
+    reader_threads: int = 4  # remote reads of a load run in parallel
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://")):
+            shown = safe_url(self.url) if isinstance(self.url, str) else self.url
             raise ConfigError(f"remote.url must start with redis:// or rediss://, got "
-                              f"{self.url!r:.60}")
+                              f"{shown!r:.80}")
         if not isinstance(self.key_prefix, str) or not self.key_prefix or \
                 any(ch in self.key_prefix for ch in "{}*?[] "):
             raise ConfigError(f"remote.key_prefix must be a non-empty str without braces, "
@@ -155,6 +179,15 @@ class RemoteTierConfig:
             _positive("remote", "ttl_seconds", self.ttl_seconds)
         if not isinstance(self.password_env, str):
             raise ConfigError(f"remote.password_env must be a str, got {self.password_env!r}")
+        if self.push not in PUSH_POLICIES:
+            raise ConfigError(f"remote.push must be one of {list(PUSH_POLICIES)}, got "
+                              f"{self.push!r}")
+        _positive("remote", "lookup_deadline_seconds", self.lookup_deadline_seconds)
+        _positive("remote", "mark_seconds", self.mark_seconds)
+        for name in ("lookup_chunks", "reader_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"remote.{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -166,6 +199,7 @@ class StoreConfig:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     device: str = "auto"  # "auto", "cpu", "cuda"
     rank: int = 0
+    remote: RemoteTierConfig | None = None  # None: no remote tier
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks_per_chunk, bool) or not isinstance(self.blocks_per_chunk, int):
@@ -179,6 +213,14 @@ class StoreConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} (a dict in from_dict), "
                                   f"got {getattr(self, name)!r}")
+        if self.remote is not None:
+            if not isinstance(self.remote, RemoteTierConfig):
+                raise ConfigError(f"remote must be a RemoteTierConfig (a dict in from_dict) or "
+                                  f"None, got {self.remote!r:.80}")
+            if self.remote.push == "on_evict" and self.disk.path is None:
+                raise ConfigError("remote.push='on_evict' pushes chunks as they are written "
+                                  "back to the disk tier, and disk.path is None: set "
+                                  "disk.path, or use remote.push='on_store'")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StoreConfig:
@@ -188,9 +230,13 @@ class StoreConfig:
                               f"got {raw!r}")
         _refuse_unknown(cls, raw)
         kwargs = dict(raw)
-        for name, sub in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
+        for name, sub in (("cpu", CpuTierConfig), ("disk", DiskTierConfig),
+                          ("remote", RemoteTierConfig)):
             if name in kwargs and isinstance(kwargs[name], Mapping):
                 _refuse_unknown(sub, kwargs[name], f"{name}.")
+                if sub is RemoteTierConfig and "url" not in kwargs[name]:
+                    raise ConfigError("remote.url is required (redis://host:port, or "
+                                      "rediss:// for TLS)")
                 kwargs[name] = sub(**kwargs[name])
         return cls(**kwargs)
 

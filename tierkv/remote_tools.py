@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.config import RemoteTierConfig
-from tierkv.tiers.remote import DELETE_IF_SAME, connect, safe_url, scan_names
+from tierkv.config import RemoteTierConfig, safe_url
+from tierkv.tiers.remote import DELETE_IF_SAME, connect, scan_names
 from tierkv.tiers.remote_format import HEADER_BYTES, check_value, parse_redis_key
 from tierkv.units import format_bytes
 

@@ -14,12 +14,12 @@ import pytest
 from redis.cluster import RedisCluster as ClusterClient
 
 from tests.redis_cluster import HOST, RedisCluster, RedisServer
-from tierkv.config import RemoteTierConfig
+from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.keys import Namespace
 from tierkv.tiers import remote as remote_module
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.remote import RemoteTier, safe_url
+from tierkv.tiers.remote import RemoteTier
 from tierkv.tiers.remote_format import redis_key
 
 PAYLOAD = 8192
@@ -257,12 +257,3 @@ def test_calls_after_close_raise_even_with_nothing_to_do(cluster: RedisCluster) 
                  lambda: tier.exists_many([]), lambda: tier.read_into(key_of(1), bytearray(PAYLOAD))):
         with pytest.raises(ClosedError, match="after close"):
             call()
-
-
-@pytest.mark.parametrize("bad", [
-    dict(url="http://x"), dict(url="redis://h", key_prefix="a{b"), dict(url="redis://h",
-    timeout_seconds=0), dict(url="redis://h", ttl_seconds=-1), dict(url="redis://h",
-    breaker_failures=0), dict(url="redis://h", breaker_seconds=0)])
-def test_bad_remote_settings_name_the_field(bad: dict[str, object]) -> None:
-    with pytest.raises(ConfigError, match="remote\\."):
-        RemoteTierConfig(**bad)  # type: ignore[arg-type]

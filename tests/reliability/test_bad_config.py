@@ -1,6 +1,7 @@
 """Bad configuration fails at once, with an error that names the setting and the value.
 
-Every field of CpuTierConfig, DiskTierConfig and StoreConfig has bad values below, checked
+Every field of CpuTierConfig, DiskTierConfig, RemoteTierConfig and StoreConfig has bad
+values below (a remote tier's with a good ``url`` beside them), checked
 through the dataclass and through ``StoreConfig.from_dict`` (the path JSON and vLLM's
 ``kv_connector_extra_config`` take). A test pins that the table covers every field, so a
 new setting without a bad-value case fails here. Also: the vLLM connector refuses vLLM
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
+from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
 from tierkv.errors import ConfigError, TierKVError
 
 NAN = math.nan
@@ -42,15 +43,33 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "reader_threads": [0, -1, 2.0, "4", True, None],
         "tune_malloc": ["no", 0, None],
     },
+    "remote": {
+        "url": ["http://x", "", None, 6379, "redis:/h", "localhost:6379"],
+        "key_prefix": ["", "a{b", "a*", "a b", None, 1],
+        "timeout_seconds": [0, -1, NAN, "0.5", None, True],
+        "ttl_seconds": [0, -1, NAN, "60", True],
+        "password_env": [None, 1, b"X"],
+        "breaker_failures": [0, -1, 1.5, "5", True, None],
+        "breaker_seconds": [0, -1, NAN, "10", None],
+        "queue_bytes": [0, -1, 1.5, "256M", True, None],
+        "push": ["always", "", None, True, "on-store"],
+        "lookup_deadline_seconds": [0, -0.1, NAN, "0.01", None, True],
+        "lookup_chunks": [0, -1, 2.5, "64", True, None],
+        "mark_seconds": [0, -1, NAN, "10", None],
+        "reader_threads": [0, -1, 2.0, "4", True, None],
+    },
     "store": {
         "blocks_per_chunk": [0, -1, 1.5, "16", True, None],
         "cpu": ["cpu", None, 4, {"max_bytes": 1}],
         "disk": ["/tmp/cache", None, {"path": "/tmp/cache"}],
         "device": ["gpu", "", None, 0],
         "rank": [-1, 1.5, "0", True, None],
+        "remote": ["redis://h:6379", 3, {"url": "redis://h"}],
     },
 }
-CLASSES = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "store": StoreConfig}
+CLASSES = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "remote": RemoteTierConfig,
+           "store": StoreConfig}
+URL = "redis://127.0.0.1:6379"  # beside a bad remote setting: the one good field it needs
 CASES = [(section, name, value) for section, table in BAD.items()
          for name, values in table.items() for value in values]
 IDS = [f"{section}.{name}={value!r}" for section, name, value in CASES]
@@ -73,8 +92,9 @@ def test_the_table_covers_every_setting() -> None:
 
 @pytest.mark.parametrize(("section", "name", "value"), CASES, ids=IDS)
 def test_bad_value_names_setting_and_value(section: str, name: str, value: Any) -> None:
+    kwargs = {"url": URL} if section == "remote" else {}
     with pytest.raises(ConfigError) as raised:
-        CLASSES[section](**{name: value})
+        CLASSES[section](**{**kwargs, name: value})
     _check_message(raised.value, section, name, value)
 
 
@@ -82,6 +102,8 @@ def test_bad_value_names_setting_and_value(section: str, name: str, value: Any) 
                          ids=[case_id for _, case_id in DICT_CASES])
 def test_bad_value_through_from_dict(section: str, name: str, value: Any) -> None:
     raw: dict[str, Any] = {name: value} if section == "store" else {section: {name: value}}
+    if section == "remote":
+        raw["remote"] = {"url": URL, **raw["remote"]}
     with pytest.raises(ConfigError) as raised:
         StoreConfig.from_dict(raw)
     _check_message(raised.value, section, name, value)
@@ -103,6 +125,24 @@ def test_good_values_pass_and_from_dict_builds_the_same_config(tmp_path: Path) -
                                  disk=DiskTierConfig(**raw["disk"]))
     assert config.disk.path == tmp_path
     assert DiskTierConfig(sync_every_seconds=math.inf).sync_every_seconds == math.inf
+
+
+def test_a_remote_tier_from_dict_and_what_it_refuses(tmp_path: Path) -> None:
+    remote = {"url": "redis://u:secret@127.0.0.1:7000,redis://127.0.0.1:7001",
+              "key_prefix": "fleet-a:", "push": "on_evict", "lookup_deadline_seconds": 0.05,
+              "ttl_seconds": 3600, "queue_bytes": 1 << 20}
+    config = StoreConfig.from_dict({"disk": {"path": str(tmp_path)}, "remote": remote})
+    assert config.remote == RemoteTierConfig(**remote)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="remote.url is required"):
+        StoreConfig.from_dict({"remote": {"key_prefix": "a:"}})
+    with pytest.raises(ConfigError, match="remote.push='on_evict'.*disk.path"):
+        StoreConfig.from_dict({"remote": remote})  # no disk tier to be evicted to
+    with pytest.raises(ConfigError, match="remote.lookup_chunk") as raised:
+        StoreConfig.from_dict({"remote": {"url": "redis://h", "lookup_chunk": 3}})
+    assert "unknown setting" in str(raised.value)
+    with pytest.raises(ConfigError) as raised:  # a bad URL is shown without its password
+        RemoteTierConfig(url="http://user:hunter2@h:1")
+    assert "hunter2" not in str(raised.value) and "***" in str(raised.value)
 
 
 @pytest.mark.parametrize(("raw", "named"), [

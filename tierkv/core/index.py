@@ -3,8 +3,12 @@
 Primitives (all pure and single-threaded; plain data in and out):
 
 - ``lookup(keys)`` -> :class:`Lookup`: the ready, contiguous prefix of ``keys`` across
-  tiers (CPU READY, or on disk only). A key being promoted stops the walk and answers
-  ``pending`` ("not yet": ask again next step). No side effects.
+  tiers (CPU READY, on disk only, or known remotely only). A key being promoted stops the
+  walk and answers ``pending`` ("not yet": ask again next step). No side effects.
+- ``note_remote(keys)``: the remote tier has these chunks (every rank's value): until
+  ``remote_mark_seconds`` pass, lookups count them as hits and loads promote them from the
+  remote tier. A chunk whose remote load failed is not noted again for as long (a phantom
+  is never a hit twice, and never a loop).
 - ``prepare_store(keys, protected)`` -> :class:`StorePlan`: skips keys already present,
   allocates a slot per new key (evicting only READY chunks with no readers that are
   clean or droppable, and never a protected key). When nothing can be freed it stops and
@@ -14,9 +18,11 @@ Primitives (all pure and single-threaded; plain data in and out):
   one job per step).
 - ``complete_store(completion)``: STORING -> READY, or back out on failure.
 - ``prepare_load(keys)`` -> :class:`LoadPlan`: readers += 1 on CPU chunks; a slot and
-  PROMOTING for disk-only chunks (the worker reads disk into the slot, then copies).
-- ``complete_load(completion)``: readers -= 1; promoted chunks become READY (or are
-  dropped; corrupt ones, and ones the disk did not have, are forgotten: no phantom hit).
+  PROMOTING for disk-only and remote-only chunks (the worker reads the lower tier into the
+  slot, then copies); ``LoadPlan.from_remote`` names the chunks read from the remote tier.
+- ``complete_load(completion)``: readers -= 1; promoted chunks become READY (from the
+  remote tier: dirty, to be written to disk) or are dropped; corrupt ones, and ones the
+  tier did not have (remote: a phantom, counted), are forgotten: no phantom hit.
 - ``take_spills(flush=False, at_least=0)`` -> :class:`SpillSpec` | None: write-back. Dirty
   READY chunks (not on disk) are spilled, oldest first, so that a fraction of the slots (of
   the disk, if smaller) stays clean (evictable at once), and at least ``at_least`` of them,
@@ -48,6 +54,7 @@ import time
 from itertools import islice
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import NamedTuple
 
 from tierkv.core.jobs import (
@@ -71,10 +78,19 @@ CLEAN, DIRTY = 0, 1
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
 
 
+class Source(Enum):
+    """Where a load job reads a chunk from."""
+
+    CPU = "cpu"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
 class Lookup(NamedTuple):
     num_hits: int  # contiguous ready chunks from the start of the keys
     pending: bool  # the walk stopped at a chunk being promoted: ask again later
     num_on_cpu: int = 0  # of the hits, chunks ready in the CPU tier
+    num_remote: int = 0  # of the hits, chunks known on the remote tier only
 
 
 class StorePlan(NamedTuple):
@@ -96,6 +112,7 @@ class StoreBatch(NamedTuple):
 class LoadPlan(NamedTuple):
     job_id: JobId | None
     chunks: tuple[tuple[bytes, SlotId, bool], ...]  # (key, slot, from_disk)
+    from_remote: frozenset[bytes] = frozenset()  # keys read from the remote tier first
 
 
 class LoadResult(NamedTuple):
@@ -129,6 +146,11 @@ class IndexStats:
     spills_ok: int
     spills_failed: int
     disk_no_room: int
+    remote_marks: int = 0  # chunks known on the remote tier only, now
+    loads_remote: int = 0
+    remote_missing: int = 0  # phantoms: noted remotely, gone when loaded
+    remote_corrupt: int = 0
+    remote_failed: int = 0  # remote loads that failed otherwise (network, breaker)
 
 
 @dataclass
@@ -149,13 +171,17 @@ class _Counters:
     spills_ok: int = 0
     spills_failed: int = 0
     disk_no_room: int = 0
+    loads_remote: int = 0
+    remote_missing: int = 0
+    remote_corrupt: int = 0
+    remote_failed: int = 0
 
 
 @dataclass(slots=True)
 class _Job:
     kind: JobKind
     keys: tuple[bytes, ...]
-    from_disk: tuple[bool, ...] = ()
+    sources: tuple[Source, ...] = ()  # loads
     deletes: tuple[bytes, ...] = ()
     again: tuple[bytes, ...] = ()  # a flush's EVICTED chunks (EVICTED again if they fail)
 
@@ -173,6 +199,8 @@ class BlockIndex:
         job_ids: JobIds | None = None,
         record_events: bool = False,
         eviction_policy: str = DEFAULT_POLICY,
+        remote_mark_seconds: float = 10.0,
+        max_remote_marks: int = 1 << 16,
     ) -> None:
         self.num_slots = num_slots
         self.disk_capacity = disk_capacity  # in chunks; 0 = no disk tier
@@ -200,6 +228,12 @@ class BlockIndex:
         self._counters = _Counters()
         # ("stored" | "removed", key) as chunks become hits and stop being hits.
         self._events: list[tuple[str, bytes]] | None = [] if record_events else None
+        # Chunks the remote tier had (key -> when it answered), oldest first, and chunks
+        # whose remote load failed (key -> when): the remote tier's part of the index.
+        self._remote_seconds = remote_mark_seconds
+        self._max_marks = max_remote_marks
+        self._remote: dict[bytes, float] = {}
+        self._remote_gone: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -209,22 +243,55 @@ class BlockIndex:
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
         hits = 0
         on_cpu = 0
+        remote = 0
         entries = self._entries
+        marks = self._remote
+        oldest = self._clock() - self._remote_seconds if marks else 0.0
         for key in keys:
             entry = entries.get(key)
             if entry is None:
-                break
+                seen = marks.get(key)
+                if seen is None or seen < oldest:
+                    break
+                remote += 1
+                hits += 1
+                continue
             cpu = entry.cpu
             if cpu is CpuState.READY:
                 on_cpu += 1
             elif cpu is None and entry.disk is DiskState.ON_DISK:
                 pass
             elif cpu is CpuState.PROMOTING:
-                return Lookup(hits, True, on_cpu)
+                return Lookup(hits, True, on_cpu, remote)
             else:
                 break
             hits += 1
-        return Lookup(hits, False, on_cpu)
+        return Lookup(hits, False, on_cpu, remote)
+
+    def note_remote(self, keys: Iterable[bytes]) -> int:
+        """The remote tier has every rank's value of ``keys`` (see the module docstring);
+        keys the index holds, or whose remote load failed lately, are skipped. Returns how
+        many were noted."""
+        now = self._clock()
+        marks, gone, entries = self._remote, self._remote_gone, self._entries
+        since = now - self._remote_seconds
+        while gone and next(iter(gone.values())) < since:
+            del gone[next(iter(gone))]
+        noted = 0
+        for key in keys:
+            if key in entries or key in gone:
+                continue
+            marks.pop(key, None)  # re-inserted: the newest
+            marks[key] = now
+            noted += 1
+        while marks and (len(marks) > self._max_marks or next(iter(marks.values())) < since):
+            del marks[next(iter(marks))]
+        return noted
+
+    def _remote_mark(self, key: bytes) -> bool:
+        """Whether ``key`` is noted on the remote tier (and not too long ago)."""
+        seen = self._remote.get(key)
+        return seen is not None and seen >= self._clock() - self._remote_seconds
 
     def shortfall(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (not yet present) would find neither a free slot nor a
@@ -366,16 +433,27 @@ class BlockIndex:
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         guard = set(keys)
-        chunks: list[tuple[bytes, SlotId, bool]] = []
+        chunks: list[tuple[bytes, SlotId, Source]] = []
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:
-                break
+                if not self._remote_mark(key):
+                    break
+                slot = self._take_slot(guard)
+                if slot is None:
+                    self._counters.loads_no_room += 1
+                    break
+                del self._remote[key]  # an entry now: PROMOTING from the remote tier
+                self._entries[key] = Entry(key, slot, CpuState.PROMOTING, readers=1)
+                chunks.append((key, slot, Source.REMOTE))
+                self._counters.loads_remote += 1
+                self._num_promoting += 1
+                continue
             if entry.cpu is CpuState.READY:
                 assert entry.slot is not None
                 entry.readers += 1
                 self._cpu.access(key)
-                chunks.append((key, entry.slot, False))
+                chunks.append((key, entry.slot, Source.CPU))
                 self._counters.loads_cpu += 1
             elif entry.cpu is None and entry.disk is DiskState.ON_DISK:
                 slot = self._take_slot(guard)
@@ -386,7 +464,7 @@ class BlockIndex:
                 entry.cpu = CpuState.PROMOTING
                 entry.readers = 1
                 self._disk.access(key)
-                chunks.append((key, slot, True))
+                chunks.append((key, slot, Source.DISK))
                 self._counters.loads_disk += 1
                 self._num_promoting += 1
             else:
@@ -397,7 +475,9 @@ class BlockIndex:
         self._jobs[job_id] = _Job(
             JobKind.LOAD, tuple(k for k, _, _ in chunks), tuple(d for _, _, d in chunks)
         )
-        return LoadPlan(job_id, tuple(chunks))
+        remote = frozenset(k for k, _, source in chunks if source is Source.REMOTE)
+        return LoadPlan(job_id, tuple((k, slot, source is Source.DISK)
+                                      for k, slot, source in chunks), remote)
 
     def complete_load(self, completion: Completion) -> LoadResult:
         job = self._pop_job(completion.job_id, JobKind.LOAD)
@@ -406,7 +486,7 @@ class BlockIndex:
         failed = failed_set(completion, job.keys)
         ok_keys: list[bytes] = []
         failed_keys: list[bytes] = []
-        for key, from_disk in zip(job.keys, job.from_disk):
+        for key, source in zip(job.keys, job.sources):
             entry = self._entries[key]
             entry.readers -= 1
             assert entry.readers >= 0
@@ -414,10 +494,13 @@ class BlockIndex:
             (ok_keys if landed else failed_keys).append(key)
             if not landed:
                 self._counters.loads_failed += 1
-            if not from_disk:
+            if source is Source.CPU:
                 continue
             assert entry.cpu is CpuState.PROMOTING and entry.readers == 0
             self._num_promoting -= 1
+            if source is Source.REMOTE:
+                self._landed_remote(entry, landed, key in corrupt, key in missing)
+                continue
             if landed:  # a PROMOTING chunk is on disk (never a disk victim): clean
                 entry.cpu = CpuState.READY
                 self._cpu.insert((key,), CLEAN)
@@ -431,6 +514,28 @@ class BlockIndex:
                 self._drop_disk(entry, evicted=False)
                 self._remove(key)
         return LoadResult(tuple(ok_keys), tuple(failed_keys))
+
+    def _landed_remote(self, entry: Entry, landed: bool, corrupt: bool, missing: bool) -> None:
+        """A chunk promoted from the remote tier landed (READY, dirty: the disk tier gets a
+        copy) or did not (forgotten, and not noted again for a while: see note_remote)."""
+        key = entry.key
+        if landed:
+            entry.cpu = CpuState.READY
+            self._cpu.insert((key,), DIRTY if self.has_disk else CLEAN)
+            if self._events is not None:
+                self._events.append(("stored", key))
+            return
+        self._release_slot(entry)
+        del self._entries[key]  # never reported "stored": no "removed" either
+        counters = self._counters
+        if corrupt:
+            counters.remote_corrupt += 1
+        elif missing:
+            counters.remote_missing += 1
+        else:
+            counters.remote_failed += 1
+        self._remote_gone.pop(key, None)
+        self._remote_gone[key] = self._clock()
 
     # ------------------------------------------------------------------ spills
     def take_spills(self, flush: bool = False, at_least: int = 0) -> SpillSpec | None:
@@ -663,6 +768,7 @@ class BlockIndex:
             spilling=self._num_spilling,
             on_disk=len(self._disk),
             disk_capacity=self.disk_capacity,
+            remote_marks=len(self._remote),
             **vars(self._counters),
         )
 
@@ -680,8 +786,8 @@ class BlockIndex:
             require(entry.readers >= 0, entry)
             if entry.readers:
                 require(entry.cpu in (CpuState.READY, CpuState.PROMOTING), entry)
-            if entry.cpu is CpuState.PROMOTING:
-                require(entry.readers == 1 and entry.disk is DiskState.ON_DISK, entry)
+            if entry.cpu is CpuState.PROMOTING:  # from disk (on disk) or remote (not)
+                require(entry.readers == 1 and entry.disk in (DiskState.ON_DISK, None), entry)
             if entry.slot is not None:
                 require(entry.slot not in used, "slot held twice:", entry)
                 require(not self._slots.is_free(entry.slot), "slot of an entry is free:", entry)
@@ -711,6 +817,7 @@ class BlockIndex:
                     f"{states.count(state)} chunks {state.value}, counted {kept}")
         require(self._disk_used == len(self._disk) + len(spilling),
                 f"disk used {self._disk_used} != {len(self._disk)} on disk + {len(spilling)}")
+        require(len(self._remote) <= self._max_marks, f"{len(self._remote)} remote marks")
         require(self._disk_used <= max(self.disk_capacity, 0),
                 f"disk used {self._disk_used} > capacity {self.disk_capacity}")
         readers: dict[bytes, int] = {}
@@ -725,8 +832,12 @@ class BlockIndex:
                     require(found.disk is DiskState.SPILLING, "spill job", job_id, "for", found)
                 else:
                     readers[key] = readers.get(key, 0) + 1
-                    if job.from_disk[i]:
-                        require(found.cpu is CpuState.PROMOTING, "promotion", job_id, "for", found)
+                    source = job.sources[i]
+                    if source is not Source.CPU:
+                        on_disk = found.disk is DiskState.ON_DISK
+                        require(found.cpu is CpuState.PROMOTING and
+                                on_disk == (source is Source.DISK), "promotion", job_id,
+                                "from", source.name, "for", found)
         for key, entry in self._entries.items():
             require(entry.readers == readers.get(key, 0), "readers != load jobs:", entry)
 

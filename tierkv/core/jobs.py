@@ -2,8 +2,8 @@
 the scheduler side (decides) and the worker side (moves bytes).
 
 - :class:`StoreSpec`  GPU blocks -> CPU slots (one chunk per slot).
-- :class:`LoadSpec`   CPU slots -> GPU blocks; a chunk with ``from_disk`` is first read
-  from the disk tier into its slot.
+- :class:`LoadSpec`   CPU slots -> GPU blocks; a chunk with ``from_disk`` (``from_remote``)
+  is first read from the disk (remote) tier into its slot.
 - :class:`SpillSpec`  CPU slots -> disk tier, plus disk deletes chosen by the scheduler
   side (deletes run before writes).
 - :class:`Completion` what the worker reports for one job.
@@ -42,6 +42,7 @@ class ChunkCopy(NamedTuple):
     # Loads only: the first ``skip_blocks`` blocks of the chunk are already on the GPU
     # (the engine's local prefix hit) and must not be written.
     skip_blocks: int = 0
+    from_remote: bool = False  # loads only: read the remote tier into the slot first
 
 
 class StoreSpec(NamedTuple):

@@ -8,10 +8,13 @@ It never blocks and never touches tensor bytes. Primitives:
   ``wait_for_stores``, also "not yet" while the chunk after the hit is being stored, or
   belongs to a request that finished and is stored by the next plan (the next turn of a
   chat then hits what its previous turn completed), bounded the same way.
-  Side-effect free on the index.
+  With a remote tier (``remote``: a :class:`RemoteAsker`), the chunks past the local hit
+  are asked of it (one batched request, a short deadline): what every rank's value exists
+  for is noted in the index (``note_remote``) and hits; no answer yet is "not yet",
+  bounded the same way. Otherwise side-effect free on the index.
 - ``update_state_after_alloc(view, block_ids, num_external_tokens)``: the engine gave the
   request its blocks; plans the load of the promised chunks (sent with the next plan).
-  ``take_load_sources(req_id)``: the load's tokens by tier, ``(cpu, disk)``.
+  ``take_load_sources(req_id)``: the load's tokens by tier, ``(cpu, disk, remote)``.
 - ``touch(view, num_chunks)``: the engine reused the first chunks from its own cache;
   they become the most recently used (tail first).
 - ``request_finished(view, aborted=False)``: the request's state survives; the next plan
@@ -35,13 +38,38 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
-from tierkv.core.index import BlockIndex
+from tierkv.core.index import BlockIndex, Lookup
 from tierkv.core.state import CpuState
 from tierkv.core.jobs import ChunkCopy, Completion, CompletionTracker, JobId, LoadSpec, StoreSpec
 from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
 from tierkv.errors import ConfigError, UsageError
+
+
+class RemoteAsker(Protocol):
+    """What the adapter needs of a remote tier's lookups
+    (:class:`tierkv.transfer.remote_lookup.RemoteLookup`): the prefix of ``keys`` whose
+    every rank's value exists, or None ("not yet")."""
+
+    def ask(self, keys: Sequence[bytes]) -> list[bytes] | None: ...
+
+
+def lookup_tiers(index: BlockIndex, remote: RemoteAsker | None,
+                 keys: Sequence[bytes]) -> tuple[Lookup, bool]:
+    """The index's lookup of ``keys``, the chunks past its hits asked of the remote tier
+    first (noted in the index when it has them), and whether the remote tier has not
+    answered yet ("not yet")."""
+    found = index.lookup(keys)
+    if remote is None or found.pending or found.num_hits >= len(keys) \
+            or index.contains(keys[found.num_hits]):
+        return found, False
+    answer = remote.ask(keys[found.num_hits:])
+    if answer is None:
+        return found, True
+    if answer and index.note_remote(answer):
+        found = index.lookup(keys)
+    return found, False
 
 
 @dataclass(frozen=True)
@@ -111,6 +139,8 @@ class AdapterStats:
     waits_on_stores: int = 0
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
+    hit_tokens_remote: int = 0
+    remote_not_yet: int = 0
 
 
 class EngineAdapter:
@@ -119,8 +149,10 @@ class EngineAdapter:
         index: BlockIndex,
         config: AdapterConfig,
         clock: Callable[[], float] = time.monotonic,
+        remote: RemoteAsker | None = None,
     ) -> None:
         self.index = index
+        self.remote = remote
         self.config = config
         self._clock = clock
         self._tpc = config.tokens_per_chunk
@@ -137,7 +169,7 @@ class EngineAdapter:
         self._pending_since: dict[str, float] = {}
         self._store_wait_since: dict[str, float] = {}
         self._finishing: set[bytes] = set()  # chunks of requests that finished since the plan
-        self._load_sources: dict[str, tuple[int, int]] = {}
+        self._load_sources: dict[str, tuple[int, int, int]] = {}
         self._finished_queue: list[str] = []
         # Requests that finished and whose state is not freed yet (last plan to come, or
         # jobs in flight): their id may not come back as a new request (see _refuse_reuse).
@@ -153,7 +185,11 @@ class EngineAdapter:
         start = num_local_tokens // tpc
         # At least one token must be left to compute, and only whole chunks load.
         end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
-        found = self.index.lookup(view.chunk_keys[start:end])
+        found, asking = lookup_tiers(self.index, self.remote, view.chunk_keys[start:end])
+        if asking and self._may_wait(self._pending_since, view.req_id):
+            self.stats.not_yet += 1
+            self.stats.remote_not_yet += 1
+            return None
         if found.pending and self._may_wait(self._pending_since, view.req_id):
             self.stats.not_yet += 1
             return None
@@ -211,14 +247,19 @@ class EngineAdapter:
         plan = self.index.prepare_load(view.chunk_keys[start:end])
         skip_first = first_new - start * bpc
         chunks = []
-        cpu_tokens = disk_tokens = 0
+        cpu_tokens = disk_tokens = remote_tokens = 0
+        from_remote = plan.from_remote
         for position, (key, slot, from_disk) in enumerate(plan.chunks):
             chunk = start + position
             blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
-            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip_first if position == 0 else 0))
+            remote = key in from_remote
+            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip_first if position == 0 else 0,
+                                    remote))
             tokens = min(tpc, (chunk + 1) * tpc - num_local_tokens)  # only the first is partial
             if from_disk:
                 disk_tokens += tokens
+            elif remote:
+                remote_tokens += tokens
             else:
                 cpu_tokens += tokens
         lost_from = (start + len(plan.chunks)) * bpc
@@ -228,15 +269,16 @@ class EngineAdapter:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._track(plan.job_id, view.req_id)
             self.stats.loads_planned += len(chunks)
-        self._load_sources[view.req_id] = (cpu_tokens, disk_tokens)
+        self._load_sources[view.req_id] = (cpu_tokens, disk_tokens, remote_tokens)
         self.stats.hit_tokens_cpu += cpu_tokens
         self.stats.hit_tokens_disk += disk_tokens
+        self.stats.hit_tokens_remote += remote_tokens
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
         self._pending_loads.append(LoadRequest(view.req_id, spec, lost))
 
-    def take_load_sources(self, req_id: str) -> tuple[int, int]:
-        """Tokens of the request's last planned load from the CPU tier and from disk."""
-        return self._load_sources.pop(req_id, (0, 0))
+    def take_load_sources(self, req_id: str) -> tuple[int, int, int]:
+        """Tokens of the request's last planned load from the CPU, disk and remote tiers."""
+        return self._load_sources.pop(req_id, (0, 0, 0))
 
     def request_finished(self, view: RequestView, aborted: bool = False) -> None:
         self._store_wait_since.pop(view.req_id, None)

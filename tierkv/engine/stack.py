@@ -6,9 +6,12 @@ vLLM connector roles (one each, in their own processes):
 - :func:`build_index` the scheduler side's :class:`BlockIndex`, sized by
   :func:`~tierkv.config.cpu_slot_count` and :func:`~tierkv.config.disk_chunk_capacity`.
 - :func:`build_adapter` the :class:`EngineAdapter` over an index (engines that plan steps).
+- :func:`build_remote_lookup` the scheduler side's questions to the remote tier
+  (``config.remote``; None without one), for every rank of the engine.
 - :func:`build_worker` the worker side: the CPU slab, the transfer engine, the disk tier
-  with its I/O threads, and the :class:`JobExecutor` over them, as a :class:`WorkerStack`.
-  A failure while building releases what was built (threads, slab, disk tier).
+  with its I/O threads, the remote tier with its reader and push threads, and the
+  :class:`JobExecutor` over them, as a :class:`WorkerStack`. A failure while building
+  releases what was built (threads, slab, disk tier, remote connection).
 
 A new tier plugs in here (docs/design.md, "Where a new tier plugs in").
 """
@@ -17,21 +20,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.adapter import AdapterConfig, EngineAdapter, RemoteAsker
+from tierkv.keys import Namespace
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
     from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.remote import RemoteTier
     from tierkv.transfer.base import TransferEngine
     from tierkv.transfer.disk_io import DiskIO
     from tierkv.transfer.layout import KVLayout
+    from tierkv.transfer.remote_io import RemoteIO
+    from tierkv.transfer.remote_lookup import RemoteLookup
 
 log = logging.getLogger("tierkv")
 
@@ -50,18 +57,34 @@ def build_index(config: StoreConfig, num_slots: int, disk_capacity: int, *,
         clock=clock,
         record_events=record_events,
         eviction_policy=config.cpu.eviction_policy,
+        remote_mark_seconds=config.remote.mark_seconds if config.remote else 10.0,
     )
 
 
 def build_adapter(index: BlockIndex, config: AdapterConfig,
-                  clock: Callable[[], float] = time.monotonic) -> EngineAdapter:
-    return EngineAdapter(index, config, clock=clock)
+                  clock: Callable[[], float] = time.monotonic,
+                  remote: RemoteAsker | None = None) -> EngineAdapter:
+    return EngineAdapter(index, config, clock=clock, remote=remote)
+
+
+def build_remote_lookup(config: StoreConfig, namespace: Namespace, ranks: Sequence[int],
+                        chunk_bytes: int) -> RemoteLookup | None:
+    """The remote tier's lookups for chunks of ``namespace`` on every rank in ``ranks``
+    (connected on first use: a server down at start is a miss, not a failed start)."""
+    if config.remote is None:
+        return None
+    from tierkv.tiers.remote import RemoteTier
+    from tierkv.transfer.remote_lookup import RemoteLookup
+
+    remote = config.remote
+    tier = RemoteTier(remote, namespace, min(ranks), chunk_bytes, lazy=True)
+    return RemoteLookup(tier, ranks, remote.lookup_deadline_seconds, remote.lookup_chunks)
 
 
 @dataclass
 class WorkerStack:
     """What one worker moves bytes with; ``close()`` stops the threads, then releases the
-    disk tier (through ``release_disk``)."""
+    disk tier (through ``release_disk``) and the remote tier's connection."""
 
     slab: CpuSlab
     transfer: TransferEngine
@@ -69,27 +92,34 @@ class WorkerStack:
     disk_io: DiskIO | None
     executor: JobExecutor
     release_disk: Callable[[DiskTier], None]
+    remote: RemoteTier | None = None
 
     def close(self) -> None:
-        _release(self.executor, self.disk_io, self.transfer, self.disk, self.release_disk)
+        _release(self.executor, (), self.disk, self.release_disk, self.remote)
 
 
-def _release(executor: JobExecutor | None, disk_io: DiskIO | None,
-             transfer: TransferEngine | None, disk: DiskTier | None,
-             release_disk: Callable[[DiskTier], None]) -> None:
-    """Stop threads, then release the disk tier; every step runs even if one fails."""
+def _release(executor: JobExecutor | None,
+             parts: Sequence[DiskIO | TransferEngine | RemoteIO | None],
+             disk: DiskTier | None, release_disk: Callable[[DiskTier], None],
+             remote: RemoteTier | None) -> None:
+    """Stop threads (the executor's, or ``parts`` before it owned them), then release the
+    tiers; every step runs even if one fails."""
     try:
         if executor is not None:
             executor.shutdown()
-        else:  # the executor did not own them yet
-            for part in (disk_io, transfer):
+        else:
+            for part in parts:
                 if part is not None:
                     part.shutdown()
     except Exception as exc:  # noqa: BLE001 - releasing must go on
         log.warning("tierkv: stopping the worker's threads failed: %s", exc)
     finally:
-        if disk is not None:
-            release_disk(disk)
+        try:
+            if remote is not None:
+                remote.close()
+        finally:
+            if disk is not None:
+                release_disk(disk)
 
 
 def _close_disk(disk: DiskTier) -> None:
@@ -98,28 +128,48 @@ def _close_disk(disk: DiskTier) -> None:
 
 def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
                  open_disk: Callable[[], DiskTier] | None = None,
-                 release_disk: Callable[[DiskTier], None] = _close_disk) -> WorkerStack:
+                 release_disk: Callable[[DiskTier], None] = _close_disk,
+                 namespace: Namespace | None = None,
+                 remote_rank: int | None = None) -> WorkerStack:
     """The worker side over ``layout``'s tensors: a slab of ``num_slots`` chunks, the
-    transfer engine for ``config.device``, and (``open_disk`` given) the disk tier it opens
-    with its I/O threads. The disk tier is opened first: a store path that is refused
-    costs no slab and no thread."""
+    transfer engine for ``config.device``, (``open_disk`` given) the disk tier it opens
+    with its I/O threads, and (``config.remote`` set) the remote tier of ``namespace`` and
+    ``remote_rank`` (default ``config.rank``), connected on first use, with its reader
+    threads and its push thread (none with ``remote.push="read_only"``). The disk tier is
+    opened first: a store path that is refused costs no slab and no thread."""
     from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.transfer.disk_io import DiskIO
     from tierkv.transfer.factory import make_transfer_engine
 
     chunk_bytes = layout.chunk_bytes(config.blocks_per_chunk)
+    if config.remote is not None and namespace is None:
+        raise ValueError("build_worker: a remote tier needs the namespace of its chunks")
     disk = open_disk() if open_disk is not None else None
     slab: CpuSlab | None = None
     transfer: TransferEngine | None = None
     disk_io: DiskIO | None = None
+    remote: RemoteTier | None = None
+    remote_io: DiskIO | None = None
+    pusher: RemoteIO | None = None
     try:
         slab = CpuSlab(num_slots, chunk_bytes, config.cpu.pin_memory)
         transfer = make_transfer_engine(config.device, layout, slab, config.blocks_per_chunk)
         if disk is not None:
             disk_io = DiskIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
-        executor = JobExecutor(transfer, disk_io)
+        settings = config.remote
+        if settings is not None and namespace is not None:
+            from tierkv.tiers.remote import RemoteTier
+            from tierkv.transfer.remote_io import RemoteIO
+
+            rank = config.rank if remote_rank is None else remote_rank
+            remote = RemoteTier(settings, namespace, rank, chunk_bytes, lazy=True)
+            remote_io = DiskIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
+            if settings.push != "read_only":
+                pusher = RemoteIO(remote, settings.queue_bytes)
+        executor = JobExecutor(transfer, disk_io, remote_io=remote_io, pusher=pusher,
+                               push_on=settings.push if settings else "on_store")
     except BaseException:
-        _release(None, disk_io, transfer, disk, release_disk)
+        _release(None, (disk_io, remote_io, pusher, transfer), disk, release_disk, remote)
         raise
-    return WorkerStack(slab, transfer, disk, disk_io, executor, release_disk)
+    return WorkerStack(slab, transfer, disk, disk_io, executor, release_disk, remote)

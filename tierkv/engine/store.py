@@ -9,6 +9,10 @@ Primitives:
   ``statistics()``, never raised.
 - ``load(keys, block_ids) -> LoadHandle``: loads the ready prefix; the completion's
   ``failed_keys`` name chunks that did not land (recompute those; never a false hit).
+- With a remote tier (``config.remote``), ``lookup`` and ``load`` also ask it for the chunks
+  past the local prefix and wait at most ``remote.lookup_deadline_seconds`` for the answer
+  (a late answer serves the next call); what it has is loaded remote -> CPU slot -> GPU.
+  Stored chunks are pushed to it in the background (``remote.push``).
 - ``poll() -> list[Completion]``: finished store and load jobs, each once.
 - ``wait(job_ids)``; ``statistics()``; ``close()`` (idempotent; use after raises).
 
@@ -34,7 +38,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -42,11 +46,17 @@ import torch
 from tierkv.config import StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.core.index import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
-from tierkv.engine.stack import build_index, build_worker
+from tierkv.engine.adapter import lookup_tiers
+from tierkv.engine.stack import build_index, build_remote_lookup, build_worker
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.disk import DiskTier
 from tierkv.transfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    from tierkv.tiers.remote import RemoteStatistics
+    from tierkv.transfer.remote_io import RemoteIOStatistics
+    from tierkv.transfer.remote_lookup import RemoteLookupStatistics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,7 @@ class LoadHandle:
     job_id: JobId | None
     num_chunks: int  # chunks the job loads (a prefix of the keys asked for)
     num_from_disk: int
+    num_from_remote: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,16 @@ class StoreStats:
     cpu_to_gpu: PathStats  # includes disk -> CPU reads of promoted chunks
     cpu_to_disk: PathStats
     chunk_bytes: int
+    remote: RemoteStats | None = None  # None: no remote tier
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    """The remote tier's figures: its counters, its pushes and the lookups asked of it."""
+
+    tier: RemoteStatistics
+    pushes: RemoteIOStatistics | None  # None: remote.push="read_only"
+    lookups: RemoteLookupStatistics
 
 
 def build_namespace(
@@ -193,9 +214,12 @@ class TierKVStore:
         open_disk = None if cfg.disk.path is None else functools.partial(
             DiskTier, cfg.disk.path, namespace, cfg.rank, cfg.disk, self.chunk_bytes,
             exclusive=True)
-        self._stack = build_worker(cfg, self.layout, num_slots, open_disk=open_disk)
+        self._stack = build_worker(cfg, self.layout, num_slots, open_disk=open_disk,
+                                   namespace=namespace)
         self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
+        self._remote = None
         try:
+            self._remote = build_remote_lookup(cfg, namespace, (cfg.rank,), self.chunk_bytes)
             disk_capacity = 0
             if self.disk is not None:
                 disk_capacity = disk_chunk_capacity(cfg.disk.max_bytes, self.chunk_bytes)
@@ -208,7 +232,7 @@ class TierKVStore:
                 self.index.add_on_disk(record.key for record in records)
         except BaseException:
             self._closed = True
-            self._stack.close()
+            self._close_parts()
             raise
         self._bytes = {kind: [0, 0.0] for kind in JobKind}
         self._ready: list[Completion] = []
@@ -240,7 +264,7 @@ class TierKVStore:
         self._check_open()
         self._check_keys(keys)
         self._pump()
-        return self.index.lookup(keys).num_hits
+        return lookup_tiers(self.index, self._remote, keys)[0].num_hits
 
     @_one_caller
     def store(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> JobId | None:
@@ -265,16 +289,18 @@ class TierKVStore:
         self._check_keys(keys)
         per_chunk = self._split_blocks(keys, block_ids)
         self._pump()
-        hits = self.index.lookup(keys).num_hits
+        hits = lookup_tiers(self.index, self._remote, keys)[0].num_hits
         plan = self.index.prepare_load(keys[:hits])
         if plan.job_id is None:
             return LoadHandle(None, 0, 0)
         chunks = tuple(
-            ChunkCopy(key, slot, per_chunk[position], from_disk)
+            ChunkCopy(key, slot, per_chunk[position], from_disk,
+                      from_remote=key in plan.from_remote)
             for position, (key, slot, from_disk) in enumerate(plan.chunks)
         )
         self.executor.submit(LoadSpec(plan.job_id, chunks))
-        return LoadHandle(plan.job_id, len(chunks), sum(c.from_disk for c in chunks))
+        return LoadHandle(plan.job_id, len(chunks), sum(c.from_disk for c in chunks),
+                          len(plan.from_remote))
 
     @_one_caller
     def poll(self) -> list[Completion]:
@@ -317,12 +343,19 @@ class TierKVStore:
             num_bytes, seconds = self._bytes[kind]
             return PathStats(int(num_bytes), float(seconds))
 
+        remote = None
+        if self._remote is not None and self._stack.remote is not None:
+            pusher = self.executor.pusher
+            remote = RemoteStats(self._stack.remote.statistics(),
+                                 pusher.statistics() if pusher is not None else None,
+                                 self._remote.statistics())
         return StoreStats(
             index=self.index.statistics(),
             gpu_to_cpu=path(JobKind.STORE),
             cpu_to_gpu=path(JobKind.LOAD),
             cpu_to_disk=path(JobKind.SPILL),
             chunk_bytes=self.chunk_bytes,
+            remote=remote,
         )
 
     @_one_caller
@@ -339,6 +372,14 @@ class TierKVStore:
             log.warning("tierkv: close could not flush the CPU tier to disk: %s", exc)
         finally:
             self._closed = True
+            self._close_parts()
+
+    def _close_parts(self) -> None:
+        try:
+            if self._remote is not None:
+                self._remote.shutdown()
+                self._remote.tier.close()
+        finally:
             self._stack.close()
 
     def __enter__(self) -> TierKVStore:

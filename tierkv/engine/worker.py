@@ -64,12 +64,12 @@ class SlotResidency:
             for key, slot in zip(spec.keys, spec.slots):
                 self._hold(slot, None if key in failed else key, on_disk=False)
         else:
-            disk_chunks = [chunk for chunk in spec.chunks if chunk.from_disk]
-            if disk_chunks:  # a promotion rewrote these slots from disk
+            promoted = [chunk for chunk in spec.chunks if chunk.from_disk or chunk.from_remote]
+            if promoted:  # a promotion rewrote these slots from disk (or the remote tier)
                 failed = failed_set(completion, tuple(chunk.key for chunk in spec.chunks))
-                for chunk in disk_chunks:
+                for chunk in promoted:
                     self._hold(chunk.slot, None if chunk.key in failed else chunk.key,
-                               on_disk=True)
+                               on_disk=chunk.from_disk)
 
     def _hold(self, slot: int, key: bytes | None, on_disk: bool) -> None:
         """Slot ``slot`` now holds the valid bytes of ``key`` (None: nothing valid)."""

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
-from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, StoreConfig,
-                           cpu_slot_count, disk_chunk_capacity)
+from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, RemoteTierConfig,
+                           StoreConfig, cpu_slot_count, disk_chunk_capacity)
 from tierkv.engine.adapter import AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import FORMAT_VERSION, Namespace
@@ -83,6 +83,9 @@ class ConnectorSettings:
     pin_memory: str = CpuTierConfig.pin_memory  # CPU slab: "auto", "always", "never"
     flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
     eviction_policy: str = CpuTierConfig.eviction_policy  # CPU tier's eviction order
+    # The shared remote tier: extra config "remote_url", and optionally "remote", a mapping
+    # of RemoteTierConfig's other settings (key_prefix, push, timeout_seconds, ...).
+    remote: RemoteTierConfig | None = None
 
 
 def _bad(key: str, value: Any, need: str) -> ConfigError:
@@ -123,11 +126,14 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     """Validate ``kv_connector_extra_config``; unknown keys and bad values raise."""
     raw = dict(raw or {})
-    known = {f.name for f in fields(ConnectorSettings)}
+    known = {f.name for f in fields(ConnectorSettings)} | {"remote_url"}
     for key in raw:
         if key not in known:
             raise _bad(key, raw[key], f"unknown key; known keys: {sorted(known)}")
     out: dict[str, Any] = {}
+    remote = _remote_settings(raw.pop("remote_url", None), raw.pop("remote", None))
+    if remote is not None:
+        out["remote"] = remote
     for key, value in raw.items():
         if key in ("cpu_bytes", "disk_bytes"):
             out[key] = _int(key, value, 1)
@@ -148,6 +154,29 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
         else:
             out[key] = _flag(key, value)
     return ConnectorSettings(**out)
+
+
+def _remote_settings(url: Any, options: Any) -> RemoteTierConfig | None:
+    """``remote_url`` and the optional ``remote`` mapping as a RemoteTierConfig."""
+    if url is None and options is None:
+        return None
+    if options is not None and not isinstance(options, Mapping):
+        raise _bad("remote", options, "must be a mapping of remote tier settings "
+                   "(key_prefix, push, timeout_seconds, ...)")
+    options = dict(options or {})
+    if url is None:
+        raise _bad("remote", options, "needs remote_url (redis://host:port, or rediss:// for TLS)")
+    if "url" in options:
+        raise _bad("remote", options, "takes no url: set remote_url")
+    known = {f.name for f in fields(RemoteTierConfig)} - {"url"}
+    for name in options:
+        if name not in known:
+            raise _bad("remote", options, f"unknown setting {name!r}; known: {sorted(known)}")
+    try:
+        return RemoteTierConfig(url=url, **options)
+    except ConfigError as exc:  # its messages never show the URL's password
+        raise ConfigError(f"tierkv vLLM connector: kv_connector_extra_config remote settings: "
+                          f"{exc}") from None
 
 
 @dataclass(frozen=True)
@@ -263,17 +292,20 @@ def hash_seed_fingerprint(environ: Mapping[str, str] | None = None) -> str:
 
 def check_hash_stability(algorithm: str, settings: ConnectorSettings,
                          environ: Mapping[str, str] | None = None) -> None:
-    """Refuse a disk tier when vLLM's block hashes would differ after a restart."""
+    """Refuse a disk or remote tier when vLLM's block hashes would differ after a restart
+    (or between two engines)."""
     seeded = (os.environ if environ is None else environ).get("PYTHONHASHSEED") is not None
-    if settings.disk_path is None or algorithm in STABLE_HASHES or (
-            seeded and algorithm in KNOWN_HASHES):
+    if (settings.disk_path is None and settings.remote is None) or algorithm in STABLE_HASHES \
+            or (seeded and algorithm in KNOWN_HASHES):
         return
+    tier, remove = ((f"disk tier (disk_path={settings.disk_path!r}) could never be hit after "
+                     f"a restart", "disk_path") if settings.disk_path is not None else
+                    ("remote tier could never be hit by another engine", "remote_url"))
     raise ConfigError(
         f"tierkv vLLM connector: prefix_caching_hash_algo={algorithm!r} without PYTHONHASHSEED "
-        f"gives block hashes that change on every start, so the disk tier "
-        f"(disk_path={settings.disk_path!r}) could never be hit after a restart. Set "
+        f"gives block hashes that change on every start, so the {tier}. Set "
         f"PYTHONHASHSEED to a fixed value in the vLLM server's environment, or use "
-        f"--prefix-caching-hash-algo sha256 (or sha256_cbor), or remove disk_path"
+        f"--prefix-caching-hash-algo sha256 (or sha256_cbor), or remove {remove}"
     )
 
 
@@ -335,6 +367,7 @@ def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0)
                             sync_mode=settings.disk_sync_mode),
         device=settings.device,
         rank=rank,
+        remote=settings.remote,
     )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
-from tierkv.engine.stack import build_adapter, build_index
+from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
 from tierkv.integrations.vllm_keys import chunk_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
@@ -33,10 +33,11 @@ STATS_INTERVAL_SECONDS = 1.0
 _INDEX_COUNTERS = (
     "loads_failed", "loads_no_room", "stores_planned", "stores_present", "stores_no_room",
     "stores_failed", "cpu_evictions", "dirty_dropped", "disk_evictions", "spills_ok",
-    "spills_failed", "disk_no_room", "corrupt", "disk_missing",
+    "spills_failed", "disk_no_room", "corrupt", "disk_missing", "remote_missing",
+    "remote_corrupt", "remote_failed",
 )
 _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
-                     "hit_tokens_disk")
+                     "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet")
 
 
 @dataclass(eq=False, slots=True)
@@ -67,12 +68,16 @@ class SchedulerSide:
         self.config = store_config(settings, geometry)
         self.index = build_index(self.config, geometry.num_slots, geometry.disk_capacity,
                                  clock=clock, record_events=record_events)
-        self.adapter = build_adapter(self.index, adapter_config(settings, geometry), clock)
+        # Asks the remote tier for every TP rank's value (the workers' remote rank).
+        self.remote = build_remote_lookup(self.config, namespace, range(geometry.world_size),
+                                          geometry.chunk_bytes)
+        self.adapter = build_adapter(self.index, adapter_config(settings, geometry), clock,
+                                     self.remote)
         self._clock = clock
         self._hpc = geometry.hashes_per_chunk
         self._tracked: dict[str, _Tracked] = {}
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
-        self._sources: dict[str, tuple[int, int]] = {}  # (cpu, disk) tokens of the last load
+        self._sources: dict[str, tuple[int, int, int]] = {}  # (cpu, disk, remote) tokens of the last load
         self._record_events = record_events
         self._event_hashes: dict[bytes, bytes] = {}  # key -> last block hash (events only)
         self._prune_later: list[list[bytes]] = []  # keys of finished requests (events only)
@@ -164,11 +169,14 @@ class SchedulerSide:
         self._sources[req_id] = self.adapter.take_load_sources(req_id)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        cpu, disk = self._sources.pop(request.request_id, (0, 0))
+        cpu, disk, remote = self._sources.pop(request.request_id, (0, 0, 0))
         if num_external_tokens <= 0:
             return {}
         cpu = min(cpu, num_external_tokens)
-        sources = {"host": cpu, "disk": num_external_tokens - cpu}
+        remote = min(remote, num_external_tokens - cpu)
+        # vLLM 0.33 has no remote member: its "external_unspecified" is for remote stores.
+        sources = {"host": cpu, "external_unspecified": remote,
+                   "disk": num_external_tokens - cpu - remote}
         return {name: tokens for name, tokens in sources.items() if tokens}
 
     def request_finished(self, request: Any, aborted: bool) -> None:
@@ -250,6 +258,11 @@ class SchedulerSide:
         out.update(self._counts)
         out["hit_chunks_cpu"] = index.loads_cpu
         out["hit_chunks_disk"] = index.loads_disk
+        out["hit_chunks_remote"] = index.loads_remote
+        if self.remote is not None:
+            lookups = self.remote.statistics()
+            out["remote_lookup_requests"] = lookups.requests
+            out["remote_lookup_errors"] = lookups.errors
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
@@ -265,6 +278,9 @@ class SchedulerSide:
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        if self.remote is not None:
+            self.remote.shutdown()
+            self.remote.tier.close()
         if self.adapter.jobs_in_flight():
             log.info("tierkv: scheduler shutting down with %d job(s) in flight; the workers "
                      "finish them and flush unspilled chunks to disk", self.adapter.jobs_in_flight())

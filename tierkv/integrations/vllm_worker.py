@@ -106,14 +106,18 @@ class WorkerSide:
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
         open_disk = (partial(open_claimed, self.namespace, self.config, chunk_bytes)
                      if self.config.disk.path is not None else None)
+        # The remote tier is shared by engines: its rank is the TP rank (the disk's is
+        # per data-parallel engine too).
         self._stack = build_worker(self.config, layout, geometry.num_slots, open_disk=open_disk,
-                                   release_disk=release_claimed)
+                                   release_disk=release_claimed, namespace=self.namespace,
+                                   remote_rank=self.rank)
         self.slab, self.disk = self._stack.slab, self._stack.disk
         self.worker = WorkerAdapter(self._stack.executor, self.rank,
                                     track_slots=self.disk is not None)
         log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
                  geometry.num_slots, chunk_bytes,
-                 f", disk tier at {self.disk.path}" if self.disk is not None else "")
+                 (f", disk tier at {self.disk.path}" if self.disk is not None else "") +
+                 (f", remote tier {self._stack.remote.url}" if self._stack.remote else ""))
 
     def adapter(self) -> WorkerAdapter:
         """The rank's :class:`WorkerAdapter`, which runs each step's plan."""

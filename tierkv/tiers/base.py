@@ -1,4 +1,4 @@
-"""LowerTier: a tier below the CPU tier (the disk tier; later a remote one).
+"""LowerTier: a tier below the CPU tier (the disk tier, the remote tier).
 
 A lower tier holds chunk payloads of one namespace and rank under 32-byte keys. The CPU
 slab is its only gateway to the GPU: payloads come from slots and go into slots. The I/O
@@ -26,6 +26,9 @@ Primitives and their contracts (every implementation):
   syncs on a thread of its own sets it False, so no writer waits on an fsync.
 - ``write_lanes`` (1) and ``lane_of(key)`` (0): writes of keys in different lanes may run
   concurrently (the disk tier: one lane per shard); within a lane they run in order.
+- ``transient_failures`` (False): a :class:`BrokenError` means the tier is gone until it is
+  reopened (a disk); True: the next call may succeed (a network tier reconnects), so the
+  I/O layer keeps using it.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class LowerTier(ABC):
     read_only: bool
     sync_inline: bool = True
     write_lanes: int = 1
+    transient_failures: bool = False
 
     @staticmethod
     def lane_of(key: bytes) -> int:

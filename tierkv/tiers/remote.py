@@ -7,6 +7,9 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
   deletes, then ``SET NX`` of each value (``EX`` when ``remote.ttl_seconds``). A value
   another engine stored already is left as it is and counts as written (``already``).
 - ``exists_many(keys)``: which keys have a value, in one pipeline of ``EXISTS``.
+  ``exists_on_ranks(keys, ranks)``: which chunks have a value for every rank, in one
+  pipeline of one ``EXISTS`` per chunk (its ranks share a hash slot): one round trip per
+  node, for the scheduler side's lookups.
 - ``read_into(key, out)``: one ``GET``; ``OK`` only for a value that passes every check;
   ``MISSING`` when it is gone (evicted, expired, deleted by another engine); ``CORRUPT``
   otherwise, and the value is deleted only if it is still the same bad value (a script
@@ -16,6 +19,8 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 - Every network failure (timeout, refused connection, a node gone) raises
   :class:`BrokenError` naming the tier, the address (never the password) and the setting;
   redis-py reconnects on the next call and follows ``MOVED``/``ASK`` during resharding.
+  ``lazy=True`` connects on the first call instead of at construction (an engine starts
+  while the server is down, and uses it once it is up).
 - **Circuit breaker**: after ``remote.breaker_failures`` failed calls in a row, calls fail
   at once (:class:`BrokenError` saying so, no network) for ``remote.breaker_seconds``, with
   one warning; the first call after that probes the server, and a success closes it.
@@ -31,13 +36,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-from tierkv.config import RemoteTierConfig
+from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
@@ -48,17 +53,6 @@ _T = TypeVar("_T")
 # Delete KEYS[1] only while it still holds ARGV[1] (the bad value that was read).
 DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
                   "return redis.call('DEL', KEYS[1]) end return 0"
-
-
-def safe_url(url: str) -> str:
-    """``url`` without its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username + ':***@' if parts.username else '***@'}{host}" + \
-        (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def scrub(config: RemoteTierConfig, exc: BaseException) -> str:
@@ -125,9 +119,11 @@ class RemoteTier(LowerTier):
     """One namespace and rank on a Redis server or cluster; see the module docstring."""
 
     write_lanes = 1
+    transient_failures = True
 
     def __init__(self, config: RemoteTierConfig, namespace: Namespace, rank: int,
-                 payload_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 payload_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 *, lazy: bool = False) -> None:
         if not isinstance(config, RemoteTierConfig):
             raise ConfigError(f"remote tier: config must be a RemoteTierConfig, got {config!r}")
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
@@ -149,9 +145,30 @@ class RemoteTier(LowerTier):
         self._clock = clock
         self._failures = 0  # consecutive failed calls
         self._open_until: float | None = None  # the breaker is open until then
-        self._client, self.cluster = connect(config, self._name)
-        self._delete_if_same = self._client.register_script(DELETE_IF_SAME)
+        self._client: Any = None
+        self._delete_if_same: Any = None
+        self.cluster = False
         self._closed = False
+        if not lazy:
+            self._connect()
+
+    def warm_up(self) -> bool:
+        """Connect now if not yet (a lookup thread does it at start, so the first lookup
+        does not pay for it); False, counted as a failed call, when the server is down."""
+        try:
+            self._run("connecting", lambda: None)
+            return True
+        except BrokenError:
+            return False
+
+    def _connect(self) -> Any:
+        """The client, connected now if it was not (a failure is a BrokenError)."""
+        with self._lock:
+            if self._client is None:
+                client, self.cluster = connect(self.config, self._name)
+                self._delete_if_same = client.register_script(DELETE_IF_SAME)
+                self._client = client
+            return self._client
 
     # -- connection ------------------------------------------------------------------------
 
@@ -175,7 +192,12 @@ class RemoteTier(LowerTier):
                               f"(remote.breaker_failures); the server is probed again after "
                               f"remote.breaker_seconds ({self.config.breaker_seconds} s)")
         try:
+            if self._client is None:
+                self._connect()
             answer = work()
+        except BrokenError:  # could not connect (the message says so)
+            self._failed()
+            raise
         except (RedisError, RedisClusterException, OSError) as exc:
             self._failed()
             raise BrokenError(f"{self._name}: {what} failed ({type(exc).__name__}: "
@@ -276,6 +298,23 @@ class RemoteTier(LowerTier):
 
         return self._run("looking up chunks", work) if names else []
 
+    def exists_on_ranks(self, keys: Sequence[bytes], ranks: Sequence[int]) -> list[bool]:
+        """Whether each chunk has a value for every rank in ``ranks``: one ``EXISTS`` of its
+        ranks' keys per chunk (one hash slot: the hash tag), one pipeline."""
+        self._check_open()
+        for key in keys:
+            self._key(key)  # checks the key
+        names = [[redis_key(self._prefix, self.fingerprint, rank, bytes(key)) for rank in ranks]
+                 for key in keys]
+
+        def work() -> list[bool]:
+            pipe = self._pipeline()
+            for chunk in names:
+                pipe.exists(*chunk)
+            return [int(answer) == len(ranks) for answer in pipe.execute()]
+
+        return self._run("looking up chunks", work) if names and ranks else [False] * len(keys)
+
     def read_into(self, key: bytes, out: Any) -> ReadStatus:
         name = self._key(key)
         view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
@@ -346,7 +385,8 @@ class RemoteTier(LowerTier):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._client.close()
+            if self._client is not None:
+                self._client.close()
 
     def __enter__(self) -> RemoteTier:
         return self

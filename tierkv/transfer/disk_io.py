@@ -106,14 +106,16 @@ class DiskIO:
     """The threads over a lower tier (the disk tier); see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
-                 reader_threads: int = 4) -> None:
+                 reader_threads: int = 4, section: str = "disk") -> None:
+        self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
         for name, value in (("write_batch_bytes", write_batch_bytes),
                             ("reader_threads", reader_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"disk io: disk.{name} must be a positive int, got {value!r}")
+                raise ConfigError(f"{self._io}: {section}.{name} must be a positive int, "
+                                  f"got {value!r}")
         if slab.slot_bytes < tier.payload_bytes:
-            raise ConfigError(f"disk io: cpu slots of {slab.slot_bytes} bytes cannot hold "
-                              f"disk chunks of {tier.payload_bytes} bytes")
+            raise ConfigError(f"{self._io}: cpu slots of {slab.slot_bytes} bytes cannot hold "
+                              f"{section} chunks of {tier.payload_bytes} bytes")
         self.tier = tier
         self.slab = slab
         self.write_batch_bytes = write_batch_bytes
@@ -124,7 +126,7 @@ class DiskIO:
         self._order: deque[_SpillJob] = deque()  # jobs not yet reported, in submission order
         self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
         self._finished: list[Completion] = []
-        self._ledger: JobLedger[None] = JobLedger("disk io")  # spill and read jobs
+        self._ledger: JobLedger[None] = JobLedger(self._io)  # spill and read jobs
         self._counts = {"spill_jobs": 0, "write_txns": 0, "read_jobs": 0, "callback_errors": 0}
         self._broken: BaseException | None = None
         self._closed = False  # shutdown(): the threads stop once their queues are empty
@@ -136,7 +138,7 @@ class DiskIO:
         if self._sync_every is not None:
             tier.sync_inline = False
             threads.append((self._syncer_main, "sync"))
-        self._threads = [threading.Thread(target=target, name=f"tierkv-disk-{name}", daemon=True)
+        self._threads = [threading.Thread(target=target, name=f"tierkv-{section}-{name}", daemon=True)
                          for target, name in threads]
         self._num_readers = reader_threads
         for thread in self._threads:
@@ -145,16 +147,16 @@ class DiskIO:
     # -- caller side -----------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._closed:
-            raise ClosedError("disk io: used after shutdown(); create a new DiskIO")
+            raise ClosedError(f"{self._io}: used after shutdown(); create a new DiskIO")
         if self._broken is not None:
-            raise BrokenError(f"disk io: the disk tier failed underneath ({self._broken}); "
+            raise BrokenError(f"{self._io}: the disk tier failed underneath ({self._broken}); "
                               f"check disk.path, then restart the store") from self._broken
 
     def _check_chunk(self, key: bytes, slot: int) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-            raise ConfigError(f"disk io: a chunk key must be {KEY_BYTES} bytes, got {key!r:.40}")
+            raise ConfigError(f"{self._io}: a chunk key must be {KEY_BYTES} bytes, got {key!r:.40}")
         if not 0 <= slot < self.slab.num_slots:
-            raise ConfigError(f"disk io: slot {slot} out of range [0, {self.slab.num_slots})")
+            raise ConfigError(f"{self._io}: slot {slot} out of range [0, {self.slab.num_slots})")
 
     def submit_spill(self, spec: SpillSpec) -> None:
         """Queue ``spec``'s parts for the writer threads of their lanes; returns at once."""
@@ -221,7 +223,7 @@ class DiskIO:
         try:
             self.flush()
         except TierKVError as exc:
-            logger.warning("disk io: flush at shutdown failed: %s", exc)
+            logger.warning("%s: flush at shutdown failed: %s", self._io, exc)
         finally:
             with self._cond:
                 self._closed = True
@@ -293,6 +295,10 @@ class DiskIO:
                 self._mark_broken(exc)
 
     def _mark_broken(self, exc: BaseException) -> None:
+        """A tier that failed for good (a disk) refuses every later job; a tier whose
+        failures pass (the remote tier: it reconnects, its breaker warns) is kept."""
+        if isinstance(exc, BrokenError) and self.tier.transient_failures:
+            return
         if isinstance(exc, (BrokenError, ClosedError)):
             with self._cond:
                 if self._broken is None:
@@ -373,7 +379,9 @@ class DiskIO:
                                                            self.slab.memoryview(chunk.slot))
             except Exception as exc:
                 self._mark_broken(exc)
-                logger.error("disk io: read job %s failed: %s", job.job_id, exc)
+                transient = isinstance(exc, BrokenError) and self.tier.transient_failures
+                logger.log(logging.DEBUG if transient else logging.ERROR,
+                           "%s: read job %s failed: %s", self._io, job.job_id, exc)
                 with self._cond:
                     job.error = job.error or f"{type(exc).__name__}: {exc}"
                 return

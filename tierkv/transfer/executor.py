@@ -2,9 +2,14 @@
 
 Primitives:
 - ``submit(spec)``: StoreSpec -> GPU->CPU copy; SpillSpec -> disk writer thread;
-  LoadSpec -> (disk reader threads for ``from_disk`` chunks, then) CPU->GPU copy of the
-  chunks that landed; missing or corrupt ones are failed keys of the same job, so the
-  engine recomputes them and never sees a false hit. Returns at once.
+  LoadSpec -> (disk reader threads for ``from_disk`` chunks, remote reader threads for
+  ``from_remote`` ones, then) CPU->GPU copy of the chunks that landed; missing or corrupt
+  ones are failed keys of the same job, so the engine recomputes them and never sees a
+  false hit. Returns at once.
+- Pushes to the remote tier (``pusher``, a :class:`~tierkv.transfer.remote_io.RemoteIO`):
+  as a store job's chunks land in their slots (``push_on="on_store"``) or as a spill job's
+  land on disk (``"on_evict"``), ``poll_finished`` queues a copy of each slot before it
+  reports the job, so the slot is free to reuse once the job is reported.
 - ``poll_finished()``: every finished job exactly once (plain :class:`Completion`s).
 - ``wait(job_ids)``: blocks until those jobs finished; a job already polled has finished.
   Job ids follow :mod:`tierkv.transfer.ledger` (reuse raises :class:`TransferError`, a
@@ -21,13 +26,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
+from functools import partial
 from typing import Protocol
 
-from tierkv.core.jobs import Completion, JobId, JobSpec, LoadSpec, SpillSpec, StoreSpec, failed_set
+from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobSpec, LoadSpec, SpillSpec, StoreSpec, failed_set
 from tierkv.errors import BrokenError, ClosedError, TierKVError, UsageError
 from tierkv.transfer.base import TransferEngine
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
 from tierkv.transfer.ledger import JobLedger
+from tierkv.transfer.remote_io import RemoteIO
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +64,15 @@ class _ChainedLoad:
 
 
 class JobExecutor:
-    def __init__(self, transfer: TransferEngine, disk_io: DiskIO | None = None) -> None:
+    def __init__(self, transfer: TransferEngine, disk_io: DiskIO | None = None, *,
+                 remote_io: DiskIO | None = None, pusher: RemoteIO | None = None,
+                 push_on: str = "on_store") -> None:
         self.transfer = transfer
         self.disk_io = disk_io
+        self.remote_io = remote_io  # reads of the remote tier
+        self.pusher = pusher
+        self._push_kind = {"on_store": StoreSpec, "on_evict": SpillSpec}.get(push_on)
+        self._to_push: dict[JobId, tuple[tuple[bytes, int], ...]] = {}  # job -> (key, slot)
         self._ledger: JobLedger[_Waiter | None] = JobLedger("worker")
         self._direct: list[Completion] = []  # completions ready at once (see _start)
         self._lock = threading.Lock()
@@ -71,6 +84,9 @@ class JobExecutor:
             raise ClosedError("worker: job submitted after shutdown")
         self._ledger.check_new(spec.job_id)  # a reused id raises before anything runs
         self._ledger.add(spec.job_id, self._start(spec))
+        if self.pusher is not None and type(spec) is self._push_kind:
+            self._to_push[spec.job_id] = tuple(zip(spec.keys, spec.slots)) \
+                if isinstance(spec, StoreSpec) else tuple(getattr(spec, "writes"))
 
     def _start(self, spec: JobSpec) -> _Waiter | None:
         """Start ``spec``; what to wait on for it (None: its completion is ready)."""
@@ -93,29 +109,48 @@ class JobExecutor:
                     self._direct.append(Completion(spec.job_id, ok=False, failed_keys=keys,
                                                    full_keys=keys, error=str(exc)))
                 return None
-        if not any(chunk.from_disk for chunk in spec.chunks):
+        if not any(chunk.from_disk or chunk.from_remote for chunk in spec.chunks):
             self.transfer.submit_load(spec)
             return self.transfer
         return self._submit_chained_load(spec)
 
     def _submit_chained_load(self, spec: LoadSpec) -> _ChainedLoad:
-        if self.disk_io is None:
-            raise UsageError("worker: load from disk without a disk tier (set disk.path)")
+        """Read the job's disk and remote chunks into their slots (in parallel), then copy
+        the chunks that landed to the GPU."""
+        reads = [(io, name, chunks) for io, name, chunks in (
+            (self.disk_io, "disk", tuple(c for c in spec.chunks if c.from_disk)),
+            (self.remote_io, "remote", tuple(c for c in spec.chunks if c.from_remote)))
+            if chunks]
+        for io, name, _ in reads:
+            if io is None:
+                raise UsageError(f"worker: load from the {name} tier without one (set "
+                                 f"{'disk.path' if name == 'disk' else 'remote'})")
         chained = _ChainedLoad(tuple(c.key for c in spec.chunks), self.transfer)
-        disk_chunks = [c for c in spec.chunks if c.from_disk]
+        outcomes: list[tuple[tuple[ChunkCopy, ...], ReadOutcome]] = []
 
-        def on_done(outcome: ReadOutcome) -> None:
-            bad = set(outcome.missing_keys) | set(outcome.corrupt_keys) | set(outcome.failed_keys)
-            if outcome.error is not None and not bad:  # failed as a whole: nothing landed
-                bad = {c.key for c in disk_chunks}
+        def on_done(chunks: tuple[ChunkCopy, ...], outcome: ReadOutcome) -> None:
+            with self._lock:
+                outcomes.append((chunks, outcome))
+                if len(outcomes) < len(reads):
+                    return
+            bad: set[bytes] = set()
+            missing: list[bytes] = []
+            corrupt: list[bytes] = []
+            for part, read in outcomes:
+                failed = set(read.missing_keys) | set(read.corrupt_keys) | set(read.failed_keys)
+                if read.error is not None and not failed:  # failed as a whole
+                    failed = {c.key for c in part}
+                bad |= failed
+                corrupt += read.corrupt_keys
+                tier_failed = set(read.failed_keys)
+                missing += (k for k in read.missing_keys if k not in tier_failed)
             landed = tuple(c for c in spec.chunks if c.key not in bad)
             with self._lock:
                 chained.failed = tuple(k for k in chained.keys if k in bad)
-                chained.corrupt = tuple(outcome.corrupt_keys)
-                tier_failed = set(outcome.failed_keys)
-                chained.missing = tuple(k for k in outcome.missing_keys if k not in tier_failed)
-                chained.read_bytes = outcome.num_bytes
-                chained.read_seconds = outcome.seconds
+                chained.corrupt = tuple(corrupt)
+                chained.missing = tuple(missing)
+                chained.read_bytes = sum(read.num_bytes for _, read in outcomes)
+                chained.read_seconds = max(read.seconds for _, read in outcomes)
                 chained.submitted_copy = bool(landed)
                 if not landed:
                     self._direct.append(self._merge(spec.job_id, None, chained))
@@ -125,12 +160,16 @@ class JobExecutor:
             finally:
                 chained.read_done.set()
 
-        try:
-            self.disk_io.submit_read(spec.job_id, disk_chunks, on_done)
-        except (BrokenError, ClosedError) as exc:  # a broken disk tier: those chunks miss
-            keys = tuple(c.key for c in disk_chunks)
-            log.warning("worker: disk tier unusable, load job %s reads nothing: %s", spec.job_id, exc)
-            on_done(ReadOutcome(spec.job_id, (), keys, (), 0, 0.0, failed_keys=keys, error=str(exc)))
+        for io, name, chunks in reads:
+            assert io is not None
+            try:
+                io.submit_read(spec.job_id, chunks, partial(on_done, chunks))
+            except (BrokenError, ClosedError) as exc:  # a broken tier: those chunks miss
+                keys = tuple(c.key for c in chunks)
+                log.warning("worker: %s tier unusable, load job %s reads nothing from it: %s",
+                            name, spec.job_id, exc)
+                on_done(chunks, ReadOutcome(spec.job_id, (), keys, (), 0, 0.0,
+                                            failed_keys=keys, error=str(exc)))
         return chained
 
     # ------------------------------------------------------------------ completions
@@ -141,7 +180,7 @@ class JobExecutor:
             failed += tuple(failed_set(copy, copied))
         error = copy.error if copy else None
         if chained.corrupt and not error:
-            error = f"{len(chained.corrupt)} chunk(s) failed their checksum on disk"
+            error = f"{len(chained.corrupt)} chunk(s) failed their checks where they were read"
         return Completion(
             job_id, not failed, (copy.num_bytes if copy else 0) + chained.read_bytes,
             (copy.seconds if copy else 0.0) + chained.read_seconds, failed_keys=failed,
@@ -159,7 +198,20 @@ class JobExecutor:
             finished.extend(self.disk_io.poll_finished())
         for completion in finished:
             self._ledger.finish(completion.job_id)
+            if self._to_push:
+                self._push(completion)
         return finished
+
+    def _push(self, completion: Completion) -> None:
+        """Queue copies of the landed chunks of a job that pushes (see the docstring)."""
+        chunks = self._to_push.pop(completion.job_id, None)
+        if not chunks or self.pusher is None:
+            return
+        failed = failed_set(completion, tuple(key for key, _ in chunks))
+        slab, size = self.transfer.slab, self.pusher.tier.payload_bytes
+        for key, slot in chunks:
+            if key not in failed:
+                self.pusher.push(key, slab.memoryview(slot)[:size])
 
     def wait(self, job_ids: Iterable[JobId]) -> None:
         for job_id, waiter in self._ledger.pending(job_ids).items():
@@ -181,7 +233,8 @@ class JobExecutor:
         finally:
             self._closed = True
             try:
-                if self.disk_io is not None:
-                    self.disk_io.shutdown()
+                for io in (self.disk_io, self.remote_io, self.pusher):
+                    if io is not None:
+                        io.shutdown()
             finally:
                 self.transfer.shutdown()

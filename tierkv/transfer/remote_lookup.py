@@ -1,0 +1,155 @@
+"""RemoteLookup: the scheduler side's questions to the remote tier, off the scheduler's thread.
+
+Primitives and contracts:
+
+- ``ask(keys) -> list[bytes] | None``: the longest prefix of ``keys`` (at most
+  ``remote.lookup_chunks`` of them) whose chunks have a value for every rank, or None: "not
+  yet" (the server did not answer within ``remote.lookup_deadline_seconds``; ask again).
+  What is not known yet is asked in one request: one pipeline of one ``EXISTS`` per chunk
+  (a chunk's ranks share a hash slot), so one round trip per node, never one per chunk.
+  Answers are kept ``answer_seconds`` (a request's next steps ask nothing), oldest dropped
+  first.
+- A lookup that fails (a timeout, a node down, the breaker open) answers "absent" for those
+  keys, counted in ``errors`` (never a silent zero: the tier logs and its breaker warns).
+- One thread sends the questions; questions asked while one is in flight go out together
+  in the next. ``statistics()``; ``shutdown()`` (idempotent).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tierkv.errors import ClosedError, TierKVError
+from tierkv.tiers.remote import RemoteTier
+
+logger = logging.getLogger("tierkv.remote")
+
+
+@dataclass(frozen=True)
+class RemoteLookupStatistics:
+    asks: int  # calls of ask()
+    not_yet: int  # asks answered None (the deadline passed)
+    requests: int  # pipelines sent (each at most one round trip per node)
+    keys_asked: int
+    keys_found: int
+    errors: int  # requests the tier failed (their keys count as absent)
+    seconds: float  # spent in requests
+
+
+class RemoteLookup:
+    """See the module docstring."""
+
+    def __init__(self, tier: RemoteTier, ranks: Sequence[int], deadline_seconds: float,
+                 max_keys: int = 64, answer_seconds: float = 1.0, max_answers: int = 1 << 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tier = tier
+        self.ranks = tuple(ranks)
+        self.deadline_seconds = deadline_seconds
+        self.max_keys = max_keys
+        self.answer_seconds = answer_seconds
+        self._max_answers = max_answers
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._answers: dict[bytes, tuple[bool, float]] = {}  # key -> (exists, when), oldest first
+        self._wanted: dict[bytes, None] = {}  # asked, not sent yet
+        self._sent: set[bytes] = set()  # in the request in flight
+        self._closed = False
+        self._counts: dict[str, float] = dict.fromkeys(
+            ("asks", "not_yet", "requests", "keys_asked", "keys_found", "errors", "seconds"), 0)
+        self._thread = threading.Thread(target=self._main, name="tierkv-remote-lookup",
+                                        daemon=True)
+        self._thread.start()
+
+    def ask(self, keys: Sequence[bytes]) -> list[bytes] | None:
+        keys = keys[: self.max_keys]
+        with self._cond:
+            if self._closed:
+                raise ClosedError("remote lookup: used after shutdown()")
+            self._counts["asks"] += 1
+            found, unknown = self._known(keys)
+            if unknown is None:
+                return found
+            for key in keys[unknown:]:
+                if key not in self._sent:
+                    self._wanted[key] = None
+            self._cond.notify_all()
+            deadline = time.monotonic() + self.deadline_seconds
+            while True:
+                found, unknown = self._known(keys)
+                left = deadline - time.monotonic()
+                if unknown is None or left <= 0:
+                    break
+                self._cond.wait(left)
+            if unknown is None:
+                return found
+            self._counts["not_yet"] += 1
+            return None
+
+    def _known(self, keys: Sequence[bytes]) -> tuple[list[bytes], int | None]:
+        """The prefix of ``keys`` known to exist, and where the first key with no fresh
+        answer is (None: the prefix ends at a known absence, or covers ``keys``)."""
+        oldest = self._clock() - self.answer_seconds
+        answers = self._answers
+        for position, key in enumerate(keys):
+            answer = answers.get(key)
+            if answer is None or answer[1] < oldest:
+                return list(keys[:position]), position
+            if not answer[0]:
+                return list(keys[:position]), None
+        return list(keys), None
+
+    def _main(self) -> None:
+        self.tier.warm_up()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._wanted or self._closed)
+                if self._closed:
+                    return
+                keys = list(self._wanted)
+                self._wanted.clear()
+                self._sent = set(keys)
+            started = time.perf_counter()
+            try:
+                exists = self.tier.exists_on_ranks(keys, self.ranks)
+                failed = False
+            except TierKVError as exc:  # counted and logged by the tier (and its breaker)
+                logger.debug("remote lookup: %d key(s) failed: %s", len(keys), exc)
+                exists, failed = [False] * len(keys), True
+            except Exception:
+                logger.exception("remote lookup: %d key(s) failed", len(keys))
+                exists, failed = [False] * len(keys), True
+            with self._cond:
+                now = self._clock()
+                answers = self._answers
+                for key, there in zip(keys, exists):
+                    answers.pop(key, None)  # re-inserted: the newest
+                    answers[key] = (there, now)
+                while len(answers) > self._max_answers:
+                    del answers[next(iter(answers))]
+                counts = self._counts
+                counts["requests"] += 1
+                counts["keys_asked"] += len(keys)
+                counts["keys_found"] += sum(exists)
+                counts["errors"] += failed
+                counts["seconds"] += time.perf_counter() - started
+                self._sent = set()
+                self._cond.notify_all()
+
+    def statistics(self) -> RemoteLookupStatistics:
+        with self._cond:
+            counts = dict(self._counts)
+        seconds = counts.pop("seconds")
+        return RemoteLookupStatistics(**{k: int(v) for k, v in counts.items()}, seconds=seconds)
+
+    def shutdown(self) -> None:
+        """Stop the thread (a request in flight ends within the tier's timeout)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(self.tier.config.timeout_seconds * 2 + 1)
