@@ -343,3 +343,35 @@ def test_slots_resharded_while_engines_read_and_write(cluster: RedisCluster) -> 
     finally:
         stop.set()
         engine_a.close()
+
+
+def remote_keys(cluster: RedisCluster) -> int:
+    raw = ClusterClient.from_url(cluster.url)
+    try:
+        return sum(1 for node in raw.get_primaries()
+                   for _ in raw.scan_iter(match="tierkv:*", target_nodes=node))
+    finally:
+        raw.close()
+
+
+def test_push_policies(cluster: RedisCluster, tmp_path: Path) -> None:
+    keys = chunk_keys(conversation(200, 4), TPC)
+    with TierKVStore(caches(9), model_id="m",
+                     config=config(cluster.url, push="read_only")) as reader:
+        store_all(reader, keys)
+        assert reader.executor.pusher is None
+    assert remote_keys(cluster) == 0  # a read-only engine never pushes
+    with TierKVStore(caches(9), model_id="m",
+                     config=config(cluster.url, tmp_path / "d", push="on_evict")) as evicting:
+        store_all(evicting, keys)
+        assert evicting.executor.pusher is not None and evicting.executor.pusher.flush(10)
+        assert remote_keys(cluster) == 0  # in the CPU tier only: not pushed yet
+        evicting.flush()  # written back to disk: pushed on the way out of the CPU tier
+        push(evicting)
+        assert remote_keys(cluster) == 4
+    with TierKVStore(caches(9), model_id="m", config=config(cluster.url)) as storing:
+        other = chunk_keys(conversation(201, 3), TPC)
+        store_all(storing, other)
+        push(storing)  # on_store: as soon as the chunks land in the CPU tier
+        assert remote_keys(cluster) == 7
+        assert storing.lookup(keys) == 4  # remote hits of what the on_evict engine pushed

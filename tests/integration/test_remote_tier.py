@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from redis.cluster import RedisCluster as ClusterClient
 
 from tests.redis_cluster import HOST, RedisCluster, RedisServer
@@ -257,3 +258,31 @@ def test_calls_after_close_raise_even_with_nothing_to_do(cluster: RedisCluster) 
                  lambda: tier.exists_many([]), lambda: tier.read_into(key_of(1), bytearray(PAYLOAD))):
         with pytest.raises(ClosedError, match="after close"):
             call()
+
+
+ACL = ("~tierkv:* resetchannels -@all +get +set +exists +del +scan +evalsha +eval "
+       "+script|load +ping +cluster|slots +cluster|shards +command +info +readonly +hello "
+       "+auth")  # docs/remote.md, "Security"
+
+
+def test_an_acl_user_limited_to_its_prefix_is_enough(cluster: RedisCluster) -> None:
+    for port in cluster.ports:
+        node = redis.Redis(host=HOST, port=port)
+        assert node.execute_command("ACL", "SETUSER", "tierkv-test", "on", ">pw-7",  # type: ignore[no-untyped-call]
+                                    *ACL.split())
+        node.close()
+    url = f"redis://tierkv-test:pw-7@{HOST}:{cluster.ports[0]}"
+    tier = RemoteTier(RemoteTierConfig(url=url), NS, 0, PAYLOAD)
+    keys = [key_of(i) for i in range(12)]
+    tier.put_many([(key, payload_of(key)) for key in keys])
+    assert tier.exists_on_ranks(keys, [0]) == [True] * 12
+    assert read(tier, keys[0]) == (ReadStatus.OK, payload_of(keys[0]))
+    raw(cluster).set(redis_key(b"tierkv:", NS.fingerprint(), 0, keys[1]), b"bad")
+    assert read(tier, keys[1])[0] is ReadStatus.CORRUPT  # the delete-if-same script runs
+    assert tier.verify(repair=True).checked == 11 and len(list(tier.scan())) == 11
+    assert tier.delete_many(keys) == 11
+    outside = RemoteTier(RemoteTierConfig(url=url, key_prefix="other:"), NS, 0, PAYLOAD)
+    with pytest.raises(BrokenError, match="NoPermission|permission"):
+        outside.put_many([(keys[0], payload_of(keys[0]))])  # the ACL keeps it to its prefix
+    tier.close()
+    outside.close()

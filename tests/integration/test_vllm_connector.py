@@ -412,6 +412,12 @@ def test_kernel_block_split_views() -> None:
         ({"spill_ahead_fraction": 2}, r"\['spill_ahead_fraction'\] = 2"),
         ({"offload_prompt_only": "yes"}, r"\['offload_prompt_only'\] = 'yes': must be true or false"),
         ({"eviction_policy": "mru"}, r"\['eviction_policy'\] = 'mru': must be one of \['arc', 'lru'\]"),
+        ({"remote": {"push": "on_store"}}, r"\['remote'\] = .*needs remote_url"),
+        ({"remote_url": "redis://h:1", "remote": {"url": "redis://x"}}, r"takes no url: set remote_url"),
+        ({"remote_url": "redis://h:1", "remote": {"pushh": 1}}, r"unknown setting 'pushh'"),
+        ({"remote_url": "redis://h:1", "remote": ["push"]}, r"must be a mapping"),
+        ({"remote_url": "http://u:secret@h:1"}, r"remote.url must start with redis://.*\*\*\*@h:1"),
+        ({"remote_url": "redis://h:1", "remote": {"push": "always"}}, r"remote.push must be one of"),
     ],
 )
 def test_config_errors_name_the_key_and_value(extra: dict[str, Any], match: str) -> None:
@@ -462,6 +468,11 @@ def test_unstable_hashes_refuse_a_disk_tier(tmp_path: Path, monkeypatch: pytest.
     cfg = HarnessConfig(num_gpu_blocks=8, prefix_caching_hash_algo="xxhash", kv_transfer_config=with_disk)
     with pytest.raises(ConfigError, match="without PYTHONHASHSEED.*Set PYTHONHASHSEED"):
         harness_lib.build_harness(cfg)
+    # Nor a remote tier: another engine's hashes would never match.
+    with pytest.raises(ConfigError, match="remote tier could never be hit.*remove remote_url"):
+        harness_lib.build_harness(HarnessConfig(
+            num_gpu_blocks=8, prefix_caching_hash_algo="xxhash",
+            kv_transfer_config=tierkv_config(remote_url="redis://127.0.0.1:1")))
     # Without a disk tier nothing outlives the process: allowed.
     harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, prefix_caching_hash_algo="xxhash",
                                             create_worker_connector=False,
