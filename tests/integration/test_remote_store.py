@@ -24,7 +24,7 @@ import torch
 from redis.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
-from tests.redis_cluster import RedisCluster
+from tests.redis_cluster import RedisCluster, free_port
 from tierkv import chunk_keys
 from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
@@ -375,3 +375,42 @@ def test_push_policies(cluster: RedisCluster, tmp_path: Path) -> None:
         push(storing)  # on_store: as soon as the chunks land in the CPU tier
         assert remote_keys(cluster) == 7
         assert storing.lookup(keys) == 4  # remote hits of what the on_evict engine pushed
+
+
+def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisCluster) -> None:
+    """An "absent" answer is kept 50 ms, not longer: what another engine pushes after B
+    asked is a hit on B's next lookups (it was kept 1 s: B recomputed chunks A had pushed)."""
+    keys = chunk_keys(conversation(300, 3), TPC)
+    with TierKVStore(zeros(caches(1)), model_id="m", config=config(cluster.url)) as engine_b:
+        assert engine_b.lookup(keys) == 0  # asked: absent
+        with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as engine_a:
+            store_all(engine_a, keys)
+            push(engine_a)
+        time.sleep(0.1)
+        assert engine_b.lookup(keys) == 3
+
+
+def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None:
+    """The lookup thread connects (cluster discovery: tens of ms) before the constructor
+    returns, so the first lookup pays one round trip and fits the 10 ms default deadline;
+    a server that is down costs the constructor at most remote.timeout_seconds."""
+    from tierkv.tiers.remote import RemoteTier
+    from tierkv.transfer.remote_lookup import RemoteLookup
+
+    with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as store:
+        namespace = store.namespace
+    for url, connected in ((cluster.url, True), (f"redis://127.0.0.1:{free_port()}", False)):
+        settings = RemoteTierConfig(url=url, timeout_seconds=0.5)
+        started = time.perf_counter()
+        lookup = RemoteLookup(RemoteTier(settings, namespace, 0, 1024, lazy=True), [0], 0.05)
+        took = time.perf_counter() - started
+        try:
+            # Connected already (statistics() would wait for a connect in progress).
+            assert (lookup.tier._client is not None) is connected  # noqa: SLF001
+            if connected:
+                assert lookup.ask([bytes(32)]) == []  # one round trip: not "not yet"
+            assert lookup.tier.statistics().cluster is connected
+            assert took < 0.5 + 0.5
+        finally:
+            lookup.shutdown()
+            lookup.tier.close()

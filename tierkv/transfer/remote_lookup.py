@@ -7,8 +7,11 @@ Primitives and contracts:
   yet" (the server did not answer within ``remote.lookup_deadline_seconds``; ask again).
   What is not known yet is asked in one request: one pipeline of one ``EXISTS`` per chunk
   (a chunk's ranks share a hash slot), so one round trip per node, never one per chunk.
-  Answers are kept ``answer_seconds`` (a request's next steps ask nothing), oldest dropped
-  first.
+  Answers are kept ``answer_seconds`` (50 ms: a request waiting for GPU blocks is not asked
+  about again every step, and a chunk another engine pushes is found 50 ms later at most;
+  what the server has is kept longer by the index: ``note_remote``), oldest dropped first.
+- The thread connects at once; the constructor waits for that (at most the tier's
+  ``timeout_seconds``), so the first lookup pays a round trip, not a cluster discovery.
 - A lookup that fails (a timeout, a node down, the breaker open) answers "absent" for those
   keys, counted in ``errors`` (never a silent zero: the tier logs and its breaker warns).
 - One thread sends the questions; questions asked while one is in flight go out together
@@ -44,7 +47,7 @@ class RemoteLookup:
     """See the module docstring."""
 
     def __init__(self, tier: RemoteTier, ranks: Sequence[int], deadline_seconds: float,
-                 max_keys: int = 64, answer_seconds: float = 1.0, max_answers: int = 1 << 16,
+                 max_keys: int = 64, answer_seconds: float = 0.05, max_answers: int = 1 << 16,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.tier = tier
         self.ranks = tuple(ranks)
@@ -60,9 +63,11 @@ class RemoteLookup:
         self._closed = False
         self._counts: dict[str, float] = dict.fromkeys(
             ("asks", "not_yet", "requests", "keys_asked", "keys_found", "errors", "seconds"), 0)
+        self._connected = threading.Event()
         self._thread = threading.Thread(target=self._main, name="tierkv-remote-lookup",
                                         daemon=True)
         self._thread.start()
+        self._connected.wait(tier.config.timeout_seconds)
 
     def ask(self, keys: Sequence[bytes]) -> list[bytes] | None:
         keys = keys[: self.max_keys]
@@ -103,7 +108,10 @@ class RemoteLookup:
         return list(keys), None
 
     def _main(self) -> None:
-        self.tier.warm_up()
+        try:
+            self.tier.warm_up()  # a server down now is a miss later, never a failed start
+        finally:
+            self._connected.set()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._wanted or self._closed)
