@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as ClusterClient
 
-from tests.redis_cluster import HOST, RedisCluster, RedisServer
+from tests.redis_cluster import HOST, RedisCluster, RedisServer, free_port
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.keys import Namespace
@@ -286,3 +288,46 @@ def test_an_acl_user_limited_to_its_prefix_is_enough(cluster: RedisCluster) -> N
         outside.put_many([(keys[0], payload_of(keys[0]))])  # the ACL keeps it to its prefix
     tier.close()
     outside.close()
+
+
+def test_tls_with_rediss_and_a_ca_file(tmp_path: Path) -> None:
+    """``rediss://`` speaks TLS (the zero-copy connection class included); the CA file
+    comes from the URL's ``ssl_ca_certs`` query parameter, and a server whose certificate
+    the CA did not sign is refused."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not found: it makes the test's certificates")
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", HOST, "--save", "",
+         "--appendonly", "no", "--dir", str(tmp_path), "--tls-cert-file", str(cert),
+         "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+         "--tls-auth-clients", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"rediss://{HOST}:{port}?ssl_ca_certs={cert}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                tier = RemoteTier(RemoteTierConfig(url=url), NS, 0, PAYLOAD)
+                break
+            except BrokenError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.05)
+        keys = [key_of(i) for i in range(4)]
+        tier.put_many([(key, payload_of(key)) for key in keys])
+        assert all(read(tier, key) == (ReadStatus.OK, payload_of(key)) for key in keys)
+        assert not tier.cluster
+        tier.close()
+        other = tmp_path / "other.crt"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
+                        "1", "-subj", "/CN=other", "-keyout", str(tmp_path / "other.key"),
+                        "-out", str(other)], check=True, capture_output=True)
+        with pytest.raises(BrokenError, match="cannot connect"):
+            RemoteTier(RemoteTierConfig(url=f"rediss://{HOST}:{port}?ssl_ca_certs={other}"),
+                       NS, 0, PAYLOAD)
+    finally:
+        server.terminate()
+        server.wait(10)

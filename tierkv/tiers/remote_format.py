@@ -46,8 +46,8 @@ def parse_redis_key(prefix: bytes, name: bytes) -> tuple[str, int, bytes] | None
     return match["fp"].decode(), int(match["rank"]), bytes.fromhex(match["key"].decode())
 
 
-def pack_value(fingerprint: str, rank: int, key: bytes, payload: Any) -> bytes:
-    """Header and payload of ``key``'s value, as one bytes object."""
+def pack_value(fingerprint: str, rank: int, key: bytes, payload: Any) -> bytearray:
+    """Header and payload of ``key``'s value, in one buffer (one copy of the payload)."""
     view = memoryview(payload).cast("B")
     size = len(view)
     digest = checksum(binding_of(fingerprint, rank), key, REMOTE_FORMAT, size, 0, view)
@@ -55,7 +55,7 @@ def pack_value(fingerprint: str, rank: int, key: bytes, payload: Any) -> bytes:
     _HEADER.pack_into(out, 0, MAGIC, REMOTE_FORMAT, HEADER_BYTES, bytes.fromhex(fingerprint),
                       rank, key, size, digest, bytes(4))
     copy_bytes(memoryview(out)[HEADER_BYTES:], view)
-    return bytes(out)
+    return out
 
 
 def check_value(fingerprint: str, rank: int, key: bytes, value: Any, payload_bytes: int,
