@@ -146,7 +146,7 @@ class IndexStats:
     spills_ok: int
     spills_failed: int
     disk_no_room: int
-    remote_marks: int = 0  # chunks known on the remote tier only, now
+    remote_marks: int = 0  # marks held (aged ones until the next note_remote drops them)
     loads_remote: int = 0
     remote_missing: int = 0  # phantoms: noted remotely, gone when loaded
     remote_corrupt: int = 0

@@ -114,9 +114,11 @@ class Completion(NamedTuple):
 
 
 def failed_set(completion: Completion, keys: tuple[Key, ...]) -> set[Key]:
-    """The keys of a job that did not land. A completion that is not ok and names no
-    keys failed as a whole; one that names keys failed for exactly those."""
-    named = set(completion.failed_keys) | set(completion.corrupt_keys) | set(completion.full_keys)
+    """The keys of a job that did not land (failed, corrupt, full or missing). A completion
+    that is not ok and names no keys failed as a whole; one that names keys failed for
+    exactly those."""
+    named = set(completion.failed_keys) | set(completion.corrupt_keys) | \
+        set(completion.full_keys) | set(completion.missing_keys)
     if not named:
         return set() if completion.ok else set(keys)
     return named
