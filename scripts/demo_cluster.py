@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,30 +60,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def prompts(seed: int, conversations: int, turns: int) -> Iterator[tuple[int, int, list[int]]]:
-    """(turn, conversation, prompt tokens) in the ``tierkv demo`` order: turn by turn, the
-    conversations in turn; each prompt is the history so far plus the user's new tokens, and
-    the reply joins the history after it. The same seed gives the same prompts, so an
-    engine that runs fewer turns sees the first prompts of the longer run exactly."""
-    rng = random.Random(seed)
-    system_prompt = [rng.randrange(32000) for _ in range(3 * TOKENS_PER_CHUNK)]
-    histories = [list(system_prompt) for _ in range(conversations)]
-    for turn in range(turns):
-        for number, history in enumerate(histories):
-            history.extend(rng.randrange(32000) for _ in range(rng.randrange(40, 200)))
-            yield turn, number, list(history)
-            history.extend(rng.randrange(32000) for _ in range(rng.randrange(20, 120)))  # reply
-
-
 def run_engine(args: argparse.Namespace) -> int:
     """One engine: the workload's first ``turns`` turns through a TierKVStore on the
     cluster; writes its figures to ``args.result`` as JSON."""
     import torch
 
     from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
-    from tierkv.demo import expected_block
+    from tierkv.demo import chat_prompts, serve_prompt
     from tierkv.engine.store import TierKVStore
-    from tierkv.keys import ChunkKey, chunk_keys
+    from tierkv.keys import chunk_keys
 
     turns = args.turns if args.engine == "A" else args.b_turns
     kv = [torch.zeros((NUM_BLOCKS, *PAGE_SHAPE), dtype=torch.float16) for _ in range(args.layers)]
@@ -104,41 +87,18 @@ def run_engine(args: argparse.Namespace) -> int:
     store = TierKVStore(kv, model_id=MODEL_ID, tokens_per_block=BLOCK_SIZE, config=config)
     with store:
         free_blocks = list(range(NUM_BLOCKS))
-        for _, _, prompt in prompts(args.seed, args.conversations, turns):
-            keys = chunk_keys(prompt, TOKENS_PER_CHUNK)
-            per_chunk = [[free_blocks.pop() for _ in range(BLOCKS_PER_CHUNK)] for _ in keys]
-            handle = store.load(keys, per_chunk)
-            store.wait([handle.job_id])
-            landed = handle.num_chunks
-            for completion in store.poll():
-                if completion.job_id == handle.job_id and completion.failed_keys:
-                    counts["failed_chunks"] += len(completion.failed_keys)
-                    landed = min(keys.index(ChunkKey(k)) for k in completion.failed_keys)
-            # Which tier each landed chunk came from: exact unless a chunk failed (then the
-            # prefix before it is counted disk first, then remote, then CPU).
-            disk = min(handle.num_from_disk, landed)
-            remote = min(handle.num_from_remote, landed - disk)
+        for _, _, prompt in chat_prompts(args.seed, args.conversations, turns, TOKENS_PER_CHUNK):
+            served = serve_prompt(store, kv, chunk_keys(prompt, TOKENS_PER_CHUNK),
+                                  free_blocks, PAGE_SHAPE)
             counts["prompts"] += 1
-            counts["chunks_asked"] += len(keys)
-            counts["disk"] += disk
-            counts["remote"] += remote
-            counts["cpu"] += landed - disk - remote
-            counts["computed"] += len(keys) - landed
-            for position, key in enumerate(keys):
-                for j, block in enumerate(per_chunk[position]):
-                    want = expected_block(key, j, PAGE_SHAPE)
-                    if position < landed:  # loaded: must be the KV its prefix has, exactly
-                        wrong = False
-                        for layer in kv:
-                            wrong |= not torch.equal(layer[block], want)
-                            counts["verified_bytes"] += want.numel() * 2
-                        counts["wrong_chunks"] += wrong
-                    else:  # "compute" it
-                        for layer in kv:
-                            layer[block].copy_(want)
-            store.wait([store.store(keys, per_chunk)])
-            store.poll()
-            free_blocks.extend(block for blocks in per_chunk for block in blocks)
+            counts["chunks_asked"] += served.asked
+            counts["disk"] += served.from_disk
+            counts["remote"] += served.from_remote
+            counts["cpu"] += served.from_cpu
+            counts["computed"] += served.asked - served.landed
+            counts["failed_chunks"] += served.failed
+            counts["verified_bytes"] += served.verified_bytes
+            counts["wrong_chunks"] += served.wrong
     seconds = time.perf_counter() - started
     stats = store.statistics()  # after close: the push queue is flushed
     result: dict[str, Any] = {"engine": args.engine, "turns": turns, "seconds": seconds,

@@ -13,6 +13,7 @@ import argparse
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,76 @@ def expected_block(key: bytes, block_in_chunk: int, page_shape: tuple[int, ...])
     seed = int.from_bytes(key[:8], "little") ^ block_in_chunk
     gen = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
     return torch.randn(page_shape, generator=gen).to(torch.float16)
+
+
+def chat_prompts(seed: int, conversations: int, turns: int,
+                 tokens_per_chunk: int) -> Iterator[tuple[int, int, list[int]]]:
+    """(turn, conversation, prompt tokens) of the demo's chat, turn by turn, the
+    conversations in turn: they share a system prompt of 3 chunks; each prompt is the
+    history so far plus 40-200 new user tokens, and a reply of 20-120 joins the history
+    after it. The same seed gives the same prompts, so a run of fewer turns sees the first
+    prompts of a longer one exactly."""
+    rng = random.Random(seed)
+    system_prompt = [rng.randrange(32000) for _ in range(3 * tokens_per_chunk)]
+    histories = [list(system_prompt) for _ in range(conversations)]
+    for turn in range(turns):
+        for number, history in enumerate(histories):
+            history.extend(rng.randrange(32000) for _ in range(rng.randrange(40, 200)))
+            yield turn, number, list(history)
+            history.extend(rng.randrange(32000) for _ in range(rng.randrange(20, 120)))
+
+
+@dataclass
+class Served:
+    """What one prompt got from the tiers (see :func:`serve_prompt`)."""
+
+    asked: int  # full chunks of the prompt
+    landed: int  # the loaded prefix
+    from_disk: int
+    from_remote: int
+    failed: int  # chunks whose load failed (recomputed)
+    verified_bytes: int
+    wrong: int  # loaded chunks whose bytes are not the prefix's KV
+
+    @property
+    def from_cpu(self) -> int:
+        return self.landed - self.from_disk - self.from_remote
+
+
+def serve_prompt(store: TierKVStore, kv: list[torch.Tensor], keys: list[ChunkKey],
+                 free_blocks: list[int], page_shape: tuple[int, ...]) -> Served:
+    """One prompt through the library API: load the tiers' hits into fresh blocks, check
+    every loaded byte against :func:`expected_block`, "compute" the rest, store the prompt's
+    full chunks, give the blocks back. Which tier a landed chunk came from is exact unless a
+    chunk failed (then the prefix before it counts disk first, then remote, then CPU)."""
+    bpc = store.blocks_per_chunk
+    per_chunk = [[free_blocks.pop() for _ in range(bpc)] for _ in keys]
+    handle = store.load(keys, per_chunk)
+    store.wait([handle.job_id])
+    landed, failed = handle.num_chunks, 0
+    for completion in store.poll():
+        if completion.job_id == handle.job_id and completion.failed_keys:
+            failed += len(completion.failed_keys)
+            landed = min(keys.index(ChunkKey(k)) for k in completion.failed_keys)
+    disk = min(handle.num_from_disk, landed)
+    served = Served(len(keys), landed, disk, min(handle.num_from_remote, landed - disk), failed,
+                    0, 0)
+    for position, key in enumerate(keys):
+        for j, block in enumerate(per_chunk[position]):
+            want = expected_block(key, j, page_shape)
+            if position < landed:  # loaded: must equal the prefix's KV exactly
+                wrong = False
+                for layer in kv:
+                    wrong |= not torch.equal(layer[block], want)
+                    served.verified_bytes += want.numel() * 2
+                served.wrong += wrong
+            else:  # "compute" it
+                for layer in kv:
+                    layer[block].copy_(want)
+    store.wait([store.store(keys, per_chunk)])
+    store.poll()
+    free_blocks.extend(block for blocks in per_chunk for block in blocks)
+    return served
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,43 +135,20 @@ def run(args: argparse.Namespace) -> int:
         disk=DiskTierConfig(path=args.dir, max_bytes=1 << 30),
         device="cpu",
     )
-    rng = random.Random(args.seed)
-    system_prompt = [rng.randrange(32000) for _ in range(3 * tokens_per_chunk)]
-    histories = [list(system_prompt) for _ in range(args.conversations)]
     totals = DemoTotals()
     started = time.perf_counter()
     with TierKVStore(kv, model_id="tierkv-demo", tokens_per_block=block_size, config=config) as store:
         free_blocks = list(range(num_blocks))
-        for turn in range(args.turns):
-            for history in histories:
-                history.extend(rng.randrange(32000) for _ in range(rng.randrange(40, 200)))
-                keys = chunk_keys(history, tokens_per_chunk)
-                per_chunk = [[free_blocks.pop() for _ in range(blocks_per_chunk)] for _ in keys]
-                handle = store.load(keys, per_chunk)
-                store.wait([handle.job_id])
-                landed = handle.num_chunks
-                for completion in store.poll():
-                    if completion.job_id == handle.job_id and completion.failed_keys:
-                        landed = min(keys.index(ChunkKey(k)) for k in completion.failed_keys)
-                totals.chunks_asked += len(keys)
-                totals.hits_disk += min(handle.num_from_disk, landed)
-                totals.hits_cpu += landed - min(handle.num_from_disk, landed)
-                for position, key in enumerate(keys):
-                    for j, block in enumerate(per_chunk[position]):
-                        want = expected_block(key, j, page_shape)
-                        if position < landed:  # loaded: must equal the prefix's KV exactly
-                            for layer in kv:
-                                if not torch.equal(layer[block], want):
-                                    raise SystemExit(f"demo: wrong KV loaded for chunk {key[:4].hex()}")
-                                totals.verified_bytes += want.numel() * 2
-                        else:  # "compute" it
-                            for layer in kv:
-                                layer[block].copy_(want)
-                job = store.store(keys, per_chunk)
-                store.wait([job])
-                store.poll()
-                free_blocks.extend(block for blocks in per_chunk for block in blocks)
-                history.extend(rng.randrange(32000) for _ in range(rng.randrange(20, 120)))  # reply
+        for _, _, prompt in chat_prompts(args.seed, args.conversations, args.turns,
+                                         tokens_per_chunk):
+            served = serve_prompt(store, kv, chunk_keys(prompt, tokens_per_chunk), free_blocks,
+                                  page_shape)
+            if served.wrong:
+                raise SystemExit("demo: wrong KV loaded")
+            totals.chunks_asked += served.asked
+            totals.hits_disk += served.from_disk
+            totals.hits_cpu += served.landed - served.from_disk
+            totals.verified_bytes += served.verified_bytes
         stats = store.statistics()
     seconds = time.perf_counter() - started
     idx = stats.index
