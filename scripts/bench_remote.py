@@ -6,11 +6,18 @@ redis-server 7+ and redis-cli, see ``scripts/install_redis.sh``) and stops it at
 Per chunk size (``--chunk-kib``), interleaved over ``--rounds`` rounds, medians:
 
 - ``redis-benchmark --cluster -c 1 -d <value bytes> -r <chunks>``: the server's own C
-  client, same value size, one connection: ``-t set -P <batch>`` (tierkv's put pipelines)
-  and ``-t get -P 1`` (tierkv reads one chunk per GET); bytes over its wall time (its own
-  ``rps`` counts 250 ms ticks), at least ``--benchmark-mib`` per run.
+  client, same value size, one connection, so one node (it tags every key for that node;
+  the tier's keys spread over all): ``-t set -P <batch>`` (tierkv's put pipelines) and
+  ``-t get -P 1`` (tierkv reads one chunk per GET), at least ``--benchmark-mib`` per run;
+  timed by the servers' command counts, polled every 10 ms (its own figure and its wall
+  time count 250 ms ticks).
 - tierkv ``RemoteTier.put_many`` in batches of ``--batch`` chunks (one pipeline each) and
   ``read_into`` of every chunk (one GET each, verified), as MiB/s; every read is byte-exact.
+- redis-py alone (the tier's client, as ``connect`` sets it up), the ceiling of a Python
+  client: the same SETs (values of the tier's size, built beforehand) in cluster pipelines
+  of ``--batch``, and one plain GET per key, unchecked; on keys spread over the nodes (as
+  the tier's) and on keys of one node (as redis-benchmark's one client, which tags every
+  key for the node it talks to).
 - Lookup of ``--ranks`` ranks per chunk, for ``--lookup-chunks`` chunks, with the tier's
   key layout (a chunk's ranks share a hash tag, so one node) against the same keys without
   the tag (ranks spread over nodes): one pipelined ``EXISTS`` of everything, and one
@@ -18,7 +25,7 @@ Per chunk size (``--chunk-kib``), interleaved over ``--rounds`` rounds, medians:
   nodes one chunk's check touches.
 - Lookup through the engine's path (``RemoteLookup.ask``): ``--ask-chunks`` candidate chunks
   beyond the local prefix, on each of ``--ask-ranks`` rank counts, every ask on chunks not
-  asked before (answers are kept a second): ms per ask (median and p90 of
+  asked before (the lookup keeps answers 50 ms): ms per ask (median and p90 of
   ``--ask-samples`` asks a round), pipelines sent (its ``requests``), nodes the chunks live
   on and read events per node (the servers' ``total_reads_processed``: one per round trip a
   node serves); against ``--ask-chunks`` sequential ``EXISTS`` (one round trip each) and one
@@ -57,7 +64,7 @@ from tests.redis_cluster import RedisCluster  # noqa: E402
 from tierkv.config import CpuTierConfig, RemoteTierConfig, StoreConfig  # noqa: E402
 from tierkv.keys import ChunkKey, Namespace, chunk_keys  # noqa: E402
 from tierkv.tiers.base import ReadStatus  # noqa: E402
-from tierkv.tiers.remote import RemoteTier  # noqa: E402
+from tierkv.tiers.remote import RemoteTier, connect  # noqa: E402
 from tierkv.tiers.remote_format import HEADER_BYTES, redis_key  # noqa: E402
 from tierkv.transfer.remote_lookup import RemoteLookup  # noqa: E402
 
@@ -88,32 +95,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the one engine's CPU tier; A and B get half each")
     parser.add_argument("--share-splits", nargs="+", default=["alternate", "after"],
                         choices=["alternate", "after"], help="how the turns split over A and B")
-    parser.add_argument("--share-answer-seconds", type=float, default=None,
-                        help="also measure with the engines' RemoteLookup keeping answers this "
-                             "long instead of its 1 s (a diagnostic: not a setting)")
     return parser.parse_args(argv)
 
 
+def _calls(nodes: list[Any], command: str) -> int:
+    """How many ``command``s the servers have run so far (``INFO commandstats``)."""
+    return sum(int(node.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+               for node in nodes)
+
+
 def redis_benchmark(cluster: RedisCluster, value_bytes: int, keys: int, pipeline: int,
-                    at_least_mib: int) -> dict[str, float]:
+                    at_least_mib: int, poll_seconds: float = 0.01) -> dict[str, float]:
     """MiB/s of redis-benchmark (one client, values of ``value_bytes`` over ``keys`` random
     keys): SET pipelined ``pipeline`` deep (as tierkv's put_many), then GET one at a time
     (as tierkv's read_into), 4 requests per key each (about 2% of the GETs miss) and at
-    least ``at_least_mib``. Timed here, start to exit (its own figure counts 250 ms ticks)."""
+    least ``at_least_mib``.
+
+    Timed by the servers: in cluster mode redis-benchmark stops only on its 250 ms timer,
+    so its own figure and its wall time both count whole ticks (up to 0.25 s too long: a
+    fifth of a 2 MiB GET run of 2 GiB). Every ``poll_seconds``
+    the servers' ``INFO commandstats`` are read; the rate is the requests they ran from
+    the first poll that saw some to the first that saw them all, over that time."""
+    import redis
+
     requests = max(4 * keys, -(-at_least_mib * MiB // value_bytes))
     requests = -(-requests // pipeline) * pipeline  # else its last pipeline aborts the run
+    nodes = [redis.Redis(host="127.0.0.1", port=port) for port in cluster.ports]
     result = {}
-    for test, depth in (("set", pipeline), ("get", 1)):
-        start = time.perf_counter()
-        done = subprocess.run(
-            ["redis-benchmark", "-h", "127.0.0.1", "-p", str(cluster.ports[0]), "--cluster",
-             "-t", test, "-d", str(value_bytes), "-n", str(requests), "-r", str(keys),
-             "-P", str(depth), "-c", "1", "--csv"], capture_output=True, text=True, timeout=600)
-        seconds = time.perf_counter() - start  # its own rps comes in 250 ms ticks
-        if not any(len(row) > 1 and row[0] == test.upper()
-                   for row in csv.reader(io.StringIO(done.stdout))):
-            raise RuntimeError(f"redis-benchmark -t {test} gave no figure: {done.stderr[-300:]}")
-        result[test.upper()] = requests * value_bytes / MiB / seconds
+    try:
+        for test, depth in (("set", pipeline), ("get", 1)):
+            base = _calls(nodes, test)
+            process = subprocess.Popen(
+                ["redis-benchmark", "-h", "127.0.0.1", "-p", str(cluster.ports[0]), "--cluster",
+                 "-t", test, "-d", str(value_bytes), "-n", str(requests), "-r", str(keys),
+                 "-P", str(depth), "-c", "1", "--csv"], stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
+            started = time.perf_counter()
+            first: tuple[float, int] | None = None
+            last: tuple[float, int] | None = None
+            deadline = time.perf_counter() + 600
+            while process.poll() is None and time.perf_counter() < deadline:
+                now, done = time.perf_counter(), _calls(nodes, test) - base
+                if done and first is None:
+                    first = (now, done)
+                if done >= requests:
+                    last = (now, done)
+                    break
+                time.sleep(poll_seconds)
+            stdout, stderr = process.communicate(timeout=600)
+            if not any(len(row) > 1 and row[0] == test.upper()
+                       for row in csv.reader(io.StringIO(stdout))):
+                raise RuntimeError(f"redis-benchmark -t {test} gave no figure: {stderr[-300:]}")
+            if first is None or last is None or last[1] - first[1] < requests // 2:
+                # too short a run to time by polling (a smoke test): start to exit
+                first, last = (started, 0), (time.perf_counter(), requests)
+            result[test.upper()] = (last[1] - first[1]) * value_bytes / MiB / (last[0] - first[0])
+    finally:
+        for node in nodes:
+            node.close()
     return result
 
 
@@ -141,6 +180,44 @@ def tierkv_round(cluster: RedisCluster, chunk_bytes: int, num_chunks: int,
         tier.delete_many(keys)
     total = num_chunks * chunk_bytes / MiB
     return {"put": total / put, "get": total / get}
+
+
+def redis_py_round(cluster: RedisCluster, value_bytes: int, num_chunks: int,
+                   batch: int) -> dict[str, float]:
+    """MiB/s of redis-py alone (the tier's client, as ``tierkv.tiers.remote.connect`` sets
+    it up, with no tier code around it): ``num_chunks`` SETs of ``value_bytes`` values built
+    beforehand, in cluster pipelines of ``batch`` (as ``put_many``, less its value building
+    and checks), then one plain GET per key, its reply unchecked (as ``read_into``, less its
+    checks and copy): the ceiling of a Python client.
+    Twice: keys spread over the nodes (as the tier's), and keys on one node (one hash tag:
+    as redis-benchmark ``--cluster -c 1``, whose one client tags every key for its node)."""
+    client, _ = connect(RemoteTierConfig(url=cluster.url, timeout_seconds=10), "redis-py")
+    values = [os.urandom(value_bytes) for _ in range(min(num_chunks, 8))]
+    total = num_chunks * value_bytes / MiB
+    result = {}
+    try:
+        client.ping(target_nodes=ClusterClient.ALL_NODES)  # connected, as the tier is
+        for label, tag in (("", None), (", one node", b"one")):
+            names = [b"bench-py:{%s}:%d" % (tag or os.urandom(16).hex().encode(), i)
+                     for i in range(num_chunks)]
+            start = time.perf_counter()
+            for first in range(0, num_chunks, batch):
+                pipe = client.pipeline()
+                for i in range(first, min(first + batch, num_chunks)):
+                    pipe.set(names[i], values[i % len(values)])
+                assert all(pipe.execute())
+            put = time.perf_counter() - start
+            start = time.perf_counter()
+            for name in names:
+                assert client.get(name) is not None
+            get = time.perf_counter() - start
+            for first in range(0, num_chunks, 500):
+                for name in names[first : first + 500]:
+                    client.delete(name)
+            result[f"put{label}"], result[f"get{label}"] = total / put, total / get
+    finally:
+        client.close()
+    return result
 
 
 def lookups(cluster: RedisCluster, ranks: int, chunks: int,
@@ -313,8 +390,7 @@ class ShareEngine:
     loaded byte checked), "computes" the rest, stores the prompt's chunks, and returns
     (chunks asked, chunks served from a tier)."""
 
-    def __init__(self, layers: int, cpu_chunks: int, url: str | None, key_prefix: str,
-                 answer_seconds: float | None = None) -> None:
+    def __init__(self, layers: int, cpu_chunks: int, url: str | None, key_prefix: str) -> None:
         import torch
 
         from tierkv.engine.store import TierKVStore
@@ -328,10 +404,6 @@ class ShareEngine:
                              device="cpu", remote=remote)
         self.store = TierKVStore(self.kv, model_id="bench-share", tokens_per_block=SHARE_BLOCK,
                                  config=config)
-        if answer_seconds is not None and self.store._remote is not None:
-            # Diagnostic only (--share-answer-seconds): how long the lookup keeps an answer,
-            # absent ones included, is RemoteLookup.answer_seconds (1 s), not a setting.
-            self.store._remote.answer_seconds = answer_seconds
         self.free = list(range(SHARE_BLOCKS))
 
     def step(self, prompt: list[int]) -> tuple[int, int]:
@@ -390,15 +462,11 @@ def share_round(cluster: RedisCluster, args: argparse.Namespace,
         before.append((len(keys), sum(key in seen for key in keys)))
         seen.update(keys)
     result: dict[str, float] = {}
-    variants = [("", None)]
-    if args.share_answer_seconds is not None:
-        variants.append((f" [answers kept {args.share_answer_seconds:g} s]",
-                         args.share_answer_seconds))
     one: dict[str, list[tuple[int, int]]] = {}
-    for label, answer in [*variants, (" [no remote tier]", None)]:
-        url = None if label == " [no remote tier]" else cluster.url
+    for label in ("", " [no remote tier]"):
+        url = None if label else cluster.url
         engine = ShareEngine(args.share_layers, args.share_cpu_chunks, url,
-                             f"share{round_number}one{len(one)}:", answer)
+                             f"share{round_number}one{len(one)}:")
         try:
             one[label] = [engine.step(prompt) for _, _, prompt in prompts]
         finally:
@@ -411,12 +479,11 @@ def share_round(cluster: RedisCluster, args: argparse.Namespace,
         for label, served in one.items():
             result[f"{split}: one engine, on B's prompts{label}"] = \
                 sum(served[i][1] for i in b_prompts) / sum(served[i][0] for i in b_prompts)
-        runs = [(True, label, answer) for label, answer in variants] + [(False, "", None)]
-        for remote, label, answer in runs:
+        for remote in (True, False):
             url = cluster.url if remote else None
-            name = ("A+B, shared remote tier" if remote else "A+B, no remote tier") + label
+            name = "A+B, shared remote tier" if remote else "A+B, no remote tier"
             engines = {who: ShareEngine(args.share_layers, args.share_cpu_chunks // 2, url,
-                                        f"share{round_number}{split}{len(label)}:", answer)
+                                        f"share{round_number}{split}{int(remote)}:")
                        for who in "AB"}
             try:
                 asked = hits = 0
@@ -427,7 +494,7 @@ def share_round(cluster: RedisCluster, args: argparse.Namespace,
                         asked, hits = asked + num, hits + got
                 result[f"{split}: {name}, B"] = hits / asked
                 if remote:
-                    result[f"{split}: lookups not yet (A+B){label}"] = sum(
+                    result[f"{split}: lookups not yet (A+B)"] = sum(
                         e.not_yet() for e in engines.values())
             finally:
                 for e in engines.values():
@@ -453,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
                                                 round_number).items():
                     rows.setdefault(f"tierkv {name}", []).append(value)
                 cluster.flushall()
+                for name, value in redis_py_round(cluster, chunk + HEADER_BYTES, num,
+                                                  args.batch).items():
+                    rows.setdefault(f"redis-py {name}", []).append(value)
+                cluster.flushall()
             medians = {name: statistics.median(values) for name, values in rows.items()}
             print(f"\n== chunk {kib} KiB ({num} chunks, pipelines of {args.batch}):")
             for name, value in medians.items():
@@ -462,6 +533,13 @@ def main(argv: list[str] | None = None) -> int:
                 if f"redis-benchmark {bench}" in medians:
                     ratio = medians[f"tierkv {op}"] / medians[f"redis-benchmark {bench}"]
                     print(f"  ratio tierkv {op} / redis-benchmark {bench}: {ratio:.2f}x")
+                    for label in ("", ", one node"):
+                        ratio = medians[f"redis-py {op}{label}"] / \
+                            medians[f"redis-benchmark {bench}"]
+                        print(f"  ratio redis-py {op}{label} / redis-benchmark {bench}: "
+                              f"{ratio:.2f}x")
+                ratio = medians[f"tierkv {op}"] / medians[f"redis-py {op}"]
+                print(f"  ratio tierkv {op} / redis-py {op}: {ratio:.2f}x")
         print(f"\n== lookup of {args.ranks} ranks per chunk, {args.lookup_chunks} chunks:")
         for name, value in lookups(cluster, args.ranks, args.lookup_chunks, args.rounds).items():
             unit = "" if "nodes" in name else " us per chunk"
@@ -490,12 +568,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in medians.items():
             spread = ", ".join(f"{v:.3f}" for v in rows[name])
             print(f"  {name:<68} {value:6.3f}  ({spread})")
-        labels = [""] if args.share_answer_seconds is None else \
-            ["", f" [answers kept {args.share_answer_seconds:g} s]"]
         for split in args.share_splits:
-            pairs = [("A+B, shared remote tier" + label, label) for label in labels] + \
-                [("A+B, no remote tier", " [no remote tier]")]
-            for name, label in pairs:
+            for name, label in (("A+B, shared remote tier", ""),
+                                ("A+B, no remote tier", " [no remote tier]")):
                 one = medians[f"{split}: one engine, on B's prompts{label}"]
                 print(f"  ratio {split}: {name}, B / one engine{label}: "
                       f"{medians[f'{split}: {name}, B'] / one:.2f}x")
