@@ -158,6 +158,8 @@ class RemoteTierConfig:
     lookup_chunks: int = 64  # candidate chunks beyond the local prefix asked in one lookup
     mark_seconds: float = 10.0  # a chunk the server had counts as a remote hit this long
     reader_threads: int = 4  # remote reads of a load run in parallel
+    # Process-wide glibc malloc tuning for the value buffers (as disk.tune_malloc).
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://")):
@@ -188,6 +190,8 @@ class RemoteTierConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"remote.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.tune_malloc, bool):
+            raise ConfigError(f"remote.tune_malloc must be a bool, got {self.tune_malloc!r}")
 
 
 @dataclass(frozen=True)

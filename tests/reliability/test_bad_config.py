@@ -57,6 +57,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "lookup_chunks": [0, -1, 2.5, "64", True, None],
         "mark_seconds": [0, -1, NAN, "10", None],
         "reader_threads": [0, -1, 2.0, "4", True, None],
+        "tune_malloc": ["no", 0, None],
     },
     "store": {
         "blocks_per_chunk": [0, -1, 1.5, "16", True, None],

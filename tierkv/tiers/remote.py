@@ -47,6 +47,7 @@ from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
+from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.tiers.remote_format import check_value, pack_value, parse_redis_key, redis_key
 
 logger = logging.getLogger("tierkv.remote")
@@ -153,6 +154,8 @@ class RemoteTier(LowerTier):
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"remote tier: {name} must be an int >= {low}, got {value!r}")
+        if config.tune_malloc:  # a put's values and a read's reply: chunk-sized buffers
+            tune_malloc(16 * payload_bytes)  # a push batch of 16 chunks
         self.config = config
         self.namespace = namespace
         self.rank = rank
