@@ -46,7 +46,6 @@ import argparse
 import csv
 import io
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -62,7 +61,7 @@ from redis.cluster import RedisCluster as ClusterClient  # noqa: E402
 
 from tests.redis_cluster import RedisCluster  # noqa: E402
 from tierkv.config import CpuTierConfig, RemoteTierConfig, StoreConfig  # noqa: E402
-from tierkv.keys import ChunkKey, Namespace, chunk_keys  # noqa: E402
+from tierkv.keys import Namespace, chunk_keys  # noqa: E402
 from tierkv.tiers.base import ReadStatus  # noqa: E402
 from tierkv.tiers.remote import RemoteTier, connect  # noqa: E402
 from tierkv.tiers.remote_format import HEADER_BYTES, redis_key  # noqa: E402
@@ -368,20 +367,11 @@ SHARE_BLOCKS = 512
 
 
 def share_prompts(seed: int, conversations: int, turns: int) -> list[tuple[int, int, list[int]]]:
-    """(turn, conversation, prompt tokens) of the ``tierkv demo`` workload, turn by turn:
-    conversations share a system prompt of 3 chunks, a turn adds 40-200 user tokens, the
-    reply 20-120 more (joining the history after the turn's prompt)."""
-    tokens_per_chunk = SHARE_BLOCK * SHARE_BPC
-    rng = random.Random(seed)
-    system_prompt = [rng.randrange(32000) for _ in range(3 * tokens_per_chunk)]
-    histories = [list(system_prompt) for _ in range(conversations)]
-    out = []
-    for turn in range(turns):
-        for number, history in enumerate(histories):
-            history.extend(rng.randrange(32000) for _ in range(rng.randrange(40, 200)))
-            out.append((turn, number, list(history)))
-            history.extend(rng.randrange(32000) for _ in range(rng.randrange(20, 120)))
-    return out
+    """(turn, conversation, prompt tokens) of the ``tierkv demo`` workload, turn by turn
+    (:func:`tierkv.demo.chat_prompts`)."""
+    from tierkv.demo import chat_prompts
+
+    return list(chat_prompts(seed, conversations, turns, SHARE_BLOCK * SHARE_BPC))
 
 
 class ShareEngine:
@@ -407,33 +397,13 @@ class ShareEngine:
         self.free = list(range(SHARE_BLOCKS))
 
     def step(self, prompt: list[int]) -> tuple[int, int]:
-        import torch
+        from tierkv.demo import serve_prompt
 
-        from tierkv.demo import expected_block
-
-        store, bpc = self.store, SHARE_BPC
-        keys = chunk_keys(prompt, SHARE_BLOCK * bpc)
-        per_chunk = [[self.free.pop() for _ in range(bpc)] for _ in keys]
-        handle = store.load(keys, per_chunk)
-        store.wait([handle.job_id])
-        landed = handle.num_chunks
-        for completion in store.poll():
-            if completion.job_id == handle.job_id and completion.failed_keys:
-                landed = min(keys.index(ChunkKey(k)) for k in completion.failed_keys)
-        for position, key in enumerate(keys):
-            for j, block in enumerate(per_chunk[position]):
-                want = expected_block(key, j, SHARE_PAGE)
-                for layer in self.kv:
-                    if position < landed:
-                        if not torch.equal(layer[block], want):
-                            raise SystemExit(f"bench_remote: wrong KV loaded for chunk "
-                                             f"{key[:4].hex()}")
-                    else:
-                        layer[block].copy_(want)
-        store.wait([store.store(keys, per_chunk)])
-        store.poll()
-        self.free.extend(block for blocks in per_chunk for block in blocks)
-        return len(keys), landed
+        served = serve_prompt(self.store, self.kv, chunk_keys(prompt, SHARE_BLOCK * SHARE_BPC),
+                              self.free, SHARE_PAGE)
+        if served.wrong:
+            raise SystemExit("bench_remote: wrong KV loaded")
+        return served.asked, served.landed
 
     def not_yet(self) -> int:
         remote = self.store.statistics().remote
