@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tierkv.core.policy import DEFAULT_POLICY, policy_names
 from tierkv.errors import ConfigError
-from tierkv.units import GiB, MiB
+from tierkv.units import GiB, MiB, size_setting
 
 EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
 
@@ -64,10 +64,11 @@ def _positive(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"{section}.{name} must be a positive number, got {value!r}")
 
 
-def _positive_int(section: str, name: str, value: Any) -> None:
-    """Byte counts: a float would reach slab and map sizes that need ints."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{section}.{name} must be a positive int (bytes), got {value!r}")
+def _sizes(config: Any, section: str, *names: str) -> None:
+    """Byte counts of a frozen config: ints, or size strings (``"32GiB"``, ``"32G"``) made
+    ints (a float would reach slab and map sizes that need ints)."""
+    for name in names:
+        object.__setattr__(config, name, size_setting(section, name, getattr(config, name)))
 
 
 def _non_negative(section: str, name: str, value: Any) -> None:
@@ -85,7 +86,7 @@ class CpuTierConfig:
     eviction_policy: str = DEFAULT_POLICY  # the order chunks leave the tier: "lru", "arc"
 
     def __post_init__(self) -> None:
-        _positive_int("cpu", "max_bytes", self.max_bytes)
+        _sizes(self, "cpu", "max_bytes")
         if self.pin_memory not in ("auto", "always", "never"):
             raise ConfigError(
                 f"cpu.pin_memory must be 'auto', 'always' or 'never', got {self.pin_memory!r}"
@@ -125,10 +126,11 @@ class DiskTierConfig:
                                   f"Path) or None, got {raw!r}")
             if not isinstance(raw, Path):
                 object.__setattr__(self, "path", Path(text))
-        _positive_int("disk", "max_bytes", self.max_bytes)
-        _positive_int("disk", "write_batch_bytes", self.write_batch_bytes)
-        _positive_int("disk", "reader_threads", self.reader_threads)
-        _positive_int("disk", "sync_every_bytes", self.sync_every_bytes)
+        _sizes(self, "disk", "max_bytes", "write_batch_bytes", "sync_every_bytes")
+        if isinstance(self.reader_threads, bool) or not isinstance(self.reader_threads, int) \
+                or self.reader_threads <= 0:
+            raise ConfigError(f"disk.reader_threads must be a positive int, got "
+                              f"{self.reader_threads!r}")
         _positive("disk", "sync_every_seconds", self.sync_every_seconds)
         _non_negative("disk", "retry_after_full_seconds", self.retry_after_full_seconds)
         if self.sync_mode not in ("periodic", "always", "close"):
@@ -172,7 +174,7 @@ class RemoteTierConfig:
                               f"wildcards or spaces, got {self.key_prefix!r}")
         _positive("remote", "timeout_seconds", self.timeout_seconds)
         _positive("remote", "breaker_seconds", self.breaker_seconds)
-        _positive_int("remote", "queue_bytes", self.queue_bytes)
+        _sizes(self, "remote", "queue_bytes")
         if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \
                 or self.breaker_failures < 1:
             raise ConfigError(f"remote.breaker_failures must be an int >= 1, got "

@@ -2,11 +2,18 @@
 
 - ``format_bytes(n)`` for messages: ``64 GiB``, ``1.5 MiB``, ``512 B`` (whole units exact);
   ``format_bytes(n, 2)`` for summary lines: ``2.25 GiB``, ``140.00 KiB``.
-- ``parse_size("64GiB")``: ints, or a number with a binary unit (``B``, ``KiB``, ``MiB``,
-  ``GiB``, ``TiB``, case-insensitive); ``ValueError`` for anything else.
+- ``parse_size("64GiB")``: ints, or a number with a unit: binary (``KiB`` ... ``TiB``, any
+  case; one upper-case letter ``K M G T`` as vLLM reads it), decimal (``kB`` ... ``TB``;
+  one lower-case letter ``k m g t``), or ``B``; ``ValueError`` for anything else.
+- ``as_size(value)``: an int or size string as a positive int, else None;
+  ``size_setting(section, name, value)``: the same, or a ConfigError naming the setting.
 """
 
 from __future__ import annotations
+
+import re
+
+from tierkv.errors import ConfigError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -27,16 +34,49 @@ def format_bytes(num_bytes: int, decimals: int | None = None) -> str:
     return f"{num_bytes} B"
 
 
+_BINARY = {"kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+_DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+# One letter, as vLLM's sizes (``human_readable_int``): upper case binary, lower decimal.
+_LETTER = {"K": KiB, "M": MiB, "G": GiB, "T": TiB, "k": 10**3, "m": 10**6, "g": 10**9,
+           "t": 10**12}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
 def parse_size(text: str) -> int:
-    """``68719476736``, ``64GiB``, ``512MiB``, ``1.5GiB`` -> bytes."""
-    lowered = text.strip().lower()
-    for unit, name in (*_UNITS, (1, "B")):
-        if lowered.endswith(name.lower()):
-            number, scale = lowered[: -len(name)], unit
-            break
-    else:
-        number, scale = lowered, 1
-    try:
-        return int(float(number) * scale)
-    except ValueError as exc:
-        raise ValueError(f"not a size: {text!r} (e.g. 64GiB)") from exc
+    """``68719476736``, ``64GiB``, ``512MiB``, ``1.5GiB``, ``32G`` (GiB, as vLLM reads it),
+    ``500MB`` (10**6: SI), ``10k`` (vLLM's lower-case letters are decimal) -> bytes: a whole
+    number of bytes, at least 0; ``ValueError`` naming the text otherwise."""
+    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if match is not None:
+        number, unit = match.groups()
+        scale = _LETTER.get(unit) or _BINARY.get(unit.lower()) or _DECIMAL.get(unit.lower()) \
+            or (1 if unit.lower() in ("", "b") else None)
+        if scale is not None:
+            size = float(number) * scale
+            if size == int(size):
+                return int(size)
+    raise ValueError(f"not a size: {text!r} (an int of bytes, or e.g. 64GiB, 32G = 32 GiB, "
+                     f"500MB = 500 x 10**6)")
+
+
+def as_size(value: object) -> int | None:
+    """``value`` (an int of bytes, or a size string) as a positive int; None if it is not one
+    (bools, floats, zero, negative, unparsable)."""
+    if isinstance(value, str):
+        try:
+            value = parse_size(value)
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
+def size_setting(section: str, name: str, value: object) -> int:
+    """A byte-count setting as a positive int (:func:`as_size`); a
+    :class:`~tierkv.errors.ConfigError` naming ``section.name`` and the value otherwise."""
+    size = as_size(value)
+    if size is None:
+        raise ConfigError(f"{section}.{name} must be a positive int of bytes or a size such as "
+                          f"'64GiB' or '32G', got {value!r}")
+    return size

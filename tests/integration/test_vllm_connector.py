@@ -777,3 +777,18 @@ def test_block_index_touch_refreshes_recency() -> None:
     index.prepare_store(keys[3:])  # evicts the least recent: 1
     assert [index.contains(key) for key in keys] == [True, False, True, True]
     index.check()
+
+
+def test_sizes_as_vllm_writes_them_and_its_cpu_bytes_to_use_key() -> None:
+    from tierkv.integrations.vllm_config import parse_settings
+
+    settings = parse_settings({"cpu_bytes": "32GiB", "disk_bytes": "64G"})
+    assert (settings.cpu_bytes, settings.disk_bytes) == (32 << 30, 64 << 30)
+    assert parse_settings({"cpu_bytes": "500MB"}).cpu_bytes == 500 * 10**6
+    assert parse_settings({"cpu_bytes_to_use": 8 << 30}).cpu_bytes == 8 << 30
+    assert parse_settings({"cpu_bytes_to_use": "8G"}).cpu_bytes == 8 << 30
+    for bad, match in (({"cpu_bytes": "32 parsecs"}, r"\['cpu_bytes'\] = '32 parsecs': must be"),
+                       ({"cpu_bytes": "0GiB"}, r"must be an int >= 1"),
+                       ({"cpu_bytes_to_use": 1, "cpu_bytes": 1}, r"another name of cpu_bytes")):
+        with pytest.raises(ConfigError, match=match):
+            parse_settings(bad)

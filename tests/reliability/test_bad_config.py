@@ -26,18 +26,18 @@ from tierkv.errors import ConfigError, TierKVError
 NAN = math.nan
 BAD: dict[str, dict[str, list[Any]]] = {
     "cpu": {
-        "max_bytes": [0, -1, 1.5, 4e9, "4GiB", True, None, NAN],
+        "max_bytes": [0, -1, 1.5, 4e9, "4 GiBs", "-4GiB", "0GiB", "1.5B", True, None, NAN],
         "pin_memory": ["yes", "", None, True, 1],
         "spill_ahead_fraction": [-0.1, 1.5, NAN, "0.5", None, True],
         "eviction_policy": ["mru", "", "LRU", "lru ", None, 1, ["lru"]],
     },
     "disk": {
         "path": [123, "", b"/tmp/cache", "/tmp/a\0b", ["/tmp"]],
-        "max_bytes": [0, -5, 2.5, "1G", True, None, NAN, math.inf],
+        "max_bytes": [0, -5, 2.5, "1 gigabyte", "G", True, None, NAN, math.inf],
         "write_through": ["yes", 1, None],
-        "write_batch_bytes": [0, -1, 1.5, "8M", True, NAN],
+        "write_batch_bytes": [0, -1, 1.5, "8 megs", True, NAN],
         "sync_mode": ["sometimes", "", None, 1],
-        "sync_every_bytes": [0, -1, 1.0, NAN, "256M"],
+        "sync_every_bytes": [0, -1, 1.0, NAN, "256Q"],
         "sync_every_seconds": [0, -1, NAN, "5", None, True],
         "retry_after_full_seconds": [-1, NAN, "1", None, True],
         "reader_threads": [0, -1, 2.0, "4", True, None],
@@ -51,7 +51,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "password_env": [None, 1, b"X"],
         "breaker_failures": [0, -1, 1.5, "5", True, None],
         "breaker_seconds": [0, -1, NAN, "10", None],
-        "queue_bytes": [0, -1, 1.5, "256M", True, None],
+        "queue_bytes": [0, -1, 1.5, "lots", True, None],
         "push": ["always", "", None, True, "on-store"],
         "lookup_deadline_seconds": [0, -0.1, NAN, "0.01", None, True],
         "lookup_chunks": [0, -1, 2.5, "64", True, None],
@@ -207,3 +207,15 @@ def test_importing_the_connector_under_another_vllm_fails_with_the_message(
     with pytest.raises(UnsupportedVersionError, match=r"vLLM 0\.34\.0 is not supported"):
         importlib.import_module("tierkv.integrations.vllm")
     assert "tierkv.integrations.vllm" not in sys.modules
+
+
+def test_sizes_are_ints_or_size_strings_as_vllm_reads_them(tmp_path: Path) -> None:
+    config = StoreConfig.from_dict({
+        "cpu": {"max_bytes": "32GiB"}, "disk": {"path": str(tmp_path), "max_bytes": "64G",
+                                                 "write_batch_bytes": "8MiB",
+                                                 "sync_every_bytes": "500MB"},
+        "remote": {"url": "redis://h", "queue_bytes": "1.5GiB"}})
+    assert config.cpu.max_bytes == 32 << 30 and config.disk.max_bytes == 64 << 30
+    assert config.disk.write_batch_bytes == 8 << 20 and config.disk.sync_every_bytes == 500 * 10**6
+    assert config.remote is not None and config.remote.queue_bytes == 3 << 29
+    assert CpuTierConfig(max_bytes=" 4 KiB ").max_bytes == 4096  # type: ignore[arg-type]

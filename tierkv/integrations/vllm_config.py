@@ -34,6 +34,7 @@ from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, Rem
 from tierkv.engine.adapter import AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.units import as_size
 
 SUPPORTED_VLLM = (0, 33)
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -98,6 +99,14 @@ def _int(key: str, value: Any, low: int) -> int:
     return value
 
 
+def _size(key: str, value: Any) -> int:
+    """Bytes: an int, or a size string as vLLM reads them (``"32GiB"``, ``"32G"`` = GiB)."""
+    size = as_size(value)
+    if size is None:
+        raise _bad(key, value, "must be an int >= 1 (bytes) or a size such as '32GiB' or '32G'")
+    return size
+
+
 def _number(key: str, value: Any, low: float, high: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low \
             or (high is not None and value > high):
@@ -126,7 +135,12 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     """Validate ``kv_connector_extra_config``; unknown keys and bad values raise."""
     raw = dict(raw or {})
-    known = {f.name for f in fields(ConnectorSettings)} | {"remote_url"}
+    if "cpu_bytes_to_use" in raw:  # vLLM's own OffloadingConnector key
+        if "cpu_bytes" in raw:
+            raise _bad("cpu_bytes_to_use", raw["cpu_bytes_to_use"],
+                       "is another name of cpu_bytes: give one of them")
+        raw["cpu_bytes"] = raw.pop("cpu_bytes_to_use")
+    known = {f.name for f in fields(ConnectorSettings)} | {"remote_url", "cpu_bytes_to_use"}
     for key in raw:
         if key not in known:
             raise _bad(key, raw[key], f"unknown key; known keys: {sorted(known)}")
@@ -136,7 +150,7 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
         out["remote"] = remote
     for key, value in raw.items():
         if key in ("cpu_bytes", "disk_bytes"):
-            out[key] = _int(key, value, 1)
+            out[key] = _size(key, value)
         elif key == "tokens_per_chunk":
             out[key] = None if value is None else _int(key, value, 1)
         elif key == "max_chunks_per_request":
