@@ -11,9 +11,17 @@ from collections.abc import Sequence
 from tierkv.errors import TierKVError
 
 
+def _version() -> str:
+    from tierkv import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierkv", description="tiered KV-cache store tools")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"tierkv {_version()}",
+                        help="print tierkv's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from tierkv import demo, tools, warmup_hf

@@ -1,0 +1,20 @@
+"""The command line's own options."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import tierkv
+from tierkv.cli import main
+
+
+def test_version_prints_the_packaged_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tierkv {tierkv.__version__}"
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == tierkv.__version__  # type: ignore[union-attr]
