@@ -21,6 +21,7 @@ import torch
 
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
+from tierkv.errors import ConfigError
 from tierkv.keys import ChunkKey, chunk_keys
 from tierkv.units import MiB
 
@@ -117,10 +118,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="(default: %(default)s)")
     parser.add_argument("--cpu-chunks", type=int, default=48, help="CPU tier size in chunks (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    parser.add_argument("--fresh", action="store_true", help="delete --dir first")
+    parser.add_argument("--fresh", action="store_true",
+                        help="delete --dir first (only a demo store: anything else is refused)")
+
+
+DEMO_MODEL_ID = "tierkv-demo"
+
+
+def check_demo_dir(path: Path, fresh: bool) -> None:
+    """Refuse a ``--dir`` that is not the demo's own: a file, or a directory that holds
+    anything but demo namespaces (``--fresh`` would delete it; a run would add the demo's
+    namespace to a real store). A missing or empty directory is the demo's."""
+    from tierkv.tiers.disk_files import list_namespaces
+
+    if not path.exists():
+        return
+    action = ("--fresh would delete it" if fresh else
+              "the demo would write its namespace into it")
+    if not path.is_dir():
+        raise ConfigError(f"demo: --dir {path} is not a directory; pick a new directory")
+    strangers = sorted(entry.name for entry in path.iterdir() if not entry.name.startswith("ns-"))
+    others = sorted({str(info.description.get("model_id")) for info in list_namespaces(path)
+                     if info.description.get("model_id") != DEMO_MODEL_ID})
+    if strangers or others:
+        held = (f"files that are not a tierkv store ({', '.join(strangers[:3])})" if strangers
+                else f"a tierkv store of other models ({', '.join(others[:3])})")
+        raise ConfigError(f"demo: --dir {path} holds {held}: it is not a demo store and "
+                          f"{action}; pick an empty or new directory for the demo")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_demo_dir(args.dir, args.fresh)
     if args.fresh and args.dir.exists():
         shutil.rmtree(args.dir)
     block_size, blocks_per_chunk, heads, head_dim = 16, 4, 4, 64
@@ -137,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     )
     totals = DemoTotals()
     started = time.perf_counter()
-    with TierKVStore(kv, model_id="tierkv-demo", tokens_per_block=block_size, config=config) as store:
+    with TierKVStore(kv, model_id=DEMO_MODEL_ID, tokens_per_block=block_size,
+                     config=config) as store:
         free_blocks = list(range(num_blocks))
         for _, _, prompt in chat_prompts(args.seed, args.conversations, args.turns,
                                          tokens_per_chunk):
