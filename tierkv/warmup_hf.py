@@ -191,24 +191,20 @@ class HfModel:
 
 def check_store(store: Path, namespace: Any, allow_new: bool) -> None:
     """Refuse a store that holds only other namespaces (a mismatched setting, most likely)."""
-    from tierkv.tiers.disk import list_namespaces
+    from tierkv.tiers.disk_files import closest_namespace, describe_differences, list_namespaces
 
     if store.exists() and not store.is_dir():
         raise ConfigError(f"warmup: --store {store} is not a directory")
     infos = list_namespaces(store) if store.is_dir() else []
-    ours, fingerprint = namespace.describe(), namespace.fingerprint()
+    fingerprint = namespace.fingerprint()
     if allow_new or not infos or any(info.fingerprint == fingerprint for info in infos):
         return
-
-    def differences(description: dict[str, Any]) -> list[str]:
-        return [name for name in ours if description.get(name) != ours[name]]
-
-    closest = min(infos, key=lambda info: len(differences(info.description)))
-    detail = "; ".join(
-        f"{name} is {closest.description.get(name)!r} there, {ours[name]!r} here "
-        f"({_DESCRIBE_OPTIONS.get(name, name)})" for name in differences(closest.description))
+    closest = closest_namespace(store, namespace)
+    assert closest is not None
+    info, names = closest
+    detail = describe_differences(info, names, namespace, _DESCRIBE_OPTIONS)
     raise ConfigError(
-        f"warmup: --store {store} holds namespace {closest.fingerprint[:8]}, and this warm-up "
+        f"warmup: --store {store} holds namespace {info.fingerprint[:8]}, and this warm-up "
         f"would write namespace {fingerprint[:8]}: {detail}. An engine configured like the "
         f"store would never see these chunks; match those settings, or pass "
         f"--allow-new-namespace to add a namespace to the store")

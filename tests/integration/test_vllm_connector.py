@@ -15,6 +15,7 @@ chunk its previous turn computed (the chunk completed by the last decoded tokens
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -792,3 +793,21 @@ def test_sizes_as_vllm_writes_them_and_its_cpu_bytes_to_use_key() -> None:
                        ({"cpu_bytes_to_use": 1, "cpu_bytes": 1}, r"another name of cpu_bytes")):
         with pytest.raises(ConfigError, match=match):
             parse_settings(bad)
+
+
+def test_a_restart_under_other_settings_warns_which_differ(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config(disk_path=str(tmp_path)))
+    first = Run(cfg)
+    assert_clean(first.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1})), cfg.vocab_size)
+    first.shutdown()
+    other = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                          max_num_batched_tokens=64, kv_transfer_config=tierkv_config(
+                              disk_path=str(tmp_path), tokens_per_chunk=2 * TPC))
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        second = Run(other)
+    assert second.side.found_on_disk == 0
+    warnings = [r.getMessage() for r in caplog.records if "0 chunks found" in r.getMessage()]
+    assert len(warnings) == 1 and "tokens_per_chunk is 32 there, 64 here" in warnings[0]
+    second.shutdown()

@@ -38,6 +38,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -51,6 +52,7 @@ from tierkv.engine.stack import build_index, build_remote_lookup, build_worker
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk_files import empty_namespace_warning
 from tierkv.transfer.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -229,7 +231,15 @@ class TierKVStore:
             self.index = build_index(cfg, num_slots, disk_capacity)
             if self.disk is not None:
                 records = sorted(self.disk.scan(), key=lambda record: record.seq)
-                self.index.add_on_disk(record.key for record in records)
+                found = self.index.add_on_disk(record.key for record in records)
+                if found < len(records):  # the oldest over the cap, deleted with the next spill
+                    log.warning("tierkv: deleting %d of the %d chunk(s) found on disk at start: "
+                                "they are over disk.max_bytes=%d", len(records) - found,
+                                len(records), cfg.disk.max_bytes)
+                warning = empty_namespace_warning(Path(cfg.disk.path), namespace, found) \
+                    if cfg.disk.path is not None else None
+                if warning:
+                    log.warning("tierkv: %s", warning)
         except BaseException:
             self._closed = True
             self._close_parts()

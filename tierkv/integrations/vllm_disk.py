@@ -146,7 +146,7 @@ def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config:
                     tier.delete_many(doomed)
                 except DamagedError as exc:
                     log.warning("tierkv: %s; its chunks stay until its worker rebuilds it", exc)
-            log.info("tierkv: deleted %d chunk(s) from %s at start (%d held by only some ranks, "
+            log.warning("tierkv: deleted %d chunk(s) from %s at start (%d held by only some ranks, "
                      "%d over disk_bytes)", len(doomed), root, len(partial), len(excess))
         return keep, len(doomed)
     finally:

@@ -94,6 +94,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ start
     def _rebuild_from_disk(self, ranks: Sequence[int]) -> None:
         from tierkv.integrations.vllm_disk import rebuild_keys
+        from tierkv.tiers.disk_files import empty_namespace_warning
 
         assert self.settings.disk_path is not None
         started = time.perf_counter()
@@ -105,6 +106,10 @@ class SchedulerSide:
         log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s",
                  self.found_on_disk, self.fingerprint[:8], self.settings.disk_path,
                  time.perf_counter() - started)
+        warning = empty_namespace_warning(Path(self.settings.disk_path), self.namespace,
+                                          self.found_on_disk)
+        if warning:
+            log.warning("tierkv: %s", warning)
 
     # ------------------------------------------------------------------ requests
     def _view(self, tracked: _Tracked) -> RequestView:

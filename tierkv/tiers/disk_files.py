@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.keys import FORMAT_VERSION
+from tierkv.keys import FORMAT_VERSION, Namespace
 
 logger = logging.getLogger("tierkv.disk")
 
@@ -302,3 +302,42 @@ def list_namespaces(root: Path) -> list[NamespaceInfo]:
         ranks = sorted(int(p.name[5:]) for p in ns_dir.glob("rank-*") if p.name[5:].isdigit())
         infos.append(NamespaceInfo(fingerprint, ns_dir, description, version, tuple(ranks)))
     return infos
+
+
+def closest_namespace(root: Path, namespace: Namespace) -> tuple[NamespaceInfo, list[str]] | None:
+    """Of the *other* namespaces under ``root``, the one that differs from ``namespace`` in
+    the fewest settings, with those settings' names; None when there is none."""
+    ours, fingerprint = namespace.describe(), namespace.fingerprint()
+    others = [info for info in list_namespaces(root) if info.fingerprint != fingerprint]
+    if not others:
+        return None
+
+    def differences(info: NamespaceInfo) -> list[str]:
+        return [name for name in ours if info.description.get(name) != ours[name]]
+
+    closest = min(others, key=lambda info: len(differences(info)))
+    return closest, differences(closest)
+
+
+def describe_differences(info: NamespaceInfo, names: list[str], namespace: Namespace,
+                         hints: dict[str, str] | None = None) -> str:
+    """``model_id is 'a' there, 'b' here (hint); ...`` for the settings ``names``."""
+    ours = namespace.describe()
+    return "; ".join(
+        f"{name} is {info.description.get(name)!r} there, {ours[name]!r} here"
+        + (f" ({hints[name]})" if hints and name in hints else "") for name in names)
+
+
+def empty_namespace_warning(root: Path, namespace: Namespace, found: int) -> str | None:
+    """The warning for a store opened with no chunk of its namespace while ``root`` holds
+    others (a setting that changed since they were written, most likely), or None."""
+    if found:
+        return None
+    closest = closest_namespace(root, namespace)
+    if closest is None:
+        return None
+    info, names = closest
+    return (f"0 chunks found for namespace {namespace.fingerprint()[:8]} under {root}, which "
+            f"holds other namespaces; the closest, {info.fingerprint[:8]}, differs in: "
+            f"{describe_differences(info, names, namespace)}. Chunks stored under other "
+            f"settings are never served; match them to use those chunks")
