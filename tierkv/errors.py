@@ -59,3 +59,7 @@ class NamespaceMismatchError(TierKVError):
 def short_key(key: bytes) -> str:
     """The first 8 hex digits of a key, as messages print it."""
     return key[:4].hex()
+
+
+class MissingExtraError(TierKVError, ImportError):
+    """An optional part of tierkv was used without the extra that installs it."""

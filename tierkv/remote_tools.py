@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.config import RemoteTierConfig, safe_url
-from tierkv.tiers.remote import DELETE_IF_SAME, connect, scan_names
+from tierkv.extras import needs
 from tierkv.tiers.remote_format import HEADER_BYTES, check_value, parse_redis_key
 from tierkv.units import format_bytes
 
@@ -35,11 +35,18 @@ def is_remote(store: str) -> bool:
     return str(store).startswith(("redis://", "rediss://"))
 
 
+def _remote() -> Any:
+    """:mod:`tierkv.tiers.remote` (redis-py: the 'remote' extra), imported on first use."""
+    with needs("remote", "tierkv inspect / verify of a redis:// store"):
+        from tierkv.tiers import remote
+    return remote
+
+
 def _entries(client: Any, cluster: bool, prefix: bytes,
              batch: int = 1000) -> Iterator[tuple[bytes, str, int, bytes]]:
     """(redis key, fingerprint, rank, chunk key) of every tierkv key under ``prefix``."""
     seen = 0
-    for name in scan_names(client, cluster, prefix + b"*", batch):
+    for name in _remote().scan_names(client, cluster, prefix + b"*", batch):
         seen += 1
         if seen % PROGRESS_EVERY == 0:
             print(f"  ... {seen} keys scanned", file=sys.stderr, flush=True)
@@ -55,7 +62,7 @@ class RemoteReport:
 
 
 def inspect_remote(config: RemoteTierConfig) -> RemoteReport:
-    client, cluster = connect(config, f"tierkv inspect {safe_url(config.url)}")
+    client, cluster = _remote().connect(config, f"tierkv inspect {safe_url(config.url)}")
     report = RemoteReport()
     try:
         entries = list(_entries(client, cluster, config.key_prefix.encode()))
@@ -80,9 +87,9 @@ class RemoteVerify:
 
 
 def verify_remote(config: RemoteTierConfig, repair: bool = False) -> RemoteVerify:
-    client, cluster = connect(config, f"tierkv verify {safe_url(config.url)}")
+    client, cluster = _remote().connect(config, f"tierkv verify {safe_url(config.url)}")
     outcome = RemoteVerify()
-    delete_if_same = client.register_script(DELETE_IF_SAME)
+    delete_if_same = client.register_script(_remote().DELETE_IF_SAME)
     try:
         for name, fingerprint, rank, key in list(_entries(client, cluster,
                                                           config.key_prefix.encode())):

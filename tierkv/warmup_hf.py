@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError, TierKVError
+from tierkv.extras import needs
 from tierkv.units import parse_size
 
 _DESCRIBE_OPTIONS = {
@@ -84,7 +85,8 @@ def parse_line(where: str, line: int, raw: bytes, vocab_size: int) -> Prompt | N
 
 async def read_prompts(path: Path, vocab_size: int) -> AsyncIterator[Prompt]:
     """The prompts of a JSONL file, streamed with aiofiles."""
-    import aiofiles
+    with needs("warmup", "tierkv warmup"):
+        import aiofiles
 
     try:
         async with aiofiles.open(path, "rb") as handle:
@@ -102,8 +104,9 @@ class HfModel:
     """A HF causal LM's config (read at once) and tokenizer and weights (loaded on first use)."""
 
     def __init__(self, model_dir: Path, tokenizer_dir: Path, dtype: str, device: str) -> None:
-        from transformers import AutoConfig
-        from transformers.utils import logging
+        with needs("warmup", "tierkv warmup"):
+            from transformers import AutoConfig
+            from transformers.utils import logging
 
         hf_logging: Any = logging  # untyped
         hf_logging.set_verbosity_error()
@@ -151,7 +154,8 @@ class HfModel:
         if prompt.token_ids is not None:
             return prompt.token_ids
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            with needs("warmup", "tierkv warmup"):
+                from transformers import AutoTokenizer
 
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
@@ -166,7 +170,8 @@ class HfModel:
         import torch
 
         if self._model is None:
-            from transformers import AutoModelForCausalLM
+            with needs("warmup", "tierkv warmup"):
+                from transformers import AutoModelForCausalLM
 
             try:
                 model: Any = AutoModelForCausalLM.from_pretrained(
@@ -279,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    with needs("warmup", "tierkv warmup"):
+        from tqdm import tqdm
 
     from tierkv.integrations.vllm_warmup import VllmTarget
     from tierkv.warmup import ChunkWriter, WarmupReport, finish_report, warm_sequence

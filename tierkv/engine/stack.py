@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter, RemoteAsker
+from tierkv.extras import needs
 from tierkv.keys import Namespace
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
@@ -73,8 +74,9 @@ def build_remote_lookup(config: StoreConfig, namespace: Namespace, ranks: Sequen
     (connected on first use: a server down at start is a miss, not a failed start)."""
     if config.remote is None:
         return None
-    from tierkv.tiers.remote import RemoteTier
-    from tierkv.transfer.remote_lookup import RemoteLookup
+    with needs("remote", "the remote tier (StoreConfig.remote, vLLM's remote_url)"):
+        from tierkv.tiers.remote import RemoteTier
+        from tierkv.transfer.remote_lookup import RemoteLookup
 
     remote = config.remote
     tier = RemoteTier(remote, namespace, min(ranks), chunk_bytes, lazy=True)
@@ -159,8 +161,9 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
             disk_io = DiskIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
         settings = config.remote
         if settings is not None and namespace is not None:
-            from tierkv.tiers.remote import RemoteTier
-            from tierkv.transfer.remote_io import RemoteIO
+            with needs("remote", "the remote tier (StoreConfig.remote, vLLM's remote_url)"):
+                from tierkv.tiers.remote import RemoteTier
+                from tierkv.transfer.remote_io import RemoteIO
 
             rank = config.rank if remote_rank is None else remote_rank
             remote = RemoteTier(settings, namespace, rank, chunk_bytes, lazy=True)
