@@ -76,9 +76,9 @@ class Run:
     """One harness with tierkv: records the external tokens vLLM accepted per request and
     checks the block index's invariants after every step."""
 
-    def __init__(self, cfg: HarnessConfig, check: bool = True) -> None:
+    def __init__(self, cfg: HarnessConfig, check: bool = True, **options: Any) -> None:
         self.cfg = cfg
-        self.harness = harness_lib.build_harness(cfg, check=check)
+        self.harness = harness_lib.build_harness(cfg, check=check, **options)
         self.engine = harness_lib.HarnessEngine(self.harness)
         self.connector: Any = self.harness.scheduler_connector
         self.side = self.connector._scheduler

@@ -44,6 +44,7 @@ from redis.cluster import RedisCluster as ClusterClient
 from vllm.config import KVTransferConfig
 
 from tests.integration import vllm_harness as harness_lib
+from tests.integration.test_vllm_connector import Run
 from tests.redis_cluster import HOST, RedisCluster, free_port
 from tierkv.tiers.remote_format import parse_redis_key
 
@@ -109,27 +110,14 @@ def loadable_tokens(spec: RequestSpec) -> int:
     return (len(spec.prompt_token_ids) - 1) // TPC * TPC
 
 
-class Engine:
+class Engine(Run):
     """One engine: the harness's vLLM Scheduler with tierkv's scheduler side, its worker
-    side and fake runner. Records the external tokens vLLM accepted per request and each
-    step's wall time, and checks the block index's invariants after every step."""
+    side and fake runner (:class:`Run`: the external tokens vLLM accepted per request, the
+    block index checked after every step), and each step's wall time."""
 
     def __init__(self, cfg: HarnessConfig, model_dir: Path) -> None:
-        self.cfg = cfg
-        self.harness = harness_lib.build_harness(cfg, model_dir=model_dir)
-        self.engine = harness_lib.HarnessEngine(self.harness)
-        self.connector: Any = self.harness.scheduler_connector
-        self.side = self.connector._scheduler
-        self.external: dict[str, int] = {}
+        super().__init__(cfg, model_dir=model_dir)
         self.step_seconds: list[float] = []
-        accept = self.connector.update_state_after_alloc
-
-        def spy(request: Any, blocks: Any, num_external_tokens: int) -> None:
-            if num_external_tokens:
-                self.external[request.request_id] = num_external_tokens
-            accept(request, blocks, num_external_tokens)
-
-        self.connector.update_state_after_alloc = spy
         step = self.engine.step
 
         def timed_step() -> list[str]:
@@ -140,7 +128,6 @@ class Engine:
                 self.step_seconds.append(time.perf_counter() - started)
 
         self.engine.step = timed_step  # type: ignore[method-assign]
-        self.engine.on_step_end = lambda engine: self.side.index.check()
 
     @property
     def fingerprint(self) -> str:
@@ -149,13 +136,6 @@ class Engine:
     def pusher(self) -> Any:
         worker = self.harness.worker_connector._worker  # type: ignore[union-attr]
         return worker._stack.executor.pusher
-
-    def run(self, workload: harness_lib.Workload) -> harness_lib.RunResult:
-        result = self.engine.run(workload, max_steps=3000)
-        assert self.side.adapter.jobs_in_flight() == 0
-        assert self.side.adapter.num_requests() == 0
-        assert not self.connector.has_pending_push_work()
-        return result
 
     def stats(self) -> dict[str, int]:
         return dict(self.side.statistics())
