@@ -44,7 +44,7 @@ from redis.cluster import RedisCluster as ClusterClient
 from vllm.config import KVTransferConfig
 
 from tests.integration import vllm_harness as harness_lib
-from tests.integration.test_vllm_connector import Run
+from tests.integration.test_vllm_connector import Run, expected_chat_hits
 from tests.redis_cluster import HOST, RedisCluster, free_port
 from tierkv.tiers.remote_format import parse_redis_key
 
@@ -359,19 +359,6 @@ class SilentServer:
         self.listener.close()
         for conn in self.accepted:
             conn.close()
-
-
-def expected_chat_hits(result: harness_lib.RunResult, user_turn_len: int) -> dict[str, int]:
-    """Turn k+1 hits every full chunk of turn k whose KV was computed (as in
-    test_vllm_connector)."""
-    expected = {}
-    for req_id, spec in result.prompts.items():
-        if req_id.endswith("-turn0"):
-            continue
-        previous = len(spec.prompt_token_ids) - user_turn_len
-        chunks = min((previous - 1) // TPC, (len(spec.prompt_token_ids) - 1) // TPC)
-        expected[req_id] = chunks * TPC
-    return expected
 
 
 @pytest.mark.parametrize("server", ["refused", "silent"])
