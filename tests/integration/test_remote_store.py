@@ -27,6 +27,7 @@ from redis.crc import key_slot
 from tests.redis_cluster import RedisCluster, free_port
 from tierkv import chunk_keys
 from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
+from tierkv.errors import ClosedError
 from tierkv.engine.store import TierKVStore
 from tierkv.tiers.remote_format import HEADER_BYTES, redis_key
 
@@ -412,5 +413,6 @@ def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None
             assert lookup.tier.statistics().cluster is connected
             assert took < 0.5 + 0.5
         finally:
-            lookup.shutdown()
-            lookup.tier.close()
+            lookup.shutdown()  # closes its tier too
+            with pytest.raises(ClosedError):
+                lookup.tier.exists_on_ranks([bytes(32)], [0])

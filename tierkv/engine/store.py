@@ -388,7 +388,6 @@ class TierKVStore:
         try:
             if self._remote is not None:
                 self._remote.shutdown()
-                self._remote.tier.close()
         finally:
             self._stack.close()
 

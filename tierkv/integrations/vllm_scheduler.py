@@ -285,7 +285,6 @@ class SchedulerSide:
     def shutdown(self) -> None:
         if self.remote is not None:
             self.remote.shutdown()
-            self.remote.tier.close()
         if self.adapter.jobs_in_flight():
             log.info("tierkv: scheduler shutting down with %d job(s) in flight; the workers "
                      "finish them and flush unspilled chunks to disk", self.adapter.jobs_in_flight())

@@ -54,7 +54,8 @@ from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, Ver
 from tierkv.tiers.disk_env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value, pack_index, unpack_index
-from tierkv.tiers.lmdb_tuning import map_size_for, tune_malloc
+from tierkv.tiers.lmdb_tuning import map_size_for
+from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.units import format_bytes
 
 __all__ = [

@@ -19,7 +19,8 @@ Primitives and contracts:
   length, seq), so a restart rebuilds its index without reading payloads.
 
 The environment's layout and sizing are :mod:`tierkv.tiers.disk_env` and
-:mod:`tierkv.tiers.lmdb_tuning`; files and directories :mod:`tierkv.tiers.disk_files`.
+:mod:`tierkv.tiers.lmdb_tuning` (malloc: :mod:`tierkv.tiers.malloc_tuning`); files and
+directories :mod:`tierkv.tiers.disk_files`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""LMDB sizing for the disk tier.
-
-- :func:`map_size_for`: LMDB ``map_size`` from the disk cap, with headroom.
-- :func:`tune_malloc` (:mod:`tierkv.tiers.malloc_tuning`, re-exported here) keeps the heap
-  blocks LMDB allocates for each value's pages from being faulted in afresh per put.
-"""
+"""LMDB sizing for the disk tier: :func:`map_size_for`, LMDB's ``map_size`` from the disk
+cap, with headroom. (The process's malloc tuning is :mod:`tierkv.tiers.malloc_tuning`.)"""
 
 from __future__ import annotations
 
 from tierkv.tiers.disk_format import LMDB_PAGE_HEADER, MAX_VALUE_OVERHEAD
-from tierkv.tiers.malloc_tuning import tune_malloc as tune_malloc  # the disk tier's import
 from tierkv.units import MiB
 
 

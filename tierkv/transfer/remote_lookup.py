@@ -15,7 +15,8 @@ Primitives and contracts:
 - A lookup that fails (a timeout, a node down, the breaker open) answers "absent" for those
   keys, counted in ``errors`` (never a silent zero: the tier logs and its breaker warns).
 - One thread sends the questions; questions asked while one is in flight go out together
-  in the next. ``statistics()``; ``shutdown()`` (idempotent).
+  in the next. ``statistics()``; ``shutdown()`` (idempotent; it closes the tier, which the
+  lookup owns).
 """
 
 from __future__ import annotations
@@ -154,10 +155,12 @@ class RemoteLookup:
         return RemoteLookupStatistics(**{k: int(v) for k, v in counts.items()}, seconds=seconds)
 
     def shutdown(self) -> None:
-        """Stop the thread (a request in flight ends within the tier's timeout)."""
+        """Stop the thread (a request in flight ends within the tier's timeout) and close
+        the tier, which the lookup owns; idempotent."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
         self._thread.join(self.tier.config.timeout_seconds * 2 + 1)
+        self.tier.close()
