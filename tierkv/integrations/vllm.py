@@ -46,6 +46,7 @@ from tierkv.integrations.vllm_config import (  # noqa: E402
     disk_rank,
     parse_settings,
 )
+from tierkv.integrations.vllm_logging import follow_vllm_logging  # noqa: E402
 from tierkv.integrations.vllm_messages import (  # noqa: E402
     TierKVConnectorStats,
     TierKVMetadata,
@@ -79,6 +80,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        follow_vllm_logging()  # vLLM configured this process's logging before building us
         check_vllm_version(getattr(vllm, "__version__", "unknown"))
         transfer = self._kv_transfer_config
         if transfer.kv_role != "kv_both":
