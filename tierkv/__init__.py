@@ -11,8 +11,11 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+# The name to pip-install (pyproject.toml); the import name stays ``tierkv``.
+DISTRIBUTION = "tierkv-cache"
 
-__all__ = ["TierKVStore", "StoreConfig", "Namespace", "chunk_keys", "__version__"]
+__all__ = ["TierKVStore", "StoreConfig", "Namespace", "chunk_keys", "__version__",
+           "DISTRIBUTION"]
 
 _HOMES = {"TierKVStore": "tierkv.engine.store", "StoreConfig": "tierkv.config",
           "Namespace": "tierkv.keys", "chunk_keys": "tierkv.keys"}

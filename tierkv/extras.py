@@ -1,5 +1,5 @@
 """The optional parts of tierkv and the extra that installs each (``pip install
-'tierkv[NAME]'``): :func:`needs` turns a missing module into a :class:`MissingExtraError`
+'tierkv-cache[NAME]'``): :func:`needs` turns a missing module into a :class:`MissingExtraError`
 that names the extra, instead of a bare ``ModuleNotFoundError``."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from tierkv import DISTRIBUTION
 from tierkv.errors import MissingExtraError
 
 # The modules each extra brings (pyproject.toml, [project.optional-dependencies]).
@@ -14,6 +15,7 @@ EXTRAS = {
     "warmup": ("transformers", "aiofiles", "tqdm"),
     "remote": ("redis", "hiredis"),
     "vllm": ("vllm",),
+    "metrics": ("prometheus_client",),
 }
 
 
@@ -29,4 +31,4 @@ def needs(extra: str, what: str) -> Iterator[None]:
             raise
         raise MissingExtraError(
             f"{what} needs the {extra!r} extra (module {missing!r} is not installed): "
-            f"pip install 'tierkv[{extra}]'") from exc
+            f"pip install '{DISTRIBUTION}[{extra}]'") from exc

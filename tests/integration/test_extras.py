@@ -1,5 +1,5 @@
 """Without an extra, tierkv still runs, and using the part the extra installs fails with a
-tierkv error that names it (``pip install 'tierkv[remote]'``), not a bare
+tierkv error that names it (``pip install 'tierkv-cache[remote]'``), not a bare
 ModuleNotFoundError. Each case runs in a fresh interpreter where the extra's modules are
 made unimportable (``sys.modules[name] = None``)."""
 
@@ -39,7 +39,7 @@ except MissingExtraError as exc:
     done = run(("redis", "hiredis"), code)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "needs the 'remote' extra (module 'redis' is not installed): pip install " \
-           "'tierkv[remote]'" in done.stderr  # tierkv inspect redis://...
+           "'tierkv-cache[remote]'" in done.stderr  # tierkv inspect redis://...
     assert "refused: the remote tier (StoreConfig.remote, vLLM's remote_url) needs the " \
            "'remote' extra" in done.stdout
     assert "Traceback" not in done.stderr
