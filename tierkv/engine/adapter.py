@@ -141,6 +141,9 @@ class AdapterStats:
     hit_tokens_disk: int = 0
     hit_tokens_remote: int = 0
     remote_not_yet: int = 0
+    # Tokens past the engine's own prefix hit of requests that were allocated (the engine
+    # reports them with count_queried); hit_tokens_* / queried_tokens is tierkv's hit rate.
+    queried_tokens: int = 0
 
 
 class EngineAdapter:
@@ -225,6 +228,11 @@ class EngineAdapter:
         the rest a usable prefix)."""
         if num_chunks > 0:
             self.index.touch(reversed(view.chunk_keys[:num_chunks]), reuse=reuse)
+
+    def count_queried(self, view: RequestView, num_local_tokens: int) -> None:
+        """The engine allocated ``view`` after a lookup: its tokens past the engine's own
+        prefix hit (``num_local_tokens``) were asked of tierkv (the hit rate's denominator)."""
+        self.stats.queried_tokens += max(view.num_tokens - num_local_tokens, 0)
 
     def update_state_after_alloc(
         self, view: RequestView, block_ids: Iterable[int], num_external_tokens: int, num_local_tokens: int

@@ -48,6 +48,7 @@ from tierkv.config import StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.core.index import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.adapter import lookup_tiers
+from tierkv.engine.metrics import PATH_NAMES, Durations, usage_figures
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES, Namespace
@@ -245,6 +246,9 @@ class TierKVStore:
             self._close_parts()
             raise
         self._bytes = {kind: [0, 0.0] for kind in JobKind}
+        self._failed_jobs = dict.fromkeys(JobKind, 0)
+        self._durations = {kind: Durations() for kind in JobKind}
+        self._looked_up = dict.fromkeys(("queried", "cpu", "disk", "remote"), 0)  # chunks
         self._ready: list[Completion] = []
 
     def _check_namespace(self, namespace: Namespace) -> None:
@@ -274,7 +278,13 @@ class TierKVStore:
         self._check_open()
         self._check_keys(keys)
         self._pump()
-        return lookup_tiers(self.index, self._remote, keys)[0].num_hits
+        found = lookup_tiers(self.index, self._remote, keys)[0]
+        counts = self._looked_up
+        counts["queried"] += len(keys)
+        counts["cpu"] += found.num_on_cpu
+        counts["remote"] += found.num_remote
+        counts["disk"] += found.num_hits - found.num_on_cpu - found.num_remote
+        return found.num_hits
 
     @_one_caller
     def store(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> JobId | None:
@@ -367,6 +377,23 @@ class TierKVStore:
             chunk_bytes=self.chunk_bytes,
             remote=remote,
         )
+
+    def figures(self) -> dict[str, float | Durations]:
+        """The figures :mod:`tierkv.engine.metrics` exports (counters since the store opened,
+        usage now), by figure key. Unlike the other methods, safe to call from another thread
+        (a Prometheus scrape): it only reads counters."""
+        tpc = self.tokens_per_chunk
+        index = self.index.statistics()
+        out: dict[str, float | Durations] = {name: value for name, value in vars(index).items()}
+        out["queried_tokens"] = self._looked_up["queried"] * tpc
+        for tier in ("cpu", "disk", "remote"):
+            out[f"hit_tokens_{tier}"] = self._looked_up[tier] * tpc
+        for kind, name in PATH_NAMES.items():
+            out[f"bytes_{name}"], out[f"seconds_{name}"] = self._bytes[kind]
+            out[f"failed_jobs_{name}"] = self._failed_jobs[kind]
+            out[f"durations_{name}"] = self._durations[kind]
+        out.update(usage_figures(index, self.chunk_bytes))
+        return out
 
     @_one_caller
     def close(self) -> None:
@@ -473,6 +500,9 @@ class TierKVStore:
                 totals = self._bytes[kind]
                 totals[0] += completion.num_bytes
                 totals[1] += completion.seconds
+                self._durations[kind].observe(completion.seconds)
+                if not completion.ok:
+                    self._failed_jobs[kind] += 1
             if kind in (JobKind.STORE, JobKind.LOAD):
                 self._ready.append(completion)
             if completion.error and not completion.ok:

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 from tierkv.core.jobs import (Completion, JobId, JobKind, JobSpec, SpillSpec, StoreSpec,
                               failed_set)
+from tierkv.engine.metrics import PATH_NAMES, Durations
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.transfer.executor import JobExecutor
 
 IDLE_YIELD_SECONDS = 0.0005
-PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
 
 
 class SlotResidency:
@@ -108,6 +108,7 @@ class WorkerAdapter:
         self._specs: dict[JobId, JobSpec] = {}
         self._residency = SlotResidency() if track_slots else None
         self._counts: dict[str, float] = {}
+        self._durations: dict[str, Durations] = {}
         self._pending: list[StoreSpec] = []  # stores planned but not yet submitted
         self._submitted: set[JobId] = set()
         self._loads: dict[JobId, _LoadInFlight] = {}
@@ -196,6 +197,7 @@ class WorkerAdapter:
         name, counts = PATH_NAMES[spec.kind], self._counts
         counts[f"bytes_{name}"] = counts.get(f"bytes_{name}", 0) + completion.num_bytes
         counts[f"seconds_{name}"] = counts.get(f"seconds_{name}", 0.0) + completion.seconds
+        self._durations.setdefault(name, Durations()).observe(completion.seconds)
         if not completion.ok:
             counts[f"failed_jobs_{name}"] = counts.get(f"failed_jobs_{name}", 0) + 1
         if self._residency is not None:
@@ -203,6 +205,11 @@ class WorkerAdapter:
 
     def statistics(self) -> dict[str, float]:
         return dict(self._counts)
+
+    def take_durations(self) -> dict[str, list[float]]:
+        """Seconds of each job finished since the last call, by figure key (``durations_<path>``)."""
+        return {f"durations_{name}": taken for name, durations in self._durations.items()
+                if (taken := durations.take())}
 
     def unspilled_chunks(self) -> list[tuple[bytes, int]]:
         """See the module docstring; empty without ``track_slots``."""

@@ -7,8 +7,9 @@
   finished since its last report. vLLM's output aggregator merges the ranks of one step
   with ``aggregate`` (a concatenation); the scheduler's ``CompletionTracker`` counts a job
   complete once ``world_size`` reports of it arrived, over one step or several.
-- :class:`TierKVConnectorStats`  counters since the last report, from both roles; vLLM sums
-  them over ranks and intervals and logs ``reduce()``.
+- :class:`TierKVConnectorStats`  figures since the last report, from both roles; vLLM merges
+  them over ranks and intervals, logs ``reduce()`` and hands each payload to the connector's
+  Prometheus metrics (:mod:`.vllm_metrics`).
 
 Requests whose load finished and the GPU blocks of chunks that failed to load travel in
 vLLM's own fields (``finished_recving``, ``invalid_block_ids``).
@@ -16,6 +17,7 @@ vLLM's own fields (``finished_recving``, ``invalid_block_ids``).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from tierkv.engine.metrics import GAUGE_KEYS, TIERS
 from tierkv.engine.requests import Completion, StepPlan
 
 
@@ -47,7 +50,9 @@ class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class TierKVConnectorStats(KVConnectorStats):
-    """Counters (ints or float seconds) since the previous report; all sum on aggregate."""
+    """Figures since the previous report (figure keys of :mod:`tierkv.engine.metrics`):
+    counters sum on aggregate, job durations (lists of seconds) concatenate, usage gauges
+    keep the latest value."""
 
     def reset(self) -> None:
         self.data = {}
@@ -55,15 +60,30 @@ class TierKVConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged: dict[str, Any] = dict(self.data)
         for name, value in other.data.items():
-            merged[name] = merged.get(name, 0) + value
+            if name in GAUGE_KEYS or name not in merged:
+                merged[name] = list(value) if isinstance(value, list) else value
+            else:
+                merged[name] = merged[name] + value
         return TierKVConnectorStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {name: value for name, value in sorted(self.data.items()) if value}
-        hits = self.data.get("hit_tokens_cpu", 0) + self.data.get("hit_tokens_disk", 0)
+        """The interval's log line: counters (seconds to the ms), tokens queried and hit,
+        the hit rate, and the median job time per path in ms."""
+        out: dict[str, int | float] = {}
+        for name, value in sorted(self.data.items()):
+            if isinstance(value, list):
+                if value:
+                    out[f"{name.replace('durations_', 'median_ms_')}"] = round(
+                        statistics.median(value) * 1e3, 3)
+            elif name not in GAUGE_KEYS and value:
+                out[name] = round(value, 3) if isinstance(value, float) else value
+        hits = sum(self.data.get(f"hit_tokens_{tier}", 0) for tier in TIERS)
         if hits:
             out["hit_tokens"] = hits
+        queried = self.data.get("queried_tokens", 0)
+        if queried:
+            out["hit_rate"] = round(hits / queried, 3)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(value for name, value in self.data.items() if name not in GAUGE_KEYS)

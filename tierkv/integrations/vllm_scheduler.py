@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierkv.engine.metrics import GAUGE_KEYS, usage_figures
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
@@ -37,7 +38,7 @@ _INDEX_COUNTERS = (
     "remote_corrupt", "remote_failed",
 )
 _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
-                     "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet")
+                     "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens")
 
 
 @dataclass(eq=False, slots=True)
@@ -163,6 +164,8 @@ class SchedulerSide:
         req_id = request.request_id
         local = self._local_hit.pop(req_id, None)
         view = self._view(self._tracked_for(request))
+        if local is not None:
+            self.adapter.count_queried(view, local)
         if local:  # chunks served by vLLM's GPU prefix cache are being reused: refresh them
             self.adapter.touch(view, local // self.geometry.tokens_per_chunk)
         if num_external_tokens <= 0:  # no load: build_meta hands the blocks to the adapter
@@ -255,7 +258,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ stats
     def statistics(self) -> dict[str, int]:
-        """Cumulative counters (tests, benchmarks)."""
+        """Cumulative counters and the usage gauges, by figure key (tierkv.engine.metrics)."""
         index = self.index.statistics()
         adapter = self.adapter.stats
         out = {name: getattr(index, name, 0) for name in _INDEX_COUNTERS}
@@ -268,6 +271,7 @@ class SchedulerSide:
             lookups = self.remote.statistics()
             out["remote_lookup_requests"] = lookups.requests
             out["remote_lookup_errors"] = lookups.errors
+        out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size))
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
@@ -277,10 +281,14 @@ class SchedulerSide:
             return None
         self._last_report = now
         current = self.statistics()
-        delta = {name: value - self._reported.get(name, 0) for name, value in current.items()}
+        delta = {name: value - self._reported.get(name, 0) for name, value in current.items()
+                 if name not in GAUGE_KEYS}
         self._reported = current
         stats = TierKVConnectorStats(data={name: value for name, value in delta.items() if value})
-        return None if stats.is_empty() else stats
+        if stats.is_empty():
+            return None
+        stats.data.update((name, current[name]) for name in GAUGE_KEYS)  # gauges: values now
+        return stats
 
     def shutdown(self) -> None:
         if self.remote is not None:

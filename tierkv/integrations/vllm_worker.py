@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -125,11 +126,16 @@ class WorkerSide:
             raise UsageError("tierkv vLLM connector: the worker got a step before register_kv_caches")
         return self.worker
 
-    def stats_since_last(self) -> dict[str, float]:
-        counts = self.worker.statistics() if self.worker is not None else {}
+    def stats_since_last(self) -> dict[str, Any]:
+        """Counters since the last call, and the seconds of each job finished since then."""
+        if self.worker is None:
+            return {}
+        counts = self.worker.statistics()
         delta = {name: value - self._reported.get(name, 0) for name, value in counts.items()}
         self._reported = counts
-        return {name: value for name, value in delta.items() if value}
+        out: dict[str, Any] = {name: value for name, value in delta.items() if value}
+        out.update(self.worker.take_durations())
+        return out
 
     def unspilled_chunks(self) -> list[tuple[bytes, int]]:
         return self.adapter().unspilled_chunks()

@@ -1,0 +1,198 @@
+"""tierkv's figures as Prometheus metrics: one table, :data:`METRICS`, read by both exporters.
+
+- Under vLLM, ``TierKVConnector.build_prom_metrics`` registers them with vLLM's metric classes
+  and labels (``model_name``, ``engine``) and observes the connector's stats payloads
+  (:mod:`tierkv.integrations.vllm_metrics`).
+- A custom engine calls :func:`register_store_metrics` once: a ``prometheus_client``
+  collector that reads :meth:`TierKVStore.figures` at each scrape.
+
+Both read *figures*: a flat mapping of figure keys (``hit_tokens_cpu``, ``bytes_gpu_to_cpu``,
+``cpu_used_bytes``, ...) to numbers, or, for job durations, to :class:`Durations` (library)
+or lists of seconds (vLLM payloads). A metric lists which figure key each of its label values
+reads, so a figure has one name everywhere (``docs/operations.md``, "Metrics", lists them).
+
+Counters are exposed with ``_total`` (``tierkv:hit_tokens_total{tier="disk"}``); byte figures
+are bytes and times are seconds, as Prometheus conventions ask.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from tierkv.core.index import IndexStats
+from tierkv.core.jobs import JobKind
+from tierkv.extras import needs
+
+if TYPE_CHECKING:
+    from tierkv.engine.store import TierKVStore
+
+PREFIX = "tierkv:"
+Kind = Literal["counter", "gauge", "histogram"]
+# A job's path by its kind: figure keys bytes_<path>, seconds_<path>, durations_<path>, ...
+PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
+PATHS = tuple(PATH_NAMES.values())
+TIERS = ("cpu", "disk", "remote")
+# Seconds per job: a 2 MiB chunk copies in ~0.1 ms on a GPU, a disk batch can take seconds.
+DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MAX_PENDING_DURATIONS = 4096  # per path between two reports; beyond, a report samples
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # without PREFIX (and without _total)
+    kind: Kind
+    help: str
+    label: str | None  # the metric's own label (tier, path, ...), besides the exporter's
+    keys: tuple[tuple[str, str], ...]  # (label value, figure key); label value "" if no label
+
+
+def _each(template: str, values: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    return tuple((value, template.format(value)) for value in values)
+
+
+def _one(key: str) -> tuple[tuple[str, str], ...]:
+    return (("", key),)
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("queried_tokens", "counter", "Tokens looked up in tierkv: under vLLM a prompt's "
+           "tokens past vLLM's own prefix cache, in the library API the lookup()'s chunks",
+           None, _one("queried_tokens")),
+    Metric("hit_tokens", "counter", "Tokens found in tierkv, by the tier that held them",
+           "tier", _each("hit_tokens_{}", TIERS)),
+    Metric("transfer_bytes", "counter", "Bytes moved by finished jobs, by path", "path",
+           _each("bytes_{}", PATHS)),
+    Metric("transfer_seconds", "counter", "Seconds spent in finished jobs, by path", "path",
+           _each("seconds_{}", PATHS)),
+    Metric("transfer_duration_seconds", "histogram", "Seconds per finished job, by path", "path",
+           _each("durations_{}", PATHS)),
+    Metric("failed_jobs", "counter", "Jobs that failed (their chunks are misses), by path",
+           "path", _each("failed_jobs_{}", PATHS)),
+    Metric("failed_loads", "counter", "Chunk loads that failed; their tokens are recomputed",
+           None, _one("loads_failed")),
+    Metric("cpu_evictions", "counter", "Chunks evicted from the CPU tier", None,
+           _one("cpu_evictions")),
+    Metric("dirty_dropped", "counter", "Chunks evicted from the CPU tier before they reached "
+           "disk", None, _one("dirty_dropped")),
+    Metric("spills", "counter", "Chunks written from the CPU tier to disk, by result",
+           "result", (("ok", "spills_ok"), ("failed", "spills_failed"))),
+    Metric("disk_evictions", "counter", "Chunks evicted from the disk tier", None,
+           _one("disk_evictions")),
+    Metric("no_room", "counter", "Chunks not stored or loaded for want of room (all slots "
+           "busy, or the disk full), by what was refused", "what",
+           (("store", "stores_no_room"), ("load", "loads_no_room"), ("disk", "disk_no_room"))),
+    Metric("corrupt_chunks", "counter", "Chunks whose bytes failed their checks on read "
+           "(served as misses, deleted), by tier", "tier",
+           (("disk", "corrupt"), ("remote", "remote_corrupt"))),
+    Metric("usage_bytes", "gauge", "Bytes of KV held, by tier (all ranks)", "tier",
+           (("cpu", "cpu_used_bytes"), ("disk", "disk_used_bytes"))),
+    Metric("capacity_bytes", "gauge", "Bytes of KV a tier can hold (all ranks)", "tier",
+           (("cpu", "cpu_capacity_bytes"), ("disk", "disk_capacity_bytes"))),
+)
+
+GAUGE_KEYS = frozenset(key for metric in METRICS if metric.kind == "gauge"
+                       for _, key in metric.keys)
+DURATION_KEYS = frozenset(key for metric in METRICS if metric.kind == "histogram"
+                          for _, key in metric.keys)
+
+
+def usage_figures(index: IndexStats, chunk_bytes: int) -> dict[str, int]:
+    """The usage gauges from the index's counts; ``chunk_bytes`` is one chunk on all ranks."""
+    return {
+        "cpu_used_bytes": (index.num_slots - index.free_slots) * chunk_bytes,
+        "cpu_capacity_bytes": index.num_slots * chunk_bytes,
+        "disk_used_bytes": index.on_disk * chunk_bytes,
+        "disk_capacity_bytes": index.disk_capacity * chunk_bytes,
+    }
+
+
+@dataclass
+class Durations:
+    """Seconds per job on one path: cumulative buckets (a scrape reads them) and the values
+    since the last :meth:`take` (vLLM's payloads carry them; at most
+    :data:`MAX_PENDING_DURATIONS`, every other one kept beyond that)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    total: float = 0.0
+    pending: list[float] = field(default_factory=list)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self.total += seconds
+        if len(self.pending) >= MAX_PENDING_DURATIONS:
+            del self.pending[::2]
+        self.pending.append(seconds)
+
+    def take(self) -> list[float]:
+        pending, self.pending = self.pending, []
+        return pending
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, count)`` pairs as the text format lists them, ``+Inf`` last."""
+        out, running = [], 0
+        for bound, count in zip((*DURATION_BUCKETS, float("inf")), self.counts):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
+
+
+class StoreCollector:
+    """A ``prometheus_client`` collector over one :class:`TierKVStore`: every scrape reads
+    :meth:`TierKVStore.figures`. ``labels`` are constant labels of every sample."""
+
+    def __init__(self, store: TierKVStore, labels: Mapping[str, str] | None = None) -> None:
+        self.store = store
+        self.labels = dict(labels or {})
+
+    def describe(self) -> list[Any]:
+        return []  # collected at scrape time only (figures are read from the store then)
+
+    def collect(self) -> Iterator[Any]:
+        with needs("metrics", "tierkv's Prometheus exporter"):
+            from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                                HistogramMetricFamily)
+        figures = self.store.figures()
+        names, values = list(self.labels), list(self.labels.values())
+        for metric in METRICS:
+            labelnames = names + ([metric.label] if metric.label else [])
+            name = PREFIX + metric.name
+            family: Any
+            if metric.kind == "counter":
+                family = CounterMetricFamily(name, metric.help, labels=labelnames)
+            elif metric.kind == "gauge":
+                family = GaugeMetricFamily(name, metric.help, labels=labelnames)
+            else:
+                family = HistogramMetricFamily(name, metric.help, labels=labelnames)
+            for label_value, key in metric.keys:
+                labelvalues = values + ([label_value] if metric.label else [])
+                value = figures.get(key, 0)
+                if isinstance(value, Durations):
+                    family.add_metric(labelvalues, buckets=value.cumulative(),
+                                      sum_value=value.total)
+                elif metric.kind != "histogram":
+                    family.add_metric(labelvalues, float(value))
+            yield family
+
+
+def register_store_metrics(store: TierKVStore, registry: Any = None,
+                           labels: Mapping[str, str] | None = None) -> StoreCollector:
+    """Expose ``store``'s figures to Prometheus (``prometheus_client``'s default registry
+    unless ``registry``); serve them with ``prometheus_client.start_http_server``. Returns
+    the collector (``registry.unregister(collector)`` removes it)."""
+    with needs("metrics", "tierkv's Prometheus exporter"):
+        import prometheus_client
+    collector = StoreCollector(store, labels)
+    (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
+    return collector
+
+
+__all__ = ["DURATION_BUCKETS", "Durations", "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector",
+           "register_store_metrics", "usage_figures"]
