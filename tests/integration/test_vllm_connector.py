@@ -547,7 +547,8 @@ def test_keys_derive_from_the_last_block_hash_of_each_chunk() -> None:
     assert chunk_keys_from_block_hashes(salted.block_hashes, 2)[0] != keys[0]
 
 
-def test_kv_events_and_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("disk", [False, True], ids=["cpu", "cpu+disk"])
+def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     build = harness_lib.build_vllm_config
 
     def with_events(cfg: HarnessConfig, model_dir: Path) -> Any:
@@ -556,8 +557,9 @@ def test_kv_events_and_stats(monkeypatch: pytest.MonkeyPatch) -> None:
         return config
 
     monkeypatch.setattr(harness_lib, "build_vllm_config", with_events)
+    extra = {"disk_path": str(tmp_path), "write_through": True} if disk else {}
     cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
-                        kv_transfer_config=tierkv_config())
+                        kv_transfer_config=tierkv_config(**extra))
     run = Run(cfg)
     run.side.stats_interval = 0.0  # report on every step
     events: list[Any] = []
@@ -568,15 +570,31 @@ def test_kv_events_and_stats(monkeypatch: pytest.MonkeyPatch) -> None:
     run.connector.get_kv_connector_stats = lambda: (stats.append(get_stats()) or stats[-1])
     result = run.run(MultiTurnWorkload(**{**CHAT, "num_turns": 2}))
     assert_clean(result, cfg.vocab_size)
+    events.extend(run.connector.take_events())  # what the last step's completions changed
 
     stored = [event for event in events if isinstance(event, BlockStored)]
-    assert len(stored) == run.side.statistics()["stores_planned"]
-    assert all(event.medium == "CPU" and event.group_idx == 0 for event in stored)
-    engine_request = run.engine.requests["conv0-turn0"]
+    counts = run.side.statistics()
+    on_cpu = [event for event in stored if event.medium == "CPU"]
+    assert len(on_cpu) == counts["stores_planned"]
+    on_disk = [event for event in stored if event.medium == "STORAGE"]
+    assert len(on_disk) == (counts["spills_ok"] if disk else 0)
+    assert not disk or on_disk
+    assert all(event.group_idx == 0 and event.kv_cache_spec_kind == "full_attention"
+               for event in stored)
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    hashes = {event.block_hashes[0] for event in stored}
-    assert maybe_convert_block_hash(engine_request.block_hashes[1]) in hashes
+    # Each event is one chunk: its blocks' hashes, the hash before it, its tokens.
+    chunks = {}
+    for req_id, request in run.engine.requests.items():
+        hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
+        tokens = list(result.prompts[req_id].prompt_token_ids) + result.outputs[req_id]
+        for index in range(len(hashes) // 2):
+            chunks[tuple(hashes[2 * index:2 * index + 2])] = (
+                hashes[2 * index - 1] if index else None, tokens[index * TPC:(index + 1) * TPC])
+    for event in stored:
+        assert event.block_size == cfg.block_size and len(event.block_hashes) == 2
+        parent, tokens = chunks[tuple(event.block_hashes)]
+        assert event.parent_block_hash == parent and event.token_ids == tokens
 
     scheduler_stats = [s for s in stats if s is not None]
     assert scheduler_stats and isinstance(scheduler_stats[0], tierkv_vllm.TierKVConnectorStats)
@@ -587,6 +605,7 @@ def test_kv_events_and_stats(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rebuilt.reduce() == total.reduce() and not rebuilt.is_empty()
     worker_stats = run.harness.worker_connector.get_kv_connector_stats()  # type: ignore[union-attr]
     assert worker_stats is None or isinstance(worker_stats, tierkv_vllm.TierKVConnectorStats)
+    run.shutdown()  # closes the disk tier
 
 
 # failures and tensor parallelism -----------------------------------------------------------------

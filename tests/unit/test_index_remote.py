@@ -269,11 +269,11 @@ def test_a_remote_promotion_evicts_but_never_a_key_of_its_own_load() -> None:
     plan = index.prepare_load([C, A])  # C's slot: A is guarded, so B goes
     assert [k for k, _, _ in plan.chunks] == [C, A]
     assert index.entry(B) is None and index.entry(A) is not None
-    assert index.take_events() == [("removed", B)]
+    assert index.take_events() == [("removed", "CPU", B)]
     assert index.statistics().cpu_evictions == 1
     index.check()
     index.complete_load(ok(plan.job_id))
-    assert index.take_events() == [("stored", C)]
+    assert index.take_events() == [("stored", "CPU", C)]
     index.check()
 
 
@@ -284,7 +284,7 @@ def test_a_landed_remote_chunk_with_a_disk_tier_is_dirty_and_spilled() -> None:
     entry = index.entry(A)
     assert entry is not None
     assert (entry.cpu, entry.readers, entry.disk) == (CpuState.READY, 0, None)
-    assert index.take_events() == [("stored", A)]
+    assert index.take_events() == [("stored", "CPU", A)]
     assert index.lookup([A]) == Lookup(1, False, 1, 0)
     assert index.shortfall([B, C]) == 1  # dirty: not evictable at once
     spec = index.take_spills(flush=True)
@@ -299,7 +299,9 @@ def test_a_landed_remote_chunk_with_a_disk_tier_is_dirty_and_spilled() -> None:
     store(index, B, C)
     assert entry_of(index, A).cpu is None and entry_of(index, A).on_disk
     assert index.lookup([A]) == Lookup(1, False, 0, 0)
-    assert index.take_events() == [("stored", B), ("stored", C)]  # no "removed" for A
+    # A left the CPU tier and stays on disk: an event for each tier.
+    assert index.take_events() == [("removed", "CPU", A), ("stored", "DISK", A),
+                                   ("stored", "CPU", B), ("stored", "CPU", C)]
     assert index.take_spills(flush=True) is not None  # B and C, not A again
     index.check()
 
@@ -319,15 +321,15 @@ def test_a_landed_remote_chunk_without_a_disk_is_clean_and_evictable() -> None:
     assert entry is not None and (entry.cpu, entry.disk) == (CpuState.READY, None)
     assert index.take_spills(flush=True) is None  # nowhere to write it: clean
     assert index.shortfall([B]) == 0
-    assert index.take_events() == [("stored", A)]
+    assert index.take_events() == [("stored", "CPU", A)]
     plan = index.prepare_store([B])  # evicts A at once
     assert [k for k, _ in plan.chunks] == [B]
     assert index.entry(A) is None
     assert index.statistics().cpu_evictions == 1
-    assert index.take_events() == [("removed", A)]
+    assert index.take_events() == [("removed", "CPU", A)]
     index.check()
     index.complete_store(ok(plan.job_id))
-    assert index.take_events() == [("stored", B)]
+    assert index.take_events() == [("stored", "CPU", B)]
     index.check()
 
 
@@ -408,7 +410,7 @@ def test_a_phantom_is_not_noted_again_until_mark_seconds_pass() -> None:
     assert again.from_remote == frozenset({A})
     index.complete_load(ok(again.job_id))
     assert index.lookup([A]) == Lookup(1, False, 1, 0)
-    assert index.take_events() == [("stored", B), ("stored", A)]
+    assert index.take_events() == [("stored", "CPU", A), ("stored", "CPU", B)]
     index.check()
 
 
@@ -432,7 +434,8 @@ def test_mixed_job_from_every_tier_with_a_remote_phantom() -> None:
     assert index.entry(C) is None
     d = index.entry(D)
     assert d is not None and (d.cpu, d.disk) == (CpuState.READY, None)  # dirty
-    assert index.take_events() == [("stored", D)]
+    # B was promoted from disk into the CPU tier too; C was never a chunk of this index.
+    assert index.take_events() == [("stored", "CPU", B), ("stored", "CPU", D)]
     spec = index.take_spills(flush=True)
     assert spec is not None and {k for k, _ in spec.writes} == {A, D}  # B: on disk
     index.check()

@@ -76,6 +76,9 @@ from tierkv.errors import InvariantError, UsageError
 # tier), and READY chunks not on disk yet (disk tier on, no spill in flight).
 CLEAN, DIRTY = 0, 1
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
+# The tiers a chunk's events name (take_events): bits of the media it was last reported in.
+MEDIUM_CPU, MEDIUM_DISK = 1, 2
+_MEDIA = ((MEDIUM_CPU, "CPU"), (MEDIUM_DISK, "DISK"))
 
 
 class Source(Enum):
@@ -226,8 +229,10 @@ class BlockIndex:
         self._room_wanted = 0  # slots that found no victim since the last spill plan
         self._jobs: dict[JobId, _Job] = {}
         self._counters = _Counters()
-        # ("stored" | "removed", key) as chunks become hits and stop being hits.
-        self._events: list[tuple[str, bytes]] | None = [] if record_events else None
+        # Events: keys whose tiers may have changed since take_events, and the tiers each
+        # key was last reported in (MEDIUM_CPU | MEDIUM_DISK bits).
+        self._touched: list[bytes] | None = [] if record_events else None
+        self._media: dict[bytes, int] = {}
         # Chunks the remote tier had (key -> when it answered), oldest first, and chunks
         # whose remote load failed (key -> when): the remote tier's part of the index.
         self._remote_seconds = remote_mark_seconds
@@ -419,8 +424,8 @@ class BlockIndex:
         # A newly READY chunk joins the dirty pool when a disk tier is there (a STORING key
         # is never on disk, nor in any pool), else the clean one.
         self._cpu.insert(landed, DIRTY if self.has_disk else CLEAN)
-        if self._events is not None:
-            self._events.extend(("stored", key) for key in landed)
+        if self._touched is not None:
+            self._touched.extend(landed)
         if failed:
             for key in job.keys:
                 if key in failed:
@@ -504,6 +509,7 @@ class BlockIndex:
             if landed:  # a PROMOTING chunk is on disk (never a disk victim): clean
                 entry.cpu = CpuState.READY
                 self._cpu.insert((key,), CLEAN)
+                self._touch(key)
                 continue
             self._release_slot(entry)
             if key in corrupt or key in missing:  # deleted on disk, or not there at all
@@ -522,8 +528,7 @@ class BlockIndex:
         if landed:
             entry.cpu = CpuState.READY
             self._cpu.insert((key,), DIRTY if self.has_disk else CLEAN)
-            if self._events is not None:
-                self._events.append(("stored", key))
+            self._touch(key)
             return
         self._release_slot(entry)
         del self._entries[key]  # never reported "stored": no "removed" either
@@ -603,6 +608,7 @@ class BlockIndex:
             if key not in failed:
                 entry.disk = DiskState.ON_DISK
                 on_disk.append(key)
+                self._touch(key)
                 self._counters.spills_ok += 1
                 cpu.place(key, CLEAN, oldest=True)
             else:  # not written: as it was (a chunk written once stays EVICTED, clean)
@@ -642,6 +648,7 @@ class BlockIndex:
                 continue
             self._entries[key] = Entry(key, disk=DiskState.ON_DISK)
             added.append(key)
+            self._touch(key)
             self._disk_used += 1
         self._disk.insert(added, 0)
         return len(added)
@@ -709,6 +716,7 @@ class BlockIndex:
         cpu.evict(victim.key, pool)  # a READY chunk is in one pool: its victim's
         victim.slot = None
         victim.cpu = None
+        self._touch(victim.key)
         if victim.disk is not _ON_DISK:  # dirty or EVICTED: nowhere else
             self._remove(victim.key)
         return slot
@@ -730,17 +738,40 @@ class BlockIndex:
 
     def _remove(self, key: bytes) -> None:
         del self._entries[key]
-        if self._events is not None:
-            self._events.append(("removed", key))
+        self._touch(key)
 
-    def take_events(self) -> list[tuple[str, bytes]]:
-        """Drain ("stored" | "removed", key) events (empty unless ``record_events``)."""
-        if not self._events:
+    def _touch(self, key: bytes) -> None:
+        if self._touched is not None:
+            self._touched.append(key)
+
+    def take_events(self) -> list[tuple[str, str, bytes]]:
+        """``("stored" | "removed", medium, key)`` for each tier a chunk entered or left since
+        the last call (empty unless ``record_events``): medium ``"CPU"`` (READY in the CPU
+        tier) or ``"DISK"`` (written to disk). A chunk that entered and left between two
+        calls gives no event."""
+        if not self._touched:
             return []
-        events, self._events = self._events, []
+        touched, self._touched = self._touched, []
+        events: list[tuple[str, str, bytes]] = []
+        media, entries = self._media, self._entries
+        for key in dict.fromkeys(touched):
+            entry = entries.get(key)
+            now = 0
+            if entry is not None:
+                now = (MEDIUM_CPU if entry.cpu is CpuState.READY else 0) \
+                    | (MEDIUM_DISK if entry.disk is DiskState.ON_DISK else 0)
+            before = media.pop(key, 0)
+            if now:
+                media[key] = now
+            for bit, medium in _MEDIA:
+                if now & bit and not before & bit:
+                    events.append(("stored", medium, key))
+                elif before & bit and not now & bit:
+                    events.append(("removed", medium, key))
         return events
 
     def _drop_disk(self, entry: Entry, *, evicted: bool) -> None:
+        self._touch(entry.key)
         if entry.disk is DiskState.ON_DISK:
             if evicted:
                 self._disk.evict(entry.key, 0)
@@ -754,6 +785,7 @@ class BlockIndex:
         self._slots.free(entry.slot)
         entry.slot = None
         entry.cpu = None
+        self._touch(entry.key)
 
     # ------------------------------------------------------------------ reports
     def statistics(self) -> IndexStats:

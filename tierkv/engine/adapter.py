@@ -42,7 +42,8 @@ from typing import NoReturn, Protocol
 
 from tierkv.core.index import BlockIndex, Lookup
 from tierkv.core.state import CpuState
-from tierkv.core.jobs import ChunkCopy, Completion, CompletionTracker, JobId, LoadSpec, StoreSpec
+from tierkv.core.jobs import (ChunkCopy, Completion, CompletionTracker, JobId, JobKind, LoadSpec,
+                              StoreSpec)
 from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
 from tierkv.errors import ConfigError, UsageError
 
@@ -501,6 +502,12 @@ class EngineAdapter:
 
     def jobs_in_flight(self) -> int:
         return len(self._job_owners)
+
+    def loads_in_flight(self) -> int:
+        """Loads planned and not yet finished (their KV is still on its way to the GPU)."""
+        kind = self.index.job_kind
+        return len(self._pending_loads) + sum(1 for job_id in self._job_owners
+                                              if kind(job_id) is JobKind.LOAD)
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests

@@ -27,7 +27,13 @@ from tierkv.integrations.vllm_config import check_vllm_version
 
 check_vllm_version(getattr(vllm, "__version__", "unknown"))
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent  # noqa: E402
+from vllm.distributed.kv_events import (  # noqa: E402
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -71,7 +77,16 @@ __all__ = [
     "UnsupportedVersionError",
 ]
 
-MEDIUM = "CPU"  # KV events: a "stored" chunk is a hit in the CPU tier
+# KV events: the index's tiers as vLLM 0.33 names media (vllm.distributed.kv_events).
+MEDIA = {"CPU": MEDIUM_CPU, "DISK": MEDIUM_STORAGE}
+
+
+def spec_kind(kv_cache_config: Any) -> str | None:
+    """The kind of the (one) KV cache group's spec, as vLLM's KV events name it."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return str(get_kv_cache_spec_kind(groups[0].kv_cache_spec).value) if groups else None
 
 
 class TierKVConnector(KVConnectorBase_V1):
@@ -95,12 +110,14 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._checked_namespace = False
         self._events_enabled = False
+        self._spec_kind: str | None = None
         self._failed_blocks: set[int] = set()
         self._completions: list[Any] = []
         world = self.geometry.world_size
         if role == KVConnectorRole.SCHEDULER:
             events = vllm_config.kv_events_config
             self._events_enabled = bool(events is not None and events.enable_kv_cache_events)
+            self._spec_kind = spec_kind(kv_cache_config)
             if transfer.kv_load_failure_policy != "recompute":
                 log.warning("tierkv: kv_load_failure_policy=%r ends a request with an error when "
                             "a chunk fails to load (e.g. a corrupt disk value); set it to "
@@ -234,32 +251,40 @@ class TierKVConnector(KVConnectorBase_V1):
         return False, None
 
     def reset_cache(self) -> bool:
-        # Chunks are keyed by token prefix, not by model weights: after a weight update they
-        # would be served stale. Clearing them while jobs are in flight is not supported, so
-        # say so (vLLM then reports the reset as failed) instead of pretending.
-        log.warning("tierkv: reset_cache is not supported; restart the server (and use a new "
-                    "disk_path, or remove the old one) after changing model weights")
-        return False
+        # After a weight update (vLLM's /reset_prefix_cache): stop serving every chunk
+        # stored before now, on every tier (SchedulerSide.reset_cache; docs/vllm.md).
+        return self._scheduler_side().reset_cache(
+            lambda request: request.status == RequestStatus.RUNNING)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM's KV events for chunks entering and leaving tierkv's tiers: medium "CPU" for
+        the CPU tier and "STORAGE" for the disk tier (vLLM 0.33's media), each chunk with its
+        blocks' hashes, its token ids and vLLM's block size."""
         if self._scheduler is None or not self._events_enabled:
             return []
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+        def convert(block_hash: bytes) -> Any:
+            return maybe_convert_block_hash(BlockHash(block_hash))
+
+        block_size = self.geometry.hash_block_size  # tokens per entry of block_hashes
         events: list[KVCacheEvent] = []
-        for kind, block_hash in self._scheduler.take_events():
-            if block_hash is None:
-                continue
-            hashes = [maybe_convert_block_hash(BlockHash(block_hash))]
+        for kind, medium, chunk in self._scheduler.take_events():
+            hashes = [convert(block_hash) for block_hash in chunk.block_hashes]
+            where = MEDIA[medium]
             if kind == "stored":
-                events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                                          block_size=0, lora_id=None, medium=MEDIUM,
-                                          lora_name=None, group_idx=0))
+                parent = chunk.parent_block_hash
+                events.append(BlockStored(
+                    block_hashes=hashes, parent_block_hash=None if parent is None
+                    else convert(parent), token_ids=chunk.token_ids.tolist(),
+                    block_size=block_size, lora_id=None, medium=where, lora_name=None,
+                    group_idx=0, kv_cache_spec_kind=self._spec_kind, locality="LOCAL"))
             else:
-                events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM, group_idx=0))
+                events.append(BlockRemoved(block_hashes=hashes, medium=where, group_idx=0,
+                                           locality="LOCAL"))
         return events
 
     def get_kv_connector_stats(self) -> TierKVConnectorStats | None:

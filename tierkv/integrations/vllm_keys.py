@@ -21,12 +21,19 @@ from collections.abc import Sequence
 
 KEY_DOMAIN = b"tierkv/vllm/chunk-key/v1\x00"
 _GROUP0 = KEY_DOMAIN + bytes(4)
+EPOCH_DOMAIN = b"tierkv/vllm/epoch-key/v1\x00"
 
 
 def chunk_key(last_block_hash: bytes, group_id: int = 0) -> bytes:
     """The tierkv key of a chunk whose last block has ``last_block_hash``."""
     prefix = _GROUP0 if group_id == 0 else KEY_DOMAIN + group_id.to_bytes(4, "big")
     return hashlib.sha256(prefix + bytes(last_block_hash)).digest()
+
+
+def epoch_key(key: bytes, epoch: bytes) -> bytes:
+    """``key`` in a cache epoch: itself in the first one (``b""``), else a new 32-byte key
+    (after ``reset_cache``, see docs/vllm.md)."""
+    return key if not epoch else hashlib.sha256(EPOCH_DOMAIN + epoch + key).digest()
 
 
 def chunk_keys_from_block_hashes(block_hashes: Sequence[bytes], hashes_per_chunk: int,

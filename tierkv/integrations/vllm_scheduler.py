@@ -14,7 +14,9 @@ is rebuilt from every rank's environment (:func:`tierkv.integrations.vllm_disk.r
 from __future__ import annotations
 
 import logging
+import os
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from tierkv.engine.metrics import GAUGE_KEYS, usage_figures
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
-from tierkv.integrations.vllm_keys import chunk_key
+from tierkv.integrations.vllm_keys import chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace
 
@@ -41,6 +43,16 @@ _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_to
                      "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens")
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkEvent:
+    """What a chunk's KV events carry: vLLM's block hashes of its blocks, the hash of the
+    block before it, and its token ids (kept while any tier holds it; 8 bytes a token)."""
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: array[int]
+
+
 @dataclass(eq=False, slots=True)
 class _Tracked:
     """A live request: vLLM's object, its chunk keys so far (they grow with it) and the
@@ -49,6 +61,7 @@ class _Tracked:
     request: Any
     keys: list[bytes] = field(default_factory=list)
     sources: list[bytes] = field(default_factory=list)
+    epoch: bytes = b""  # the cache epoch its keys are derived in (see reset_cache)
 
 
 class SchedulerSide:
@@ -80,9 +93,11 @@ class SchedulerSide:
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
         self._sources: dict[str, tuple[int, int, int]] = {}  # (cpu, disk, remote) tokens of the last load
         self._record_events = record_events
-        self._event_hashes: dict[bytes, bytes] = {}  # key -> last block hash (events only)
+        self._event_meta: dict[bytes, ChunkEvent] = {}  # key -> what its events say (events only)
         self._prune_later: list[list[bytes]] = []  # keys of finished requests (events only)
         self._step = 0
+        self._epoch = b""  # b"": keys as the warm-up and other servers derive them
+        self.resets = 0
         self._counts = {"bytes_completed": 0}
         self._reported: dict[str, int] = {}
         self._last_report = -float("inf")
@@ -123,9 +138,9 @@ class SchedulerSide:
         for index in range(len(keys), len(hashes) // hpc):
             source = hashes[(index + 1) * hpc - 1]
             sources.append(source)
-            keys.append(chunk_key(source))
-            if self._record_events:
-                self._event_hashes.setdefault(keys[-1], bytes(source))
+            keys.append(epoch_key(chunk_key(source), tracked.epoch))
+            if self._record_events and keys[-1] not in self._event_meta:
+                self._event_meta[keys[-1]] = self._chunk_event(request, index)
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
                            request.num_computed_tokens)
 
@@ -146,11 +161,32 @@ class SchedulerSide:
     def _tracked_for(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.request is not request:
-            tracked = self._tracked[request.request_id] = _Tracked(request)
+            tracked = self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch)
         return tracked
 
     def on_new_request(self, request: Any) -> None:
-        self._tracked[request.request_id] = _Tracked(request)
+        self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch)
+
+    def reset_cache(self, is_running: Callable[[Any], bool]) -> bool:
+        """Serve nothing stored before now (vLLM's ``reset_prefix_cache`` after a weight
+        update). Keys move to a new random epoch: chunks of the old one are never hits
+        again and leave the CPU and disk tiers as they age out. Requests not running now
+        (waiting, or preempted by the reset) are keyed in the new epoch; a running
+        request's KV was computed before the reset, so its chunks stay in the old one.
+        Refused (False, vLLM reports the reset as failed) while loads are in flight."""
+        loads = self.adapter.loads_in_flight()
+        if loads:
+            log.warning("tierkv: reset_cache refused: %d load(s) in flight would hand "
+                        "KV from before the reset to requests; retry after they finish", loads)
+            return False
+        self._epoch = os.urandom(16)
+        self.resets += 1
+        for tracked in self._tracked.values():
+            if not is_running(tracked.request):
+                tracked.epoch, tracked.keys, tracked.sources = self._epoch, [], []
+        log.warning("tierkv: cache reset (%d so far): chunks stored before now are no longer "
+                    "served by this server; they age out of its tiers", self.resets)
+        return True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         view = self._view(self._tracked_for(request))
@@ -230,7 +266,7 @@ class SchedulerSide:
         for keys in prune:  # their last chunk is planned now: forget keys never stored
             for key in keys:
                 if not self.index.contains(key):
-                    self._event_hashes.pop(key, None)
+                    self._event_meta.pop(key, None)
         return TierKVMetadata(plan, self.fingerprint, self._step)
 
     def update_connector_output(self, output: Any) -> None:
@@ -249,12 +285,26 @@ class SchedulerSide:
         return self.adapter.has_jobs_in_flight() or bool(self.adapter.num_requests())
 
     # ------------------------------------------------------------------ events
-    def take_events(self) -> list[tuple[str, bytes | None]]:
-        """``("stored" | "removed", last block hash)`` since the last call; the hash is None
-        for chunks found on disk at start (their block hashes are not stored)."""
-        hashes = self._event_hashes
-        return [(kind, hashes.pop(key, None) if kind == "removed" else hashes.get(key))
-                for kind, key in self.index.take_events()]
+    def _chunk_event(self, request: Any, index: int) -> ChunkEvent:
+        hpc, tpc = self._hpc, self.geometry.tokens_per_chunk
+        hashes = request.block_hashes
+        parent = bytes(hashes[index * hpc - 1]) if index else None
+        return ChunkEvent(tuple(bytes(h) for h in hashes[index * hpc:(index + 1) * hpc]), parent,
+                          array("l", request.all_token_ids[index * tpc:(index + 1) * tpc]))
+
+    def take_events(self) -> list[tuple[str, str, ChunkEvent]]:
+        """``("stored" | "removed", medium, chunk)`` since the last call, medium "CPU" or
+        "DISK". Chunks found on disk at start give none: their block hashes and tokens are
+        not stored."""
+        meta, out = self._event_meta, []
+        contains = self.index.contains
+        for kind, medium, key in self.index.take_events():
+            chunk = meta.get(key)
+            if chunk is not None:
+                out.append((kind, medium, chunk))
+                if kind == "removed" and not contains(key):
+                    del meta[key]
+        return out
 
     # ------------------------------------------------------------------ stats
     def statistics(self) -> dict[str, int]:
