@@ -1,5 +1,5 @@
 """The `tierkv` command line. Each command ends with one summary line and exits non-zero
-on error. Subcommands import their modules lazily so `tierkv --help` stays fast."""
+on error. `tierkv --version` imports nothing else (it works before torch is installed)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="checksum every chunk of a store; exit 0 clean, 1 bad found, 2 error")
     tools.add_verify_arguments(verify_parser)
     verify_parser.set_defaults(handler=tools.run_verify)
+    rm_parser = sub.add_parser(
+        "rm", help="delete one namespace of a store; exit 0 deleted (or --dry-run), 1 not "
+                   "deleted (no --yes), 2 refused",
+        description="Delete the namespace whose fingerprint starts with --namespace PREFIX "
+                    "(exactly one must): its ns-<fingerprint> directory with every rank, shard "
+                    "and moved-aside leftover, or its keys in a redis:// store. Refused while a "
+                    "running engine claims it. Without --yes it only prints what it would "
+                    "delete; see docs/warmup.md.")
+    tools.add_rm_arguments(rm_parser)
+    rm_parser.set_defaults(handler=tools.run_rm)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # before the subcommands' modules (torch, lmdb) are imported
+        print(f"tierkv {_version()}")
+        return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -23,7 +23,7 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.errors import ConfigError
 from tierkv.keys import ChunkKey, chunk_keys
-from tierkv.units import MiB
+from tierkv.units import format_bytes, format_rate
 
 
 @dataclass
@@ -183,13 +183,14 @@ def run(args: argparse.Namespace) -> int:
     idx = stats.index
     computed = totals.chunks_asked - totals.hits_cpu - totals.hits_disk
     print(f"tierkv demo: {args.conversations} conversations x {args.turns} turns, "
-          f"{args.layers} layers, chunk {chunk_bytes / MiB:.2f} MiB, CPU tier {idx.num_slots} chunks, disk {args.dir}")
+          f"{args.layers} layers, chunk {format_bytes(chunk_bytes, 2)}, CPU tier {idx.num_slots} chunks, disk {args.dir}")
     print(f"  chunks asked {totals.chunks_asked}: hits from CPU {totals.hits_cpu}, "
           f"hits from disk {totals.hits_disk}, computed {computed}")
-    print(f"  verified {totals.verified_bytes / MiB:.1f} MiB of loaded KV byte-exact")
+    print(f"  verified {format_bytes(totals.verified_bytes, 1)} of loaded KV byte-exact")
     for name, path in (("GPU->CPU", stats.gpu_to_cpu), ("CPU->GPU (incl. disk reads)", stats.cpu_to_gpu),
                        ("CPU->disk", stats.cpu_to_disk)):
-        print(f"  {name:28s} {path.num_bytes / MiB:9.1f} MiB  {path.gbps:6.2f} GB/s")
+        print(f"  {name:28s} {format_bytes(path.num_bytes, 1):>10s}  "
+              f"{format_rate(path.num_bytes, path.seconds):>12s}")
     print(f"  evictions {idx.cpu_evictions}, spills {idx.spills_ok}, on disk {idx.on_disk} chunks, "
           f"no room {idx.stores_no_room}, corrupt {idx.corrupt}")
     hit_rate = (totals.hits_cpu + totals.hits_disk) / max(totals.chunks_asked, 1)

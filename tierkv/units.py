@@ -1,7 +1,10 @@
 """Byte sizes: the constants, one formatter and one parser (settings, messages, summaries).
+Everything tierkv prints is in binary units (KiB = 1024 B ... TiB), rates too.
 
 - ``format_bytes(n)`` for messages: ``64 GiB``, ``1.5 MiB``, ``512 B`` (whole units exact);
   ``format_bytes(n, 2)`` for summary lines: ``2.25 GiB``, ``140.00 KiB``.
+- ``format_rate(n, seconds)``: ``n`` bytes over ``seconds`` as ``1.23 GiB/s``,
+  ``850.00 MiB/s``; ``n/a`` without a positive duration.
 - ``parse_size("64GiB")``: ints, or a number with a unit: binary (``KiB`` ... ``TiB``, any
   case; one upper-case letter ``K M G T`` as vLLM reads it), decimal (``kB`` ... ``TB``;
   one lower-case letter ``k m g t``), or ``B``; ``ValueError`` for anything else.
@@ -32,6 +35,17 @@ def format_bytes(num_bytes: int, decimals: int | None = None) -> str:
                 return f"{num_bytes // unit} {name}"
             return f"{num_bytes / unit:.1f} {name}"
     return f"{num_bytes} B"
+
+
+def format_rate(num_bytes: int, seconds: float, decimals: int = 2) -> str:
+    """``num_bytes`` per ``seconds`` in the largest binary unit the rate reaches, per second
+    (``1.23 GiB/s``, ``850.00 MiB/s``, ``12 B/s``); ``n/a`` when ``seconds`` is not positive."""
+    if not seconds > 0:
+        return "n/a"
+    per_second = num_bytes / seconds
+    if per_second < KiB:
+        return f"{per_second:.0f} B/s"
+    return f"{format_bytes(int(per_second), decimals)}/s"
 
 
 _BINARY = {"kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}

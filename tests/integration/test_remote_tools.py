@@ -1,4 +1,5 @@
-"""``tierkv inspect URL`` and ``tierkv verify [--repair] URL`` on the real 3-master cluster."""
+"""``tierkv inspect URL``, ``tierkv verify [--repair] URL`` and ``tierkv rm URL`` on the real
+3-master cluster."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.redis_cluster import RedisCluster
 from tierkv.cli import main
 from tierkv.config import RemoteTierConfig
 from tierkv.keys import Namespace
+from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.remote import RemoteTier
 from tierkv.tiers.remote_format import redis_key
 from tierkv.units import format_bytes
@@ -91,3 +93,79 @@ def test_a_server_that_is_not_there_is_an_error_naming_it(
     assert main(["verify", url, "--timeout", "0.2"]) == 2
     err = capsys.readouterr().err
     assert "cannot connect" in err and "pw-not-shown" not in err and "127.0.0.1" in err
+
+
+def test_verify_shows_progress_and_speed_and_only_one_namespace(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierkv import tools
+
+    fill(cluster)
+    monkeypatch.setattr(tools, "PROGRESS_SECONDS", 0.0)
+    assert main(["verify", cluster.url]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"verified 29 chunks in {cluster.url}: clean"]  # unchanged
+    lines = err.splitlines()
+    value = PAYLOAD + 80
+    # Counted as they are read: no total; one line per value at interval 0.
+    assert lines[0].startswith("verify: 1 chunks, 4.1 KiB, ") and lines[0].endswith("/s")
+    assert lines[28].startswith(f"verify: 29 chunks, {format_bytes(29 * value, 1)}, ")
+    assert lines[29].startswith(f"verify: checked 29 chunks, {format_bytes(29 * value, 2)} in ")
+    assert len(lines) == 30
+    assert main(["verify", cluster.url, "--no-progress", "--namespace", NS.fingerprint()[:6]]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("verified 24 chunks")  # both ranks of NS only
+    assert len(err.splitlines()) == 1 and "verify: checked 24 chunks" in err  # the closing line
+    assert main(["verify", cluster.url, "--namespace", "ffffffffffffffff"]) == 2
+    assert "no namespace in" in capsys.readouterr().err
+
+
+def test_rm_deletes_one_namespace_s_keys_and_leaves_the_rest(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = fill(cluster)
+    raw = ClusterClient.from_url(cluster.url)
+    raw.set(b"tierkv:" + NS.fingerprint().encode() + b":not-a-chunk", b"x")  # not tierkv's
+    value = PAYLOAD + 80
+    prefix = NS.fingerprint()[:6]
+    assert main(["rm", cluster.url, "--namespace", prefix, "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"namespace {NS.fingerprint()} in {cluster.url} (prefix 'tierkv:'): 24 "
+                      f"chunks (rank 0: 12, rank 1: 12), {format_bytes(24 * value, 2)}")
+    assert out[-1] == "dry run: would delete 24 keys; nothing deleted"
+    assert main(["rm", cluster.url, "--namespace", prefix]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "not deleted: add --yes to delete its 24 keys"
+    assert raw.exists(redis_key(b"tierkv:", NS.fingerprint(), 1, keys[0]))
+
+    assert main(["rm", cluster.url, "--namespace", prefix, "--yes"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"removed namespace {NS.fingerprint()[:8]} from {cluster.url}: 24 chunks, "
+        f"{format_bytes(24 * value, 2)} freed")
+    assert not any(raw.exists(redis_key(b"tierkv:", NS.fingerprint(), rank, key))
+                   for rank in (0, 1) for key in keys)
+    assert raw.exists(b"tierkv:" + NS.fingerprint().encode() + b":not-a-chunk")
+    assert main(["verify", cluster.url]) == 0
+    assert "verified 5 chunks" in capsys.readouterr().out  # OTHER's, untouched
+    with RemoteTier(RemoteTierConfig(url=cluster.url), OTHER, 0, PAYLOAD) as tier:
+        out_buffer = memoryview(bytearray(PAYLOAD))
+        assert all(tier.read_into(key, out_buffer) is ReadStatus.OK and
+                   bytes(out_buffer) == random.Random(key).randbytes(PAYLOAD) for key in keys[:5])
+    assert main(["rm", cluster.url, "--namespace", prefix, "--yes"]) == 2  # gone now
+    assert "no namespace in" in capsys.readouterr().err
+    raw.close()
+
+
+def test_rm_refuses_an_ambiguous_prefix(cluster: RedisCluster,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.integration.test_tools import twins
+
+    first, second = twins()
+    for namespace in (first, second):
+        with RemoteTier(RemoteTierConfig(url=cluster.url), namespace, 0, PAYLOAD) as tier:
+            tier.put_many([(bytes(32), bytes(PAYLOAD))])
+    assert main(["rm", cluster.url, "--namespace", first.fingerprint()[:1], "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert f"2 namespaces in {cluster.url} (prefix 'tierkv:') start with" in err
+    assert first.fingerprint() in err and second.fingerprint() in err
+    assert "give a longer --namespace prefix" in err
+    assert main(["inspect", cluster.url]) == 0
+    assert "inspected 2 chunks" in capsys.readouterr().out  # nothing deleted

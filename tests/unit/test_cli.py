@@ -12,8 +12,10 @@ from tierkv.cli import main
 
 
 def test_version_prints_the_packaged_version(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as done:
-        main(["--version"])
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tierkv {tierkv.__version__}"
+    with pytest.raises(SystemExit) as done:  # with other options too, through argparse
+        main(["-v", "--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"tierkv {tierkv.__version__}"
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
@@ -37,3 +39,16 @@ def test_every_option_of_every_command_has_help_text() -> None:
 
     walk(build_parser(), "tierkv")
     assert missing == []
+
+
+def test_rm_needs_a_namespace_and_verify_takes_no_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    from tierkv.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        main(["rm", "/var/cache/tierkv"])  # never "every namespace"
+    assert done.value.code == 2
+    assert "the following arguments are required: --namespace" in capsys.readouterr().err
+    args = build_parser().parse_args(["rm", "/s", "--namespace", "5c1d", "--dry-run"])
+    assert (args.namespace, args.dry_run, args.yes) == ("5c1d", True, False)
+    args = build_parser().parse_args(["verify", "/s", "--no-progress"])
+    assert args.no_progress and not build_parser().parse_args(["verify", "/s"]).no_progress
