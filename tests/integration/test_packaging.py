@@ -1,0 +1,118 @@
+"""The wheel users install: built from the package's own files, it carries its name, licence,
+extras and command, and works in a fresh virtual environment.
+
+The wheel is built from a copy of what the source distribution ships (``tierkv/``,
+pyproject.toml, README.md, LICENSE), so a stale ``build/`` directory cannot hide a missing
+file. The fresh venv has no site packages; for the vLLM import, the dependencies come from
+this test's own environment through a ``.pth`` line (the extras' packages are large, and
+``make test`` already installs them pinned), while ``tierkv`` itself must come from the wheel.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import tierkv
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("source")
+    shutil.copytree(ROOT / "tierkv", source / "tierkv",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                           "--no-build-isolation", str(source), "-w", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (built,) = out.glob("*.whl")
+    return built
+
+
+def _metadata(wheel: Path) -> tuple[email.message.Message, list[str]]:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (meta_name,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+        meta = email.parser.Parser().parsestr(archive.read(meta_name).decode())
+    return meta, names
+
+
+def test_the_wheel_names_the_distribution_its_licence_and_extras(wheel: Path) -> None:
+    meta, names = _metadata(wheel)
+    assert meta["Name"] == tierkv.DISTRIBUTION == "tierkv-cache"
+    assert meta["Version"] == tierkv.__version__
+    assert wheel.name.startswith(f"tierkv_cache-{tierkv.__version__}-py3-none-any")
+    assert set(meta.get_all("Provides-Extra") or ()) == {"vllm", "warmup", "remote", "metrics"}
+    requires = meta.get_all("Requires-Dist") or []
+    # The core installs no extra's packages: the warm-up's and the remote tier's are optional.
+    core = [line for line in requires if "extra ==" not in line]
+    assert not any(name in line for line in core for name in ("transformers", "tqdm", "aiofiles",
+                                                                "redis", "vllm",
+                                                                "prometheus"))
+    licence = [name for name in names if name.endswith("LICENSE")]
+    assert licence, names
+    with zipfile.ZipFile(wheel) as archive:
+        assert b"Apache License" in archive.read(licence[0])
+        entry_points = next(archive.read(name).decode() for name in names
+                            if name.endswith("entry_points.txt"))
+    assert "tierkv = tierkv.cli:main" in entry_points
+
+
+def test_the_wheel_holds_every_module_of_the_package(wheel: Path) -> None:
+    _, names = _metadata(wheel)
+    want = {path.relative_to(ROOT).as_posix() for path in (ROOT / "tierkv").rglob("*.py")}
+    want.add("tierkv/py.typed")
+    assert want <= set(names), sorted(want - set(names))
+
+
+def test_installs_into_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                           str(wheel)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    version = subprocess.run([str(venv / "bin" / "tierkv"), "--version"], capture_output=True,
+                             text=True, timeout=60, env=env, cwd=tmp_path)
+    assert version.returncode == 0, version.stderr
+    assert tierkv.__version__ in version.stdout
+
+    # "With the extra": the extra's packages (vLLM, torch, ...) from this environment.
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path"
+                                "('purelib'))"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    code = ("import tierkv, tierkv.integrations.vllm as c; print(tierkv.__file__); "
+            "print(c.TierKVConnector.__name__)")
+    imported = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=tmp_path)
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    where, name = imported.stdout.split()
+    assert Path(where).is_relative_to(venv), where  # the wheel's tierkv, not the checkout's
+    assert name == "TierKVConnector"
+
+
+def test_the_readme_names_the_torch_and_vllm_pair_ci_installs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    pins = {}
+    for name in ("runtime.txt", "vllm.txt"):
+        for line in (ROOT / "requirements" / name).read_text().splitlines():
+            if "==" in line and not line.startswith("#"):
+                package, version = line.split("==")
+                pins[package.strip()] = version.split()[0]
+    assert f"CI runs torch {pins['torch']} (CPU) with vLLM {pins['vllm']}" in readme
+    assert f"pip install torch=={pins['torch']}" in readme
