@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print tierkv's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tierkv import demo, tools, warmup_hf
+    from tierkv import demo, tools, tools_rm, warmup_hf
 
     demo_parser = sub.add_parser("demo", help="multi-turn chat workload on CPU tensors")
     demo.add_arguments(demo_parser)
@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "and moved-aside leftover, or its keys in a redis:// store. Refused while a "
                     "running engine claims it. Without --yes it only prints what it would "
                     "delete; see docs/warmup.md.")
-    tools.add_rm_arguments(rm_parser)
-    rm_parser.set_defaults(handler=tools.run_rm)
+    tools_rm.add_rm_arguments(rm_parser)
+    rm_parser.set_defaults(handler=tools_rm.run_rm)
     return parser
 
 

@@ -1,5 +1,5 @@
-"""Operator tools over a disk tier root: ``tierkv inspect``, ``tierkv verify`` and
-``tierkv rm`` (``docs/warmup.md`` shows their output).
+"""Operator tools over a disk tier root: ``tierkv inspect`` and ``tierkv verify``
+(``docs/warmup.md`` shows their output; ``tierkv rm`` is :mod:`tierkv.tools_rm`).
 
 - :func:`inspect_store` opens every ``ns-<fingerprint>/rank-<r>`` environment through a
   **read-only** :class:`DiskTier` and reads its index records only: nothing is changed.
@@ -8,18 +8,11 @@
   (LMDB reports damage, its meta record is unreadable, or its files are not this user's).
   With ``repair`` it deletes bad chunks and moves a damaged environment aside and rebuilds it
   empty (what the engine itself does when it meets damage), unless a running engine claims it.
-  ``progress`` is called after each environment with the chunks and payload bytes checked so
-  far and the total the index records count; :class:`ProgressLine` prints it at most once
+  ``progress`` is called as each environment's check goes (per batch of 64) and after it,
+  with the chunks and payload bytes checked so far and the total the index records count; :class:`ProgressLine` prints it at most once
   per ``interval`` on stderr.
 - Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found (also
   when ``--repair`` fixed them: a rerun then answers 0), 2 error.
-- :func:`remove_namespace` finds the one namespace whose fingerprint starts with a prefix and
-  counts what it holds; with ``delete`` it claims every environment of it (refused while a
-  running engine holds one: the engine's own claim, ``tierkv-owner.lock``), moves the
-  ``ns-<fingerprint>`` directory out of the store's view and deletes it (every rank, shard
-  and moved-aside leftover). Only a real directory directly under the root is deleted, never
-  a link or what one points at. Exit codes of ``tierkv rm``: 0 deleted (or ``--dry-run``), 1
-  not deleted (``--yes`` missing), 2 refused or error.
 
 Inspect and verify are safe while an engine has the store open (LMDB is multi-process); a
 chunk deleted by ``--repair`` under a running engine is a failed load there, which the
@@ -30,15 +23,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import fcntl
 import json
-import os
-import re
-import shutil
 import sys
 import time
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -49,8 +37,7 @@ from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMism
                            short_key)
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.tiers.disk import DiskTier, written_at
-from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, OWNER_FILE, OwnerLock, Trust,
-                                     check_dir, check_file, read_private_file)
+from tierkv.tiers.disk_files import MAX_NAMESPACE_JSON_BYTES, Trust, check_file, read_private_file
 from tierkv.units import MiB, format_bytes, format_rate
 
 PROGRESS_SECONDS = 1.0  # at most one progress line per second
@@ -223,7 +210,7 @@ def _moved_aside(rank_dir: Path) -> set[Path]:
 
 
 def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
-                 outcome: VerifyOutcome) -> None:
+                 outcome: VerifyOutcome, progress: Callable[[int], None] | None = None) -> None:
     """Check one environment through :class:`DiskTier` (``repair``: see the module docstring)."""
     name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
     if rank.problem is not None:
@@ -234,7 +221,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
     before = _moved_aside(rank.path)
     try:
         with _open_tier(root, namespace, rank, repair=repair, read_only=not repair) as tier:
-            result = tier.verify(repair=repair)
+            result = tier.verify(repair=repair, progress=progress)
             rebuilt = tier.statistics().rebuilds > 0
             if rebuilt and rank.problem is None:
                 outcome.damaged += 1
@@ -283,7 +270,7 @@ Progress = remote_tools.Progress  # (chunks, bytes) so far, and the total when k
 def verify_store(root: Path, repair: bool = False, only: str | None = None,
                  progress: Progress | None = None) -> VerifyOutcome:
     """Verify every chunk of every namespace (or those whose fingerprint starts with ``only``);
-    ``progress`` is called after each environment (see the module docstring)."""
+    ``progress`` is called as each environment is checked (see the module docstring)."""
     root = Path(root)
     outcome = VerifyOutcome()
     reports = [report for report in inspect_store(root)
@@ -295,7 +282,12 @@ def verify_store(root: Path, repair: bool = False, only: str | None = None,
         outcome.namespaces += 1
         namespace = _namespace_of(report)
         for rank in report.ranks:
-            _verify_rank(root, namespace, rank, repair, outcome)
+            def within(count: int, rank: RankReport = rank) -> None:  # during the rank's check
+                if progress is not None:
+                    progress(outcome.checked + count,
+                             outcome.checked_bytes + count * rank.payload_len, total)
+
+            _verify_rank(root, namespace, rank, repair, outcome, within)
             if progress is not None:
                 progress(outcome.checked, outcome.checked_bytes, total)
     return outcome
@@ -315,13 +307,14 @@ class ProgressLine:
         self._clock = clock
         self.started = self._last = clock()
         self.chunks, self.num_bytes = 0, 0
+        self._shown = -1  # the chunk count of the last line (no line twice for one count)
 
     def update(self, chunks: int, num_bytes: int, total: int | None = None) -> None:
         self.chunks, self.num_bytes = chunks, num_bytes
         now = self._clock()
-        if self.interval is None or now - self._last < self.interval:
+        if self.interval is None or now - self._last < self.interval or chunks == self._shown:
             return
-        self._last = now
+        self._last, self._shown = now, chunks
         of = "" if total is None else f" / {total:,}"
         print(f"{self.what}: {chunks:,}{of} chunks, {format_bytes(num_bytes, 1)}, "
               f"{format_rate(num_bytes, now - self.started)}", file=self.stream, flush=True)
@@ -330,169 +323,6 @@ class ProgressLine:
         seconds = self._clock() - self.started
         return (f"{self.what}: checked {self.chunks:,} chunks, {format_bytes(self.num_bytes, 2)} "
                 f"in {seconds:.1f} s ({format_rate(self.num_bytes, seconds)})")
-
-
-# ------------------------------------------------------------------------------ rm
-_FINGERPRINT_PREFIX = re.compile(r"[0-9a-f]{1,32}")
-
-
-@dataclass
-class Removal:
-    """The namespace :func:`remove_namespace` found, what it holds, and whether it is gone."""
-
-    report: NamespaceReport
-    chunks: int  # as the index records of the environments that could be read count them
-    unread: int  # environments that could not be read (their chunks are not counted)
-    file_bytes: int  # every file under ns-<fingerprint>
-    deleted: bool = False
-
-
-def _select(root: Path, prefix: str) -> Path:
-    """The one ``ns-<fingerprint>`` directory of ``root`` whose fingerprint starts with
-    ``prefix``: a real directory directly under the root, else a :class:`ConfigError`."""
-    if not _FINGERPRINT_PREFIX.fullmatch(prefix):
-        raise ConfigError(f"--namespace {prefix!r} is not the start of a namespace "
-                          f"fingerprint (1 to 32 hex digits); tierkv inspect {root} lists them")
-    matches = [path for path in _store_dirs(root) if path.name[3:].startswith(prefix)]
-    if not matches:
-        raise ConfigError(f"no namespace in {root} starts with {prefix!r} (--namespace); "
-                          f"nothing deleted; tierkv inspect {root} lists them")
-    if len(matches) > 1:
-        listed = "; ".join(f"{path.name[3:]} "
-                           f"({_read_namespace(path).description.get('model_id', '?')})"
-                           for path in matches)
-        raise ConfigError(f"{len(matches)} namespaces in {root} start with {prefix!r}: "
-                          f"{listed}; nothing deleted; give a longer --namespace prefix")
-    ns_dir = matches[0]
-    if ns_dir.is_symlink() or ns_dir.resolve().parent != root.resolve():
-        raise ConfigError(f"{ns_dir} is a symbolic link (to {ns_dir.resolve()}); tierkv rm "
-                          f"deletes only directories inside the store {root}; nothing deleted: "
-                          f"remove the link by hand")
-    if check_dir(ns_dir, fix=False) is not Trust.OK:
-        raise ConfigError(f"{ns_dir} is not a directory of this user's that only it can "
-                          f"write; nothing deleted: check who made it, then delete it by hand")
-    return ns_dir
-
-
-def _environments(ns_dir: Path) -> list[Path]:
-    """Where an engine holds its claim under ``ns_dir``: each ``rank-<r>/shard-<s>`` (and
-    ``rank-<r>`` itself where it is format 2's one environment per rank)."""
-    found: list[Path] = []
-    for rank_dir in sorted(ns_dir.glob("rank-*")):
-        if not rank_dir.name[5:].isdigit() or rank_dir.is_symlink() or not rank_dir.is_dir():
-            continue
-        if any((rank_dir / name).exists() for name in ("data.mdb", OWNER_FILE)):
-            found.append(rank_dir)
-        found += [shard for shard in sorted(rank_dir.glob("shard-*")) if shard.name[6:].isdigit()
-                  and not shard.is_symlink() and shard.is_dir()]
-    return found
-
-
-def _claimant(env_dir: Path) -> str | None:
-    """Who holds the claim of ``env_dir`` (``process 1234``), or None; changes nothing: a
-    shared ``flock`` on its ``tierkv-owner.lock``, if there is one, is tried and dropped."""
-    try:
-        fd = os.open(env_dir / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None  # none (never claimed), or a link: no engine's claim
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = ""
-            with suppress(OSError):
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            return "this process" if holder == str(os.getpid()) else (
-                f"process {holder}" if holder else "another process")
-        except OSError:
-            return None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _in_use(root: Path, prefix: str, ns_dir: Path, env_dir: Path, who: str) -> ConfigError:
-    return ConfigError(f"namespace {ns_dir.name[3:11]} (--namespace {prefix}) in "
-                       f"{root} is in use: {env_dir} is claimed by {who}, a running engine (a "
-                       f"vLLM server, a TierKVStore or a warm-up over {root}); nothing deleted: "
-                       f"stop it, then rerun tierkv rm")
-
-
-def _claim_all(root: Path, prefix: str, ns_dir: Path) -> list[OwnerLock]:
-    """The claim of every environment of ``ns_dir``, as an engine takes it (so none starts
-    on it meanwhile)."""
-    locks: list[OwnerLock] = []
-    try:
-        for env_dir in _environments(ns_dir):
-            try:
-                locks.append(OwnerLock(env_dir, f"tierkv rm {root}"))
-            except ConfigError:
-                who = _claimant(env_dir)
-                if who is None:
-                    raise
-                raise _in_use(root, prefix, ns_dir, env_dir, who) from None
-    except BaseException:
-        for lock in locks:
-            lock.release()
-        raise
-    return locks
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes of every file under ``path`` (links are counted as links, never followed)."""
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
-
-
-def _delete_tree(root: Path, ns_dir: Path) -> None:
-    """Rename ``ns_dir`` out of the store's view at once (an engine starting now finds no
-    namespace, not half of one), then delete it; links inside are removed, never followed."""
-    aside = root / f".{ns_dir.name}.removing-{os.getpid()}-{time.time_ns()}"
-    try:
-        os.rename(ns_dir, aside)
-    except OSError as exc:
-        raise BrokenError(f"cannot move {ns_dir} aside to delete it ({exc}); nothing "
-                          f"deleted") from exc
-    try:
-        shutil.rmtree(aside)
-    except OSError as exc:
-        raise BrokenError(f"{ns_dir.name} was moved to {aside} and could not be deleted "
-                          f"completely ({exc}); delete what is left by hand") from exc
-
-
-def remove_namespace(root: Path, prefix: str, delete: bool = False) -> Removal:
-    """The namespace of ``root`` whose fingerprint starts with ``prefix`` and what it holds;
-    ``delete``: delete it (see the module docstring). Refused with a :class:`ConfigError`
-    (nothing deleted) when no namespace or several match, or a running engine claims one of
-    its environments."""
-    root = Path(root)
-    ns_dir = _select(root, prefix)
-    file_bytes = _tree_bytes(ns_dir)  # before the claims add their lock files
-    locks: list[OwnerLock] = []
-    try:
-        if delete:
-            locks = _claim_all(root, prefix, ns_dir)
-        else:
-            claimed = [(env_dir, who) for env_dir in _environments(ns_dir)
-                       if (who := _claimant(env_dir)) is not None]
-            if claimed:
-                raise _in_use(root, prefix, ns_dir, *claimed[0])
-        report = _read_namespace(ns_dir)
-        _add_ranks(root, report)
-        removal = Removal(report, sum(rank.chunks for rank in report.ranks),
-                          sum(rank.problem is not None for rank in report.ranks), file_bytes)
-        if delete:
-            _delete_tree(root, ns_dir)
-            removal.deleted = True
-        return removal
-    finally:
-        for lock in locks:
-            lock.release()
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -586,43 +416,4 @@ def _run_verify_disk(args: argparse.Namespace, progress: Progress) -> int:
     parts.append(f"deleted {outcome.deleted}, moved aside {outcome.moved_aside}" if args.repair
                  else "run with --repair to delete them")
     print(f"{what}: {', '.join(parts)} ({seconds:.1f} s)")
-    return 1
-
-
-def add_rm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
-                                      "a remote store's redis:// or rediss:// URL")
-    parser.add_argument("--namespace", metavar="PREFIX", required=True,
-                        help="the namespace to delete: its fingerprint or a prefix of it that "
-                             "no other namespace starts with (tierkv inspect lists them)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="only print what would be deleted")
-    parser.add_argument("--yes", action="store_true",
-                        help="delete it; without --yes only what would be deleted is printed")
-    remote_tools.add_arguments(parser)
-
-
-def run_rm(args: argparse.Namespace) -> int:
-    if remote_tools.is_remote(args.store):
-        return remote_tools.run_rm(args)
-    args.store = Path(args.store)
-    delete = args.yes and not args.dry_run
-    removal = remove_namespace(args.store, args.namespace, delete=delete)
-    report = removal.report
-    model = report.description.get("model_id", "?")
-    extra = [f"{len(report.broken)} moved-aside environment(s)"] if report.broken else []
-    extra += [f"{removal.unread} environment(s) not readable, their chunks not counted"] \
-        if removal.unread else []
-    print(f"namespace {report.fingerprint} ({model}, format version {report.format_version}) in "
-          f"{args.store}: {len(report.ranks)} rank(s), {removal.chunks} chunks, "
-          f"{format_bytes(removal.file_bytes, 2)} of files"
-          + "".join(f", {part}" for part in extra))
-    if removal.deleted:
-        print(f"removed namespace {report.fingerprint[:8]} from {args.store}: {removal.chunks} "
-              f"chunks, {format_bytes(removal.file_bytes, 2)} freed")
-        return 0
-    if args.dry_run:
-        print(f"dry run: would delete {report.path}; nothing deleted")
-        return 0
-    print(f"not deleted: add --yes to delete {report.path}")
     return 1

@@ -234,6 +234,25 @@ def test_progress_lines_are_throttled_and_the_speed_is_binary(store: Path) -> No
     assert quiet.summary().startswith("verify: checked 35 chunks, 140.00 KiB in ")
 
 
+def test_progress_is_reported_within_an_environment(tmp_path: Path) -> None:
+    """A store of one big environment shows progress while it is checked, not only at its end."""
+    from tierkv.tools import verify_store
+
+    make_store(tmp_path, NS, 300)
+    seen: list[tuple[int, int, int | None]] = []
+    outcome = verify_store(tmp_path, progress=lambda *report: seen.append(report))
+    assert outcome.checked == 300
+    counts = [chunks for chunks, _, _ in seen]
+    assert counts == sorted(counts) and counts[-1] == 300 and counts[0] < 300
+    assert len(set(counts)) >= 300 // 64  # about one report per batch of 64 values
+    assert all(total == 300 and num_bytes == chunks * PAYLOAD for chunks, num_bytes, total in seen)
+    with DiskTier(tmp_path, NS, 0, DiskTierConfig(path=tmp_path, max_bytes=16 << 20), PAYLOAD,
+                  read_only=True) as tier:
+        calls: list[int] = []
+        assert tier.verify(batch=10, progress=calls.append).checked == 300
+    assert calls == sorted(calls) and calls[-1] == 300 and len(calls) >= 30
+
+
 # ------------------------------------------------------------------------------ rm
 def tree(root: Path) -> dict[str, bytes]:
     """Every path under ``root`` with the bytes of its files (lock.mdb: readers use it)."""

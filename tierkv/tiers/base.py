@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,9 @@ class LowerTier(ABC):
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]: ...
 
     @abstractmethod
-    def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport: ...
+    def verify(self, repair: bool = False, batch: int = 64,
+               progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """``progress(values checked so far)`` is called as the check goes (per batch)."""
 
     @abstractmethod
     def sync(self) -> None: ...

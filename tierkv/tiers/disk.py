@@ -534,7 +534,8 @@ class DiskTier(LowerTier):
                     return records
                 last = rows[-1][0]
 
-    def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport:
+    def verify(self, repair: bool = False, batch: int = 64,
+               progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Check every value's header and checksum, its shard and the index; ``repair``
         deletes bad keys.
 
@@ -551,7 +552,13 @@ class DiskTier(LowerTier):
         damaged: list[str] = []
         for lm in self._shards:
             replaced = lm.replacements
-            count, found = self._verify_shard(lm, batch, scratch)
+            done = checked
+
+            def shard_progress(count: int, done: int = done) -> None:
+                if progress is not None:
+                    progress(done + count)
+
+            count, found = self._verify_shard(lm, batch, scratch, shard_progress)
             if lm.replacements != replaced:  # rebuilt empty: nothing of it is left
                 damaged.append(str(lm.last_damage))
                 continue
@@ -561,8 +568,8 @@ class DiskTier(LowerTier):
         return VerifyReport(checked, tuple(bad), repaired,
                             damaged="; ".join(damaged) or None, rebuilt=bool(damaged))
 
-    def _verify_shard(self, lm: LmdbEnv, batch: int,
-                      scratch: memoryview) -> tuple[int, list[bytes]]:
+    def _verify_shard(self, lm: LmdbEnv, batch: int, scratch: memoryview,
+                      progress: Callable[[int], None]) -> tuple[int, list[bytes]]:
         """(values checked, bad keys) of one shard: values failing their checks, in the
         wrong shard or without a good index entry; index entries without a value."""
 
@@ -587,7 +594,9 @@ class DiskTier(LowerTier):
             last: bytes | None = None
             while lm.replacements == replaced:
                 keys, found = lm.run("verifying", partial(bad_after, last=last, values=values))
-                checked += len(keys) if values else 0
+                if values:
+                    checked += len(keys)
+                    progress(checked)
                 bad.update(dict.fromkeys(found))
                 if len(keys) < batch:
                     break

@@ -375,7 +375,8 @@ class RemoteTier(LowerTier):
             if parsed is not None and parsed[:2] == (self.fingerprint, self.rank):
                 yield ChunkRecord(parsed[2], self.payload_bytes, 0)
 
-    def verify(self, repair: bool = False, batch: int = 64) -> VerifyReport:
+    def verify(self, repair: bool = False, batch: int = 64,
+               progress: Callable[[int], None] | None = None) -> VerifyReport:
         bad: list[bytes] = []
         checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
@@ -385,6 +386,8 @@ class RemoteTier(LowerTier):
             if value is None:
                 continue  # gone meanwhile: nothing to judge
             checked += 1
+            if progress is not None and checked % batch == 0:
+                progress(checked)
             if check_value(self.fingerprint, self.rank, record.key, value, self.payload_bytes,
                            scratch) is not None:
                 bad.append(record.key)

@@ -1,0 +1,230 @@
+"""``tierkv rm``: remove one namespace of a store (``docs/warmup.md`` shows its output).
+
+:func:`remove_namespace` finds the one namespace whose fingerprint starts with a prefix and
+counts what it holds; with ``delete`` it claims every environment of it (refused while a
+running engine holds one: the engine's own claim, ``tierkv-owner.lock``), moves the
+``ns-<fingerprint>`` directory out of the store's view and deletes it (every rank, shard and
+moved-aside leftover). Only a real directory directly under the root is deleted, never a link
+or what one points at. Exit codes of ``tierkv rm``: 0 deleted (or ``--dry-run``), 1 not
+deleted (``--yes`` missing), 2 refused or error.
+
+A ``redis://`` store is handled by :func:`tierkv.remote_tools.remove_remote`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import re
+import shutil
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierkv import remote_tools
+from tierkv.errors import BrokenError, ConfigError
+from tierkv.tiers.disk_files import OWNER_FILE, OwnerLock, Trust, check_dir
+from tierkv.tools import NamespaceReport, _add_ranks, _read_namespace, _store_dirs
+from tierkv.units import format_bytes
+
+_FINGERPRINT_PREFIX = re.compile(r"[0-9a-f]{1,32}")
+
+
+@dataclass
+class Removal:
+    """The namespace :func:`remove_namespace` found, what it holds, and whether it is gone."""
+
+    report: NamespaceReport
+    chunks: int  # as the index records of the environments that could be read count them
+    unread: int  # environments that could not be read (their chunks are not counted)
+    file_bytes: int  # every file under ns-<fingerprint>
+    deleted: bool = False
+
+
+def _select(root: Path, prefix: str) -> Path:
+    """The one ``ns-<fingerprint>`` directory of ``root`` whose fingerprint starts with
+    ``prefix``: a real directory directly under the root, else a :class:`ConfigError`."""
+    if not _FINGERPRINT_PREFIX.fullmatch(prefix):
+        raise ConfigError(f"--namespace {prefix!r} is not the start of a namespace "
+                          f"fingerprint (1 to 32 hex digits); tierkv inspect {root} lists them")
+    matches = [path for path in _store_dirs(root) if path.name[3:].startswith(prefix)]
+    if not matches:
+        raise ConfigError(f"no namespace in {root} starts with {prefix!r} (--namespace); "
+                          f"nothing deleted; tierkv inspect {root} lists them")
+    if len(matches) > 1:
+        listed = "; ".join(f"{path.name[3:]} "
+                           f"({_read_namespace(path).description.get('model_id', '?')})"
+                           for path in matches)
+        raise ConfigError(f"{len(matches)} namespaces in {root} start with {prefix!r}: "
+                          f"{listed}; nothing deleted; give a longer --namespace prefix")
+    ns_dir = matches[0]
+    if ns_dir.is_symlink() or ns_dir.resolve().parent != root.resolve():
+        raise ConfigError(f"{ns_dir} is a symbolic link (to {ns_dir.resolve()}); tierkv rm "
+                          f"deletes only directories inside the store {root}; nothing deleted: "
+                          f"remove the link by hand")
+    if check_dir(ns_dir, fix=False) is not Trust.OK:
+        raise ConfigError(f"{ns_dir} is not a directory of this user's that only it can "
+                          f"write; nothing deleted: check who made it, then delete it by hand")
+    return ns_dir
+
+
+def _environments(ns_dir: Path) -> list[Path]:
+    """Where an engine holds its claim under ``ns_dir``: each ``rank-<r>/shard-<s>`` (and
+    ``rank-<r>`` itself where it is format 2's one environment per rank)."""
+    found: list[Path] = []
+    for rank_dir in sorted(ns_dir.glob("rank-*")):
+        if not rank_dir.name[5:].isdigit() or rank_dir.is_symlink() or not rank_dir.is_dir():
+            continue
+        if any((rank_dir / name).exists() for name in ("data.mdb", OWNER_FILE)):
+            found.append(rank_dir)
+        found += [shard for shard in sorted(rank_dir.glob("shard-*")) if shard.name[6:].isdigit()
+                  and not shard.is_symlink() and shard.is_dir()]
+    return found
+
+
+def _claimant(env_dir: Path) -> str | None:
+    """Who holds the claim of ``env_dir`` (``process 1234``), or None; changes nothing: a
+    shared ``flock`` on its ``tierkv-owner.lock``, if there is one, is tried and dropped."""
+    try:
+        fd = os.open(env_dir / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None  # none (never claimed), or a link: no engine's claim
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            with suppress(OSError):
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return "this process" if holder == str(os.getpid()) else (
+                f"process {holder}" if holder else "another process")
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _in_use(root: Path, prefix: str, ns_dir: Path, env_dir: Path, who: str) -> ConfigError:
+    return ConfigError(f"namespace {ns_dir.name[3:11]} (--namespace {prefix}) in "
+                       f"{root} is in use: {env_dir} is claimed by {who}, a running engine (a "
+                       f"vLLM server, a TierKVStore or a warm-up over {root}); nothing deleted: "
+                       f"stop it, then rerun tierkv rm")
+
+
+def _claim_all(root: Path, prefix: str, ns_dir: Path) -> list[OwnerLock]:
+    """The claim of every environment of ``ns_dir``, as an engine takes it (so none starts
+    on it meanwhile)."""
+    locks: list[OwnerLock] = []
+    try:
+        for env_dir in _environments(ns_dir):
+            try:
+                locks.append(OwnerLock(env_dir, f"tierkv rm {root}"))
+            except ConfigError:
+                who = _claimant(env_dir)
+                if who is None:
+                    raise
+                raise _in_use(root, prefix, ns_dir, env_dir, who) from None
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of every file under ``path`` (links are counted as links, never followed)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def _delete_tree(root: Path, ns_dir: Path) -> None:
+    """Rename ``ns_dir`` out of the store's view at once (an engine starting now finds no
+    namespace, not half of one), then delete it; links inside are removed, never followed."""
+    aside = root / f".{ns_dir.name}.removing-{os.getpid()}-{time.time_ns()}"
+    try:
+        os.rename(ns_dir, aside)
+    except OSError as exc:
+        raise BrokenError(f"cannot move {ns_dir} aside to delete it ({exc}); nothing "
+                          f"deleted") from exc
+    try:
+        shutil.rmtree(aside)
+    except OSError as exc:
+        raise BrokenError(f"{ns_dir.name} was moved to {aside} and could not be deleted "
+                          f"completely ({exc}); delete what is left by hand") from exc
+
+
+def remove_namespace(root: Path, prefix: str, delete: bool = False) -> Removal:
+    """The namespace of ``root`` whose fingerprint starts with ``prefix`` and what it holds;
+    ``delete``: delete it (see the module docstring). Refused with a :class:`ConfigError`
+    (nothing deleted) when no namespace or several match, or a running engine claims one of
+    its environments."""
+    root = Path(root)
+    ns_dir = _select(root, prefix)
+    file_bytes = _tree_bytes(ns_dir)  # before the claims add their lock files
+    locks: list[OwnerLock] = []
+    try:
+        if delete:
+            locks = _claim_all(root, prefix, ns_dir)
+        else:
+            claimed = [(env_dir, who) for env_dir in _environments(ns_dir)
+                       if (who := _claimant(env_dir)) is not None]
+            if claimed:
+                raise _in_use(root, prefix, ns_dir, *claimed[0])
+        report = _read_namespace(ns_dir)
+        _add_ranks(root, report)
+        removal = Removal(report, sum(rank.chunks for rank in report.ranks),
+                          sum(rank.problem is not None for rank in report.ranks), file_bytes)
+        if delete:
+            _delete_tree(root, ns_dir)
+            removal.deleted = True
+        return removal
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def add_rm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
+                                      "a remote store's redis:// or rediss:// URL")
+    parser.add_argument("--namespace", metavar="PREFIX", required=True,
+                        help="the namespace to delete: its fingerprint or a prefix of it that "
+                             "no other namespace starts with (tierkv inspect lists them)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="only print what would be deleted")
+    parser.add_argument("--yes", action="store_true",
+                        help="delete it; without --yes only what would be deleted is printed")
+    remote_tools.add_arguments(parser)
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    if remote_tools.is_remote(args.store):
+        return remote_tools.run_rm(args)
+    args.store = Path(args.store)
+    delete = args.yes and not args.dry_run
+    removal = remove_namespace(args.store, args.namespace, delete=delete)
+    report = removal.report
+    model = report.description.get("model_id", "?")
+    extra = [f"{len(report.broken)} moved-aside environment(s)"] if report.broken else []
+    extra += [f"{removal.unread} environment(s) not readable, their chunks not counted"] \
+        if removal.unread else []
+    print(f"namespace {report.fingerprint} ({model}, format version {report.format_version}) in "
+          f"{args.store}: {len(report.ranks)} rank(s), {removal.chunks} chunks, "
+          f"{format_bytes(removal.file_bytes, 2)} of files"
+          + "".join(f", {part}" for part in extra))
+    if removal.deleted:
+        print(f"removed namespace {report.fingerprint[:8]} from {args.store}: {removal.chunks} "
+              f"chunks, {format_bytes(removal.file_bytes, 2)} freed")
+        return 0
+    if args.dry_run:
+        print(f"dry run: would delete {report.path}; nothing deleted")
+        return 0
+    print(f"not deleted: add --yes to delete {report.path}")
+    return 1
