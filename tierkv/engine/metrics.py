@@ -20,14 +20,11 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from tierkv.core.index import IndexStats
 from tierkv.core.jobs import JobKind
 from tierkv.extras import needs
-
-if TYPE_CHECKING:
-    from tierkv.engine.store import TierKVStore
 
 PREFIX = "tierkv:"
 Kind = Literal["counter", "gauge", "histogram"]
@@ -144,11 +141,18 @@ class Durations:
         return out
 
 
-class StoreCollector:
-    """A ``prometheus_client`` collector over one :class:`TierKVStore`: every scrape reads
-    :meth:`TierKVStore.figures`. ``labels`` are constant labels of every sample."""
+class FigureSource(Protocol):
+    """What the exporter reads: :meth:`TierKVStore.figures` (or an engine's own figures)."""
 
-    def __init__(self, store: TierKVStore, labels: Mapping[str, str] | None = None) -> None:
+    def figures(self) -> Mapping[str, float | Durations]: ...
+
+
+class StoreCollector:
+    """A ``prometheus_client`` collector over one :class:`TierKVStore` (any
+    :class:`FigureSource`): every scrape reads its figures. ``labels`` are constant labels
+    of every sample."""
+
+    def __init__(self, store: FigureSource, labels: Mapping[str, str] | None = None) -> None:
         self.store = store
         self.labels = dict(labels or {})
 
@@ -182,7 +186,7 @@ class StoreCollector:
             yield family
 
 
-def register_store_metrics(store: TierKVStore, registry: Any = None,
+def register_store_metrics(store: FigureSource, registry: Any = None,
                            labels: Mapping[str, str] | None = None) -> StoreCollector:
     """Expose ``store``'s figures to Prometheus (``prometheus_client``'s default registry
     unless ``registry``); serve them with ``prometheus_client.start_http_server``. Returns
@@ -194,5 +198,5 @@ def register_store_metrics(store: TierKVStore, registry: Any = None,
     return collector
 
 
-__all__ = ["DURATION_BUCKETS", "Durations", "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector",
+__all__ = ["DURATION_BUCKETS", "Durations", "FigureSource", "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector",
            "register_store_metrics", "usage_figures"]
