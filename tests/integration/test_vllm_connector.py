@@ -30,7 +30,7 @@ pytest.importorskip("vllm", reason="the vLLM connector tests need vllm installed
 from . import vllm_harness as harness_lib
 
 from vllm.config import KVEventsConfig, KVTransferConfig
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from tierkv.errors import ConfigError
 from tierkv.integrations import vllm as tierkv_vllm
@@ -557,7 +557,9 @@ def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_pa
         return config
 
     monkeypatch.setattr(harness_lib, "build_vllm_config", with_events)
-    extra = {"disk_path": str(tmp_path), "write_through": True} if disk else {}
+    # With a disk: a CPU tier of 6 chunks, so chunks leave it (and stay on disk).
+    extra = {"disk_path": str(tmp_path), "write_through": True, "cpu_bytes": 6 * 4096} \
+        if disk else {}
     cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
                         kv_transfer_config=tierkv_config(**extra))
     run = Run(cfg)
@@ -595,6 +597,19 @@ def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_pa
         assert event.block_size == cfg.block_size and len(event.block_hashes) == 2
         parent, tokens = chunks[tuple(event.block_hashes)]
         assert event.parent_block_hash == parent and event.token_ids == tokens
+    # Per tier, a chunk is removed only after it was stored, and stored again only after.
+    held: set[tuple[str, tuple[Any, ...]]] = set()
+    for event in events:
+        entry = (event.medium, tuple(event.block_hashes))
+        if isinstance(event, BlockStored):
+            assert entry not in held
+            held.add(entry)
+        else:
+            assert isinstance(event, BlockRemoved) and entry in held
+            held.remove(entry)
+    removed = [event for event in events if isinstance(event, BlockRemoved)]
+    assert not disk or {event.medium for event in removed} == {"CPU"}  # evicted, kept on disk
+    assert not disk or len(removed) == counts["cpu_evictions"] > 0
 
     scheduler_stats = [s for s in stats if s is not None]
     assert scheduler_stats and isinstance(scheduler_stats[0], tierkv_vllm.TierKVConnectorStats)

@@ -87,3 +87,22 @@ def test_a_reset_mid_run_preempts_and_keeps_every_output_exact() -> None:
     assert_clean(result, cfg.vocab_size)  # exact outputs; the harness checked every KV slot
     assert True in answers and run.side.resets == 1
     run.shutdown()
+
+
+def test_a_reset_is_refused_while_a_load_is_in_flight() -> None:
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    answers: list[tuple[int, bool]] = []
+
+    def try_reset(engine: Any, so: Any) -> None:  # after the forward, before its outputs apply
+        loads = run.side.adapter.loads_in_flight()
+        if loads and not answers:
+            answers.append((loads, run.connector.reset_cache()))
+
+    run.engine.after_execute = try_reset
+    assert_clean(run.run(MultiTurnWorkload(**CHAT)), cfg.vocab_size)
+    assert answers and answers[0][0] > 0 and answers[0][1] is False
+    assert run.side.resets == 0  # nothing changed: the keys stayed in their epoch
+    assert run.connector.reset_cache() is True  # once the loads finished
+    run.shutdown()
