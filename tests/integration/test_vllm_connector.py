@@ -449,6 +449,25 @@ def test_kv_role_must_be_kv_both() -> None:
         harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, kv_transfer_config=transfer))
 
 
+@pytest.mark.parametrize("name", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                  "prefill_context_parallel_size"])
+def test_other_parallel_layouts_are_refused_with_why_and_what_instead(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    build = harness_lib.build_vllm_config
+
+    def parallel(cfg: HarnessConfig, model_dir: Path) -> Any:
+        config = build(cfg, model_dir)
+        object.__setattr__(config.parallel_config, name, 2)
+        return config
+
+    monkeypatch.setattr(harness_lib, "build_vllm_config", parallel)
+    why = "holds only its own layers" if name.startswith("pipeline") else "different tokens"
+    with pytest.raises(ConfigError, match=f"{name}=2 is not supported: .*{why}.*"
+                                          f"--tensor-parallel-size"):
+        vllm_config.world_size_of(harness_lib.build_vllm_config(
+            HarnessConfig(num_gpu_blocks=8), harness_lib._default_model_dir(HarnessConfig())))
+
+
 def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_config.check_vllm_version("0.33.0")
     vllm_config.check_vllm_version("0.33.7rc1")

@@ -232,13 +232,25 @@ def _unsupported(what: str) -> ConfigError:
     return ConfigError(f"tierkv vLLM connector: {what}")
 
 
+# Why each other parallel layout is refused, and what to use instead.
+_REFUSED_PARALLEL = {
+    "pipeline_parallel_size": (
+        "each pipeline stage holds only its own layers' KV, and a tierkv chunk holds every "
+        "layer of the model in one value (its namespace names them all); use "
+        "--tensor-parallel-size over the same GPUs, or serve without the tierkv connector"),
+    "decode_context_parallel_size": (
+        "the ranks would hold different tokens of one block; use --tensor-parallel-size"),
+    "prefill_context_parallel_size": (
+        "the ranks would hold different tokens of one block; use --tensor-parallel-size"),
+}
+
+
 def world_size_of(vllm_config: Any) -> int:
     parallel = vllm_config.parallel_config
-    for name in ("pipeline_parallel_size", "decode_context_parallel_size",
-                 "prefill_context_parallel_size"):
+    for name, why in _REFUSED_PARALLEL.items():
         size = int(getattr(parallel, name, 1) or 1)
         if size != 1:
-            raise _unsupported(f"{name}={size} is not supported (tensor parallelism only)")
+            raise _unsupported(f"{name}={size} is not supported: {why}")
     return int(parallel.tensor_parallel_size)
 
 
