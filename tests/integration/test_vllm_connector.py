@@ -468,6 +468,30 @@ def test_other_parallel_layouts_are_refused_with_why_and_what_instead(
             HarnessConfig(num_gpu_blocks=8), harness_lib._default_model_dir(HarnessConfig())))
 
 
+def test_several_kv_cache_groups_and_mla_are_refused_at_start() -> None:
+    """What docs/vllm.md lists as not yet supported fails at start with a message."""
+    import torch
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16,
+                               sliding_window=64)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    cfg = HarnessConfig(num_gpu_blocks=8)
+    config = harness_lib.build_vllm_config(cfg, harness_lib._default_model_dir(cfg))
+    settings = vllm_config.parse_settings({})
+    hybrid = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], full),
+                                              KVCacheGroupSpec(["b"], window)])
+    with pytest.raises(ConfigError, match="the model has 2 KV cache groups"):
+        vllm_config.build_geometry(config, hybrid, settings)
+    latent = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], mla)])
+    with pytest.raises(ConfigError, match="KV cache spec MLAAttentionSpec is not supported"):
+        vllm_config.build_geometry(config, latent, settings)
+
+
 def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_config.check_vllm_version("0.33.0")
     vllm_config.check_vllm_version("0.33.7rc1")

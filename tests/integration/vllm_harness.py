@@ -50,6 +50,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -182,7 +183,8 @@ _BITS_DTYPE = {2: torch.int16, 4: torch.int32}
 class KVValueGenerator:
     """Expected KV bits for positions, as a [P, L, H, C] tensor of the cache's integer twin."""
 
-    def __init__(self, num_layers: int, num_heads: int, num_elements: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_layers: int, num_heads: int, num_elements: int, dtype: torch.dtype,
+                 rank: int = 0) -> None:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if itemsize not in _BITS_DTYPE:
             raise HarnessError(f"KV dtype {dtype} has {itemsize}-byte elements; use 2 or 4")
@@ -191,7 +193,8 @@ class KVValueGenerator:
         layer = torch.arange(num_layers, dtype=torch.int64).view(-1, 1, 1)
         head = torch.arange(num_heads, dtype=torch.int64).view(1, -1, 1)
         element = torch.arange(num_elements, dtype=torch.int64).view(1, 1, -1)
-        salt = (layer * 0x10000 + head * 0x1000 + element + 1) * 0x01000193
+        # A tensor-parallel rank's heads get values of their own (rank 0: as without TP).
+        salt = (layer * 0x10000 + head * 0x1000 + element + 1 + rank * 0x100000) * 0x01000193
         self._salt = _mix32(salt & _MASK32)  # [L, H, C]
 
     def values(self, fingerprints: Sequence[int]) -> torch.Tensor:
@@ -244,6 +247,9 @@ class HarnessConfig:
     aggregate_kv_outputs: bool = True
     # Create the worker-role connector (a separate instance, as in the worker process).
     create_worker_connector: bool = True
+    # Tensor-parallel ranks (each holds num_kv_heads / tp heads); tp_workers.ProcessRanks
+    # runs each rank's worker role in a process of its own.
+    tensor_parallel_size: int = 1
 
     @property
     def layer_names(self) -> list[str]:
@@ -297,6 +303,7 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: Path) -> VllmConfig:
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size),
         kv_transfer_config=deepcopy(cfg.kv_transfer_config),
     )
 
@@ -305,7 +312,7 @@ def build_kv_cache_config(cfg: HarnessConfig, vllm_config: VllmConfig) -> tuple[
     """One full-attention group over all layers, laid out as the engine core would."""
     spec = FullAttentionSpec(
         block_size=cfg.block_size,
-        num_kv_heads=cfg.num_kv_heads,
+        num_kv_heads=cfg.num_kv_heads // cfg.tensor_parallel_size,  # one rank's heads
         head_size=cfg.head_size,
         dtype=cfg.dtype,
     )
@@ -408,6 +415,7 @@ class FakeModelRunner:
         connector: KVConnectorBase_V1 | None = None,
         scheduler: Scheduler | None = None,
         check: bool = True,
+        rank: int = 0,
     ) -> None:
         self.cfg = cfg
         self.vllm_config = vllm_config
@@ -441,7 +449,7 @@ class FakeModelRunner:
         first = self.kv_caches[self.layer_names[0]]
         num_kernel_blocks, num_heads, _, num_elements = first.shape  # logical [B, H, N, C]
         self.num_blocks = num_kernel_blocks // self.kernel_ratio
-        self.values = KVValueGenerator(len(self.layer_names), num_heads, num_elements, cfg.dtype)
+        self.values = KVValueGenerator(len(self.layer_names), num_heads, num_elements, cfg.dtype, rank)
         self._bits = {name: self.kv_caches[name].view(self.values.bits_dtype) for name in self.layer_names}
         self.requests: dict[str, _RequestState] = {}
         self._fingerprint_cache: dict[str, tuple[list[int], list[int]]] = {}

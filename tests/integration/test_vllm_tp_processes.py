@@ -1,0 +1,97 @@
+"""TP = 2 with each rank's worker role in a process of its own (issue 15, point 3), under the
+real vLLM 0.33 Scheduler: the metadata crosses a process boundary pickled, the ranks'
+completions are merged by vLLM's KVOutputAggregator, and every rank checks the exact KV of
+every earlier slot of its own heads before each step (tp_workers.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import vllm_harness as harness_lib
+from .test_vllm_connector import CHAT, TPC, HarnessConfig, MultiTurnWorkload, assert_clean, \
+    expected_chat_hits, tierkv_config
+from .tp_workers import ProcessRanks
+
+
+class TPRun:
+    """The scheduler here, each rank's worker in its own process."""
+
+    def __init__(self, cfg: HarnessConfig) -> None:
+        self.cfg = cfg
+        self.harness = harness_lib.build_harness(cfg)
+        self.ranks = ProcessRanks(self.harness, harness_lib._default_model_dir(cfg))
+        self.harness.runner = self.ranks  # type: ignore[assignment]
+        self.engine = harness_lib.HarnessEngine(self.harness)
+        self.side: Any = self.harness.scheduler_connector._scheduler  # type: ignore[union-attr]
+        self.engine.on_step_end = lambda engine: self.side.index.check()
+
+    def run(self, workload: harness_lib.Workload) -> harness_lib.RunResult:
+        result = self.engine.run(workload, max_steps=3000)
+        assert self.side.adapter.jobs_in_flight() == 0 and self.side.adapter.num_requests() == 0
+        return result
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+        self.harness.scheduler.shutdown()
+
+
+def tp_config(**options: Any) -> HarnessConfig:
+    extra = options.pop("extra", {})
+    settings: dict[str, Any] = {"enable_prefix_caching": False, "num_gpu_blocks": 48,
+                                "max_num_batched_tokens": 64, **options}
+    return HarnessConfig(kv_transfer_config=tierkv_config(**extra), tensor_parallel_size=2,
+                         create_worker_connector=False, aggregate_kv_outputs=False, **settings)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_two_rank_processes_serve_every_chunk_of_the_previous_turn(async_scheduling: bool) -> None:
+    run = TPRun(tp_config(async_scheduling=async_scheduling))
+    assert run.side.geometry.world_size == 2
+    assert len(set(run.ranks.pids)) == 2 and os.getpid() not in run.ranks.pids
+    result = run.run(MultiTurnWorkload(**CHAT))
+    assert_clean(result, run.cfg.vocab_size)
+    assert run.ranks.num_checked_slots > 0  # both ranks checked their slots every step
+    expected = expected_chat_hits(result, CHAT["user_turn_len"])
+    stats = run.side.statistics()
+    assert stats["hit_tokens_cpu"] == sum(expected.values()) > 0
+    assert stats["loads_failed"] == stats["stores_failed"] == 0
+    run.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_two_rank_processes_with_preemption_and_a_restart_from_disk(async_scheduling: bool,
+                                                                     tmp_path: Path) -> None:
+    # A small GPU pool preempts; the second server starts on what both ranks wrote to disk.
+    cfg = tp_config(async_scheduling=async_scheduling, num_gpu_blocks=20,
+                    extra={"disk_path": str(tmp_path)})
+    workload = {**CHAT, "num_conversations": 4}
+    first = TPRun(cfg)
+    result = first.run(MultiTurnWorkload(**workload))
+    assert_clean(result, cfg.vocab_size)
+    assert result.num_preemptions > 0
+    first.shutdown()  # each rank flushes its CPU tier to its own environment
+    assert sorted(path.name for path in next(tmp_path.glob("ns-*")).glob("rank-*")) == \
+        ["rank-0", "rank-1"]
+
+    second = TPRun(cfg)
+    assert second.side.found_on_disk > 0  # chunks every rank holds
+    again = second.run(MultiTurnWorkload(**{**workload, "num_turns": 1}))
+    assert_clean(again, cfg.vocab_size)
+    stats = second.side.statistics()
+    assert stats["hit_tokens_disk"] >= TPC * workload["num_conversations"]  # each first turn
+    assert stats["loads_failed"] == 0
+    second.shutdown()
+
+
+def test_a_ranks_values_are_its_own() -> None:
+    """The harness's KV values differ per rank, so a chunk loaded into another rank's slots
+    fails the exact check (what makes the tests above able to fail)."""
+    import torch
+
+    zero = harness_lib.KVValueGenerator(2, 1, 8, torch.float16, rank=0).values([7, 8])
+    one = harness_lib.KVValueGenerator(2, 1, 8, torch.float16, rank=1).values([7, 8])
+    assert not torch.equal(zero, one)
