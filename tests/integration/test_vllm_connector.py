@@ -468,18 +468,16 @@ def test_other_parallel_layouts_are_refused_with_why_and_what_instead(
             HarnessConfig(num_gpu_blocks=8), harness_lib._default_model_dir(HarnessConfig())))
 
 
-def test_several_kv_cache_groups_and_mla_are_refused_at_start() -> None:
+def test_several_kv_cache_groups_and_other_specs_are_refused_at_start() -> None:
     """What docs/vllm.md lists as not yet supported fails at start with a message."""
     import torch
     from types import SimpleNamespace
 
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16,
                                sliding_window=64)
-    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
     cfg = HarnessConfig(num_gpu_blocks=8)
     config = harness_lib.build_vllm_config(cfg, harness_lib._default_model_dir(cfg))
     settings = vllm_config.parse_settings({})
@@ -487,9 +485,40 @@ def test_several_kv_cache_groups_and_mla_are_refused_at_start() -> None:
                                               KVCacheGroupSpec(["b"], window)])
     with pytest.raises(ConfigError, match="the model has 2 KV cache groups"):
         vllm_config.build_geometry(config, hybrid, settings)
-    latent = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], mla)])
-    with pytest.raises(ConfigError, match="KV cache spec MLAAttentionSpec is not supported"):
-        vllm_config.build_geometry(config, latent, settings)
+    only_window = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], window)])
+    with pytest.raises(ConfigError, match="KV cache spec SlidingWindowSpec is not supported"):
+        vllm_config.build_geometry(config, only_window, settings)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_mla_model_hits_every_chunk_of_the_previous_turn(async_scheduling: bool,
+                                                            tmp_path: Path) -> None:
+    """MLA (issue 15, point 2): vLLM views the latent cache as [B, 1, N, C] pages with no K/V
+    halves; tierkv stores them under a namespace of their own, and serves them from the CPU
+    tier and, after a restart, from disk (exact KV of every slot checked before each step)."""
+    cfg = HarnessConfig(async_scheduling=async_scheduling, enable_prefix_caching=False,
+                        num_gpu_blocks=48, max_num_batched_tokens=64, head_size=24, mla=True,
+                        kv_transfer_config=tierkv_config(disk_path=str(tmp_path)))
+    run = Run(cfg)
+    assert run.connector.geometry.attention == "mla"
+    assert run.connector.namespace.kv_layout.startswith("vllm-mla-page ")
+    assert run.connector.geometry.page_bytes == 16 * 24 * 2  # one latent vector a token
+    result = run.run(MultiTurnWorkload(**CHAT))
+    assert_clean(result, cfg.vocab_size)
+    expected = expected_chat_hits(result, CHAT["user_turn_len"])
+    assert run.side.statistics()["hit_tokens_cpu"] == sum(expected.values()) > 0
+    run.shutdown()
+    again = Run(cfg)
+    assert again.side.found_on_disk > 0
+    assert_clean(again.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1})), cfg.vocab_size)
+    assert again.side.statistics()["hit_tokens_disk"] > 0
+    again.shutdown()
+    # A full-attention model of the same page size is another namespace: no MLA chunk for it.
+    other = Run(HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                              max_num_batched_tokens=64, num_kv_heads=3, head_size=4,
+                              kv_transfer_config=tierkv_config(disk_path=str(tmp_path))))
+    assert other.connector.geometry.page_bytes == 16 * 24 * 2 and other.side.found_on_disk == 0
+    other.shutdown()
 
 
 def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:

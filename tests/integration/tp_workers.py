@@ -35,8 +35,9 @@ def _rank_main(conn: Connection, cfg: harness_lib.HarnessConfig, model_dir: str,
         kv_cache_config, layout = harness_lib.build_kv_cache_config(cfg, vllm_config)
         connector = harness_lib.create_connector(vllm_config, KVConnectorRole.WORKER,
                                                  deepcopy(kv_cache_config))
+        # MLA ranks hold the same latent KV; other ranks hold their own heads.
         runner = harness_lib.FakeModelRunner(cfg, vllm_config, kv_cache_config, layout,
-                                             connector=connector, rank=rank)
+                                             connector=connector, rank=0 if cfg.mla else rank)
         conn.send(("ready", rank))
     except BaseException:
         conn.send(("error", traceback.format_exc()))

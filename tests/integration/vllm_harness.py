@@ -81,7 +81,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -250,6 +250,9 @@ class HarnessConfig:
     # Tensor-parallel ranks (each holds num_kv_heads / tp heads); tp_workers.ProcessRanks
     # runs each rank's worker role in a process of its own.
     tensor_parallel_size: int = 1
+    # An MLA model (DeepSeek-style): one latent vector of head_size a token, the same on
+    # every TP rank (MLAAttentionSpec, vLLM's [B, 1, N, C] views).
+    mla: bool = False
 
     @property
     def layer_names(self) -> list[str]:
@@ -310,9 +313,11 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: Path) -> VllmConfig:
 
 def build_kv_cache_config(cfg: HarnessConfig, vllm_config: VllmConfig) -> tuple[KVCacheConfig, KVCacheLayout]:
     """One full-attention group over all layers, laid out as the engine core would."""
-    spec = FullAttentionSpec(
+    spec_cls = MLAAttentionSpec if cfg.mla else FullAttentionSpec
+    spec = spec_cls(
         block_size=cfg.block_size,
-        num_kv_heads=cfg.num_kv_heads // cfg.tensor_parallel_size,  # one rank's heads
+        # One rank's heads; MLA's latent is one "head", replicated on every rank.
+        num_kv_heads=1 if cfg.mla else cfg.num_kv_heads // cfg.tensor_parallel_size,
         head_size=cfg.head_size,
         dtype=cfg.dtype,
     )

@@ -210,6 +210,7 @@ class Geometry:
     world_size: int
     num_slots: int
     disk_capacity: int  # chunks; 0 without a disk tier
+    attention: str = "full"  # "full" (K and V per head) or "mla" (one latent vector a token)
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -245,6 +246,11 @@ _REFUSED_PARALLEL = {
 }
 
 
+# vLLM's KV cache specs tierkv stores, and what their pages hold. MLA (DeepSeek): one latent
+# vector per token (vLLM views it as [B, 1, N, C]), no K/V halves; its namespace says so.
+ATTENTION_KINDS = {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla"}
+
+
 def world_size_of(vllm_config: Any) -> int:
     parallel = vllm_config.parallel_config
     for name, why in _REFUSED_PARALLEL.items():
@@ -262,9 +268,9 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
     group = groups[0]
     spec = group.kv_cache_spec
     if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "real_page_size_bytes")) \
-            or type(spec).__name__ not in ("FullAttentionSpec",):
+            or type(spec).__name__ not in ATTENTION_KINDS:
         raise _unsupported(f"KV cache spec {type(spec).__name__} is not supported "
-                           f"(tierkv stores full-attention pages)")
+                           f"(tierkv stores full-attention and MLA pages)")
     layout = (getattr(kv_cache_config, "kv_cache_layout", None)
               or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "LBNHC")
     if layout not in PAGE_ORDER:
@@ -294,6 +300,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         world_size=world_size,
         num_slots=0,
         disk_capacity=0,
+        attention=ATTENTION_KINDS[type(spec).__name__],
     )
     chunk_bytes = geometry.chunk_bytes
     num_slots = cpu_slot_count(settings.cpu_bytes, chunk_bytes, world_size)
@@ -353,7 +360,8 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
     return Namespace(
         model_id=model_id,
         dtype=f"{geometry.dtype}/{getattr(cache, 'cache_dtype', 'auto')}",
-        kv_layout=(f"vllm-page {geometry.page_order} [H={geometry.num_heads}, "
+        kv_layout=(("vllm-mla-page" if geometry.attention == "mla" else "vllm-page")
+                   + f" {geometry.page_order} [H={geometry.num_heads}, "
                    f"N={geometry.block_size}, C={geometry.content_bytes}B]"),
         page_bytes=geometry.page_bytes,
         tokens_per_chunk=geometry.tokens_per_chunk,
