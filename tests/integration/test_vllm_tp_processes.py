@@ -95,3 +95,51 @@ def test_a_ranks_values_are_its_own() -> None:
     zero = harness_lib.KVValueGenerator(2, 1, 8, torch.float16, rank=0).values([7, 8])
     one = harness_lib.KVValueGenerator(2, 1, 8, torch.float16, rank=1).values([7, 8])
     assert not torch.equal(zero, one)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mla_under_tp_keeps_one_disk_copy_that_every_rank_loads(async_scheduling: bool,
+                                                               tmp_path: Path) -> None:
+    """MLA ranks hold identical KV (issue 15, point 2): rank 0 writes one copy per chunk, and
+    rank 1 loads it (exact checks of both ranks' slots). A full-attention model with pages of
+    the same size keeps one copy per rank: the bytes saved are measured against it."""
+    from tierkv.tools import inspect_store
+
+    workload = {**CHAT, "num_conversations": 4}
+
+    def stored(root: Path, **options: Any) -> tuple[int, int, list[str], int]:
+        cfg = tp_config(async_scheduling=async_scheduling, num_gpu_blocks=20,
+                        extra={"disk_path": str(root)}, **options)
+        run = TPRun(cfg)
+        result = run.run(MultiTurnWorkload(**workload))
+        assert_clean(result, cfg.vocab_size)
+        assert result.num_preemptions > 0
+        on_disk = run.side.index.statistics().on_disk
+        run.shutdown()
+        (report,) = inspect_store(root)
+        ranks = [f"rank-{rank.rank}" for rank in report.ranks]
+        return (sum(rank.chunks for rank in report.ranks),
+                sum(rank.payload_bytes for rank in report.ranks), ranks,
+                on_disk + run.ranks.flushed)
+
+    mla_values, mla_bytes, mla_ranks, mla_chunks = stored(tmp_path / "mla", mla=True,
+                                                          head_size=16)
+    full_values, full_bytes, full_ranks, full_chunks = stored(tmp_path / "full", num_kv_heads=2,
+                                                              head_size=8)
+    assert mla_ranks == ["rank-0"] and full_ranks == ["rank-0", "rank-1"]
+    assert mla_values == mla_chunks > 0  # one value per chunk
+    assert full_values == 2 * full_chunks  # one per chunk and rank
+    # Pages of the same size (MLA 1 x 16 latent; 1 head of K and V of 8 on each rank).
+    assert mla_bytes * 2 == full_bytes * mla_chunks // full_chunks
+
+    # A restart: both ranks load the one copy (rank 1 from rank 0's environment).
+    cfg = tp_config(async_scheduling=async_scheduling, num_gpu_blocks=20, mla=True,
+                    head_size=16, extra={"disk_path": str(tmp_path / "mla")})
+    again = TPRun(cfg)
+    assert again.side.found_on_disk == mla_values
+    result = again.run(MultiTurnWorkload(**{**workload, "num_turns": 1}))
+    assert_clean(result, cfg.vocab_size)
+    counts = again.side.statistics()
+    assert counts["hit_tokens_disk"] >= TPC * workload["num_conversations"]
+    assert counts["loads_failed"] == 0
+    again.shutdown()

@@ -49,8 +49,9 @@ def _rank_main(conn: Connection, cfg: harness_lib.HarnessConfig, model_dir: str,
                 output = runner.execute_model(message[1])
                 conn.send(("ok", output, runner.num_checked_slots))
             else:  # shutdown: drain, flush unspilled chunks to disk, stop threads
-                connector.shutdown()
-                conn.send(("ok", None, runner.num_checked_slots))
+                side = connector._worker  # type: ignore[attr-defined]
+                flushed = side.shutdown() if side is not None else 0
+                conn.send(("ok", flushed, runner.num_checked_slots))
                 return
         except BaseException:
             conn.send(("error", traceback.format_exc()))
@@ -81,6 +82,7 @@ class ProcessRanks:
         assert connector is not None
         self.aggregator = KVOutputAggregator.from_connector(connector, world_size=tp)
         self.num_checked_slots = 0
+        self.flushed = 0
         self.pids = [process.pid for process in self.processes]
 
     def _answer(self, conn: Connection) -> Any:
@@ -104,8 +106,8 @@ class ProcessRanks:
         try:
             for conn in self.pipes:
                 conn.send(("shutdown",))
-            for conn in self.pipes:
-                self._answer(conn)
+            # Chunks the ranks wrote to disk at shutdown (counted once: rank 0's, under MLA).
+            self.flushed = max(self._answer(conn)[1] for conn in self.pipes)
         finally:
             for process in self.processes:
                 process.join(timeout=30)

@@ -102,9 +102,14 @@ class _LoadInFlight:
 
 
 class WorkerAdapter:
-    def __init__(self, executor: JobExecutor, rank: int = 0, track_slots: bool = False) -> None:
+    def __init__(self, executor: JobExecutor, rank: int = 0, track_slots: bool = False,
+                 writes_disk: bool = True) -> None:
         self.executor = executor
         self.rank = rank
+        # False: another rank writes the one disk copy every rank loads (MLA); this rank's
+        # spill jobs are reported done at once, and write or delete nothing.
+        self.writes_disk = writes_disk
+        self._skipped: list[Completion] = []
         self._specs: dict[JobId, JobSpec] = {}
         self._residency = SlotResidency() if track_slots else None
         self._counts: dict[str, float] = {}
@@ -154,7 +159,10 @@ class WorkerAdapter:
             self._loads[load.spec.job_id] = _LoadInFlight(load.req_id, blocks, load.failed_block_ids)
             self.executor.submit(load.spec)
         for spill in plan.spills:
-            self.executor.submit(spill)
+            if self.writes_disk:
+                self.executor.submit(spill)
+            else:
+                self._skipped.append(Completion(spill.job_id, ok=True))
         # The plan's other stores wait for the forward pass that completes their chunks.
         self._pending.extend(s for s in plan.stores if s.job_id not in self._submitted)
 
@@ -174,6 +182,10 @@ class WorkerAdapter:
         if self._idle and self.executor.in_flight_ids():
             time.sleep(IDLE_YIELD_SECONDS)  # let the copy and disk threads run (see above)
         completions = self.executor.poll_finished()
+        if self._skipped:
+            for skipped in self._skipped:
+                self._specs.pop(skipped.job_id, None)  # nothing moved: not accounted
+            completions, self._skipped = [*completions, *self._skipped], []
         for completion in completions:
             self._submitted.discard(completion.job_id)
             spec = self._specs.pop(completion.job_id, None)

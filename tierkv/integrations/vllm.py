@@ -123,18 +123,20 @@ class TierKVConnector(KVConnectorBase_V1):
                             "a chunk fails to load (e.g. a corrupt disk value); set it to "
                             "'recompute' to recompute those tokens instead",
                             transfer.kv_load_failure_policy)
+            stored = self.geometry.stored_ranks  # MLA: rank 0's copy serves every rank
             self._scheduler = SchedulerSide(
                 self.settings, self.geometry, self.namespace,
-                disk_ranks=[disk_rank(vllm_config, rank, world) for rank in range(world)],
+                disk_ranks=[disk_rank(vllm_config, rank, world) for rank in range(stored)],
                 record_events=self._events_enabled,
             )
         else:
             from tierkv.integrations.vllm_worker import WorkerSide
 
             rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+            stored_rank = rank % self.geometry.stored_ranks  # whose copy this rank loads
             self._worker = WorkerSide(self.settings, self.geometry, self.namespace,
                                       num_blocks=int(kv_cache_config.num_blocks), rank=rank,
-                                      disk_rank=disk_rank(vllm_config, rank, world))
+                                      disk_rank=disk_rank(vllm_config, stored_rank, world))
 
     # ================================================================ both roles
     @property

@@ -225,6 +225,13 @@ class Geometry:
         return self.page_bytes * self.num_layers * self.blocks_per_chunk
 
     @property
+    def stored_ranks(self) -> int:
+        """Ranks whose copies the disk and remote tiers keep: every rank's own KV, or one
+        copy for all of them under MLA, whose ranks hold identical KV (rank 0 writes it,
+        every rank loads it)."""
+        return 1 if self.attention == "mla" else self.world_size
+
+    @property
     def hashes_per_chunk(self) -> int:
         return self.tokens_per_chunk // self.hash_block_size
 
@@ -310,10 +317,11 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
                    f"per rank x {world_size} rank(s); raise cpu_bytes or lower tokens_per_chunk")
     disk_capacity = 0
     if settings.disk_path is not None:
-        disk_capacity = disk_chunk_capacity(settings.disk_bytes, chunk_bytes, world_size)
+        copies = geometry.stored_ranks
+        disk_capacity = disk_chunk_capacity(settings.disk_bytes, chunk_bytes, copies)
         if disk_capacity < 1:
             raise _bad("disk_bytes", settings.disk_bytes,
-                       f"holds no chunk of {chunk_bytes} bytes per rank x {world_size} rank(s)")
+                       f"holds no chunk of {chunk_bytes} bytes x {copies} copies")
     return replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
 
 
@@ -396,7 +404,7 @@ def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0)
                           spill_ahead_fraction=settings.spill_ahead_fraction,
                           eviction_policy=settings.eviction_policy),
         disk=DiskTierConfig(path=Path(settings.disk_path) if settings.disk_path else None,
-                            max_bytes=max(settings.disk_bytes // share, 1),
+                            max_bytes=max(settings.disk_bytes // geometry.stored_ranks, 1),
                             write_through=settings.write_through,
                             sync_mode=settings.disk_sync_mode),
         device=settings.device,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,8 +34,8 @@ from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk_files import OWNER_FILE
 
-__all__ = ["OWNER_FILE", "acquire_tier", "claim_env", "rebuild_keys", "release_tier",
-           "unclaim_env", "write_chunks"]
+__all__ = ["OWNER_FILE", "acquire_tier", "claim_env", "open_follower", "rebuild_keys",
+           "release_tier", "unclaim_env", "write_chunks"]
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -108,6 +109,30 @@ def open_claimed(namespace: Namespace, config: StoreConfig, payload_bytes: int) 
 def release_claimed(tier: DiskTier) -> None:
     unclaim_env(tier)
     release_tier(tier)
+
+
+FOLLOWER_WAIT_SECONDS = 30.0  # for the writing rank to create its environment at start
+
+
+def open_follower(namespace: Namespace, config: StoreConfig, payload_bytes: int,
+                  wait_seconds: float = FOLLOWER_WAIT_SECONDS) -> DiskTier:
+    """The disk tier of a rank that loads another rank's copy (MLA: rank 0 writes one copy
+    for every rank): that rank's environment (``config.rank``), read-only and unclaimed,
+    once the writer has created it (both ranks start at once)."""
+    assert config.disk.path is not None
+    root = Path(config.disk.path)
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            return DiskTier(root, namespace, config.rank, config.disk, payload_bytes,
+                            read_only=True)
+        except (ConfigError, DamagedError) as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"tierkv vLLM connector: {env_path(root, namespace, config.rank)} (the "
+                    f"environment rank {config.rank} writes for every rank) could not be read "
+                    f"within {wait_seconds:.0f} s: {exc}") from exc
+            time.sleep(0.05)
 
 
 def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config: DiskTierConfig,

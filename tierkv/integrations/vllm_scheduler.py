@@ -83,7 +83,7 @@ class SchedulerSide:
         self.index = build_index(self.config, geometry.num_slots, geometry.disk_capacity,
                                  clock=clock, record_events=record_events)
         # Asks the remote tier for every TP rank's value (the workers' remote rank).
-        self.remote = build_remote_lookup(self.config, namespace, range(geometry.world_size),
+        self.remote = build_remote_lookup(self.config, namespace, range(geometry.stored_ranks),
                                           geometry.chunk_bytes)
         self.adapter = build_adapter(self.index, adapter_config(settings, geometry), clock,
                                      self.remote)

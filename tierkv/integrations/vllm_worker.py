@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -29,7 +30,7 @@ from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
-from tierkv.integrations.vllm_disk import open_claimed, release_claimed, write_chunks
+from tierkv.integrations.vllm_disk import open_claimed, open_follower, release_claimed, write_chunks
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
@@ -81,6 +82,7 @@ class WorkerSide:
         self.worker: WorkerAdapter | None = None
         self._reported: dict[str, float] = {}
         self._closed = False
+        self.writer = True
 
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -105,16 +107,26 @@ class WorkerSide:
                 f"the scheduler sizes them as {geometry.page_bytes} page bytes x "
                 f"{geometry.num_layers} layers x {geometry.blocks_per_chunk} blocks = "
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
-        open_disk = (partial(open_claimed, self.namespace, self.config, chunk_bytes)
-                     if self.config.disk.path is not None else None)
+        # A rank past geometry.stored_ranks (MLA: every rank but 0) loads rank 0's copy and
+        # writes none: the disk read-only, no pushes, its spills done at once.
+        writer = self.rank < geometry.stored_ranks
+        config = self.config
+        if not writer and config.remote is not None:
+            config = replace(config, remote=replace(config.remote, push="read_only"))
+        opener = open_claimed if writer else open_follower
+        open_disk = (partial(opener, self.namespace, config, chunk_bytes)
+                     if config.disk.path is not None else None)
         # The remote tier is shared by engines: its rank is the TP rank (the disk's is
         # per data-parallel engine too).
-        self._stack = build_worker(self.config, layout, geometry.num_slots, open_disk=open_disk,
-                                   release_disk=release_claimed, namespace=self.namespace,
-                                   remote_rank=self.rank)
+        self._stack = build_worker(config, layout, geometry.num_slots, open_disk=open_disk,
+                                   release_disk=release_claimed if writer else DiskTier.close,
+                                   namespace=self.namespace,
+                                   remote_rank=self.rank % geometry.stored_ranks)
         self.slab, self.disk = self._stack.slab, self._stack.disk
+        self.writer = writer
         self.worker = WorkerAdapter(self._stack.executor, self.rank,
-                                    track_slots=self.disk is not None)
+                                    track_slots=self.disk is not None and writer,
+                                    writes_disk=writer)
         log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
                  geometry.num_slots, chunk_bytes,
                  (f", disk tier at {self.disk.path}" if self.disk is not None else "") +
@@ -152,7 +164,7 @@ class WorkerSide:
         assert self._stack is not None
         try:
             self.worker.shutdown()  # pending stores submitted, jobs finished, threads stopped
-            flush = self.disk is not None and self.settings.flush_on_shutdown
+            flush = self.disk is not None and self.writer and self.settings.flush_on_shutdown
             return self._flush_unspilled() if flush else 0
         finally:
             self._stack.close()  # releases the disk tier
