@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -729,6 +730,51 @@ def test_a_second_worker_on_the_same_disk_environment_is_refused(tmp_path: Path)
         harness_lib.build_harness(cfg)
     first.worker_connector.shutdown()  # type: ignore[union-attr]
     harness_lib.build_harness(cfg).worker_connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_follower_rank_reads_the_writers_environment_once_it_exists(tmp_path: Path) -> None:
+    """MLA under TP: a rank that loads rank 0's copy opens rank 0's environment read-only,
+    waits (bounded) for rank 0 to create it, and says which path when it never appears."""
+    from tierkv.config import DiskTierConfig, StoreConfig
+    from tierkv.integrations.vllm_disk import open_follower
+    from tierkv.keys import Namespace
+    from tierkv.tiers.disk import DiskTier
+
+    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
+                          tokens_per_chunk=16)
+    config = StoreConfig(disk=DiskTierConfig(path=tmp_path, max_bytes=1 << 20), rank=0)
+    with pytest.raises(ConfigError, match=r"rank-0 \(the environment rank 0 writes for every "
+                                          r"rank\) could not be read within 0 s"):
+        open_follower(namespace, config, 64, wait_seconds=0.1)
+    # The follower is another process (as rank 1 is): it starts first, the writer then
+    # creates the environment and stores a chunk, and the follower reads it.
+    code = f'''
+import sys
+import time
+from pathlib import Path
+from tierkv.config import DiskTierConfig, StoreConfig
+from tierkv.integrations.vllm_disk import open_follower
+from tierkv.keys import Namespace
+from tierkv.tiers.base import ReadStatus
+namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
+                      tokens_per_chunk=16)
+config = StoreConfig(disk=DiskTierConfig(path=Path({str(tmp_path)!r}), max_bytes=1 << 20), rank=0)
+tier = open_follower(namespace, config, 64, wait_seconds=60)
+out = bytearray(64)
+for _ in range(600):
+    if tier.read_into(b"k" * 32, memoryview(out)) is ReadStatus.OK:
+        break
+    __import__("time").sleep(0.05)
+print(tier.read_only, out == bytes(range(64)))
+'''
+    follower = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # the follower waits for the environment
+    with DiskTier(tmp_path, namespace, 0, config.disk, 64) as writer:
+        writer.put_many([(b"k" * 32, bytes(range(64)))])
+        out, err = follower.communicate(timeout=120)
+    assert follower.returncode == 0, err[-2000:]
+    assert out.split() == ["True", "True"]  # read-only, and the writer's bytes
 
 
 def test_rebuild_keeps_chunks_every_rank_holds(tmp_path: Path) -> None:

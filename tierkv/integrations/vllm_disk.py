@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.config import DiskTierConfig, StoreConfig
-from tierkv.errors import ConfigError, DamagedError
+from tierkv.errors import BrokenError, ConfigError, DamagedError
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
@@ -126,7 +126,7 @@ def open_follower(namespace: Namespace, config: StoreConfig, payload_bytes: int,
         try:
             return DiskTier(root, namespace, config.rank, config.disk, payload_bytes,
                             read_only=True)
-        except (ConfigError, DamagedError) as exc:
+        except (ConfigError, DamagedError, BrokenError) as exc:  # not (fully) created yet
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     f"tierkv vLLM connector: {env_path(root, namespace, config.rank)} (the "
