@@ -133,10 +133,10 @@ class TierKVConnector(KVConnectorBase_V1):
             from tierkv.integrations.vllm_worker import WorkerSide
 
             rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
-            stored_rank = rank % self.geometry.stored_ranks  # whose copy this rank loads
-            self._worker = WorkerSide(self.settings, self.geometry, self.namespace,
-                                      num_blocks=int(kv_cache_config.num_blocks), rank=rank,
-                                      disk_rank=disk_rank(vllm_config, stored_rank, world))
+            self._worker = WorkerSide(
+                self.settings, self.geometry, self.namespace,
+                num_blocks=int(kv_cache_config.num_blocks), rank=rank,
+                disk_rank=disk_rank(vllm_config, self.geometry.stored_rank(rank), world))
 
     # ================================================================ both roles
     @property

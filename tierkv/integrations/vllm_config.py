@@ -231,6 +231,10 @@ class Geometry:
         every rank loads it)."""
         return 1 if self.attention == "mla" else self.world_size
 
+    def stored_rank(self, rank: int) -> int:
+        """The rank whose stored copy ``rank`` loads: its own, or rank 0's under MLA."""
+        return rank % self.stored_ranks
+
     @property
     def hashes_per_chunk(self) -> int:
         return self.tokens_per_chunk // self.hash_block_size

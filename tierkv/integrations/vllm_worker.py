@@ -82,7 +82,11 @@ class WorkerSide:
         self.worker: WorkerAdapter | None = None
         self._reported: dict[str, float] = {}
         self._closed = False
-        self.writer = True
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes its stored copy (every rank, or rank 0 under MLA)."""
+        return self.geometry.stored_rank(self.rank) == self.rank
 
     # ------------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -109,7 +113,7 @@ class WorkerSide:
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
         # A rank past geometry.stored_ranks (MLA: every rank but 0) loads rank 0's copy and
         # writes none: the disk read-only, no pushes, its spills done at once.
-        writer = self.rank < geometry.stored_ranks
+        writer = self.writer
         config = self.config
         if not writer and config.remote is not None:
             config = replace(config, remote=replace(config.remote, push="read_only"))
@@ -121,9 +125,8 @@ class WorkerSide:
         self._stack = build_worker(config, layout, geometry.num_slots, open_disk=open_disk,
                                    release_disk=release_claimed if writer else DiskTier.close,
                                    namespace=self.namespace,
-                                   remote_rank=self.rank % geometry.stored_ranks)
+                                   remote_rank=geometry.stored_rank(self.rank))
         self.slab, self.disk = self._stack.slab, self._stack.disk
-        self.writer = writer
         self.worker = WorkerAdapter(self._stack.executor, self.rank,
                                     track_slots=self.disk is not None and writer,
                                     writes_disk=writer)
