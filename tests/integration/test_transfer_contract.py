@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
+from tierkv.core.jobs import NO_BLOCK, ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
 from tierkv.errors import ClosedError, JobTimeoutError, TransferError, UnknownJobError
 from tierkv.testing import LayoutKV
 from tierkv.transfer.base import TransferEngine
@@ -183,6 +183,40 @@ def test_load_leaves_skipped_blocks_untouched(kv: LayoutKV, engine: TransferEngi
     for layer in range(LAYERS):
         for source, target in zip((1, 2, 3), targets[1:]):
             assert torch.equal(kv.page_at(layer, target).cpu(), kv.page_at(layer, source).cpu())
+
+
+@pytest.mark.parametrize("targets", [(NO_BLOCK, 9, NO_BLOCK, 11), (8, 9, NO_BLOCK, NO_BLOCK),
+                                     (NO_BLOCK, 13, 10, NO_BLOCK)],
+                         ids=["alternating", "tail", "middle"])
+def test_load_leaves_no_block_positions_untouched(kv: LayoutKV, engine: TransferEngine,
+                                                  targets: tuple[int, ...]) -> None:
+    # A hybrid model's sliding-window group holds no block before its window: a load
+    # writes the other positions of the chunk, in as many runs as they make, and twice
+    # in a row (the CUDA engine batches chunks that write the same positions).
+    engine.submit_store(store(1, chunk(1, 0, (0, 1, 2, 3)), chunk(2, 1, (0, 1, 2, 3))))
+    engine.wait([JobId(1)])
+    second = tuple(b if b == NO_BLOCK else b - 4 for b in targets)  # blocks 4..7
+    others = [b for b in range(4, BLOCKS) if b not in targets + second]
+    kept = {b: kv.chunk((b,)).clone() for b in others}
+    engine.submit_load(load(2, chunk(1, 0, targets), chunk(2, 1, second)))
+    engine.wait([JobId(2)])
+    done = drain(engine, 2)[-1]
+    written = sum(b != NO_BLOCK for b in targets)
+    assert done.job_id == 2 and done.ok, done.error
+    assert done.num_bytes == 2 * written * LAYERS * kv.page
+    for layer in range(LAYERS):
+        for source, target in [*enumerate(targets), *enumerate(second)]:
+            if target != NO_BLOCK:
+                assert torch.equal(kv.page_at(layer, target).cpu(), kv.page_at(layer, source).cpu())
+    for block in others:
+        assert torch.equal(kv.chunk((block,)), kept[block]), block
+
+
+def test_a_store_of_a_missing_page_fails_its_job(engine: TransferEngine) -> None:
+    submit(engine, store(1, chunk(1, 0, (0, NO_BLOCK, 2, 3))))
+    engine.wait([JobId(1)])
+    [done] = drain(engine, 1)
+    assert not done.ok and done.error is not None and "block id -1 out of range" in done.error
 
 
 def test_submit_returns_before_the_copy_finishes(harness: Harness, kv: LayoutKV,

@@ -24,6 +24,9 @@ JobId = NewType("JobId", int)
 SlotId = NewType("SlotId", int)
 GpuBlockId = NewType("GpuBlockId", int)
 Key = bytes
+# A load's block id for a page the engine does not hold there (a sliding-window group's
+# block before the window, a page of the engine's own prefix hit): left untouched.
+NO_BLOCK = -1
 
 
 class JobKind(Enum):
@@ -40,7 +43,7 @@ class ChunkCopy(NamedTuple):
     block_ids: tuple[int, ...]
     from_disk: bool = False  # loads only: read the disk tier into the slot first
     # Loads only: the first ``skip_blocks`` blocks of the chunk are already on the GPU
-    # (the engine's local prefix hit) and must not be written.
+    # (the engine's local prefix hit) and must not be written; so is every ``NO_BLOCK``.
     skip_blocks: int = 0
     from_remote: bool = False  # loads only: read the remote tier into the slot first
 

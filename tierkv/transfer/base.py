@@ -5,7 +5,8 @@ Primitives and their contracts (every engine):
   ``spec.block_ids`` per chunk; ``spec.chunks`` is the per-chunk view) into its slot, in
   the slot byte layout of :mod:`tierkv.transfer.layout`. Returns at once.
 - ``submit_load(spec: LoadSpec)``: copy each chunk's slot into its blocks, except the
-  first ``chunk.skip_blocks`` blocks (already on the GPU; never written). Returns at once.
+  first ``chunk.skip_blocks`` blocks (already on the GPU; never written) and every block
+  id ``NO_BLOCK`` (-1: the engine holds no page there). Returns at once.
   ``from_disk`` is ignored: the caller has already read the disk tier into the slot.
 - Both are thread-safe (disk reader threads submit loads). A spec that cannot run
   (wrong block count, block id or slot out of range, a load writing one block twice, one
@@ -32,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from types import TracebackType
 
-from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
+from tierkv.core.jobs import NO_BLOCK, ChunkCopy, Completion, JobId, LoadSpec, StoreSpec
 from tierkv.errors import ConfigError, TransferError, short_key
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.layout import KVLayout
@@ -122,12 +123,12 @@ def check_spec(spec: StoreSpec | LoadSpec, num_blocks: int, num_slots: int,
         if not 0 <= chunk.slot < num_slots:
             return f"{where}: slot {chunk.slot} out of range [0, {num_slots})"
         for block in chunk.block_ids:
-            if not 0 <= block < num_blocks:
+            if not 0 <= block < num_blocks and not (is_load and block == NO_BLOCK):
                 return f"{where}: block id {block} out of range [0, {num_blocks})"
         if is_load:
             if not 0 <= chunk.skip_blocks <= blocks_per_chunk:
                 return f"{where}: skip_blocks {chunk.skip_blocks} out of [0, {blocks_per_chunk}]"
-            targets = chunk.block_ids[chunk.skip_blocks:]
+            targets = [block for block in chunk.block_ids[chunk.skip_blocks:] if block != NO_BLOCK]
             if len(set(targets)) != len(targets) or not written.isdisjoint(targets):
                 return f"{where}: a load writes some block twice"
             written.update(targets)
@@ -135,6 +136,21 @@ def check_spec(spec: StoreSpec | LoadSpec, num_blocks: int, num_slots: int,
             return f"{where}: slot {chunk.slot} is stored twice in one job"
         slots.add(chunk.slot)  # only stores read it back
     return None
+
+
+def load_runs(chunk: ChunkCopy) -> tuple[tuple[int, int], ...]:
+    """``(start, end)`` of each run of positions a load writes: past ``skip_blocks``,
+    without the ``NO_BLOCK`` ones. One run for a chunk without any."""
+    ids, start = chunk.block_ids, chunk.skip_blocks
+    if NO_BLOCK not in ids:
+        return ((start, len(ids)),) if start < len(ids) else ()
+    runs: list[tuple[int, int]] = []
+    for position in range(start, len(ids) + 1):
+        if position == len(ids) or ids[position] == NO_BLOCK:
+            if position > start:
+                runs.append((start, position))
+            start = position + 1
+    return tuple(runs)
 
 
 def failed_completion(spec: StoreSpec | LoadSpec, error: str, first_failed: int = 0,

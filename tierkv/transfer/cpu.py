@@ -31,7 +31,7 @@ import torch
 from tierkv.core.jobs import Completion, JobId, LoadSpec, StoreSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.transfer.base import TransferEngine, check_spec, failed_completion
+from tierkv.transfer.base import TransferEngine, check_spec, failed_completion, load_runs
 from tierkv.transfer.layout import KVLayout, consecutive_runs
 from tierkv.transfer.ledger import REMEMBER_FINISHED, JobLedger
 
@@ -126,8 +126,8 @@ class CpuTransferEngine(TransferEngine):
                     self._gather(chunk.slot, chunk.block_ids)
                     moved += self.chunk_bytes
                 else:
-                    self._scatter(chunk.slot, chunk.block_ids, chunk.skip_blocks)
-                    moved += (len(chunk.block_ids) - chunk.skip_blocks) * self.block_bytes
+                    moved += self._scatter(chunk.slot, chunk.block_ids, load_runs(chunk)) \
+                        * self.block_bytes
             except Exception as exc:
                 return failed_completion(
                     spec, f"chunk {short_key(chunk.key)} (slot {chunk.slot}): "
@@ -146,20 +146,26 @@ class CpuTransferEngine(TransferEngine):
             for position, first, length in runs:
                 out[:, position:position + length] = pages[:, first:first + length]
 
-    def _scatter(self, slot: int, block_ids: tuple[int, ...], skip: int) -> None:
-        """Slot ``slot`` into ``block_ids[skip:]``; the first ``skip`` stay untouched."""
-        targets = block_ids[skip:]
-        runs = consecutive_runs(targets)
-        if len(runs) > MAX_COPY_RUNS:
-            ids = torch.tensor(targets, dtype=torch.int64)
-            for plan, (_, rows, chunk_pages) in zip(self._views.plans, self._arrays):
-                rows[self.layout.row_index(plan, ids).numpy()] = chunk_pages[slot, :, skip:]
-            return
-        for pages, _, chunk_pages in self._arrays:
-            source = chunk_pages[slot]
-            for position, first, length in runs:
-                start = skip + position
-                pages[:, first:first + length] = source[:, start:start + length]
+    def _scatter(self, slot: int, block_ids: tuple[int, ...],
+                 runs: tuple[tuple[int, int], ...]) -> int:
+        """Slot ``slot`` into the blocks at the positions of ``runs`` (see ``load_runs``);
+        the others stay untouched. Returns the pages written."""
+        written = 0
+        for start, end in runs:
+            targets = block_ids[start:end]
+            id_runs = consecutive_runs(targets)
+            if len(id_runs) > MAX_COPY_RUNS:
+                ids = torch.tensor(targets, dtype=torch.int64)
+                for plan, (_, rows, chunk_pages) in zip(self._views.plans, self._arrays):
+                    rows[self.layout.row_index(plan, ids).numpy()] = chunk_pages[slot, :, start:end]
+            else:
+                for pages, _, chunk_pages in self._arrays:
+                    source = chunk_pages[slot]
+                    for position, first, length in id_runs:
+                        at = start + position
+                        pages[:, first:first + length] = source[:, at:at + length]
+            written += end - start
+        return written
 
     # ------------------------------------------------------------------ completions
     def poll_finished(self) -> list[Completion]:

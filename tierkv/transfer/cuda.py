@@ -13,7 +13,8 @@ How a job runs (contracts in :mod:`tierkv.transfer.base`):
   a store gathers the pages into staging (one ``index_select`` per copy group, block ids
   sent through pinned memory), then copies each run of consecutive slots into the slab in
   one ``non_blocking`` copy; a load copies the other way and scatters (``index_put_``),
-  leaving each chunk's ``skip_blocks`` untouched.
+  leaving each chunk's ``skip_blocks`` and ``NO_BLOCK`` ids untouched (one scatter per
+  run of positions it writes, for chunks in a row that write the same positions).
 - Staging reuse is safe by stream order: each staging buffer is allocated on, and only
   used by, its own stream, so a batch cannot overwrite staging before the previous copy
   out of it finished. Pinned index tensors come from PyTorch's caching host allocator,
@@ -42,7 +43,8 @@ import torch
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, LoadSpec, StoreSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.transfer.base import TransferEngine, check_spec, direction_name, failed_completion
+from tierkv.transfer.base import (TransferEngine, check_spec, direction_name, failed_completion,
+                                  load_runs)
 from tierkv.transfer.layout import ChunkViews, KVLayout
 from tierkv.transfer.ledger import REMEMBER_FINISHED, JobLedger
 
@@ -190,17 +192,16 @@ class CudaTransferEngine(TransferEngine):
                 direction.staging[position:position + count].copy_(
                     self._slot_rows(slot, count), non_blocking=True)
             block_ids = self._device_ids(batch)
+            runs = [load_runs(chunk) for chunk in batch]
             position = 0
-            while position < len(batch):  # runs of chunks with the same skip_blocks
-                skip = batch[position].skip_blocks
+            while position < len(batch):  # chunks in a row that write the same positions
                 end = position + 1
-                while end < len(batch) and batch[end].skip_blocks == skip:
+                while end < len(batch) and runs[end] == runs[position]:
                     end += 1
-                if skip < self.blocks_per_chunk:
+                for start, stop in runs[position]:  # one run unless skips or NO_BLOCKs
                     self.layout.scatter_batch(direction.views, position,
-                                              block_ids[position:end, skip:], skip)
-                    job.num_bytes += (end - position) * (self.blocks_per_chunk - skip) \
-                        * self.block_bytes
+                                              block_ids[position:end, start:stop], start)
+                    job.num_bytes += (end - position) * (stop - start) * self.block_bytes
                 position = end
 
     # ------------------------------------------------------------------ completions
