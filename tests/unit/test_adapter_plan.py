@@ -257,3 +257,22 @@ def test_a_planned_load_tells_its_tokens_by_tier_and_touch_refreshes_the_prefix(
     adapter.touch(turn, 2)  # tail first: chunk 0 ends up the most recent
     spill = index.take_spills(flush=True)  # writes back the oldest first
     assert spill is not None and [key for key, _ in spill.writes] == [keys[1], keys[0]]
+
+
+def test_a_request_whose_load_failed_is_not_offered_the_chunks_again() -> None:
+    adapter = make()
+    tokens = list(range(24))
+    seed = view("s", tokens, 24, 0)
+    adapter.complete(report(adapter.build_plan(StepInput({"s": seed}, {"s": 24}, {"s": list(range(6))}, frozenset({"s"})))))
+    v = view("r", tokens, 24, 0)
+    assert adapter.lookup(v, 0) == 16
+    adapter.update_state_after_alloc(v, [10, 11, 12, 13], 16, 0)
+    load = adapter.build_plan(StepInput()).loads[0].spec
+    assert load is not None
+    failed = Completion(load.job_id, ok=False, failed_keys=tuple(c.key for c in load.chunks))
+    adapter.complete(WorkerReport(0, (failed,)))
+    # The engine puts the request back to recompute it: the chunks are still indexed (the
+    # copy failed, not the chunk), but this request is not offered them again ...
+    assert adapter.lookup(v, 0) == 0
+    assert adapter.lookup(view("other", tokens, 24, 0), 0) == 16  # ... another one is
+    adapter.request_finished(view("r", tokens, 24, 0), aborted=True)

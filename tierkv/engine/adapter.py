@@ -11,7 +11,9 @@ It never blocks and never touches tensor bytes. Primitives:
   With a remote tier (``remote``: a :class:`RemoteAsker`), the chunks past the local hit
   are asked of it (one batched request, a short deadline): what every rank's value exists
   for is noted in the index (``note_remote``) and hits; no answer yet is "not yet",
-  bounded the same way. Otherwise side-effect free on the index.
+  bounded the same way. Otherwise side-effect free on the index. A request whose load
+  lost a chunk hits nothing from then on: the engine recomputes it (a chunk whose copy
+  keeps failing is never offered to it again).
 - ``update_state_after_alloc(view, block_ids, num_external_tokens)``: the engine gave the
   request its blocks; plans the load of the promised chunks (sent with the next plan).
   ``take_load_sources(req_id)``: the load's tokens by tier, ``(cpu, disk, remote)``.
@@ -42,8 +44,8 @@ from typing import NoReturn, Protocol
 
 from tierkv.core.index import BlockIndex, Lookup
 from tierkv.core.state import CpuState
-from tierkv.core.jobs import (ChunkCopy, Completion, CompletionTracker, JobId, JobKind, LoadSpec,
-                              StoreSpec)
+from tierkv.core.jobs import (NO_BLOCK, ChunkCopy, Completion, CompletionTracker, JobId, JobKind,
+                              LoadSpec, StoreSpec)
 from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
 from tierkv.errors import ConfigError, UsageError
 
@@ -82,9 +84,19 @@ class AdapterConfig:
     max_chunks_per_request: int | None = None
     promotion_wait_seconds: float = 5.0
     wait_for_stores: bool = False
+    # Block ids per token block: one per KV cache group of the engine. A request's block
+    # list then holds the ids of each block position side by side (position-major: ids
+    # [p * groups, (p + 1) * groups) are position p's, group 0 first); NO_BLOCK where a
+    # group holds no page (a sliding-window group before its window). A chunk's jobs list
+    # its ids group-major (blocks_per_chunk ids of group 0, then of group 1, ...).
+    groups: int = 1
+    # The engine may free a running request's blocks (a sliding-window group frees those
+    # that left the window): a block handed out again while a store job still reads it
+    # waits for that job (a fence), as for the blocks of requests that finished.
+    frees_running_blocks: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_block", "blocks_per_chunk", "world_size"):
+        for name in ("tokens_per_block", "blocks_per_chunk", "world_size", "groups"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"adapter.{name} must be a positive int, got {value!r}")
@@ -145,6 +157,9 @@ class AdapterStats:
     # Tokens past the engine's own prefix hit of requests that were allocated (the engine
     # reports them with count_queried); hit_tokens_* / queried_tokens is tierkv's hit rate.
     queried_tokens: int = 0
+    # Chunks not stored because the engine no longer held one of their pages (several
+    # groups: a sliding-window block freed, or never given, before the chunk was stored).
+    stores_without_pages: int = 0
 
 
 class EngineAdapter:
@@ -160,7 +175,10 @@ class EngineAdapter:
         self.config = config
         self._clock = clock
         self._tpc = config.tokens_per_chunk
-        self._bpc = config.blocks_per_chunk
+        self._groups = config.groups
+        # Block lists that may lack pages (NO_BLOCK, released blocks): checked per chunk.
+        self._grouped = config.groups > 1 or config.frees_running_blocks
+        self._bpc = config.blocks_per_chunk * config.groups  # block ids per chunk
         self._prompt_only = config.offload_prompt_only
         self._max_chunks = config.max_chunks_per_request if config.max_chunks_per_request is not None else 1 << 62
         self._tracker = CompletionTracker(config.world_size)
@@ -180,11 +198,20 @@ class EngineAdapter:
         self._departed: set[str] = set()
         self._pending_loads: list[LoadRequest] = []
         self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
+        # Requests whose load lost a chunk: the engine recomputes them, and their next
+        # lookups hit nothing (a chunk whose copy keeps failing is not loaded forever).
+        self._reloads_refused: set[str] = set()
+        # frees_running_blocks: block -> store jobs in flight that read it, and each such
+        # job's blocks (the fence for blocks freed while their request runs).
+        self._reading: dict[int, set[JobId]] = {}
+        self._job_blocks: dict[JobId, Sequence[int]] = {}
         self.stats = AdapterStats()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, view: RequestView, num_local_tokens: int) -> int | None:
         self.stats.lookups += 1
+        if view.req_id in self._reloads_refused:
+            return 0
         tpc = self._tpc
         start = num_local_tokens // tpc
         # At least one token must be left to compute, and only whole chunks load.
@@ -245,8 +272,9 @@ class EngineAdapter:
             state = self._requests[view.req_id] = _Request(view)
         state.view = view
         state.block_ids = list(block_ids)
-        first_new = num_local_tokens // self.config.tokens_per_block  # past the local hit
-        if self._released:  # only blocks of departed requests can need a fence
+        # The first block id past the local hit (ids of `groups` groups per block position)
+        first_new = num_local_tokens // self.config.tokens_per_block * self._groups
+        if self._released or self._reading:  # blocks a job may still read: fence them
             self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
         if num_external_tokens <= 0:
             return
@@ -260,10 +288,15 @@ class EngineAdapter:
         from_remote = plan.from_remote
         for position, (key, slot, from_disk) in enumerate(plan.chunks):
             chunk = start + position
-            blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
+            skip = skip_first if position == 0 else 0
+            if not self._grouped:
+                blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
+            else:  # the local hit's pages (leading, position-major) as NO_BLOCK: untouched
+                ids = state.block_ids[chunk * bpc : (chunk + 1) * bpc]
+                blocks = tuple(self._group_major([NO_BLOCK] * skip + ids[skip:]))
+                skip = 0
             remote = key in from_remote
-            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip_first if position == 0 else 0,
-                                    remote))
+            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip, remote))
             tokens = min(tpc, (chunk + 1) * tpc - num_local_tokens)  # only the first is partial
             if from_disk:
                 disk_tokens += tokens
@@ -272,7 +305,10 @@ class EngineAdapter:
             else:
                 cpu_tokens += tokens
         lost_from = (start + len(plan.chunks)) * bpc
-        lost = tuple(state.block_ids[max(lost_from, first_new) : end * bpc])
+        lost = tuple(block for block in state.block_ids[max(lost_from, first_new) : end * bpc]
+                     if block != NO_BLOCK)
+        if lost:
+            self._reloads_refused.add(view.req_id)
         spec = None
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
@@ -290,6 +326,7 @@ class EngineAdapter:
         return self._load_sources.pop(req_id, (0, 0, 0))
 
     def request_finished(self, view: RequestView, aborted: bool = False) -> None:
+        self._reloads_refused.discard(view.req_id)
         self._store_wait_since.pop(view.req_id, None)
         self._load_sources.pop(view.req_id, None)
         self._finishing.update(view.chunk_keys)
@@ -320,7 +357,37 @@ class EngineAdapter:
         first = state.stored_chunks
         if target > first:
             state.stored_chunks = target
-            batch.add(state, first, target, self._bpc)
+            if not self._grouped:
+                batch.add(state, first, target, self._bpc)
+            else:
+                self._add_grouped(batch, state, first, target)
+
+    def _group_major(self, ids: Sequence[int]) -> list[int]:
+        """One chunk's position-major block ids, group-major (see AdapterConfig.groups)."""
+        groups = self._groups
+        if groups == 1:
+            return list(ids)
+        return [block for group in range(groups) for block in ids[group::groups]]
+
+    def _add_grouped(self, batch: _Candidates, state: _Request, first: int, end: int) -> None:
+        """``batch.add`` for block lists that may lack pages: each chunk's ids group-major,
+        and the chunks with a page the engine no longer holds (NO_BLOCK, or a released
+        block: ``view.num_released_blocks``) left out: never storable."""
+        keys, bpc, added = state.view.chunk_keys, self._bpc, False
+        released = state.view.num_released_blocks
+        positions = self.config.blocks_per_chunk
+        for chunk in range(first, end):
+            ids = state.block_ids[chunk * bpc : (chunk + 1) * bpc]
+            if chunk * positions < released or NO_BLOCK in ids:
+                if not self.index.contains(keys[chunk]):  # stored already: nothing lost
+                    self.stats.stores_without_pages += 1
+                continue
+            batch.keys.append(keys[chunk])
+            batch.block_ids += self._group_major(ids)
+            added = True
+        if added:
+            batch.ends.append(len(batch.keys))
+            batch.owners.append(state)
 
     def _store_job(self, batch: _Candidates) -> StoreSpec | None:
         """One store job for the candidate chunks (see BlockIndex.prepare_store_many)."""
@@ -351,6 +418,15 @@ class EngineAdapter:
         for owner in owners:
             owner.jobs.add(job_id)
         self._job_owners[job_id] = owners
+        if self.config.frees_running_blocks:
+            self._job_blocks[job_id] = block_ids
+            reading = self._reading
+            for block in block_ids:
+                jobs = reading.get(block)
+                if jobs is None:
+                    reading[block] = {job_id}
+                else:
+                    jobs.add(job_id)
         self.stats.stores_planned += len(plan.keys)
         return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
 
@@ -386,7 +462,7 @@ class EngineAdapter:
                     state.block_ids = list(blocks)
                 else:
                     state.block_ids.extend(blocks)
-            if self._released:
+            if self._released or self._reading:
                 allocated.update(dict.fromkeys(blocks, req_id))
         # Finished requests first: their last full chunk is stored now, in a job of its
         # own: its bytes are on the GPU already, so a fence may flush it before the forward
@@ -402,18 +478,26 @@ class EngineAdapter:
             finished_job = self._store_job(batch)
         # Fence: a block handed out this step (to a scheduled request or an async load)
         # that a departed request's job may still use: that request's jobs finish first.
+        # With frees_running_blocks, also any store job in flight that reads the block.
+        allocated.pop(NO_BLOCK, None)
+        reading = self._reading
         for block, req_id in allocated.items():
             owner = self._released.get(block)
             if owner is not None and owner != req_id:
                 owner_state = self._requests.get(owner)
                 if owner_state is not None:
                     flush.update(dict.fromkeys(j for j in owner_state.jobs if j not in fresh))
+            if reading:
+                jobs = reading.get(block)
+                if jobs:
+                    flush.update(dict.fromkeys(jobs))
         for req_id in finished:
             self._maybe_free(req_id)
         # One store job for every running request's new chunks (per-job costs paid once).
         requests = self._requests
         scheduled = step.num_scheduled_tokens
         tpc, bpc, max_chunks, prompt_only = self._tpc, self._bpc, self._max_chunks, self._prompt_only
+        grouped = self._grouped
         batch = _Candidates()
         keys_to_store, blocks_to_store, ends, owners = batch.keys, batch.block_ids, batch.ends, batch.owners
         for req_id, view in step.requests.items():
@@ -438,6 +522,9 @@ class EngineAdapter:
                 target = max_chunks
             if target > first:  # batch.add, inline
                 state.stored_chunks = target
+                if grouped:
+                    self._add_grouped(batch, state, first, target)
+                    continue
                 keys_to_store += keys[first:target]
                 blocks_to_store += state.block_ids[first * bpc : target * bpc]
                 ends.append(len(keys_to_store))
@@ -463,6 +550,10 @@ class EngineAdapter:
             merged = self._tracker.report(part)
             if merged is None:
                 continue
+            if (not merged.ok or merged.failed_keys) \
+                    and self.index.job_kind(merged.job_id) is JobKind.LOAD:
+                self._reloads_refused.update(
+                    owner.view.req_id for owner in self._job_owners.get(merged.job_id, ()))
             self.index.complete(merged)
             self._untrack(merged.job_id)
             done.append(merged)
@@ -474,6 +565,15 @@ class EngineAdapter:
         state.jobs.add(job_id)
 
     def _untrack(self, job_id: JobId) -> None:
+        blocks = self._job_blocks.pop(job_id, None)
+        if blocks is not None:
+            reading = self._reading
+            for block in blocks:
+                jobs = reading.get(block)
+                if jobs is not None:
+                    jobs.discard(job_id)
+                    if not jobs:
+                        del reading[block]
         for state in self._job_owners.pop(job_id, ()):
             state.jobs.discard(job_id)
             if state.finished:

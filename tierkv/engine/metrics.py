@@ -82,6 +82,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("no_room", "counter", "Chunks not stored or loaded for want of room (all slots "
            "busy, or the disk full), by what was refused", "what",
            (("store", "stores_no_room"), ("load", "loads_no_room"), ("disk", "disk_no_room"))),
+    Metric("stores_without_pages", "counter", "Chunks not stored because the engine had "
+           "released one of their pages first (a sliding-window group's block that left the "
+           "window)", None, _one("stores_without_pages")),
     Metric("corrupt_chunks", "counter", "Chunks whose bytes failed their checks on read "
            "(served as misses, deleted), by tier", "tier",
            (("disk", "corrupt"), ("remote", "remote_corrupt"))),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tierkv.core.jobs import NO_BLOCK as NO_BLOCK  # re-exported: block lists carry it
 from tierkv.core.jobs import Completion as Completion  # re-exported: reports carry them
 from tierkv.core.jobs import JobId, LoadSpec, SpillSpec, StoreSpec
 
@@ -27,6 +28,9 @@ class RequestView:
     num_prompt_tokens: int
     num_tokens: int
     num_computed_tokens: int
+    # Leading block positions whose pages the engine released for some KV cache group
+    # (a sliding window that moved on): chunks over them can no longer be stored.
+    num_released_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,3 +78,4 @@ class WorkerReport:
     completions: tuple[Completion, ...] = ()
     finished_loads: tuple[str, ...] = ()  # requests whose load finished (ok or not)
     failed_block_ids: tuple[int, ...] = ()  # blocks the engine must recompute
+    failed_loads: tuple[str, ...] = ()  # requests with some of those blocks

@@ -11,7 +11,8 @@ Per step, in the engine's order (why: docs/design.md, "Worker order and when sto
 4. ``after_forward()``: submits the plan's remaining stores (their chunks were completed
    by this forward; on CUDA the copy stream waits on the compute stream).
 5. ``poll() -> WorkerReport``: finished jobs, finished loads by request, and the GPU block
-   ids of chunks that failed to load (the engine recomputes them).
+   ids of chunks that failed to load with the requests they belong to (the engine
+   recomputes them).
 
 What the worker's slots hold (``track_slots=True``, with a disk tier): the worker keeps,
 per CPU slot, the key whose bytes the slot holds and whether that chunk is on disk
@@ -32,8 +33,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tierkv.core.jobs import (Completion, JobId, JobKind, JobSpec, SpillSpec, StoreSpec,
-                              failed_set)
+from tierkv.core.jobs import (NO_BLOCK, Completion, JobId, JobKind, JobSpec, SpillSpec,
+                              StoreSpec, failed_set)
 from tierkv.engine.metrics import PATH_NAMES, Durations
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.transfer.executor import JobExecutor
@@ -119,6 +120,7 @@ class WorkerAdapter:
         self._loads: dict[JobId, _LoadInFlight] = {}
         self._finished_loads: list[str] = []
         self._failed_blocks: list[int] = []
+        self._failed_loads: list[str] = []
         self._handled: StepPlan | None = None
         self._idle = False
 
@@ -154,8 +156,11 @@ class WorkerAdapter:
             if load.spec is None:
                 self._finished_loads.append(load.req_id)
                 self._failed_blocks.extend(load.failed_block_ids)
+                if load.failed_block_ids:
+                    self._failed_loads.append(load.req_id)
                 continue
-            blocks = {c.key: c.block_ids[c.skip_blocks :] for c in load.spec.chunks}
+            blocks = {c.key: tuple(b for b in c.block_ids[c.skip_blocks:] if b != NO_BLOCK)
+                      for c in load.spec.chunks}
             self._loads[load.spec.job_id] = _LoadInFlight(load.req_id, blocks, load.failed_block_ids)
             self.executor.submit(load.spec)
         for spill in plan.spills:
@@ -196,7 +201,9 @@ class WorkerAdapter:
                 self._finish_load(load, completion)
         finished, self._finished_loads = self._finished_loads, []
         failed, self._failed_blocks = self._failed_blocks, []
-        return WorkerReport(self.rank, tuple(completions), tuple(finished), tuple(failed))
+        failed_loads, self._failed_loads = self._failed_loads, []
+        return WorkerReport(self.rank, tuple(completions), tuple(finished), tuple(failed),
+                            tuple(failed_loads))
 
     def _finish_load(self, load: _LoadInFlight, completion: Completion) -> None:
         failed_keys = failed_set(completion, tuple(load.blocks_by_key))
@@ -204,6 +211,8 @@ class WorkerAdapter:
         self._failed_blocks.extend(load.lost)
         for key in failed_keys:
             self._failed_blocks.extend(load.blocks_by_key.get(key, ()))
+        if failed_keys or load.lost:
+            self._failed_loads.append(load.req_id)
 
     def _account(self, spec: JobSpec, completion: Completion) -> None:
         name, counts = PATH_NAMES[spec.kind], self._counts
