@@ -13,7 +13,8 @@ Primitives and their contracts:
                                         KV, samples one token per request that finished its
                                         prefill, returns a ModelRunnerOutput.
     check_kv(runner, so)                raises KVMismatchError if a slot below a scheduled
-                                        request's num_computed_tokens holds a wrong value.
+                                        request's num_computed_tokens holds a wrong value
+                                        (sliding-window layers: only the window's slots).
     HarnessEngine                       the EngineCore loop: `step` (sync) or
                                         `step_with_batch_queue` (async scheduling).
     MultiTurnWorkload                   conversations whose later turns extend earlier ones.
@@ -28,6 +29,13 @@ KV values: a token at position p has the fingerprint fp[p] = mix(fp[p-1], token[
 integer view of the cache, so comparisons are exact. The next token sampled after position p is
 fp[p] % vocab_size. Both depend on the token prefix only, so two requests with the same prefix
 expect the same KV and the same continuation.
+
+Hybrid models (HarnessConfig.sliding_window / sliding_window_layers): vLLM groups the layers
+(one KV cache group per attention type under the hybrid KV cache manager), the groups alias
+each other's bytes, and the runner keeps one block table per group. A full-attention layer's
+check covers every earlier position, a sliding-window layer's only start - w + 1 .. start - 1:
+vLLM's SlidingWindowManager frees the blocks wholly below that and shows the null block (id 0)
+there; the runner keeps the former ids, as vLLM's model runner does, and never writes block 0.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest import mock
 
 import torch
 from vllm.config import (
@@ -73,7 +82,7 @@ from vllm.v1.attention.backends.utils import (
     _DEFAULT_LAYOUT_PREFERENCE,
     resolve_kv_cache_layout,
 )
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
@@ -81,7 +90,14 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -118,7 +134,8 @@ class KVMismatch:
 
 
 class KVMismatchError(AssertionError):
-    """A KV slot below a scheduled request's num_computed_tokens holds a wrong value."""
+    """A KV slot that a scheduled request's attention reads (below its num_computed_tokens;
+    for a sliding-window layer, within the window) holds a wrong value."""
 
     def __init__(self, mismatches: Sequence[KVMismatch], step: int) -> None:
         self.mismatches = list(mismatches)
@@ -253,10 +270,36 @@ class HarnessConfig:
     # An MLA model (DeepSeek-style): one latent vector of head_size a token, the same on
     # every TP rank (MLAAttentionSpec, vLLM's [B, 1, N, C] views).
     mla: bool = False
+    # A hybrid model (Gemma/Mistral style): the layers named in sliding_window_layers attend
+    # only the last sliding_window tokens (SlidingWindowSpec), the others everything
+    # (FullAttentionSpec). vLLM's own grouping splits them into KV cache groups; with the
+    # hybrid KV cache manager on (vLLM's default, unless the connector lacks SupportsHMA) the
+    # sliding-window groups free their out-of-window blocks.
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.sliding_window is None) != (not self.sliding_window_layers):
+            raise HarnessError("set sliding_window and sliding_window_layers together")
+        if self.sliding_window is not None:
+            if self.sliding_window < 1:
+                raise HarnessError(f"sliding_window {self.sliding_window} must be positive")
+            if any(not 0 <= index < self.num_layers for index in self.sliding_window_layers):
+                raise HarnessError(f"sliding_window_layers {self.sliding_window_layers} outside 0..{self.num_layers - 1}")
+            if self.mla:
+                raise HarnessError("the harness has no sliding-window MLA layers")
 
     @property
     def layer_names(self) -> list[str]:
         return [f"model.layers.{index}.self_attn.attn" for index in range(self.num_layers)]
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return self.sliding_window is not None
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The tokens a layer's attention reads (None: all of them)."""
+        return self.sliding_window if layer_index in self.sliding_window_layers else None
 
 
 def write_tiny_llama(directory: Path, cfg: HarnessConfig) -> Path:
@@ -301,35 +344,73 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: Path) -> VllmConfig:
         enable_prefix_caching=cfg.enable_prefix_caching,
         prefix_caching_hash_algo=cfg.prefix_caching_hash_algo,  # type: ignore[arg-type]
     )
-    return VllmConfig(
-        model_config=model_config,
-        cache_config=cache_config,
-        scheduler_config=scheduler_config,
-        device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size),
-        kv_transfer_config=deepcopy(cfg.kv_transfer_config),
-    )
+    with _platform_supports_hybrid_kv_cache(cfg.has_sliding_window):
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size),
+            kv_transfer_config=deepcopy(cfg.kv_transfer_config),
+        )
+
+
+@contextlib.contextmanager
+def _platform_supports_hybrid_kv_cache(enabled: bool) -> Iterator[None]:
+    """Let VllmConfig's post-init see a platform with the hybrid KV cache manager (HMA).
+
+    VllmConfig turns HMA off where current_platform.support_hybrid_kv_cache() is False. These
+    tests run on vLLM's UnspecifiedPlatform (no GPU, not a CPU build of vLLM), which says
+    False; every real platform (CUDA, ROCm, XPU, CPU) says True. Only that answer changes,
+    only while the config is built: the rest of the decision stays vLLM's (a configured
+    connector that does not subclass SupportsHMA still turns HMA off).
+    """
+    from vllm.platforms import current_platform
+
+    if not enabled or current_platform.support_hybrid_kv_cache():
+        yield
+        return
+    with mock.patch.object(current_platform, "support_hybrid_kv_cache", lambda: True):
+        yield
 
 
 def build_kv_cache_config(cfg: HarnessConfig, vllm_config: VllmConfig) -> tuple[KVCacheConfig, KVCacheLayout]:
-    """One full-attention group over all layers, laid out as the engine core would."""
+    """The KV cache groups and tensors, laid out as the engine core would.
+
+    Without sliding-window layers: one full-attention group over all layers, as always. With
+    them: one spec per layer, grouped by vLLM itself (get_global_kv_cache_groups, the engine
+    core's call: under HMA one group per attention type, e.g. (FA 0, 2) and (SW 1, 3); with
+    HMA off the sliding-window specs are promoted to full attention, one group). Groups alias
+    each other's bytes from byte 0 (get_kv_cache_config_from_groups).
+    """
     spec_cls = MLAAttentionSpec if cfg.mla else FullAttentionSpec
-    spec = spec_cls(
-        block_size=cfg.block_size,
-        # One rank's heads; MLA's latent is one "head", replicated on every rank.
-        num_kv_heads=1 if cfg.mla else cfg.num_kv_heads // cfg.tensor_parallel_size,
-        head_size=cfg.head_size,
-        dtype=cfg.dtype,
-    )
+    # One rank's heads; MLA's latent is one "head", replicated on every rank.
+    num_kv_heads = 1 if cfg.mla else cfg.num_kv_heads // cfg.tensor_parallel_size
+    spec = spec_cls(block_size=cfg.block_size, num_kv_heads=num_kv_heads, head_size=cfg.head_size, dtype=cfg.dtype)
+    layer_specs: dict[str, KVCacheSpec] = {}
+    for index, name in enumerate(cfg.layer_names):
+        window = cfg.layer_window(index)
+        layer_specs[name] = spec if window is None else SlidingWindowSpec(
+            block_size=cfg.block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=cfg.head_size,
+            dtype=cfg.dtype,
+            sliding_window=window,
+        )
     cache_config = vllm_config.cache_config
     if cfg.kv_cache_layout is not None:
         # A pre-set layout wins in resolve_kv_cache_layout, as for "tests and standalone tools".
         cache_config.kv_cache_layout = KVCacheLayout[_layout_alias(cfg.kv_cache_layout)].name
     supported = [[layout.name for layout in _DEFAULT_LAYOUT_PREFERENCE]]
-    layout = resolve_kv_cache_layout(vllm_config, supported, [spec])
+    layout = resolve_kv_cache_layout(vllm_config, supported, list(dict.fromkeys(layer_specs.values())))
     cache_config.num_gpu_blocks_override = cfg.num_gpu_blocks
-    groups = [KVCacheGroupSpec(cfg.layer_names, spec)]
-    bytes_per_block = spec.page_size_bytes * cfg.num_layers
+    if cfg.has_sliding_window:
+        groups = get_global_kv_cache_groups(vllm_config, [layer_specs])
+    else:
+        groups = [KVCacheGroupSpec(cfg.layer_names, spec)]
+    bytes_per_block = max(
+        sum(layer_specs[name].page_size_bytes for name in group.layer_names) for group in groups
+    )
     kv_cache_config = get_kv_cache_config_from_groups(
         vllm_config, groups, available_memory=bytes_per_block * cfg.num_gpu_blocks
     )
@@ -373,10 +454,22 @@ def make_request(
 # --------------------------------------------------------------------------------------------
 
 
+# vLLM's null block (BlockPool holds block 0 back): a sliding-window group's block table
+# shows it for blocks outside the window. Nothing may write it.
+NULL_BLOCK_ID = 0
+
+
 @dataclass
 class _RequestState:
     token_ids: list[int]
-    block_ids: list[int]
+    # One block table per KV cache group, as the model runner's block tables. A
+    # sliding-window group keeps the ids of blocks vLLM freed out of the window (stale).
+    group_block_ids: list[list[int]]
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table (the only one without sliding-window layers)."""
+        return self.group_block_ids[0]
 
 
 @dataclass(frozen=True)
@@ -385,8 +478,12 @@ class _ScheduledRequest:
     start: int  # num_computed_tokens before this step
     num_tokens: int  # scheduled this step
     token_ids: list[int]
-    block_ids: list[int]
+    group_block_ids: tuple[list[int], ...]  # per KV cache group
     resumed_or_new: bool
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.group_block_ids[0]
 
 
 @dataclass
@@ -446,11 +543,25 @@ class FakeModelRunner:
                 f"and the layout ({layout.name}) must not be block-outermost"
             )
         self.kernel_ratio = cfg.block_size // self.kernel_block_size
-        kernel_block_sizes = None if cfg.kernel_block_size is None else [cfg.kernel_block_size]
+        groups = self.kv_cache_config.kv_cache_groups
+        self.num_groups = len(groups)
+        kernel_block_sizes = None if cfg.kernel_block_size is None else [cfg.kernel_block_size] * self.num_groups
+        # Every layer's [B, H, N, C] view; layers at the same index of different groups view
+        # the same bytes (groups alias from byte 0), as allocate_kv_cache gives them.
         self.kv_caches: dict[str, torch.Tensor] = allocate_kv_cache(
             self.kv_cache_config, torch.device("cpu"), layout, kernel_block_sizes
         )
         self.layer_names = list(cfg.layer_names)
+        # The KV cache group of each layer (by layer index); which positions each layer's
+        # attention reads (None: all earlier ones; w: the last w - 1 and itself).
+        self.group_of_layer = [
+            next(gid for gid, group in enumerate(groups) if name in group.layer_names) for name in self.layer_names
+        ]
+        self.layer_windows = [cfg.layer_window(index) for index in range(len(self.layer_names))]
+        # Groups whose manager frees out-of-window blocks (their tables may show the null block).
+        self.sliding_window_group_ids = {
+            gid for gid, group in enumerate(groups) if isinstance(group.kv_cache_spec, SlidingWindowSpec)
+        }
         first = self.kv_caches[self.layer_names[0]]
         num_kernel_blocks, num_heads, _, num_elements = first.shape  # logical [B, H, N, C]
         self.num_blocks = num_kernel_blocks // self.kernel_ratio
@@ -485,7 +596,7 @@ class FakeModelRunner:
                     start=new.num_computed_tokens,
                     num_tokens=so.num_scheduled_tokens[new.req_id],
                     token_ids=_reconcile(new.req_id, old.token_ids if old else None, tokens, replace=True),
-                    block_ids=list(new.block_ids[0]),
+                    group_block_ids=self._group_tables(new.req_id, new.block_ids),
                     resumed_or_new=True,
                 )
             )
@@ -504,22 +615,24 @@ class FakeModelRunner:
             else:
                 raise HarnessError(f"request {req_id}: resumed without all_token_ids")
             new_block_ids = cached.new_block_ids[index]
-            if resumed:
+            if resumed:  # the scheduler re-sends every group's whole table
                 if new_block_ids is None:
                     raise HarnessError(f"request {req_id}: resumed without block ids")
-                block_ids = list(new_block_ids[0])
+                group_block_ids = self._group_tables(req_id, new_block_ids)
             else:
                 assert old is not None
-                block_ids = list(old.block_ids)
-                if new_block_ids is not None:
-                    block_ids.extend(new_block_ids[0])
+                appended = self._group_tables(req_id, new_block_ids) if new_block_ids is not None else None
+                group_block_ids = tuple(
+                    list(table) + (appended[gid] if appended is not None else [])
+                    for gid, table in enumerate(old.group_block_ids)
+                )
             planned.append(
                 _ScheduledRequest(
                     request_id=req_id,
                     start=cached.num_computed_tokens[index],
                     num_tokens=so.num_scheduled_tokens[req_id],
                     token_ids=tokens,
-                    block_ids=block_ids,
+                    group_block_ids=group_block_ids,
                     resumed_or_new=resumed,
                 )
             )
@@ -530,25 +643,52 @@ class FakeModelRunner:
                     f"request {item.request_id}: scheduled up to position {end} but the runner "
                     f"knows {len(item.token_ids)} tokens"
                 )
-            if end > len(item.block_ids) * self.block_size:
-                raise HarnessError(
-                    f"request {item.request_id}: {len(item.block_ids)} blocks cannot hold {end} tokens"
-                )
+            for gid, table in enumerate(item.group_block_ids):
+                if end > len(table) * self.block_size:
+                    raise HarnessError(
+                        f"request {item.request_id}: {len(table)} blocks of group {gid} cannot hold {end} tokens"
+                    )
+                written = table[item.start // self.block_size : -(-end // self.block_size)] if item.num_tokens else []
+                if NULL_BLOCK_ID in written:
+                    raise HarnessError(
+                        f"request {item.request_id}: positions {item.start}..{end - 1} of group {gid} "
+                        f"map to the null block ({table})"
+                    )
         return planned
+
+    def _group_tables(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
+        if len(block_ids) != self.num_groups:
+            raise HarnessError(
+                f"request {request_id}: block ids for {len(block_ids)} groups, the cache has {self.num_groups}"
+            )
+        return tuple(list(ids) for ids in block_ids)
 
     def _commit(self, so: SchedulerOutput, planned: list[_ScheduledRequest]) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self._fingerprint_cache.pop(req_id, None)
         for item in planned:
-            self.requests[item.request_id] = _RequestState(list(item.token_ids), list(item.block_ids))
+            self.requests[item.request_id] = _RequestState(
+                list(item.token_ids), [list(table) for table in item.group_block_ids]
+            )
             if self.scheduler is not None:
-                manager_ids = list(self.scheduler.kv_cache_manager.get_block_ids(item.request_id)[0])
-                if manager_ids != item.block_ids:
+                manager_tables = self.scheduler.kv_cache_manager.get_block_ids(item.request_id)
+                for gid, (runner_ids, manager_ids) in enumerate(zip(item.group_block_ids, manager_tables)):
+                    if self._tables_agree(gid, runner_ids, manager_ids):
+                        continue
                     raise HarnessError(
-                        f"request {item.request_id}: runner block table {item.block_ids} != "
+                        f"request {item.request_id}: runner block table {runner_ids} of group {gid} != "
                         f"scheduler's {manager_ids}"
                     )
+
+    def _tables_agree(self, group_id: int, runner_ids: Sequence[int], manager_ids: Sequence[int]) -> bool:
+        """Equal, except where a sliding-window manager nulled a block it freed out of the
+        window: the runner keeps the stale id there, as vLLM's model runner does."""
+        if list(runner_ids) == list(manager_ids):
+            return True
+        if group_id not in self.sliding_window_group_ids or len(runner_ids) != len(manager_ids):
+            return False
+        return all(ours == theirs or theirs == NULL_BLOCK_ID for ours, theirs in zip(runner_ids, manager_ids))
 
     def fingerprints(self, request_id: str, token_ids: Sequence[int], upto: int) -> list[int]:
         """Prefix fingerprints of token_ids[:upto], cached per request while the prefix holds."""
@@ -588,9 +728,24 @@ class FakeModelRunner:
         fingerprints = self.fingerprints(request_id, token_ids, positions.stop)
         return self.values.values(fingerprints[positions.start : positions.stop])
 
+    def block_table(self, request_id: str, layer_index: int = 0) -> list[int]:
+        """The runner's block table of a request for the KV cache group of a layer."""
+        return self.requests[request_id].group_block_ids[self.group_of_layer[layer_index]]
+
+    def window_start(self, layer_index: int, start: int) -> int:
+        """The first earlier position a layer reads when computing from `start` on: 0 for
+        full attention; for a window w, start - w + 1 (the token at p attends p - w + 1 .. p,
+        and vLLM frees only blocks wholly below num_computed_tokens - w + 1)."""
+        window = self.layer_windows[layer_index]
+        return 0 if window is None else max(0, start - window + 1)
+
     def corrupt(self, request_id: str, position: int, layer_index: int = 0) -> int:
-        """Flip one bit of a running request's KV slot (negative controls). Returns the block."""
-        block_id = self.requests[request_id].block_ids[position // self.block_size]
+        """Flip one bit of a running request's KV slot (negative controls) in the block of
+        the layer's group (for a freed out-of-window position: its former block). Returns
+        the block."""
+        block_id = self.block_table(request_id, layer_index)[position // self.block_size]
+        if block_id == NULL_BLOCK_ID:
+            raise HarnessError(f"request {request_id}: position {position} has no block (null) in that group")
         self.corrupt_block(block_id, position % self.block_size, layer_index)
         return block_id
 
@@ -602,28 +757,36 @@ class FakeModelRunner:
         view[row, 0, offset, 0] = view[row, 0, offset, 0] ^ 1
 
     def _check_layer(self, planned: Iterable[_ScheduledRequest], layer_index: int) -> list[KVMismatch]:
+        """Every earlier slot the layer's attention reads (window_start .. start - 1) must hold
+        its value. A read slot in the null block is wrong too (vLLM dropped KV in the window)."""
         layer = self.layer_names[layer_index]
+        group = self.group_of_layer[layer_index]
         found: list[KVMismatch] = []
         for item in planned:
-            if item.start == 0:
+            positions = range(self.window_start(layer_index, item.start), item.start)
+            if not positions:
                 continue
-            positions = range(0, item.start)
-            got = self.read_bits(layer, item.block_ids, positions)
+            table = item.group_block_ids[group]
+            got = self.read_bits(layer, table, positions)
             want = self.expected_bits(item.request_id, item.token_ids, positions)[:, layer_index]
             self.num_checked_slots += len(positions)
-            bad = (got != want).reshape(len(positions), -1).any(dim=1).nonzero().flatten().tolist()
-            for index in bad:
+            wrong = (got != want).reshape(len(positions), -1).any(dim=1)
+            if self.layer_windows[layer_index] is not None:  # only sliding-window tables hold nulls
+                read = table[positions.start // self.block_size : -(-positions.stop // self.block_size)]
+                if NULL_BLOCK_ID in read:
+                    pos = torch.arange(positions.start, positions.stop, dtype=torch.int64)
+                    wrong |= torch.tensor(table, dtype=torch.int64)[pos // self.block_size] == NULL_BLOCK_ID
+            for index in wrong.nonzero().flatten().tolist():
                 position = positions[index]
-                found.append(
-                    KVMismatch(item.request_id, position, layer, item.block_ids[position // self.block_size])
-                )
+                found.append(KVMismatch(item.request_id, position, layer, table[position // self.block_size]))
         return found
 
     def _write_layer(self, planned: Iterable[_ScheduledRequest], layer_index: int) -> None:
         layer = self.layer_names[layer_index]
+        group = self.group_of_layer[layer_index]
         for item in planned:
             positions = range(item.start, item.start + item.num_tokens)
-            blocks, offsets = self._slots(item.block_ids, positions)
+            blocks, offsets = self._slots(item.group_block_ids[group], positions)
             want = self.expected_bits(item.request_id, item.token_ids, positions)
             self._bits[layer][blocks, :, offsets, :] = want[:, layer_index]
 
@@ -716,15 +879,21 @@ class FakeModelRunner:
 
     def _forward(self, so: SchedulerOutput, planned: list[_ScheduledRequest]) -> ModelRunnerOutput:
         connector = self.connector
-        slot_mapping = torch.tensor(
-            [
-                item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                for item in planned
-                for p in range(item.start, item.start + item.num_tokens)
-            ],
-            dtype=torch.int64,
-        )
-        attn_metadata = {name: FakeAttentionMetadata(slot_mapping) for name in self.layer_names}
+        slot_mappings = [
+            torch.tensor(
+                [
+                    item.group_block_ids[gid][p // self.block_size] * self.block_size + p % self.block_size
+                    for item in planned
+                    for p in range(item.start, item.start + item.num_tokens)
+                ],
+                dtype=torch.int64,
+            )
+            for gid in range(self.num_groups)
+        ]
+        attn_metadata = {
+            name: FakeAttentionMetadata(slot_mappings[self.group_of_layer[index]])
+            for index, name in enumerate(self.layer_names)
+        }
         load_kwargs: dict[str, Any] = {}
         if self.use_v2_model_runner:
             load_kwargs = {
@@ -794,7 +963,7 @@ class FakeModelRunner:
         if state is None:
             return False
         upto = mismatch.position // self.block_size + 1
-        return any(block_id in invalid for block_id in state.block_ids[:upto])
+        return any(block_id in invalid for table in state.group_block_ids for block_id in table[:upto])
 
 
 def _reconcile(request_id: str, old: Sequence[int] | None, provided: Sequence[int], replace: bool) -> list[int]:
@@ -811,7 +980,8 @@ def _reconcile(request_id: str, old: Sequence[int] | None, provided: Sequence[in
 
 
 def check_kv(runner: FakeModelRunner, so: SchedulerOutput) -> int:
-    """Verify every slot below num_computed_tokens of every request scheduled in `so`.
+    """Verify every slot below num_computed_tokens of every request scheduled in `so` (for a
+    sliding-window layer, the slots in its window: FakeModelRunner.window_start).
 
     Call it where the model would read the KV: after the step's CoW copies and synchronous
     loads (FakeModelRunner.execute_model does this itself, per layer, right after
