@@ -469,8 +469,9 @@ def test_other_parallel_layouts_are_refused_with_why_and_what_instead(
             HarnessConfig(num_gpu_blocks=8), harness_lib._default_model_dir(HarnessConfig())))
 
 
-def test_several_kv_cache_groups_and_other_specs_are_refused_at_start() -> None:
-    """What docs/vllm.md lists as not yet supported fails at start with a message."""
+def test_full_attention_and_sliding_window_groups_make_one_chunk_of_every_groups_pages() -> None:
+    """A hybrid model (issue 15, point 1): its groups are stored together, a chunk holding
+    each layer region's page of every group's blocks; a chunk fits the smallest window."""
     import torch
     from types import SimpleNamespace
 
@@ -478,17 +479,60 @@ def test_several_kv_cache_groups_and_other_specs_are_refused_at_start() -> None:
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16,
-                               sliding_window=64)
+                               sliding_window=72)
+    cfg = HarnessConfig(num_gpu_blocks=8)
+    config = harness_lib.build_vllm_config(cfg, harness_lib._default_model_dir(cfg))
+    hybrid = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a", "c"], full),
+                                              KVCacheGroupSpec(["b", "d"], window)])
+    geometry = vllm_config.build_geometry(config, hybrid, vllm_config.parse_settings({}))
+    assert geometry.layer_names == ("a", "c") and geometry.num_groups == 2
+    assert geometry.tokens_per_chunk == 64  # 256 by default; the window holds 72 tokens
+    assert geometry.pages_per_chunk == 8 and geometry.chunk_bytes == 2 * 8 * full.page_size_bytes
+    assert geometry.released_blocks(71) == 0 and geometry.released_blocks(87) == 1
+    namespace = vllm_config.build_namespace(config, geometry, "0.33.0")
+    assert namespace.kv_layout.endswith(" groups=[full:2, sliding_window=72:2]")
+    assert namespace.layer_names == ("a", "c", "b", "d")
+    # The group's kinds are part of the namespace: another window is another namespace.
+    other = SimpleNamespace(kv_cache_groups=[hybrid.kv_cache_groups[0], KVCacheGroupSpec(
+        ["b", "d"], SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                      dtype=torch.float16, sliding_window=80))])
+    assert vllm_config.build_namespace(config, vllm_config.build_geometry(
+        config, other, vllm_config.parse_settings({})), "0.33.0").fingerprint() \
+        != namespace.fingerprint()
+    with pytest.raises(ConfigError, match=r"tokens_per_chunk.*at most 64 with a sliding window of 72"):
+        vllm_config.build_geometry(config, hybrid, vllm_config.parse_settings({"tokens_per_chunk": 128}))
+    only_window = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], window)])
+    assert vllm_config.build_geometry(config, only_window,
+                                      vllm_config.parse_settings({})).sliding_windows == ((0, 71),)
+
+
+def test_other_kv_cache_specs_and_mixed_page_shapes_are_refused_at_start() -> None:
+    """What docs/vllm.md lists as not supported fails at start, saying what to do instead."""
+    import torch
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                            KVCacheGroupSpec, MLAAttentionSpec)
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     cfg = HarnessConfig(num_gpu_blocks=8)
     config = harness_lib.build_vllm_config(cfg, harness_lib._default_model_dir(cfg))
     settings = vllm_config.parse_settings({})
-    hybrid = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], full),
-                                              KVCacheGroupSpec(["b"], window)])
-    with pytest.raises(ConfigError, match="the model has 2 KV cache groups"):
-        vllm_config.build_geometry(config, hybrid, settings)
-    only_window = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], window)])
-    with pytest.raises(ConfigError, match="KV cache spec SlidingWindowSpec is not supported"):
-        vllm_config.build_geometry(config, only_window, settings)
+    local = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                      dtype=torch.float16, attention_chunk_size=64)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float16)
+    wider = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=4, dtype=torch.float16)
+    for groups, message in [
+        ([full, local], "KV cache spec ChunkedLocalAttentionSpec .* is not supported"),
+        ([full, mla], "KV cache spec MLAAttentionSpec .* is not supported"),
+        ([local], "KV cache spec ChunkedLocalAttentionSpec .* is not supported"),
+        ([full, wider], "the KV cache groups differ in num_kv_heads"),
+    ]:
+        kv = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], spec)
+                                              for i, spec in enumerate(groups)])
+        with pytest.raises(ConfigError, match=message) as raised:
+            vllm_config.build_geometry(config, kv, settings)
+        assert "--disable-hybrid-kv-cache-manager" in str(raised.value)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -143,3 +143,32 @@ def test_mla_under_tp_keeps_one_disk_copy_that_every_rank_loads(async_scheduling
     assert counts["hit_tokens_disk"] >= TPC * workload["num_conversations"]
     assert counts["loads_failed"] == 0
     again.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_hybrid_model_on_two_rank_processes(async_scheduling: bool, tmp_path: Path) -> None:
+    """Full-attention and sliding-window groups (HMA on) with TP = 2 in two processes: each
+    rank stores every group's pages of its own heads, and a restart loads them."""
+    cfg = tp_config(async_scheduling=async_scheduling, num_layers=4, sliding_window=32,
+                    sliding_window_layers=(1, 3), num_gpu_blocks=96,
+                    extra={"disk_path": str(tmp_path)})
+    first = TPRun(cfg)
+    assert first.side.geometry.num_groups == 2 and first.side.geometry.world_size == 2
+    result = first.run(MultiTurnWorkload(**CHAT))
+    assert_clean(result, cfg.vocab_size)
+    expected = expected_chat_hits(result, CHAT["user_turn_len"])
+    assert first.side.statistics()["hit_tokens_cpu"] == sum(expected.values()) > 0
+    first.shutdown()
+
+    second = TPRun(cfg)
+    sequences = {req: list(spec.prompt_token_ids) + result.outputs[req]
+                 for req, spec in result.prompts.items() if req.endswith("turn2")}
+    again = second.run(harness_lib.StaticWorkload(
+        [harness_lib.RequestSpec(f"again-{req}", tokens + [7], max_tokens=2)
+         for req, tokens in sequences.items()]))
+    assert_clean(again, cfg.vocab_size)
+    stats = second.side.statistics()
+    # every chunk the first server computed (the last sampled token was never written)
+    assert stats["hit_tokens_disk"] == sum((len(t) - 1) // TPC * TPC for t in sequences.values())
+    assert stats["loads_failed"] == 0
+    second.shutdown()

@@ -38,7 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -89,8 +91,10 @@ def spec_kind(kv_cache_config: Any) -> str | None:
     return str(get_kv_cache_spec_kind(groups[0].kv_cache_spec).value) if groups else None
 
 
-class TierKVConnector(KVConnectorBase_V1):
-    """tierkv's vLLM connector (both roles); see the module docstring."""
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tierkv's vLLM connector (both roles); see the module docstring. It supports vLLM's
+    hybrid KV cache manager (``SupportsHMA``): a model's full-attention and sliding-window
+    groups are stored together, a chunk holding every group's pages."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -112,6 +116,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._events_enabled = False
         self._spec_kind: str | None = None
         self._failed_blocks: set[int] = set()
+        self._failed_loads: set[str] = set()
         self._completions: list[Any] = []
         world = self.geometry.world_size
         if role == KVConnectorRole.SCHEDULER:
@@ -205,8 +210,19 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         report = self._worker_side().adapter().poll()
         self._completions.extend(report.completions)
-        self._failed_blocks.update(report.failed_block_ids)
+        if self.geometry.num_groups > 1:
+            # vLLM cannot map block ids back to requests with several groups: a request
+            # whose load lost a chunk is reported failed instead (it is recomputed).
+            self._failed_loads.update(report.failed_loads)
+        else:
+            self._failed_blocks.update(report.failed_block_ids)
         return None, (set(report.finished_loads) or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        _, finished = self.get_finished(finished_req_ids)
+        failed, self._failed_loads = self._failed_loads, set()
+        return KVConnectorTransferResults(finished_recving=set(finished or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -251,6 +267,12 @@ class TierKVConnector(KVConnectorBase_V1):
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         self._scheduler_side().request_finished(request, aborted)
         return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this one (SupportsHMA), one block list per group: the scheduler side
+        # knows each request's blocks already.
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool:
         # After a weight update (vLLM's /reset_prefix_cache): stop serving every chunk

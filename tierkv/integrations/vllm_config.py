@@ -7,7 +7,7 @@ them and must get the same answer):
 - :func:`parse_settings`      ``kv_connector_extra_config`` -> :class:`ConnectorSettings`;
   an unknown key or a bad value raises :class:`ConfigError` naming the key and the value.
 - :func:`build_geometry`      chunk size, slot count and disk capacity from the
-  ``KVCacheConfig`` (``chunk_bytes = page_bytes x layers x blocks_per_chunk``,
+  ``KVCacheConfig`` (``chunk_bytes = page_bytes x layers x blocks_per_chunk x groups``,
   ``num_slots = cpu_bytes // (chunk_bytes x world_size)``). The worker recomputes
   ``chunk_bytes`` from the tensors it registers and refuses to run if they differ.
 - :func:`check_hash_stability` refuses a disk tier when vLLM's block hashes change from
@@ -211,6 +211,11 @@ class Geometry:
     num_slots: int
     disk_capacity: int  # chunks; 0 without a disk tier
     attention: str = "full"  # "full" (K and V per head) or "mla" (one latent vector a token)
+    # Several KV cache groups (vLLM's hybrid KV cache manager): each group's kind and
+    # layers. Groups alias one another's bytes (a block id belongs to one group at a time),
+    # so ``layer_names`` are the widest group's, one per region, and a chunk holds each
+    # region's page of every group's blocks (pages_per_chunk). Empty: one group.
+    groups: tuple[KVGroup, ...] = ()
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -221,8 +226,32 @@ class Geometry:
         return len(self.layer_names)
 
     @property
+    def num_groups(self) -> int:
+        return max(len(self.groups), 1)
+
+    @property
+    def pages_per_chunk(self) -> int:
+        """Block ids a chunk's jobs copy per layer: ``blocks_per_chunk`` of each group."""
+        return self.blocks_per_chunk * self.num_groups
+
+    @property
     def chunk_bytes(self) -> int:  # on one rank
-        return self.page_bytes * self.num_layers * self.blocks_per_chunk
+        return self.page_bytes * self.num_layers * self.pages_per_chunk
+
+    @property
+    def sliding_windows(self) -> tuple[tuple[int, int], ...]:
+        """``(group index, tokens kept before a request's next position)`` of each
+        sliding-window group: vLLM frees a block once all its tokens are that far back."""
+        return tuple((index, group.sliding_window - 1 + group.extra_retained_tokens)
+                     for index, group in enumerate(self.groups) if group.sliding_window)
+
+    def released_blocks(self, num_processed_tokens: int) -> int:
+        """Leading blocks of a request whose pages some sliding-window group freed, once
+        ``num_processed_tokens`` are computed (vLLM's SlidingWindowManager rule)."""
+        kept = min((window for _, window in self.sliding_windows), default=None)
+        if kept is None:
+            return 0
+        return max(0, num_processed_tokens - kept) // self.block_size
 
     @property
     def stored_ranks(self) -> int:
@@ -238,6 +267,21 @@ class Geometry:
     @property
     def hashes_per_chunk(self) -> int:
         return self.tokens_per_chunk // self.hash_block_size
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups as tierkv stores it."""
+
+    kind: str  # "full" or "sliding_window"
+    layer_names: tuple[str, ...]
+    sliding_window: int = 0  # tokens (sliding_window groups)
+    extra_retained_tokens: int = 0
+
+    def describe(self) -> str:
+        kind = self.kind if not self.sliding_window else f"sliding_window={self.sliding_window}" + (
+            f"+{self.extra_retained_tokens}" if self.extra_retained_tokens else "")
+        return f"{kind}:{len(self.layer_names)}"
 
 
 def _unsupported(what: str) -> ConfigError:
@@ -271,17 +315,49 @@ def world_size_of(vllm_config: Any) -> int:
     return int(parallel.tensor_parallel_size)
 
 
-def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> Geometry:
+# Specs of a model with several KV cache groups (or a sliding-window one) tierkv stores.
+GROUP_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window"}
+_SAME_PAGES = ("block_size", "page_size_bytes", "real_page_size_bytes", "num_kv_heads",
+               "head_size", "dtype")
+
+
+def _stored_spec(kv_cache_config: Any) -> tuple[Any, tuple[str, ...], tuple[KVGroup, ...]]:
+    """The spec of the pages tierkv stores, the layers a chunk's pages come from, and
+    the groups (empty: one full-attention or MLA group)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise _unsupported(f"the model has {len(groups)} KV cache groups; tierkv supports "
-                           f"models with one full-attention group")
-    group = groups[0]
-    spec = group.kv_cache_spec
-    if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "real_page_size_bytes")) \
-            or type(spec).__name__ not in ATTENTION_KINDS:
+    kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+    if len(groups) == 1 and kinds[0] in ATTENTION_KINDS:
+        return groups[0].kv_cache_spec, tuple(groups[0].layer_names), ()
+    instead = ("or serve it with --disable-hybrid-kv-cache-manager (vLLM then keeps every "
+               "layer's blocks, as one group), or without the tierkv connector")
+    for group, kind in zip(groups, kinds):
+        if kind not in GROUP_KINDS:
+            raise _unsupported(
+                f"KV cache spec {kind} (layers {list(group.layer_names)[:3]}) is not supported; "
+                f"tierkv stores full-attention, MLA and sliding-window groups {instead}")
+    first = groups[0].kv_cache_spec
+    for group in groups[1:]:
+        for name in _SAME_PAGES:
+            mine, theirs = getattr(group.kv_cache_spec, name, None), getattr(first, name, None)
+            if mine != theirs:
+                raise _unsupported(
+                    f"the KV cache groups differ in {name} ({theirs} and {mine}); tierkv stores "
+                    f"groups whose pages have one shape {instead}")
+    described = tuple(KVGroup(
+        kind=GROUP_KINDS[kind], layer_names=tuple(group.layer_names),
+        sliding_window=int(getattr(group.kv_cache_spec, "sliding_window", 0) or 0)
+        if kind == "SlidingWindowSpec" else 0,
+        extra_retained_tokens=int(getattr(group.kv_cache_spec, "extra_retained_tokens", 0) or 0))
+        for group, kind in zip(groups, kinds))
+    widest = max(described, key=lambda group: len(group.layer_names))
+    return first, widest.layer_names, described
+
+
+def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> Geometry:
+    spec, layer_names, groups = _stored_spec(kv_cache_config)
+    if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "real_page_size_bytes")):
         raise _unsupported(f"KV cache spec {type(spec).__name__} is not supported "
-                           f"(tierkv stores full-attention and MLA pages)")
+                           f"(tierkv stores full-attention, MLA and sliding-window pages)")
     layout = (getattr(kv_cache_config, "kv_cache_layout", None)
               or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "LBNHC")
     if layout not in PAGE_ORDER:
@@ -290,15 +366,26 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
                            f"BLHNC, e.g. VLLM_KV_CACHE_LAYOUT=LBNHC)")
     block_size = int(spec.block_size)
     hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    # A chunk's pages must all be held when it is stored: vLLM frees a sliding window's
+    # blocks as the window moves, so a chunk fits in the smallest window.
+    windows = [group.sliding_window for group in groups if group.sliding_window]
+    longest = max(block_size, min(windows) // block_size * block_size) if windows else None
     tokens_per_chunk = settings.tokens_per_chunk
     if tokens_per_chunk is None:
         tokens_per_chunk = -(-DEFAULT_TOKENS_PER_CHUNK // block_size) * block_size
+        if longest is not None:
+            tokens_per_chunk = min(tokens_per_chunk, longest)
     elif tokens_per_chunk % block_size or tokens_per_chunk % hash_block_size:
         raise _bad("tokens_per_chunk", tokens_per_chunk,
                    f"must be a multiple of vLLM's block size {block_size}")
+    elif longest is not None and tokens_per_chunk > longest:
+        raise _bad("tokens_per_chunk", tokens_per_chunk,
+                   f"must be at most {longest} with a sliding window of {min(windows)} tokens: "
+                   f"vLLM frees the window's blocks as it moves, and a chunk's pages must all "
+                   f"still be held when the chunk is stored")
     world_size = world_size_of(vllm_config)
     geometry = Geometry(
-        layer_names=tuple(group.layer_names),
+        layer_names=layer_names,
         block_size=block_size,
         hash_block_size=hash_block_size,
         blocks_per_chunk=tokens_per_chunk // block_size,
@@ -311,7 +398,8 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         world_size=world_size,
         num_slots=0,
         disk_capacity=0,
-        attention=ATTENTION_KINDS[type(spec).__name__],
+        attention=ATTENTION_KINDS.get(type(spec).__name__, "full"),
+        groups=groups,
     )
     chunk_bytes = geometry.chunk_bytes
     num_slots = cpu_slot_count(settings.cpu_bytes, chunk_bytes, world_size)
@@ -369,21 +457,27 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
                    f"/seed:{hash_seed_fingerprint(environ)}"
                    f"/hash-block:{geometry.hash_block_size}/lookahead:{lookahead}"
                    f"/key:tierkv-vllm-v1")
+    # Several groups: a chunk holds, per region of the widest group's layers, the pages of
+    # each group's blocks in group order; the groups' kinds and layers say whose they are.
+    layers = tuple(name for group in geometry.groups for name in group.layer_names) \
+        or geometry.layer_names
+    groups = (" groups=[" + ", ".join(group.describe() for group in geometry.groups) + "]"
+              if geometry.groups else "")
     return Namespace(
         model_id=model_id,
         dtype=f"{geometry.dtype}/{getattr(cache, 'cache_dtype', 'auto')}",
         kv_layout=(("vllm-mla-page" if geometry.attention == "mla" else "vllm-page")
                    + f" {geometry.page_order} [H={geometry.num_heads}, "
-                   f"N={geometry.block_size}, C={geometry.content_bytes}B]"),
+                   f"N={geometry.block_size}, C={geometry.content_bytes}B]{groups}"),
         page_bytes=geometry.page_bytes,
         tokens_per_chunk=geometry.tokens_per_chunk,
-        num_layers=geometry.num_layers,
+        num_layers=len(layers),
         tp_size=geometry.world_size,
         rank_layout=f"tp{geometry.world_size}",
         hash_scheme=hash_scheme,
         format_version=FORMAT_VERSION,
         extra=f"vllm-{vllm_minor(vllm_version)}" + (f"/quant:{quantization}" if quantization else ""),
-        layer_names=geometry.layer_names,
+        layer_names=layers,
         blocks_per_chunk=geometry.blocks_per_chunk,
         chunk_bytes=geometry.chunk_bytes,
     )
@@ -402,7 +496,7 @@ def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0)
     ``disk_bytes`` (the disk map is sized for it), everything else as the settings say."""
     share = geometry.world_size
     return StoreConfig(
-        blocks_per_chunk=geometry.blocks_per_chunk,
+        blocks_per_chunk=geometry.pages_per_chunk,  # block ids a job copies per chunk
         cpu=CpuTierConfig(max_bytes=max(settings.cpu_bytes // share, 1),
                           pin_memory=settings.pin_memory,
                           spill_ahead_fraction=settings.spill_ahead_fraction,
@@ -426,4 +520,6 @@ def adapter_config(settings: ConnectorSettings, geometry: Geometry) -> AdapterCo
         max_chunks_per_request=settings.max_chunks_per_request,
         promotion_wait_seconds=settings.promotion_wait_seconds,
         wait_for_stores=True,  # a chat's next turn hits the chunks its previous turn stores
+        groups=geometry.num_groups,
+        frees_running_blocks=bool(geometry.sliding_windows),
     )

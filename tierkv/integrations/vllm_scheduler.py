@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.engine.metrics import GAUGE_KEYS, usage_figures
-from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
 from tierkv.integrations.vllm_keys import chunk_key, epoch_key
@@ -40,7 +40,8 @@ _INDEX_COUNTERS = (
     "remote_corrupt", "remote_failed",
 )
 _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
-                     "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens")
+                     "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens",
+                     "stores_without_pages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,10 @@ class _Tracked:
     keys: list[bytes] = field(default_factory=list)
     sources: list[bytes] = field(default_factory=list)
     epoch: bytes = b""  # the cache epoch its keys are derived in (see reset_cache)
+    # Several KV cache groups: vLLM's block ids per group, and how many positions of them
+    # the adapter was given (every group's block of a position, side by side).
+    group_blocks: list[list[int]] = field(default_factory=list)
+    positions: int = 0
 
 
 class SchedulerSide:
@@ -89,6 +94,7 @@ class SchedulerSide:
                                      self.remote)
         self._clock = clock
         self._hpc = geometry.hashes_per_chunk
+        self._grouped = bool(geometry.groups)  # vLLM's block ids per group, null blocks
         self._tracked: dict[str, _Tracked] = {}
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
         self._sources: dict[str, tuple[int, int, int]] = {}  # (cpu, disk, remote) tokens of the last load
@@ -141,8 +147,35 @@ class SchedulerSide:
             keys.append(epoch_key(chunk_key(source), tracked.epoch))
             if self._record_events and keys[-1] not in self._event_meta:
                 self._event_meta[keys[-1]] = self._chunk_event(request, index)
+        released = 0
+        if self._grouped:  # vLLM frees a sliding window's blocks on processed tokens
+            released = self.geometry.released_blocks(
+                request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0))
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
-                           request.num_computed_tokens)
+                           request.num_computed_tokens, released)
+
+    def _block_ids(self, tracked: _Tracked | None, groups: Sequence[Sequence[int]],
+                   replace: bool) -> Sequence[int]:
+        """The adapter's block ids from vLLM's per-group lists: group 0's with one group;
+        else each position's ids side by side (AdapterConfig.groups), vLLM's null block
+        (id 0: a sliding window's block before the window) as NO_BLOCK. ``tracked``: the
+        request's new blocks of a step (positions every group has so far, once each);
+        None: the whole lists."""
+        if not self._grouped:
+            return groups[0]
+        if tracked is None:
+            mirror, start = [list(ids) for ids in groups], 0
+        else:
+            if replace or not tracked.group_blocks:
+                tracked.group_blocks, tracked.positions = [[] for _ in groups], 0
+            mirror, start = tracked.group_blocks, tracked.positions
+            for mine, ids in zip(mirror, groups):
+                mine.extend(ids)
+        end = min(len(ids) for ids in mirror)
+        if tracked is not None:
+            tracked.positions = end
+        return [NO_BLOCK if block == 0 else block
+                for position in range(start, end) for block in (ids[position] for ids in mirror)]
 
     def _rewind(self, tracked: _Tracked) -> None:
         """vLLM rewrote block hashes (a streaming-input session dropped its last sampled
@@ -208,7 +241,7 @@ class SchedulerSide:
             return
         if local is None:
             local = request.num_computed_tokens - num_external_tokens
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = self._block_ids(None, blocks.get_block_ids(), replace=True)
         self.adapter.update_state_after_alloc(view, block_ids, num_external_tokens, local)
         self._sources[req_id] = self.adapter.take_load_sources(req_id)
 
@@ -243,16 +276,19 @@ class SchedulerSide:
         self._step += 1
         new_block_ids: dict[str, Sequence[int]] = {}
         replaced: set[str] = set()
+        tracked = self._tracked
         for new in so.scheduled_new_reqs:
-            new_block_ids[new.req_id] = new.block_ids[0]
+            new_block_ids[new.req_id] = self._block_ids(tracked.get(new.req_id), new.block_ids,
+                                                        replace=True)
             replaced.add(new.req_id)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
-            if blocks is not None:
-                new_block_ids[req_id] = blocks[0]
             if req_id in resumed:
                 replaced.add(req_id)
+            if blocks is not None:
+                new_block_ids[req_id] = self._block_ids(tracked.get(req_id), blocks,
+                                                        replace=req_id in resumed)
         views = {req_id: self._view(self._tracked[req_id]) for req_id in so.num_scheduled_tokens}
         step = StepInput(
             requests=views,

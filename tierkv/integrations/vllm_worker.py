@@ -67,6 +67,25 @@ def regroup_layer(name: str, view: torch.Tensor, num_blocks: int, page_order: st
     return view.view(num_blocks, rows // num_blocks, *view.shape[1:])  # splitting dim 0: a view
 
 
+def check_groups_alias(geometry: Geometry, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    """With several KV cache groups, tierkv copies the widest group's layer views only:
+    layer ``i`` of every group must view the same bytes as that group's layer ``i`` (vLLM's
+    groups overlay one another from byte 0), or the other groups' pages would be missed."""
+    for group in geometry.groups:
+        for name, mine in zip(group.layer_names, geometry.layer_names):
+            view, region = kv_caches.get(name), kv_caches[mine]
+            if view is None:
+                raise ConfigError(f"tierkv vLLM connector: layer {name!r} of a KV cache group "
+                                  f"was not registered (got {sorted(kv_caches)[:4]}...)")
+            if (view.data_ptr(), view.stride(0) * view.element_size()) != \
+                    (region.data_ptr(), region.stride(0) * region.element_size()):
+                raise ConfigError(
+                    f"tierkv vLLM connector: layer {name!r} does not share its bytes with layer "
+                    f"{mine!r} of the widest KV cache group; tierkv stores groups that overlay "
+                    f"one another, as vLLM's KV cache planning lays them out (serve with "
+                    f"--disable-hybrid-kv-cache-manager otherwise)")
+
+
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, geometry: Geometry, namespace: Namespace,
                  num_blocks: int, rank: int, disk_rank: int) -> None:
@@ -103,13 +122,14 @@ class WorkerSide:
                     f"tierkv vLLM connector: layer {name!r} has {order} pages but the KV cache "
                     f"layout {geometry.layout} means {geometry.page_order}")
             ordered[name] = regroup_layer(name, view, self.num_blocks, geometry.page_order)
+        check_groups_alias(geometry, kv_caches)
         layout = KVLayout.from_tensors(ordered)
-        chunk_bytes = layout.chunk_bytes(geometry.blocks_per_chunk)
+        chunk_bytes = layout.chunk_bytes(geometry.pages_per_chunk)
         if chunk_bytes != geometry.chunk_bytes:
             raise ConfigError(
                 f"tierkv vLLM connector: rank {self.rank} registered chunks of {chunk_bytes} bytes, "
                 f"the scheduler sizes them as {geometry.page_bytes} page bytes x "
-                f"{geometry.num_layers} layers x {geometry.blocks_per_chunk} blocks = "
+                f"{geometry.num_layers} layers x {geometry.pages_per_chunk} blocks = "
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
         # A rank past geometry.stored_ranks (MLA: every rank but 0) loads rank 0's copy and
         # writes none: the disk read-only, no pushes, its spills done at once.
