@@ -43,17 +43,23 @@ def build_views(num_requests: int, num_chunks: int, tokens_per_chunk: int,
     return out
 
 
+def adapter_config(args: argparse.Namespace) -> AdapterConfig:
+    """--groups > 1: a hybrid model's KV cache groups, one with a sliding window (its
+    blocks may be freed while their request runs: the fence tracks what stores read)."""
+    return AdapterConfig(args.block_size, args.blocks_per_chunk, groups=args.groups,
+                         frees_running_blocks=args.groups > 1)
+
+
 def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace,
                 stats: list[IndexStats] | None = None) -> tuple[float, float, int]:
     tpc = args.block_size * args.blocks_per_chunk
     num_requests, num_chunks = len(views), len(views[0][1])
     index = BlockIndex(num_slots=args.cpu_slots or num_requests * num_chunks + 16, disk_capacity=0,
                        eviction_policy=args.policy)
-    adapter = EngineAdapter(index, AdapterConfig(args.block_size, args.blocks_per_chunk))
-    blocks = {
-        req_id: list(range(r * num_chunks * args.blocks_per_chunk, (r + 1) * num_chunks * args.blocks_per_chunk))
-        for r, (req_id, _) in enumerate(views)
-    }
+    adapter = EngineAdapter(index, adapter_config(args))
+    per_request = num_chunks * args.blocks_per_chunk * args.groups  # block ids
+    blocks = {req_id: list(range(r * per_request, (r + 1) * per_request))
+              for r, (req_id, _) in enumerate(views)}
     decisions = 0
     plan_seconds = 0.0
     lookup_seconds = 0.0
@@ -87,9 +93,10 @@ def run_decode_steps(views: list[tuple[str, list[bytes]]], args: argparse.Namesp
     tpc = args.block_size * args.blocks_per_chunk
     num_chunks = len(views[0][1])
     index = BlockIndex(num_slots=len(views) * num_chunks + 16, disk_capacity=0, eviction_policy=args.policy)
-    adapter = EngineAdapter(index, AdapterConfig(args.block_size, args.blocks_per_chunk))
+    adapter = EngineAdapter(index, adapter_config(args))
     computed = num_chunks * tpc - tpc // 2  # mid-chunk: no chunk completes for a while
-    blocks = {req_id: list(range(num_chunks * args.blocks_per_chunk)) for req_id, _ in views}
+    blocks = {req_id: list(range(num_chunks * args.blocks_per_chunk * args.groups))
+              for req_id, _ in views}
     first = {req_id: RequestView(req_id, keys, computed, computed + 1, computed) for req_id, keys in views}
     adapter.build_plan(StepInput(first, dict.fromkeys(first, 1), blocks, frozenset(first)))
     seconds = 0.0
@@ -151,6 +158,9 @@ def main() -> None:
                              "state, --chunks = the whole prompt in one prefill step")
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
                         help="the CPU tier's eviction policy")
+    parser.add_argument("--groups", type=int, default=1,
+                        help="KV cache groups (2: a hybrid model's full-attention and "
+                             "sliding-window groups, a chunk holding both groups' pages)")
     args = parser.parse_args()
     tpc = args.block_size * args.blocks_per_chunk
     views = build_views(args.requests, args.chunks, tpc, args.shared_chunks)
@@ -166,7 +176,8 @@ def main() -> None:
     slots = f"{args.cpu_slots} CPU slots (evicting)" if args.cpu_slots else "room for every chunk"
     if args.shared_chunks:
         slots += f", first {args.shared_chunks} chunks shared by all"
-    print(f"{args.policy}: {args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
+    groups = f", {args.groups} KV cache groups" if args.groups > 1 else ""
+    print(f"{args.policy}{groups}: {args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
           f"request per step ({steps} steps), {slots}, {args.repeats} repeats (median [min-max])")
     medians = {}
     for name, runs in rows.items():

@@ -97,20 +97,39 @@ def test_lost_blocks_of_a_load_never_name_a_missing_page() -> None:
 def test_a_block_freed_while_its_request_runs_waits_for_the_store_that_reads_it() -> None:
     adapter = make(frees_running_blocks=True)
     tokens = list(range(40))
-    ids = positions((1, 11), (2, 12))
-    plan = adapter.build_plan(StepInput({"r": view("r", tokens, 40, 0)}, {"r": 8}, {"r": ids},
-                                        frozenset({"r"})))
+
+    def at(computed: int, released: int) -> RequestView:
+        return RequestView("r", chunk_keys(tokens, TPC), 40, 40, computed, released)
+
+    plan = adapter.build_plan(StepInput({"r": at(0, 0)}, {"r": 8},
+                                        {"r": positions((1, 11), (2, 12))}, frozenset({"r"})))
     [spec] = plan.stores  # in flight, reading 1, 2, 11, 12
-    # The sliding-window group freed block 11 (out of the window) and gives it back to
-    # the same request for a new position: its store must finish first.
-    plan = adapter.build_plan(StepInput({"r": view("r", tokens, 40, 8)}, {"r": 4},
-                                        {"r": positions((3, 11))}))
+    # The sliding-window group released position 0 (block 11: out of the window) and the
+    # engine gives block 11 back to the same request for a new position at once: its
+    # store must finish before the forward pass that writes it.
+    plan = adapter.build_plan(StepInput({"r": at(8, 1)}, {"r": 4}, {"r": positions((3, 11))}))
     assert spec.job_id in plan.jobs_to_flush
-    done(adapter, plan)
     adapter.complete(WorkerReport(0, (Completion(spec.job_id, ok=True),)))
-    plan = adapter.build_plan(StepInput({"r": view("r", tokens, 40, 12)}, {"r": 4},
-                                        {"r": positions((4, 12))}))
-    assert plan.jobs_to_flush == ()  # nothing reads block 12 any more
+    done(adapter, plan)
+    # Position 1 (block 12) released with no job in flight: nothing to wait for.
+    plan = adapter.build_plan(StepInput({"r": at(12, 2)}, {"r": 4}, {"r": positions((4, 12))}))
+    assert plan.jobs_to_flush == ()
+
+
+def test_an_allocation_before_the_plan_that_notes_the_release_is_fenced_too() -> None:
+    # vLLM frees the window's blocks and hands them to another request's async load before
+    # it builds the step's plan, which is where the adapter learns of the release.
+    adapter = make(frees_running_blocks=True)
+    tokens = list(range(40))
+    keys = chunk_keys(tokens, TPC)
+    plan = adapter.build_plan(StepInput({"r": RequestView("r", keys, 40, 40, 0)}, {"r": 8},
+                                        {"r": positions((1, 11), (2, 12))}, frozenset({"r"})))
+    [spec] = plan.stores
+    other = RequestView("o", chunk_keys(list(range(100, 124)), TPC), 24, 24, 0)
+    adapter.update_state_after_alloc(other, positions((60, 11), (61, 62)), 0, 0)
+    plan = adapter.build_plan(StepInput({"r": RequestView("r", keys, 40, 40, 8, 1)}, {"r": 4},
+                                        {"r": positions((3, 13))}))
+    assert spec.job_id in plan.jobs_to_flush
 
 
 def test_without_frees_running_blocks_a_running_requests_blocks_need_no_fence() -> None:

@@ -118,6 +118,7 @@ class _Request:
     jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
     aborted: bool = False
+    released: int = 0  # block positions of view.num_released_blocks noted for the fence
 
 
 class _Candidates:
@@ -201,10 +202,10 @@ class EngineAdapter:
         # Requests whose load lost a chunk: the engine recomputes them, and their next
         # lookups hit nothing (a chunk whose copy keeps failing is not loaded forever).
         self._reloads_refused: set[str] = set()
-        # frees_running_blocks: block -> store jobs in flight that read it, and each such
-        # job's blocks (the fence for blocks freed while their request runs).
-        self._reading: dict[int, set[JobId]] = {}
-        self._job_blocks: dict[JobId, Sequence[int]] = {}
+        # frees_running_blocks: blocks a running request released (view.num_released_blocks)
+        # while a job of it was in flight -> the request; recorded once, when released.
+        self._fence_running = config.frees_running_blocks
+        self._freed_running: dict[int, str] = {}
         self.stats = AdapterStats()
 
     # ------------------------------------------------------------------ lookup
@@ -274,7 +275,7 @@ class EngineAdapter:
         state.block_ids = list(block_ids)
         # The first block id past the local hit (ids of `groups` groups per block position)
         first_new = num_local_tokens // self.config.tokens_per_block * self._groups
-        if self._released or self._reading:  # blocks a job may still read: fence them
+        if self._released or self._fence_running:  # blocks a job may still read: fence them
             self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
         if num_external_tokens <= 0:
             return
@@ -362,12 +363,13 @@ class EngineAdapter:
             else:
                 self._add_grouped(batch, state, first, target)
 
-    def _group_major(self, ids: Sequence[int]) -> list[int]:
+    def _group_major(self, ids: list[int]) -> list[int]:
         """One chunk's position-major block ids, group-major (see AdapterConfig.groups)."""
         groups = self._groups
-        if groups == 1:
-            return list(ids)
-        return [block for group in range(groups) for block in ids[group::groups]]
+        out = ids[0::groups]
+        for group in range(1, groups):
+            out += ids[group::groups]
+        return out
 
     def _add_grouped(self, batch: _Candidates, state: _Request, first: int, end: int) -> None:
         """``batch.add`` for block lists that may lack pages: each chunk's ids group-major,
@@ -418,15 +420,6 @@ class EngineAdapter:
         for owner in owners:
             owner.jobs.add(job_id)
         self._job_owners[job_id] = owners
-        if self.config.frees_running_blocks:
-            self._job_blocks[job_id] = block_ids
-            reading = self._reading
-            for block in block_ids:
-                jobs = reading.get(block)
-                if jobs is None:
-                    reading[block] = {job_id}
-                else:
-                    jobs.add(job_id)
         self.stats.stores_planned += len(plan.keys)
         return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
 
@@ -460,9 +453,10 @@ class EngineAdapter:
             if state is not None:
                 if req_id in step.replaced_blocks:
                     state.block_ids = list(blocks)
+                    state.released = 0
                 else:
                     state.block_ids.extend(blocks)
-            if self._released or self._reading:
+            if self._released:
                 allocated.update(dict.fromkeys(blocks, req_id))
         # Finished requests first: their last full chunk is stored now, in a job of its
         # own: its bytes are on the GPU already, so a fence may flush it before the forward
@@ -478,26 +472,20 @@ class EngineAdapter:
             finished_job = self._store_job(batch)
         # Fence: a block handed out this step (to a scheduled request or an async load)
         # that a departed request's job may still use: that request's jobs finish first.
-        # With frees_running_blocks, also any store job in flight that reads the block.
         allocated.pop(NO_BLOCK, None)
-        reading = self._reading
-        for block, req_id in allocated.items():
+        for block, req_id in allocated.items() if self._released else ():
             owner = self._released.get(block)
             if owner is not None and owner != req_id:
                 owner_state = self._requests.get(owner)
                 if owner_state is not None:
                     flush.update(dict.fromkeys(j for j in owner_state.jobs if j not in fresh))
-            if reading:
-                jobs = reading.get(block)
-                if jobs:
-                    flush.update(dict.fromkeys(jobs))
         for req_id in finished:
             self._maybe_free(req_id)
         # One store job for every running request's new chunks (per-job costs paid once).
         requests = self._requests
         scheduled = step.num_scheduled_tokens
         tpc, bpc, max_chunks, prompt_only = self._tpc, self._bpc, self._max_chunks, self._prompt_only
-        grouped = self._grouped
+        grouped, fence_running = self._grouped, self._fence_running
         batch = _Candidates()
         keys_to_store, blocks_to_store, ends, owners = batch.keys, batch.block_ids, batch.ends, batch.owners
         for req_id, view in step.requests.items():
@@ -505,6 +493,8 @@ class EngineAdapter:
             if state is None:
                 state = requests[req_id] = _Request(view, list(step.new_block_ids.get(req_id, ())))
             state.view = view
+            if fence_running and view.num_released_blocks > state.released:
+                self._note_released(state, view.num_released_blocks)
             # The running watermark, inline (this loop is the scheduler's hot path).
             mark = view.num_computed_tokens + scheduled.get(req_id, 0)
             if prompt_only and mark > view.num_prompt_tokens:
@@ -529,6 +519,10 @@ class EngineAdapter:
                 blocks_to_store += state.block_ids[first * bpc : target * bpc]
                 ends.append(len(keys_to_store))
                 owners.append(state)
+        if self._freed_running:  # new blocks are in `allocated` only with departed requests
+            self._fence_freed_running(
+                (allocated, *(() if self._released else step.new_block_ids.values())),
+                flush, fresh)
         stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         loads, self._pending_loads = tuple(self._pending_loads), []
         self._finishing.clear()
@@ -564,16 +558,29 @@ class EngineAdapter:
         self._job_owners[job_id] = [state]
         state.jobs.add(job_id)
 
-    def _untrack(self, job_id: JobId) -> None:
-        blocks = self._job_blocks.pop(job_id, None)
-        if blocks is not None:
-            reading = self._reading
+    def _note_released(self, state: _Request, released: int) -> None:
+        """The request released block positions up to ``released`` (a sliding window moved
+        on): while a job of it is in flight, the fence keeps their blocks."""
+        if state.jobs:
+            groups = self._groups
+            ids = state.block_ids[state.released * groups : released * groups]
+            self._freed_running.update(dict.fromkeys(ids, state.view.req_id))
+        state.released = released
+
+    def _fence_freed_running(self, handed_out: Iterable[Iterable[int]],
+                             flush: dict[JobId, None], fresh: set[JobId]) -> None:
+        """A block a running request released while a job of it was in flight, handed out
+        this step (even to the same request: its next forward writes it): the request's
+        jobs finish first. Each block is fenced once, when handed out."""
+        freed, requests = self._freed_running, self._requests
+        for blocks in handed_out:
             for block in blocks:
-                jobs = reading.get(block)
-                if jobs is not None:
-                    jobs.discard(job_id)
-                    if not jobs:
-                        del reading[block]
+                owner = freed.pop(block, None)
+                state = requests.get(owner) if owner is not None else None
+                if state is not None:
+                    flush.update(dict.fromkeys(j for j in state.jobs if j not in fresh))
+
+    def _untrack(self, job_id: JobId) -> None:
         for state in self._job_owners.pop(job_id, ()):
             state.jobs.discard(job_id)
             if state.finished:
