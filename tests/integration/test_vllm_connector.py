@@ -268,6 +268,21 @@ def _sequences(run: Run, result: harness_lib.RunResult) -> dict[str, list[int]]:
     return {req: list(spec.prompt_token_ids) + result.outputs[req] for req, spec in result.prompts.items()}
 
 
+def resend_after_restart(first: Run, result: harness_lib.RunResult,
+                         second: Run) -> tuple[dict[str, int], dict[str, int]]:
+    """Every sequence of the first server's run sent again to the second one: each must hit
+    every chunk the first computed (the last sampled token's KV was never written).
+    Returns the expected hits and the second server's figures."""
+    sequences = _sequences(first, result)
+    again = second.run(_Resend(sequences))
+    assert_clean(again, second.cfg.vocab_size)
+    expected = {f"again-{req}": (len(tokens) - 1) // TPC * TPC for req, tokens in sequences.items()}
+    assert second.external == expected
+    stats = second.side.statistics()
+    assert stats["hit_tokens_disk"] + stats["hit_tokens_cpu"] == sum(expected.values())
+    return expected, stats
+
+
 def test_restart_serves_hits_from_disk(tmp_path: Path) -> None:
     transfer = tierkv_config(disk_path=str(tmp_path), disk_bytes=64 << 20)
     cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
@@ -283,13 +298,7 @@ def test_restart_serves_hits_from_disk(tmp_path: Path) -> None:
 
     second = Run(cfg)  # a new scheduler and worker over the same disk path
     assert second.side.found_on_disk == stored.stores_planned - stored.stores_failed
-    sequences = _sequences(first, result)
-    again = second.run(_Resend(sequences))
-    assert_clean(again, cfg.vocab_size)
-    expected = {f"again-{req}": (len(tokens) - 1) // TPC * TPC for req, tokens in sequences.items()}
-    assert second.external == expected
-    stats = second.side.statistics()
-    assert stats["hit_tokens_disk"] + stats["hit_tokens_cpu"] == sum(expected.values())
+    expected, stats = resend_after_restart(first, result, second)
     # Each distinct chunk came from disk once; a request sharing it with one that promoted
     # it first waited ("not yet") and then hit the CPU tier.
     distinct = {key for req in expected
@@ -743,9 +752,9 @@ def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_pa
 # failures and tensor parallelism -----------------------------------------------------------------
 
 
-def test_a_chunk_missing_on_disk_is_recomputed(tmp_path: Path) -> None:
-    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
-                        kv_transfer_config=tierkv_config(disk_path=str(tmp_path)))
+def run_with_a_chunk_missing_on_disk(cfg: HarnessConfig) -> tuple[Run, harness_lib.RunResult]:
+    """One chat turn, a restart, the second chunk of conv1-turn0 deleted from disk (the
+    index still lists it: its read misses), and every turn sent again."""
     first = Run(cfg)
     result = first.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1}))
     first.shutdown()
@@ -755,9 +764,16 @@ def test_a_chunk_missing_on_disk_is_recomputed(tmp_path: Path) -> None:
     victim = harness_lib.make_request("x", sequences["conv1-turn0"], 1, second.harness.block_hasher)
     lost = chunk_keys_from_block_hashes(victim.block_hashes, 2)[1]
     disk = second.harness.worker_connector._worker.disk  # type: ignore[union-attr]
-    assert disk.delete_many([lost]) == 1  # the index still lists it: a read will miss
+    assert disk.delete_many([lost]) == 1
     again = second.run(_Resend(sequences))
-    assert_clean(again, cfg.vocab_size)  # the lost chunk's blocks were recomputed
+    assert_clean(again, cfg.vocab_size)  # the lost chunk's tokens were recomputed
+    return second, again
+
+
+def test_a_chunk_missing_on_disk_is_recomputed(tmp_path: Path) -> None:
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config(disk_path=str(tmp_path)))
+    second, again = run_with_a_chunk_missing_on_disk(cfg)
     invalid = set().union(*(r.kv_connector_output.invalid_block_ids for r in again.records
                             if r.kv_connector_output))
     assert len(invalid) == 2  # the two GPU blocks of the missing chunk

@@ -182,13 +182,7 @@ def test_preemptions_with_a_small_block_pool(model_runner: str, async_scheduling
     _, result = harness_lib.run_workload(cfg, workload)
     _assert_clean(result, cfg.vocab_size)
     assert result.num_preemptions > 0
-    # A preempted request comes back: v1 runner as a "resumed" cached request, v2 as a new one.
-    resumed = [req for r in result.records for req in r.resumed_req_ids]
-    admitted = [req for r in result.records for req in r.new_req_ids]
-    if model_runner == "v1":
-        assert resumed and len(admitted) == len(result.outputs)
-    else:
-        assert not resumed and len(admitted) > len(result.outputs)
+    harness_lib.assert_preempted_requests_came_back(result, model_runner)
 
 
 # (d) ------------------------------------------------------------------------------------------

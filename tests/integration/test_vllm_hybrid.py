@@ -11,21 +11,19 @@ output against ``reference_generate``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vllm installed")
 
 from . import vllm_harness as harness_lib
-from .test_vllm_connector import (CHAT, TPC, Run, _Resend, _sequences, assert_clean,
-                                  expected_chat_hits, tierkv_config)
+from .test_vllm_connector import (CHAT, TPC, Run, assert_clean, expected_chat_hits,
+                                  one_torch_thread, resend_after_restart,
+                                  run_with_a_chunk_missing_on_disk, tierkv_config)
 
 from tierkv.core.jobs import NO_BLOCK
-from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 
 HarnessConfig = harness_lib.HarnessConfig
 MultiTurnWorkload = harness_lib.MultiTurnWorkload
@@ -34,12 +32,7 @@ WINDOW = 32  # tokens: one chunk (TPC) fits, as tierkv requires
 HYBRID = dict(num_layers=4, sliding_window=WINDOW, sliding_window_layers=(1, 3))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+__all__ = ["one_torch_thread"]  # the autouse fixture: the KV checks run on one torch thread
 
 
 def hybrid(**options: Any) -> HarnessConfig:
@@ -147,13 +140,7 @@ def test_a_hybrid_model_restarts_warm_from_disk(async_scheduling: bool, tmp_path
 
     second = Run(cfg)
     assert second.side.found_on_disk == stored.stores_planned - stored.stores_failed > 0
-    sequences = _sequences(first, result)
-    again = second.run(_Resend(sequences))
-    assert_clean(again, cfg.vocab_size)
-    expected = {f"again-{req}": (len(tokens) - 1) // TPC * TPC for req, tokens in sequences.items()}
-    assert second.external == expected
-    stats = second.side.statistics()
-    assert stats["hit_tokens_disk"] + stats["hit_tokens_cpu"] == sum(expected.values())
+    _, stats = resend_after_restart(first, result, second)
     assert stats["hit_tokens_disk"] > 0 and stats["loads_failed"] == 0
     second.shutdown()
 
@@ -164,18 +151,7 @@ def test_a_lost_chunk_of_a_hybrid_model_fails_its_request_load_and_is_recomputed
     block: the request is recomputed, and no wrong KV is read."""
     cfg = hybrid(enable_prefix_caching=False, num_gpu_blocks=96, max_num_batched_tokens=64,
                  kv_transfer_config=tierkv_config(disk_path=str(tmp_path)))
-    first = Run(cfg)
-    result = first.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1}))
-    first.shutdown()
-
-    second = Run(cfg)
-    sequences = _sequences(first, result)
-    victim = harness_lib.make_request("x", sequences["conv1-turn0"], 1, second.harness.block_hasher)
-    lost = chunk_keys_from_block_hashes(victim.block_hashes, 2)[1]
-    disk = second.harness.worker_connector._worker.disk  # type: ignore[union-attr]
-    assert disk.delete_many([lost]) == 1  # the index still lists it: the read will miss
-    again = second.run(_Resend(sequences))
-    assert_clean(again, cfg.vocab_size)
+    second, again = run_with_a_chunk_missing_on_disk(cfg)
     outputs = [r.kv_connector_output for r in again.records if r.kv_connector_output]
     assert set().union(*(o.failed_recving or set() for o in outputs)) == {"again-conv1-turn0"}
     assert not any(o.invalid_block_ids for o in outputs)

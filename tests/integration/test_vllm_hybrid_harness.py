@@ -155,6 +155,15 @@ def test_vllm_groups_a_hybrid_model_in_two_aliased_groups() -> None:
 # exact KV under the real scheduler ---------------------------------------------------------------
 
 
+def _observed_run(cfg: HarnessConfig) -> tuple[harness_lib.Harness, _Observer, harness_lib.RunResult]:
+    """The chat workload under the harness (no connector), watched by an _Observer."""
+    harness = harness_lib.build_harness(cfg)
+    engine = harness_lib.HarnessEngine(harness)
+    observer = _Observer(harness)
+    engine.after_execute = observer
+    return harness, observer, engine.run(_workload())
+
+
 @pytest.mark.parametrize("window", [32, 48])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
@@ -162,11 +171,7 @@ def test_multi_turn_hybrid_passes_exact_checks(
     model_runner: str, async_scheduling: bool, layout: str, window: int
 ) -> None:
     cfg = _cfg(window, async_scheduling=async_scheduling, kv_cache_layout=layout)
-    harness = harness_lib.build_harness(cfg)
-    engine = harness_lib.HarnessEngine(harness)
-    observer = _Observer(harness)
-    engine.after_execute = observer
-    result = engine.run(_workload())
+    harness, observer, result = _observed_run(cfg)
 
     _assert_clean(result, cfg.vocab_size)
     assert harness.vllm_config.max_concurrent_batches == (2 if async_scheduling else 1)
@@ -184,22 +189,13 @@ def test_multi_turn_hybrid_passes_exact_checks(
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_preemptions_with_a_small_block_pool(model_runner: str, async_scheduling: bool) -> None:
     cfg = _cfg(num_gpu_blocks=36, async_scheduling=async_scheduling)
-    harness = harness_lib.build_harness(cfg)
-    engine = harness_lib.HarnessEngine(harness)
-    observer = _Observer(harness)
-    engine.after_execute = observer
-    result = engine.run(_workload())
+    _, observer, result = _observed_run(cfg)
 
     _assert_clean(result, cfg.vocab_size)
     assert result.num_preemptions > 0
     assert observer.nulled_running > 0 and observer.uneven_new_blocks == 0
     observer.assert_hit_tables(32)
-    resumed = [req for r in result.records for req in r.resumed_req_ids]
-    admitted = [req for r in result.records for req in r.new_req_ids]
-    if model_runner == "v1":
-        assert resumed and len(admitted) == len(result.outputs)
-    else:
-        assert not resumed and len(admitted) > len(result.outputs)
+    harness_lib.assert_preempted_requests_came_back(result, model_runner)
 
 
 # negative controls -------------------------------------------------------------------------------

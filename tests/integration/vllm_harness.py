@@ -979,6 +979,17 @@ def _reconcile(request_id: str, old: Sequence[int] | None, provided: Sequence[in
     return list(old)
 
 
+def assert_preempted_requests_came_back(result: RunResult, model_runner: str) -> None:
+    """A preempted request comes back as a "resumed" cached request under the v1 model
+    runner, as a new request under v2 (vLLM sends v2 the whole request again)."""
+    resumed = [req for r in result.records for req in r.resumed_req_ids]
+    admitted = [req for r in result.records for req in r.new_req_ids]
+    if model_runner == "v1":
+        assert resumed and len(admitted) == len(result.outputs)
+    else:
+        assert not resumed and len(admitted) > len(result.outputs)
+
+
 def check_kv(runner: FakeModelRunner, so: SchedulerOutput) -> int:
     """Verify every slot below num_computed_tokens of every request scheduled in `so` (for a
     sliding-window layer, the slots in its window: FakeModelRunner.window_start).

@@ -439,8 +439,9 @@ class EngineAdapter:
         flush: dict[JobId, None] = {}
         # Loads planned since the last plan target blocks allocated since: never flushed
         # (a request preempted and re-admitted in one step has such a load).
+        fences = step.preempted or self._released or self._fence_running
         fresh = ({load.spec.job_id for load in self._pending_loads if load.spec is not None}
-                 if self._pending_loads and (step.preempted or self._released) else set())
+                 if self._pending_loads and fences else set())
         for req_id in step.preempted:
             state = self._requests.get(req_id)
             if state is not None:

@@ -21,6 +21,7 @@ own ``cpu_bytes_to_use``: each rank holds ``1 / world_size`` of every chunk.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Mapping
@@ -245,10 +246,15 @@ class Geometry:
         return tuple((index, group.sliding_window - 1 + group.extra_retained_tokens)
                      for index, group in enumerate(self.groups) if group.sliding_window)
 
+    @functools.cached_property
+    def window_kept(self) -> int | None:
+        """The smallest of those (None: no sliding-window group)."""
+        return min((kept for _, kept in self.sliding_windows), default=None)
+
     def released_blocks(self, num_processed_tokens: int) -> int:
         """Leading blocks of a request whose pages some sliding-window group freed, once
         ``num_processed_tokens`` are computed (vLLM's SlidingWindowManager rule)."""
-        kept = min((window for _, window in self.sliding_windows), default=None)
+        kept = self.window_kept
         if kept is None:
             return 0
         return max(0, num_processed_tokens - kept) // self.block_size

@@ -8,9 +8,10 @@ The key of chunk ``i`` of a request (chunks of ``hashes_per_chunk`` entries of
                    || block_hashes[(i + 1) * hashes_per_chunk - 1])          (32 bytes)
 
 ``group_id`` is the KV cache group (always 0: a chunk holds the pages of every group of a
-hybrid model, under one key). vLLM's block hashes are chained, so a chunk's last one fingerprints the whole token
-prefix, ``cache_salt`` included. Hashing it once more gives every algorithm (32-byte sha256,
-16-byte xxhash) the same 32-byte key and keeps tierkv's keys apart from vLLM's own.
+hybrid model, under one key). vLLM's block hashes are chained, so a chunk's last one
+fingerprints the whole token prefix, ``cache_salt`` included. Hashing it once more gives
+every algorithm (32-byte sha256, 16-byte xxhash) the same 32-byte key and keeps tierkv's
+keys apart from vLLM's own.
 ``docs/vllm.md`` ("Chunk keys") says how an offline warm-up reproduces them.
 """
 

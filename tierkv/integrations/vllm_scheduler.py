@@ -95,6 +95,7 @@ class SchedulerSide:
         self._clock = clock
         self._hpc = geometry.hashes_per_chunk
         self._grouped = bool(geometry.groups)  # vLLM's block ids per group, null blocks
+        self._windowed = geometry.window_kept is not None
         self._tracked: dict[str, _Tracked] = {}
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
         self._sources: dict[str, tuple[int, int, int]] = {}  # (cpu, disk, remote) tokens of the last load
@@ -148,7 +149,7 @@ class SchedulerSide:
             if self._record_events and keys[-1] not in self._event_meta:
                 self._event_meta[keys[-1]] = self._chunk_event(request, index)
         released = 0
-        if self._grouped:  # vLLM frees a sliding window's blocks on processed tokens
+        if self._windowed:  # vLLM frees a window's blocks on the processed tokens
             released = self.geometry.released_blocks(
                 request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0))
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
@@ -194,7 +195,10 @@ class SchedulerSide:
     def _tracked_for(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.request is not request:
+            old = tracked
             tracked = self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch)
+            if old is not None:  # vLLM's block tables of the request id carry on
+                tracked.group_blocks, tracked.positions = old.group_blocks, old.positions
         return tracked
 
     def on_new_request(self, request: Any) -> None:
