@@ -132,8 +132,9 @@ class HfModel:
         window = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
         if kinds != {"full_attention"} or window:
             raise ConfigError(f"warmup: --model {model_dir} has sliding-window or mixed attention "
-                              f"layers; tierkv's connector stores models with one full-attention "
-                              f"KV cache group only")
+                              f"layers; the warm-up writes full-attention caches only (a hybrid "
+                              f"model's chunks hold each of vLLM's KV cache groups' pages, which "
+                              f"the warm-up does not lay out): let the server fill its cache")
         config_dtype = str(getattr(text, "dtype", None) or getattr(config, "dtype", None) or "")
         self.dtype = config_dtype.removeprefix("torch.") if dtype == "auto" else dtype
         if self.dtype not in ("float16", "bfloat16") and dtype == "auto":

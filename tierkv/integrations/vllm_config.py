@@ -196,7 +196,7 @@ def _remote_settings(url: Any, options: Any) -> RemoteTierConfig | None:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sizes both roles derive from the KVCacheConfig (one full-attention group)."""
+    """Sizes both roles derive from the KVCacheConfig."""
 
     layer_names: tuple[str, ...]
     block_size: int  # tokens per vLLM block
