@@ -172,3 +172,32 @@ def test_a_hybrid_model_on_two_rank_processes(async_scheduling: bool, tmp_path: 
     assert stats["hit_tokens_disk"] == sum((len(t) - 1) // TPC * TPC for t in sequences.values())
     assert stats["loads_failed"] == 0
     second.shutdown()
+
+
+def test_mla_under_tp_keeps_one_remote_copy_that_every_rank_loads(redis_cluster: Any) -> None:
+    """MLA with TP = 2 on the remote tier: rank 0 pushes one value per chunk (rank 1 pushes
+    nothing), and a second engine's two ranks both load it from the cluster."""
+    from .test_vllm_remote import cluster_chunks
+
+    redis_cluster.flushall()
+    cfg = tp_config(mla=True, head_size=16, extra={"remote_url": redis_cluster.url})
+    first = TPRun(cfg)
+    result = first.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1}))
+    assert_clean(result, cfg.vocab_size)
+    stored = first.side.index.statistics().stores_planned
+    first.shutdown()  # each rank flushes its push queue
+    on_cluster = cluster_chunks(redis_cluster.url)
+    assert on_cluster == {(first.side.fingerprint, 0): stored} and stored > 0
+
+    second = TPRun(cfg)  # another engine: an empty CPU tier, the same cluster
+    sequences = {req: list(spec.prompt_token_ids) + result.outputs[req]
+                 for req, spec in result.prompts.items()}
+    again = second.run(harness_lib.StaticWorkload(
+        [harness_lib.RequestSpec(f"again-{req}", tokens + [7], max_tokens=2)
+         for req, tokens in sequences.items()]))
+    assert_clean(again, cfg.vocab_size)
+    stats = second.side.statistics()
+    assert stats["hit_tokens_remote"] == sum((len(t) - 1) // TPC * TPC
+                                             for t in sequences.values()) > 0
+    assert stats["loads_failed"] == 0
+    second.shutdown()
