@@ -95,6 +95,11 @@ class SlotResidency:
         return sorted(((key, self._held[key]) for key in self._unspilled), key=lambda item: item[1])
 
 
+def _written(block_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The blocks a load writes of these (its NO_BLOCK positions stay untouched)."""
+    return block_ids if NO_BLOCK not in block_ids else tuple(b for b in block_ids if b != NO_BLOCK)
+
+
 @dataclass
 class _LoadInFlight:
     req_id: str
@@ -159,8 +164,7 @@ class WorkerAdapter:
                 if load.failed_block_ids:
                     self._failed_loads.append(load.req_id)
                 continue
-            blocks = {c.key: tuple(b for b in c.block_ids[c.skip_blocks:] if b != NO_BLOCK)
-                      for c in load.spec.chunks}
+            blocks = {c.key: _written(c.block_ids[c.skip_blocks:]) for c in load.spec.chunks}
             self._loads[load.spec.job_id] = _LoadInFlight(load.req_id, blocks, load.failed_block_ids)
             self.executor.submit(load.spec)
         for spill in plan.spills:
