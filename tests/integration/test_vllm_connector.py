@@ -512,7 +512,7 @@ def test_full_attention_and_sliding_window_groups_make_one_chunk_of_every_groups
         vllm_config.build_geometry(config, hybrid, vllm_config.parse_settings({"tokens_per_chunk": 128}))
     only_window = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], window)])
     assert vllm_config.build_geometry(config, only_window,
-                                      vllm_config.parse_settings({})).sliding_windows == ((0, 71),)
+                                      vllm_config.parse_settings({})).sliding_windows == (71,)
 
 
 def test_other_kv_cache_specs_and_mixed_page_shapes_are_refused_at_start() -> None:
@@ -930,32 +930,30 @@ def tierkv_vllm_completion(job_id: Any) -> Any:
 # randomized runs ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("TIERKV_RANDOM_SEEDS", "16"))))
-def test_random_configurations_keep_every_kv_slot_right(seed: int, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import random
-
-    rng = random.Random(seed)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", rng.choice(["0", "1"]))
-    tokens_per_chunk = rng.choice([16, 32, 48])
-    chunk_bytes = tokens_per_chunk // 16 * 2 * 1024
+def random_settings(rng: Any, tokens_per_chunk: int, chunk_bytes: int, disk_path: Path) -> dict[str, Any]:
+    """tierkv's extra config for a randomized run: CPU bytes for 1-24 chunks, some prompt-only
+    and write-through runs, a disk tier of 4-40 chunks in most."""
     extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk,
                              "cpu_bytes": rng.randint(1, 24) * chunk_bytes,
                              "offload_prompt_only": rng.random() < 0.2,
                              "write_through": rng.random() < 0.3}
     if rng.random() < 0.6:
-        extra["disk_path"] = str(tmp_path)
+        extra["disk_path"] = str(disk_path)
         extra["disk_bytes"] = rng.randint(4, 40) * (chunk_bytes + vllm_config.DISK_OVERHEAD_BYTES)
-    cfg = HarnessConfig(
-        async_scheduling=rng.random() < 0.5,
-        enable_prefix_caching=rng.random() < 0.5,
-        kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
-        num_gpu_blocks=rng.randint(14, 40),
-        max_num_batched_tokens=rng.choice([32, 48, 64]),
-        max_num_seqs=rng.choice([4, 8]),
-        kv_transfer_config=tierkv_config(**extra),
-    )
-    run = Run(cfg)
+    return extra
+
+
+def random_engine_knobs(rng: Any) -> dict[str, Any]:
+    """The harness knobs a randomized run draws besides the model and the pool."""
+    return dict(async_scheduling=rng.random() < 0.5, enable_prefix_caching=rng.random() < 0.5,
+                kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
+                max_num_batched_tokens=rng.choice([32, 48, 64]), max_num_seqs=rng.choice([4, 8]))
+
+
+def run_random_chat(run: Run, rng: Any, seed: int) -> dict[str, int]:
+    """A random multi-turn chat with some aborts, the block index checked after every step;
+    every request not aborted gets the reference output on exactly checked KV. Returns the
+    scheduler side's figures (the run is shut down)."""
     run.harness.runner.write_before_check = True  # same-step prefix hits on a shared system prompt
     workload = MultiTurnWorkload(num_conversations=rng.randint(3, 5), num_turns=3,
                                  system_prompt_len=rng.randint(10, 40), first_user_len=rng.randint(10, 40),
@@ -973,9 +971,25 @@ def test_random_configurations_keep_every_kv_slot_right(seed: int, tmp_path: Pat
 
     run.engine.on_step_end = maybe_abort
     result = run.run(workload)
-    assert_clean(result, cfg.vocab_size, skip=aborted)
-    assert run.side.statistics()["loads_failed"] == 0
+    assert_clean(result, run.cfg.vocab_size, skip=aborted)
+    stats = run.side.statistics()
     run.shutdown()
+    return stats
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("TIERKV_RANDOM_SEEDS", "16"))))
+def test_random_configurations_keep_every_kv_slot_right(seed: int, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    rng = random.Random(seed)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", rng.choice(["0", "1"]))
+    tokens_per_chunk = rng.choice([16, 32, 48])
+    extra = random_settings(rng, tokens_per_chunk, tokens_per_chunk // 16 * 2 * 1024, tmp_path)
+    knobs = random_engine_knobs(rng)
+    cfg = HarnessConfig(num_gpu_blocks=rng.randint(14, 40), kv_transfer_config=tierkv_config(**extra),
+                        **knobs)
+    assert run_random_chat(Run(cfg), rng, seed)["loads_failed"] == 0
 
 
 def test_block_index_touch_refreshes_recency() -> None:

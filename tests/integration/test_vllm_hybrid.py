@@ -20,7 +20,8 @@ pytest.importorskip("vllm", reason="the vLLM connector tests need vllm installed
 
 from . import vllm_harness as harness_lib
 from .test_vllm_connector import (CHAT, TPC, Run, assert_clean, expected_chat_hits,
-                                  one_torch_thread, resend_after_restart,
+                                  one_torch_thread, random_engine_knobs, random_settings,
+                                  resend_after_restart, run_random_chat,
                                   run_with_a_chunk_missing_on_disk, tierkv_config)
 
 from tierkv.core.jobs import NO_BLOCK
@@ -255,51 +256,18 @@ def test_random_hybrid_configurations_keep_every_kv_slot_right(
     pools small enough to preempt, and aborts: every slot each layer reads stays right."""
     import random
 
-    from tierkv.integrations import vllm_config
-
     rng = random.Random(1000 + seed)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", rng.choice(["0", "1"]))
     window = rng.choice([16, 32, 48, 64])
     layers = rng.choice([(1, 3), (1,), (0, 2), (1, 2, 3)])
     tokens_per_chunk = rng.choice([t for t in (16, 32, 48) if t <= window])
     chunk_bytes = tokens_per_chunk // 16 * 1024 * 8  # a generous bound over the groupings
-    extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk,
-                             "cpu_bytes": rng.randint(1, 24) * chunk_bytes,
-                             "offload_prompt_only": rng.random() < 0.2,
-                             "write_through": rng.random() < 0.3}
-    if rng.random() < 0.6:
-        extra["disk_path"] = str(tmp_path)
-        extra["disk_bytes"] = rng.randint(4, 40) * (chunk_bytes + vllm_config.DISK_OVERHEAD_BYTES)
-    cfg = HarnessConfig(
-        num_layers=4, sliding_window=window, sliding_window_layers=layers,
-        async_scheduling=rng.random() < 0.5,
-        enable_prefix_caching=rng.random() < 0.5,
-        kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
-        num_gpu_blocks=rng.randint(28, 80),
-        max_num_batched_tokens=rng.choice([32, 48, 64]),
-        max_num_seqs=rng.choice([4, 8]),
-        kv_transfer_config=tierkv_config(**extra),
-    )
+    extra = random_settings(rng, tokens_per_chunk, chunk_bytes, tmp_path)
+    knobs = random_engine_knobs(rng)
+    cfg = HarnessConfig(num_layers=4, sliding_window=window, sliding_window_layers=layers,
+                        num_gpu_blocks=rng.randint(28, 80), kv_transfer_config=tierkv_config(**extra),
+                        **knobs)
     run = Run(cfg)
     assert run.connector.geometry.num_groups == len(run.harness.kv_cache_config.kv_cache_groups) >= 2
-    run.harness.runner.write_before_check = True  # same-step prefix hits on a shared system prompt
-    workload = MultiTurnWorkload(num_conversations=rng.randint(3, 5), num_turns=3,
-                                 system_prompt_len=rng.randint(10, 40), first_user_len=rng.randint(10, 40),
-                                 user_turn_len=rng.randint(5, 30), max_tokens=rng.randint(4, 16), seed=seed)
-    aborted: set[str] = set()
-    abort_rate = rng.choice([0.0, 0.0, 0.05])
-
-    def maybe_abort(engine: harness_lib.HarnessEngine) -> None:
-        run.side.index.check()
-        live = [req for req, request in engine.requests.items() if not request.is_finished()]
-        if live and rng.random() < abort_rate:
-            victim = rng.choice(live)
-            aborted.add(victim)
-            engine.abort_request(victim)
-
-    run.engine.on_step_end = maybe_abort
-    result = run.run(workload)
-    assert_clean(result, cfg.vocab_size, skip=aborted)
-    stats = run.side.statistics()
+    stats = run_random_chat(run, rng, seed)
     assert stats["loads_failed"] == 0 and stats["stores_without_pages"] == 0
-    run.shutdown()

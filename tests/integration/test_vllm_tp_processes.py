@@ -6,6 +6,7 @@ every earlier slot of its own heads before each step (tp_workers.py)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,20 @@ class TPRun:
     def shutdown(self) -> None:
         self.ranks.shutdown()
         self.harness.scheduler.shutdown()
+
+
+def resend(run: TPRun, result: harness_lib.RunResult,
+           which: Callable[[str], bool] = lambda req: True) -> tuple[dict[str, int], int]:
+    """Each of ``result``'s sequences (those ``which`` picks) sent to ``run`` with one more
+    token; checks the outputs and returns the figures and the tokens of every chunk the
+    first engine computed (the last sampled token was never written)."""
+    sequences = {req: list(spec.prompt_token_ids) + result.outputs[req]
+                 for req, spec in result.prompts.items() if which(req)}
+    again = run.run(harness_lib.StaticWorkload(
+        [harness_lib.RequestSpec(f"again-{req}", tokens + [7], max_tokens=2)
+         for req, tokens in sequences.items()]))
+    assert_clean(again, run.cfg.vocab_size)
+    return run.side.statistics(), sum((len(t) - 1) // TPC * TPC for t in sequences.values())
 
 
 def tp_config(**options: Any) -> HarnessConfig:
@@ -161,16 +176,8 @@ def test_a_hybrid_model_on_two_rank_processes(async_scheduling: bool, tmp_path: 
     first.shutdown()
 
     second = TPRun(cfg)
-    sequences = {req: list(spec.prompt_token_ids) + result.outputs[req]
-                 for req, spec in result.prompts.items() if req.endswith("turn2")}
-    again = second.run(harness_lib.StaticWorkload(
-        [harness_lib.RequestSpec(f"again-{req}", tokens + [7], max_tokens=2)
-         for req, tokens in sequences.items()]))
-    assert_clean(again, cfg.vocab_size)
-    stats = second.side.statistics()
-    # every chunk the first server computed (the last sampled token was never written)
-    assert stats["hit_tokens_disk"] == sum((len(t) - 1) // TPC * TPC for t in sequences.values())
-    assert stats["loads_failed"] == 0
+    stats, computed = resend(second, result, lambda req: req.endswith("turn2"))
+    assert stats["hit_tokens_disk"] == computed and stats["loads_failed"] == 0
     second.shutdown()
 
 
@@ -190,14 +197,6 @@ def test_mla_under_tp_keeps_one_remote_copy_that_every_rank_loads(redis_cluster:
     assert on_cluster == {(first.side.fingerprint, 0): stored} and stored > 0
 
     second = TPRun(cfg)  # another engine: an empty CPU tier, the same cluster
-    sequences = {req: list(spec.prompt_token_ids) + result.outputs[req]
-                 for req, spec in result.prompts.items()}
-    again = second.run(harness_lib.StaticWorkload(
-        [harness_lib.RequestSpec(f"again-{req}", tokens + [7], max_tokens=2)
-         for req, tokens in sequences.items()]))
-    assert_clean(again, cfg.vocab_size)
-    stats = second.side.statistics()
-    assert stats["hit_tokens_remote"] == sum((len(t) - 1) // TPC * TPC
-                                             for t in sequences.values()) > 0
-    assert stats["loads_failed"] == 0
+    stats, computed = resend(second, result)
+    assert stats["hit_tokens_remote"] == computed > 0 and stats["loads_failed"] == 0
     second.shutdown()

@@ -240,16 +240,16 @@ class Geometry:
         return self.page_bytes * self.num_layers * self.pages_per_chunk
 
     @property
-    def sliding_windows(self) -> tuple[tuple[int, int], ...]:
-        """``(group index, tokens kept before a request's next position)`` of each
-        sliding-window group: vLLM frees a block once all its tokens are that far back."""
-        return tuple((index, group.sliding_window - 1 + group.extra_retained_tokens)
-                     for index, group in enumerate(self.groups) if group.sliding_window)
+    def sliding_windows(self) -> tuple[int, ...]:
+        """Per sliding-window group, the tokens it keeps behind a request's processed ones:
+        vLLM frees a block once all its tokens are further back."""
+        return tuple(group.sliding_window - 1 + group.extra_retained_tokens
+                     for group in self.groups if group.sliding_window)
 
     @functools.cached_property
     def window_kept(self) -> int | None:
         """The smallest of those (None: no sliding-window group)."""
-        return min((kept for _, kept in self.sliding_windows), default=None)
+        return min(self.sliding_windows, default=None)
 
     def released_blocks(self, num_processed_tokens: int) -> int:
         """Leading blocks of a request whose pages some sliding-window group freed, once
