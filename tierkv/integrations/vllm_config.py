@@ -3,7 +3,7 @@
 Primitives (each a pure function of vLLM's config objects; both connector roles call
 them and must get the same answer):
 
-- :func:`check_vllm_version`  refuses every vLLM but 0.33.x (:class:`UnsupportedVersionError`).
+- :func:`check_vllm_version`  refuses every vLLM but those of :mod:`.vllm_versions`'s table.
 - :func:`parse_settings`      ``kv_connector_extra_config`` -> :class:`ConnectorSettings`;
   an unknown key or a bad value raises :class:`ConfigError` naming the key and the value.
 - :func:`build_geometry`      chunk size, slot count and disk capacity from the
@@ -34,35 +34,18 @@ from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, Rem
                            StoreConfig, cpu_slot_count, disk_chunk_capacity)
 from tierkv.engine.adapter import AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
+from tierkv.integrations.vllm_versions import UnsupportedVersionError as UnsupportedVersionError
+from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
+from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.units import as_size
 
-SUPPORTED_VLLM = (0, 33)
 DEFAULT_TOKENS_PER_CHUNK = 256
 # Layouts whose per-block page is one dense [H, N, C] region, and its memory order.
 PAGE_ORDER = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND",
               "NHD": "NHD", "HND": "HND"}
 STABLE_HASHES = ("sha256", "sha256_cbor")
 KNOWN_HASHES = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-
-
-class UnsupportedVersionError(TierKVError, RuntimeError):
-    """The installed vLLM is not a version this connector was built and tested for."""
-
-
-def vllm_minor(version: str) -> str:
-    return ".".join(version.split(".")[:2])
-
-
-def check_vllm_version(version: str) -> None:
-    """Accept 0.33.x only: vLLM's connector API changes between minor versions."""
-    want = ".".join(map(str, SUPPORTED_VLLM))
-    if vllm_minor(version) != want:
-        raise UnsupportedVersionError(
-            f"tierkv vLLM connector: vLLM {version} is not supported; tierkv.integrations.vllm "
-            f"targets vLLM {want}.x (pip install 'vllm=={want}.*', or use the tierkv release "
-            f"built for your vLLM)"
-        )
 
 
 @dataclass(frozen=True)

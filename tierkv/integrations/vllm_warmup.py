@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +29,7 @@ from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HAS
                                              build_namespace, check_hash_stability,
                                              check_vllm_version, store_config)
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
+from tierkv.integrations.vllm_versions import target_vllm_version
 from tierkv.keys import Namespace
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM 0.33 kv_cache_utils, PYTHONHASHSEED unset
@@ -85,10 +86,11 @@ def vllm_block_hashes(token_ids: Sequence[int], hash_block_size: int, algorithm:
 # ------------------------------------------------------------------------------ vLLM target
 @dataclass(frozen=True)
 class VllmTarget:
-    """The vLLM 0.33 engine (with tierkv's connector) that the warmed chunks are for. Each
+    """The vLLM engine (with tierkv's connector) that the warmed chunks are for. Each
     field mirrors a vLLM or connector setting (a wrong one gives chunks no engine looks up):
     ``model_id`` is vLLM's ``--model`` as given, ``hash_seed`` the server's PYTHONHASHSEED
-    (None: unset), ``tokens_per_chunk`` and ``disk_bytes`` the connector's settings."""
+    (None: unset), ``tokens_per_chunk`` and ``disk_bytes`` the connector's settings,
+    ``vllm_version`` the serving vLLM's ``__version__`` (default: the installed one)."""
 
     model_id: str
     num_layers: int
@@ -105,7 +107,7 @@ class VllmTarget:
     tensor_parallel_size: int = 1
     disk_bytes: int = ConnectorSettings.disk_bytes
     revision: str | None = None
-    vllm_version: str = "0.33.0"
+    vllm_version: str = field(default_factory=target_vllm_version)  # the installed vLLM's
 
     def __post_init__(self) -> None:
         for name, option in (("num_layers", "--model"), ("num_kv_heads", "--model"),

