@@ -61,6 +61,15 @@ MODELS: dict[str, TinyModel] = {
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
          "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2},
         "hybrid: 2 sliding-window layers (128 tokens) and 2 full-attention layers"),
+    # vLLM's CPU MLA kernels compile for a 576-wide latent only (kv_lora_rank 512 + rope 64).
+    "deepseek_v2": TinyModel(
+        "deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+        {**_COMMON, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512,
+         "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
+         "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "first_k_dense_replace": 2, "moe_intermediate_size": 128},
+        "MLA (DeepSeek-V2 attention), 2 dense layers"),
 }
 
 

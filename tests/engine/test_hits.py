@@ -77,3 +77,20 @@ def test_disk_hits_after_an_engine_restart(model: str, models: dict[str, Path],
         figures = engine.figures()
         assert figures["hit_tokens_disk"] == sum(expected)
         assert figures["hit_tokens_cpu"] == 0 and figures["loads_failed"] == 0
+
+
+def test_mla_on_vllms_cpu_backend_is_refused(models: dict[str, Path]) -> None:
+    """vLLM's CPU backend (no AMX here) runs MLA with chunked prefill and prefix caching
+    forced off: its MLA prefill cannot attend to KV it did not compute in the same pass.
+    Before tierkv refused it, a tierkv hit there gave other greedy tokens than a recompute
+    (the engine read wrong KV); now the engine does not start with the connector, and
+    the error says why (docs/vllm.md quotes it)."""
+    from tierkv.errors import ConfigError
+
+    with pytest.raises(Exception) as raised:
+        Engine(models["deepseek_v2"], tierkv={"cpu_bytes": 64 << 20})
+    error = raised.value
+    while not isinstance(error, ConfigError) and error.__cause__ is not None:
+        error = error.__cause__
+    assert isinstance(error, ConfigError), f"{type(raised.value).__name__}: {raised.value}"
+    assert "MLA prefill cannot attend to KV computed before" in str(error)

@@ -284,7 +284,9 @@ def resend_after_restart(first: Run, result: harness_lib.RunResult,
 
 
 def test_restart_serves_hits_from_disk(tmp_path: Path) -> None:
-    transfer = tierkv_config(disk_path=str(tmp_path), disk_bytes=64 << 20)
+    # Write-back (write-through is the connector's default): the shutdown flush writes
+    # what was never spilled.
+    transfer = tierkv_config(disk_path=str(tmp_path), disk_bytes=64 << 20, write_through=False)
     cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
                         kv_transfer_config=transfer)
     first = Run(cfg)
@@ -578,8 +580,10 @@ def test_an_mla_model_hits_every_chunk_of_the_previous_turn(async_scheduling: bo
 def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_config.check_vllm_version("0.33.0")
     vllm_config.check_vllm_version("0.33.7rc1")
-    for version in ("0.32.1", "0.34.0", "1.0.0", "dev"):
-        with pytest.raises(vllm_config.UnsupportedVersionError, match=r"targets vLLM 0\.33\.x"):
+    vllm_config.check_vllm_version("0.32.0")
+    for version in ("0.31.1", "0.34.0", "1.0.0", "dev"):
+        with pytest.raises(vllm_config.UnsupportedVersionError,
+                           match=r"targets vLLM 0\.32\.x and 0\.33\.x"):
             vllm_config.check_vllm_version(version)
     import vllm
 
@@ -1037,3 +1041,23 @@ def test_a_restart_under_other_settings_warns_which_differ(
     warnings = [r.getMessage() for r in caplog.records if "0 chunks found" in r.getMessage()]
     assert len(warnings) == 1 and "tokens_per_chunk is 32 there, 64 here" in warnings[0]
     second.shutdown()
+
+
+def test_the_last_steps_figures_are_reported_before_the_engine_goes_idle() -> None:
+    """Figures are reported at most once per stats_interval while tierkv has work in flight,
+    and at once when it has none: vLLM calls for them only while it steps, so a burst's
+    last figures would wait for the next request (an idle server's /metrics stayed behind).
+    The clock stands still here: only the first payload and the idle ones are due."""
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config())
+    run = Run(cfg)
+    run.side._clock = lambda: 1000.0  # a frozen clock: the interval never elapses
+    payloads: list[Any] = []
+    get_stats = run.connector.get_kv_connector_stats
+    run.connector.get_kv_connector_stats = lambda: (payloads.append(get_stats()) or payloads[-1])
+    result = run.run(MultiTurnWorkload(**{**CHAT, "num_turns": 2}))
+    assert_clean(result, cfg.vocab_size)
+    assert not run.side.has_pending_push_work()
+    reported = sum(payload.data.get("hit_tokens_cpu", 0) for payload in payloads if payload)
+    assert reported == run.side.statistics()["hit_tokens_cpu"] > 0
+    run.shutdown()

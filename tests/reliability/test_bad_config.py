@@ -166,8 +166,8 @@ def test_from_dict_needs_a_mapping(raw: Any) -> None:
 
 # -- vLLM version check -------------------------------------------------------------------
 
-SUPPORTED = ["0.33.0", "0.33.1", "0.33.2rc1", "0.33.0+cu124"]
-UNSUPPORTED = ["0.32.9", "0.34.0", "1.33.0", "0.3.3", "0.33", "33", "v0.33.0", "unknown", ""]
+SUPPORTED = ["0.33.0", "0.33.1", "0.33.2rc1", "0.33.0+cu124", "0.32.0", "0.32.0+cpu", "0.32.9"]
+UNSUPPORTED = ["0.31.9", "0.34.0", "1.33.0", "0.3.3", "0.33", "33", "v0.33.0", "unknown", ""]
 
 
 @pytest.mark.parametrize("version", SUPPORTED)
@@ -188,7 +188,7 @@ def test_unsupported_vllm_version_gives_a_clear_message(version: str) -> None:
         check_vllm_version(version)
     message = str(raised.value)
     assert f"vLLM {version} is not supported" in message
-    assert "0.33" in message and "pip install" in message
+    assert "0.32.x and 0.33.x" in message and "pip install" in message
     assert isinstance(raised.value, TierKVError)
 
 

@@ -313,3 +313,29 @@ def test_check_survives_python_dash_o() -> None:
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "caught InvariantError"
+
+
+def test_write_through_asks_for_a_step_until_its_chunks_are_spilled() -> None:
+    # Regression (a real vLLM server, SIGTERM under --shutdown-timeout 0): the engine steps
+    # only while the connector has work; a stored chunk waiting for its spill was not work,
+    # so an idle server kept it on the CPU tier only, and lost it to the kill.
+    clock = Clock()
+    index = BlockIndex(num_slots=4, disk_capacity=2, write_through=True,
+                       retry_after_full_seconds=1.0, clock=clock)
+    store = index.prepare_store([A, B, C])
+    assert not index.spills_wanted()  # storing: nothing to write yet
+    index.complete_store(done(store.job_id))
+    assert index.spills_wanted()  # dirty chunks: a step should plan their spill
+    spill = index.take_spills()
+    assert [k for k, _ in spill.writes] == [A, B]  # the disk holds two
+    assert not index.spills_wanted()  # C waits for room: no busy loop meanwhile
+    index.complete_spill(done(spill.job_id))
+    assert index.spills_wanted()  # a job completed: room may have come
+    again = index.take_spills()  # C evicts the disk's LRU chunk
+    assert again is not None and [k for k, _ in again.writes] == [C]
+    index.complete_spill(done(again.job_id, full_keys=(C,), failed_keys=(C,)))
+    assert not index.spills_wanted()  # a full disk: wait out the retry delay
+    clock.now += 1.5
+    assert index.spills_wanted()
+    assert not BlockIndex(num_slots=2, disk_capacity=2).spills_wanted()  # write-back: never
+    index.check()

@@ -226,6 +226,7 @@ class BlockIndex:
         self._num_promoting = 0
         self._pending_deletes: list[bytes] = []
         self._disk_retry_at = -math.inf
+        self._spills_stuck = False  # write-through left dirty chunks for want of disk room
         self._room_wanted = 0  # slots that found no victim since the last spill plan
         self._jobs: dict[JobId, _Job] = {}
         self._counters = _Counters()
@@ -318,6 +319,14 @@ class BlockIndex:
 
     def jobs_in_flight(self) -> int:
         return len(self._jobs)
+
+    def spills_wanted(self) -> bool:
+        """Write-through has dirty chunks it can spill now: the engine should plan a step
+        (an idle engine would otherwise leave them on the CPU tier only, lost to a kill).
+        False while the disk waits out a full disk, and after a plan left dirty chunks for
+        want of disk room, until a job completes."""
+        return (self.write_through and self.has_disk and not self._spills_stuck
+                and self._cpu.count(DIRTY) > 0 and self._clock() >= self._disk_retry_at)
 
     def spill_jobs(self) -> list[JobId]:
         """Spill jobs in flight (their chunks become clean, evictable, when they land)."""
@@ -563,6 +572,7 @@ class BlockIndex:
             self._room_wanted = 0
             # Dirty chunks in the policy's victim order: the next to go become clean first.
             writes = self._start_spills(list(islice(cpu.victims(DIRTY), max(want, 0))), DIRTY)
+            self._spills_stuck = len(writes) < want
             if flush:  # written before, their disk copy evicted: again, only into free room
                 evicted = [key for key in cpu.victims(CLEAN)
                            if self._entries[key].disk is DiskState.EVICTED]
@@ -684,6 +694,7 @@ class BlockIndex:
             raise UsageError(f"block index: job {job_id} is a {job.kind.value} job, not a "
                              f"{kind.value} job")
         del self._jobs[job_id]
+        self._spills_stuck = False  # room may have changed
         return job
 
     def _take_slot(self, guard: set[bytes]) -> SlotId | None:

@@ -620,6 +620,10 @@ class EngineAdapter:
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
 
+    def spills_wanted(self) -> bool:
+        """The index has chunks to write to disk now (write-through; see BlockIndex)."""
+        return self.index.spills_wanted()
+
     def has_jobs_in_flight(self) -> bool:
         """Any job (store, load, spill) the index waits for."""
         return bool(self.index.jobs_in_flight())

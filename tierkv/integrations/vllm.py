@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from tierkv.errors import ConfigError, NamespaceMismatchError, UsageError  # noqa: E402
@@ -51,6 +52,7 @@ from tierkv.integrations.vllm_config import (  # noqa: E402
     build_geometry,
     build_namespace,
     check_hash_stability,
+    check_prefill_after_hits,
     disk_rank,
     parse_settings,
 )
@@ -107,6 +109,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                               f"stores and loads, use kv_role='kv_both'")
         self.settings = parse_settings(transfer.kv_connector_extra_config)
         self.geometry = build_geometry(vllm_config, kv_cache_config, self.settings)
+        check_prefill_after_hits(vllm_config, self.geometry, on_cpu=current_platform.is_cpu())
         check_hash_stability(vllm_config.cache_config.prefix_caching_hash_algo, self.settings)
         self.namespace = build_namespace(vllm_config, self.geometry, vllm.__version__)
         self._fingerprint = self.namespace.fingerprint()

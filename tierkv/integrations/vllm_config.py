@@ -59,7 +59,9 @@ class ConnectorSettings:
     disk_bytes: int = DiskTierConfig.max_bytes  # disk tier cap, total over TP ranks
     tokens_per_chunk: int | None = None  # None: 256 rounded up to the block size
     offload_prompt_only: bool = AdapterConfig.offload_prompt_only  # never store decode tokens
-    write_through: bool = DiskTierConfig.write_through  # spill each stored chunk at once
+    # Write-behind of every stored chunk (the library's default is write-back): `vllm serve`
+    # kills its workers at SIGTERM (--shutdown-timeout 0), before any shutdown flush.
+    write_through: bool = True
     spill_ahead_fraction: float = CpuTierConfig.spill_ahead_fraction  # slots kept clean early
     disk_sync_mode: str = DiskTierConfig.sync_mode  # "periodic", "always", "close"
     max_chunks_per_request: int | None = AdapterConfig.max_chunks_per_request
@@ -404,6 +406,24 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
             raise _bad("disk_bytes", settings.disk_bytes,
                        f"holds no chunk of {chunk_bytes} bytes x {copies} copies")
     return replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
+
+
+def check_prefill_after_hits(vllm_config: Any, geometry: Geometry, on_cpu: bool) -> None:
+    """Refuse an engine that cannot compute a prompt's tail after tokens it did not compute
+    in the same pass: tierkv's hits are such tokens, and that engine would read them wrong.
+    vLLM's CPU platform runs MLA without AMX that way: it forces chunked prefill and prefix
+    caching off (``vllm/platforms/cpu.py``), as its MLA prefill attends only to the tokens
+    of the pass; served anyway, a hit gave other tokens than a recompute (tests/engine,
+    ``test_mla_on_vllms_cpu_backend_is_refused``)."""
+    scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    if on_cpu and geometry.attention == "mla" and not scheduler.enable_chunked_prefill \
+            and not cache.enable_prefix_caching:
+        raise _unsupported(
+            "vLLM's CPU backend runs this MLA model with chunked prefill and prefix caching "
+            "forced off (\"MLA is enabled on a non-GPU platform\"): its MLA prefill cannot "
+            "attend to KV computed before, so the tokens tierkv would load would be read "
+            "wrong; serve this model without the tierkv connector on CPU (a CPU with AMX, "
+            "or a GPU, runs it with tierkv)")
 
 
 def hash_seed_fingerprint(environ: Mapping[str, str] | None = None) -> str:

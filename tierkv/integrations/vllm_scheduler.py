@@ -320,9 +320,13 @@ class SchedulerSide:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
 
     def has_pending_push_work(self) -> bool:
-        """Jobs in flight (stores, loads, spills) or finished requests whose last chunk is
-        not planned yet: the engine keeps stepping until they settle."""
-        return self.adapter.has_jobs_in_flight() or bool(self.adapter.num_requests())
+        """Jobs in flight (stores, loads, spills), finished requests whose last chunk is
+        not planned yet, or stored chunks that write-through has yet to write to disk: the
+        engine keeps stepping until they settle, so an idle server has its chunks on disk
+        (a SIGTERM under ``vllm serve``'s default ``--shutdown-timeout 0`` kills the
+        workers before any shutdown flush)."""
+        return (self.adapter.has_jobs_in_flight() or bool(self.adapter.num_requests())
+                or self.adapter.spills_wanted())
 
     # ------------------------------------------------------------------ events
     def _chunk_event(self, request: Any, index: int) -> ChunkEvent:
@@ -365,9 +369,13 @@ class SchedulerSide:
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
-        """Counters since the last report, at most once per ``stats_interval`` seconds."""
+        """Counters since the last report: at most once per ``stats_interval`` seconds while
+        tierkv has work in flight, and at once when it has none (the engine may go idle
+        after this step and call no more: a burst's last figures would wait for the next
+        request otherwise)."""
         now = self._clock()
-        if not force and now - self._last_report < self.stats_interval:
+        if not force and now - self._last_report < self.stats_interval \
+                and self.has_pending_push_work():
             return None
         self._last_report = now
         current = self.statistics()
