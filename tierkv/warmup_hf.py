@@ -240,7 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's --dtype; auto: the model config's (default: %(default)s)")
     add("--block-size", type=int, default=16, help="vLLM's --block-size (default: %(default)s)")
     add("--tokens-per-chunk", type=int,
-        help="the connector's tokens_per_chunk (default: 256 rounded up to the block size)")
+        help="the connector's tokens_per_chunk (default: 128 rounded up to the block size)")
     add("--kv-cache-layout", choices=sorted(PAGE_ORDER), default="LBNHC",
         help="vLLM's KV cache layout: NHD pages (LBNHC, BLNHC: FlashAttention) or HND pages "
              "(LBHNC, BLHNC: FlashInfer) (default: %(default)s)")

@@ -49,6 +49,7 @@ def test_cpu_tier_hits_give_the_tokens_of_a_run_without_tierkv(
         assert figures["hit_tokens_cpu"] == sum(expected)
         assert figures["hit_tokens_disk"] == figures["hit_tokens_remote"] == 0
         assert figures["loads_failed"] == 0
+        assert figures["sync_loads"] >= 1  # a CPU-tier hit loads in the step that asks
         # Negative control: one early token changed is a miss, and other tokens.
         miss = engine.one(other)
         assert miss.num_cached_tokens == 0
@@ -77,6 +78,7 @@ def test_disk_hits_after_an_engine_restart(model: str, models: dict[str, Path],
         figures = engine.figures()
         assert figures["hit_tokens_disk"] == sum(expected)
         assert figures["hit_tokens_cpu"] == 0 and figures["loads_failed"] == 0
+        assert figures["sync_loads"] == 0  # disk reads are never same-step loads
 
 
 def test_mla_on_vllms_cpu_backend_is_refused(models: dict[str, Path]) -> None:
@@ -94,3 +96,28 @@ def test_mla_on_vllms_cpu_backend_is_refused(models: dict[str, Path]) -> None:
         error = error.__cause__
     assert isinstance(error, ConfigError), f"{type(raised.value).__name__}: {raised.value}"
     assert "MLA prefill cannot attend to KV computed before" in str(error)
+
+
+def test_a_same_step_load_that_fails_is_recomputed(models: dict[str, Path],
+                                                   reference: References,
+                                                   logprob_tolerance: float) -> None:
+    """A CPU-tier hit loads before the step's forward pass (a same-step load); when its copy
+    fails, that forward has already run over the blocks it should have filled. vLLM then
+    rewinds the request to the first failed block and recomputes (tierkv reports the blocks
+    in that same step): the output is still the reference's."""
+    from tierkv.core.jobs import LoadSpec
+
+    tokens = prompt(900, seed=8)
+    [ref] = reference("llama", [tokens])
+    with Engine(models["llama"], tierkv={"cpu_bytes": 64 << 20}) as engine:
+        engine.one(tokens)
+        transfer = engine.worker()._worker._stack.transfer
+
+        def broken(spec: object) -> None:
+            if isinstance(spec, LoadSpec):
+                raise RuntimeError("the copy engine is broken (test)")
+
+        transfer._before_copy = broken
+        compare(engine.one(tokens), ref, logprob_tolerance, "after a failed same-step load")
+        figures = engine.figures()
+        assert figures["sync_loads"] >= 1 and figures["loads_failed"] >= 1

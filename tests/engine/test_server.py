@@ -17,7 +17,7 @@ from tests.engine.engines import prompt
 from tests.engine.processes import Server, disk_chunks, parse_metrics
 
 PROMPTS = [prompt(300 + 131 * seed, seed=20 + seed) for seed in range(5)]
-TOKENS_PER_CHUNK = 256  # the connector's default (vLLM's CPU block size is 128)
+TOKENS_PER_CHUNK = 128  # the connector's default: 128 rounded up to vLLM's CPU block size, 128
 WAIT_FOR_DISK_SECONDS = 120.0
 
 

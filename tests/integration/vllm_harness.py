@@ -465,6 +465,7 @@ class _RequestState:
     # One block table per KV cache group, as the model runner's block tables. A
     # sliding-window group keeps the ids of blocks vLLM freed out of the window (stale).
     group_block_ids: list[list[int]]
+    num_prompt_tokens: int = 0
 
     @property
     def block_ids(self) -> list[int]:
@@ -480,6 +481,7 @@ class _ScheduledRequest:
     token_ids: list[int]
     group_block_ids: tuple[list[int], ...]  # per KV cache group
     resumed_or_new: bool
+    num_prompt_tokens: int = 0
 
     @property
     def block_ids(self) -> list[int]:
@@ -598,6 +600,7 @@ class FakeModelRunner:
                     token_ids=_reconcile(new.req_id, old.token_ids if old else None, tokens, replace=True),
                     group_block_ids=self._group_tables(new.req_id, new.block_ids),
                     resumed_or_new=True,
+                    num_prompt_tokens=len(new.prompt_token_ids or tokens),
                 )
             )
         cached = so.scheduled_cached_reqs
@@ -614,6 +617,10 @@ class FakeModelRunner:
                 tokens = list(old_tokens)
             else:
                 raise HarnessError(f"request {req_id}: resumed without all_token_ids")
+            if old is not None and old.num_prompt_tokens and not resumed:
+                # vLLM discarded sampled tokens (a same-step load that failed: the scheduler
+                # rewound the request); its runner drops them too (num_output_tokens).
+                del tokens[old.num_prompt_tokens + cached.num_output_tokens[index]:]
             new_block_ids = cached.new_block_ids[index]
             if resumed:  # the scheduler re-sends every group's whole table
                 if new_block_ids is None:
@@ -634,6 +641,7 @@ class FakeModelRunner:
                     token_ids=tokens,
                     group_block_ids=group_block_ids,
                     resumed_or_new=resumed,
+                    num_prompt_tokens=old.num_prompt_tokens if old is not None else 0,
                 )
             )
         for item in planned:
@@ -669,8 +677,8 @@ class FakeModelRunner:
             self._fingerprint_cache.pop(req_id, None)
         for item in planned:
             self.requests[item.request_id] = _RequestState(
-                list(item.token_ids), [list(table) for table in item.group_block_ids]
-            )
+                list(item.token_ids), [list(table) for table in item.group_block_ids],
+                item.num_prompt_tokens)
             if self.scheduler is not None:
                 manager_tables = self.scheduler.kv_cache_manager.get_block_ids(item.request_id)
                 for gid, (runner_ids, manager_ids) in enumerate(zip(item.group_block_ids, manager_tables)):

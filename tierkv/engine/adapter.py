@@ -94,8 +94,16 @@ class AdapterConfig:
     # that left the window): a block handed out again while a store job still reads it
     # waits for that job (a fence), as for the blocks of requests that finished.
     frees_running_blocks: bool = False
+    # Same-step loads: a hit whose chunks all sit in the CPU tier is copied before this
+    # step's forward pass, up to this many chunks per step (0: every load is asynchronous
+    # and the request waits a step or two for it). See sync_load().
+    sync_load_chunks: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.sync_load_chunks, bool) or not isinstance(self.sync_load_chunks, int) \
+                or self.sync_load_chunks < 0:
+            raise ConfigError(f"adapter: sync_load_chunks must be an int >= 0, got "
+                              f"{self.sync_load_chunks!r}")
         for name in ("tokens_per_block", "blocks_per_chunk", "world_size", "groups"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -161,6 +169,7 @@ class AdapterStats:
     # Chunks not stored because the engine no longer held one of their pages (several
     # groups: a sliding-window block freed, or never given, before the chunk was stored).
     stores_without_pages: int = 0
+    sync_loads: int = 0  # loads copied in the step that asked for them (sync_load_chunks)
 
 
 class EngineAdapter:
@@ -206,11 +215,16 @@ class EngineAdapter:
         # while a job of it was in flight -> the request; recorded once, when released.
         self._fence_running = config.frees_running_blocks
         self._freed_running: dict[int, str] = {}
+        # Same-step loads decided by this step's lookups (request -> chunks), and the
+        # chunks of the step's budget they took.
+        self._sync: dict[str, int] = {}
+        self._sync_budget = config.sync_load_chunks
         self.stats = AdapterStats()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, view: RequestView, num_local_tokens: int) -> int | None:
         self.stats.lookups += 1
+        self._sync_budget += self._sync.pop(view.req_id, 0)  # asked again: the last answer is void
         if view.req_id in self._reloads_refused:
             return 0
         tpc = self._tpc
@@ -233,7 +247,17 @@ class EngineAdapter:
         self._store_wait_since.pop(view.req_id, None)
         tokens = max(stop * tpc - num_local_tokens, 0) if found.num_hits else 0
         self.stats.hit_tokens += tokens
+        if tokens and found.num_on_cpu == found.num_hits <= self._sync_budget:
+            self._sync[view.req_id] = found.num_hits
+            self._sync_budget -= found.num_hits
         return tokens
+
+    def sync_load(self, req_id: str) -> bool:
+        """Whether the hit the last :meth:`lookup` of ``req_id`` found loads in the same step
+        (the engine then schedules the request at once, and the worker copies its chunks
+        before the forward pass): every chunk of it is in the CPU tier and the step's
+        ``sync_load_chunks`` budget holds it. Else the load is asynchronous."""
+        return req_id in self._sync
 
     def _stored_soon(self, view: RequestView, chunk: int) -> bool:
         """Whether chunk ``chunk`` of ``view`` is being stored, or is a finished request's
@@ -320,7 +344,10 @@ class EngineAdapter:
         self.stats.hit_tokens_disk += disk_tokens
         self.stats.hit_tokens_remote += remote_tokens
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
-        self._pending_loads.append(LoadRequest(view.req_id, spec, lost))
+        sync = self._sync.pop(view.req_id, None) is not None
+        if sync:
+            self.stats.sync_loads += 1
+        self._pending_loads.append(LoadRequest(view.req_id, spec, lost, sync))
 
     def take_load_sources(self, req_id: str) -> tuple[int, int, int]:
         """Tokens of the request's last planned load from the CPU, disk and remote tiers."""
@@ -526,6 +553,8 @@ class EngineAdapter:
                 flush, fresh)
         stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         loads, self._pending_loads = tuple(self._pending_loads), []
+        self._sync.clear()  # a lookup whose request was not scheduled: its budget is back
+        self._sync_budget = self.config.sync_load_chunks
         self._finishing.clear()
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)

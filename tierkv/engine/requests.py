@@ -57,6 +57,9 @@ class LoadRequest:
     req_id: str
     spec: LoadSpec | None  # None: nothing could be loaded; report at once
     failed_block_ids: tuple[int, ...] = ()  # promised blocks the plan could not load
+    # Same-step load: the request computes in this very step, so the worker copies it before
+    # the forward pass and reports no finished load for it (failed blocks still).
+    sync: bool = False
 
 
 @dataclass(frozen=True)

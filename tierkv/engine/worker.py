@@ -6,7 +6,9 @@ Per step, in the engine's order (why: docs/design.md, "Worker order and when sto
    ``jobs_to_flush`` join the pending list, **every** pending store is submitted, and only
    then does it wait on ``jobs_to_flush`` (waiting on a job never submitted is the race of
    docs/engine-adapter.md, "Flush order").
-2. ``start(plan)``: submits pending stores, the plan's loads and spills.
+2. ``start(plan)``: submits pending stores, the plan's loads and spills, and waits for
+   its same-step loads (``LoadRequest.sync``: the engine calls ``start`` before the forward
+   pass when a plan has them, and that forward reads them).
 3. the engine's forward pass writes KV into the scheduled slots.
 4. ``after_forward()``: submits the plan's remaining stores (their chunks were completed
    by this forward; on CUDA the copy stream waits on the compute stream).
@@ -105,6 +107,7 @@ class _LoadInFlight:
     req_id: str
     blocks_by_key: dict[bytes, tuple[int, ...]]
     lost: tuple[int, ...]
+    sync: bool = False  # a same-step load: no finished load is reported for it
 
 
 class WorkerAdapter:
@@ -157,16 +160,21 @@ class WorkerAdapter:
             self.handle_preemptions(plan)
         self.submit_pending()
         self._idle = plan.idle
+        sync: list[JobId] = []
         for load in plan.loads:
             if load.spec is None:
-                self._finished_loads.append(load.req_id)
+                if not load.sync:
+                    self._finished_loads.append(load.req_id)
                 self._failed_blocks.extend(load.failed_block_ids)
                 if load.failed_block_ids:
                     self._failed_loads.append(load.req_id)
                 continue
             blocks = {c.key: _written(c.block_ids[c.skip_blocks:]) for c in load.spec.chunks}
-            self._loads[load.spec.job_id] = _LoadInFlight(load.req_id, blocks, load.failed_block_ids)
+            self._loads[load.spec.job_id] = _LoadInFlight(load.req_id, blocks,
+                                                          load.failed_block_ids, load.sync)
             self.executor.submit(load.spec)
+            if load.sync:
+                sync.append(load.spec.job_id)
         for spill in plan.spills:
             if self.writes_disk:
                 self.executor.submit(spill)
@@ -174,6 +182,8 @@ class WorkerAdapter:
                 self._skipped.append(Completion(spill.job_id, ok=True))
         # The plan's other stores wait for the forward pass that completes their chunks.
         self._pending.extend(s for s in plan.stores if s.job_id not in self._submitted)
+        if sync:  # this step's forward reads them: they land first (the engine calls start
+            self.executor.wait(sync)  # before its forward when a plan has same-step loads)
 
     def after_forward(self) -> None:
         self.submit_pending()
@@ -211,7 +221,8 @@ class WorkerAdapter:
 
     def _finish_load(self, load: _LoadInFlight, completion: Completion) -> None:
         failed_keys = failed_set(completion, tuple(load.blocks_by_key))
-        self._finished_loads.append(load.req_id)
+        if not load.sync:
+            self._finished_loads.append(load.req_id)
         self._failed_blocks.extend(load.lost)
         for key in failed_keys:
             self._failed_blocks.extend(load.blocks_by_key.get(key, ()))

@@ -40,7 +40,8 @@ from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.units import as_size
 
-DEFAULT_TOKENS_PER_CHUNK = 256
+DEFAULT_TOKENS_PER_CHUNK = 128  # a hit recomputes up to this many tokens (docs/design.md)
+DEFAULT_SYNC_LOAD_BYTES = 64 << 20  # docs/benchmarks/ttft.md, "Same-step loads"
 # Layouts whose per-block page is one dense [H, N, C] region, and its memory order.
 PAGE_ORDER = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND",
               "NHD": "NHD", "HND": "HND"}
@@ -57,7 +58,7 @@ class ConnectorSettings:
     cpu_bytes: int = CpuTierConfig.max_bytes  # pinned CPU tier, total over TP ranks
     disk_path: str | None = None  # LMDB disk tier root; None = no disk tier
     disk_bytes: int = DiskTierConfig.max_bytes  # disk tier cap, total over TP ranks
-    tokens_per_chunk: int | None = None  # None: 256 rounded up to the block size
+    tokens_per_chunk: int | None = None  # None: 128 rounded up to the block size
     offload_prompt_only: bool = AdapterConfig.offload_prompt_only  # never store decode tokens
     # Write-behind of every stored chunk (the library's default is write-back): `vllm serve`
     # kills its workers at SIGTERM (--shutdown-timeout 0), before any shutdown flush.
@@ -66,6 +67,9 @@ class ConnectorSettings:
     disk_sync_mode: str = DiskTierConfig.sync_mode  # "periodic", "always", "close"
     max_chunks_per_request: int | None = AdapterConfig.max_chunks_per_request
     promotion_wait_seconds: float = AdapterConfig.promotion_wait_seconds  # wait on a promotion
+    # Same-step loads: a hit held in the CPU tier is copied before the step's forward pass,
+    # up to this many bytes per rank and step (0: every load waits a step or two).
+    sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
     device: str = StoreConfig.device  # transfer engine: "auto", "cuda", "cpu"
     pin_memory: str = CpuTierConfig.pin_memory  # CPU slab: "auto", "always", "never"
     flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
@@ -137,6 +141,8 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     for key, value in raw.items():
         if key in ("cpu_bytes", "disk_bytes"):
             out[key] = _size(key, value)
+        elif key == "sync_load_bytes":
+            out[key] = 0 if type(value) is int and value == 0 else _size(key, value)
         elif key == "tokens_per_chunk":
             out[key] = None if value is None else _int(key, value, 1)
         elif key == "max_chunks_per_request":
@@ -531,4 +537,8 @@ def adapter_config(settings: ConnectorSettings, geometry: Geometry) -> AdapterCo
         wait_for_stores=True,  # a chat's next turn hits the chunks its previous turn stores
         groups=geometry.num_groups,
         frees_running_blocks=bool(geometry.sliding_windows),
+        # Several groups: vLLM maps a failed load back to a request only while it waits for
+        # its load (failed_recving), so a same-step load that failed would go unnoticed.
+        sync_load_chunks=(settings.sync_load_bytes // geometry.chunk_bytes
+                          if geometry.num_groups == 1 else 0),
     )

@@ -41,7 +41,7 @@ _INDEX_COUNTERS = (
 )
 _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
                      "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens",
-                     "stores_without_pages")
+                     "stores_without_pages", "sync_loads")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +231,9 @@ class SchedulerSide:
         if tokens is None:
             return None, False
         self._local_hit[request.request_id] = num_computed_tokens
-        return tokens, tokens > 0
+        # A same-step load: vLLM schedules the request now, the worker copies before the
+        # forward; else vLLM parks it in WAITING_FOR_REMOTE_KVS until the load finishes.
+        return tokens, tokens > 0 and not self.adapter.sync_load(request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
