@@ -37,6 +37,9 @@ engine-venv: $(ENGINE_STAMP)
 demo: $(STAMP)
 	$(BIN)/tierkv demo
 
+demo-vllm: $(ENGINE_STAMP)
+	$(ENGINE_BIN)/python scripts/demo_vllm.py
+
 demo-cluster: $(STAMP)
 	bash scripts/install_redis.sh  # a local 3-master Redis Cluster (redis-server, redis-cli)
 	$(BIN)/python scripts/demo_cluster.py
@@ -58,4 +61,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis

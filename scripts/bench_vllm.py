@@ -12,7 +12,10 @@ message), run side by side in one process through ``tests/integration/vllm_harne
                              without copying (vLLM's own worker needs CUDA).
 - ``vllm-offloading-all``    the same with ``offload_prompt_only=False`` (decode tokens too).
 - ``tierkv-cpu``             tierkv with the same CPU bytes.
-- ``tierkv-cpu+disk``        tierkv with the same CPU bytes and an LMDB disk tier.
+- ``tierkv-cpu+disk``        tierkv with the same CPU bytes and an LMDB disk tier
+                             (write-behind: every stored chunk is written, the default).
+- ``tierkv-cpu+disk-wb``     the same with write-back (``write_through: false``): chunks
+                             are written as they age out of the CPU tier, and at shutdown.
 
 Each tierkv configuration runs once per eviction policy in ``--policies`` (named
 ``tierkv-cpu/lru``, ``tierkv-cpu/arc``, ...). ``--scan-prompts N`` turns the workload
@@ -74,6 +77,7 @@ class Outcome:
     scheduler_seconds: float
     wall_seconds: float
     mismatched: int
+    disk_writes: int = 0  # chunks written to disk: spills while it ran, the shutdown flush
 
     @property
     def hit_fraction(self) -> float:
@@ -129,11 +133,12 @@ class ScanWorkload(harness_lib.Workload):
         return scans + follow_ups
 
 
-def tierkv_transfer(args: argparse.Namespace, disk: Path | None, policy: str) -> KVTransferConfig:
+def tierkv_transfer(args: argparse.Namespace, disk: Path | None, policy: str,
+                    write_through: bool = True) -> KVTransferConfig:
     extra: dict[str, Any] = {"cpu_bytes": args.cpu_bytes, "tokens_per_chunk": args.tokens_per_chunk,
                              "eviction_policy": policy}
     if disk is not None:
-        extra.update(disk_path=str(disk), disk_bytes=1 << 30)
+        extra.update(disk_path=str(disk), disk_bytes=1 << 30, write_through=write_through)
     return KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
                             kv_role="kv_both", kv_load_failure_policy="recompute",
                             kv_connector_extra_config=extra)
@@ -149,7 +154,8 @@ def transfer_for(name: str, args: argparse.Namespace, tmp: Path) -> KVTransferCo
     config, _, policy = name.partition("/")
     if config == "tierkv-cpu":
         return tierkv_transfer(args, None, policy)
-    return tierkv_transfer(args, Path(tempfile.mkdtemp(dir=tmp)), policy)
+    return tierkv_transfer(args, Path(tempfile.mkdtemp(dir=tmp)), policy,
+                           write_through=config != "tierkv-cpu+disk-wb")
 
 
 def reusable_tokens(result: harness_lib.RunResult, order: list[str], block_size: int) -> dict[str, int]:
@@ -210,13 +216,18 @@ def run_once(name: str, args: argparse.Namespace, tmp: Path) -> Outcome:
             first.setdefault(req_id, computed)
     reusable = reusable_tokens(result, order, args.block_size)
     worker = harness.worker_connector
+    disk_writes = 0  # chunks written while it ran, and by the shutdown flush
+    if name.startswith("tierkv-cpu+disk"):
+        disk_writes = int(connector._scheduler_side().statistics().get("spills_ok", 0))
+        disk_writes += len(worker._worker.unspilled_chunks())
     if worker is not None:
         worker.shutdown()
     harness.scheduler.shutdown()
     return Outcome(
         hit_tokens=sum(first.values()), reusable_tokens=sum(reusable.values()), steps=result.num_steps,
         connector_seconds=connector_timer.seconds, scheduler_seconds=scheduler_timer.seconds,
-        wall_seconds=wall, mismatched=len(result.mismatched_outputs(cfg.vocab_size)))
+        wall_seconds=wall, mismatched=len(result.mismatched_outputs(cfg.vocab_size)),
+        disk_writes=disk_writes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scan-heavy: {args.scan_prompts} one-off prompt(s) of {args.scan_len} tokens before each "
               f"next chat turn")
     header = (f"{'config':<22} {'hit tokens':>10} {'reusable':>9} {'hit/reusable':>12} {'steps':>6} "
-              f"{'conn ms/step':>12} {'sched ms/step':>13} {'wall s':>7} {'bad outputs':>11}")
+              f"{'conn ms/step':>12} {'sched ms/step':>13} {'wall s':>7} {'bad outputs':>11} "
+              f"{'disk writes':>11}")
     print(header)
     print("-" * len(header))
     for name, runs in outcomes.items():
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<22} {med(lambda o: o.hit_tokens):>10.0f} {med(lambda o: o.reusable_tokens):>9.0f} "
               f"{med(lambda o: o.hit_fraction):>12.3f} {med(lambda o: o.steps):>6.0f} "
               f"{per_step_conn:>12.3f} {per_step_sched:>13.3f} {med(lambda o: o.wall_seconds):>7.2f} "
-              f"{max(o.mismatched for o in runs):>11}")
+              f"{max(o.mismatched for o in runs):>11} {med(lambda o: o.disk_writes):>11.0f}")
         print(f"{'':<22} spread: hit/reusable {spread(lambda o: o.hit_fraction)}, "
               f"conn ms/step {spread(lambda o: 1e3 * o.connector_seconds / o.steps)}, "
               f"sched ms/step {spread(lambda o: 1e3 * o.scheduler_seconds / o.steps)}")
