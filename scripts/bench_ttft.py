@@ -69,14 +69,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engines; before vLLM loads
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's tierkv and tests/redis_cluster.py
+from tierkv.integrations.vllm_runner import cpu_environment  # noqa: E402  (no vLLM import)
+
+cpu_environment(os.environ, in_process=True)  # before vLLM is imported
 
 ROWS = ("recompute", "miss", "prefix", "cpu", "disk", "disk_warm", "remote")
 TIERS = ("cpu", "disk", "remote")

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from tierkv.integrations.vllm_runner import cpu_environment
+
+cpu_environment(os.environ, in_process=True)  # before vLLM is imported
 
 from pathlib import Path  # noqa: E402
 

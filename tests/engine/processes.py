@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierkv.integrations import vllm_runner as runner
 from tests.engine.engines import kv_transfer_config
 
 STARTUP_SECONDS = 300.0  # a cold start on a loaded 2-core machine
@@ -39,9 +40,7 @@ def free_port() -> int:
 def cpu_environment(**extra: str) -> dict[str, str]:
     """This process's environment with docs/vllm.md's CPU recipe (multiprocess engine)."""
     env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default: multiprocess
-    env.update({"OMP_NUM_THREADS": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    runner.cpu_environment(env, in_process=False)  # the server's default: multiprocess
     env.update(extra)
     return env
 

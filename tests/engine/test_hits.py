@@ -49,7 +49,10 @@ def test_cpu_tier_hits_give_the_tokens_of_a_run_without_tierkv(
         assert figures["hit_tokens_cpu"] == sum(expected)
         assert figures["hit_tokens_disk"] == figures["hit_tokens_remote"] == 0
         assert figures["loads_failed"] == 0
-        assert figures["sync_loads"] >= 1  # a CPU-tier hit loads in the step that asks
+        # A CPU-tier hit loads in the step that asks for it (one KV cache group: vLLM cannot
+        # report a failed same-step load of a hybrid model's request, so never there).
+        hybrid = engine.connector.geometry.num_groups > 1
+        assert figures["sync_loads"] == 0 if hybrid else figures["sync_loads"] >= 1
         # Negative control: one early token changed is a miss, and other tokens.
         miss = engine.one(other)
         assert miss.num_cached_tokens == 0

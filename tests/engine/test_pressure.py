@@ -49,7 +49,6 @@ def test_preemption_in_a_kv_cache_too_small_for_the_batch(
         figures = engine.figures()
         # vLLM's own cache holds at most 16 blocks: the rest comes from tierkv.
         assert figures["hit_tokens_cpu"] > 0 and figures["loads_failed"] == 0
-        assert sum(output.num_cached_tokens for output in again) >= figures["hit_tokens_cpu"]
 
 
 def scheduled(engine: Engine, request_id: str) -> Any:
@@ -80,7 +79,8 @@ def test_aborted_requests_store_what_they_computed_and_never_poison_a_hit(
     long, loaded = prompt(1400, seed=50), prompt(900, seed=51)
     refs = reference("llama", [long, loaded])
     params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
-    with Engine(models["llama"], tierkv={"cpu_bytes": 64 << 20},
+    # Asynchronous loads only: a same-step load leaves no "while it loads" to abort in.
+    with Engine(models["llama"], tierkv={"cpu_bytes": 64 << 20, "sync_load_bytes": 0},
                 max_num_batched_tokens=256) as engine:
         llm_engine = engine.llm.llm_engine
         per_chunk = engine.connector.geometry.tokens_per_chunk

@@ -20,10 +20,27 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# docs/vllm.md, "Run it on CPU": settings a vLLM engine on CPU wants (no downloads either).
+CPU_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def cpu_environment(environ: MutableMapping[str, str], *, in_process: bool) -> None:
+    """Apply :data:`CPU_ENVIRONMENT` to ``environ`` (values already set are kept), and
+    choose in-process or multiprocess engines. For ``os.environ``, call it before vLLM
+    is imported: vLLM reads them once."""
+    for name, value in CPU_ENVIRONMENT.items():
+        environ.setdefault(name, value)
+    if in_process:
+        environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+
 
 CONNECTOR = {"kv_connector": "TierKVConnector",
              "kv_connector_module_path": "tierkv.integrations.vllm",
@@ -194,6 +211,6 @@ class Engine:
         self.close()
 
 
-__all__ = ["CONNECTOR", "Engine", "Output", "assert_distinct", "changed", "compare", "deviation",
+__all__ = ["CONNECTOR", "CPU_ENVIRONMENT", "Engine", "cpu_environment", "Output", "assert_distinct", "changed", "compare", "deviation",
            "difference",
            "kv_transfer_config", "prompt"]
