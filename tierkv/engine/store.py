@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 import torch
 
-from tierkv.config import StoreConfig, cpu_slot_count, disk_chunk_capacity
+from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.core.index import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.adapter import lookup_tiers
@@ -214,6 +214,14 @@ class TierKVStore:
                 f"cpu tier: cpu.max_bytes={cfg.cpu.max_bytes} holds no chunk of "
                 f"{self.chunk_bytes} bytes (raise cpu.max_bytes or lower blocks_per_chunk)"
             )
+        if cfg.disk.path is not None and disk_chunk_capacity(cfg.disk.max_bytes,
+                                                             self.chunk_bytes) < 1:
+            least = self.chunk_bytes + DISK_OVERHEAD_BYTES
+            raise ConfigError(
+                f"disk tier: disk.max_bytes={cfg.disk.max_bytes} holds no chunk: one takes "
+                f"{least} bytes ({self.chunk_bytes} of KV + {DISK_OVERHEAD_BYTES} of "
+                f"overhead); raise disk.max_bytes to at least {least}, or set "
+                f"disk.path=None for no disk tier")
         open_disk = None if cfg.disk.path is None else functools.partial(
             DiskTier, cfg.disk.path, namespace, cfg.rank, cfg.disk, self.chunk_bytes,
             exclusive=True)
@@ -226,9 +234,6 @@ class TierKVStore:
             disk_capacity = 0
             if self.disk is not None:
                 disk_capacity = disk_chunk_capacity(cfg.disk.max_bytes, self.chunk_bytes)
-                if disk_capacity < 1:
-                    log.warning("disk tier: disk.max_bytes=%d holds no chunk; the disk tier stays "
-                                "empty", cfg.disk.max_bytes)
             self.index = build_index(cfg, num_slots, disk_capacity)
             if self.disk is not None:
                 records = sorted(self.disk.scan(), key=lambda record: record.seq)

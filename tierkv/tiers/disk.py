@@ -54,7 +54,7 @@ from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, Ver
 from tierkv.tiers.disk_env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value, pack_index, unpack_index
-from tierkv.tiers.lmdb_tuning import map_size_for
+from tierkv.tiers.lmdb_tuning import MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap
 from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.units import format_bytes
 
@@ -135,14 +135,23 @@ class DiskTier(LowerTier):
         self._writers = [ValueWriter(payload_bytes, self._binding) for _ in range(SHARDS)]
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
-        # a shard's fair share twice over (the cap itself is kept by the scheduler side)
-        shard_cap = min(config.max_bytes, -(-config.max_bytes // SHARDS) * 2 + 64 * payload_bytes)
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def total_for(cap: int) -> int:  # every shard's map under a cap of ``cap``
+            return SHARDS * map_size_for(shard_cap(cap, payload_bytes, SHARDS), payload_bytes, page)
+
+        map_size = total_for(config.max_bytes) // SHARDS
+        if map_size * SHARDS > MAP_LIMIT_BYTES:
+            raise ConfigError(
+                f"{self._name}: disk.max_bytes={format_bytes(config.max_bytes)} needs "
+                f"{format_bytes(map_size * SHARDS)} of LMDB maps (address space, {SHARDS} shards), "
+                f"more than the {format_bytes(MAP_LIMIT_BYTES)} a process can map; lower "
+                f"disk.max_bytes to at most {format_bytes(largest_cap(total_for))}")
         self._shards: list[LmdbEnv] = []
         try:
             for shard in range(SHARDS):
                 self._shards.append(LmdbEnv(
-                    self.root, namespace, rank, shard,
-                    map_size=map_size_for(shard_cap, payload_bytes, os.sysconf("SC_PAGE_SIZE")),
+                    self.root, namespace, rank, shard, map_size=map_size,
                     sync_always=config.sync_mode == "always", name=f"{self._name[:-1]}, shard "
                     f"{shard})", clock=clock, exclusive=exclusive, repair=repair,
                     read_only=read_only))
