@@ -28,6 +28,7 @@ CASES = {
     "copy": (["bench_copy.py", "--layers", "2", "--num-blocks", "64", "--slots", "8", "--jobs", "8",
               "--repeats", "1", "--no-block-loop", "--layouts", "LB", "--ids", "consecutive"],
              "engine store"),
+    "cli": (["bench_cli.py", "--runs", "1"], "verdict: tierkv --help takes"),
     "restart": (["bench_restart.py", "--chunks", "300", "--rounds", "1"], "verdict: cold read"),
     "remote": (["bench_remote.py", "--chunk-kib", "16", "--total-mib", "1", "--rounds", "1",
                 "--lookup-chunks", "40", "--benchmark-mib", "16"], "verdict: remote tier"),
