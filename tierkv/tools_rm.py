@@ -181,7 +181,8 @@ def remove_namespace(root: Path, prefix: str, delete: bool = False) -> Removal:
         report = _read_namespace(ns_dir)
         _add_ranks(root, report)
         removal = Removal(report, sum(rank.chunks for rank in report.ranks),
-                          sum(rank.problem is not None for rank in report.ranks), file_bytes)
+                          sum((rank.problem is not None) + len(rank.damaged_shards)
+                              for rank in report.ranks), file_bytes)
         if delete:
             _delete_tree(root, ns_dir)
             removal.deleted = True
