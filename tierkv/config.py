@@ -21,6 +21,8 @@ from tierkv.units import GiB, MiB, size_setting
 EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
 
 PUSH_POLICIES = ("on_store", "on_evict", "read_only")  # when chunks go to the remote tier
+# When TierKVStore.store() returns: once its source blocks are copied, or at once.
+STORE_MODES = ("copied", "async")
 
 # Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
 DISK_OVERHEAD_BYTES = 8192
@@ -206,6 +208,10 @@ class StoreConfig:
     device: str = "auto"  # "auto", "cpu", "cuda"
     rank: int = 0
     remote: RemoteTierConfig | None = None  # None: no remote tier
+    # TierKVStore.store(): "copied" returns once the source blocks are copied (rewriting
+    # them afterwards is safe); "async" returns at once and the engine must fence() the
+    # blocks before it writes them. The vLLM connector fences by itself: not read there.
+    store_mode: str = "copied"
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks_per_chunk, bool) or not isinstance(self.blocks_per_chunk, int):
@@ -215,6 +221,9 @@ class StoreConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(f"rank must be an int >= 0, got {self.rank!r}")
+        if self.store_mode not in STORE_MODES:
+            raise ConfigError(f"store_mode must be one of {list(STORE_MODES)}, got "
+                              f"{self.store_mode!r}")
         for name, cls in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} (a dict in from_dict), "

@@ -29,6 +29,8 @@ CASES = {
               "--repeats", "1", "--no-block-loop", "--layouts", "LB", "--ids", "consecutive"],
              "engine store"),
     "cli": (["bench_cli.py", "--runs", "1"], "verdict: tierkv --help takes"),
+    "store": (["bench_store.py", "--layers", "2", "--chunks", "2", "--compute-ms", "0.5",
+               "--steps", "3", "--warmup", "1", "--repeats", "1"], "verdict: the safe default"),
     "restart": (["bench_restart.py", "--chunks", "300", "--rounds", "1"], "verdict: cold read"),
     "remote": (["bench_remote.py", "--chunk-kib", "16", "--total-mib", "1", "--rounds", "1",
                 "--lookup-chunks", "40", "--benchmark-mib", "16"], "verdict: remote tier"),

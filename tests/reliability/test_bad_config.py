@@ -66,6 +66,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "device": ["gpu", "", None, 0],
         "rank": [-1, 1.5, "0", True, None],
         "remote": ["redis://h:6379", 3, {"url": "redis://h"}],
+        "store_mode": ["sync", "", "COPIED", None, 1, True],
     },
 }
 CLASSES = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "remote": RemoteTierConfig,

@@ -300,14 +300,27 @@ class BlockIndex:
         seen = self._remote.get(key)
         return seen is not None and seen >= self._clock() - self._remote_seconds
 
-    def shortfall(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` (not yet present) would find neither a free slot nor a
-        clean chunk to evict, while chunks not on disk yet (dirty, or spilling now) could
-        become clean: the chunks to write back, or wait for, to make room for them."""
+    def shortfall(self, keys: Sequence[bytes], *, load: bool = False) -> int:
+        """How many of ``keys`` would find neither a free slot nor a clean chunk to evict,
+        while chunks not on disk yet (dirty, or spilling now) could become clean: the
+        chunks to write back, or wait for, to make room for them. A store needs a slot for
+        each key not present; a load (``load=True``) for each key not in the CPU tier
+        (on disk or remote only), and its keys clean in the CPU tier are not victims."""
         if not (self._cpu.count(DIRTY) or self._num_spilling):
             return 0
-        new = sum(1 for key in keys if key not in self._entries)
-        return max(new - self._slots.num_free - self._cpu.count(CLEAN), 0)
+        entries = self._entries
+        if not load:
+            new = sum(1 for key in keys if key not in entries)
+            return max(new - self._slots.num_free - self._cpu.count(CLEAN), 0)
+        new = held = 0
+        pool_of = self._cpu.pool_of
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or entry.cpu is None:
+                new += 1
+            elif pool_of(key) == CLEAN:
+                held += 1
+        return max(new - self._slots.num_free - (self._cpu.count(CLEAN) - held), 0)
 
     def contains(self, key: bytes) -> bool:
         return key in self._entries
