@@ -116,6 +116,9 @@ class DiskTierConfig:
     sync_every_seconds: float = 5.0
     retry_after_full_seconds: float = 1.0
     reader_threads: int = 4  # a load's chunks are read in parallel (docs/benchmarks/disk.md)
+    # max_bytes is one cap for every namespace under path: a store recomputes its share this
+    # often (and when it is full), docs/operations.md "One cap per disk path".
+    budget_check_seconds: float = 10.0
     # Process-wide glibc malloc tuning for LMDB's page buffers (docs/configuration.md).
     tune_malloc: bool = True
 
@@ -134,6 +137,7 @@ class DiskTierConfig:
             raise ConfigError(f"disk.reader_threads must be a positive int, got "
                               f"{self.reader_threads!r}")
         _positive("disk", "sync_every_seconds", self.sync_every_seconds)
+        _positive("disk", "budget_check_seconds", self.budget_check_seconds)
         _non_negative("disk", "retry_after_full_seconds", self.retry_after_full_seconds)
         if self.sync_mode not in ("periodic", "always", "close"):
             raise ConfigError(

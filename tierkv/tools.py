@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 import time
@@ -124,8 +125,11 @@ def peek_rank(root: Path, namespace: Namespace, rank: int, path: Path) -> RankRe
     is opened on its own: a damaged one is named in ``damaged_shards`` and the others are
     still counted."""
     report = RankReport(rank, path)
-    infos = [data.stat() for data in sorted(path.glob("shard-*/data.mdb"))
-             if check_file(data, fix=False) is Trust.OK]
+    infos = []
+    for data in sorted(path.glob("shard-*/data.mdb")):
+        with contextlib.suppress(OSError):  # deleted meanwhile (tierkv rm, a disk budget)
+            if check_file(data, fix=False) is Trust.OK:
+                infos.append(data.stat())
     if infos:
         report.file_bytes = sum(info.st_size for info in infos)
         report.last_write = _utc(max(info.st_mtime for info in infos))

@@ -65,6 +65,7 @@ from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, Rem
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import Namespace
 from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk_budget import DiskBudget
 from tierkv.tiers.disk_files import empty_namespace_warning
 from tierkv.transfer.layout import KVLayout
 
@@ -192,23 +193,13 @@ class TierKVStore:
                                    namespace=namespace)
         self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
         self._remote = None
+        self._budget: DiskBudget | None = None
         try:
             self._remote = build_remote_lookup(cfg, namespace, (cfg.rank,), self.chunk_bytes)
-            disk_capacity = 0
-            if self.disk is not None:
-                disk_capacity = disk_chunk_capacity(cfg.disk.max_bytes, self.chunk_bytes)
-            self.index = build_index(cfg, num_slots, disk_capacity)
-            if self.disk is not None:
-                records = sorted(self.disk.scan(), key=lambda record: record.seq)
-                found = self.index.add_on_disk(record.key for record in records)
-                if found < len(records):  # the oldest over the cap, deleted with the next spill
-                    log.warning("tierkv: deleting %d of the %d chunk(s) found on disk at start: "
-                                "they are over disk.max_bytes=%d", len(records) - found,
-                                len(records), cfg.disk.max_bytes)
-                warning = empty_namespace_warning(Path(cfg.disk.path), namespace, found) \
-                    if cfg.disk.path is not None else None
-                if warning:
-                    log.warning("tierkv: %s", warning)
+            if self.disk is None or cfg.disk.path is None:
+                self.index = build_index(cfg, num_slots, 0)
+            else:
+                self._open_budget(Path(cfg.disk.path), num_slots)
         except BaseException:
             self._closed = True
             self._close_parts()
@@ -223,6 +214,46 @@ class TierKVStore:
         self._blocks_of: dict[JobId, frozenset[int]] = {}
         self._promised: dict[bytes, int] = {}
         self._shortfall = dict.fromkeys(("gone", "no_room", "failed"), 0)
+
+    def _open_budget(self, root: Path, num_slots: int) -> None:
+        """The index over this store's share of the disk cap, which every namespace under
+        ``root`` shares (:mod:`tierkv.tiers.disk_budget`), warm with the chunks on disk."""
+        assert self.disk is not None
+        cfg, namespace = self.config, self.namespace
+        records = sorted(self.disk.scan(), key=lambda record: record.seq)
+        self._budget = DiskBudget(root, namespace.fingerprint(), cfg.rank, cfg.disk.max_bytes,
+                                  self.chunk_bytes + DISK_OVERHEAD_BYTES,
+                                  check_seconds=cfg.disk.budget_check_seconds)
+        capacity = self._budget.plan(len(records))
+        self.index = build_index(cfg, num_slots, capacity, disk_tier=True)
+        found = self.index.add_on_disk(record.key for record in records)
+        if found < len(records):  # the oldest over the share, deleted with the next spill
+            log.warning("tierkv: deleting %d of the %d chunk(s) found on disk at start: they "
+                        "are over this store's share (%d chunks) of disk.max_bytes=%d, one "
+                        "cap for every namespace under %s", len(records) - found,
+                        len(records), capacity, cfg.disk.max_bytes, root)
+        line = self._budget.start_line()
+        if line:
+            unclaimed = any(holding.deletable for holding in self._budget.others)
+            log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
+        warning = empty_namespace_warning(root, namespace, found)
+        if warning:
+            log.warning("tierkv: %s", warning)
+
+    def _rebalance(self) -> None:
+        """Plan this store's share of the disk cap again when it is due (see
+        :meth:`DiskBudget.due`); a smaller share evicts at once, a larger one is room."""
+        budget, index = self._budget, self.index
+        assert budget is not None
+        full = index.disk_used >= index.disk_capacity
+        if not budget.due(full):
+            return
+        # Room for a few more chunks than it holds: unclaimed namespaces go one by one, as
+        # the store fills, not all at once.
+        headroom = max(1, budget.entitlement // budget.unit_bytes // 8)
+        capacity = budget.plan(index.disk_used + headroom)
+        if capacity != index.disk_capacity:
+            index.set_disk_capacity(capacity)
 
     def _check_namespace(self, namespace: Namespace) -> None:
         """A namespace given by the caller must describe these tensors and this config: what
@@ -485,7 +516,11 @@ class TierKVStore:
             if self._remote is not None:
                 self._remote.shutdown()
         finally:
-            self._stack.close()
+            try:
+                self._stack.close()
+            finally:
+                if self._budget is not None:
+                    self._budget.release()
 
     def __enter__(self) -> TierKVStore:
         """The store itself; leaving the ``with`` block calls ``close()``."""
@@ -557,6 +592,8 @@ class TierKVStore:
                 self._ready.append(completion)
             if completion.error and not completion.ok:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
+        if self._budget is not None:
+            self._rebalance()
         spec = self.index.take_spills()
         if spec is not None:
             self.executor.submit(spec)
