@@ -19,6 +19,8 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import chunk_keys
 
+from tests.integration.test_store import load_into
+
 # Big enough that a store's copy takes milliseconds: 8 layers x 64 blocks of 64 KiB pages.
 LAYERS = 8
 PAGE_SHAPE = (2, 16, 8, 128)  # K/V, tokens, heads, head dim: 64 KiB of float16
@@ -44,17 +46,6 @@ def open_store(kv: list[torch.Tensor], cpu_chunks: int, disk: Path | None = None
 def keys_of(seed: int, num_chunks: int) -> list[bytes]:
     tokens = [(seed * 7919 + i) % 32000 for i in range(num_chunks * BPC * TOKENS_PER_BLOCK)]
     return chunk_keys(tokens, BPC * TOKENS_PER_BLOCK)
-
-
-def load_all(store: TierKVStore, keys: list[bytes], blocks: list[int]) -> tuple[int, tuple[bytes, ...]]:
-    """Load ``keys`` into ``blocks`` and wait: (chunks loaded, failed keys)."""
-    handle = store.load(keys, blocks)
-    store.wait([handle.job_id])
-    failed: tuple[bytes, ...] = ()
-    for completion in store.poll():
-        if completion.job_id == handle.job_id:
-            failed = completion.failed_keys
-    return handle.num_chunks, failed
 
 
 def spin(rounds: int) -> None:
@@ -87,7 +78,7 @@ def test_blocks_rewritten_after_store_never_reach_the_stored_chunk(delay: int | 
                 layer[sources] = 2.0
         store.wait([job])
         targets = list(range(32, 32 + len(keys) * BPC))
-        assert load_all(store, keys, targets) == (len(keys), ())
+        assert load_into(store, keys, targets) == (len(keys), ())
         for number, layer in enumerate(kv):
             loaded = layer[targets].float()
             assert torch.equal(loaded, torch.ones_like(loaded)), (
@@ -108,7 +99,7 @@ def test_async_stores_are_safe_after_a_fence_of_their_blocks() -> None:
             layer[sources] = 2.0
         store.wait([job])
         targets = list(range(32, 32 + len(keys) * BPC))
-        assert load_all(store, keys, targets) == (len(keys), ())
+        assert load_into(store, keys, targets) == (len(keys), ())
         assert all(torch.equal(layer[targets], torch.ones_like(layer[targets])) for layer in kv)
         store.fence(None)  # nothing in flight: returns at once
         store.fence([[60, 61, 62, 63]])  # blocks no job touches
@@ -131,7 +122,7 @@ def test_a_lookup_s_hits_load_after_a_burst_of_stores(tmp_path: Path) -> None:
         assert store.statistics().index.free_slots == 0
         assert store.lookup(wanted) == 6
         targets = list(range(64, 64 + 6 * BPC))
-        assert load_all(store, wanted, targets) == (6, ())
+        assert load_into(store, wanted, targets) == (6, ())
         for layer in kv:
             for position, block in enumerate(targets):
                 assert torch.equal(layer[block], torch.full_like(layer[block], float(position)))
@@ -145,7 +136,7 @@ def test_what_a_load_does_not_deliver_of_a_lookup_is_counted_with_its_cause(tmp_
         store.store(first, list(range(16)))
         assert store.lookup(first) == 4
         store.store(keys_of(5, 4), list(range(16, 32)))  # evicts every chunk of ``first``
-        assert load_all(store, first, list(range(32, 48))) == (0, ())
+        assert load_into(store, first, list(range(32, 48))) == (0, ())
         assert store.statistics().load_shortfall.gone == 4
     with open_store(kv, cpu_chunks=4, disk=tmp_path / "store") as store:
         many = keys_of(6, 6)  # on disk, but a load of 6 cannot pass through 4 slots at once
@@ -153,7 +144,7 @@ def test_what_a_load_does_not_deliver_of_a_lookup_is_counted_with_its_cause(tmp_
             store.store(part, list(range(12)))
         store.flush()
         assert store.lookup(many) == 6
-        loaded, failed = load_all(store, many, list(range(48, 72)))
+        loaded, failed = load_into(store, many, list(range(48, 72)))
         shortfall = store.statistics().load_shortfall
         assert failed == () and loaded < 6 and shortfall.no_room == 6 - loaded
         assert shortfall.gone == shortfall.failed == 0
