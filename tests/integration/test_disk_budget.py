@@ -74,29 +74,49 @@ def test_namespaces_written_one_after_another_stay_within_one_cap(
     assert "no engine claimed it (least recently used first)" in deleted[0]
 
 
-def files_of(root: Path, model_id: str) -> int:
-    """Bytes of the files of the namespace of ``model_id`` (what it holds unclaimed)."""
-    (report,) = [r for r in inspect_store(root) if r.description.get("model_id") == model_id]
-    return sum(path.stat().st_size for path in report.path.rglob("*") if path.is_file())
-
-
 def test_room_is_taken_from_the_least_recently_used_unclaimed_namespace_first(tmp_path: Path) -> None:
-    for number in range(2):  # two old namespaces, no engine on them any more
+    for number in range(2):  # two old namespaces of 8 chunks, no engine on them any more
         with open_store(tmp_path, f"old-{number}") as store:
-            store_chunks(store, number, 4)
-    unclaimed = files_of(tmp_path, "old-0") + files_of(tmp_path, "old-1")
-    left = files_of(tmp_path, "old-1")
+            store_chunks(store, number, 8)
     with open_store(tmp_path, "new") as store:
-        assert store.index.disk_capacity == (CAP - unclaimed) // UNIT  # what they leave
+        assert store.index.disk_capacity == CAP_CHUNKS - 16  # what they leave
         store_chunks(store, 10, 12)
-        assert store.index.disk_capacity == (CAP - left) // UNIT
+        assert store.index.disk_capacity == CAP_CHUNKS - 8
     held = held_chunks(tmp_path)
-    assert "old-0" not in held and held["old-1"] == 4, held  # one was enough: the oldest
+    assert "old-0" not in held and held["old-1"] == 8, held  # one was enough: the oldest
     assert held["new"] == 12 and sum(held.values()) <= CAP_CHUNKS
 
 
+def test_a_stopped_rank_of_the_same_namespace_keeps_its_chunks_and_leaves_the_rest(
+        tmp_path: Path) -> None:
+    """Ranks of one namespace share the cap; one that stopped counts with what it left
+    (not its files' bytes, which run larger) and is never deleted."""
+    kv = [torch.zeros((64, *PAGE_SHAPE), dtype=torch.float16) for _ in range(LAYERS)]
+
+    def rank_store(rank: int) -> TierKVStore:
+        config = StoreConfig(blocks_per_chunk=BPC, device="cpu", rank=rank,
+                             cpu=CpuTierConfig(max_bytes=8 * CHUNK_BYTES),
+                             disk=DiskTierConfig(path=tmp_path, max_bytes=CAP, write_through=True))
+        return TierKVStore(kv, model_id="tp", tokens_per_block=TOKENS_PER_BLOCK, config=config)
+
+    with rank_store(0) as first:
+        with rank_store(1) as second:
+            first.poll()  # replans beside the second rank: shrinks to its share
+            second.poll()  # and the second grows to its own
+            assert [first.index.disk_capacity, second.index.disk_capacity] == [12, 12]
+            store_chunks(first, 1, 12)
+            store_chunks(second, 2, 8)
+        first.poll()  # rank 1 stopped with 8 chunks: rank 0 may use the rest
+        assert first.index.disk_capacity == CAP_CHUNKS - 8
+        store_chunks(first, 3, 16)
+        assert first.index.disk_used == CAP_CHUNKS - 8
+    assert held_chunks(tmp_path) == {"tp": CAP_CHUNKS}
+
+
 def test_stores_of_three_namespaces_open_at_once_share_the_cap(tmp_path: Path) -> None:
-    stores = [open_store(tmp_path, f"engine-{number}", check_seconds=1e-6) for number in range(3)]
+    """Shares move at the stores' next calls (the root directory's mtime tells them), not
+    after disk.budget_check_seconds (10 s here)."""
+    stores = [open_store(tmp_path, f"engine-{number}") for number in range(3)]
     tool_errors: list[str] = []
     runs: list[int] = []
     stop = threading.Event()

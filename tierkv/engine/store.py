@@ -520,7 +520,8 @@ class TierKVStore:
                 self._stack.close()
             finally:
                 if self._budget is not None:
-                    self._budget.release()
+                    index = getattr(self, "index", None)  # None: construction failed
+                    self._budget.release(index.disk_used if index is not None else 0)
 
     def __enter__(self) -> TierKVStore:
         """The store itself; leaving the ``with`` block calls ``close()``."""

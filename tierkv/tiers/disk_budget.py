@@ -1,12 +1,15 @@
 """One cap per disk path: every namespace under a store root (``disk.path``) shares
 ``disk.max_bytes`` (docs/operations.md, "One cap per disk path").
 
-Who holds what under the root (:func:`survey`), per ``ns-<fingerprint>/rank-<r>``:
+Who holds what under the root (:func:`survey`), per ``ns-<fingerprint>/rank-<r>``, in the
+cap's units (chunks x (chunk + overhead), what a store's index enforces):
 
 - a rank a running store claims (``tierkv-owner.lock``, :func:`claimant`) holds what it
-  reserved in its ``tierkv-share.json`` (its disk capacity, chunks x (chunk + overhead));
-  claimed without one (a warm-up, ``tierkv rm``, an older tierkv), the bytes of its files;
-- a namespace no engine claims holds the bytes of its files (what deleting it frees).
+  reserved in its ``tierkv-share.json`` (its disk capacity);
+- a rank whose store stopped holds what that store left there, as it wrote at close (or,
+  after a crash, the last it reserved);
+- a rank without a share file (a warm-up's, the vLLM connector's, an older tierkv's)
+  holds the bytes of its files.
 
 :class:`DiskBudget` is one store's share: running stores that publish a share split the cap
 equally (an entitlement of ``cap // n``), and a store's capacity is its entitlement or what
@@ -14,8 +17,10 @@ the others' reservations and the unclaimed namespaces leave, whichever is less. 
 wants more than it has, room is taken first from namespaces no engine has claimed, least
 recently used (last written) first: each is claimed as an engine would claim it (so no engine
 starts on it meanwhile; refused while anyone holds it), renamed out of the root and deleted.
-Then the store's own eviction does the rest. Stores recompute their share every
-``disk.budget_check_seconds`` and whenever they are full, so a store that starts beside a
+Then the store's own eviction does the rest. Stores recompute their share at their next
+call whenever the root directory changed (a store started, stopped or moved its share, which
+it signals by making and removing a file there; a namespace came or went), every
+``disk.budget_check_seconds``, and whenever they are full: a store that starts beside a
 running one gets its share once the running one has shrunk to its own (it never takes room
 another has reserved). Safe with several stores and tools on one root: every decision reads
 the files anew, deletions take the claims first, and tools that read (inspect, verify) only
@@ -158,16 +163,20 @@ class Holding:
         return not self.claimed_by
 
 
-def _share_of(rank_dir: Path) -> int | None:
-    """The bytes a running store of ``rank_dir`` reserved, when it says so."""
+def _share_of(rank_dir: Path) -> tuple[int, bool] | None:
+    """What the store of ``rank_dir`` reserved (or left, when it stopped) and whether it
+    said it runs, when it says so."""
     raw = read_private_file(rank_dir / SHARE_FILE, _MAX_SHARE_BYTES)
     if raw is None or len(raw) > _MAX_SHARE_BYTES:
         return None
     try:
-        reserved = json.loads(raw.decode())["reserved_bytes"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        record = json.loads(raw.decode())
+        reserved, running = record["reserved_bytes"], record.get("running", True)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None
-    return reserved if isinstance(reserved, int) and reserved >= 0 else None
+    if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+        return None
+    return reserved, running is True
 
 
 def _model_of(ns_dir: Path) -> str:
@@ -180,38 +189,51 @@ def _model_of(ns_dir: Path) -> str:
 
 def survey(root: Path, own: tuple[str, int] | None = None) -> list[Holding]:
     """Every ``ns-<fingerprint>`` directory under ``root`` with what it holds; ``own``
-    (fingerprint, rank) is the surveying store's rank, left out of its namespace."""
+    (fingerprint, rank) is the surveying store's rank, left out of its namespace. A
+    namespace that disappears meanwhile (deleted by another store, ``tierkv rm``) is left
+    out."""
     holdings: list[Holding] = []
     for ns_dir in sorted(Path(root).glob("ns-*")):
-        if ns_dir.is_symlink() or check_dir(ns_dir, fix=False) is not Trust.OK:
+        try:
+            if ns_dir.is_symlink() or check_dir(ns_dir, fix=False) is not Trust.OK:
+                continue
+            holdings.append(_holding(ns_dir, own))
+        except OSError:
             continue
-        fingerprint = ns_dir.name[3:]
-        holding = Holding(fingerprint, ns_dir, _model_of(ns_dir))
-        rest = tree_bytes(ns_dir)
-        for rank_dir in sorted(ns_dir.glob("rank-*")):
-            if not rank_dir.name[5:].isdigit() or not rank_dir.is_dir() or rank_dir.is_symlink():
-                continue
-            rank_bytes = tree_bytes(rank_dir)
-            rest -= rank_bytes
-            if own == (fingerprint, int(rank_dir.name[5:])):
-                continue
-            holding.file_bytes += rank_bytes
-            for data in rank_dir.glob("**/data.mdb"):
-                with suppress(OSError):
-                    holding.last_used = max(holding.last_used, data.stat().st_mtime)
-            who = next((found for env in _rank_environments(rank_dir)
-                        if (found := claimant(env)) is not None), None)
-            reserved = _share_of(rank_dir) if who is not None else None
-            if who is not None:
-                holding.claimed_by.append(who)
-            if reserved is not None:
-                holding.engines += 1
-            holding.held += rank_bytes if reserved is None else reserved
-        holding.file_bytes += rest  # namespace.json, moved-aside ranks
-        if not holding.claimed_by and (own is None or own[0] != fingerprint):
-            holding.held += rest  # part of what deleting it frees
-        holdings.append(holding)
     return holdings
+
+
+def _holding(ns_dir: Path, own: tuple[str, int] | None) -> Holding:
+    fingerprint = ns_dir.name[3:]
+    holding = Holding(fingerprint, ns_dir, _model_of(ns_dir))
+    rest = 0  # moved-aside ranks and leftovers (namespace.json only names the namespace)
+    for entry in sorted(ns_dir.iterdir()):
+        if entry.name == "namespace.json":
+            holding.file_bytes += entry.lstat().st_size
+            continue
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        if not entry.name.startswith("rank-") or not entry.name[5:].isdigit():
+            rest += tree_bytes(entry)
+            continue
+        if own == (fingerprint, int(entry.name[5:])):
+            continue
+        rank_bytes = tree_bytes(entry)
+        holding.file_bytes += rank_bytes
+        for data in entry.glob("shard-*/data.mdb"):
+            with suppress(OSError):
+                holding.last_used = max(holding.last_used, data.stat().st_mtime)
+        who = next((found for env in _rank_environments(entry)
+                    if (found := claimant(env)) is not None), None)
+        share = _share_of(entry)
+        if who is not None:
+            holding.claimed_by.append(who)
+            holding.engines += share is not None and share[1]  # a running store's share
+        holding.held += rank_bytes if share is None else share[0]
+    holding.file_bytes += rest
+    if not holding.claimed_by and (own is None or own[0] != fingerprint):
+        holding.held += rest  # part of what deleting it frees
+    return holding
 
 
 def _age(seconds: float) -> str:
@@ -240,23 +262,35 @@ class DiskBudget:
         self._clock, self._wall_clock = clock, wall_clock
         self._rank_dir = self.root / f"ns-{fingerprint}" / f"rank-{rank}"
         self._checked = -float("inf")
+        self._seen: int | None = -1  # the root's mtime when last planned (see due())
+        self._published: int | None = None
         self.capacity = 0  # chunks, as last planned
         self.entitlement = cap_bytes  # bytes: cap // running stores, as last planned
         self.deletable = 0  # namespaces no engine claims, as last surveyed
         self.deleted: list[str] = []  # fingerprints of the namespaces this budget deleted
         self.others: list[Holding] = []
 
+    def _stamp(self) -> int | None:
+        """The root directory's mtime: it changes when a namespace comes or goes, and when a
+        store's share changes (:meth:`_signal`)."""
+        try:
+            return os.stat(self.root).st_mtime_ns
+        except OSError:
+            return None
+
     def due(self, full: bool) -> bool:
-        """Whether to plan again: ``check_seconds`` passed, or the store is ``full`` while
-        unclaimed namespaces could give room."""
-        return self._clock() - self._checked >= self.check_seconds or (
-            full and self.deletable > 0 and self.capacity * self.unit_bytes < self.entitlement)
+        """Whether to plan again: the root changed (a store started, stopped or moved its
+        share; a namespace came or went: one ``stat``), ``check_seconds`` passed, or the
+        store is ``full`` while unclaimed namespaces could give room."""
+        return self._stamp() != self._seen or self._clock() - self._checked >= self.check_seconds \
+            or (full and self.deletable > 0 and self.capacity * self.unit_bytes < self.entitlement)
 
     def plan(self, wanted_chunks: int) -> int:
         """The store's capacity in chunks now, having deleted least recently used unclaimed
         namespaces, one by one, while it has room for fewer than ``wanted_chunks`` and less
         than its entitlement; published in its rank's share file."""
         self._checked = self._clock()
+        self._seen = self._stamp()  # before the survey: what changes meanwhile is seen next
         others = survey(self.root, (self.fingerprint, self.rank))
         engines = 1 + sum(holding.engines for holding in others)
         entitlement = self.cap_bytes // engines
@@ -305,16 +339,30 @@ class DiskBudget:
             format_bytes(self.cap_bytes))
         return True
 
-    def _publish(self, reserved: int) -> None:
-        record = {"pid": os.getpid(), "reserved_bytes": reserved}
+    def _publish(self, reserved: int, running: bool = True) -> None:
+        """Write the share file when the reservation changed, and tell the other stores."""
+        if reserved == self._published:
+            return
+        record = {"pid": os.getpid(), "reserved_bytes": reserved, "running": running}
         with suppress(OSError):
             write_private_file(self._rank_dir / SHARE_FILE,
                                (json.dumps(record) + "\n").encode())
+            self._published = reserved
+        self._signal()
 
-    def release(self) -> None:
-        """Withdraw the share (the store closes; its claim goes with it)."""
+    def _signal(self) -> None:
+        """Change the root's mtime (a file made and removed at once), so that every store
+        on the root plans again at its next call (:meth:`due`)."""
+        name = self.root / f".tierkv-budget-{os.getpid()}-{time.time_ns()}"
         with suppress(OSError):
-            (self._rank_dir / SHARE_FILE).unlink()
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            os.unlink(name)
+
+    def release(self, held_chunks: int) -> None:
+        """The store closes (its claim goes with it): its share becomes what it leaves on
+        disk, ``held_chunks``."""
+        self._published = None
+        self._publish(max(held_chunks, 0) * self.unit_bytes, running=False)
 
     def start_line(self) -> str | None:
         """The start-up line: the other namespaces under the root, their sizes, ages and
