@@ -1,12 +1,24 @@
 """The `tierkv` command line. Each command ends with one summary line and exits non-zero
-on error. `tierkv --version` imports nothing else (it works before torch is installed)."""
+on error.
+
+- Commands are one row each of :data:`COMMANDS` (the module that adds their arguments and
+  runs them); a command's module is imported only when that command runs, so
+  ``tierkv --help`` and ``tierkv --version`` import nothing heavy (no torch, no lmdb).
+- ``-v`` / ``--verbose`` works before or after the command.
+- One handler for every command: a tierkv error prints one line
+  (``tierkv inspect: error: ...``) and exits 2; a reader that closes the pipe
+  (``tierkv inspect --json | head``) ends the command quietly (exit 0); Ctrl-C exits 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tierkv.errors import TierKVError
 
@@ -17,43 +29,83 @@ def _version() -> str:
     return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierkv", description="tiered KV-cache store tools")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``module.add(parser)`` adds its arguments, ``module.run(args)`` runs it."""
+
+    module: str
+    add: str
+    run: str
+    help: str
+    description: str | None = None
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command("tierkv.demo", "add_arguments", "run",
+                    "multi-turn chat workload on CPU tensors"),
+    "warmup": Command(
+        "tierkv.warmup_hf", "add_arguments", "run",
+        "compute KV for a prompts file with a HF model and write it into a store",
+        "Compute KV for every prompt of a JSONL file with a HF transformers model and write "
+        "it into the store's disk tier, keyed and laid out as tierkv's vLLM connector stores "
+        "it. Resumable; see docs/warmup.md."),
+    "inspect": Command("tierkv.tools", "add_inspect_arguments", "run_inspect",
+                       "namespaces, chunks, bytes of a store (read-only)"),
+    "verify": Command("tierkv.tools", "add_verify_arguments", "run_verify",
+                      "checksum every chunk of a store; exit 0 clean, 1 bad found, 2 error"),
+    "rm": Command(
+        "tierkv.tools_rm", "add_rm_arguments", "run_rm",
+        "delete one namespace of a store; exit 0 deleted (or --dry-run), 1 not deleted (no "
+        "--yes), 2 refused",
+        "Delete the namespace whose fingerprint starts with --namespace PREFIX (exactly one "
+        "must): its ns-<fingerprint> directory with every rank, shard and moved-aside "
+        "leftover, or its keys in a redis:// store. Refused while a running engine claims "
+        "it. Without --yes it only prints what it would delete; see docs/warmup.md."),
+}
+
+
+def _verbose_option() -> argparse.ArgumentParser:
+    """``-v`` for the top level and every command; a command's copy never resets a ``-v``
+    given before it (its default is no value at all)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log at INFO level (before or after the command)")
+    return parent
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` runs (its first word that names one), before parsing."""
+    return next((word for word in argv if word in COMMANDS), None)
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; the arguments of ``commands`` only (default: every command's) are added,
+    so their modules are imported only then."""
+    verbose = _verbose_option()
+    parser = argparse.ArgumentParser(prog="tierkv", description="tiered KV-cache store tools",
+                                     parents=[verbose])
     parser.add_argument("--version", action="version", version=f"tierkv {_version()}",
                         help="print tierkv's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from tierkv import demo, tools, tools_rm, warmup_hf
-
-    demo_parser = sub.add_parser("demo", help="multi-turn chat workload on CPU tensors")
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(handler=demo.run)
-    warmup_parser = sub.add_parser(
-        "warmup", help="compute KV for a prompts file with a HF model and write it into a store",
-        description="Compute KV for every prompt of a JSONL file with a HF transformers model and "
-                    "write it into the store's disk tier, keyed and laid out as tierkv's vLLM "
-                    "connector stores it. Resumable; see docs/warmup.md.")
-    warmup_hf.add_arguments(warmup_parser)
-    warmup_parser.set_defaults(handler=warmup_hf.run)
-    inspect_parser = sub.add_parser("inspect", help="namespaces, chunks, bytes of a store (read-only)")
-    tools.add_inspect_arguments(inspect_parser)
-    inspect_parser.set_defaults(handler=tools.run_inspect)
-    verify_parser = sub.add_parser(
-        "verify", help="checksum every chunk of a store; exit 0 clean, 1 bad found, 2 error")
-    tools.add_verify_arguments(verify_parser)
-    verify_parser.set_defaults(handler=tools.run_verify)
-    rm_parser = sub.add_parser(
-        "rm", help="delete one namespace of a store; exit 0 deleted (or --dry-run), 1 not "
-                   "deleted (no --yes), 2 refused",
-        description="Delete the namespace whose fingerprint starts with --namespace PREFIX "
-                    "(exactly one must): its ns-<fingerprint> directory with every rank, shard "
-                    "and moved-aside leftover, or its keys in a redis:// store. Refused while a "
-                    "running engine claims it. Without --yes it only prints what it would "
-                    "delete; see docs/warmup.md.")
-    tools_rm.add_rm_arguments(rm_parser)
-    rm_parser.set_defaults(handler=tools_rm.run_rm)
+    wanted = COMMANDS if commands is None else commands
+    for name, command in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=command.help, parents=[verbose],
+                                        description=command.description or command.help)
+        if name in wanted:
+            module = importlib.import_module(command.module)
+            getattr(module, command.add)(command_parser)
     return parser
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: send what is still buffered to /dev/null, so that flushing it at
+    exit raises nothing either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout without a file (tests)
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,14 +113,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv == ["--version"]:  # before the subcommands' modules (torch, lmdb) are imported
         print(f"tierkv {_version()}")
         return 0
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    name = _chosen(argv)
+    command = name or "tierkv"
     try:
-        return int(args.handler(args))
+        args = build_parser([name] if name else []).parse_args(argv)
+        logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False)
+                            else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        run = getattr(importlib.import_module(COMMANDS[args.command].module),
+                      COMMANDS[args.command].run)
+        code = int(run(args))
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler
+        return code
     except TierKVError as exc:
-        print(f"tierkv {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())
+        print(f"tierkv {command}: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+    except KeyboardInterrupt:
+        print(f"tierkv {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

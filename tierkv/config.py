@@ -21,6 +21,8 @@ from tierkv.units import GiB, MiB, size_setting
 EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
 
 PUSH_POLICIES = ("on_store", "on_evict", "read_only")  # when chunks go to the remote tier
+# When TierKVStore.store() returns: once its source blocks are copied, or at once.
+STORE_MODES = ("copied", "async")
 
 # Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
 DISK_OVERHEAD_BYTES = 8192
@@ -114,6 +116,9 @@ class DiskTierConfig:
     sync_every_seconds: float = 5.0
     retry_after_full_seconds: float = 1.0
     reader_threads: int = 4  # a load's chunks are read in parallel (docs/benchmarks/disk.md)
+    # max_bytes is one cap for every namespace under path: a store recomputes its share this
+    # often (and when it is full), docs/operations.md "One cap per disk path".
+    budget_check_seconds: float = 10.0
     # Process-wide glibc malloc tuning for LMDB's page buffers (docs/configuration.md).
     tune_malloc: bool = True
 
@@ -132,6 +137,7 @@ class DiskTierConfig:
             raise ConfigError(f"disk.reader_threads must be a positive int, got "
                               f"{self.reader_threads!r}")
         _positive("disk", "sync_every_seconds", self.sync_every_seconds)
+        _positive("disk", "budget_check_seconds", self.budget_check_seconds)
         _non_negative("disk", "retry_after_full_seconds", self.retry_after_full_seconds)
         if self.sync_mode not in ("periodic", "always", "close"):
             raise ConfigError(
@@ -206,6 +212,10 @@ class StoreConfig:
     device: str = "auto"  # "auto", "cpu", "cuda"
     rank: int = 0
     remote: RemoteTierConfig | None = None  # None: no remote tier
+    # TierKVStore.store(): "copied" returns once the source blocks are copied (rewriting
+    # them afterwards is safe); "async" returns at once and the engine must fence() the
+    # blocks before it writes them. The vLLM connector fences by itself: not read there.
+    store_mode: str = "copied"
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks_per_chunk, bool) or not isinstance(self.blocks_per_chunk, int):
@@ -215,6 +225,9 @@ class StoreConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(f"rank must be an int >= 0, got {self.rank!r}")
+        if self.store_mode not in STORE_MODES:
+            raise ConfigError(f"store_mode must be one of {list(STORE_MODES)}, got "
+                              f"{self.store_mode!r}")
         for name, cls in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} (a dict in from_dict), "

@@ -13,7 +13,7 @@ import argparse
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,12 +111,35 @@ def serve_prompt(store: TierKVStore, kv: list[torch.Tensor], keys: list[ChunkKey
     return served
 
 
+def _count(name: str, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an int within ``[1, maximum]``, else a message naming ``name``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a whole number from 1 to {maximum}, got {text!r}")
+        return value
+
+    return parse
+
+
+MAX_TURNS = 64  # a conversation's last prompt then holds at most ~21k tokens
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, default=Path(".tierkv-demo"), help="disk tier directory (default: %(default)s)")
-    parser.add_argument("--conversations", type=int, default=24, help="(default: %(default)s)")
-    parser.add_argument("--turns", type=int, default=4, help="(default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=8, help="(default: %(default)s)")
-    parser.add_argument("--cpu-chunks", type=int, default=48, help="CPU tier size in chunks (default: %(default)s)")
+    parser.add_argument("--conversations", type=_count("--conversations", 4096), default=24,
+                        help="(default: %(default)s; 1 to 4096)")
+    parser.add_argument("--turns", type=_count("--turns", MAX_TURNS), default=4,
+                        help=f"(default: %(default)s; 1 to {MAX_TURNS})")
+    parser.add_argument("--layers", type=_count("--layers", 64), default=8,
+                        help="(default: %(default)s; 1 to 64)")
+    parser.add_argument("--cpu-chunks", type=_count("--cpu-chunks", 1 << 20), default=48,
+                        help="CPU tier size in chunks (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--fresh", action="store_true",
                         help="delete --dir first (only a demo store: anything else is refused)")
@@ -154,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     block_size, blocks_per_chunk, heads, head_dim = 16, 4, 4, 64
     page_shape = (2, heads, block_size, head_dim)  # K and V halves, HND inside a block
     tokens_per_chunk = block_size * blocks_per_chunk
-    num_blocks = 512
+    # A prompt of the last turn: the system prompt and at most 199 + 119 tokens a turn.
+    longest = 3 * tokens_per_chunk + args.turns * (199 + 119)
+    num_blocks = max(512, -(-longest // block_size) + blocks_per_chunk)
     kv = [torch.zeros((num_blocks, *page_shape), dtype=torch.float16) for _ in range(args.layers)]
     chunk_bytes = args.layers * blocks_per_chunk * kv[0][0].numel() * 2
     config = StoreConfig(

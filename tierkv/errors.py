@@ -63,3 +63,8 @@ def short_key(key: bytes) -> str:
 
 class MissingExtraError(TierKVError, ImportError):
     """An optional part of tierkv was used without the extra that installs it."""
+
+
+class ForeignInstallError(TierKVError, ImportError):
+    """Another distribution (the unrelated PyPI project ``tierkv``) installed files under
+    this package's import name: the installation may be a mix of both."""

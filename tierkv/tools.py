@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 import time
@@ -36,7 +37,7 @@ from tierkv.config import DiskTierConfig
 from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
                            short_key)
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv.tiers.disk import DiskTier, written_at
+from tierkv.tiers.disk import SHARDS, DiskTier, written_at
 from tierkv.tiers.disk_files import MAX_NAMESPACE_JSON_BYTES, Trust, check_file, read_private_file
 from tierkv.units import MiB, format_bytes, format_rate
 
@@ -57,7 +58,9 @@ class RankReport:
     newest: tuple[str, int] | None = None
     last_write: str | None = None  # data.mdb mtime, UTC
     record: dict[str, Any] | None = None  # the authoritative namespace record (meta sub-db)
-    problem: str | None = None  # damaged: why
+    problem: str | None = None  # not read at all: why
+    # Shards that could not be read (shard -> why); the others' chunks are counted above.
+    damaged_shards: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -118,28 +121,46 @@ def _utc(seconds: float) -> str:
 
 
 def peek_rank(root: Path, namespace: Namespace, rank: int, path: Path) -> RankReport:
-    """A :class:`RankReport` of one environment (index records only, read-only)."""
+    """A :class:`RankReport` of one environment (index records only, read-only). Each shard
+    is opened on its own: a damaged one is named in ``damaged_shards`` and the others are
+    still counted."""
     report = RankReport(rank, path)
-    infos = [data.stat() for data in sorted(path.glob("shard-*/data.mdb"))
-             if check_file(data, fix=False) is Trust.OK]
+    infos = []
+    for data in sorted(path.glob("shard-*/data.mdb")):
+        with contextlib.suppress(OSError):  # deleted meanwhile (tierkv rm, a disk budget)
+            if check_file(data, fix=False) is Trust.OK:
+                infos.append(data.stat())
     if infos:
         report.file_bytes = sum(info.st_size for info in infos)
         report.last_write = _utc(max(info.st_mtime for info in infos))
-    try:
-        with _open_tier(root, namespace, report, read_only=True) as tier:
-            lengths: collections.Counter[int] = collections.Counter()
-            for record in tier.scan():
-                report.chunks += 1
-                report.payload_bytes += record.payload_len
-                lengths[record.payload_len] += 1
-                if report.oldest is None or record.seq < report.oldest[1]:
-                    report.oldest = (record.key.hex(), record.seq)
-                if report.newest is None or record.seq > report.newest[1]:
-                    report.newest = (record.key.hex(), record.seq)
-            report.payload_len = lengths.most_common(1)[0][0] if lengths else 0
-    except (DamagedError, NamespaceMismatchError, BrokenError) as exc:
-        report.problem = str(exc)
+    lengths: collections.Counter[int] = collections.Counter()
+    for shard in range(SHARDS):
+        try:
+            with _open_tier(root, namespace, report, read_only=True, shards=[shard]) as tier:
+                records = list(tier.scan())
+        except (DamagedError, NamespaceMismatchError, BrokenError) as exc:
+            report.damaged_shards[shard] = str(exc)
+            continue
+        for record in records:
+            report.chunks += 1
+            report.payload_bytes += record.payload_len
+            lengths[record.payload_len] += 1
+            if report.oldest is None or record.seq < report.oldest[1]:
+                report.oldest = (record.key.hex(), record.seq)
+            if report.newest is None or record.seq > report.newest[1]:
+                report.newest = (record.key.hex(), record.seq)
+    report.payload_len = lengths.most_common(1)[0][0] if lengths else 0
+    if len(report.damaged_shards) == SHARDS:  # nothing of it could be read
+        reasons = dict.fromkeys(report.damaged_shards.values())
+        report.problem = "; ".join(reasons)
+        report.damaged_shards = {}
     return report
+
+
+def repair_plan(shard: int) -> str:
+    """What ``tierkv verify --repair`` does to a damaged shard, for messages."""
+    return (f"tierkv verify --repair moves shard-{shard} aside (shard-{shard}.broken-<time>) "
+            f"and starts it empty: its chunks are lost, the other shards' are kept")
 
 
 def _read_namespace(ns_dir: Path) -> NamespaceReport:
@@ -211,28 +232,39 @@ def _moved_aside(rank_dir: Path) -> set[Path]:
 
 def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome, progress: Callable[[int], None] | None = None) -> None:
-    """Check one environment through :class:`DiskTier` (``repair``: see the module docstring)."""
+    """Check one environment through :class:`DiskTier` (``repair``: see the module
+    docstring); without ``repair``, the shards beside a damaged one are checked."""
     name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
     if rank.problem is not None:
         outcome.damaged += 1
         outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
         if not repair:
             return
+    known = rank.problem is not None or bool(rank.damaged_shards)
+    for shard, why in sorted(rank.damaged_shards.items()):
+        outcome.damaged += 1
+        outcome.lines.append(f"{name}: damaged environment {rank.path / f'shard-{shard}'}: "
+                             f"{why}")
+        if not repair:
+            outcome.lines.append(f"  not checked: {repair_plan(shard)}")
+    good = [shard for shard in range(SHARDS) if shard not in rank.damaged_shards]
+    if not good:
+        return
     before = _moved_aside(rank.path)
     try:
-        with _open_tier(root, namespace, rank, repair=repair, read_only=not repair) as tier:
+        with _open_tier(root, namespace, rank, repair=repair, read_only=not repair,
+                        shards=None if repair else good) as tier:
             result = tier.verify(repair=repair, progress=progress)
             rebuilt = tier.statistics().rebuilds > 0
-            if rebuilt and rank.problem is None:
+            if rebuilt and not known:
                 outcome.damaged += 1
                 outcome.lines.append(f"{name}: damaged environment {rank.path}: "
                                      f"{result.damaged or 'found while opening it'}")
-            if not rebuilt:
-                _report_chunks(tier, name, result, repair, outcome)
-                outcome.checked_bytes += (rank.payload_bytes if result.checked == rank.chunks
-                                          else result.checked * rank.payload_len)
+            _report_chunks(tier, name, result, repair, outcome)
+            outcome.checked_bytes += (rank.payload_bytes if result.checked == rank.chunks
+                                      else result.checked * rank.payload_len)
     except (DamagedError, NamespaceMismatchError) as exc:
-        if rank.problem is None:
+        if not known:
             outcome.damaged += 1
             outcome.lines.append(f"{name}: damaged environment {rank.path}: {exc}")
         else:  # a known problem: only a repair got here
@@ -243,7 +275,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         outcome.moved_aside += len(moved)
         outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "
                              f"and started an empty environment")
-    elif rank.problem is not None:
+    elif known and repair:
         outcome.lines.append("  not repaired: the environment opened and verified cleanly "
                              "(rerun tierkv verify)")
 
@@ -361,12 +393,17 @@ def run_inspect(args: argparse.Namespace) -> int:
             if rank.problem:
                 print(f"  rank {rank.rank}: DAMAGED: {rank.problem}")
                 continue
+            for shard, why in sorted(rank.damaged_shards.items()):
+                print(f"  rank {rank.rank}: DAMAGED shard-{shard}: {why}; {repair_plan(shard)}")
             ends = ""
             if rank.oldest and rank.newest:
                 ends = ", ".join(["", *(f"{what} {key[:8]} (written {_utc(written_at(seq))})"
                                         for what, (key, seq) in (("oldest", rank.oldest),
                                                                  ("newest", rank.newest)))])
-            print(f"  rank {rank.rank}: {rank.chunks} chunks, {format_bytes(rank.payload_bytes, 2)}"
+            shards = "" if not rank.damaged_shards else " in shards " + ", ".join(
+                str(shard) for shard in range(SHARDS) if shard not in rank.damaged_shards)
+            print(f"  rank {rank.rank}: {rank.chunks} chunks{shards}, "
+                  f"{format_bytes(rank.payload_bytes, 2)}"
                   f" (file {format_bytes(rank.file_bytes, 2)}){ends}, last write {rank.last_write}")
         for name in report.broken:
             print(f"  moved aside: {name}")
@@ -414,6 +451,8 @@ def _run_verify_disk(args: argparse.Namespace, progress: Progress) -> int:
     if outcome.damaged:
         parts.append(f"{outcome.damaged} damaged environment(s)")
     parts.append(f"deleted {outcome.deleted}, moved aside {outcome.moved_aside}" if args.repair
-                 else "run with --repair to delete them")
+                 else "run with --repair to delete them" + (
+                     " and move the damaged environments aside (their chunks are lost, the "
+                     "rest are kept)" if outcome.damaged else ""))
     print(f"{what}: {', '.join(parts)} ({seconds:.1f} s)")
     return 1

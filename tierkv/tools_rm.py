@@ -14,18 +14,15 @@ A ``redis://`` store is handled by :func:`tierkv.remote_tools.remove_remote`.
 from __future__ import annotations
 
 import argparse
-import fcntl
-import os
 import re
-import shutil
-import time
-from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tierkv import remote_tools
-from tierkv.errors import BrokenError, ConfigError
-from tierkv.tiers.disk_files import OWNER_FILE, OwnerLock, Trust, check_dir
+from tierkv.errors import ConfigError
+from tierkv.tiers.disk_budget import claim_namespace, claimant, delete_tree, environments, tree_bytes
+from tierkv.tiers.disk_files import OwnerLock, Trust, check_dir
 from tierkv.tools import NamespaceReport, _add_ranks, _read_namespace, _store_dirs
 from tierkv.units import format_bytes
 
@@ -70,95 +67,11 @@ def _select(root: Path, prefix: str) -> Path:
     return ns_dir
 
 
-def _environments(ns_dir: Path) -> list[Path]:
-    """Where an engine holds its claim under ``ns_dir``: each ``rank-<r>/shard-<s>`` (and
-    ``rank-<r>`` itself where it is format 2's one environment per rank)."""
-    found: list[Path] = []
-    for rank_dir in sorted(ns_dir.glob("rank-*")):
-        if not rank_dir.name[5:].isdigit() or rank_dir.is_symlink() or not rank_dir.is_dir():
-            continue
-        if any((rank_dir / name).exists() for name in ("data.mdb", OWNER_FILE)):
-            found.append(rank_dir)
-        found += [shard for shard in sorted(rank_dir.glob("shard-*")) if shard.name[6:].isdigit()
-                  and not shard.is_symlink() and shard.is_dir()]
-    return found
-
-
-def _claimant(env_dir: Path) -> str | None:
-    """Who holds the claim of ``env_dir`` (``process 1234``), or None; changes nothing: a
-    shared ``flock`` on its ``tierkv-owner.lock``, if there is one, is tried and dropped."""
-    try:
-        fd = os.open(env_dir / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None  # none (never claimed), or a link: no engine's claim
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = ""
-            with suppress(OSError):
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            return "this process" if holder == str(os.getpid()) else (
-                f"process {holder}" if holder else "another process")
-        except OSError:
-            return None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
 def _in_use(root: Path, prefix: str, ns_dir: Path, env_dir: Path, who: str) -> ConfigError:
     return ConfigError(f"namespace {ns_dir.name[3:11]} (--namespace {prefix}) in "
                        f"{root} is in use: {env_dir} is claimed by {who}, a running engine (a "
                        f"vLLM server, a TierKVStore or a warm-up over {root}); nothing deleted: "
                        f"stop it, then rerun tierkv rm")
-
-
-def _claim_all(root: Path, prefix: str, ns_dir: Path) -> list[OwnerLock]:
-    """The claim of every environment of ``ns_dir``, as an engine takes it (so none starts
-    on it meanwhile)."""
-    locks: list[OwnerLock] = []
-    try:
-        for env_dir in _environments(ns_dir):
-            try:
-                locks.append(OwnerLock(env_dir, f"tierkv rm {root}"))
-            except ConfigError:
-                who = _claimant(env_dir)
-                if who is None:
-                    raise
-                raise _in_use(root, prefix, ns_dir, env_dir, who) from None
-    except BaseException:
-        for lock in locks:
-            lock.release()
-        raise
-    return locks
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes of every file under ``path`` (links are counted as links, never followed)."""
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
-
-
-def _delete_tree(root: Path, ns_dir: Path) -> None:
-    """Rename ``ns_dir`` out of the store's view at once (an engine starting now finds no
-    namespace, not half of one), then delete it; links inside are removed, never followed."""
-    aside = root / f".{ns_dir.name}.removing-{os.getpid()}-{time.time_ns()}"
-    try:
-        os.rename(ns_dir, aside)
-    except OSError as exc:
-        raise BrokenError(f"cannot move {ns_dir} aside to delete it ({exc}); nothing "
-                          f"deleted") from exc
-    try:
-        shutil.rmtree(aside)
-    except OSError as exc:
-        raise BrokenError(f"{ns_dir.name} was moved to {aside} and could not be deleted "
-                          f"completely ({exc}); delete what is left by hand") from exc
 
 
 def remove_namespace(root: Path, prefix: str, delete: bool = False) -> Removal:
@@ -168,22 +81,24 @@ def remove_namespace(root: Path, prefix: str, delete: bool = False) -> Removal:
     its environments."""
     root = Path(root)
     ns_dir = _select(root, prefix)
-    file_bytes = _tree_bytes(ns_dir)  # before the claims add their lock files
+    file_bytes = tree_bytes(ns_dir)  # before the claims add their lock files
     locks: list[OwnerLock] = []
     try:
         if delete:
-            locks = _claim_all(root, prefix, ns_dir)
+            locks = claim_namespace(ns_dir, f"tierkv rm {root}",
+                                    partial(_in_use, root, prefix, ns_dir))
         else:
-            claimed = [(env_dir, who) for env_dir in _environments(ns_dir)
-                       if (who := _claimant(env_dir)) is not None]
+            claimed = [(env_dir, who) for env_dir in environments(ns_dir)
+                       if (who := claimant(env_dir)) is not None]
             if claimed:
                 raise _in_use(root, prefix, ns_dir, *claimed[0])
         report = _read_namespace(ns_dir)
         _add_ranks(root, report)
         removal = Removal(report, sum(rank.chunks for rank in report.ranks),
-                          sum(rank.problem is not None for rank in report.ranks), file_bytes)
+                          sum((rank.problem is not None) + len(rank.damaged_shards)
+                              for rank in report.ranks), file_bytes)
         if delete:
-            _delete_tree(root, ns_dir)
+            delete_tree(root, ns_dir)
             removal.deleted = True
         return removal
     finally:

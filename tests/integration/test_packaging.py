@@ -116,3 +116,58 @@ def test_the_readme_names_the_torch_and_vllm_pair_ci_installs() -> None:
                 pins[package.strip()] = version.split()[0]
     assert f"CI runs torch {pins['torch']} (CPU) with vLLM {pins['vllm']}" in readme
     assert f"pip install torch=={pins['torch']}" in readme
+
+
+def test_the_licence_is_an_spdx_expression_and_the_build_requirement_bounded(wheel: Path) -> None:
+    """setuptools warned that the ``license`` table stops building on 2027-02-18, and
+    ``setuptools>=68`` had no upper bound."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    assert project["project"]["license-files"] == ["LICENSE"]
+    (requirement,) = project["build-system"]["requires"]
+    assert requirement.startswith("setuptools>=") and ",<" in requirement, requirement
+    meta, _ = _metadata(wheel)
+    assert meta["License-Expression"] == "Apache-2.0" and meta["License"] is None
+
+
+def _site_with(tmp_path: Path, metadata: dict[str, str]) -> Path:
+    """A site directory holding this checkout's ``tierkv`` and the metadata directories
+    ``metadata`` names (directory name -> the project they describe)."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "tierkv", site / "tierkv",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for directory, name in metadata.items():
+        info = site / directory
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 9.9\n")
+        (info / "RECORD").write_text(f"tierkv/__init__.py,,\n{directory}/METADATA,,\n")
+    return site
+
+
+@pytest.mark.parametrize("metadata,refused", [
+    ({"tierkv_cache-0.1.0.dist-info": "tierkv-cache"}, False),
+    ({"tierkv_cache-0.1.0.dist-info": "tierkv-cache", "tierkv-9.9.dist-info": "tierkv"}, True),
+    ({"tierkv-9.9.dist-info": "tierkv"}, True),
+    ({"tierkv-9.9-py3.11.egg-info": "tierkv"}, True),
+])
+def test_a_package_another_distribution_installed_too_is_refused_at_import(
+        metadata: dict[str, str], refused: bool, tmp_path: Path) -> None:
+    site = _site_with(tmp_path, metadata)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = subprocess.run([sys.executable, "-c", "import tierkv; print(tierkv.__file__)"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    if not refused:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == str(site / "tierkv" / "__init__.py")
+        return
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tierkv.errors.ForeignInstallError: tierkv: ")
+    assert "tierkv 9.9" in last and "pip uninstall -y tierkv tierkv-cache" in last
+
+
+def test_the_readme_names_the_other_tierkv_project() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "ForeignInstallError" in readme and "pip uninstall -y tierkv tierkv-cache" in readme

@@ -159,6 +159,50 @@ def test_verify_reports_a_damaged_environment_and_repair_moves_it_aside(
     assert f"moved aside: rank-0/{shard}.broken-" in capsys.readouterr().out
 
 
+def spread_key(index: int) -> bytes:
+    """Keys whose first byte walks every shard (``key_of``'s all land in one)."""
+    return bytes([index % 256]) + index.to_bytes(31, "big")
+
+
+def test_one_damaged_shard_does_not_hide_the_good_ones(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: one damaged shard made inspect and verify report 0 chunks for the whole
+    rank until --repair, though the other shards' chunks were there and served."""
+    with DiskTier(tmp_path, NS, 0, DiskTierConfig(path=tmp_path, max_bytes=16 << 20), PAYLOAD) as tier:
+        tier.put_many([(spread_key(i), payload_of(i)) for i in range(40)])
+    damaged = 2
+    good = sum(shard_of(spread_key(i)) != damaged for i in range(40))
+    assert good == 30
+    data = tmp_path / f"ns-{NS.fingerprint()}" / "rank-0" / f"shard-{damaged}" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"rank 0: {good} chunks in shards 0, 1, 3, {format_bytes(good * PAYLOAD, 2)}" in out
+    assert f"rank 0: DAMAGED shard-{damaged}: " in out and "data.mdb has" in out
+    assert f"--repair moves shard-{damaged} aside" in out and "the other shards' are kept" in out
+    assert out.splitlines()[-1].startswith(f"inspected 1 namespace(s): {good} chunks")
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    (rank,) = json.loads(capsys.readouterr().out)[0]["ranks"]
+    assert rank["chunks"] == good and list(rank["damaged_shards"]) == [str(damaged)]
+
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"rank 0: damaged environment {data.parent}: " in out
+    assert f"  not checked: tierkv verify --repair moves shard-{damaged} aside" in out
+    assert f"rank 0: {good} chunks checked, 0 bad" in out
+    assert out.splitlines()[-1].startswith(
+        f"verified {good} chunks in 1 namespace(s): 0 bad, 1 damaged environment(s), run with "
+        f"--repair to delete them and move the damaged environments aside")
+    assert data.stat().st_size > 0 and not list(data.parent.parent.glob("shard-*.broken-*"))
+
+    assert main(["verify", str(tmp_path), "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert f"moved it to shard-{damaged}.broken-" in out and f"{good} chunks checked, 0 bad" in out
+    assert main(["verify", str(tmp_path)]) == 0
+    assert f"verified {good} chunks in 1 namespace(s): clean" in capsys.readouterr().out
+
+
 def test_verify_only_one_namespace(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(store), "--namespace", NS.fingerprint()[:6]]) == 0
     assert "verified 30 chunks in 1 namespace(s): clean" in capsys.readouterr().out

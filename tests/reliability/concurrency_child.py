@@ -21,7 +21,7 @@ from typing import Any
 
 from tests.reliability import support
 
-DISK_CHUNKS = 24  # per rank: far fewer than a worker stores, so disk evictions never stop
+DISK_CHUNKS = 24  # one cap the two ranks share: far fewer than they store, so evictions go on
 REQUESTS = 36
 
 

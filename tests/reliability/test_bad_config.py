@@ -42,6 +42,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "retry_after_full_seconds": [-1, NAN, "1", None, True],
         "reader_threads": [0, -1, 2.0, "4", True, None],
         "tune_malloc": ["no", 0, None],
+        "budget_check_seconds": [0, -1, NAN, "10", None, True],
     },
     "remote": {
         "url": ["http://x", "", None, 6379, "redis:/h", "localhost:6379"],
@@ -66,6 +67,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "device": ["gpu", "", None, 0],
         "rank": [-1, 1.5, "0", True, None],
         "remote": ["redis://h:6379", 3, {"url": "redis://h"}],
+        "store_mode": ["sync", "", "COPIED", None, 1, True],
     },
 }
 CLASSES = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "remote": RemoteTierConfig,

@@ -339,3 +339,48 @@ def test_write_through_asks_for_a_step_until_its_chunks_are_spilled() -> None:
     assert index.spills_wanted()
     assert not BlockIndex(num_slots=2, disk_capacity=2).spills_wanted()  # write-back: never
     index.check()
+
+
+def _key(number: int) -> bytes:
+    return bytes([number]) * 32
+
+
+def _stored_and_spilled(index: BlockIndex, keys: list[bytes]) -> None:
+    index.complete_store(done(index.prepare_store(keys).job_id))
+    spill = index.take_spills(flush=True)
+    assert spill is not None
+    index.complete_spill(done(spill.job_id))
+
+
+def test_a_smaller_disk_capacity_evicts_the_least_recently_used_at_once() -> None:
+    """A shared disk budget moved (another store started on the same path): the disk
+    capacity shrinks and the oldest chunks on disk go, their deletes in the next spill."""
+    index = BlockIndex(num_slots=8, disk_capacity=8, disk_tier=True)
+    keys = [_key(i) for i in range(1, 7)]
+    _stored_and_spilled(index, keys)
+    assert index.disk_used == 6
+    assert index.set_disk_capacity(4) == 2  # the two least recently used
+    assert (index.disk_capacity, index.disk_used) == (4, 4)
+    assert [index.entry(key).disk for key in keys[:2]] == [DiskState.EVICTED] * 2  # type: ignore[union-attr]
+    index.check()
+    spill = index.take_spills(flush=True)
+    assert spill is not None and set(spill.deletes) == set(keys[:2])
+    index.complete_spill(done(spill.job_id))
+    index.check()
+    assert index.set_disk_capacity(10) == 0 and index.disk_capacity == 10
+
+
+def test_a_capacity_of_zero_is_no_room_not_no_disk_tier() -> None:
+    """Another store's share took the whole cap: the disk tier stays (chunks are dirty
+    until written), spills find no room, and stores still find slots (dirty chunks are
+    dropped while the disk backs off), never stuck."""
+    clock = Clock()
+    index = BlockIndex(num_slots=2, disk_capacity=0, disk_tier=True, clock=clock)
+    assert index.has_disk
+    index.complete_store(done(index.prepare_store([A, B]).job_id))
+    assert index.take_spills() is None  # no room on disk: nothing written
+    plan = index.prepare_store([C])
+    assert plan.job_id is not None and index.statistics().dirty_dropped == 1
+    index.check()
+    with pytest.raises(UsageError):
+        BlockIndex(num_slots=2).set_disk_capacity(4)  # no disk tier at all

@@ -204,10 +204,15 @@ class BlockIndex:
         eviction_policy: str = DEFAULT_POLICY,
         remote_mark_seconds: float = 10.0,
         max_remote_marks: int = 1 << 16,
+        disk_tier: bool | None = None,
     ) -> None:
         self.num_slots = num_slots
-        self.disk_capacity = disk_capacity  # in chunks; 0 = no disk tier
+        self.disk_capacity = disk_capacity  # in chunks
+        # A disk tier is there (None: when it holds a chunk); its capacity may reach 0 later
+        # (set_disk_capacity), which is "no room", not "no disk tier".
+        self._has_disk = disk_capacity > 0 if disk_tier is None else disk_tier
         self.write_through = write_through
+        self._spill_ahead_fraction = spill_ahead_fraction
         # A reserve larger than the disk would only evict the disk's copies of CPU chunks.
         self._clean_target = math.ceil(spill_ahead_fraction * min(num_slots, disk_capacity))
         self._retry_after_full = retry_after_full_seconds
@@ -246,7 +251,32 @@ class BlockIndex:
     # ------------------------------------------------------------------ queries
     @property
     def has_disk(self) -> bool:
-        return self.disk_capacity > 0
+        return self._has_disk
+
+    @property
+    def disk_used(self) -> int:
+        """Chunks on disk or being written there (what the disk capacity bounds)."""
+        return self._disk_used
+
+    def set_disk_capacity(self, num_chunks: int) -> int:
+        """Make the disk capacity ``num_chunks`` (a budget shared with other stores moved).
+        When the disk holds more, its least recently used chunks are evicted now (their
+        deletes ride in the next spill job), except chunks being promoted, and spills in
+        flight, which are evicted as they land. Returns how many were evicted; raises
+        :class:`UsageError` without a disk tier."""
+        if not self._has_disk:
+            raise UsageError("block index: set_disk_capacity without a disk tier")
+        self.disk_capacity = max(int(num_chunks), 0)
+        self._clean_target = math.ceil(self._spill_ahead_fraction *
+                                       min(self.num_slots, self.disk_capacity))
+        return self._evict_over()
+
+    def _evict_over(self) -> int:
+        """Evict chunks on disk while the disk holds more than its capacity."""
+        evicted = 0
+        while self._disk_used > self.disk_capacity and self._evict_disk():
+            evicted += 1
+        return evicted
 
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
         hits = 0
@@ -301,14 +331,27 @@ class BlockIndex:
         seen = self._remote.get(key)
         return seen is not None and seen >= self._clock() - self._remote_seconds
 
-    def shortfall(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` (not yet present) would find neither a free slot nor a
-        clean chunk to evict, while chunks not on disk yet (dirty, or spilling now) could
-        become clean: the chunks to write back, or wait for, to make room for them."""
+    def shortfall(self, keys: Sequence[bytes], *, load: bool = False) -> int:
+        """How many of ``keys`` would find neither a free slot nor a clean chunk to evict,
+        while chunks not on disk yet (dirty, or spilling now) could become clean: the
+        chunks to write back, or wait for, to make room for them. A store needs a slot for
+        each key not present; a load (``load=True``) for each key not in the CPU tier
+        (on disk or remote only), and its keys clean in the CPU tier are not victims."""
         if not (self._cpu.count(DIRTY) or self._num_spilling):
             return 0
-        new = sum(1 for key in keys if key not in self._entries)
-        return max(new - self._slots.num_free - self._cpu.count(CLEAN), 0)
+        entries = self._entries
+        if not load:
+            new = sum(1 for key in keys if key not in entries)
+            return max(new - self._slots.num_free - self._cpu.count(CLEAN), 0)
+        new = held = 0
+        pool_of = self._cpu.pool_of
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or entry.cpu is None:
+                new += 1
+            elif pool_of(key) == CLEAN:
+                held += 1
+        return max(new - self._slots.num_free - (self._cpu.count(CLEAN) - held), 0)
 
     def contains(self, key: bytes) -> bool:
         return key in self._entries
@@ -633,6 +676,8 @@ class BlockIndex:
                 self._counters.spills_failed += 1
                 cpu.place(key, CLEAN if again else DIRTY, oldest=True)
         self._disk.insert(on_disk, 0)
+        if self._disk_used > self.disk_capacity:  # the capacity shrank meanwhile
+            self._evict_over()
 
     def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
         """Mark chunks as just used (``reuse``: see the module docstring; a policy may count
@@ -713,7 +758,11 @@ class BlockIndex:
             if entry.readers == 0 and key not in guard:
                 victim = entry
                 break
-        if victim is None and (not self.has_disk or self._clock() < self._disk_retry_at):
+        # Dirty chunks are dropped without a disk tier, while it backs off after "full", and
+        # while its capacity is 0 (a shared budget gave it all to other stores): nothing
+        # could write them, and they would hold every slot.
+        if victim is None and (not self.has_disk or not self.disk_capacity
+                               or self._clock() < self._disk_retry_at):
             pool = DIRTY
             for key in cpu.victims(DIRTY):
                 entry = entries[key]
@@ -867,7 +916,11 @@ class BlockIndex:
         require(self._disk_used == len(self._disk) + len(spilling),
                 f"disk used {self._disk_used} != {len(self._disk)} on disk + {len(spilling)}")
         require(len(self._remote) <= self._max_marks, f"{len(self._remote)} remote marks")
-        require(self._disk_used <= max(self.disk_capacity, 0),
+        # Over the capacity only by what could not be evicted when it shrank: chunks being
+        # promoted (on disk) or spilled.
+        promoting = sum(1 for entry in self._entries.values()
+                        if entry.cpu is CpuState.PROMOTING and entry.disk is DiskState.ON_DISK)
+        require(self._disk_used <= max(self.disk_capacity, 0) + len(spilling) + promoting,
                 f"disk used {self._disk_used} > capacity {self.disk_capacity}")
         readers: dict[bytes, int] = {}
         for job_id, job in self._jobs.items():

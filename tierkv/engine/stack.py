@@ -46,9 +46,10 @@ log = logging.getLogger("tierkv")
 
 def build_index(config: StoreConfig, num_slots: int, disk_capacity: int, *,
                 clock: Callable[[], float] = time.monotonic,
-                record_events: bool = False) -> BlockIndex:
+                record_events: bool = False, disk_tier: bool | None = None) -> BlockIndex:
     """The scheduler side's bookkeeping for ``num_slots`` CPU slots and ``disk_capacity``
-    disk chunks (0: no disk tier)."""
+    disk chunks (0: no disk tier, unless ``disk_tier`` says there is one: a capacity that
+    a shared disk budget may raise later)."""
     return BlockIndex(
         num_slots,
         disk_capacity,
@@ -59,6 +60,7 @@ def build_index(config: StoreConfig, num_slots: int, disk_capacity: int, *,
         record_events=record_events,
         eviction_policy=config.cpu.eviction_policy,
         remote_mark_seconds=config.remote.mark_seconds if config.remote else 10.0,
+        disk_tier=disk_tier,
     )
 
 

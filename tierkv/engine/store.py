@@ -1,26 +1,38 @@
 """TierKVStore: the library API for custom engines, both sides in one process (a runnable
 example: README.md).
 
-Primitives:
+Primitives (each method's docstring says what it does, never does, and raises):
 - ``lookup(keys) -> int``: chunks in the ready, contiguous prefix (no side effects).
 - ``store(keys, block_ids) -> JobId | None``: copies the chunks not yet present. When
   the CPU tier is full of chunks not yet on disk it writes the oldest back first (a
   blocking disk write); when nothing can be freed, "no room" is counted in
   ``statistics()``, never raised.
-- ``load(keys, block_ids) -> LoadHandle``: loads the ready prefix; the completion's
-  ``failed_keys`` name chunks that did not land (recompute those; never a false hit).
+- ``load(keys, block_ids) -> LoadHandle``: loads the ready prefix, making room the way
+  ``store()`` does; the completion's ``failed_keys`` name chunks that did not land
+  (recompute those; never a false hit). What a lookup promised and a load did not deliver
+  is counted with its cause (``statistics().load_shortfall``).
+- ``fence(block_ids)``: waits for every job that reads or writes those blocks (the vLLM
+  adapter's fence, for engines that are their own scheduler): call it before handing
+  blocks out again.
 - With a remote tier (``config.remote``), ``lookup`` and ``load`` also ask it for the chunks
   past the local prefix and wait at most ``remote.lookup_deadline_seconds`` for the answer
   (a late answer serves the next call); what it has is loaded remote -> CPU slot -> GPU.
   Stored chunks are pushed to it in the background (``remote.push``).
 - ``poll() -> list[Completion]``: finished store and load jobs, each once.
-- ``wait(job_ids)``; ``statistics()``; ``close()`` (idempotent; use after raises).
+- ``wait(job_ids)``; ``drain()``; ``flush()``; ``statistics()``; ``close()`` (idempotent;
+  use after raises).
+
+**A block's lifetime** (docs/engine-adapter.md, "TierKVStore: a block's lifetime"): a
+store's source blocks must not be written, and a load's target blocks must not be read or
+handed out again, until the job is done. With ``store_mode="copied"`` (the default),
+``store()`` returns only once its source bytes are copied (the CUDA engine: work queued
+later on the compute stream runs after the copy), so rewriting the blocks afterwards can
+never reach the stored chunk; ``"async"`` returns at once and trusts the engine to call
+``fence()`` (or ``wait()``) before it writes them (docs/benchmarks/copy.md, "store()
+modes", has the cost). Loads are always asynchronous.
 
 Inputs are checked before anything changes, with :class:`ConfigError` naming what is
-wrong: keys are 32-byte ``bytes``; ``block_ids`` is one sequence per chunk
-(``blocks_per_chunk`` ids each) or one flat sequence, of ints (numpy integers, integer
-arrays and tensors too; never floats or bools) in ``[0, num_blocks)``; job ids are what
-``store``/``load`` returned.
+wrong (:mod:`tierkv.engine.store_inputs`).
 
 Not thread-safe, and not for a forked child: a call that overlaps another one, or any call
 from a child, raises :class:`UsageError` and changes nothing. Opening claims the disk
@@ -33,72 +45,34 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import numpy as np
 import torch
 
-from tierkv.config import StoreConfig, cpu_slot_count, disk_chunk_capacity
-from tierkv.core.index import IndexStats
+from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.adapter import lookup_tiers
 from tierkv.engine.metrics import PATH_NAMES, Durations, usage_figures
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker
+from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
+from tierkv.engine.store_inputs import job_ids as job_ids_of
+from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, RemoteStats,
+                                       StoreStats)
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
-from tierkv.keys import KEY_BYTES, Namespace
+from tierkv.keys import Namespace
 from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk_budget import DiskBudget
 from tierkv.tiers.disk_files import empty_namespace_warning
 from tierkv.transfer.layout import KVLayout
 
-if TYPE_CHECKING:
-    from tierkv.tiers.remote import RemoteStatistics
-    from tierkv.transfer.remote_io import RemoteIOStatistics
-    from tierkv.transfer.remote_lookup import RemoteLookupStatistics
+__all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
+           "TierKVStore", "build_namespace"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoadHandle:
-    job_id: JobId | None
-    num_chunks: int  # chunks the job loads (a prefix of the keys asked for)
-    num_from_disk: int
-    num_from_remote: int = 0
-
-
-@dataclass(frozen=True)
-class PathStats:
-    num_bytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    index: IndexStats
-    gpu_to_cpu: PathStats
-    cpu_to_gpu: PathStats  # includes disk -> CPU reads of promoted chunks
-    cpu_to_disk: PathStats
-    chunk_bytes: int
-    remote: RemoteStats | None = None  # None: no remote tier
-
-
-@dataclass(frozen=True)
-class RemoteStats:
-    """The remote tier's figures: its counters, its pushes and the lookups asked of it."""
-
-    tier: RemoteStatistics
-    pushes: RemoteIOStatistics | None  # None: remote.push="read_only"
-    lookups: RemoteLookupStatistics
 
 
 def build_namespace(
@@ -124,32 +98,7 @@ def build_namespace(
     )
 
 
-def _block_rows(block_ids: Any) -> list[Any]:
-    """``block_ids`` (a sequence, numpy array or tensor of ints, or of such rows) as a list."""
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
-            raise ConfigError(f"store: block ids must be integers, got a {block_ids.dtype} tensor")
-        return list(block_ids.tolist()) if block_ids.dim() else [int(block_ids)]
-    if isinstance(block_ids, np.ndarray):
-        if block_ids.dtype.kind not in "iu":
-            raise ConfigError(f"store: block ids must be integers, got a {block_ids.dtype} array")
-        return list(block_ids.tolist()) if block_ids.ndim else [int(block_ids)]
-    if isinstance(block_ids, (str, bytes, bytearray, Mapping)) or not isinstance(block_ids, Iterable):
-        raise ConfigError(f"store: block ids must be a sequence of ints (one flat sequence, or one "
-                          f"per chunk), got {block_ids!r:.60}")
-    return list(block_ids)
-
-
-def _block_id(block: Any) -> int:
-    """One block id as an int: ints and numpy integers (never bools or floats)."""
-    if isinstance(block, (bool, np.bool_)) or isinstance(block, (float, np.floating)):
-        raise ConfigError(f"store: block id {block!r} is not an int")
-    try:
-        return operator.index(block)
-    except TypeError as exc:
-        raise ConfigError(f"store: block id {block!r:.40} is not an int") from exc
-
-
+MAX_PROMISES = 4096  # lookups remembered for the load shortfall (load() forgets its own)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -181,6 +130,21 @@ def _one_caller(method: Callable[Concatenate[TierKVStore, _P], _R]
 
 
 class TierKVStore:
+    """A tiered KV-cache store over an engine's paged KV tensors (one per layer, block
+    dimension first), both sides in one process: the CPU slab, the disk tier under
+    ``config.disk.path`` and the remote tier of ``config.remote``.
+
+    The engine is its own scheduler, so it keeps the rule the vLLM adapter keeps for
+    vLLM: a store's source blocks are not written, and a load's target blocks not read or
+    given to another request, until the job is done. ``store_mode="copied"`` (default)
+    keeps the store half for it: ``store()`` returns once its bytes are copied.
+    ``fence(block_ids)`` waits for every job on blocks about to be reused.
+
+    Construction raises :class:`ConfigError` for bad settings or tensors (naming the
+    setting, the value and the limit), and for a disk environment another process holds;
+    it never leaves threads, memory or claims behind when it raises.
+    """
+
     def __init__(
         self,
         kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
@@ -214,6 +178,14 @@ class TierKVStore:
                 f"cpu tier: cpu.max_bytes={cfg.cpu.max_bytes} holds no chunk of "
                 f"{self.chunk_bytes} bytes (raise cpu.max_bytes or lower blocks_per_chunk)"
             )
+        if cfg.disk.path is not None and disk_chunk_capacity(cfg.disk.max_bytes,
+                                                             self.chunk_bytes) < 1:
+            least = self.chunk_bytes + DISK_OVERHEAD_BYTES
+            raise ConfigError(
+                f"disk tier: disk.max_bytes={cfg.disk.max_bytes} holds no chunk: one takes "
+                f"{least} bytes ({self.chunk_bytes} of KV + {DISK_OVERHEAD_BYTES} of "
+                f"overhead); raise disk.max_bytes to at least {least}, or set "
+                f"disk.path=None for no disk tier")
         open_disk = None if cfg.disk.path is None else functools.partial(
             DiskTier, cfg.disk.path, namespace, cfg.rank, cfg.disk, self.chunk_bytes,
             exclusive=True)
@@ -221,26 +193,13 @@ class TierKVStore:
                                    namespace=namespace)
         self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
         self._remote = None
+        self._budget: DiskBudget | None = None
         try:
             self._remote = build_remote_lookup(cfg, namespace, (cfg.rank,), self.chunk_bytes)
-            disk_capacity = 0
-            if self.disk is not None:
-                disk_capacity = disk_chunk_capacity(cfg.disk.max_bytes, self.chunk_bytes)
-                if disk_capacity < 1:
-                    log.warning("disk tier: disk.max_bytes=%d holds no chunk; the disk tier stays "
-                                "empty", cfg.disk.max_bytes)
-            self.index = build_index(cfg, num_slots, disk_capacity)
-            if self.disk is not None:
-                records = sorted(self.disk.scan(), key=lambda record: record.seq)
-                found = self.index.add_on_disk(record.key for record in records)
-                if found < len(records):  # the oldest over the cap, deleted with the next spill
-                    log.warning("tierkv: deleting %d of the %d chunk(s) found on disk at start: "
-                                "they are over disk.max_bytes=%d", len(records) - found,
-                                len(records), cfg.disk.max_bytes)
-                warning = empty_namespace_warning(Path(cfg.disk.path), namespace, found) \
-                    if cfg.disk.path is not None else None
-                if warning:
-                    log.warning("tierkv: %s", warning)
+            if self.disk is None or cfg.disk.path is None:
+                self.index = build_index(cfg, num_slots, 0)
+            else:
+                self._open_budget(Path(cfg.disk.path), num_slots)
         except BaseException:
             self._closed = True
             self._close_parts()
@@ -250,6 +209,51 @@ class TierKVStore:
         self._durations = {kind: Durations() for kind in JobKind}
         self._looked_up = dict.fromkeys(("queried", "cpu", "disk", "remote"), 0)  # chunks
         self._ready: list[Completion] = []
+        # Blocks each store or load job in flight reads or writes (fence()), and what the
+        # last lookup of keys starting with a key promised (load() counts the shortfall).
+        self._blocks_of: dict[JobId, frozenset[int]] = {}
+        self._promised: dict[bytes, int] = {}
+        self._shortfall = dict.fromkeys(("gone", "no_room", "failed"), 0)
+
+    def _open_budget(self, root: Path, num_slots: int) -> None:
+        """The index over this store's share of the disk cap, which every namespace under
+        ``root`` shares (:mod:`tierkv.tiers.disk_budget`), warm with the chunks on disk."""
+        assert self.disk is not None
+        cfg, namespace = self.config, self.namespace
+        records = sorted(self.disk.scan(), key=lambda record: record.seq)
+        self._budget = DiskBudget(root, namespace.fingerprint(), cfg.rank, cfg.disk.max_bytes,
+                                  self.chunk_bytes + DISK_OVERHEAD_BYTES,
+                                  check_seconds=cfg.disk.budget_check_seconds)
+        capacity = self._budget.plan(len(records))
+        self.index = build_index(cfg, num_slots, capacity, disk_tier=True)
+        found = self.index.add_on_disk(record.key for record in records)
+        if found < len(records):  # the oldest over the share, deleted with the next spill
+            log.warning("tierkv: deleting %d of the %d chunk(s) found on disk at start: they "
+                        "are over this store's share (%d chunks) of disk.max_bytes=%d, one "
+                        "cap for every namespace under %s", len(records) - found,
+                        len(records), capacity, cfg.disk.max_bytes, root)
+        line = self._budget.start_line()
+        if line:
+            unclaimed = any(holding.deletable for holding in self._budget.others)
+            log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
+        warning = empty_namespace_warning(root, namespace, found)
+        if warning:
+            log.warning("tierkv: %s", warning)
+
+    def _rebalance(self) -> None:
+        """Plan this store's share of the disk cap again when it is due (see
+        :meth:`DiskBudget.due`); a smaller share evicts at once, a larger one is room."""
+        budget, index = self._budget, self.index
+        assert budget is not None
+        full = index.disk_used >= index.disk_capacity
+        if not budget.due(full):
+            return
+        # Room for a few more chunks than it holds: unclaimed namespaces go one by one, as
+        # the store fills, not all at once.
+        headroom = max(1, budget.entitlement // budget.unit_bytes // 8)
+        capacity = budget.plan(index.disk_used + headroom)
+        if capacity != index.disk_capacity:
+            index.set_disk_capacity(capacity)
 
     def _check_namespace(self, namespace: Namespace) -> None:
         """A namespace given by the caller must describe these tensors and this config: what
@@ -275,8 +279,16 @@ class TierKVStore:
     # ------------------------------------------------------------------ API
     @_one_caller
     def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many chunks of ``keys``, from the first, are ready to load in some tier
+        (CPU, disk, or remote within ``remote.lookup_deadline_seconds``).
+
+        Never changes what is stored or reserves anything (a ``load()`` of the same keys
+        counts what it does not deliver of this answer in ``statistics().load_shortfall``);
+        never blocks longer than the remote tier's lookup deadline. Raises
+        :class:`ConfigError` for keys that are not 32-byte ``bytes``, :class:`ClosedError`
+        after ``close()``, :class:`UsageError` from another thread or a forked child."""
         self._check_open()
-        self._check_keys(keys)
+        check_keys(keys)
         self._pump()
         found = lookup_tiers(self.index, self._remote, keys)[0]
         counts = self._looked_up
@@ -284,13 +296,31 @@ class TierKVStore:
         counts["cpu"] += found.num_on_cpu
         counts["remote"] += found.num_remote
         counts["disk"] += found.num_hits - found.num_on_cpu - found.num_remote
+        if found.num_hits:
+            self._promise(keys[0], found.num_hits)
         return found.num_hits
 
     @_one_caller
     def store(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> JobId | None:
+        """Copy the chunks of ``keys`` not yet present from their blocks (``block_ids``: one
+        sequence of ``blocks_per_chunk`` ids per key, or one flat sequence) into the CPU
+        tier; they become hits when the job completes, and go to disk when evicted.
+        Returns the job id, or None when there is nothing to copy.
+
+        With ``store_mode="copied"`` it returns once the blocks' bytes are copied (CUDA:
+        work queued later on the compute stream runs after the copy), so the engine may
+        rewrite the blocks at once; with ``"async"`` the blocks must not be written until
+        the job is done (``fence()``, ``wait()``). Never stores a chunk already present,
+        never evicts data in use, and never raises for lack of room: when the CPU tier is
+        full of chunks not on disk yet it writes the oldest back first (a blocking disk
+        write), and what still finds no room is counted (``statistics().index
+        .stores_no_room``). Raises :class:`ConfigError` for bad keys or block ids (before
+        anything changes), :class:`ClosedError` after ``close()``, :class:`UsageError`
+        from another thread or a forked child, :class:`BrokenError` when the copy thread
+        or the device died."""
         self._check_open()
-        self._check_keys(keys)
-        per_chunk = self._split_blocks(keys, block_ids)
+        check_keys(keys)
+        per_chunk = split_blocks(keys, block_ids, self.blocks_per_chunk, self.layout.num_blocks)
         self._pump()
         short = self.index.shortfall(keys)
         if short:
@@ -301,16 +331,40 @@ class TierKVStore:
         blocks = dict(zip(keys, per_chunk))
         chunks = tuple(ChunkCopy(key, slot, blocks[key]) for key, slot in plan.chunks)
         self.executor.submit(StoreSpec.of(plan.job_id, chunks))
+        self._blocks_of[plan.job_id] = frozenset(b for chunk in chunks for b in chunk.block_ids)
+        if self.config.store_mode == "copied":
+            self.executor.transfer.make_compute_wait([plan.job_id])
         return plan.job_id
 
     @_one_caller
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> LoadHandle:
+        """Start loading the ready prefix of ``keys`` into ``block_ids`` (one sequence per
+        key, or one flat sequence): from the CPU tier, or through a CPU slot from the disk
+        or remote tier. Like ``store()``, it first writes chunks back to disk when every
+        CPU slot holds one not on disk yet, so a lookup's hits find a slot.
+
+        Asynchronous: the target blocks hold the chunks only once the job is done
+        (``wait([handle.job_id])``, ``poll()``); do not read them, or give them to another
+        request, before (``fence()``). Never reports a hit for data that did not land: the
+        completion's ``failed_keys`` name the chunks to recompute. What the last
+        ``lookup()`` of keys starting with ``keys[0]`` counted and this load does not
+        deliver is counted by cause (``statistics().load_shortfall``), never raised.
+        Raises :class:`ConfigError` for bad keys or block ids (before anything changes),
+        :class:`ClosedError` after ``close()``, :class:`UsageError` from another thread or
+        a forked child."""
         self._check_open()
-        self._check_keys(keys)
-        per_chunk = self._split_blocks(keys, block_ids)
+        check_keys(keys)
+        per_chunk = split_blocks(keys, block_ids, self.blocks_per_chunk, self.layout.num_blocks)
         self._pump()
+        promised = min(self._promised.pop(keys[0], 0), len(keys)) if keys else 0
         hits = lookup_tiers(self.index, self._remote, keys)[0].num_hits
+        short = self.index.shortfall(keys[:hits], load=True)
+        if short:
+            self._make_room(short)
+            hits = self.index.lookup(keys[:hits]).num_hits  # a spill may evict on disk
         plan = self.index.prepare_load(keys[:hits])
+        self._shortfall["gone"] += max(promised - hits, 0)
+        self._shortfall["no_room"] += max(min(promised, hits) - len(plan.chunks), 0)
         if plan.job_id is None:
             return LoadHandle(None, 0, 0)
         chunks = tuple(
@@ -319,11 +373,39 @@ class TierKVStore:
             for position, (key, slot, from_disk) in enumerate(plan.chunks)
         )
         self.executor.submit(LoadSpec(plan.job_id, chunks))
+        self._blocks_of[plan.job_id] = frozenset(b for chunk in chunks for b in chunk.block_ids)
         return LoadHandle(plan.job_id, len(chunks), sum(c.from_disk for c in chunks),
                           len(plan.from_remote))
 
     @_one_caller
+    def fence(self, block_ids: Any = None) -> None:
+        """Before blocks are handed out again (to another request, to a new ``load()``, or
+        rewritten): wait for every store job that reads and every load job that writes
+        any of ``block_ids`` (one flat sequence or one per chunk; None: every job in
+        flight), so no copy in flight can mix their old and new bytes. Every job of this
+        store is submitted when ``store()`` or ``load()`` returns, so there is nothing left
+        to submit first.
+
+        Never waits on jobs of other blocks, spills included. Raises :class:`ConfigError`
+        for block ids that are not ints, :class:`ClosedError` after ``close()``,
+        :class:`UsageError` from another thread or a forked child, :class:`BrokenError`
+        when the copy thread or the device died."""
+        self._check_open()
+        wanted = None if block_ids is None else block_set(block_ids)
+        jobs = [job_id for job_id, blocks in self._blocks_of.items()
+                if wanted is None or not blocks.isdisjoint(wanted)]
+        if jobs:
+            self.executor.wait(jobs)
+        self._pump()
+
+    @_one_caller
     def poll(self) -> list[Completion]:
+        """Finished store and load jobs since the last call, each once (``failed_keys``:
+        the chunks that did not land; recompute those). Also moves spills along.
+
+        Never blocks and never raises for a failed job (it is in the completion). Raises
+        :class:`ClosedError` after ``close()``, :class:`UsageError` from another thread or
+        a forked child."""
         self._check_open()
         self._pump()
         ready, self._ready = self._ready, []
@@ -331,34 +413,45 @@ class TierKVStore:
 
     @_one_caller
     def wait(self, job_ids: Iterable[JobId | None]) -> None:
+        """Block until the jobs ``job_ids`` (what ``store()`` and ``load()`` returned; None
+        is skipped) are done; their completions then come from ``poll()``.
+
+        Never waits on other jobs. Raises :class:`ConfigError` for what is not a job id,
+        :class:`UnknownJobError` for an id this store never returned, :class:`ClosedError`
+        after ``close()``, :class:`UsageError` from another thread or a forked child."""
         self._check_open()
-        if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
-            raise ConfigError(f"store: wait() takes a list of job ids, got {job_ids!r:.60}")
-        wanted: list[JobId] = []
-        for job_id in job_ids:
-            if job_id is None:
-                continue
-            if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)) or job_id < 1:
-                raise ConfigError(f"store: wait() on {job_id!r:.40}, which is not a job id "
-                                  f"(store() and load() return them)")
-            wanted.append(JobId(int(job_id)))
-        self.executor.wait(wanted)
+        self.executor.wait(job_ids_of(job_ids))
         self._pump()
 
     @_one_caller
     def drain(self) -> None:
-        """Wait until every job in flight (spills included) has finished."""
+        """Wait until every job in flight (spills included) has finished.
+
+        Never starts new spills beyond those the finished jobs ask for. Raises
+        :class:`ClosedError` after ``close()``, :class:`UsageError` from another thread or
+        a forked child."""
         self._check_open()
         self._drain()
 
     @_one_caller
     def flush(self) -> None:
-        """Write every chunk of the CPU tier that is not on disk yet, and wait."""
+        """Write every chunk of the CPU tier that is not on disk yet, wait, and sync the
+        disk tier (without one: a drain).
+
+        Never drops a chunk to make room. Raises :class:`ClosedError` after ``close()``,
+        :class:`UsageError` from another thread or a forked child, :class:`BrokenError`
+        when the disk tier broke underneath."""
         self._check_open()
         self._flush()
 
     @_one_caller
     def statistics(self) -> StoreStats:
+        """A snapshot of the counters since the store opened: the index's (hits, evictions,
+        "no room", corrupt chunks), bytes and seconds per path, the remote tier's, and the
+        load shortfall by cause.
+
+        Never blocks on jobs and never changes anything; works after ``close()``. Raises
+        :class:`UsageError` from another thread or a forked child."""
         def path(kind: JobKind) -> PathStats:
             num_bytes, seconds = self._bytes[kind]
             return PathStats(int(num_bytes), float(seconds))
@@ -376,12 +469,15 @@ class TierKVStore:
             cpu_to_disk=path(JobKind.SPILL),
             chunk_bytes=self.chunk_bytes,
             remote=remote,
+            load_shortfall=LoadShortfall(**self._shortfall),
         )
 
     def figures(self) -> dict[str, float | Durations]:
         """The figures :mod:`tierkv.engine.metrics` exports (counters since the store opened,
         usage now), by figure key. Unlike the other methods, safe to call from another thread
-        (a Prometheus scrape): it only reads counters."""
+        (a Prometheus scrape): it only reads counters.
+
+        Never blocks, never changes anything and never raises (after ``close()`` too)."""
         tpc = self.tokens_per_chunk
         index = self.index.statistics()
         out: dict[str, float | Durations] = {name: value for name, value in vars(index).items()}
@@ -397,8 +493,12 @@ class TierKVStore:
 
     @_one_caller
     def close(self) -> None:
-        """Flush the CPU tier to disk, stop the threads, release the disk tier; idempotent.
-        Nothing the store's cache did can make it raise."""
+        """Flush the CPU tier to disk (so the next process over the same directory starts
+        warm), stop the threads, release the disk tier and its claim; idempotent.
+
+        Never raises for what the store's cache did (a broken disk tier is logged, its
+        unflushed chunks lost): the engine never fails because its cache did. Raises
+        :class:`UsageError` from another thread or a forked child."""
         if self._closed:
             return
         try:
@@ -416,12 +516,19 @@ class TierKVStore:
             if self._remote is not None:
                 self._remote.shutdown()
         finally:
-            self._stack.close()
+            try:
+                self._stack.close()
+            finally:
+                if self._budget is not None:
+                    index = getattr(self, "index", None)  # None: construction failed
+                    self._budget.release(index.disk_used if index is not None else 0)
 
     def __enter__(self) -> TierKVStore:
+        """The store itself; leaving the ``with`` block calls ``close()``."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """``close()``; never swallows the block's exception."""
         self.close()
 
     # ------------------------------------------------------------------ internals
@@ -445,39 +552,6 @@ class TierKVStore:
         if self.disk is not None:
             self.disk.sync()
 
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes]) -> None:
-        if isinstance(keys, (str, bytes, bytearray)) or not isinstance(keys, Sequence):
-            raise ConfigError(f"store: keys must be a sequence of {KEY_BYTES}-byte chunk keys "
-                              f"(tierkv.chunk_keys), got {type(keys).__name__}")
-        for key in keys:
-            if type(key) is not bytes or len(key) != KEY_BYTES:
-                raise ConfigError(
-                    f"store: chunk key {key!r:.48} is not {KEY_BYTES} bytes (use "
-                    f"tierkv.chunk_keys, or bytes of a {KEY_BYTES}-byte hash)")
-
-    def _split_blocks(
-        self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]
-    ) -> list[tuple[int, ...]]:
-        bpc = self.blocks_per_chunk
-        rows = _block_rows(block_ids)
-        if rows and not isinstance(rows[0], (int, np.integer, torch.Tensor)):
-            per_chunk = [tuple(_block_id(b) for b in _block_rows(chunk)) for chunk in rows]
-        else:
-            flat = [_block_id(b) for b in rows]
-            per_chunk = [tuple(flat[i : i + bpc]) for i in range(0, len(flat), bpc)]
-        if len(per_chunk) < len(keys) or any(len(chunk) != bpc for chunk in per_chunk[: len(keys)]):
-            raise ConfigError(
-                f"store: {len(keys)} chunk key(s) need {len(keys)} x {bpc} block ids "
-                f"(blocks_per_chunk={bpc}), got {[len(c) for c in per_chunk]}"
-            )
-        num_blocks = self.layout.num_blocks
-        for chunk in per_chunk[: len(keys)]:
-            for block in chunk:
-                if not 0 <= block < num_blocks:
-                    raise ConfigError(f"store: block id {block} out of range [0, {num_blocks})")
-        return per_chunk
-
     def _make_room(self, num_chunks: int) -> None:
         """Write back the oldest chunks not on disk yet and wait for every spill in flight,
         so that their slots can take new chunks. The library store blocks here (a disk
@@ -491,11 +565,23 @@ class TierKVStore:
             self.executor.wait(spills)
             self._pump()
 
+    def _promise(self, first_key: bytes, num_hits: int) -> None:
+        """Remember what a lookup of keys starting with ``first_key`` answered (the newest
+        :data:`MAX_PROMISES` lookups)."""
+        promised = self._promised
+        promised.pop(first_key, None)
+        promised[first_key] = num_hits
+        if len(promised) > MAX_PROMISES:
+            del promised[next(iter(promised))]
+
     def _pump(self) -> None:
         """Apply finished jobs to the index and start the spills it asks for."""
         for completion in self.executor.poll_finished():
             kind = self.index.job_kind(completion.job_id)
             self.index.complete(completion)
+            self._blocks_of.pop(completion.job_id, None)
+            if kind is JobKind.LOAD:
+                self._shortfall["failed"] += len(completion.failed_keys)
             if kind is not None:
                 totals = self._bytes[kind]
                 totals[0] += completion.num_bytes
@@ -507,6 +593,8 @@ class TierKVStore:
                 self._ready.append(completion)
             if completion.error and not completion.ok:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
+        if self._budget is not None:
+            self._rebalance()
         spec = self.index.take_spills()
         if spec is not None:
             self.executor.submit(spec)

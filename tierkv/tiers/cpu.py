@@ -5,15 +5,31 @@ slowly, so nothing is ever allocated or pinned per copy.
 Primitives:
 - ``view(slot)``        1-D uint8 tensor over the slot's bytes (no copy).
 - ``memoryview(slot)``  writable buffer over the same bytes, for disk I/O.
+
+What cannot be allocated is a :class:`ConfigError` naming ``cpu.max_bytes`` or
+``cpu.pin_memory``, the value and the limit, never a raw torch error: a slab larger than
+this machine's memory (:func:`physical_memory_bytes`), ``pin_memory="always"`` without
+CUDA, or an allocation the system refuses.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
 
 from tierkv.core.jobs import SlotId
 from tierkv.errors import ConfigError
+from tierkv.units import format_bytes
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's memory (``SC_PHYS_PAGES`` x page size), None where it is not known."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class CpuSlab:
@@ -25,11 +41,32 @@ class CpuSlab:
             )
         if slot_bytes <= 0:
             raise ConfigError(f"cpu tier: slot_bytes must be > 0, got {slot_bytes}")
+        total = num_slots * slot_bytes
+        if pin_memory == "always" and not torch.cuda.is_available():
+            raise ConfigError(
+                "cpu tier: cpu.pin_memory='always' needs CUDA, and torch.cuda.is_available() "
+                "is False here; use cpu.pin_memory='auto' (pins when CUDA is present) or "
+                "'never'")
+        memory = physical_memory_bytes()
+        if memory is not None and total > memory:
+            raise ConfigError(
+                f"cpu tier: cpu.max_bytes asks for a slab of {format_bytes(total, 2)} "
+                f"({num_slots} slots of {slot_bytes} bytes), more than this machine's memory "
+                f"({format_bytes(memory, 2)}); lower cpu.max_bytes (well below the memory, "
+                f"leaving the engine its own)")
         pin = pin_memory == "always" or (pin_memory == "auto" and torch.cuda.is_available())
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.pinned = pin
-        self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        try:
+            self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        except (RuntimeError, MemoryError) as exc:
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+            hint = " or set cpu.pin_memory='never'" if pin else ""
+            raise ConfigError(
+                f"cpu tier: cannot allocate {'a pinned' if pin else 'a'} slab of "
+                f"{format_bytes(total, 2)} for cpu.max_bytes ({why}); lower "
+                f"cpu.max_bytes{hint}") from exc
         self._array = self.tensor.numpy()
 
     def _check(self, slot: int) -> None:

@@ -21,7 +21,8 @@ LMDB serializes write transactions, reads run concurrently):
   claim, from any process, is refused with a :class:`ConfigError` naming the holder.
 - ``read_only=True`` (operator tools): nothing is created, written, moved or chmod-ed;
   what is not trusted, or damaged, raises :class:`DamagedError`; a corrupt value is
-  answered ``CORRUPT`` and left in place.
+  answered ``CORRUPT`` and left in place. ``shards=`` (read-only only) opens some of the
+  rank's shards, so a tool reads the good ones beside a damaged one.
 - Any call from a forked child raises :class:`UsageError`.
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
 
@@ -54,7 +55,7 @@ from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, Ver
 from tierkv.tiers.disk_env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value, pack_index, unpack_index
-from tierkv.tiers.lmdb_tuning import map_size_for
+from tierkv.tiers.lmdb_tuning import MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap
 from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.units import format_bytes
 
@@ -110,6 +111,7 @@ class DiskTier(LowerTier):
         exclusive: bool = False,
         repair: bool = True,
         read_only: bool = False,
+        shards: Sequence[int] | None = None,
     ) -> None:
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -135,14 +137,28 @@ class DiskTier(LowerTier):
         self._writers = [ValueWriter(payload_bytes, self._binding) for _ in range(SHARDS)]
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
-        # a shard's fair share twice over (the cap itself is kept by the scheduler side)
-        shard_cap = min(config.max_bytes, -(-config.max_bytes // SHARDS) * 2 + 64 * payload_bytes)
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def total_for(cap: int) -> int:  # every shard's map under a cap of ``cap``
+            return SHARDS * map_size_for(shard_cap(cap, payload_bytes, SHARDS), payload_bytes, page)
+
+        map_size = total_for(config.max_bytes) // SHARDS
+        if map_size * SHARDS > MAP_LIMIT_BYTES:
+            raise ConfigError(
+                f"{self._name}: disk.max_bytes={format_bytes(config.max_bytes)} needs "
+                f"{format_bytes(map_size * SHARDS)} of LMDB maps (address space, {SHARDS} shards), "
+                f"more than the {format_bytes(MAP_LIMIT_BYTES)} a process can map; lower "
+                f"disk.max_bytes to at most {format_bytes(largest_cap(total_for))}")
+        numbers = range(SHARDS) if shards is None else sorted(set(shards))
+        if shards is not None and (not read_only or not numbers
+                                   or not all(0 <= shard < SHARDS for shard in numbers)):
+            raise UsageError(f"{self._name}: shards={list(shards)!r}: only a read-only tier "
+                             f"opens some shards, each in [0, {SHARDS})")
         self._shards: list[LmdbEnv] = []
         try:
-            for shard in range(SHARDS):
+            for shard in numbers:
                 self._shards.append(LmdbEnv(
-                    self.root, namespace, rank, shard,
-                    map_size=map_size_for(shard_cap, payload_bytes, os.sysconf("SC_PAGE_SIZE")),
+                    self.root, namespace, rank, shard, map_size=map_size,
                     sync_always=config.sync_mode == "always", name=f"{self._name[:-1]}, shard "
                     f"{shard})", clock=clock, exclusive=exclusive, repair=repair,
                     read_only=read_only))
@@ -153,6 +169,7 @@ class DiskTier(LowerTier):
         self.namespace_dir = self._shards[0].namespace_dir
         self.path = self._shards[0].rank_dir
         self.shard_paths = tuple(env.path for env in self._shards)
+        self._env_of = {env.shard: env for env in self._shards}
 
     @property
     def map_size(self) -> int:  # all shards; grows when a map another process grew is adopted
@@ -165,7 +182,11 @@ class DiskTier(LowerTier):
         return shard_of(key)
 
     def _shard(self, key: bytes) -> LmdbEnv:
-        return self._shards[shard_of(key)]
+        env = self._env_of.get(shard_of(key))
+        if env is None:
+            raise UsageError(f"{self._name}: chunk {short_key(key)} is in shard "
+                             f"{shard_of(key)}, which this tier did not open (shards=)")
+        return env
 
     def _by_shard(self, keys: Sequence[bytes]) -> dict[int, list[bytes]]:
         groups: dict[int, list[bytes]] = {}

@@ -270,6 +270,10 @@ class LmdbEnv:
                 raise UsageError(f"{self._name}: {self.path} is already open in this process; "
                                  f"open each environment once per process and share that "
                                  f"DiskTier (or close the other one first)") from exc
+            if isinstance(exc, lmdb.MemoryError):  # mmap of the map refused (ENOMEM)
+                raise ConfigError(f"{self._name}: cannot map {format_bytes(self.map_size)} "
+                                  f"for {self.path} (no address space or memory left: "
+                                  f"{exc}); lower disk.max_bytes") from exc
             raise BrokenError(f"{self._name}: cannot open {self.path}: {exc} "
                               f"(check disk.path permissions and free space)") from exc
 

@@ -1,0 +1,173 @@
+"""One cap per disk path: ``disk.max_bytes`` bounds every namespace under ``disk.path``
+together (docs/operations.md, "One cap per disk path"), through the library API on real
+LMDB files: namespaces written one after another (a new model, TP size or chunk size each
+time), stores of different namespaces open at once, a tool reading meanwhile, and the
+start-up line that names the other namespaces."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
+from tierkv.engine.store import TierKVStore
+from tierkv.keys import chunk_keys
+from tierkv.tools import inspect_store
+
+PAGE_SHAPE = (2, 16, 4, 64)  # 16 KiB of float16 per block and layer
+LAYERS, BPC, TOKENS_PER_BLOCK = 2, 2, 16
+CHUNK_BYTES = LAYERS * BPC * 2 * 16 * 4 * 64 * 2  # 64 KiB
+UNIT = CHUNK_BYTES + 8192  # a chunk and its overhead: what the cap counts per chunk
+CAP_CHUNKS = 24
+CAP = CAP_CHUNKS * UNIT
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+
+def open_store(root: Path, model_id: str, check_seconds: float | None = None) -> TierKVStore:
+    kv = [torch.zeros((64, *PAGE_SHAPE), dtype=torch.float16) for _ in range(LAYERS)]
+    often = {} if check_seconds is None else {"budget_check_seconds": check_seconds}
+    config = StoreConfig(blocks_per_chunk=BPC, device="cpu",
+                         cpu=CpuTierConfig(max_bytes=8 * CHUNK_BYTES),
+                         disk=DiskTierConfig(path=root, max_bytes=CAP, write_through=True,
+                                             **often))  # type: ignore[arg-type]
+    return TierKVStore(kv, model_id=model_id, tokens_per_block=TOKENS_PER_BLOCK, config=config)
+
+
+def store_chunks(store: TierKVStore, seed: int, num_chunks: int) -> None:
+    """``num_chunks`` new chunks, 4 at a time, each batch written to disk."""
+    for batch in range(0, num_chunks, 4):
+        first = (seed * 1000 + batch) * BPC * TOKENS_PER_BLOCK
+        keys = chunk_keys(list(range(first, first + 4 * BPC * TOKENS_PER_BLOCK)),
+                          BPC * TOKENS_PER_BLOCK)
+        store.wait([store.store(keys, list(range(8)))])
+        store.flush()
+
+
+def held_chunks(root: Path) -> dict[str, int]:
+    """Chunks on disk per model id, as ``tierkv inspect`` counts them."""
+    return {str(report.description.get("model_id")): sum(rank.chunks for rank in report.ranks)
+            for report in inspect_store(root)}
+
+
+def test_namespaces_written_one_after_another_stay_within_one_cap(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: the cap was per namespace, so every new namespace on the same path (a
+    vLLM upgrade, a TP or chunk-size change) added up to a cap of its own: three held 3x."""
+    for number in range(3):
+        with caplog.at_level(logging.INFO, logger="tierkv"):
+            with open_store(tmp_path, f"model-{number}") as store:
+                store_chunks(store, number, 40)
+                assert store.index.disk_capacity == CAP_CHUNKS
+        held = held_chunks(tmp_path)
+        assert sum(held.values()) <= CAP_CHUNKS, held
+        assert held[f"model-{number}"] == CAP_CHUNKS  # the newest got the whole cap
+    assert list(held) == ["model-2"]  # the older ones were deleted, oldest first
+    deleted = [r.getMessage() for r in caplog.records if "deleted namespace" in r.getMessage()]
+    assert len(deleted) == 2 and "model model-0" in deleted[0] and "model model-1" in deleted[1]
+    assert "no engine claimed it (least recently used first)" in deleted[0]
+
+
+def test_room_is_taken_from_the_least_recently_used_unclaimed_namespace_first(tmp_path: Path) -> None:
+    for number in range(2):  # two old namespaces of 8 chunks, no engine on them any more
+        with open_store(tmp_path, f"old-{number}") as store:
+            store_chunks(store, number, 8)
+    with open_store(tmp_path, "new") as store:
+        assert store.index.disk_capacity == CAP_CHUNKS - 16  # what they leave
+        store_chunks(store, 10, 12)
+        assert store.index.disk_capacity == CAP_CHUNKS - 8
+    held = held_chunks(tmp_path)
+    assert "old-0" not in held and held["old-1"] == 8, held  # one was enough: the oldest
+    assert held["new"] == 12 and sum(held.values()) <= CAP_CHUNKS
+
+
+def test_a_stopped_rank_of_the_same_namespace_keeps_its_chunks_and_leaves_the_rest(
+        tmp_path: Path) -> None:
+    """Ranks of one namespace share the cap; one that stopped counts with what it left
+    (not its files' bytes, which run larger) and is never deleted."""
+    kv = [torch.zeros((64, *PAGE_SHAPE), dtype=torch.float16) for _ in range(LAYERS)]
+
+    def rank_store(rank: int) -> TierKVStore:
+        config = StoreConfig(blocks_per_chunk=BPC, device="cpu", rank=rank,
+                             cpu=CpuTierConfig(max_bytes=8 * CHUNK_BYTES),
+                             disk=DiskTierConfig(path=tmp_path, max_bytes=CAP, write_through=True))
+        return TierKVStore(kv, model_id="tp", tokens_per_block=TOKENS_PER_BLOCK, config=config)
+
+    with rank_store(0) as first:
+        with rank_store(1) as second:
+            first.poll()  # replans beside the second rank: shrinks to its share
+            second.poll()  # and the second grows to its own
+            assert [first.index.disk_capacity, second.index.disk_capacity] == [12, 12]
+            store_chunks(first, 1, 12)
+            store_chunks(second, 2, 8)
+        first.poll()  # rank 1 stopped with 8 chunks: rank 0 may use the rest
+        assert first.index.disk_capacity == CAP_CHUNKS - 8
+        store_chunks(first, 3, 16)
+        assert first.index.disk_used == CAP_CHUNKS - 8
+    assert held_chunks(tmp_path) == {"tp": CAP_CHUNKS}
+
+
+def test_stores_of_three_namespaces_open_at_once_share_the_cap(tmp_path: Path) -> None:
+    """Shares move at the stores' next calls (the root directory's mtime tells them), not
+    after disk.budget_check_seconds (10 s here)."""
+    stores = [open_store(tmp_path, f"engine-{number}") for number in range(3)]
+    tool_errors: list[str] = []
+    runs: list[int] = []
+    stop = threading.Event()
+
+    def tool() -> None:  # an operator's inspect in another process, while the stores run
+        while not stop.is_set():
+            done = subprocess.run([sys.executable, "-m", "tierkv", "inspect", str(tmp_path)],
+                                  capture_output=True, text=True, timeout=120, env=ENV)
+            runs.append(done.returncode)
+            if done.returncode not in (0, 2) or "Traceback" in done.stderr:
+                tool_errors.append(done.stderr[-2000:])
+
+    reader = threading.Thread(target=tool)
+    reader.start()
+    try:
+        for round_number in range(8):
+            for number, store in enumerate(stores):
+                store_chunks(store, 100 * number + round_number, 4)
+                capacities = [other.index.disk_capacity for other in stores]
+                assert sum(capacities) <= CAP_CHUNKS, capacities
+                on_disk = [other.index.disk_used for other in stores]
+                assert sum(on_disk) <= CAP_CHUNKS, on_disk
+        for store in stores:
+            store.poll()  # each plans its share once more
+        assert [store.index.disk_capacity for store in stores] == [CAP_CHUNKS // 3] * 3
+    finally:
+        stop.set()
+        reader.join()
+        for store in stores:
+            store.close()
+    assert tool_errors == [] and runs
+    held = held_chunks(tmp_path)
+    assert sum(held.values()) <= CAP_CHUNKS and len(held) == 3, held
+
+
+def test_the_start_up_line_names_the_other_namespaces_and_tierkv_rm(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with open_store(tmp_path, "old-model") as store:
+        store_chunks(store, 1, 4)
+        old = store.namespace.fingerprint()
+    running = open_store(tmp_path, "running-model")
+    try:
+        with caplog.at_level(logging.INFO, logger="tierkv"):
+            open_store(tmp_path, "new-model").close()
+    finally:
+        running.close()
+    (line,) = [r for r in caplog.records if "holds 2 other namespace(s)" in r.getMessage()]
+    message = line.getMessage()
+    assert line.levelno == logging.WARNING  # one of them holds room no engine uses
+    assert f"disk.path {tmp_path} holds 2 other namespace(s), within the one cap" in message
+    assert f"{old[:8]} (model old-model, " in message and "KiB, last written" in message
+    assert "no engine: deleted first when room is needed" in message
+    assert "(model running-model, " in message and "in use by this process" in message
+    assert f"delete one now with: tierkv rm {tmp_path} --namespace {old[:8]} --yes" in message
