@@ -1063,3 +1063,40 @@ def test_the_last_steps_figures_are_reported_before_the_engine_goes_idle() -> No
     reported = sum(payload.data.get("hit_tokens_cpu", 0) for payload in payloads if payload)
     assert reported == run.side.statistics()["hit_tokens_cpu"] > 0
     run.shutdown()
+
+
+def test_one_disk_cap_for_every_namespace_under_the_disk_path(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A server whose settings changed (here tokens_per_chunk, as a vLLM upgrade or a TP
+    change would) starts a new namespace under the same disk_path. disk_bytes is one cap
+    for all of them: the old namespace, which no engine claims, gives its room first, and
+    the start-up line names it and `tierkv rm`. Before, each namespace had a cap of its own
+    and the old ones stayed forever (the path held both: 2x the cap)."""
+    from tierkv.config import DISK_OVERHEAD_BYTES
+    from tierkv.tiers.disk_budget import survey
+
+    disk = tmp_path / "kv"
+    small = 2 * 2 * 1024  # 2 blocks x 2 layers x 1 KiB pages: a 32-token chunk's bytes
+    cap = 16 * (small + DISK_OVERHEAD_BYTES)
+    first = Run(HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                              max_num_batched_tokens=64,
+                              kv_transfer_config=tierkv_config(disk_path=str(disk), disk_bytes=cap)))
+    first.run(MultiTurnWorkload(**CHAT))
+    old = first.side.fingerprint
+    assert first.side.index.statistics().on_disk > 8  # it filled more than half the cap
+    first.shutdown()
+    second = Run(HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                               max_num_batched_tokens=64,
+                               kv_transfer_config=tierkv_config(
+                                   disk_path=str(disk), disk_bytes=cap, tokens_per_chunk=64)))
+    assert second.side.fingerprint != old
+    assert any("tierkv rm" in record.getMessage() and old[:8] in record.getMessage()
+               for record in caplog.records)
+    result = second.run(MultiTurnWorkload(**{**CHAT, "num_conversations": 6}))
+    assert_clean(result, second.cfg.vocab_size)
+    held = second.side.index.statistics().on_disk * (2 * small + DISK_OVERHEAD_BYTES)
+    others = sum(holding.held for holding in survey(disk, (second.side.fingerprint, 0)))
+    assert held + others <= cap
+    assert not (disk / f"ns-{old}").exists()  # the old namespace gave its room
+    assert held > cap // 2  # ... to the new one
+    second.shutdown()

@@ -20,8 +20,9 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.metrics import GAUGE_KEYS, usage_figures
 from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
@@ -30,9 +31,13 @@ from tierkv.integrations.vllm_keys import chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace
 
+if TYPE_CHECKING:
+    from tierkv.tiers.disk_budget import DiskBudget
+
 log = logging.getLogger("tierkv.vllm")
 
 STATS_INTERVAL_SECONDS = 1.0
+BUDGET_POLL_SECONDS = 1.0  # how often a step may stat the disk root for budget changes
 _INDEX_COUNTERS = (
     "loads_failed", "loads_no_room", "stores_planned", "stores_present", "stores_no_room",
     "stores_failed", "cpu_evictions", "dirty_dropped", "disk_evictions", "spills_ok",
@@ -111,6 +116,8 @@ class SchedulerSide:
         self.stats_interval = STATS_INTERVAL_SECONDS
         self.found_on_disk = 0
         self.deleted_on_disk = 0
+        self._budgets: list[DiskBudget] = []  # one per stored rank
+        self._budget_polled = -float("inf")
         if settings.disk_path is not None:
             self._rebuild_from_disk(disk_ranks)
 
@@ -120,19 +127,67 @@ class SchedulerSide:
         from tierkv.tiers.disk_files import empty_namespace_warning
 
         assert self.settings.disk_path is not None
+        root = Path(self.settings.disk_path)
         started = time.perf_counter()
         keys, self.deleted_on_disk = rebuild_keys(
-            Path(self.settings.disk_path), self.namespace, ranks, self.config.disk,
-            self.geometry.chunk_bytes, self.geometry.disk_capacity,
+            root, self.namespace, ranks, self.config.disk, self.geometry.chunk_bytes,
+            self.geometry.disk_capacity,
         )
-        self.found_on_disk = self.index.add_on_disk(keys)
+        capacity = self._open_budgets(root, ranks, len(keys))
+        if capacity != self.index.disk_capacity:
+            self.index.set_disk_capacity(capacity)
+        self.found_on_disk = self.index.add_on_disk(keys)  # over the share: deleted next
         log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s",
                  self.found_on_disk, self.fingerprint[:8], self.settings.disk_path,
                  time.perf_counter() - started)
-        warning = empty_namespace_warning(Path(self.settings.disk_path), self.namespace,
-                                          self.found_on_disk)
+        warning = empty_namespace_warning(root, self.namespace, self.found_on_disk)
         if warning:
             log.warning("tierkv: %s", warning)
+
+    def _open_budgets(self, root: Path, ranks: Sequence[int], held: int) -> int:
+        """This engine's share of ``disk_bytes``, one cap for every namespace under the disk
+        path (docs/operations.md, "One cap per disk path"): a share per stored rank, each
+        rank's in its own share file, as library stores publish theirs. Namespaces no engine
+        claims give room first (least recently written first). Returns the capacity in
+        chunks (the smallest rank share)."""
+        from tierkv.tiers.disk_budget import DiskBudget
+
+        unit = self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES
+        self._budgets = [DiskBudget(root, self.fingerprint, rank, self.settings.disk_bytes, unit,
+                                    check_seconds=self.config.disk.budget_check_seconds,
+                                    clock=self._clock) for rank in ranks]
+        capacity = min(budget.plan(held + self._budget_headroom(budget))
+                       for budget in self._budgets)
+        line = self._budgets[0].start_line()
+        if line:
+            unclaimed = any(holding.deletable for holding in self._budgets[0].others)
+            log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
+        self._budget_polled = self._clock()
+        return capacity
+
+    @staticmethod
+    def _budget_headroom(budget: DiskBudget) -> int:
+        """Room for a few more chunks than held: unclaimed namespaces go one by one as the
+        disk fills, not all at once."""
+        return max(1, int(budget.entitlement // budget.unit_bytes // 8))
+
+    def _rebalance_disk(self) -> None:
+        """Plan this engine's share again when the disk is full and unclaimed namespaces
+        could give room, when another store came, went or moved its share, or every
+        ``budget_check_seconds`` (a ``stat`` of the disk path: at most once a second unless
+        the disk is full)."""
+        index = self.index
+        full = index.disk_used >= index.disk_capacity
+        now = self._clock()
+        if not full and now - self._budget_polled < BUDGET_POLL_SECONDS:
+            return
+        self._budget_polled = now
+        if not any(budget.due(full) for budget in self._budgets):
+            return
+        capacity = min(budget.plan(index.disk_used + self._budget_headroom(budget))
+                       for budget in self._budgets)
+        if capacity != index.disk_capacity:
+            index.set_disk_capacity(capacity)
 
     # ------------------------------------------------------------------ requests
     def _view(self, tracked: _Tracked) -> RequestView:
@@ -304,6 +359,8 @@ class SchedulerSide:
             preempted=tuple(so.preempted_req_ids or ()),
         )
         prune, self._prune_later = self._prune_later, []
+        if self._budgets:
+            self._rebalance_disk()
         plan = self.adapter.build_plan(step)
         for keys in prune:  # their last chunk is planned now: forget keys never stored
             for key in keys:
@@ -393,6 +450,9 @@ class SchedulerSide:
     def shutdown(self) -> None:
         if self.remote is not None:
             self.remote.shutdown()
+        budgets, self._budgets = self._budgets, []
+        for budget in budgets:  # the share becomes what this engine leaves on disk
+            budget.release(self.index.disk_used)
         if self.adapter.jobs_in_flight():
             log.info("tierkv: scheduler shutting down with %d job(s) in flight; the workers "
                      "finish them and flush unspilled chunks to disk", self.adapter.jobs_in_flight())
