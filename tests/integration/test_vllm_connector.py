@@ -62,7 +62,10 @@ def model_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 
 def tierkv_config(**extra: Any) -> KVTransferConfig:
-    settings: dict[str, Any] = {"cpu_bytes": 8 << 20, "tokens_per_chunk": TPC}
+    # The harness's forward pass is simulated (nearly free): load_policy "cost" would rightly
+    # decline most loads there, so these tests of exact hits load every hit.
+    settings: dict[str, Any] = {"cpu_bytes": 8 << 20, "tokens_per_chunk": TPC,
+                                "load_policy": "always"}
     settings.update(extra)
     return KVTransferConfig(
         kv_connector="TierKVConnector",

@@ -78,7 +78,8 @@ def transfer_config(remote_url: str, **extra: Any) -> KVTransferConfig:
     # vLLM ask again next step, bounded by promotion_wait_seconds (5 s), far more than a
     # loopback cluster needs even on a slow CI box.
     settings: dict[str, Any] = {"cpu_bytes": 8 << 20, "tokens_per_chunk": TPC,
-                                "remote_url": remote_url}
+                                "remote_url": remote_url,
+                                "load_policy": "always"}  # the harness's forward is simulated
     settings.update(extra)
     return KVTransferConfig(kv_connector="TierKVConnector",
                             kv_connector_module_path="tierkv.integrations.vllm",

@@ -105,7 +105,8 @@ def tierkv_transfer_config(store: Path) -> KVTransferConfig:
         kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"cpu_bytes": 8 << 20, "tokens_per_chunk": TPC,
-                                   "disk_path": str(store), "disk_bytes": 64 << 20})
+                                   "disk_path": str(store), "disk_bytes": 64 << 20,
+                                   "load_policy": "always"})  # a simulated forward
 
 
 def token_ids_of(model: Path, prompt: dict[str, Any]) -> list[int]:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
+from tierkv.core.costs import DEFAULT_CHUNK_BYTES, TIERS, CostModel, CostPriors
 from tierkv.core.index import BlockIndex, Lookup
 from tierkv.core.state import CpuState
 from tierkv.core.jobs import (NO_BLOCK, ChunkCopy, Completion, CompletionTracker, JobId, JobKind,
@@ -75,6 +76,10 @@ def lookup_tiers(index: BlockIndex, remote: RemoteAsker | None,
     return found, False
 
 
+LOAD_POLICIES = ("always", "cost")
+MAX_STEP_SAMPLE_SECONDS = 2.0  # a longer gap between plans is an idle engine, not compute
+
+
 @dataclass(frozen=True)
 class AdapterConfig:
     tokens_per_block: int
@@ -98,8 +103,29 @@ class AdapterConfig:
     # step's forward pass, up to this many chunks per step (0: every load is asynchronous
     # and the request waits a step or two for it). See sync_load().
     sync_load_chunks: int = 0
+    # Cost-aware loads: "always" loads every hit; "cost" loads the prefix of a hit whose
+    # estimated load time plus the compute time of the rest is least (tierkv.core.costs:
+    # measured per tier and from the engine's steps, priors until then). load_bias scales
+    # the load estimates (above 1 favours recompute).
+    load_policy: str = "always"
+    load_bias: float = 1.0
+    cost_priors: CostPriors = field(default_factory=CostPriors)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # one chunk on one rank (the priors' unit)
+    # A tier whose loads were declined for this long is tried again with the next hit
+    # on it (a slow node may have recovered): one load is its new measurement.
+    probe_seconds: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.load_policy not in LOAD_POLICIES:
+            raise ConfigError(f"adapter: load_policy must be one of {list(LOAD_POLICIES)}, got "
+                              f"{self.load_policy!r}")
+        if isinstance(self.load_bias, bool) or not isinstance(self.load_bias, (int, float)) \
+                or not self.load_bias > 0:
+            raise ConfigError(f"adapter: load_bias must be a number > 0, got {self.load_bias!r}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) \
+                or self.chunk_bytes <= 0:
+            raise ConfigError(f"adapter: chunk_bytes must be a positive int, got "
+                              f"{self.chunk_bytes!r}")
         if isinstance(self.sync_load_chunks, bool) or not isinstance(self.sync_load_chunks, int) \
                 or self.sync_load_chunks < 0:
             raise ConfigError(f"adapter: sync_load_chunks must be an int >= 0, got "
@@ -170,6 +196,18 @@ class AdapterStats:
     # groups: a sliding-window block freed, or never given, before the chunk was stored).
     stores_without_pages: int = 0
     sync_loads: int = 0  # loads copied in the step that asked for them (sync_load_chunks)
+    # load_policy "cost": hit tokens declined (recomputed instead) by the tier that held
+    # them, and the taken loads' estimated and measured seconds by their slowest tier.
+    load_probes: int = 0  # loads taken against the estimate, to measure a declined tier
+    declined_tokens_cpu: int = 0
+    declined_tokens_disk: int = 0
+    declined_tokens_remote: int = 0
+    load_seconds_estimated_cpu: float = 0.0
+    load_seconds_estimated_disk: float = 0.0
+    load_seconds_estimated_remote: float = 0.0
+    load_seconds_measured_cpu: float = 0.0
+    load_seconds_measured_disk: float = 0.0
+    load_seconds_measured_remote: float = 0.0
 
 
 class EngineAdapter:
@@ -219,6 +257,16 @@ class EngineAdapter:
         # chunks of the step's budget they took.
         self._sync: dict[str, int] = {}
         self._sync_budget = config.sync_load_chunks
+        # Cost-aware loads: the model, each taken load's (planned at, slowest tier, chunks,
+        # estimate, same-step), and the last plan's (time, tokens) for the compute line.
+        self.costs = (CostModel(config.cost_priors, config.chunk_bytes,
+                                load_bias=config.load_bias)
+                      if config.load_policy == "cost" else None)
+        self._last_load = dict.fromkeys(TIERS, -float("inf"))  # a load taken, by tier
+        self._declining: dict[str, float | None] = dict.fromkeys(TIERS)  # since when declined
+        self._estimates: dict[str, tuple[str, int, float]] = {}
+        self._load_started: dict[JobId, tuple[float, str, int, float, bool]] = {}
+        self._last_plan: tuple[float, int] | None = None
         self.stats = AdapterStats()
 
     # ------------------------------------------------------------------ lookup
@@ -245,12 +293,69 @@ class EngineAdapter:
             self.stats.waits_on_stores += 1
             return None
         self._store_wait_since.pop(view.req_id, None)
-        tokens = max(stop * tpc - num_local_tokens, 0) if found.num_hits else 0
+        hits, on_cpu = found.num_hits, found.num_on_cpu
+        if hits and self.costs is not None:
+            hits, on_cpu = self._choose_loads(view, start, hits, num_local_tokens)
+            stop = start + hits
+        tokens = max(stop * tpc - num_local_tokens, 0) if hits else 0
         self.stats.hit_tokens += tokens
-        if tokens and found.num_on_cpu == found.num_hits <= self._sync_budget:
-            self._sync[view.req_id] = found.num_hits
-            self._sync_budget -= found.num_hits
+        if tokens and on_cpu == hits <= self._sync_budget:
+            self._sync[view.req_id] = hits
+            self._sync_budget -= hits
         return tokens
+
+    def _tier_of(self, key: bytes) -> str:
+        entry = self.index.entry(key)
+        if entry is None:
+            return "remote"  # a mark: on the remote tier only
+        return "cpu" if entry.cpu is CpuState.READY else "disk"
+
+    def _choose_loads(self, view: RequestView, start: int, hits: int,
+                      num_local_tokens: int) -> tuple[int, int]:
+        """load_policy "cost": the prefix of the hit to load (see CostModel.best_prefix);
+        the rest is declined, counted by tier. Returns (chunks, of them in the CPU tier)."""
+        assert self.costs is not None
+        tpc = self._tpc
+        tiers = [self._tier_of(key) for key in view.chunk_keys[start:start + hits]]
+        take, estimate, _ = self.costs.best_prefix(
+            tiers, tpc, first_chunk_tokens=(start + 1) * tpc - num_local_tokens)
+        now = self._clock()
+        if take < hits:  # a tier declined for probe_seconds gets one load: a new measurement
+            tier = tiers[take]
+            since = self._declining[tier]
+            if since is None or since < self._last_load[tier]:  # declining from now on
+                self._declining[tier] = now
+            elif now - since >= self.config.probe_seconds:
+                self._declining[tier] = now
+                self.stats.load_probes += 1
+                take = hits
+        for tier in set(tiers[:take]):
+            self._last_load[tier] = now
+        stats = self.stats
+        for position in range(take, hits):
+            declined = tpc if position else (start + 1) * tpc - num_local_tokens
+            tier = tiers[position]
+            if tier == "cpu":
+                stats.declined_tokens_cpu += declined
+            elif tier == "disk":
+                stats.declined_tokens_disk += declined
+            else:
+                stats.declined_tokens_remote += declined
+        taken = tiers[:take]
+        if take:
+            slowest = "remote" if "remote" in taken else "disk" if "disk" in taken else "cpu"
+            self._estimates[view.req_id] = (slowest, take, self.costs.load_seconds(
+                {tier: taken.count(tier) for tier in TIERS}))
+        else:
+            self._estimates.pop(view.req_id, None)
+        return take, taken.count("cpu")
+
+    def observe_compute(self, num_tokens: int, seconds: float) -> None:
+        """A custom engine's measured prefill: ``seconds`` to compute ``num_tokens`` (one
+        step). Under load_policy "cost" it teaches the model what recompute costs; the vLLM
+        connector reports every step itself (build_plan)."""
+        if self.costs is not None:
+            self.costs.observe_compute(num_tokens, seconds)
 
     def sync_load(self, req_id: str) -> bool:
         """Whether the hit the last :meth:`lookup` of ``req_id`` found loads in the same step
@@ -335,17 +440,21 @@ class EngineAdapter:
         if lost:
             self._reloads_refused.add(view.req_id)
         spec = None
+        sync = view.req_id in self._sync
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._track(plan.job_id, view.req_id)
             self.stats.loads_planned += len(chunks)
+            estimate = self._estimates.pop(view.req_id, None)
+            if estimate is not None:
+                self._load_started[plan.job_id] = (self._clock(), *estimate, sync)
         self._load_sources[view.req_id] = (cpu_tokens, disk_tokens, remote_tokens)
         self.stats.hit_tokens_cpu += cpu_tokens
         self.stats.hit_tokens_disk += disk_tokens
         self.stats.hit_tokens_remote += remote_tokens
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
-        sync = self._sync.pop(view.req_id, None) is not None
         if sync:
+            del self._sync[view.req_id]
             self.stats.sync_loads += 1
         self._pending_loads.append(LoadRequest(view.req_id, spec, lost, sync))
 
@@ -459,6 +568,8 @@ class EngineAdapter:
             f"was changed.")
 
     def build_plan(self, step: StepInput) -> StepPlan:
+        if self.costs is not None:
+            self._observe_step(step)
         if self._departed:  # before any state changes: a refused step changes nothing
             for req_id in self._departed:
                 if req_id in step.requests or req_id in step.new_block_ids:
@@ -554,12 +665,24 @@ class EngineAdapter:
         stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         loads, self._pending_loads = tuple(self._pending_loads), []
         self._sync.clear()  # a lookup whose request was not scheduled: its budget is back
+        self._estimates.clear()
         self._sync_budget = self.config.sync_load_chunks
         self._finishing.clear()
         spill = self.index.take_spills()
         self.stats.flushes += len(flush)
         idle = not any(step.num_scheduled_tokens.values())
         return StepPlan(loads, stores, (spill,) if spill is not None else (), tuple(flush), idle)
+
+    def _observe_step(self, step: StepInput) -> None:
+        """The engine's compute line from its steps: the time from one plan to the next is
+        the previous step's (its forward pass computed its scheduled tokens). A gap over
+        MAX_STEP_SAMPLE_SECONDS is an idle engine, not compute."""
+        assert self.costs is not None
+        now = self._clock()
+        last = self._last_plan
+        if last is not None and last[1] > 0 and now - last[0] <= MAX_STEP_SAMPLE_SECONDS:
+            self.costs.observe_compute(last[1], now - last[0])
+        self._last_plan = (now, sum(step.num_scheduled_tokens.values()))
 
     def take_flush_spills(self) -> StepPlan:
         """A plan that writes every dirty CPU chunk to disk (clean shutdown)."""
@@ -578,10 +701,28 @@ class EngineAdapter:
                     and self.index.job_kind(merged.job_id) is JobKind.LOAD:
                 self._reloads_refused.update(
                     owner.view.req_id for owner in self._job_owners.get(merged.job_id, ()))
+            if self._load_started:
+                started = self._load_started.pop(merged.job_id, None)
+                if started is not None and merged.ok and not merged.failed_keys:
+                    self._measured_load(merged, *started)
             self.index.complete(merged)
             self._untrack(merged.job_id)
             done.append(merged)
         return done
+
+    def _measured_load(self, completion: Completion, planned_at: float, tier: str, chunks: int,
+                       estimate: float, sync: bool) -> None:
+        """A taken load completed: teach the model its time (the copy's, for a same-step
+        load, whose step also ran the forward pass; else the steps it spanned) and count
+        the estimate next to it."""
+        assert self.costs is not None
+        seconds = completion.seconds if sync else self._clock() - planned_at
+        self.costs.observe_load(tier, chunks, seconds)
+        stats = self.stats
+        setattr(stats, f"load_seconds_estimated_{tier}",
+                getattr(stats, f"load_seconds_estimated_{tier}") + estimate)
+        setattr(stats, f"load_seconds_measured_{tier}",
+                getattr(stats, f"load_seconds_measured_{tier}") + seconds)
 
     def _track(self, job_id: JobId, req_id: str) -> None:
         state = self._requests[req_id]

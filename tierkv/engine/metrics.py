@@ -88,6 +88,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("corrupt_chunks", "counter", "Chunks whose bytes failed their checks on read "
            "(served as misses, deleted), by tier", "tier",
            (("disk", "corrupt"), ("remote", "remote_corrupt"))),
+    Metric("declined_tokens", "counter", "Hit tokens recomputed instead of loaded because "
+           "loading them was estimated slower (load_policy \"cost\"), by the tier that held "
+           "them", "tier", _each("declined_tokens_{}", TIERS)),
+    Metric("load_seconds_estimated", "counter", "Estimated seconds of the loads taken, by "
+           "their slowest tier (next to load_seconds_measured: the cost model's error)",
+           "tier", _each("load_seconds_estimated_{}", TIERS)),
+    Metric("load_seconds_measured", "counter", "Measured seconds of the loads taken (plan to "
+           "completion; a same-step load's copy), by their slowest tier", "tier",
+           _each("load_seconds_measured_{}", TIERS)),
     Metric("usage_bytes", "gauge", "Bytes of KV held, by tier (all ranks)", "tier",
            (("cpu", "cpu_used_bytes"), ("disk", "disk_used_bytes"))),
     Metric("capacity_bytes", "gauge", "Bytes of KV a tier can hold (all ranks)", "tier",

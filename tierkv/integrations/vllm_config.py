@@ -32,7 +32,7 @@ from typing import Any
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
 from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, RemoteTierConfig,
                            StoreConfig, cpu_slot_count, disk_chunk_capacity)
-from tierkv.engine.adapter import AdapterConfig
+from tierkv.engine.adapter import LOAD_POLICIES, AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.integrations.vllm_versions import UnsupportedVersionError as UnsupportedVersionError
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
@@ -42,6 +42,7 @@ from tierkv.units import as_size
 
 DEFAULT_TOKENS_PER_CHUNK = 128  # a hit recomputes up to this many tokens (docs/design.md)
 DEFAULT_SYNC_LOAD_BYTES = 64 << 20  # docs/benchmarks/ttft.md, "Same-step loads"
+DEFAULT_LOAD_POLICY = "cost"  # docs/benchmarks/ttft.md, "Cost-aware loads"
 # Layouts whose per-block page is one dense [H, N, C] region, and its memory order.
 PAGE_ORDER = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND",
               "NHD": "NHD", "HND": "HND"}
@@ -70,6 +71,10 @@ class ConnectorSettings:
     # Same-step loads: a hit held in the CPU tier is copied before the step's forward pass,
     # up to this many bytes per rank and step (0: every load waits a step or two).
     sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
+    # Cost-aware loads (tierkv.core.costs): "cost" declines the part of a hit whose load
+    # would take longer than computing it; "always" loads every hit.
+    load_policy: str = DEFAULT_LOAD_POLICY
+    load_bias: float = AdapterConfig.load_bias  # > 1 favours recompute, < 1 loads
     device: str = StoreConfig.device  # transfer engine: "auto", "cuda", "cpu"
     pin_memory: str = CpuTierConfig.pin_memory  # CPU slab: "auto", "always", "never"
     flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
@@ -118,6 +123,7 @@ def _flag(key: str, value: Any) -> bool:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
+    "load_policy": LOAD_POLICIES,
     "disk_sync_mode": ("periodic", "always", "close"), "device": ("auto", "cuda", "cpu"),
     "pin_memory": ("auto", "always", "never"), "eviction_policy": EVICTION_POLICIES}
 
@@ -155,6 +161,8 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
             out[key] = _number(key, value, 0.0, 1.0)
         elif key == "promotion_wait_seconds":
             out[key] = _number(key, value, 0.0)
+        elif key == "load_bias":
+            out[key] = _number(key, value, 0.01, 100.0)
         elif key in _CHOICES:
             out[key] = _choice(key, value, _CHOICES[key])
         else:
@@ -541,4 +549,7 @@ def adapter_config(settings: ConnectorSettings, geometry: Geometry) -> AdapterCo
         # its load (failed_recving), so a same-step load that failed would go unnoticed.
         sync_load_chunks=(settings.sync_load_bytes // geometry.chunk_bytes
                           if geometry.num_groups == 1 else 0),
+        load_policy=settings.load_policy,
+        load_bias=settings.load_bias,
+        chunk_bytes=geometry.chunk_bytes,
     )

@@ -1,0 +1,143 @@
+"""The cost model of cost-aware loads (tierkv.core.costs) and the adapter's use of it;
+scripted, with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.core.costs import CostModel, CostPriors, DecayedLine
+from tierkv.core.index import BlockIndex
+from tierkv.core.jobs import Completion
+from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.errors import ConfigError
+
+
+def test_a_decayed_line_learns_the_line_its_samples_lie_on() -> None:
+    line = DecayedLine(((1.0, 10.0), (16.0, 10.0)))  # a prior: flat 10 s
+    for _ in range(60):
+        for x in (1.0, 4.0, 8.0):
+            line.observe(x, 0.5 + 0.25 * x)  # the truth: 0.5 s + 0.25 s per unit
+    intercept, slope = line.line()
+    assert intercept == pytest.approx(0.5, abs=0.01) and slope == pytest.approx(0.25, abs=0.01)
+    assert line.samples == 180
+
+
+def test_one_x_seen_gives_a_line_through_the_origin_and_never_a_negative_slope() -> None:
+    line = DecayedLine(((4.0, 1.0), (4.0, 1.0)))
+    assert line.line() == (0.0, 0.25)
+    falling = DecayedLine(((1.0, 5.0), (10.0, 1.0)))
+    assert falling.line()[1] == 0.0 and falling.predict(100.0) == pytest.approx(3.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["cpu", "disk", "remote"]), min_size=1, max_size=12),
+       st.floats(0.001, 1.0), st.floats(0.0, 0.1))
+def test_the_best_prefix_is_the_cheapest_of_every_prefix(tiers: list[str], per_token_ms: float,
+                                                          latency: float) -> None:
+    priors = CostPriors(disk_load_seconds=latency, seconds_per_token=per_token_ms / 1000)
+    model = CostModel(priors)
+    take, cost, whole = model.best_prefix(tiers, 128)
+
+    def cost_of(loaded: int) -> float:
+        counts: dict[str, int] = {}
+        for tier in tiers[:loaded]:
+            counts[tier] = counts.get(tier, 0) + 1
+        return model.load_seconds(counts) + model.compute_seconds((len(tiers) - loaded) * 128)
+
+    every = [cost_of(loaded) for loaded in range(len(tiers) + 1)]
+    assert cost == pytest.approx(min(every))
+    assert whole == pytest.approx(every[-1])
+    assert every[take] == pytest.approx(min(every))
+
+
+def test_a_slow_tier_is_declined_a_fast_one_kept_a_head_taken_from_a_mixed_hit() -> None:
+    model = CostModel(CostPriors(seconds_per_token=0.0001))  # 10k tokens/s: 12.8 ms a chunk
+    for _ in range(30):
+        model.observe_load("remote", 4, 1.0)  # a throttled node: 1 s for 4 chunks
+        model.observe_load("cpu", 4, 0.002)
+    assert model.best_prefix(["remote"] * 4, 128)[0] == 0
+    assert model.best_prefix(["cpu"] * 4, 128)[0] == 4
+    assert model.best_prefix(["cpu", "cpu", "remote", "remote"], 128)[0] == 2
+    with pytest.raises(ConfigError):
+        CostModel(load_bias=0)
+
+
+# -- the adapter ------------------------------------------------------------------------------
+
+KEYS = [bytes([i]) * 32 for i in range(1, 9)]
+MORE = [bytes([i]) * 32 for i in range(9, 13)]  # on disk too
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def adapter_with_chunks(policy: str, priors: CostPriors, clock: Clock) -> EngineAdapter:
+    """Chunks 0-3 in the CPU tier, 4-7 (and MORE) on disk only."""
+    index = BlockIndex(num_slots=16, disk_capacity=16, clock=clock)
+    index.add_on_disk(KEYS[4:] + MORE)
+    store = index.prepare_store(KEYS[:4])
+    index.complete_store(Completion(store.job_id, ok=True))
+    config = AdapterConfig(tokens_per_block=16, blocks_per_chunk=2, load_policy=policy,
+                           cost_priors=priors)
+    return EngineAdapter(index, config, clock)
+
+
+def view(num_tokens: int = 8 * 32 + 1) -> RequestView:
+    return RequestView("r", KEYS, num_tokens, num_tokens, 0)
+
+
+def test_the_adapter_declines_the_slow_tail_of_a_hit_and_counts_it() -> None:
+    clock = Clock()
+    slow_disk = CostPriors(disk_load_seconds=1.0, seconds_per_token=0.0001)
+    adapter = adapter_with_chunks("cost", slow_disk, clock)
+    assert adapter.lookup(view(), 0) == 4 * 32  # the CPU head only
+    assert adapter.stats.declined_tokens_disk == 4 * 32 and adapter.stats.declined_tokens_cpu == 0
+    always = adapter_with_chunks("always", slow_disk, Clock())
+    assert always.lookup(view(), 0) == 8 * 32 and always.stats.declined_tokens_disk == 0
+
+
+def test_measured_loads_and_steps_teach_the_adapter() -> None:
+    """A disk the priors think fast is measured slow: the next hit on it is declined."""
+    clock = Clock()
+    fast_disk = CostPriors(disk_load_seconds=0.001, disk_bytes_per_second=4e9,
+                           seconds_per_token=0.0001)
+    adapter = adapter_with_chunks("cost", fast_disk, clock)
+    request = view()
+    assert adapter.lookup(request, 0) == 8 * 32  # the priors: load everything
+    adapter.update_state_after_alloc(request, list(range(16)), 8 * 32, 0)
+    plan = adapter.build_plan(StepInput())
+    [load] = plan.loads
+    assert load.spec is not None
+    clock.now += 5.0  # the disk took 5 s
+    adapter.complete(WorkerReport(0, (Completion(load.spec.job_id, ok=True),)))
+    assert adapter.stats.load_seconds_measured_disk == pytest.approx(5.0)
+    assert 0 < adapter.stats.load_seconds_estimated_disk < 1.0
+    for _ in range(20):  # the engine computes 1000 tokens in 0.1 s a step
+        adapter.build_plan(StepInput(num_scheduled_tokens={"other": 1000}))
+        clock.now += 0.1
+    assert adapter.costs is not None and adapter.costs.loads["disk"].samples == 1
+    other = RequestView("s", KEYS[:4] + MORE, 8 * 32 + 1, 8 * 32 + 1, 0)
+    assert adapter.lookup(other, 0) == 4 * 32  # the CPU chunks; the disk ones are declined
+    assert adapter.stats.declined_tokens_disk == 4 * 32
+
+
+def test_a_declined_tier_is_probed_again_after_probe_seconds() -> None:
+    """A slow node may recover, but only a load taken from it can tell: a tier declined for
+    probe_seconds gets one load against the estimate."""
+    clock = Clock()
+    adapter = adapter_with_chunks("cost", CostPriors(disk_load_seconds=1.0,
+                                                     seconds_per_token=0.0001), clock)
+    assert adapter.lookup(view(), 0) == 4 * 32  # declined since now
+    clock.now += 29.0
+    assert adapter.lookup(view(), 0) == 4 * 32 and adapter.stats.load_probes == 0
+    clock.now += 1.0
+    assert adapter.lookup(view(), 0) == 8 * 32 and adapter.stats.load_probes == 1
+    assert adapter.lookup(view(), 0) == 4 * 32  # declined again: the next probe in 30 s
