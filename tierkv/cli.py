@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print tierkv's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tierkv import demo, tools, tools_rm, warmup_hf
+    from tierkv import demo, remote_ping, tools, tools_rm, warmup_hf
 
     demo_parser = sub.add_parser("demo", help="multi-turn chat workload on CPU tensors")
     demo.add_arguments(demo_parser)
@@ -53,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "delete; see docs/warmup.md.")
     tools_rm.add_rm_arguments(rm_parser)
     rm_parser.set_defaults(handler=tools_rm.run_rm)
+    ping_parser = sub.add_parser(
+        "ping", help="a remote store's nodes, slots, latency, password, chunks and eviction "
+                     "policy; exit 0 ready, 1 problems found, 2 cannot connect",
+        description="Connect to a redis:// or rediss:// remote tier as an engine would and "
+                    "report every node (latency, slots, memory, maxmemory-policy), the slots "
+                    "covered, whether the password was accepted, and this prefix's chunks; "
+                    "see docs/remote.md.")
+    remote_ping.add_arguments(ping_parser)
+    ping_parser.set_defaults(handler=remote_ping.run)
     return parser
 
 
