@@ -57,7 +57,17 @@ WRONG_TYPE = "the key holds another type than a string"
 
 
 def is_remote(store: str) -> bool:
-    return str(store).startswith(("redis://", "rediss://"))
+    """Whether a store argument is a remote store's URL; one that looks like a mistyped URL
+    (``redis//:pw@host``) is refused without showing what precedes its ``@``."""
+    text = str(store)
+    if text.startswith(("redis://", "rediss://")):
+        return True
+    if re.match(r"(?i)rediss?\b", text) and "@" in text:
+        shown = "***@" + text.rsplit("@", 1)[1]
+        raise ConfigError(f"{shown!r} looks like a remote store's URL but does not start with "
+                          f"redis:// or rediss:// (its part before '@' is not shown: it may "
+                          f"hold a password)")
+    return False
 
 
 def _client_module() -> Any:

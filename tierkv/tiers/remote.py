@@ -56,11 +56,11 @@ from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.malloc_tuning import tune_malloc
-from tierkv.tiers.remote_client import (HINTS, DeadlinePassed, RemoteError, cause_of, connect,
+from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, connect,
                                         deadline, is_wrong_type, node_name, scan_names, scrub)
 from tierkv.tiers.remote_format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
-from tierkv.tiers.remote_health import TIER, WRITES, NodeHealth, who
+from tierkv.tiers.remote_health import HINTS, TIER, WRITES, NodeHealth, who
 
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")

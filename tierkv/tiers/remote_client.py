@@ -16,8 +16,9 @@ Primitives and contracts:
   off (one attempt; the deadline bounds it) and its connections keeping deadlines. redis-py
   pauses 0.25 s and refreshes the topology on a ``CLUSTERDOWN`` reply to one command: that
   reply is turned into :class:`ClusterDown`, an error redis-py passes straight up.
-- :func:`cause_of` ``(exc)``: one of :data:`CAUSES` (``"timeout"``, ``"auth refused"``,
-  ``"cluster down"``, ...); :data:`HINTS` says for each what to check.
+- :func:`cause_of` ``(exc)``: one of :data:`~tierkv.tiers.remote_health.CAUSES`
+  (``"timeout"``, ``"auth refused"``, ``"cluster down"``, ...); ``HINTS`` there says for
+  each what to check.
 - :func:`scrub` ``(config, text)``: the text with the password (from the URL or the
   environment) masked; :func:`scan_names` every key matching a pattern on every primary,
   one ``SCAN`` page per :func:`deadline` of ``page_seconds``.
@@ -55,34 +56,14 @@ from redis.retry import Retry
 
 from tierkv.config import RemoteTierConfig
 from tierkv.errors import BrokenError
-
-# Why a call failed (metric label values: spaces become underscores).
-CAUSES = ("timeout", "connection refused", "connection lost", "auth refused", "no permission",
-          "cluster down", "out of memory", "read only", "error")
-HINTS = {
-    "timeout": "no answer within remote.timeout_seconds: the node is stalled, overloaded or "
-               "unreachable (raise remote.timeout_seconds only if it is merely slow)",
-    "connection refused": "nothing listens there: check that the node runs",
-    "connection lost": "the connection broke during the call: check the node and the network",
-    "auth refused": "the server refused the password: check the URL's password or the "
-                    "variable remote.password_env names (TIERKV_REMOTE_PASSWORD)",
-    "no permission": "the server's ACL refuses a command or key: see docs/remote.md, Security",
-    "cluster down": "the cluster says it is down (a master is unreachable): check CLUSTER INFO "
-                    "on the nodes",
-    "out of memory": "the server is full and refuses writes: give it maxmemory-policy "
-                     "allkeys-lru (docs/remote.md, Setup)",
-    "read only": "the node is a replica: give remote.url a master",
-    "error": "see the message",
-}
-# Node I/O failures a call's trace records (the others are the server's answers).
-NODE_CAUSES = frozenset(("timeout", "connection refused", "connection lost"))
+from tierkv.tiers.remote_health import HINTS as HINTS  # the tools' messages use it
 
 _local = threading.local()
 
 
 class RemoteError(BrokenError):
     """A remote call failed (``skipped``: refused at once by an open breaker); ``cause`` is
-    one of :data:`CAUSES`, ``node`` the node blamed, if one."""
+    one of :data:`~tierkv.tiers.remote_health.CAUSES`, ``node`` the node blamed, if one."""
 
     def __init__(self, message: str, cause: str, node: str | None = None,
                  skipped: bool = False) -> None:
@@ -106,7 +87,7 @@ class Call:
     def __init__(self, until: float) -> None:
         self.until = until
         self.answered: set[str] = set()  # nodes ("host:port") that replied
-        self.failed: dict[str, str] = {}  # node -> cause (NODE_CAUSES)
+        self.failed: dict[str, str] = {}  # node -> timeout, connection refused or lost
 
     def left(self) -> float:
         return self.until - time.monotonic()
@@ -276,7 +257,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def cause_of(exc: BaseException) -> str:
-    """Why a call failed: one of :data:`CAUSES`."""
+    """Why a call failed: one of :data:`~tierkv.tiers.remote_health.CAUSES`."""
     for error in _chain(exc):
         text = str(error)
         if isinstance(error, AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH")):
@@ -349,7 +330,7 @@ def connect(config: RemoteTierConfig, name: str) -> tuple[Any, bool]:
             client = redis.Redis.from_url(urls[0], **options, retry=NO_RETRY)
             client.ping()
             return client, False
-    except (RedisError, RedisClusterException, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError, ValueError) as exc:  # a bad URL too
         cause = cause_of(exc)
         raise RemoteError(f"{name}: cannot connect: {cause} ({type(exc).__name__}: "
                           f"{scrub(config, exc)}); {HINTS[cause]}; check remote.url and that "

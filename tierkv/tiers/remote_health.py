@@ -2,6 +2,8 @@
 
 Primitives and contracts (thread-safe; time from the injected ``clock``):
 
+- :data:`CAUSES`: why a remote call fails (``timeout``, ``auth refused``, ``cluster down``,
+  ...; metric label values with underscores); :data:`HINTS`: what to check for each.
 - A *node* is ``host:port``; :data:`TIER` (``"cluster"``) stands for failures no one node
   caused (the cluster says it is down, the password is refused, a connect failed), and
   :data:`WRITES` for a server that refuses writes (out of memory): pushes only.
@@ -30,7 +32,25 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from tierkv.tiers.remote_client import HINTS
+# Why a call failed (metric label values: spaces become underscores).
+CAUSES = ("timeout", "connection refused", "connection lost", "auth refused", "no permission",
+          "cluster down", "out of memory", "read only", "error")
+HINTS = {
+    "timeout": "no answer within remote.timeout_seconds: the node is stalled, overloaded or "
+               "unreachable (raise remote.timeout_seconds only if it is merely slow)",
+    "connection refused": "nothing listens there: check that the node runs",
+    "connection lost": "the connection broke during the call: check the node and the network",
+    "auth refused": "the server refused the password: check the URL's password or the "
+                    "variable remote.password_env names (TIERKV_REMOTE_PASSWORD)",
+    "no permission": "the server's ACL refuses a command or key: see docs/remote.md, Security",
+    "cluster down": "the cluster says it is down (a master is unreachable): check CLUSTER INFO "
+                    "on the nodes",
+    "out of memory": "the server is full and refuses writes: give it maxmemory-policy "
+                     "allkeys-lru (docs/remote.md, Setup)",
+    "read only": "the node is a replica: give remote.url a master",
+    "error": "see the message",
+}
+
 
 TIER = "cluster"
 WRITES = "writes"  # the servers' refusal to store more (out of memory): pushes only
