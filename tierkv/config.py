@@ -166,7 +166,8 @@ class RemoteTierConfig:
 
     url: str  # redis://host:port or rediss:// (TLS); more seed nodes after commas
     key_prefix: str = "tierkv:"
-    timeout_seconds: float = 0.5  # per network operation
+    timeout_seconds: float = 0.5  # a call's deadline (plus its bytes at min_mib_per_second)
+    min_mib_per_second: float = 64.0  # the slowest transfer a call's deadline allows for
     ttl_seconds: float | None = None  # None: no TTL (rely on the server's maxmemory-policy)
     password_env: str = "TIERKV_REMOTE_PASSWORD"  # used when the URL carries no password
     breaker_failures: int = 5  # consecutive failed calls that open the circuit breaker
@@ -191,6 +192,7 @@ class RemoteTierConfig:
             raise ConfigError(f"remote.key_prefix must be a non-empty str without braces, "
                               f"wildcards or spaces, got {self.key_prefix!r}")
         _positive("remote", "timeout_seconds", self.timeout_seconds)
+        _positive("remote", "min_mib_per_second", self.min_mib_per_second)
         _positive("remote", "breaker_seconds", self.breaker_seconds)
         _sizes(self, "remote", "queue_bytes")
         if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \

@@ -65,9 +65,9 @@ def url_of(cluster: RedisCluster, password: str | None = None) -> str:
 
 def config_for(way: str, cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch,
                password: str = SECRET) -> RemoteTierConfig:
-    """A remote config that gets ``password`` the given way (lookups wait up to 2 s: the
+    """A remote config that gets ``password`` the given way (calls and lookups get 2 s: the
     library answers "not yet" after its deadline, and CI is slow)."""
-    wait = {"lookup_deadline_seconds": 2.0}
+    wait = {"lookup_deadline_seconds": 2.0, "timeout_seconds": 2.0}
     if way == "url":
         return RemoteTierConfig(url=url_of(cluster, password), **wait)
     if way == "env":

@@ -21,8 +21,10 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 - ``scan()`` lists this namespace and rank's chunks on every primary (``SCAN MATCH``, one
   deadline per page); ``verify(repair)`` reads each one.
 - **Deadlines.** Every call (a lookup, a read and the delete of what it found bad, a push
-  batch, a delete, a scan page) ends within ``remote.timeout_seconds`` as a whole, whatever
-  redis-py retries or refreshes inside (:func:`~tierkv.tiers.remote_client.deadline`).
+  batch, a delete, a scan page) ends within ``remote.timeout_seconds`` as a whole, plus its
+  bytes at ``remote.min_mib_per_second`` (``deadline_seconds``), whatever redis-py retries or
+  refreshes inside (:func:`~tierkv.tiers.remote_client.deadline`); a node that sends
+  nothing for ``timeout_seconds`` fails the call at once.
   A failure raises :class:`RemoteError` (a :class:`BrokenError`) naming the tier, the
   address (never the password), the cause and what to check.
 - **Breakers** (:class:`~tierkv.tiers.remote_health.NodeHealth`): one per node, one for the
@@ -61,6 +63,7 @@ from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, c
 from tierkv.tiers.remote_format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
 from tierkv.tiers.remote_health import HINTS, TIER, WRITES, NodeHealth, who
+from tierkv.units import MiB
 
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")
@@ -131,10 +134,15 @@ class RemoteTier(LowerTier):
         if not lazy:
             self._run("connecting", "connect", lambda: None)
 
-    @property
-    def call_seconds(self) -> float:
-        """The longest one call takes: its deadline and a margin for Python's own work."""
-        return self.config.timeout_seconds + 0.1
+    def deadline_seconds(self, num_bytes: int = 0) -> float:
+        """The deadline of a call that moves ``num_bytes``: ``remote.timeout_seconds`` plus
+        those bytes at ``remote.min_mib_per_second`` (a stall is still found within
+        ``timeout_seconds``: each wait for bytes is bounded by it)."""
+        return self.config.timeout_seconds + num_bytes / (self.config.min_mib_per_second * MiB)
+
+    def call_seconds(self, num_bytes: int = 0) -> float:
+        """The longest such a call takes: its deadline and a margin for Python's own work."""
+        return self.deadline_seconds(num_bytes) + 0.1
 
     def warm_up(self) -> bool:
         """Connect now if not yet (a lookup thread does it at start, so the first lookup
@@ -192,9 +200,10 @@ class RemoteTier(LowerTier):
 
     def _run(self, action: str, kind: str, work: Callable[[], _T], key: bytes | None = None,
              node: str | None = None, chunks: int = 1, own_deadline: bool = True,
-             refused: Callable[[_T], BaseException | None] | None = None) -> _T:
+             refused: Callable[[_T], BaseException | None] | None = None,
+             num_bytes: int = 0) -> _T:
         """``work()`` as one call: skipped at once when the cluster's breaker (or
-        ``node``'s) is open, under a deadline of ``remote.timeout_seconds`` (unless
+        ``node``'s) is open, under the deadline of a call that moves ``num_bytes`` (unless
         ``own_deadline`` is False: its parts keep their own), its failure counted, blamed
         on the node that failed and raised as a :class:`RemoteError`. ``refused(answer)``:
         an error the servers answered for part of it (the call counts as failed with its
@@ -204,13 +213,15 @@ class RemoteTier(LowerTier):
         for gate in (TIER, node):
             if gate is not None and not self._health.usable(gate):
                 raise self._skip(what, gate, kind, chunks)
-        with deadline(self.config.timeout_seconds) if own_deadline else nullcontext() as call:
+        with deadline(self.deadline_seconds(num_bytes)) if own_deadline else nullcontext() \
+                as call:
             try:
                 if self._client is None:
                     self._connect()
                 answer = work()
-            except RemoteError as exc:  # could not connect: the cluster's failure
-                self._failed(exc.cause, None, at_once=True)
+            except RemoteError as exc:  # could not connect: the cluster's failure (a slow
+                # connect counts toward breaker_failures; refused or auth opens at once)
+                self._failed(exc.cause, None)
                 raise
             except (RedisError, RedisClusterException, OSError) as exc:
                 cause = cause_of(exc)
@@ -229,8 +240,7 @@ class RemoteTier(LowerTier):
         self._count(calls=1)
         return answer
 
-    def _failed(self, cause: str, call: Any, at_once: bool = False,
-                late: bool = False) -> str | None:
+    def _failed(self, cause: str, call: Any, late: bool = False) -> str | None:
         """Count a failed call and tell the breakers; the node blamed, if one. A call
         whose deadline had passed before it could start (``late``) blames no one."""
         with self._lock:
@@ -243,7 +253,7 @@ class RemoteTier(LowerTier):
             if call.failed:
                 return ", ".join(sorted(call.failed))
         if not late:
-            self._health.failed(WRITES if cause == "out of memory" else TIER, cause, at_once)
+            self._health.failed(WRITES if cause == "out of memory" else TIER, cause)
         return None
 
     def _pipeline(self) -> Any:
@@ -251,8 +261,10 @@ class RemoteTier(LowerTier):
             self._client.pipeline(transaction=False)
 
     def _count(self, **deltas: int) -> None:
+        counts = self._counts
         with self._lock:
-            self._counts.update(deltas)
+            for name, delta in deltas.items():
+                counts[name] += delta
 
     def _key(self, key: bytes) -> bytes:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
@@ -300,7 +312,8 @@ class RemoteTier(LowerTier):
 
         answers = self._run("writing chunks", "push", work, chunks=len(sent),
                             refused=lambda got: next(
-                                (a for a in got if isinstance(a, Exception)), None))
+                                (a for a in got if isinstance(a, Exception)), None),
+                            num_bytes=sum(len(value) for _, _, value in sent))
         deleted = sum(int(answer or 0) for answer in answers[:len(drops)])
         stored = answers[len(drops):]
         written = tuple(key for (key, _, _), got in zip(sent, stored)
@@ -392,10 +405,11 @@ class RemoteTier(LowerTier):
         reads do not."""
         counted = kind == "load"
         name = self._key(key)
-        with deadline(self.config.timeout_seconds):
+        with deadline(self.deadline_seconds(self._value_bytes)):
             node = self._node_of(name) if self._client is not None and \
                 self._health.any_open() else None
-            value = self._run("reading chunk", kind, lambda: self._get(name), key, node)
+            value = self._run("reading chunk", kind, lambda: self._get(name), key, node,
+                              num_bytes=self._value_bytes)
             if value is None:
                 self._count(reads=counted, misses=counted)
                 return ReadStatus.MISSING, None

@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -80,17 +80,32 @@ class ClusterDown(ResponseError):
 
 
 class Call:
-    """One call's deadline (``until``, monotonic seconds) and what its connections saw."""
+    """One call's deadline (``until``, monotonic seconds) and what its connections saw; a
+    context manager (:func:`deadline` makes one)."""
 
-    __slots__ = ("until", "answered", "failed")
+    __slots__ = ("until", "answered", "failed", "_outer")
 
     def __init__(self, until: float) -> None:
         self.until = until
         self.answered: set[str] = set()  # nodes ("host:port") that replied
         self.failed: dict[str, str] = {}  # node -> timeout, connection refused or lost
+        self._outer: Call | None = None
 
     def left(self) -> float:
         return self.until - time.monotonic()
+
+    def __enter__(self) -> Call:
+        outer = self._outer = getattr(_local, "call", None)
+        if outer is not None and outer.until < self.until:
+            self.until = outer.until
+        _local.call = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        outer = _local.call = self._outer
+        if outer is not None:
+            outer.answered |= self.answered
+            outer.failed.update(self.failed)
 
 
 def current() -> Call | None:
@@ -98,20 +113,9 @@ def current() -> Call | None:
     return call
 
 
-@contextmanager
-def deadline(seconds: float) -> Iterator[Call]:
-    """See the module docstring."""
-    outer = current()
-    until = time.monotonic() + seconds
-    call = Call(until if outer is None else min(until, outer.until))
-    _local.call = call
-    try:
-        yield call
-    finally:
-        _local.call = outer
-        if outer is not None:
-            outer.answered |= call.answered
-            outer.failed.update(call.failed)
+def deadline(seconds: float) -> Call:
+    """See the module docstring (a class, not a generator: it runs once per chunk read)."""
+    return Call(time.monotonic() + seconds)
 
 
 def _node_cause(exc: BaseException) -> str:
@@ -230,10 +234,10 @@ class _DeadlineParser:
         return error
 
     def read_from_socket(self, *args: Any, **kwargs: Any) -> Any:
-        call = current()
+        call: Call | None = getattr(_local, "call", None)
         sock = self._sock
         if call is not None and sock is not None and not args and not kwargs:
-            left = call.left()
+            left = call.until - time.monotonic()
             armed = sock.gettimeout()
             if armed is None or left < armed - 0.002:  # re-arm at most every 2 ms
                 sock.settimeout(max(left, 1e-4))

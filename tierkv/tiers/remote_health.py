@@ -11,10 +11,11 @@ Primitives and contracts (thread-safe; time from the injected ``clock``):
   caller skips the call (no network) and counts it with ``skipped(node, kind, chunks)``.
   Once ``breaker_seconds`` passed, one caller is let through as the probe (half open); the
   others still skip until it reports, or for at most ``probe_seconds``.
-- ``failed(node, cause, at_once)``: a failed call. A node that timed out or refused the
-  connection, the cluster down, a refused password and a full server open the breaker at
-  once (a stalled node costs one deadline, not one per call), and so does ``at_once`` (a
-  connect that failed); other causes open it after ``breaker_failures`` in a row.
+- ``failed(node, cause)``: a failed call. A node that timed out or refused the connection,
+  the cluster down, a refused password, a server that refuses connections and a full
+  server open the breaker at once (a stalled node costs one deadline, not one per call);
+  other causes (a slow connect, a lost connection, an ACL refusal) open it after
+  ``breaker_failures`` in a row.
 - ``answered(nodes, whole)``: those nodes answered; their breakers close, and the tier's
   when the whole call succeeded.
 - Log lines, once per change of state: a WARNING when a node (or the tier) starts failing,
@@ -54,10 +55,12 @@ HINTS = {
 
 TIER = "cluster"
 WRITES = "writes"  # the servers' refusal to store more (out of memory): pushes only
-# Causes that open a breaker at once: a stalled or dead node, the cluster down, a refused
-# password, a full server. Others open it after breaker_failures calls in a row.
-AT_ONCE = frozenset(("timeout", "connection refused", "cluster down", "auth refused",
-                     "out of memory"))
+# Causes that open a breaker at once: a node stalled or dead; the cluster down, a refused
+# password or a server that refuses connections (the cluster's); a full server (writes').
+# Others open it after breaker_failures calls in a row (a slow connect, a lost connection).
+AT_ONCE = {TIER: frozenset(("cluster down", "auth refused", "connection refused")),
+           WRITES: frozenset(("out of memory",))}
+NODE_AT_ONCE = frozenset(("timeout", "connection refused"))
 _WHO = {TIER: "every node", WRITES: "writes"}
 
 
@@ -92,6 +95,7 @@ class NodeHealth:
         self._log = logger
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
+        self._troubled = 0  # states with a failure or an open breaker: 0 is the fast path
         self.opens = 0
 
     def _state(self, node: str) -> _State:
@@ -111,6 +115,8 @@ class NodeHealth:
         return False
 
     def usable(self, node: str) -> bool:
+        if not self._troubled:
+            return True
         with self._lock:
             now = self._clock()
             if node == TIER:
@@ -124,6 +130,8 @@ class NodeHealth:
 
     def any_open(self) -> bool:
         """Whether some breaker is open or probing (calls must look at their nodes)."""
+        if not self._troubled:
+            return False
         with self._lock:
             return any(state.open_until is not None for state in self._states.values())
 
@@ -142,7 +150,7 @@ class NodeHealth:
                 self._state(node)
             state.skipped[kind] += chunks
 
-    def failed(self, node: str, cause: str, at_once: bool = False) -> None:
+    def failed(self, node: str, cause: str) -> None:
         with self._lock:
             state = self._state(node)
             now = self._clock()
@@ -152,8 +160,9 @@ class NodeHealth:
             changed = not starting and cause != state.cause
             if starting:
                 state.since = now
+                self._troubled += 1
             state.cause = cause
-            at_once = at_once or cause in AT_ONCE
+            at_once = cause in AT_ONCE.get(node, NODE_AT_ONCE)
             opening = state.open_until is None and (at_once or
                                                     state.failures >= self.breaker_failures)
             if state.open_until is not None or opening:
@@ -169,20 +178,24 @@ class NodeHealth:
                               HINTS.get(cause, cause), then)
 
     def answered(self, nodes: Iterable[str], whole: bool) -> None:
+        states = self._states
+        if not self._troubled and all(node in states for node in nodes):
+            return  # every node known and healthy: nothing changes (the common case)
         recovered: list[tuple[str, str | None, float, Counter[str]]] = []
         with self._lock:
             now = self._clock()
             for node in (*nodes, *((TIER,) if whole else ())):
-                state = self._states.get(node)
+                state = states.get(node)
                 if state is None:
-                    self._states[node] = _State()
+                    states[node] = _State()
                     continue
                 if state.since is not None:
                     recovered.append((node, state.cause, now - state.since, state.skipped))
-                self._states[node] = _State()
+                    self._troubled -= 1
+                states[node] = _State()
         for node, cause, seconds, skipped in recovered:
-            parts = [f"{skipped[kind]} {kind}s" for kind in ("push", "load", "lookup")
-                     if skipped[kind]]
+            parts = [f"{skipped[kind]} {plural}" for kind, plural in
+                     (("push", "pushes"), ("load", "loads"), ("lookup", "lookups")) if skipped[kind]]
             self._log.warning("%s: %s answers again after %.1f s of failures (%s); skipped "
                               "meanwhile: %s", self.name, who(node), seconds, cause,
                            ", ".join(parts) or "nothing")

@@ -12,8 +12,8 @@ Primitives and contracts:
   memory) are counted as ``failed`` and dropped: the remote tier is a cache.
 - ``flush(timeout=None)`` waits until everything pushed so far was sent or dropped
   (True) or the timeout passed (False). ``shutdown(timeout)`` returns within ``timeout``
-  seconds: it flushes while a batch in flight can still end in time (each of the tier's
-  calls ends within ``tier.call_seconds``), then drops what is left (``abandoned``) and
+  seconds: it flushes while a batch in flight can still end in time (a batch's call ends
+  within ``tier.call_seconds(its bytes)``), then drops what is left (``abandoned``) and
   stops the thread; idempotent. ``statistics()``.
 """
 
@@ -119,7 +119,8 @@ class RemoteIO:
         idempotent."""
         if self._closed:
             return
-        call = float(getattr(self.tier, "call_seconds", 0.0))
+        seconds = getattr(self.tier, "call_seconds", None)  # a batch's, if the tier says
+        call = float(seconds(self.batch * self.tier.payload_bytes)) if seconds else 0.0
         ends = None if timeout is None else time.monotonic() + timeout
         if not self.flush(None if timeout is None else max(timeout - call, 0.0)):
             logger.warning("remote io: %d push(es) still queued at shutdown (remote.timeout_"
