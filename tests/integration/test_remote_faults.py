@@ -308,3 +308,55 @@ def test_the_tier_s_verify_reports_and_repairs_a_key_of_another_type(
         assert tier.verify(repair=True).repaired == 1 and not raw.exists(name)
         assert tier.statistics().errors == 0
     raw.close()
+
+
+def test_the_scrape_shows_calls_by_cause_bytes_pushes_bad_values_and_each_breaker(
+        cluster: RedisCluster) -> None:
+    """The library store's Prometheus scrape with a master stalled: calls by result and
+    cause, bytes both ways, pushes, a bad value by its check, and the stalled node's breaker
+    open (1) beside the others (0)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tierkv.engine.metrics import register_store_metrics
+
+    source = caches(15)
+    settings = dict(timeout_seconds=TIMEOUT, mark_seconds=600.0)
+    keys = chunks_of(1100, 6)
+    with TierKVStore(source, model_id="m", config=config(cluster.url, **settings)) as engine_a:
+        store_all(engine_a, keys)
+        push(engine_a)
+        bad = redis_key(b"tierkv:", engine_a.namespace.fingerprint(), 0, keys[0])
+    raw = ClusterClient.from_url(cluster.url)
+    raw.set(bad, b"too short")
+    raw.close()
+    port = cluster.ports[1]  # not the seed: B's loads connect after the stop
+    node = f"{HOST}:{port}"
+    engine_b = TierKVStore(zeros(source), model_id="m", config=config(cluster.url, **settings))
+    registry = CollectorRegistry()
+    register_store_metrics(engine_b, registry, labels={"engine": "b"})
+    try:
+        assert engine_b.lookup(keys) == 6
+        with stopped(cluster, port):
+            loaded(engine_b, keys)
+            samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                       for family in text_string_to_metric_families(
+                           generate_latest(registry).decode()) for sample in family.samples}
+    finally:
+        engine_b.close()
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(f"tierkv:{name}", tuple(sorted({"engine": "b", **labels}.items())))]
+
+    assert value("remote_breaker_open", node=node) == 1
+    assert {value("remote_breaker_open", node=f"{HOST}:{other}")
+            for other in cluster.ports if other != port} == {0}
+    assert value("remote_calls_total", result="timeout") >= 1
+    assert value("remote_calls_total", result="ok") > 0
+    loaded_ok = value("remote_bytes_total", direction="read")
+    assert loaded_ok > 0 and value("remote_bytes_total", direction="written") == 0
+    assert value("remote_bad_values_total", check="size") == \
+        (0 if key_slot(bad) in set(cluster.slots_of(port)) else 1)
+    assert value("remote_pushes_total", result="dropped") == 0
+    info = [labels for (name, labels), _ in samples.items() if name == "tierkv:config_info"]
+    assert len(info) == 1 and ("remote_timeout_seconds", "0.5") in info[0]
