@@ -246,3 +246,33 @@ def test_tools_never_print_a_password_from_the_url_or_the_environment(
     monkeypatch.setenv("TIERKV_REMOTE_PASSWORD", SECRET)
     assert main(["ping", locked_cluster.url]) == 0
     assert os.environ["TIERKV_REMOTE_PASSWORD"] == SECRET
+
+
+@pytest.mark.parametrize("way", ["remote_url", "env"])
+def test_a_vllm_engine_given_the_password_serves_and_never_prints_it(
+        locked_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        way: str, caplog: pytest.LogCaptureFixture, outputs: list[str]) -> None:
+    """Two engines under the real vLLM Scheduler share chunks through the cluster that
+    requires the password, given in remote_url (tierkv warns: vLLM logs it) or in
+    TIERKV_REMOTE_PASSWORD (no warning); nothing tierkv or redis-py prints holds it."""
+    pytest.importorskip("vllm")
+    from tests.integration import vllm_harness as harness_lib
+    from tests.integration.test_vllm_remote import Engine, assert_served, harness_config
+
+    monkeypatch.setattr(vllm_config, "_warned", False)
+    if way == "env":
+        monkeypatch.setenv("TIERKV_REMOTE_PASSWORD", SECRET)
+    url = url_of(locked_cluster, SECRET if way == "remote_url" else None)
+    chat = dict(num_conversations=2, num_turns=2, system_prompt_len=30, first_user_len=30,
+                user_turn_len=26, max_tokens=4)
+    stats = []
+    for name in ("a", "b"):
+        engine = Engine(harness_config(url), tmp_path / "tiny-llama")  # one namespace
+        result = engine.run(harness_lib.MultiTurnWorkload(**chat))
+        assert_served(result, engine.cfg.vocab_size)
+        stats.append(engine.stats())
+        engine.shutdown()
+        outputs += [repr(engine.stats()), repr(engine.connector.settings)]
+    assert stats[1]["hit_tokens_remote"] > 0  # B loaded what A stored: the password worked
+    warned = [r.getMessage() for r in caplog.records if "holds a password" in r.getMessage()]
+    assert len(warned) == (1 if way == "remote_url" else 0)

@@ -120,7 +120,8 @@ class RemoteTier(LowerTier):
             f"{', ' + role if role else ''})"
         self._prefix = config.key_prefix.encode()
         self._value_bytes = value_bytes(payload_bytes)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the counters
+        self._connecting = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._causes: Counter[str] = Counter()
         self._bad: Counter[str] = Counter()
@@ -154,8 +155,9 @@ class RemoteTier(LowerTier):
             return False
 
     def _connect(self) -> Any:
-        """The client, connected now if it was not (a failure is a RemoteError)."""
-        with self._lock:
+        """The client, connected now if it was not (a failure is a RemoteError). Its own
+        lock: ``statistics()`` never waits on a connect."""
+        with self._connecting:
             if self._client is None:
                 client, self.cluster = connect(self.config, self._name)
                 self._delete_bad = client.register_script(DELETE_BAD)
