@@ -400,3 +400,32 @@ def test_opening_the_tier_tunes_malloc_unless_told_not_to(cluster: RedisCluster,
                           text=True, timeout=60, env={**os.environ, "TIERKV_MALLOPT": "1"})
     assert done.returncode == 0, done.stderr[-1000:]
     assert f"tuned {tune}" in done.stdout
+
+
+def test_a_full_server_refuses_writes_pushes_are_skipped_and_reads_go_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """maxmemory with noeviction: the server answers OOM to SETs. The refused values are
+    "no room" (PutResult.full, never an exception), the writes' breaker opens at once with
+    one warning that names the cause and the policy to set, and reads go on."""
+    keys = [key_of(i, 3) for i in range(256)]  # 2 MiB of values
+    with RedisServer(tmp_path, "--maxmemory", "1200kb", "--maxmemory-policy", "noeviction") \
+            as server, RemoteTier(RemoteTierConfig(url=server.url), NS, 0, PAYLOAD,
+                                  clock=FakeClock()) as tier, \
+            caplog.at_level("WARNING", logger="tierkv.remote"):
+        stored: list[bytes] = []
+        full: tuple[bytes, ...] = ()
+        for first in range(0, len(keys), 16):
+            result = tier.put_many([(key, payload_of(key)) for key in keys[first:first + 16]])
+            stored += result.written
+            if result.full:
+                full = result.full
+                assert result.message is not None and "allkeys-lru" in result.message
+                break
+        assert stored and full  # some fit, then the server refused the rest
+        with pytest.raises(RemoteError, match="skipped") as info:
+            tier.put_many([(keys[-1], payload_of(keys[-1]))])  # writes skipped at once
+        assert info.value.skipped and info.value.node == "writes"
+        assert read(tier, stored[0]) == (ReadStatus.OK, payload_of(stored[0]))  # reads go on
+        stats = tier.statistics()
+        assert dict(stats.causes) == {"out of memory": 1} and dict(stats.breakers)["writes"] == 1
+    assert caplog.text.count("writes fails: out of memory") == 1

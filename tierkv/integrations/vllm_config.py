@@ -95,8 +95,9 @@ class ConnectorSettings:
 
 def _bad(key: str, value: Any, need: str) -> ConfigError:
     """The error of one setting; a value that may hold a password (the remote settings, a
-    key tierkv does not know) is not shown, and no URL's credentials ever are."""
-    shown = "(not shown)" if key == "remote" or key not in _SHOWN else redact(repr(value))
+    key named like a secret) is not shown, and no URL's credentials ever are."""
+    secret = key == "remote" or not _SECRET_WORDS.isdisjoint(str(key).lower().split("_"))
+    shown = "(not shown)" if secret else redact(repr(value))
     return ConfigError(f"tierkv vLLM connector: kv_connector_extra_config[{key!r}] = {shown}: {need}")
 
 
@@ -134,12 +135,9 @@ def _flag(key: str, value: Any) -> bool:
     return value
 
 
-# Settings whose values an error shows (they cannot hold a secret).
-_SHOWN = frozenset(("cpu_bytes", "cpu_bytes_to_use", "disk_path", "disk_bytes",
-                    "tokens_per_chunk", "offload_prompt_only", "write_through",
-                    "spill_ahead_fraction", "disk_sync_mode", "max_chunks_per_request",
-                    "promotion_wait_seconds", "device", "pin_memory", "flush_on_shutdown",
-                    "eviction_policy"))
+# Words of a key whose value an error never shows (a secret's name: "remote_password").
+_SECRET_WORDS = frozenset(("password", "passwd", "pass", "pw", "secret", "token", "auth",
+                           "credential", "credentials"))
 _CHOICES: dict[str, tuple[str, ...]] = {
     "disk_sync_mode": ("periodic", "always", "close"), "device": ("auto", "cuda", "cpu"),
     "pin_memory": ("auto", "always", "never"), "eviction_policy": EVICTION_POLICIES}
