@@ -21,7 +21,8 @@ Then, each against the configured timeout (the baseline: what the design promise
   it failed, the tier's corrupt count, and whether the key is gone afterwards; B's peak RSS
   growth (``ru_maxrss``) over the load.
 
-Every stopped master is continued (SIGCONT) in a ``finally``. Prints one line per figure.
+Every stopped master is continued (SIGCONT) in a ``finally``. Prints one line per figure,
+then a verdict line. The figures of docs/remote.md, "Failure modes", come from it.
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                               ("big", big_value)):
             if name in args.only:
                 measure(cluster, args)
+    print(f"verdict: remote faults timed against remote.timeout_seconds ({args.timeout} s)")
     return 0
 
 

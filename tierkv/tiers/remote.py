@@ -159,7 +159,8 @@ class RemoteTier(LowerTier):
         lock: ``statistics()`` never waits on a connect."""
         with self._connecting:
             if self._client is None:
-                client, self.cluster = connect(self.config, self._name)
+                client, self.cluster = connect(  # a value in a few reads of the socket
+                    self.config, self._name, min(max(self._value_bytes, 1 << 16), 1 << 20))
                 self._delete_bad = client.register_script(DELETE_BAD)
                 self._node = None if self.cluster else node_name(client, False, None)
                 self._client = client
