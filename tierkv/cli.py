@@ -61,6 +61,13 @@ COMMANDS: dict[str, Command] = {
         "must): its ns-<fingerprint> directory with every rank, shard and moved-aside "
         "leftover, or its keys in a redis:// store. Refused while a running engine claims "
         "it. Without --yes it only prints what it would delete; see docs/warmup.md."),
+    "ping": Command(
+        "tierkv.remote_ping", "add_arguments", "run",
+        "a remote store's nodes, slots, latency, password, chunks and eviction policy; exit 0 "
+        "ready, 1 problems found, 2 cannot connect",
+        "Connect to a redis:// or rediss:// remote tier as an engine would and report every "
+        "node (latency, slots, memory, maxmemory-policy), the slots covered, whether the "
+        "password was accepted, and this prefix's chunks; see docs/remote.md."),
 }
 
 

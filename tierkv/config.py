@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -39,6 +40,22 @@ def disk_chunk_capacity(disk_bytes: int, chunk_bytes: int, ranks: int = 1) -> in
     return max(disk_bytes // ((chunk_bytes + DISK_OVERHEAD_BYTES) * ranks), 0)
 
 
+# The credentials of anything URL-shaped: "//user:password@" (with or without a scheme).
+_USERINFO = re.compile(r"(//)([^/@\s'\"]*)@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of every URL-shaped part masked (``user:***@``,
+    ``***@``): what an error message may show of a value it did not expect."""
+    return _USERINFO.sub(lambda m: m[1] + (m[2].split(":")[0] + ":***@" if ":" in m[2]
+                                           else "***@"), text)
+
+
+def has_password(text: str) -> bool:
+    """Whether ``text`` holds a URL with a password (``//user:password@``)."""
+    return any(":" in match[2] for match in _USERINFO.finditer(text))
+
+
 def safe_url(url: str) -> str:
     """``url`` without its password (for messages and logs); every seed of a list."""
     if "," in url:
@@ -49,7 +66,7 @@ def safe_url(url: str) -> str:
     except ValueError:  # not a URL one can split: show its scheme only
         return url.split("://")[0] + "://..."
     if password is None:
-        return url
+        return redact(url)  # "redis//:pw@host" splits as a path: mask what looks like one
     netloc = f"{parts.username + ':***@' if parts.username else '***@'}{host}" + \
         (f":{port}" if port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
@@ -148,14 +165,15 @@ class DiskTierConfig:
                 raise ConfigError(f"disk.{name} must be a bool, got {getattr(self, name)!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RemoteTierConfig:
     """A shared remote tier on Redis / Valkey (Cluster) behind the disk tier
-    (``StoreConfig.remote``; ``docs/remote.md``)."""
+    (``StoreConfig.remote``; ``docs/remote.md``). Its ``repr`` masks the URL's password."""
 
     url: str  # redis://host:port or rediss:// (TLS); more seed nodes after commas
     key_prefix: str = "tierkv:"
-    timeout_seconds: float = 0.5  # per network operation
+    timeout_seconds: float = 0.5  # a call's deadline (plus its bytes at min_mib_per_second)
+    min_mib_per_second: float = 64.0  # the slowest transfer a call's deadline allows for
     ttl_seconds: float | None = None  # None: no TTL (rely on the server's maxmemory-policy)
     password_env: str = "TIERKV_REMOTE_PASSWORD"  # used when the URL carries no password
     breaker_failures: int = 5  # consecutive failed calls that open the circuit breaker
@@ -171,14 +189,16 @@ class RemoteTierConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://")):
-            shown = safe_url(self.url) if isinstance(self.url, str) else self.url
+            shown = repr(safe_url(self.url)) if isinstance(self.url, str) else \
+                redact(repr(self.url))
             raise ConfigError(f"remote.url must start with redis:// or rediss://, got "
-                              f"{shown!r:.80}")
+                              f"{shown:.80}")
         if not isinstance(self.key_prefix, str) or not self.key_prefix or \
                 any(ch in self.key_prefix for ch in "{}*?[] "):
             raise ConfigError(f"remote.key_prefix must be a non-empty str without braces, "
                               f"wildcards or spaces, got {self.key_prefix!r}")
         _positive("remote", "timeout_seconds", self.timeout_seconds)
+        _positive("remote", "min_mib_per_second", self.min_mib_per_second)
         _positive("remote", "breaker_seconds", self.breaker_seconds)
         _sizes(self, "remote", "queue_bytes")
         if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \
@@ -200,6 +220,11 @@ class RemoteTierConfig:
                 raise ConfigError(f"remote.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.tune_malloc, bool):
             raise ConfigError(f"remote.tune_malloc must be a bool, got {self.tune_malloc!r}")
+
+    def __repr__(self) -> str:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["url"] = safe_url(self.url)
+        return f"RemoteTierConfig({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
 
 @dataclass(frozen=True)
@@ -231,11 +256,11 @@ class StoreConfig:
         for name, cls in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} (a dict in from_dict), "
-                                  f"got {getattr(self, name)!r}")
+                                  f"got {redact(repr(getattr(self, name))):.80}")
         if self.remote is not None:
             if not isinstance(self.remote, RemoteTierConfig):
                 raise ConfigError(f"remote must be a RemoteTierConfig (a dict in from_dict) or "
-                                  f"None, got {self.remote!r:.80}")
+                                  f"None, got {redact(repr(self.remote)):.80}")
             if self.remote.push == "on_evict" and self.disk.path is None:
                 raise ConfigError("remote.push='on_evict' pushes chunks as they are written "
                                   "back to the disk tier, and disk.path is None: set "
@@ -246,7 +271,7 @@ class StoreConfig:
         """Build from plain data (JSON, vLLM extra config): ``{"cpu": {...}, "disk": {...}}``."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"store settings must be a mapping of setting names to values, "
-                              f"got {raw!r}")
+                              f"got {redact(repr(raw)):.80}")
         _refuse_unknown(cls, raw)
         kwargs = dict(raw)
         for name, sub in (("cpu", CpuTierConfig), ("disk", DiskTierConfig),

@@ -1,100 +1,202 @@
 """``tierkv inspect URL``, ``tierkv verify [--repair] URL`` and ``tierkv rm URL`` over a
 remote tier (Redis / Valkey, standalone or Cluster): ``tierkv.tools`` hands them every store
-argument that starts with ``redis://`` or ``rediss://``.
+argument that starts with ``redis://`` or ``rediss://`` (``tierkv ping URL`` is
+:mod:`tierkv.remote_ping`).
 
 - :func:`inspect_remote` counts chunks and value bytes per namespace fingerprint and rank
-  under ``--key-prefix`` (``SCAN`` on every primary, ``STRLEN`` in pipelines); nothing is read
-  or changed.
-- :func:`verify_remote` reads every value as ``SCAN`` finds it and checks it against the
-  fingerprint, rank and key its Redis key names (``tierkv.tiers.remote_format.check_value``);
-  ``repair`` deletes a bad value only while it still holds the same bytes; ``progress`` is
-  called after each value (chunks and value bytes so far; the total is not known). Exit
-  codes as for a disk store: 0 clean, 1 bad values found (also when repaired), 2 error.
+  under ``--key-prefix`` (``SCAN`` on every primary, ``STRLEN`` in pipelines), and the keys
+  of another type than a string (a list under a chunk's name); nothing is read or changed.
+- :func:`verify_remote` checks every value (of the namespaces whose fingerprint starts with
+  ``only``) against the fingerprint, rank and key its Redis key names
+  (``tierkv.tiers.remote_format.check_value``). Sizes are checked before values are read:
+  ``STRLEN`` and the 80-byte header of each key (pipelined), a namespace's chunk size is
+  the payload length most of its headers give, and a value of another length, or a key of
+  another type, is bad unread. ``repair`` deletes a bad value by what it was (its type,
+  length or digest: ``DELETE_BAD``), never by sending it back. ``progress`` is called
+  after each value (chunks and value bytes so far; the total is not known). Exit codes as
+  for a disk store: 0 clean, 1 bad values found (also when repaired), 2 error.
 - :func:`remove_remote` finds the one namespace whose fingerprint starts with a prefix
   (``SCAN`` by prefix on every primary), counts its keys and bytes and, with ``delete``,
-  deletes them (``DEL`` in pipelines). A remote store has no claim: an engine running with
-  that namespace keeps writing it, so stop it first.
+  deletes them (``DEL`` in pipelines, whatever their type). A remote store has no claim:
+  an engine running with that namespace keeps writing it, so stop it first.
+- Every network operation runs under a deadline of ``--timeout`` seconds; a node that is
+  down, stalled or refuses the password ends the command with one line (exit 2) naming the
+  node, the cause and what to do (:class:`~tierkv.tiers.remote_client.RemoteError`).
 - Long scans of inspect and rm print ``... N keys scanned`` to stderr every
-  ``PROGRESS_EVERY`` keys; the password is never printed.
+  ``PROGRESS_EVERY`` keys; the password is never printed. ``--json`` prints one JSON
+  document instead of the lines (inspect, verify, rm).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
+import struct
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import ConfigError
 from tierkv.extras import needs
-from tierkv.tiers.remote_format import HEADER_BYTES, check_value, parse_redis_key
+from tierkv.tiers.remote_format import (DELETE_BAD, HEADER_BYTES, MAGIC, check_value,
+                                        parse_redis_key, value_bytes)
 from tierkv.units import format_bytes
 
 PROGRESS_EVERY = 10_000
+BATCH = 500  # keys per pipeline
 # (chunks, bytes) so far and the total when known: what ``tierkv verify`` prints on stderr
 Progress = Callable[[int, int, int | None], None]
 _HEX = re.compile(r"[0-9a-f]*")
+_T = TypeVar("_T")
+WRONG_TYPE = "the key holds another type than a string"
 
 
 def is_remote(store: str) -> bool:
-    return str(store).startswith(("redis://", "rediss://"))
+    """Whether a store argument is a remote store's URL; one that looks like a mistyped URL
+    (``redis//:pw@host``) is refused without showing what precedes its ``@``."""
+    text = str(store)
+    if text.startswith(("redis://", "rediss://")):
+        return True
+    if re.match(r"(?i)rediss?\b", text) and "@" in text:
+        shown = "***@" + text.rsplit("@", 1)[1]
+        raise ConfigError(f"{shown!r} looks like a remote store's URL but does not start with "
+                          f"redis:// or rediss:// (its part before '@' is not shown: it may "
+                          f"hold a password)")
+    return False
 
 
-def _remote() -> Any:
-    """:mod:`tierkv.tiers.remote` (redis-py: the 'remote' extra), imported on first use."""
-    with needs("remote", "tierkv inspect / verify / rm of a redis:// store"):
-        from tierkv.tiers import remote
-    return remote
+def _client_module() -> Any:
+    """:mod:`tierkv.tiers.remote_client` (redis-py: the 'remote' extra), on first use."""
+    with needs("remote", "tierkv inspect / verify / rm / ping of a redis:// store"):
+        from tierkv.tiers import remote_client
+    return remote_client
 
 
-def _entries(client: Any, cluster: bool, prefix: bytes, only: str = "", batch: int = 1000,
-             report_every: int | None = PROGRESS_EVERY) -> Iterator[tuple[bytes, str, int, bytes]]:
-    """(redis key, fingerprint, rank, chunk key) of every tierkv key under ``prefix`` whose
+class Session:
+    """One tool's connection: every operation under a deadline of ``--timeout``, a failure
+    one :class:`RemoteError` line that names the node and what to do."""
+
+    def __init__(self, config: RemoteTierConfig, changes: str = "nothing was changed") -> None:
+        self.config = config
+        self.where = safe_url(config.url)
+        self.changes = changes  # what the failure line says of the store
+        self.rc = _client_module()
+        self.client, self.cluster = self.rc.connect(config, self.where)
+
+    def run(self, what: str, work: Callable[[], _T]) -> _T:
+        rc = self.rc
+        from redis.exceptions import RedisClusterException, RedisError
+
+        with rc.deadline(self.config.timeout_seconds) as call:
+            try:
+                return work()
+            except (RedisError, RedisClusterException, OSError) as exc:
+                cause = rc.cause_of(exc)
+                nodes = sorted(call.failed) or [None]
+                who = f"node {', '.join(nodes)}" if nodes != [None] else "the server"
+                raise rc.RemoteError(
+                    f"{self.where}: {what}: {who} failed: {cause} ({type(exc).__name__}: "
+                    f"{rc.scrub(self.config, exc)}); {rc.HINTS[cause]}; {self.changes}; rerun "
+                    f"once every node answers (tierkv ping {self.where} shows them; a slow "
+                    f"node: raise --timeout, now {self.config.timeout_seconds} s)", cause,
+                    nodes[0]) from None
+
+    def names(self, pattern: bytes, report_every: int | None) -> list[bytes]:
+        """Every key matching ``pattern`` on every primary, a ``SCAN`` page per deadline."""
+        rc, found = self.rc, []
+        for node in self.run("listing the primaries", lambda: rc.primaries(self.client,
+                                                                            self.cluster)):
+            cursor = 0
+            while True:
+                def page(cursor: int = cursor, node: Any = node) -> tuple[int, list[bytes]]:
+                    if node is None:
+                        found_cursor, found_keys = self.client.scan(cursor, match=pattern,
+                                                                    count=1000)
+                        return int(found_cursor), list(found_keys)
+                    cursors, keys = self.client.scan(cursor, match=pattern, count=1000,
+                                                     target_nodes=node)
+                    return cursors[node.name], keys
+
+                where = rc.node_name(self.client, self.cluster, node)
+                cursor, keys = self.run(f"scanning {where}", page)
+                for name in keys:
+                    found.append(name)
+                    if report_every and len(found) % report_every == 0:
+                        print(f"  ... {len(found)} keys scanned", file=sys.stderr, flush=True)
+                if not cursor:
+                    break
+        return found
+
+    def pipeline(self, what: str, names: list[bytes],
+                 commands: Callable[[Any, bytes], None]) -> list[Any]:
+        """``commands(pipe, name)`` for every name, in pipelines of :data:`BATCH` keys (a
+        deadline each); answers in order, errors (WRONGTYPE) as values."""
+        answers: list[Any] = []
+        for first in range(0, len(names), BATCH):
+            def batch(first: int = first) -> list[Any]:
+                pipe = self.client.pipeline() if self.cluster else \
+                    self.client.pipeline(transaction=False)
+                for name in names[first : first + BATCH]:
+                    commands(pipe, name)
+                got = list(pipe.execute(raise_on_error=False))
+                for answer in got:  # a node's failure fails the call; WRONGTYPE is an answer
+                    if isinstance(answer, Exception) and not self.rc.is_wrong_type(answer):
+                        raise answer
+                return got
+
+            answers += self.run(what, batch)
+        return answers
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _entries(session: Session, only: str = "", report_every: int | None = PROGRESS_EVERY
+             ) -> list[tuple[bytes, str, int, bytes]]:
+    """(redis key, fingerprint, rank, chunk key) of every tierkv key under the prefix whose
     fingerprint starts with ``only`` (a hex prefix also narrows the ``SCAN`` pattern)."""
+    prefix = session.config.key_prefix.encode()
     pattern = prefix + (only.encode() if _HEX.fullmatch(only) else b"") + b"*"
-    seen = 0
-    for name in _remote().scan_names(client, cluster, pattern, batch):
-        seen += 1
-        if report_every and seen % report_every == 0:
-            print(f"  ... {seen} keys scanned", file=sys.stderr, flush=True)
+    out = []
+    for name in session.names(pattern, report_every):
         parsed = parse_redis_key(prefix, name)
         if parsed is not None and parsed[0].startswith(only):
-            yield (name, *parsed)
+            out.append((name, *parsed))
+    return out
 
 
-def _sizes(client: Any, cluster: bool, names: list[bytes]) -> list[int]:
-    """``STRLEN`` of every key, in pipelines of 500 (0: gone meanwhile)."""
-    sizes: list[int] = []
-    for first in range(0, len(names), 500):
-        pipe = client.pipeline() if cluster else client.pipeline(transaction=False)
-        for name in names[first : first + 500]:
-            pipe.strlen(name)
-        sizes += [int(size) for size in pipe.execute()]
-    return sizes
+def _sizes(session: Session, names: list[bytes]) -> list[int | None]:
+    """``STRLEN`` of every key (0: gone meanwhile; None: a key of another type)."""
+    answers = session.pipeline("reading value sizes", names, lambda pipe, name: pipe.strlen(name))
+    return [None if isinstance(size, Exception) else int(size) for size in answers]
 
 
 @dataclass
 class RemoteReport:
     chunks: Counter[tuple[str, int]] = field(default_factory=Counter)
     value_bytes: Counter[tuple[str, int]] = field(default_factory=Counter)
+    wrong_type: Counter[tuple[str, int]] = field(default_factory=Counter)
 
 
 def inspect_remote(config: RemoteTierConfig) -> RemoteReport:
-    client, cluster = _remote().connect(config, f"tierkv inspect {safe_url(config.url)}")
+    session = Session(config)
     report = RemoteReport()
     try:
-        entries = list(_entries(client, cluster, config.key_prefix.encode()))
-        sizes = _sizes(client, cluster, [name for name, _, _, _ in entries])
+        entries = _entries(session)
+        sizes = _sizes(session, [name for name, _, _, _ in entries])
         for (_, fingerprint, rank, _), size in zip(entries, sizes):
             report.chunks[(fingerprint, rank)] += 1
-            report.value_bytes[(fingerprint, rank)] += size
+            if size is None:
+                report.wrong_type[(fingerprint, rank)] += 1
+            else:
+                report.value_bytes[(fingerprint, rank)] += size
     finally:
-        client.close()
+        session.close()
     return report
 
 
@@ -106,32 +208,74 @@ class RemoteVerify:
     deleted: int = 0
 
 
+_SIZE = struct.Struct("<Q")  # the header's payload length, at offset 60
+
+
+def _payload_len(header: Any) -> int | None:
+    """The payload length a value's first :data:`HEADER_BYTES` say (None: no header)."""
+    if not isinstance(header, bytes) or len(header) < HEADER_BYTES or header[:4] != MAGIC:
+        return None
+    return int(_SIZE.unpack_from(header, 60)[0])
+
+
+def _chunk_sizes(entries: list[tuple[bytes, str, int, bytes]], sizes: list[int | None],
+                 headers: list[Any]) -> dict[str, int]:
+    """Per fingerprint: the payload length most of its values' headers give and match."""
+    votes: dict[str, Counter[int]] = {}
+    for (_, fingerprint, _, _), size, header in zip(entries, sizes, headers):
+        length = _payload_len(header)
+        if length is not None and size == value_bytes(length):
+            votes.setdefault(fingerprint, Counter())[length] += 1
+    return {fingerprint: counts.most_common(1)[0][0] for fingerprint, counts in votes.items()}
+
+
 def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | None = None,
                   progress: Progress | None = None) -> RemoteVerify:
     """Check every value (of the namespaces whose fingerprint starts with ``only``); see the
     module docstring."""
-    client, cluster = _remote().connect(config, f"tierkv verify {safe_url(config.url)}")
+    session = Session(config)
     outcome = RemoteVerify()
-    delete_if_same = client.register_script(_remote().DELETE_IF_SAME)
     try:
-        for name, fingerprint, rank, key in _entries(client, cluster, config.key_prefix.encode(),
-                                                     only or "", report_every=None):
-            value = client.get(name)
-            if value is None:
+        entries = _entries(session, only or "", report_every=None)
+        names = [name for name, _, _, _ in entries]
+        sizes = _sizes(session, names)
+        headers = session.pipeline("reading headers", names,
+                                   lambda pipe, name: pipe.getrange(name, 0, HEADER_BYTES - 1))
+        chunk = _chunk_sizes(entries, sizes, headers)
+        delete_bad = session.client.register_script(DELETE_BAD) if repair else None
+        for (name, fingerprint, rank, key), size in zip(entries, sizes):
+            if size == 0:
                 continue  # gone meanwhile (evicted, expired, deleted)
+            payload = chunk.get(fingerprint)
+            good = None if payload is None else value_bytes(payload)
+            value, problem, digest = None, None, ""
+            if size is None:
+                problem = WRONG_TYPE
+            elif good is None:
+                problem = "no value of this namespace has a readable header"
+            elif size != good:
+                problem = f"value of {size} bytes; this namespace's values have {good} " \
+                          f"(a payload of {payload})"
+            else:
+                value = session.run(f"reading {name.decode(errors='replace')}",
+                                    lambda: session.client.getrange(name, 0, good))
+                if not value:
+                    continue  # gone meanwhile
+                outcome.checked_bytes += len(value)
+                problem = check_value(fingerprint, rank, key, value, payload or 0,
+                                      memoryview(bytearray(payload or 0)))
+                digest = hashlib.sha1(value).hexdigest() if problem else ""
             outcome.checked += 1
-            outcome.checked_bytes += len(value)
             if progress is not None:
                 progress(outcome.checked, outcome.checked_bytes, None)
-            size = max(len(value) - HEADER_BYTES, 0)
-            problem = check_value(fingerprint, rank, key, value, size,
-                                  memoryview(bytearray(size)))
             if problem is not None:
                 outcome.bad.append((fingerprint, rank, key, problem))
-                if repair:
-                    outcome.deleted += int(delete_if_same(keys=[name], args=[value]))
+                if delete_bad is not None:
+                    outcome.deleted += int(session.run(
+                        "deleting a bad value",
+                        lambda: delete_bad(keys=[name], args=[good or 0, digest])))
     finally:
-        client.close()
+        session.close()
     if only and not outcome.checked:
         raise ConfigError(f"no namespace in {safe_url(config.url)} (prefix "
                           f"{config.key_prefix!r}) starts with {only!r} (--namespace); tierkv "
@@ -146,6 +290,7 @@ class RemoteRemoval:
     fingerprint: str
     chunks: Counter[int] = field(default_factory=Counter)  # per rank
     value_bytes: int = 0
+    wrong_type: int = 0  # keys of another type (deleted with the rest)
     deleted: int = 0
 
 
@@ -157,9 +302,9 @@ def remove_remote(config: RemoteTierConfig, prefix: str, delete: bool = False) -
         raise ConfigError(f"--namespace {prefix!r} is not the start of a namespace "
                           f"fingerprint (hex digits); tierkv inspect {safe_url(config.url)} "
                           f"lists them")
-    client, cluster = _remote().connect(config, f"tierkv rm {safe_url(config.url)}")
+    session = Session(config, "nothing was deleted")
     try:
-        entries = list(_entries(client, cluster, config.key_prefix.encode(), prefix))
+        entries = _entries(session, prefix)
         found = sorted({fingerprint for _, fingerprint, _, _ in entries})
         if not found:
             raise ConfigError(f"no namespace in {where} starts with {prefix!r} "
@@ -172,15 +317,19 @@ def remove_remote(config: RemoteTierConfig, prefix: str, delete: bool = False) -
         removal = RemoteRemoval(found[0])
         names = [name for name, _, _, _ in entries]
         removal.chunks.update(rank for _, _, rank, _ in entries)
-        removal.value_bytes = sum(_sizes(client, cluster, names))
+        sizes = _sizes(session, names)
+        removal.value_bytes = sum(size or 0 for size in sizes)
+        removal.wrong_type = sum(size is None for size in sizes)
         if delete:
-            for first in range(0, len(names), 500):
-                pipe = client.pipeline() if cluster else client.pipeline(transaction=False)
-                for name in names[first : first + 500]:
-                    pipe.delete(name)  # one key per DEL: a cluster's keys lie in many slots
-                removal.deleted += sum(int(count) for count in pipe.execute())
+            for first in range(0, len(names), BATCH):
+                session.changes = f"deleted {removal.deleted} of its {len(names)} keys " \
+                                  f"before that (rerun tierkv rm to delete the rest)"
+                # one key per DEL: a cluster's keys lie in many slots
+                removal.deleted += sum(int(count) for count in session.pipeline(
+                    "deleting keys", names[first : first + BATCH],
+                    lambda pipe, name: pipe.delete(name)))
     finally:
-        client.close()
+        session.close()
     return removal
 
 
@@ -196,29 +345,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="remote store: seconds per network operation")
 
 
+def _other_type(count: int) -> str:
+    return f", {count} key(s) of another type" if count else ""
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     report = inspect_remote(_config(args))
     if args.json:
         print(json.dumps([{"fingerprint": fingerprint, "rank": rank, "chunks": chunks,
-                           "value_bytes": report.value_bytes[(fingerprint, rank)]}
+                           "value_bytes": report.value_bytes[(fingerprint, rank)],
+                           "wrong_type": report.wrong_type[(fingerprint, rank)]}
                           for (fingerprint, rank), chunks in sorted(report.chunks.items())]))
         return 0
     print(f"remote store {safe_url(str(args.store))} (prefix {args.key_prefix!r}): "
           f"{len({fp for fp, _ in report.chunks})} namespace(s)")
     for (fingerprint, rank), chunks in sorted(report.chunks.items()):
         print(f"  namespace {fingerprint} rank {rank}: {chunks} chunks, "
-              f"{format_bytes(report.value_bytes[(fingerprint, rank)], 2)}")
+              f"{format_bytes(report.value_bytes[(fingerprint, rank)], 2)}"
+              f"{_other_type(report.wrong_type[(fingerprint, rank)])}")
     total = sum(report.value_bytes.values())
-    print(f"inspected {sum(report.chunks.values())} chunks ({format_bytes(total, 2)})")
+    others = sum(report.wrong_type.values())
+    print(f"inspected {sum(report.chunks.values())} chunks ({format_bytes(total, 2)})"
+          + (f"; {others} key(s) of another type: tierkv verify --repair deletes them"
+             if others else ""))
     return 0
 
 
 def run_verify(args: argparse.Namespace, progress: Progress | None = None) -> int:
     outcome = verify_remote(_config(args), repair=args.repair, only=args.namespace,
                             progress=progress)
+    store = safe_url(str(args.store))
+    if getattr(args, "json", False):
+        print(json.dumps({"store": store, "checked": outcome.checked,
+                          "checked_bytes": outcome.checked_bytes, "clean": not outcome.bad,
+                          "bad": [{"fingerprint": fingerprint, "rank": rank, "key": key.hex(),
+                                   "problem": problem}
+                                  for fingerprint, rank, key, problem in outcome.bad],
+                          "repair": args.repair, "deleted": outcome.deleted}))
+        return 1 if outcome.bad else 0
     for fingerprint, rank, key, problem in outcome.bad:
         print(f"  bad chunk namespace {fingerprint[:8]} rank {rank} {key.hex()}: {problem}")
-    what = f"verified {outcome.checked} chunks in {safe_url(str(args.store))}"
+    what = f"verified {outcome.checked} chunks in {store}"
     if not outcome.bad:
         print(f"{what}: clean")
         return 0
@@ -231,17 +398,31 @@ def run_rm(args: argparse.Namespace) -> int:
     """``tierkv rm URL --namespace PREFIX [--dry-run] [--yes]``: exit codes as for a disk store."""
     delete = args.yes and not args.dry_run
     removal = remove_remote(_config(args), args.namespace, delete=delete)
-    ranks = ", ".join(f"rank {rank}: {count}" for rank, count in sorted(removal.chunks.items()))
     total = sum(removal.chunks.values())
     store = safe_url(str(args.store))
+    code = 0 if delete or args.dry_run else 1
+    if getattr(args, "json", False):
+        print(json.dumps({"store": store, "prefix": args.key_prefix,
+                          "fingerprint": removal.fingerprint, "keys": total,
+                          "keys_per_rank": {str(rank): count for rank, count
+                                            in sorted(removal.chunks.items())},
+                          "value_bytes": removal.value_bytes, "wrong_type": removal.wrong_type,
+                          "deleted": removal.deleted, "dry_run": bool(args.dry_run)}))
+        return code
+    ranks = ", ".join(f"rank {rank}: {count}" for rank, count in sorted(removal.chunks.items()))
     print(f"namespace {removal.fingerprint} in {store} (prefix {args.key_prefix!r}): "
-          f"{total} chunks ({ranks}), {format_bytes(removal.value_bytes, 2)}")
+          f"{total} chunks ({ranks}), {format_bytes(removal.value_bytes, 2)}"
+          f"{_other_type(removal.wrong_type)}")
     if delete:
         print(f"removed namespace {removal.fingerprint[:8]} from {store}: {removal.deleted} "
               f"chunks, {format_bytes(removal.value_bytes, 2)} freed")
-        return 0
-    if args.dry_run:
+    elif args.dry_run:
         print(f"dry run: would delete {total} keys; nothing deleted")
-        return 0
-    print(f"not deleted: add --yes to delete its {total} keys")
-    return 1
+    else:
+        print(f"not deleted: add --yes to delete its {total} keys")
+    return code
+
+
+__all__ = ["Progress", "RemoteRemoval", "RemoteReport", "RemoteVerify", "Session",
+           "add_arguments", "inspect_remote", "is_remote", "remove_remote", "run_inspect",
+           "run_rm", "run_verify", "verify_remote"]

@@ -423,6 +423,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress lines on stderr while it runs (the result and the "
                              "closing speed line are still printed)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of the result lines (exit "
+                             "codes unchanged)")
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -440,6 +443,10 @@ def _run_verify_disk(args: argparse.Namespace, progress: Progress) -> int:
     started = time.perf_counter()
     outcome = verify_store(args.store, repair=args.repair, only=args.namespace,
                            progress=progress)
+    if args.json:
+        print(json.dumps({"store": str(args.store), **asdict(outcome), "clean": outcome.clean,
+                          "repair": args.repair}))
+        return 0 if outcome.clean else 1
     for line in outcome.lines:
         print(line)
     seconds = time.perf_counter() - started

@@ -14,6 +14,7 @@ A ``redis://`` store is handled by :func:`tierkv.remote_tools.remove_remote`.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -116,6 +117,9 @@ def add_rm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only print what would be deleted")
     parser.add_argument("--yes", action="store_true",
                         help="delete it; without --yes only what would be deleted is printed")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of the result lines (exit "
+                             "codes unchanged)")
     remote_tools.add_arguments(parser)
 
 
@@ -126,6 +130,16 @@ def run_rm(args: argparse.Namespace) -> int:
     delete = args.yes and not args.dry_run
     removal = remove_namespace(args.store, args.namespace, delete=delete)
     report = removal.report
+    code = 0 if removal.deleted or args.dry_run else 1
+    if args.json:
+        print(json.dumps({"store": str(args.store), "fingerprint": report.fingerprint,
+                          "path": str(report.path), "description": report.description,
+                          "format_version": report.format_version, "ranks": len(report.ranks),
+                          "chunks": removal.chunks, "unread": removal.unread,
+                          "moved_aside": report.broken, "file_bytes": removal.file_bytes,
+                          "deleted": removal.deleted, "dry_run": bool(args.dry_run)},
+                         default=str))
+        return code
     model = report.description.get("model_id", "?")
     extra = [f"{len(report.broken)} moved-aside environment(s)"] if report.broken else []
     extra += [f"{removal.unread} environment(s) not readable, their chunks not counted"] \

@@ -48,6 +48,9 @@ def conversation(i: int, chunks: int) -> list[int]:
 
 def config(url: str, disk: Path | None = None, **remote: Any) -> StoreConfig:
     remote.setdefault("lookup_deadline_seconds", 2.0)  # the library waits: CI is slow
+    # A call slower than its deadline fails and opens its node's breaker at once: tests that
+    # do not time faults give a loaded CI machine room (those that do set their own).
+    remote.setdefault("timeout_seconds", 2.0)
     return StoreConfig(blocks_per_chunk=BPC, cpu=CpuTierConfig(max_bytes=1 << 22),
                        disk=DiskTierConfig(path=disk), device="cpu",
                        remote=RemoteTierConfig(url=url, **remote))

@@ -21,9 +21,9 @@ from tests.redis_cluster import HOST, RedisCluster, RedisServer, free_port
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.keys import Namespace
-from tierkv.tiers import remote as remote_module
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.remote_client import RemoteError
 from tierkv.tiers.remote_format import redis_key
 
 PAYLOAD = 8192
@@ -122,27 +122,36 @@ def test_a_planted_or_damaged_value_is_a_miss_counted_and_deleted(cluster: Redis
     client.close()
 
 
-def test_a_bad_value_replaced_meanwhile_is_not_deleted(cluster: RedisCluster,
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "list"])
+def test_a_bad_value_replaced_meanwhile_is_not_deleted(cluster: RedisCluster, damage: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Between the read of a bad value and its delete, another engine stores a good one:
-    the good one stays (the delete compares first)."""
+    the good one stays (the delete compares the value's type, length and digest, never the
+    value sent back)."""
     key = key_of(6)
     name = redis_key(b"tierkv:", NS.fingerprint(), 0, key)
     client = raw(cluster)
     with open_tier(cluster) as tier:
         tier.put_many([(key, payload_of(key))])
         good = client.get(name)
-        client.set(name, good[:-1])
-        real = remote_module.check_value
+        if damage == "flipped":
+            client.set(name, good[:-1] + bytes([good[-1] ^ 1]))  # the right length
+        elif damage == "truncated":
+            client.set(name, good[:-1])
+        else:
+            client.delete(name)
+            client.rpush(name, b"x")
+        real = tier._judge  # noqa: SLF001
 
-        def check_then_replace(*args: object) -> str | None:
-            problem = real(*args)  # type: ignore[arg-type]
+        def judge_then_replace(*args: object) -> object:
+            verdict = real(*args)  # type: ignore[arg-type]
+            client.delete(name)
             client.set(name, good)  # the other engine's store lands now
-            return problem
+            return verdict
 
-        monkeypatch.setattr(remote_module, "check_value", check_then_replace)
+        monkeypatch.setattr(tier, "_judge", judge_then_replace)
         assert read(tier, key)[0] is ReadStatus.CORRUPT
-        monkeypatch.setattr(remote_module, "check_value", real)
+        monkeypatch.setattr(tier, "_judge", real)
         assert read(tier, key) == (ReadStatus.OK, payload_of(key))
     client.close()
 
@@ -219,39 +228,79 @@ def test_one_plain_server_with_a_password_that_is_never_shown(tmp_path: Path) ->
         assert safe_url(url) == f"redis://***@{HOST}:{server.port}"
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_breaker_skips_a_dead_server_fast_warns_once_and_probes_again(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A refused connection opens the breaker at once (a dead server costs one call, not
+    remote.breaker_failures of them); one warning names the cause; the probe after
+    breaker_seconds (a fake clock) finds the server back, and one line says so."""
     key = key_of(9)
+    clock = FakeClock()
     with RedisServer(tmp_path) as server:
         config = RemoteTierConfig(url=server.url, timeout_seconds=0.2, breaker_failures=3,
                                   breaker_seconds=0.5)
-        with RemoteTier(config, NS, 0, PAYLOAD) as tier:
+        with RemoteTier(config, NS, 0, PAYLOAD, clock=clock) as tier:
             tier.put_many([(key, payload_of(key))])
             server.stop()
             with caplog.at_level("WARNING", logger="tierkv.remote"):
-                for _ in range(3):
-                    with pytest.raises(BrokenError, match="failed"):
-                        tier.exists_many([key])
+                with pytest.raises(RemoteError, match="connection refused") as info:
+                    tier.exists_many([key])
+                assert not info.value.skipped and info.value.cause == "connection refused"
                 for _ in range(5):
-                    started = time.monotonic()
-                    with pytest.raises(BrokenError, match="circuit breaker is open"):
+                    with pytest.raises(RemoteError, match="circuit breaker is open") as info:
                         tier.exists_many([key])
-                    assert time.monotonic() - started < 0.05  # no network: skipped at once
-            assert caplog.text.count("failed calls in a row") == 1
+                    assert info.value.skipped
+            assert caplog.text.count("fails: connection refused") == 1
+            assert "check that the node runs" in caplog.text
             stats = tier.statistics()
-            assert (stats.errors, stats.skipped, stats.breaker_opens) == (3, 5, 1)
+            assert (stats.errors, stats.skipped, stats.breaker_opens) == (1, 5, 1)
+            assert dict(stats.causes) == {"connection refused": 1}
+            assert dict(stats.breakers)[f"127.0.0.1:{server.port}"] == 1
             server.start()  # same port; its data is gone (no persistence)
-            time.sleep(0.6)
-            deadline = time.monotonic() + 10
-            while True:  # the probe after breaker_seconds finds it back
-                try:
-                    assert tier.exists_many([key]) == [False]
-                    break
-                except BrokenError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.6)
+            with pytest.raises(RemoteError, match="circuit breaker is open"):
+                tier.exists_many([key])  # still within breaker_seconds
+            clock.now += 0.6
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="tierkv.remote"):
+                assert tier.exists_many([key]) == [False]  # the probe
+            assert "answers again after 0.6 s of failures (connection refused); skipped " \
+                   "meanwhile: 6 lookups" in caplog.text
+            assert dict(tier.statistics().breakers)[f"127.0.0.1:{server.port}"] == 0
             tier.put_many([(key, payload_of(key))])
             assert read(tier, key) == (ReadStatus.OK, payload_of(key))
+
+
+def test_other_failures_open_the_breaker_after_breaker_failures_in_a_row(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A cause that may pass (here the server's ACL refusing EXISTS) opens the breaker only
+    after remote.breaker_failures calls in a row; it is logged once, not per call."""
+    with RedisServer(tmp_path) as server:
+        node = redis.Redis(host=HOST, port=server.port)
+        node.execute_command("ACL", "SETUSER", "no-exists", "on", ">pw-3", "~*",  # type: ignore[no-untyped-call]
+                             "+@all", "-exists")
+        node.close()
+        url = f"redis://no-exists:pw-3@{HOST}:{server.port}"
+        config = RemoteTierConfig(url=url, breaker_failures=3)
+        with RemoteTier(config, NS, 0, PAYLOAD, clock=FakeClock()) as tier, \
+                caplog.at_level("WARNING", logger="tierkv.remote"):
+            for _ in range(3):
+                with pytest.raises(RemoteError, match="no permission") as info:
+                    tier.exists_many([key_of(1)])
+                assert not info.value.skipped
+            with pytest.raises(RemoteError, match="circuit breaker is open"):
+                tier.exists_many([key_of(1)])
+            assert (tier.statistics().errors, tier.statistics().skipped) == (3, 1)
+        # once as it starts failing, once as its breaker opens; not once per call
+        assert caplog.text.count("fails: no permission") == 2
+        assert "1 of remote.breaker_failures (3) failed calls in a row" in caplog.text
+        assert "its calls are skipped for 10.0 s" in caplog.text and "pw-3" not in caplog.text
 
 
 def test_calls_after_close_raise_even_with_nothing_to_do(cluster: RedisCluster) -> None:
@@ -264,7 +313,8 @@ def test_calls_after_close_raise_even_with_nothing_to_do(cluster: RedisCluster) 
             call()
 
 
-ACL = ("~tierkv:* resetchannels -@all +get +set +exists +del +scan +evalsha +eval "
+ACL = ("~tierkv:* resetchannels -@all +get +getrange +strlen +type +set +exists +del +scan "
+       "+evalsha +eval "
        "+script|load +ping +cluster|slots +cluster|shards +command +info +readonly +hello "
        "+auth")  # docs/remote.md, "Security"
 
@@ -350,3 +400,32 @@ def test_opening_the_tier_tunes_malloc_unless_told_not_to(cluster: RedisCluster,
                           text=True, timeout=60, env={**os.environ, "TIERKV_MALLOPT": "1"})
     assert done.returncode == 0, done.stderr[-1000:]
     assert f"tuned {tune}" in done.stdout
+
+
+def test_a_full_server_refuses_writes_pushes_are_skipped_and_reads_go_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """maxmemory with noeviction: the server answers OOM to SETs. The refused values are
+    "no room" (PutResult.full, never an exception), the writes' breaker opens at once with
+    one warning that names the cause and the policy to set, and reads go on."""
+    keys = [key_of(i, 3) for i in range(256)]  # 2 MiB of values
+    with RedisServer(tmp_path, "--maxmemory", "1200kb", "--maxmemory-policy", "noeviction") \
+            as server, RemoteTier(RemoteTierConfig(url=server.url), NS, 0, PAYLOAD,
+                                  clock=FakeClock()) as tier, \
+            caplog.at_level("WARNING", logger="tierkv.remote"):
+        stored: list[bytes] = []
+        full: tuple[bytes, ...] = ()
+        for first in range(0, len(keys), 16):
+            result = tier.put_many([(key, payload_of(key)) for key in keys[first:first + 16]])
+            stored += result.written
+            if result.full:
+                full = result.full
+                assert result.message is not None and "allkeys-lru" in result.message
+                break
+        assert stored and full  # some fit, then the server refused the rest
+        with pytest.raises(RemoteError, match="skipped") as info:
+            tier.put_many([(keys[-1], payload_of(keys[-1]))])  # writes skipped at once
+        assert info.value.skipped and info.value.node == "writes"
+        assert read(tier, stored[0]) == (ReadStatus.OK, payload_of(stored[0]))  # reads go on
+        stats = tier.statistics()
+        assert dict(stats.causes) == {"out of memory": 1} and dict(stats.breakers)["writes"] == 1
+    assert caplog.text.count("writes fails: out of memory") == 1

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from redis.cluster import RedisCluster as ClusterClient
@@ -169,3 +173,146 @@ def test_rm_refuses_an_ambiguous_prefix(cluster: RedisCluster,
     assert "give a longer --namespace prefix" in err
     assert main(["inspect", cluster.url]) == 0
     assert "inspected 2 chunks" in capsys.readouterr().out  # nothing deleted
+
+
+def plant_other_types(cluster: RedisCluster, keys: list[bytes]) -> list[bytes]:
+    """A list and a hash under two of NS's rank-0 chunk names: keys of another type."""
+    raw = ClusterClient.from_url(cluster.url)
+    names = [redis_key(b"tierkv:", NS.fingerprint(), 0, key) for key in keys[:2]]
+    raw.delete(*names[:1])
+    raw.delete(*names[1:])
+    raw.rpush(names[0], b"x", b"y")
+    raw.hset(names[1], "field", "value")
+    raw.close()
+    return names
+
+
+def test_keys_of_another_type_are_bad_values_for_every_tool(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tierkv-shaped key holding a list or a hash: inspect counts it, verify reports it
+    (exit 1, never a traceback), --repair and rm delete it."""
+    keys = fill(cluster)
+    names = plant_other_types(cluster, keys)
+    assert main(["inspect", cluster.url]) == 0
+    out = capsys.readouterr().out
+    assert f"namespace {NS.fingerprint()} rank 0: 12 chunks" in out
+    assert "2 key(s) of another type" in out
+    assert main(["inspect", cluster.url, "--json"]) == 0
+    rows = {(row["fingerprint"], row["rank"]): row for row in json.loads(capsys.readouterr().out)}
+    assert rows[(NS.fingerprint(), 0)]["wrong_type"] == 2
+    assert main(["verify", cluster.url]) == 1
+    out = capsys.readouterr().out
+    assert out.count("the key holds another type than a string") == 2
+    assert "verified 29 chunks" in out and "2 bad" in out
+    assert main(["verify", cluster.url, "--repair"]) == 1
+    assert "2 bad, deleted 2" in capsys.readouterr().out
+    raw = ClusterClient.from_url(cluster.url)
+    assert not any(raw.exists(name) for name in names)
+    assert main(["verify", cluster.url]) == 0
+    plant_other_types(cluster, keys)
+    assert main(["rm", cluster.url, "--namespace", NS.fingerprint()[:8], "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "2 key(s) of another type" in out and "24 chunks" in out
+    assert not any(raw.exists(name) for name in names)
+    raw.close()
+
+
+def test_a_value_of_another_size_is_bad_before_it_is_read(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = fill(cluster)
+    raw = ClusterClient.from_url(cluster.url)
+    name = redis_key(b"tierkv:", NS.fingerprint(), 0, keys[5])
+    raw.setrange(name, 64 << 20, b"\0")  # its header kept, 64 MiB long
+    assert main(["verify", cluster.url, "--json", "--no-progress"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["checked"] == 29 and not report["clean"]
+    assert [(bad["key"], bad["problem"][:14]) for bad in report["bad"]] == \
+        [(keys[5].hex(), "value of 67108")]
+    assert report["checked_bytes"] == 28 * (PAYLOAD + 80)  # the big one was not read
+    assert main(["verify", cluster.url, "--repair", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["deleted"] == 1 and not raw.exists(name)
+    raw.close()
+
+
+def test_verify_and_rm_print_json(cluster: RedisCluster,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    fill(cluster)
+    assert main(["verify", cluster.url, "--json", "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["checked"], report["clean"], report["bad"]) == (29, True, [])
+    prefix = OTHER.fingerprint()[:6]
+    assert main(["rm", cluster.url, "--namespace", prefix, "--json"]) == 1  # no --yes
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["fingerprint"], plan["keys"], plan["deleted"]) == (OTHER.fingerprint(), 5, 0)
+    assert main(["rm", cluster.url, "--namespace", prefix, "--json", "--yes"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert (done["deleted"], done["keys_per_rank"], done["value_bytes"]) == \
+        (5, {"0": 5}, 5 * (PAYLOAD + 80))
+
+
+def test_ping_reports_nodes_slots_password_chunks_and_policy(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(cluster)
+    assert main(["ping", cluster.url]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" primary: ") == 3 and "maxmemory-policy allkeys-lru" in out
+    assert "slots: 16384 of 16384 covered (cluster_state ok)" in out
+    assert "29 chunks" in out and "2 namespace(s)" in out and "password none sent" in out
+    assert out.splitlines()[-1] == "pinged 3 node(s): ready for tierkv"
+    assert main(["ping", cluster.url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["chunks"] == 29 and report["value_bytes"] == 29 * (PAYLOAD + 80)
+    assert all(node["latency_ms"] is not None for node in report["nodes"])
+    import redis
+
+    node = redis.Redis(host="127.0.0.1", port=cluster.ports[1])
+    node.config_set("maxmemory-policy", "noeviction")
+    try:
+        assert main(["ping", cluster.url]) == 1
+        out = capsys.readouterr().out
+        assert f"problem: node 127.0.0.1:{cluster.ports[1]} has maxmemory-policy noeviction" in out
+    finally:
+        node.config_set("maxmemory-policy", "allkeys-lru")
+        node.close()
+
+
+@pytest.fixture()
+def own_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    with RedisCluster(tmp_path / "redis") as started:
+        yield started
+
+
+def test_a_node_down_is_one_line_naming_it_for_every_tool(
+        own_cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """A master killed: inspect, verify, verify --repair and rm exit 2 (error, not "bad
+    found") with one line naming the node and what to do; ping exits 1 and lists it."""
+    fill(own_cluster)
+    victim = own_cluster.ports[1]
+    own_cluster.stop_node(victim, signal.SIGKILL)
+    for argv in (["inspect"], ["verify"], ["verify", "--repair"],
+                 ["rm", "--namespace", NS.fingerprint()[:6], "--yes"]):
+        assert main([*argv, own_cluster.url, "--timeout", "1"]) == 2, argv
+        out, err = capsys.readouterr()
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert f"node 127.0.0.1:{victim}" in err and "connection refused" in err
+        assert "check that the node runs" in err and "rerun" in err
+    assert main(["ping", own_cluster.url, "--timeout", "1"]) == 1
+    out = capsys.readouterr().out
+    assert f"node 127.0.0.1:{victim} primary: DOWN: connection refused" in out
+
+
+def test_a_stalled_node_costs_a_tool_one_timeout(
+        own_cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(own_cluster)
+    pid = own_cluster.procs[own_cluster.ports[2]].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.perf_counter()
+        assert main(["verify", own_cluster.url, "--timeout", "0.5"]) == 2
+        took = time.perf_counter() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    err = capsys.readouterr().err
+    assert f"node 127.0.0.1:{own_cluster.ports[2]}" in err and "timeout" in err
+    assert "raise --timeout" in err
+    assert took < 0.5 + 2.0, took  # one deadline, not redis-py's retries

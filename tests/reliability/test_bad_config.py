@@ -48,6 +48,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "url": ["http://x", "", None, 6379, "redis:/h", "localhost:6379"],
         "key_prefix": ["", "a{b", "a*", "a b", None, 1],
         "timeout_seconds": [0, -1, NAN, "0.5", None, True],
+        "min_mib_per_second": [0, -1, NAN, "64", None, True],
         "ttl_seconds": [0, -1, NAN, "60", True],
         "password_env": [None, 1, b"X"],
         "breaker_failures": [0, -1, 1.5, "5", True, None],

@@ -9,7 +9,11 @@
 Both read *figures*: a flat mapping of figure keys (``hit_tokens_cpu``, ``bytes_gpu_to_cpu``,
 ``cpu_used_bytes``, ...) to numbers, or, for job durations, to :class:`Durations` (library)
 or lists of seconds (vLLM payloads). A metric lists which figure key each of its label values
-reads, so a figure has one name everywhere (``docs/operations.md``, "Metrics", lists them).
+reads, so a figure has one name everywhere (``docs/operations.md``, "Metrics", lists them);
+a metric with a ``dynamic`` prefix reads every figure key that starts with it, the rest of
+the key being its label value (``remote_breaker_open/10.0.0.5:7000``: one per node seen).
+:func:`remote_figures` makes the remote tier's figures from its statistics, and
+:func:`config_info` the labels of ``tierkv:config_info`` (the effective settings, no secret).
 
 Counters are exposed with ``_total`` (``tierkv:hit_tokens_total{tier="disk"}``); byte figures
 are bytes and times are seconds, as Prometheus conventions ask.
@@ -25,6 +29,7 @@ from typing import Any, Literal, Protocol
 from tierkv.core.index import IndexStats
 from tierkv.core.jobs import JobKind
 from tierkv.extras import needs
+from tierkv.tiers.remote_health import CAUSES
 
 PREFIX = "tierkv:"
 Kind = Literal["counter", "gauge", "histogram"]
@@ -45,6 +50,15 @@ class Metric:
     help: str
     label: str | None  # the metric's own label (tier, path, ...), besides the exporter's
     keys: tuple[tuple[str, str], ...]  # (label value, figure key); label value "" if no label
+    dynamic: str | None = None  # a figure-key prefix: every key with it, the rest the label
+
+
+# The remote tier's calls by result, its pushes by fate, its values by the check they failed.
+REMOTE_RESULTS = ("ok", "skipped", *(cause.replace(" ", "_") for cause in CAUSES))
+PUSH_RESULTS = ("pushed", "failed", "dropped", "abandoned")
+VALUE_CHECKS = ("size", "type", "header", "checksum")
+BREAKER_OPEN = "remote_breaker_open/"  # + node: a dynamic gauge
+CONFIG_INFO = "config_info"
 
 
 def _each(template: str, values: Sequence[str]) -> tuple[tuple[str, str], ...]:
@@ -101,10 +115,97 @@ METRICS: tuple[Metric, ...] = (
            (("cpu", "cpu_used_bytes"), ("disk", "disk_used_bytes"))),
     Metric("capacity_bytes", "gauge", "Bytes of KV a tier can hold (all ranks)", "tier",
            (("cpu", "cpu_capacity_bytes"), ("disk", "disk_capacity_bytes"))),
+    Metric("remote_calls", "counter", "Calls to the remote tier by result: ok; skipped at "
+           "once by an open circuit breaker (no network); or why they failed (timeout, "
+           "connection_refused, auth_refused, cluster_down, out_of_memory, ...)", "result",
+           _each("remote_calls_{}", REMOTE_RESULTS)),
+    Metric("remote_bytes", "counter", "Value bytes read from and written to the remote tier",
+           "direction", (("read", "remote_bytes_read"), ("written", "remote_bytes_written"))),
+    Metric("remote_pushes", "counter", "Chunks offered to the remote tier's push queue, by "
+           "what became of them: pushed; failed (the tier did not store them); dropped (the "
+           "queue was full: remote.queue_bytes); abandoned (still queued at close)", "result",
+           _each("remote_pushes_{}", PUSH_RESULTS)),
+    Metric("remote_bad_values", "counter", "Remote values that failed a check when read "
+           "(misses, deleted), by check: size (before it was read), type (a key of another "
+           "type), header, checksum", "check", _each("remote_bad_values_{}", VALUE_CHECKS)),
+    Metric("remote_breaker_open", "gauge", "1 while the remote tier's circuit breaker is open "
+           "(its calls skipped) for a node; node=\"cluster\": every node (the cluster is down, "
+           "the password refused); node=\"writes\": a full server's writes", "node", (),
+           dynamic=BREAKER_OPEN),
 )
 
 GAUGE_KEYS = frozenset(key for metric in METRICS if metric.kind == "gauge"
                        for _, key in metric.keys)
+DYNAMIC_GAUGES = tuple(metric.dynamic for metric in METRICS
+                       if metric.kind == "gauge" and metric.dynamic)
+
+
+def is_gauge(key: str) -> bool:
+    """Whether figure ``key`` is a gauge (a value now), not a counter."""
+    return key in GAUGE_KEYS or key.startswith(DYNAMIC_GAUGES)
+
+
+def metric_keys(metric: Metric, figures: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(label value, figure key) pairs ``metric`` reads from ``figures``."""
+    if metric.dynamic is None:
+        return metric.keys
+    return tuple((key[len(metric.dynamic):], key) for key in sorted(figures)
+                 if key.startswith(metric.dynamic))
+
+
+def remote_figures(tiers: Sequence[Any], pushes: Any = None,
+                   breakers: bool = True) -> dict[str, float]:
+    """The remote tier's figures from the statistics of its tiers
+    (:class:`~tierkv.tiers.remote.RemoteStatistics`: an engine's lookups and its loads and
+    pushes have a tier each) and its pushes (:class:`~tierkv.transfer.remote_io.
+    RemoteIOStatistics`): counters summed, a node's breaker open if any tier's is
+    (``breakers=False``: none of those gauges)."""
+    out: dict[str, float] = dict.fromkeys(
+        [f"remote_calls_{result}" for result in REMOTE_RESULTS]
+        + [f"remote_bad_values_{check}" for check in VALUE_CHECKS]
+        + ["remote_bytes_read", "remote_bytes_written"], 0)
+    for tier in tiers:
+        out["remote_calls_ok"] += tier.calls
+        out["remote_calls_skipped"] += tier.skipped
+        out["remote_bytes_read"] += tier.bytes_read
+        out["remote_bytes_written"] += tier.bytes_written
+        for cause, count in tier.causes:
+            out[f"remote_calls_{cause.replace(' ', '_')}"] += count
+        for check, count in tier.bad_values:
+            out[f"remote_bad_values_{check}"] += count
+        for node, state in tier.breakers if breakers else ():
+            key = BREAKER_OPEN + node
+            out[key] = max(out.get(key, 0), state)
+    if pushes is not None:
+        for result in PUSH_RESULTS:
+            out[f"remote_pushes_{result}"] = getattr(pushes, result)
+    return out
+
+
+def config_info(settings: Any, **extra: str) -> dict[str, str]:
+    """The labels of ``tierkv:config_info``: every setting of ``settings`` (a
+    :class:`~tierkv.config.StoreConfig`, or the vLLM connector's settings) by its dotted
+    name with dots as underscores (``remote_timeout_seconds``), the remote URL without its
+    password, and ``extra`` (the version, the namespace)."""
+    from dataclasses import fields, is_dataclass
+
+    from tierkv.config import safe_url
+
+    out: dict[str, str] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        for item in fields(value):
+            got = getattr(value, item.name)
+            name = f"{prefix}{item.name}"
+            if is_dataclass(got) and not isinstance(got, type):
+                walk(got, f"{name}_")
+            else:
+                out[name] = safe_url(got) if item.name == "url" and isinstance(got, str) \
+                    else str(got)
+
+    walk(settings, "")
+    out.update(extra)
+    return out
 DURATION_KEYS = frozenset(key for metric in METRICS if metric.kind == "histogram"
                           for _, key in metric.keys)
 
@@ -153,8 +254,13 @@ class Durations:
         return out
 
 
+CONFIG_INFO_HELP = ("tierkv's effective settings as labels (value 1; the remote URL without "
+                    "its password)")
+
+
 class FigureSource(Protocol):
-    """What the exporter reads: :meth:`TierKVStore.figures` (or an engine's own figures)."""
+    """What the exporter reads: :meth:`TierKVStore.figures` (or an engine's own figures);
+    a ``config_info()`` method, if it has one, gives ``tierkv:config_info``'s labels."""
 
     def figures(self) -> Mapping[str, float | Durations]: ...
 
@@ -187,7 +293,7 @@ class StoreCollector:
                 family = GaugeMetricFamily(name, metric.help, labels=labelnames)
             else:
                 family = HistogramMetricFamily(name, metric.help, labels=labelnames)
-            for label_value, key in metric.keys:
+            for label_value, key in metric_keys(metric, figures):
                 labelvalues = values + ([label_value] if metric.label else [])
                 value = figures.get(key, 0)
                 if isinstance(value, Durations):
@@ -195,6 +301,13 @@ class StoreCollector:
                                       sum_value=value.total)
                 elif metric.kind != "histogram":
                     family.add_metric(labelvalues, float(value))
+            yield family
+        info = getattr(self.store, "config_info", None)
+        if callable(info):
+            settings = info()
+            family = GaugeMetricFamily(PREFIX + CONFIG_INFO, CONFIG_INFO_HELP,
+                                       labels=names + list(settings))
+            family.add_metric(values + list(settings.values()), 1.0)
             yield family
 
 
@@ -210,5 +323,6 @@ def register_store_metrics(store: FigureSource, registry: Any = None,
     return collector
 
 
-__all__ = ["DURATION_BUCKETS", "Durations", "FigureSource", "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector",
-           "register_store_metrics", "usage_figures"]
+__all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "METRICS", "Metric",
+           "PATH_NAMES", "PREFIX", "StoreCollector", "config_info", "is_gauge", "metric_keys",
+           "register_store_metrics", "remote_figures", "usage_figures"]

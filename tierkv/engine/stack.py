@@ -81,7 +81,7 @@ def build_remote_lookup(config: StoreConfig, namespace: Namespace, ranks: Sequen
         from tierkv.transfer.remote_lookup import RemoteLookup
 
     remote = config.remote
-    tier = RemoteTier(remote, namespace, min(ranks), chunk_bytes, lazy=True)
+    tier = RemoteTier(remote, namespace, min(ranks), chunk_bytes, lazy=True, role="lookups")
     return RemoteLookup(tier, ranks, remote.lookup_deadline_seconds, remote.lookup_chunks)
 
 
@@ -168,7 +168,8 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
                 from tierkv.transfer.remote_io import RemoteIO
 
             rank = config.rank if remote_rank is None else remote_rank
-            remote = RemoteTier(settings, namespace, rank, chunk_bytes, lazy=True)
+            remote = RemoteTier(settings, namespace, rank, chunk_bytes, lazy=True,
+                                role="loads and pushes")
             remote_io = DiskIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
             if settings.push != "read_only":
                 pusher = RemoteIO(remote, settings.queue_bytes)

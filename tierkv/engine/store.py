@@ -56,7 +56,7 @@ import torch
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.adapter import lookup_tiers
-from tierkv.engine.metrics import PATH_NAMES, Durations, usage_figures
+from tierkv.engine.metrics import PATH_NAMES, Durations, config_info, remote_figures, usage_figures
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
@@ -159,7 +159,8 @@ class TierKVStore:
         self._closed = False
         self.config = config or StoreConfig()
         if not isinstance(self.config, StoreConfig):
-            raise ConfigError(f"store: config must be a StoreConfig, got {self.config!r}")
+            raise ConfigError(f"store: config must be a StoreConfig, got a "
+                              f"{type(self.config).__name__} (StoreConfig.from_dict reads a dict)")
         cfg = self.config
         self.layout = KVLayout.from_tensors(kv_caches)
         if namespace is None:
@@ -489,7 +490,20 @@ class TierKVStore:
             out[f"failed_jobs_{name}"] = self._failed_jobs[kind]
             out[f"durations_{name}"] = self._durations[kind]
         out.update(usage_figures(index, self.chunk_bytes))
+        if self._remote is not None and self._stack.remote is not None:
+            pusher = self.executor.pusher
+            out.update(remote_figures([self._stack.remote.statistics(),
+                                       self._remote.tier.statistics()],
+                                      pusher.statistics() if pusher is not None else None))
         return out
+
+    def config_info(self) -> dict[str, str]:
+        """The labels of ``tierkv:config_info``: the effective settings (no secret), the
+        version and the namespace fingerprint."""
+        from tierkv import __version__
+
+        return config_info(self.config, version=__version__,
+                           namespace=self.namespace.fingerprint())
 
     @_one_caller
     def close(self) -> None:

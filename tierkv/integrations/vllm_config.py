@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -31,7 +32,8 @@ from typing import Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
 from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, RemoteTierConfig,
-                           StoreConfig, cpu_slot_count, disk_chunk_capacity)
+                           StoreConfig, cpu_slot_count, disk_chunk_capacity,
+                           has_password, redact)
 from tierkv.engine.adapter import LOAD_POLICIES, AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.integrations.vllm_versions import UnsupportedVersionError as UnsupportedVersionError
@@ -40,6 +42,7 @@ from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.units import as_size
 
+log = logging.getLogger("tierkv.vllm")
 DEFAULT_TOKENS_PER_CHUNK = 128  # a hit recomputes up to this many tokens (docs/design.md)
 DEFAULT_SYNC_LOAD_BYTES = 64 << 20  # docs/benchmarks/ttft.md, "Same-step loads"
 DEFAULT_LOAD_POLICY = "cost"  # docs/benchmarks/ttft.md, "Cost-aware loads"
@@ -85,7 +88,11 @@ class ConnectorSettings:
 
 
 def _bad(key: str, value: Any, need: str) -> ConfigError:
-    return ConfigError(f"tierkv vLLM connector: kv_connector_extra_config[{key!r}] = {value!r}: {need}")
+    """The error of one setting; a value that may hold a password (the remote settings, a
+    key named like a secret) is not shown, and no URL's credentials ever are."""
+    secret = key == "remote" or not _SECRET_WORDS.isdisjoint(str(key).lower().split("_"))
+    shown = "(not shown)" if secret else redact(repr(value))
+    return ConfigError(f"tierkv vLLM connector: kv_connector_extra_config[{key!r}] = {shown}: {need}")
 
 
 def _int(key: str, value: Any, low: int) -> int:
@@ -122,6 +129,9 @@ def _flag(key: str, value: Any) -> bool:
     return value
 
 
+# Words of a key whose value an error never shows (a secret's name: "remote_password").
+_SECRET_WORDS = frozenset(("password", "passwd", "pass", "pw", "secret", "token", "auth",
+                           "credential", "credentials"))
 _CHOICES: dict[str, tuple[str, ...]] = {
     "load_policy": LOAD_POLICIES,
     "disk_sync_mode": ("periodic", "always", "close"), "device": ("auto", "cuda", "cpu"),
@@ -140,6 +150,7 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     for key in raw:
         if key not in known:
             raise _bad(key, raw[key], f"unknown key; known keys: {sorted(known)}")
+    warn_of_password(raw.get("remote_url"), raw.get("remote"))
     out: dict[str, Any] = {}
     remote = _remote_settings(raw.pop("remote_url", None), raw.pop("remote", None))
     if remote is not None:
@@ -170,6 +181,29 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     return ConnectorSettings(**out)
 
 
+_warned = False
+
+
+def warn_of_password(url: Any, options: Any) -> bool:
+    """Warn (once a process) when the extra config carries a password: vLLM logs its
+    kv_transfer_config as given, so the password would be in the server's log. True when
+    it warned now."""
+    global _warned
+    found = [name for name, value in (("remote_url", url), ("remote", options))
+             if value is not None and has_password(repr(value))]
+    if isinstance(options, Mapping):
+        found += [f"remote.{name}" for name in options if "pass" in str(name).lower()]
+    if not found or _warned:
+        return False
+    _warned = True
+    log.warning("tierkv vLLM connector: kv_connector_extra_config %s holds a password, and "
+                "vLLM logs its --kv-transfer-config as given: keep it out of the URL and put it "
+                "in the environment variable remote.password_env names "
+                "(TIERKV_REMOTE_PASSWORD) of every vLLM process; docs/vllm.md, \"Remote tier\"",
+                " and ".join(found))
+    return True
+
+
 def _remote_settings(url: Any, options: Any) -> RemoteTierConfig | None:
     """``remote_url`` and the optional ``remote`` mapping as a RemoteTierConfig."""
     if url is None and options is None:
@@ -186,6 +220,8 @@ def _remote_settings(url: Any, options: Any) -> RemoteTierConfig | None:
     for name in options:
         if name not in known:
             raise _bad("remote", options, f"unknown setting {name!r}; known: {sorted(known)}")
+    if not isinstance(url, str):
+        raise _bad("remote_url", url, "must be a redis:// or rediss:// URL (a string)")
     try:
         return RemoteTierConfig(url=url, **options)
     except ConfigError as exc:  # its messages never show the URL's password

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tierkv.engine.metrics import GAUGE_KEYS, TIERS
+from tierkv.engine.metrics import TIERS, is_gauge
 from tierkv.engine.requests import Completion, StepPlan
 
 
@@ -60,7 +60,7 @@ class TierKVConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged: dict[str, Any] = dict(self.data)
         for name, value in other.data.items():
-            if name in GAUGE_KEYS or name not in merged:
+            if is_gauge(name) or name not in merged:
                 merged[name] = list(value) if isinstance(value, list) else value
             else:
                 merged[name] = merged[name] + value
@@ -75,7 +75,7 @@ class TierKVConnectorStats(KVConnectorStats):
                 if value:
                     out[f"{name.replace('durations_', 'median_ms_')}"] = round(
                         statistics.median(value) * 1e3, 3)
-            elif name not in GAUGE_KEYS and value:
+            elif not is_gauge(name) and value:
                 out[name] = round(value, 3) if isinstance(value, float) else value
         hits = sum(self.data.get(f"hit_tokens_{tier}", 0) for tier in TIERS)
         if hits:
@@ -86,4 +86,4 @@ class TierKVConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(value for name, value in self.data.items() if name not in GAUGE_KEYS)
+        return not any(value for name, value in self.data.items() if not is_gauge(name))

@@ -2,7 +2,10 @@
 with the metric classes and labels vLLM hands to ``build_prom_metrics`` (``model_name`` and
 ``engine``; vLLM merges the ranks' figures before they reach us, so there is no rank label),
 and fed from the connector's stats payloads (:class:`TierKVConnectorStats`) by ``observe``.
-They appear on vLLM's ``/metrics`` as ``tierkv:*``."""
+A metric with a ``dynamic`` prefix (a remote node's breaker) is bound for each label value
+as its first figure arrives. ``tierkv:config_info`` is set once, from the connector's
+settings in ``kv_connector_extra_config`` (the remote URL without its password). They
+appear on vLLM's ``/metrics`` as ``tierkv:*``."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from tierkv.engine.metrics import DURATION_BUCKETS, METRICS, PREFIX
+from tierkv.engine.metrics import (CONFIG_INFO, CONFIG_INFO_HELP, DURATION_BUCKETS, METRICS,
+                                   PREFIX, config_info)
 
 
 class TierKVPromMetrics(KVConnectorPromMetrics):
@@ -21,20 +25,47 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
                    "histogram": self._histogram_cls}
         # (engine index, figure key) -> (kind, the metric with its labels bound)
         self._bound: dict[tuple[int, str], tuple[str, Any]] = {}
+        self._dynamic: list[tuple[str, str, Any]] = []  # (prefix, kind, family)
+        self._engines = per_engine_labelvalues
         for metric in METRICS:
             extra = [metric.label] if metric.label else []
             options: dict[str, Any] = {"buckets": DURATION_BUCKETS} \
                 if metric.kind == "histogram" else {}
             family = classes[metric.kind](name=PREFIX + metric.name, documentation=metric.help,
                                           labelnames=[*labelnames, *extra], **options)
+            if metric.dynamic is not None:
+                self._dynamic.append((metric.dynamic, metric.kind, family))
             for engine, values in per_engine_labelvalues.items():
                 for label_value, key in metric.keys:
                     own = [label_value] if metric.label else []
                     self._bound[(engine, key)] = (metric.kind, family.labels(*values, *own))
+        self._set_config_info(vllm_config, classes["gauge"], labelnames)
+
+    def _set_config_info(self, vllm_config: Any, gauge: Any, labelnames: list[str]) -> None:
+        from tierkv import __version__
+        from tierkv.integrations.vllm_config import parse_settings
+
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        settings = parse_settings(getattr(transfer, "kv_connector_extra_config", None))
+        info = config_info(settings, version=__version__)
+        family = gauge(name=PREFIX + CONFIG_INFO, documentation=CONFIG_INFO_HELP,
+                       labelnames=[*labelnames, *info])
+        for values in self._engines.values():
+            family.labels(*values, *info.values()).set(1)
+
+    def _bind(self, engine_idx: int, key: str) -> tuple[str, Any] | None:
+        """A dynamic metric's figure, bound as it first arrives (None: not exported)."""
+        values = self._engines.get(engine_idx)
+        for prefix, kind, family in self._dynamic:
+            if values is not None and key.startswith(prefix):
+                bound = self._bound[(engine_idx, key)] = (
+                    kind, family.labels(*values, key[len(prefix):]))
+                return bound
+        return None
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            bound = self._bound.get((engine_idx, key))
+            bound = self._bound.get((engine_idx, key)) or self._bind(engine_idx, key)
             if bound is None:
                 continue  # a figure tierkv logs but does not export
             kind, metric = bound

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
-from tierkv.engine.metrics import GAUGE_KEYS, usage_figures
+from tierkv.engine.metrics import is_gauge, remote_figures, usage_figures
 from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
@@ -427,6 +427,8 @@ class SchedulerSide:
             lookups = self.remote.statistics()
             out["remote_lookup_requests"] = lookups.requests
             out["remote_lookup_errors"] = lookups.errors
+            # The lookups' calls (the workers report their breakers: one view per node)
+            out.update(remote_figures([self.remote.tier.statistics()], breakers=False))
         out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size))
         return out
 
@@ -442,12 +444,13 @@ class SchedulerSide:
         self._last_report = now
         current = self.statistics()
         delta = {name: value - self._reported.get(name, 0) for name, value in current.items()
-                 if name not in GAUGE_KEYS}
+                 if not is_gauge(name)}
         self._reported = current
         stats = TierKVConnectorStats(data={name: value for name, value in delta.items() if value})
         if stats.is_empty():
             return None
-        stats.data.update((name, current[name]) for name in GAUGE_KEYS)  # gauges: values now
+        stats.data.update((name, value) for name, value in current.items()
+                          if is_gauge(name))  # gauges: values now
         return stats
 
     def shutdown(self) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tierkv.engine.metrics import is_gauge, remote_figures
 from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
@@ -166,9 +167,15 @@ class WorkerSide:
         if self.worker is None:
             return {}
         counts = self.worker.statistics()
-        delta = {name: value - self._reported.get(name, 0) for name, value in counts.items()}
+        if self._stack is not None and self._stack.remote is not None:  # tierkv:remote_*
+            pusher = self._stack.executor.pusher
+            counts.update(remote_figures([self._stack.remote.statistics()],
+                                         pusher.statistics() if pusher is not None else None))
+        delta = {name: value - self._reported.get(name, 0) for name, value in counts.items()
+                 if not is_gauge(name)}
         self._reported = counts
         out: dict[str, Any] = {name: value for name, value in delta.items() if value}
+        out.update((name, value) for name, value in counts.items() if is_gauge(name))
         out.update(self.worker.take_durations())
         return out
 

@@ -6,121 +6,68 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 - ``put_many(items, deletes)``: one pipeline (at most one round trip per node): the
   deletes, then ``SET NX`` of each value (``EX`` when ``remote.ttl_seconds``). A value
   another engine stored already is left as it is and counts as written (``already``).
+  Keys a server refused for want of memory are ``full`` (no room) and further pushes are
+  skipped for ``remote.breaker_seconds``.
 - ``exists_many(keys)``: which keys have a value, in one pipeline of ``EXISTS``.
   ``exists_on_ranks(keys, ranks)``: which chunks have a value for every rank, in one
   pipeline of one ``EXISTS`` per chunk (its ranks share a hash slot): one round trip per
   node, for the scheduler side's lookups.
-- ``read_into(key, out)``: one ``GET``; ``OK`` only for a value that passes every check;
-  ``MISSING`` when it is gone (evicted, expired, deleted by another engine); ``CORRUPT``
-  otherwise, and the value is deleted only if it is still the same bad value (a script
-  compares before it deletes: another engine may have stored a good one meanwhile).
-- ``scan()`` lists this namespace and rank's chunks on every primary (``SCAN MATCH``);
-  ``verify(repair)`` reads each one.
-- Every network failure (timeout, refused connection, a node gone) raises
-  :class:`BrokenError` naming the tier, the address (never the password) and the setting;
-  redis-py reconnects on the next call and follows ``MOVED``/``ASK`` during resharding.
+- ``read_into(key, out)``: one ``GETRANGE`` of at most a good value's length plus one
+  byte, so a value of another length (256 MiB under a chunk's key) is bad before it is
+  read; ``OK`` only for a value that passes every check; ``MISSING`` when it is gone
+  (evicted, expired, deleted by another engine); ``CORRUPT`` otherwise, a key of another
+  type (a list) included, and the bad value is deleted by what it was
+  (:data:`~tierkv.tiers.remote_format.DELETE_BAD`, never by sending it back).
+- ``scan()`` lists this namespace and rank's chunks on every primary (``SCAN MATCH``, one
+  deadline per page); ``verify(repair)`` reads each one.
+- **Deadlines.** Every call (a lookup, a read and the delete of what it found bad, a push
+  batch, a delete, a scan page) ends within ``remote.timeout_seconds`` as a whole, plus its
+  bytes at ``remote.min_mib_per_second`` (``deadline_seconds``), whatever redis-py retries or
+  refreshes inside (:func:`~tierkv.tiers.remote_client.deadline`); a node that sends
+  nothing for ``timeout_seconds`` fails the call at once.
+  A failure raises :class:`RemoteError` (a :class:`BrokenError`) naming the tier, the
+  address (never the password), the cause and what to check.
+- **Breakers** (:class:`~tierkv.tiers.remote_health.NodeHealth`): one per node, one for the
+  cluster as a whole. A node that timed out or refused a connection is skipped at once
+  (no network) for ``remote.breaker_seconds``; keys of healthy nodes go on being served.
+  Other failures open a breaker after ``remote.breaker_failures`` in a row. A probe after
+  that closes it; each change is logged once, with its cause, and the recovery with the
+  outage's length and what was skipped meanwhile.
   ``lazy=True`` connects on the first call instead of at construction (an engine starts
-  while the server is down, and uses it once it is up).
-- **Circuit breaker**: after ``remote.breaker_failures`` failed calls in a row, calls fail
-  at once (:class:`BrokenError` saying so, no network) for ``remote.breaker_seconds``, with
-  one warning; the first call after that probes the server, and a success closes it.
+  while the server is down, and uses it once it is up). ``role`` ends the tier's name in
+  messages (``lookups``; ``loads and pushes``): an engine has one tier per role.
 - ``sync`` is a no-op (durability is the server's); nothing is ever unpickled or evaluated.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
-import redis
-from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import Connection, PythonRespSerializer, SSLConnection
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.malloc_tuning import tune_malloc
-from tierkv.tiers.remote_format import check_value, pack_value, parse_redis_key, redis_key
+from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, connect,
+                                        deadline, is_wrong_type, node_name, scan_names, scrub)
+from tierkv.tiers.remote_format import (DELETE_BAD, check_name, check_value, pack_value,
+                                        parse_redis_key, redis_key, value_bytes)
+from tierkv.tiers.remote_health import HINTS, TIER, WRITES, NodeHealth, who
+from tierkv.units import MiB
 
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")
-# Delete KEYS[1] only while it still holds ARGV[1] (the bad value that was read).
-DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
-                  "return redis.call('DEL', KEYS[1]) end return 0"
-
-
-class _ZeroCopy:
-    """A connection that sends big values as they are. redis-py packs commands with
-    hiredis when it is installed, and that copies every argument into one buffer: pipelined
-    SETs of 2 MiB values ran at 0.47 GiB/s that way and at 1.12 GiB/s with redis-py's own
-    packer, which hands values over the buffer cutoff to the socket untouched (measured on
-    a loopback cluster; docs/benchmarks/remote.md). Replies are still parsed by hiredis."""
-
-    _buffer_cutoff: int
-    encoder: Any
-
-    def _construct_command_packer(self, packer: Any) -> Any:
-        return PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
-
-
-class _Connection(_ZeroCopy, Connection):
-    pass
-
-
-class _SSLConnection(_ZeroCopy, SSLConnection):
-    pass
-
-
-def scrub(config: RemoteTierConfig, exc: BaseException) -> str:
-    """The text of ``exc`` with the password (from the URL or the environment) masked."""
-    text = str(exc)
-    password = urlsplit(config.url).password or os.environ.get(config.password_env)
-    return text.replace(password, "***") if password else text
-
-
-def connect(config: RemoteTierConfig, name: str) -> tuple[Any, bool]:
-    """A client of ``config.url`` and whether it is a cluster (detected; more seed nodes
-    after commas make it one). A failure is a :class:`BrokenError` that starts with ``name``."""
-    urls = [url.strip() for url in config.url.split(",") if url.strip()]
-    options: dict[str, Any] = dict(
-        socket_timeout=config.timeout_seconds, socket_connect_timeout=config.timeout_seconds,
-        connection_class=_SSLConnection if urls[0].startswith("rediss://") else _Connection)
-    if urlsplit(urls[0]).password is None and os.environ.get(config.password_env):
-        options["password"] = os.environ[config.password_env]
-    seeds = [ClusterNode(urlsplit(url).hostname or "127.0.0.1",  # type: ignore[no-untyped-call]
-                         urlsplit(url).port or 6379) for url in urls[1:]]
-    try:
-        try:
-            client: Any = RedisCluster.from_url(
-                urls[0], **options, **({"startup_nodes": seeds} if seeds else {}))
-            return client, True
-        except RedisClusterException as exc:
-            if "cluster mode is not enabled" not in str(exc).lower() or seeds:
-                raise
-        client = redis.Redis.from_url(urls[0], **options)
-        client.ping()
-        return client, False
-    except (RedisError, RedisClusterException, OSError) as exc:
-        raise BrokenError(f"{name}: cannot connect ({type(exc).__name__}: "
-                          f"{scrub(config, exc)}); check remote.url and that the server "
-                          f"runs") from None
-
-
-def scan_names(client: Any, cluster: bool, pattern: bytes, batch: int) -> Iterator[bytes]:
-    """Every key matching ``pattern``, from each primary of a cluster."""
-    if not cluster:
-        yield from client.scan_iter(match=pattern, count=batch)
-        return
-    for node in client.get_primaries():
-        yield from client.scan_iter(match=pattern, count=batch, target_nodes=node)
+_WRONG_TYPE = object()  # a read found a key of another type
 
 
 @dataclass(frozen=True)
@@ -134,10 +81,15 @@ class RemoteStatistics:
     hits: int
     misses: int
     corrupt: int
-    errors: int  # calls that failed on the network
-    skipped: int  # calls refused at once while the breaker was open
+    errors: int  # calls that failed
+    skipped: int  # calls refused at once by an open breaker
     breaker_opens: int
     cluster: bool
+    bytes_read: int = 0  # value bytes read (good or bad)
+    calls: int = 0  # calls that succeeded
+    causes: tuple[tuple[str, int], ...] = ()  # failed calls by cause
+    bad_values: tuple[tuple[str, int], ...] = ()  # value checks failed, by check
+    breakers: tuple[tuple[str, int], ...] = ()  # per node: 1 open (or probing), 0 closed
 
 
 class RemoteTier(LowerTier):
@@ -148,9 +100,10 @@ class RemoteTier(LowerTier):
 
     def __init__(self, config: RemoteTierConfig, namespace: Namespace, rank: int,
                  payload_bytes: int, clock: Callable[[], float] = time.monotonic,
-                 *, lazy: bool = False) -> None:
+                 *, lazy: bool = False, role: str = "") -> None:
         if not isinstance(config, RemoteTierConfig):
-            raise ConfigError(f"remote tier: config must be a RemoteTierConfig, got {config!r}")
+            raise ConfigError(f"remote tier: config must be a RemoteTierConfig, got "
+                              f"{type(config).__name__}")
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"remote tier: {name} must be an int >= {low}, got {value!r}")
@@ -163,100 +116,158 @@ class RemoteTier(LowerTier):
         self.read_only = False
         self.fingerprint = namespace.fingerprint()
         self.url = safe_url(config.url.split(",")[0])
-        self._name = f"remote tier {self.url} (namespace {self.fingerprint[:8]}, rank {rank})"
+        self._name = f"remote tier {self.url} (namespace {self.fingerprint[:8]}, rank {rank}" \
+            f"{', ' + role if role else ''})"
         self._prefix = config.key_prefix.encode()
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("puts", "already", "bytes_written", "reads", "hits",
-                                      "misses", "corrupt", "errors", "skipped",
-                                      "breaker_opens"), 0)
-        self._clock = clock
-        self._failures = 0  # consecutive failed calls
-        self._open_until: float | None = None  # the breaker is open until then
+        self._value_bytes = value_bytes(payload_bytes)
+        self._lock = threading.Lock()  # the counters
+        self._connecting = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._causes: Counter[str] = Counter()
+        self._bad: Counter[str] = Counter()
+        self._health = NodeHealth(self._name, config.breaker_failures, config.breaker_seconds,
+                                  config.timeout_seconds + 0.5, clock, logger)
         self._client: Any = None
-        self._delete_if_same: Any = None
+        self._delete_bad: Any = None
+        self._node: str | None = None  # a plain server's host:port
         self.cluster = False
         self._closed = False
         if not lazy:
-            self._connect()
+            self._run("connecting", "connect", lambda: None)
+
+    def deadline_seconds(self, num_bytes: int = 0) -> float:
+        """The deadline of a call that moves ``num_bytes``: ``remote.timeout_seconds`` plus
+        those bytes at ``remote.min_mib_per_second`` (a stall is still found within
+        ``timeout_seconds``: each wait for bytes is bounded by it)."""
+        return self.config.timeout_seconds + num_bytes / (self.config.min_mib_per_second * MiB)
+
+    def call_seconds(self, num_bytes: int = 0) -> float:
+        """The longest such a call takes: its deadline and a margin for Python's own work."""
+        return self.deadline_seconds(num_bytes) + 0.1
 
     def warm_up(self) -> bool:
         """Connect now if not yet (a lookup thread does it at start, so the first lookup
         does not pay for it); False, counted as a failed call, when the server is down."""
         try:
-            self._run("connecting", lambda: None)
+            self._run("connecting", "connect", lambda: None)
             return True
         except BrokenError:
             return False
 
     def _connect(self) -> Any:
-        """The client, connected now if it was not (a failure is a BrokenError)."""
-        with self._lock:
+        """The client, connected now if it was not (a failure is a RemoteError). Its own
+        lock: ``statistics()`` never waits on a connect."""
+        with self._connecting:
             if self._client is None:
-                client, self.cluster = connect(self.config, self._name)
-                self._delete_if_same = client.register_script(DELETE_IF_SAME)
+                client, self.cluster = connect(  # a value in a few reads of the socket
+                    self.config, self._name, min(max(self._value_bytes, 1 << 16), 1 << 20))
+                self._delete_bad = client.register_script(DELETE_BAD)
+                self._node = None if self.cluster else node_name(client, False, None)
                 self._client = client
             return self._client
 
-    # -- connection ------------------------------------------------------------------------
-
-    def _scrub(self, exc: BaseException) -> str:
-        return scrub(self.config, exc)
+    # -- calls -----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"{self._name}: used after close(); open a new RemoteTier")
 
-    def _run(self, action: str, work: Callable[[], _T], key: bytes | None = None) -> _T:
+    def _node_of(self, name: bytes) -> str:
+        if not self.cluster:
+            return self._node or TIER
+        try:
+            return str(self._client.nodes_manager.get_node_from_slot(
+                self._client.keyslot(name)).name)
+        except (RedisError, RedisClusterException):
+            return TIER
+
+    def _usable(self, names: Sequence[bytes], kind: str) -> list[int]:
+        """Positions of ``names`` whose node is usable now; the others are counted as
+        skipped (all of them when no breaker is open: no node looked up)."""
+        if self._client is None or not self._health.any_open():
+            return list(range(len(names)))
+        nodes = [self._node_of(name) for name in names]
+        usable = {node: self._health.usable(node) for node in set(nodes)}
+        for node, count in Counter(node for node in nodes if not usable[node]).items():
+            self._health.skipped(node, kind, count)
+        return [position for position, node in enumerate(nodes) if usable[node]]
+
+    def _skip(self, what: str, node: str, kind: str, chunks: int) -> RemoteError:
+        self._health.skipped(node, kind, chunks)
+        self._count(skipped=1)
+        where, cause = self._health.blocked_cause(node)
+        return RemoteError(f"{self._name}: {what} skipped: {who(where)} failed ({cause}) and its "
+                           f"circuit breaker is open; it is probed again after "
+                           f"remote.breaker_seconds ({self.config.breaker_seconds} s)",
+                           cause or "error", where, skipped=True)
+
+    def _run(self, action: str, kind: str, work: Callable[[], _T], key: bytes | None = None,
+             node: str | None = None, chunks: int = 1, own_deadline: bool = True,
+             refused: Callable[[_T], BaseException | None] | None = None,
+             num_bytes: int = 0) -> _T:
+        """``work()`` as one call: skipped at once when the cluster's breaker (or
+        ``node``'s) is open, under the deadline of a call that moves ``num_bytes`` (unless
+        ``own_deadline`` is False: its parts keep their own), its failure counted, blamed
+        on the node that failed and raised as a :class:`RemoteError`. ``refused(answer)``:
+        an error the servers answered for part of it (the call counts as failed with its
+        cause; the answer is returned)."""
         self._check_open()
         what = action if key is None else f"{action} {short_key(key)}"
-        with self._lock:
-            skip = self._open_until is not None and self._clock() < self._open_until
-            if skip:
-                self._counts["skipped"] += 1
-        if skip:
-            raise BrokenError(f"{self._name}: {what} skipped: the circuit breaker is open after "
-                              f"{self.config.breaker_failures} failed calls in a row "
-                              f"(remote.breaker_failures); the server is probed again after "
-                              f"remote.breaker_seconds ({self.config.breaker_seconds} s)")
-        try:
-            if self._client is None:
-                self._connect()
-            answer = work()
-        except BrokenError:  # could not connect (the message says so)
-            self._failed()
-            raise
-        except (RedisError, RedisClusterException, OSError) as exc:
-            self._failed()
-            raise BrokenError(f"{self._name}: {what} failed ({type(exc).__name__}: "
-                              f"{self._scrub(exc)}); raise remote.timeout_seconds (now "
-                              f"{self.config.timeout_seconds} s) if the server is slow") from None
-        with self._lock:
-            self._failures, self._open_until = 0, None
+        for gate in (TIER, node):
+            if gate is not None and not self._health.usable(gate):
+                raise self._skip(what, gate, kind, chunks)
+        with deadline(self.deadline_seconds(num_bytes)) if own_deadline else nullcontext() \
+                as call:
+            try:
+                if self._client is None:
+                    self._connect()
+                answer = work()
+            except RemoteError as exc:  # could not connect: the cluster's failure (a slow
+                # connect counts toward breaker_failures; refused or auth opens at once)
+                self._failed(exc.cause, None)
+                raise
+            except (RedisError, RedisClusterException, OSError) as exc:
+                cause = cause_of(exc)
+                blamed = self._failed(cause, call, late=isinstance(exc, DeadlinePassed))
+                raise RemoteError(
+                    f"{self._name}: {what} failed: {cause}{f' on node {blamed}' if blamed else ''}"
+                    f" ({type(exc).__name__}: {scrub(self.config, exc)}); {HINTS[cause]} "
+                    f"(remote.timeout_seconds is {self.config.timeout_seconds} s)",
+                    cause, blamed) from None
+        problem = refused(answer) if refused is not None else None
+        if problem is not None:
+            self._failed(cause_of(problem), call)
+            return answer
+        if call is not None:
+            self._health.answered(call.answered, whole=True)
+        self._count(calls=1)
         return answer
 
-    def _failed(self) -> None:
+    def _failed(self, cause: str, call: Any, late: bool = False) -> str | None:
+        """Count a failed call and tell the breakers; the node blamed, if one. A call
+        whose deadline had passed before it could start (``late``) blames no one."""
         with self._lock:
             self._counts["errors"] += 1
-            self._failures += 1
-            if self._failures < self.config.breaker_failures:
-                return
-            opened_now = self._open_until is None
-            self._open_until = self._clock() + self.config.breaker_seconds
-            if opened_now:
-                self._counts["breaker_opens"] += 1
-        if opened_now:
-            logger.warning("%s: %d failed calls in a row; skipping the remote tier for %s s "
-                           "(remote.breaker_seconds), then probing it again", self._name,
-                           self.config.breaker_failures, self.config.breaker_seconds)
+            self._causes[cause] += 1
+        if call is not None:
+            self._health.answered(call.answered - set(call.failed), whole=False)
+            for node, node_cause in call.failed.items():
+                self._health.failed(node, node_cause)
+            if call.failed:
+                return ", ".join(sorted(call.failed))
+        if not late:
+            self._health.failed(WRITES if cause == "out of memory" else TIER, cause)
+        return None
 
     def _pipeline(self) -> Any:
         return self._client.pipeline() if self.cluster else \
             self._client.pipeline(transaction=False)
 
     def _count(self, **deltas: int) -> None:
+        counts = self._counts
         with self._lock:
             for name, delta in deltas.items():
-                self._counts[name] += delta
+                counts[name] += delta
 
     def _key(self, key: bytes) -> bytes:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
@@ -269,15 +280,24 @@ class RemoteTier(LowerTier):
     def put_many(self, items: Sequence[tuple[bytes, Any]],
                  deletes: Sequence[bytes] = ()) -> PutResult:
         self._check_open()
-        values = []
+        names = []
         for key, payload in items:
             size = memoryview(payload).nbytes
             if size != self.payload_bytes:
                 raise ConfigError(f"{self._name}: chunk {short_key(key)} has {size} bytes, "
                                   f"the tier stores {self.payload_bytes}")
-            values.append((key, self._key(key),
-                           pack_value(self.fingerprint, self.rank, bytes(key), payload)))
+            names.append(self._key(key))
         drops = [self._key(key) for key in deletes]
+        if not names and not drops:
+            return PutResult(())
+        if names and not self._health.usable(WRITES):
+            raise self._skip("writing chunks", WRITES, "push", len(names))
+        keep = self._usable(names, "push")
+        if not keep and not drops:
+            raise self._skip("writing chunks", self._node_of(names[0]), "push", 0)
+        sent = [(bytes(items[position][0]), names[position],
+                 pack_value(self.fingerprint, self.rank, bytes(items[position][0]),
+                            items[position][1])) for position in keep]
         ttl = None if self.config.ttl_seconds is None else \
             max(1, int(round(self.config.ttl_seconds)))
 
@@ -285,91 +305,154 @@ class RemoteTier(LowerTier):
             pipe = self._pipeline()
             for name in drops:
                 pipe.delete(name)
-            for _, name, value in values:
+            for _, name, value in sent:
                 pipe.set(name, value, nx=True, ex=ttl)
-            return list(pipe.execute())
+            answers = list(pipe.execute(raise_on_error=False))
+            for answer in answers:  # a refusal (out of memory) is an answer; others fail
+                if isinstance(answer, Exception) and cause_of(answer) != "out of memory":
+                    raise answer
+            return answers
 
-        answers = self._run("writing chunks", work) if values or drops else []
+        answers = self._run("writing chunks", "push", work, chunks=len(sent),
+                            refused=lambda got: next(
+                                (a for a in got if isinstance(a, Exception)), None),
+                            num_bytes=sum(len(value) for _, _, value in sent))
         deleted = sum(int(answer or 0) for answer in answers[:len(drops)])
         stored = answers[len(drops):]
-        already = sum(1 for answer in stored if not answer)
-        written = tuple(key for key, _, _ in values)
-        num_bytes = (len(values) - already) * self.payload_bytes
-        self._count(puts=len(values) - already, already=already, bytes_written=num_bytes)
+        written = tuple(key for (key, _, _), got in zip(sent, stored)
+                        if not isinstance(got, Exception))
+        full = tuple(key for (key, _, _), got in zip(sent, stored) if isinstance(got, Exception))
+        already = sum(1 for got in stored if got is None)
+        num_bytes = (len(written) - already) * self.payload_bytes
+        self._count(puts=len(written) - already, already=already, bytes_written=num_bytes)
+        if full:
+            return PutResult(written, full, deleted, num_bytes,
+                             f"{self._name}: the server refused {len(full)} value(s): out of "
+                             f"memory; {HINTS['out of memory']}")
+        if sent:
+            self._health.answered((WRITES,), whole=False)
         return PutResult(written, (), deleted, num_bytes)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         names = [self._key(key) for key in keys]
+        keep = self._usable(names, "delete")
 
         def work() -> int:
             pipe = self._pipeline()
-            for name in names:
-                pipe.delete(name)
+            for position in keep:
+                pipe.delete(names[position])
             return sum(int(answer or 0) for answer in pipe.execute())
 
-        return self._run("deleting chunks", work) if names else 0
+        return self._run("deleting chunks", "delete", work) if keep else 0
 
     # -- reads -----------------------------------------------------------------------------
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key has a value, in one pipeline (one round trip per node)."""
-        self._check_open()
-        names = [self._key(key) for key in keys]
-
-        def work() -> list[bool]:
-            pipe = self._pipeline()
-            for name in names:
-                pipe.exists(name)
-            return [bool(answer) for answer in pipe.execute()]
-
-        return self._run("looking up chunks", work) if names else []
+        return self.exists_on_ranks(keys, [self.rank])
 
     def exists_on_ranks(self, keys: Sequence[bytes], ranks: Sequence[int]) -> list[bool]:
         """Whether each chunk has a value for every rank in ``ranks``: one ``EXISTS`` of its
-        ranks' keys per chunk (one hash slot: the hash tag), one pipeline."""
+        ranks' keys per chunk (one hash slot: the hash tag), one pipeline. Chunks on a node
+        whose breaker is open answer False (counted as skipped lookups)."""
         self._check_open()
         for key in keys:
             self._key(key)  # checks the key
+        if not keys or not ranks:
+            return [False] * len(keys)
         names = [[redis_key(self._prefix, self.fingerprint, rank, bytes(key)) for rank in ranks]
                  for key in keys]
+        keep = self._usable([chunk[0] for chunk in names], "lookup")
+        if not keep:
+            raise self._skip("looking up chunks", self._node_of(names[0][0]), "lookup", 0)
 
         def work() -> list[bool]:
             pipe = self._pipeline()
-            for chunk in names:
-                pipe.exists(*chunk)
+            for position in keep:
+                pipe.exists(*names[position])
             return [int(answer) == len(ranks) for answer in pipe.execute()]
 
-        return self._run("looking up chunks", work) if names and ranks else [False] * len(keys)
+        found = dict(zip(keep, self._run("looking up chunks", "lookup", work)))
+        return [found.get(position, False) for position in range(len(keys))]
+
+    def _get(self, name: bytes) -> Any:
+        """At most a good value's length plus one byte of ``name``'s value; None when there
+        is none, ``_WRONG_TYPE`` for a key of another type."""
+        try:
+            value = self._client.getrange(name, 0, self._value_bytes)
+        except ResponseError as exc:
+            if is_wrong_type(exc):
+                return _WRONG_TYPE
+            raise
+        if not value and not self._client.exists(name):
+            return None  # GETRANGE answers "" for a missing key and for an empty value
+        return value
+
+    def _judge(self, key: bytes, value: Any, out: memoryview) -> tuple[str, str] | None:
+        """None for a good value (its payload then in ``out``), else (check, what is wrong)."""
+        if value is _WRONG_TYPE:
+            return "type", "the key holds another type than a string"
+        if len(value) != self._value_bytes:
+            more = "more than " if len(value) > self._value_bytes else ""
+            return "size", f"value of {more}{len(value)} bytes, a good one has " \
+                           f"{self._value_bytes} (header and a payload of {self.payload_bytes})"
+        problem = check_value(self.fingerprint, self.rank, bytes(key), value, self.payload_bytes,
+                              out)
+        return None if problem is None else (check_name(problem), problem)
+
+    def _read(self, key: bytes, out: memoryview, kind: str,
+              delete: bool = True) -> tuple[ReadStatus, str | None]:
+        """Read, check and (``delete``) delete a bad value of ``key``, all within one
+        deadline. Loads count in reads, hits, misses and the checks failed; verify's
+        reads do not."""
+        counted = kind == "load"
+        name = self._key(key)
+        with deadline(self.deadline_seconds(self._value_bytes)):
+            node = self._node_of(name) if self._client is not None and \
+                self._health.any_open() else None
+            value = self._run("reading chunk", kind, lambda: self._get(name), key, node,
+                              num_bytes=self._value_bytes)
+            if value is None:
+                self._count(reads=counted, misses=counted)
+                return ReadStatus.MISSING, None
+            if value is not _WRONG_TYPE:
+                self._count(bytes_read=len(value))
+            verdict = self._judge(key, value, out)
+            if verdict is None:
+                self._count(reads=counted, hits=counted)
+                return ReadStatus.OK, None
+            check, problem = verdict
+            with self._lock:
+                self._counts.update(reads=counted, misses=counted, corrupt=counted)
+                self._bad[check] += counted
+            if not delete:
+                return ReadStatus.CORRUPT, problem
+            digest = hashlib.sha1(value).hexdigest() if check in ("header", "checksum") else ""
+            try:
+                deleted = self._run("deleting a bad chunk", "delete", lambda: self._delete_bad(
+                    keys=[name], args=[self._value_bytes, digest]), key, node)
+                outcome = "deleted it" if deleted else "another value replaced it meanwhile"
+            except BrokenError as exc:
+                outcome = f"not deleted ({exc})"
+        logger.warning("%s: corrupt chunk %s (%s); %s", self._name, short_key(key), problem,
+                       outcome)
+        return ReadStatus.CORRUPT, problem
 
     def read_into(self, key: bytes, out: Any) -> ReadStatus:
-        name = self._key(key)
         view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
         if view.readonly or len(view) < self.payload_bytes:
             raise ConfigError(f"{self._name}: the read buffer for chunk {short_key(key)} must "
                               f"be writable and hold {self.payload_bytes} bytes")
-        value = self._run("reading chunk", lambda: self._client.get(name), key)
-        if value is None:
-            self._count(reads=1, misses=1)
-            return ReadStatus.MISSING
-        problem = check_value(self.fingerprint, self.rank, bytes(key), value,
-                              self.payload_bytes, view)
-        if problem is None:
-            self._count(reads=1, hits=1)
-            return ReadStatus.OK
-        self._count(reads=1, misses=1, corrupt=1)
-        deleted = self._run("deleting a bad chunk",
-                            lambda: self._delete_if_same(keys=[name], args=[value]), key)
-        logger.warning("%s: corrupt chunk %s (%s); %s", self._name, short_key(key), problem,
-                       "deleted it" if deleted else "another value replaced it meanwhile")
-        return ReadStatus.CORRUPT
+        return self._read(key, view, "load")[0]
 
     def _names(self, batch: int) -> Iterator[bytes]:
         pattern = b"%s%s:{*}:%d" % (self._prefix, self.fingerprint.encode(), self.rank)
-        return scan_names(self._client, self.cluster, pattern, batch)
+        return scan_names(self._client, self.cluster, pattern, batch, self.config.timeout_seconds)
 
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]:
-        names = self._run("scanning", lambda: list(self._names(batch)))
+        names = self._run("scanning", "scan", lambda: list(self._names(batch)),
+                          own_deadline=False)  # a deadline per SCAN page
         for name in names:
             parsed = parse_redis_key(self._prefix, name)
             if parsed is not None and parsed[:2] == (self.fingerprint, self.rank):
@@ -377,23 +460,19 @@ class RemoteTier(LowerTier):
 
     def verify(self, repair: bool = False, batch: int = 64,
                progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Read every chunk; ``repair`` deletes the bad ones."""
         bad: list[bytes] = []
         checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
         for record in list(self.scan(batch)):
-            name = self._key(record.key)
-            value = self._run("verifying", lambda: self._client.get(name), record.key)
-            if value is None:
+            status = self._read(record.key, scratch, "verify", delete=repair)[0]
+            if status is ReadStatus.MISSING:
                 continue  # gone meanwhile: nothing to judge
             checked += 1
             if progress is not None and checked % batch == 0:
                 progress(checked)
-            if check_value(self.fingerprint, self.rank, record.key, value, self.payload_bytes,
-                           scratch) is not None:
+            if status is ReadStatus.CORRUPT:
                 bad.append(record.key)
-                if repair:
-                    self._run("repairing", lambda: self._delete_if_same(keys=[name],
-                                                                         args=[value]))
         return VerifyReport(checked, tuple(bad), len(bad) if repair else 0)
 
     # -- life cycle ------------------------------------------------------------------------
@@ -410,7 +489,17 @@ class RemoteTier(LowerTier):
 
     def statistics(self) -> RemoteStatistics:
         with self._lock:
-            return RemoteStatistics(**self._counts, cluster=self.cluster)
+            counts = self._counts
+            return RemoteStatistics(
+                puts=counts["puts"], already=counts["already"],
+                bytes_written=counts["bytes_written"], reads=counts["reads"],
+                hits=counts["hits"], misses=counts["misses"], corrupt=counts["corrupt"],
+                errors=counts["errors"], skipped=counts["skipped"],
+                breaker_opens=self._health.opens, cluster=self.cluster,
+                bytes_read=counts["bytes_read"], calls=counts["calls"],
+                causes=tuple(sorted(self._causes.items())),
+                bad_values=tuple(sorted(self._bad.items())),
+                breakers=tuple(self._health.open_nodes().items()))
 
     def close(self) -> None:
         if not self._closed:

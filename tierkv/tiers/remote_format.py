@@ -12,7 +12,14 @@ Primitives and contracts:
 - :func:`pack_value` builds one; :func:`check_value` accepts only a value this build would
   have written for that namespace, rank, key and payload size, and copies its payload into
   the caller's buffer (then checks the checksum there). It answers what is wrong, never
-  raises on bad bytes and never evaluates anything.
+  raises on bad bytes and never evaluates anything; :func:`check_name` says which check
+  failed (``header``, ``checksum``; a reader's own checks: ``size``, ``type``).
+- A reader asks for at most :func:`value_bytes` ``+ 1`` bytes (``GETRANGE``): a value of
+  any other length is bad before its bytes are read.
+- :data:`DELETE_BAD` deletes a bad value by what it was, never by sending it back: a key
+  that holds no string or a string of the wrong length is deleted whatever it holds (no
+  good value looks like that); one of the right length only while its SHA-1 is still the
+  one of the bad bytes read (another engine may have stored a good value meanwhile).
 """
 
 from __future__ import annotations
@@ -27,6 +34,32 @@ MAGIC = b"TKRV"
 REMOTE_FORMAT = 1
 _HEADER = struct.Struct("<4sHH16sI32sQQ4s")  # the last 4 bytes: reserved, zero
 HEADER_BYTES = _HEADER.size  # 80
+
+
+def value_bytes(payload_bytes: int) -> int:
+    """Length of every good value of a tier storing ``payload_bytes`` per chunk."""
+    return HEADER_BYTES + payload_bytes
+
+
+# KEYS[1]: the key; ARGV[1]: the length of a good value; ARGV[2]: the SHA-1 (hex) of the
+# bad value read, "" when its type or length alone made it bad. Returns 1 if deleted.
+DELETE_BAD = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if kind ~= 'string' or redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then
+  return redis.call('DEL', KEYS[1])
+end
+if ARGV[2] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+CHECKSUM_PROBLEM = "checksum mismatch (damaged, or bytes of another chunk)"
+
+
+def check_name(problem: str) -> str:
+    """Which check a :func:`check_value` answer failed: ``checksum`` or ``header``."""
+    return "checksum" if problem == CHECKSUM_PROBLEM else "header"
 
 
 def redis_key(prefix: bytes, fingerprint: str, rank: int, key: bytes) -> bytes:
@@ -84,5 +117,5 @@ def check_value(fingerprint: str, rank: int, key: bytes, value: Any, payload_byt
     target = out[:size]
     copy_bytes(target, memoryview(value)[HEADER_BYTES:])
     if checksum(binding_of(fingerprint, rank), key, REMOTE_FORMAT, size, 0, target) != digest:
-        return "checksum mismatch (damaged, or bytes of another chunk)"
+        return CHECKSUM_PROBLEM
     return None

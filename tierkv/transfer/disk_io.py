@@ -372,7 +372,9 @@ class DiskIO:
                     self._cond.notify_all()
 
     def _read_piece(self, job: _ReadJob, first: int, end: int) -> None:
-        """Read ``job.chunks[first:end]``; a failing tier leaves the rest unread."""
+        """Read ``job.chunks[first:end]``; a failing disk tier leaves the rest unread, a
+        network tier goes on (a chunk on a node that failed fails at once, its breaker
+        open; the chunks of other nodes are read)."""
         for position, chunk in enumerate(job.chunks[first:end], first):
             try:
                 job.status[position] = self.tier.read_into(chunk.key,
@@ -384,7 +386,8 @@ class DiskIO:
                            "%s: read job %s failed: %s", self._io, job.job_id, exc)
                 with self._cond:
                     job.error = job.error or f"{type(exc).__name__}: {exc}"
-                return
+                if not transient:
+                    return
 
     def _outcome(self, job: _ReadJob) -> ReadOutcome:
         keys = {status: tuple(chunk.key for chunk, got in zip(job.chunks, job.status)

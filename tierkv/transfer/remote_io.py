@@ -7,11 +7,14 @@ Primitives and contracts:
   and counted as ``dropped``). It never waits on the network, whatever the server does. The
   copy is what lets the caller reuse the slot at once.
 - One thread sends what is queued in batches of up to ``batch`` chunks (one
-  ``put_many``: one pipeline of ``SET NX``). A failed batch (the server is down, the
-  breaker is open) is counted as ``failed`` and dropped: the remote tier is a cache.
+  ``put_many``: one pipeline of ``SET NX``). The chunks of a batch the tier did not store
+  (its call failed, a breaker skipped their node, the server refused them for want of
+  memory) are counted as ``failed`` and dropped: the remote tier is a cache.
 - ``flush(timeout=None)`` waits until everything pushed so far was sent or dropped
-  (True) or the timeout passed (False). ``shutdown()`` flushes (at most ``timeout``
-  seconds) and stops the thread; idempotent. ``statistics()``.
+  (True) or the timeout passed (False). ``shutdown(timeout)`` returns within ``timeout``
+  seconds: it flushes while a batch in flight can still end in time (a batch's call ends
+  within ``tier.call_seconds(its bytes)``), then drops what is left (``abandoned``) and
+  stops the thread; idempotent. ``statistics()``.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ class RemoteIOStatistics:
     queued: int  # pushes accepted
     pushed: int  # chunks sent (already stored by another engine included)
     dropped: int  # pushes skipped: the queue was full
-    failed: int  # chunks of batches the tier failed
+    failed: int  # chunks the tier did not store (a failed or skipped call, a refusal)
     bytes_pushed: int
     queue_bytes_now: int
+    abandoned: int = 0  # chunks still queued at shutdown, never sent
 
 
 class RemoteIO:
@@ -55,7 +59,7 @@ class RemoteIO:
         self._in_flight = 0
         self._closed = False
         self._counts = dict.fromkeys(("queued", "pushed", "dropped", "failed",
-                                      "bytes_pushed"), 0)
+                                      "bytes_pushed", "abandoned"), 0)
         self._thread = threading.Thread(target=self._main, name="tierkv-remote-push",
                                         daemon=True)
         self._thread.start()
@@ -84,19 +88,17 @@ class RemoteIO:
                 items = [self._queue.popleft() for _ in range(min(self.batch, len(self._queue)))]
                 self._in_flight = len(items)
             size = sum(len(payload) for _, payload in items)
+            written = 0
             try:
-                self.tier.put_many(items)
-                ok = True
+                written = len(self.tier.put_many(items).written)
             except TierKVError as exc:  # the tier counted and logged it; a cache drops
                 logger.debug("remote io: a batch of %d push(es) failed: %s", len(items), exc)
-                ok = False
             except Exception:
                 logger.exception("remote io: a batch of %d push(es) failed", len(items))
-                ok = False
             with self._cond:
-                self._counts["pushed" if ok else "failed"] += len(items)
-                if ok:
-                    self._counts["bytes_pushed"] += size
+                self._counts["pushed"] += written
+                self._counts["failed"] += len(items) - written
+                self._counts["bytes_pushed"] += written * self.tier.payload_bytes
                 self._queued_bytes -= size
                 self._in_flight = 0
                 self._cond.notify_all()
@@ -113,18 +115,23 @@ class RemoteIO:
         return True
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Flush (at most ``timeout`` seconds), then stop the thread; idempotent."""
+        """Flush, then stop the thread, all within ``timeout`` seconds (None: flush all);
+        idempotent."""
         if self._closed:
             return
-        if not self.flush(timeout):
-            logger.warning("remote io: %d push(es) still queued at shutdown; dropped",
-                           len(self._queue))
+        seconds = getattr(self.tier, "call_seconds", None)  # a batch's, if the tier says
+        call = float(seconds(self.batch * self.tier.payload_bytes)) if seconds else 0.0
+        ends = None if timeout is None else time.monotonic() + timeout
+        if not self.flush(None if timeout is None else max(timeout - call, 0.0)):
+            logger.warning("remote io: %d push(es) still queued at shutdown (remote.timeout_"
+                           "seconds %.1f s per batch); dropped", len(self._queue), call)
         with self._cond:
             self._closed = True
-            self._counts["dropped"] += len(self._queue)
+            self._counts["abandoned"] += len(self._queue)
+            self._queued_bytes -= sum(len(payload) for _, payload in self._queue)
             self._queue.clear()
             self._cond.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(None if ends is None else max(ends - time.monotonic(), 0.0))
 
     def statistics(self) -> RemoteIOStatistics:
         with self._cond:

@@ -162,5 +162,5 @@ class RemoteLookup:
                 return
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(self.tier.config.timeout_seconds * 2 + 1)
+        self._thread.join(self.tier.call_seconds())  # a request in flight ends by then
         self.tier.close()
