@@ -47,7 +47,7 @@ def adapter_config(args: argparse.Namespace) -> AdapterConfig:
     """--groups > 1: a hybrid model's KV cache groups, one with a sliding window (its
     blocks may be freed while their request runs: the fence tracks what stores read)."""
     return AdapterConfig(args.block_size, args.blocks_per_chunk, groups=args.groups,
-                         frees_running_blocks=args.groups > 1)
+                         frees_running_blocks=args.groups > 1, load_policy=args.load_policy)
 
 
 def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace,
@@ -158,6 +158,9 @@ def main() -> None:
                              "state, --chunks = the whole prompt in one prefill step")
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
                         help="the CPU tier's eviction policy")
+    parser.add_argument("--load-policy", default="always", choices=("always", "cost"),
+                        help="cost: every lookup with hits also decides, from the cost model, "
+                             "how much of its hit to load (tierkv.core.costs)")
     parser.add_argument("--groups", type=int, default=1,
                         help="KV cache groups (2: a hybrid model's full-attention and "
                              "sliding-window groups, a chunk holding both groups' pages)")
@@ -177,7 +180,8 @@ def main() -> None:
     if args.shared_chunks:
         slots += f", first {args.shared_chunks} chunks shared by all"
     groups = f", {args.groups} KV cache groups" if args.groups > 1 else ""
-    print(f"{args.policy}{groups}: {args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
+    policy = f", load_policy {args.load_policy}" if args.load_policy != "always" else ""
+    print(f"{args.policy}{groups}{policy}: {args.requests} running requests x {args.chunks} chunks, {args.chunks_per_step} chunk(s) per "
           f"request per step ({steps} steps), {slots}, {args.repeats} repeats (median [min-max])")
     medians = {}
     for name, runs in rows.items():
@@ -189,7 +193,8 @@ def main() -> None:
             f"  {name:8s} plan {statistics.median(per_step):9.1f} us/step "
             f"[{min(per_step):.1f}-{max(per_step):.1f}]  "
             f"{statistics.median(per_decision):6.2f} us/chunk decision  "
-            f"lookup {statistics.median(per_lookup_chunk):6.3f} us/chunk"
+            f"lookup {statistics.median(per_lookup_chunk):6.3f} us/chunk "
+            f"({statistics.median(per_lookup_chunk) * args.chunks:6.2f} us/request)"
         )
     last = stats[-1]
     print(f"  what the index did (one repeat): {last.stores_planned} chunks stored, "

@@ -75,9 +75,12 @@ from tierkv.integrations.vllm_runner import cpu_environment  # noqa: E402  (no v
 
 cpu_environment(os.environ, in_process=True)  # before vLLM is imported
 
-ROWS = ("recompute", "miss", "prefix", "cpu", "disk", "disk_warm", "remote")
-TIERS = ("cpu", "disk", "remote")
-HITS = ("cpu", "disk", "disk_warm", "remote")  # the rows of tierkv hits
+ROWS = ("recompute", "miss", "prefix", "cpu", "cpu:cost", "disk", "disk:cost", "disk_warm",
+        "remote", "remote:cost", "slow", "slow:cost")
+TIERS = ("cpu", "disk", "remote", "slow")
+HITS = ("cpu", "cpu:cost", "disk", "disk:cost", "disk_warm", "remote", "remote:cost", "slow",
+        "slow:cost")  # the rows of tierkv hits
+POLICIES = ("always", "cost")
 ENGINE_MODELS = ("llama", "qwen2", "gemma3")  # deepseek_v2 (MLA): the connector refuses it on CPU
 
 
@@ -115,7 +118,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="unreported prompts each engine runs first, per round")
     parser.add_argument("--warmup-length", type=int, default=1024, help="tokens per warm-up prompt")
     parser.add_argument("--tiers", type=parse_names(TIERS, "--tiers"), default=list(TIERS),
-                        help="comma-separated tierkv tiers to measure (cpu, disk, remote)")
+                        help="comma-separated tierkv tiers to measure (cpu, disk, remote, slow: "
+                             "a remote node behind a proxy held to --slow-mib-per-second)")
+    parser.add_argument("--policies", type=parse_names(POLICIES, "--policies"),
+                        default=list(POLICIES),
+                        help="load_policy of the hit rows: always (every hit loaded: the "
+                             "tier's speed) and cost (rows 'TIER:cost': cost-aware loads)")
+    parser.add_argument("--slow-mib-per-second", type=float, default=8.0,
+                        help="what the slow tier's proxy sends back, MiB/s, all connections")
     parser.add_argument("--cold", choices=("fadvise", "drop_caches", "none"), default="fadvise",
                         help="how the disk row drops the LMDB files' page cache before each "
                              "prompt (drop_caches needs root and drops the whole machine's)")
@@ -296,10 +306,12 @@ class Round:
         self.references: dict[tuple[int, ...], Any] = {}
         self.outputs: list[tuple[str, tuple[int, ...], Any]] = []
 
-    def measure(self, engine: Any, row: str, length: int, expected_cached: int,
+    def measure(self, engine: Any, row: str, length: int, expected_cached: int | None,
                 tier: str | None = None, tokens: list[int] | None = None) -> Any:
         """One timed ``generate`` of ``tokens`` (this round's prompt of ``length``) for
-        ``row``; checks the tokens vLLM reports cached and tierkv's hit counter of ``tier``."""
+        ``row``; checks the tokens vLLM reports cached and tierkv's hit counter of ``tier``
+        (``expected_cached`` None: the row decides itself, as load_policy cost does; the
+        cached tokens and the counter must then agree)."""
         tokens = self.prompts[length] if tokens is None else tokens
         before = engine.figures() if tier else {}
         gc.collect()
@@ -314,7 +326,9 @@ class Round:
         if row == "recompute":
             self.references[tuple(tokens)] = output
         where = f"{self.figures.model}, round {self.number + 1}, {row}, {length} tokens"
-        if output.num_cached_tokens != expected_cached:
+        if expected_cached is None:
+            expected_cached = output.num_cached_tokens
+        elif output.num_cached_tokens != expected_cached:
             self.figures.errors.append(f"{where}: vLLM reports {output.num_cached_tokens} cached "
                                        f"tokens, the row needs {expected_cached}")
         if tier:
@@ -373,18 +387,21 @@ class Bench:
     """The rounds of one model."""
 
     def __init__(self, args: argparse.Namespace, model_name: str, model: Path, scratch: Path,
-                 remote_url: str | None, cold: str) -> None:
+                 remote_url: str | None, cold: str, slow_url: str | None = None) -> None:
         self.args = args
+        self.slow_url = slow_url
         self.model = model
         self.scratch = scratch
         self.disk = scratch
         self.remote_url = remote_url
         self.cold = cold
         tiers = args.tiers
-        wanted = {"recompute", "prefix", *tiers}
+        wanted = {"recompute", "prefix", *(tier for tier in tiers if "always" in args.policies)}
+        if "cost" in args.policies:
+            wanted.update(f"{tier}:cost" for tier in tiers)
         if tiers:
             wanted.add("miss")
-        if "disk" in tiers and cold != "none":
+        if "disk" in tiers and cold != "none" and "always" in args.policies:
             wanted.add("disk_warm")
         stack = "+".join(tier for tier in TIERS if tier in tiers)
         self.figures = Figures(model_name, args.lengths, [row for row in ROWS if row in wanted])
@@ -397,11 +414,18 @@ class Bench:
                 "fadvise": "cold (LMDB pages dropped)", "drop_caches": "cold (page cache dropped)",
                 "none": "page cache warm"}[cold],
             "disk_warm": "tierkv hit: disk, fresh engine, page cache warm",
-            "remote": "tierkv hit: remote, fresh engine (3-master Redis Cluster)",
+            "remote": "tierkv hit: remote, fresh engine (3-master Redis Cluster)"
+                      if slow_url is None else "tierkv hit: remote, fresh engine (redis-server)",
+            "slow": f"tierkv hit: a slow remote node ({args.slow_mib_per_second:g} MiB/s), "
+                    f"fresh engine",
         }
+        for tier in TIERS:  # the same rows under cost-aware loads
+            self.figures.labels[f"{tier}:cost"] = \
+                self.figures.labels[tier] + ", load_policy cost"
 
     def settings(self, **settings: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {"cpu_bytes": self.args.cpu_bytes, **self.args.extra, **settings}
+        out: dict[str, Any] = {"cpu_bytes": self.args.cpu_bytes, "load_policy": "always",
+                               **self.args.extra, **settings}
         if self.args.tokens_per_chunk is not None:
             out["tokens_per_chunk"] = self.args.tokens_per_chunk
         return out
@@ -411,7 +435,8 @@ class Bench:
         for number in range(self.args.rounds):
             one = Round(self.figures, number, seeds, self.args)
             self.disk = self.scratch / f"kv-{self.figures.model}-{number}"
-            phases = [self.no_connector, self.storer, self.from_disk, self.from_remote]
+            phases = [self.no_connector, self.storer, self.cpu_cost, self.from_disk,
+                      self.from_remote, self.from_slow]
             if number % 2:
                 phases = phases[1:] + phases[:1]
             for phase in phases:
@@ -445,7 +470,7 @@ class Bench:
         settings = self.settings()
         if "disk" in tiers:
             settings["disk_path"] = str(self.disk)
-        if "remote" in tiers:
+        if "remote" in tiers or "slow" in tiers:
             settings["remote_url"] = self.remote_url
         with opened(self.model, self.args, tierkv=settings) as engine:
             chunk = engine.connector.geometry.tokens_per_chunk
@@ -457,16 +482,40 @@ class Bench:
             for length in self.args.lengths:
                 one.measure(engine, "miss", length, 0)
                 engine.settle()  # stored, written to disk and pushed before the hit
-                if "cpu" in tiers:
+                if "cpu" in self.figures.rows:
                     one.measure(engine, "cpu", length, whole(length, chunk), "cpu")
             for tokens in one.extra.values():
                 engine.one(tokens, 1)
             engine.settle()
 
-    def from_disk(self, one: Round) -> None:
-        if "disk" not in self.args.tiers:
+    def cpu_cost(self, one: Round) -> None:
+        """``cpu:cost``: an engine of its own (CPU tier only, load_policy cost) stores each
+        prompt, then hits it."""
+        if "cpu:cost" not in self.figures.rows:
             return
-        with opened(self.model, self.args, tierkv=self.settings(disk_path=str(self.disk))) \
+        with opened(self.model, self.args,
+                    tierkv=self.settings(load_policy="cost")) as engine:
+            for tokens in one.warm:
+                engine.one(tokens, 1)
+                engine.settle()
+                engine.one(tokens, 1)
+            for length in self.args.lengths:
+                engine.one(one.prompts[length], 1)
+                engine.settle()
+                one.measure(engine, "cpu:cost", length, None, "cpu")
+
+    def policies(self, tier: str) -> list[tuple[str, str]]:
+        """(row, load_policy) of ``tier``'s rows in this run."""
+        return [(row, policy) for row, policy in ((tier, "always"), (f"{tier}:cost", "cost"))
+                if row in self.figures.rows]
+
+    def from_disk(self, one: Round) -> None:
+        for row, policy in self.policies("disk"):
+            self._from_disk(one, row, policy)
+
+    def _from_disk(self, one: Round, row: str, policy: str) -> None:
+        with opened(self.model, self.args, tierkv=self.settings(disk_path=str(self.disk),
+                                                                load_policy=policy)) \
                 as engine:
             geometry = engine.connector.geometry
             chunk = geometry.tokens_per_chunk
@@ -474,26 +523,38 @@ class Bench:
                 engine.one(tokens, 1)
             for length in self.args.lengths:
                 hit = whole(length, chunk)
-                if "disk_warm" in self.figures.rows:
+                if "disk_warm" in self.figures.rows and policy == "always":
                     fill_page_cache(self.disk)
                     one.measure(engine, "disk_warm", length, hit, "disk", one.extra[length])
                 if self.cold != "none":
                     drop_page_cache(self.disk, self.cold)
                 resident = page_cache(self.disk)
-                one.measure(engine, "disk", length, hit, "disk")
-                self.figures.cold_reads.append((resident, page_cache(self.disk) - resident,
-                                                hit // chunk * geometry.chunk_bytes))
+                one.measure(engine, row, length, hit if policy == "always" else None, "disk")
+                if policy == "always":
+                    self.figures.cold_reads.append((resident, page_cache(self.disk) - resident,
+                                                    hit // chunk * geometry.chunk_bytes))
 
     def from_remote(self, one: Round) -> None:
-        if "remote" not in self.args.tiers:
-            return
-        with opened(self.model, self.args, tierkv=self.settings(remote_url=self.remote_url)) \
+        for row, policy in self.policies("remote"):
+            self._from_remote(one, row, policy, self.remote_url)
+
+    def from_slow(self, one: Round) -> None:
+        for row, policy in self.policies("slow"):
+            self._from_remote(one, row, policy, self.slow_url)
+
+    def _from_remote(self, one: Round, row: str, policy: str, url: str | None) -> None:
+        """A fresh engine with no disk over the remote tier at ``url``; its warm-up prompts
+        are hits too (under load_policy cost they measure the tier)."""
+        with opened(self.model, self.args, tierkv=self.settings(
+                remote_url=url, load_policy=policy,
+                remote={"timeout_seconds": 30.0, **self.args.extra.get("remote", {})})) \
                 as engine:
             chunk = engine.connector.geometry.tokens_per_chunk
             for tokens in one.warm:
                 engine.one(tokens, 1)
             for length in self.args.lengths:
-                one.measure(engine, "remote", length, whole(length, chunk), "remote")
+                one.measure(engine, row, length,
+                            whole(length, chunk) if policy == "always" else None, "remote")
 
 
 # -- reporting -------------------------------------------------------------------------------
@@ -521,6 +582,10 @@ def crossover_text(figures: Figures, row: str) -> str:
     if length is None:
         return f"none up to {figures.lengths[-1]} tokens"
     return f"{length} tokens ({figures.cached[row].get(length, 0)} of them served)"
+
+
+COST_CHECK = ("load_policy cost against the better of load_policy always and recompute, "
+              "per tier (median / median at each length, the worst length)")
 
 
 def tables(figures: Figures, markdown: bool) -> list[str]:
@@ -560,6 +625,16 @@ def tables(figures: Figures, markdown: bool) -> list[str]:
         out.append(f"\n{CROSSOVER[0].upper()}{CROSSOVER[1:]}:\n" if markdown else f"{CROSSOVER}:")
         out.extend(f"{'- ' if markdown else '  '}{labels[row]}: {crossover_text(figures, row)}"
                    for row in hits)
+    pairs = [tier for tier in TIERS if tier in rows and f"{tier}:cost" in rows]
+    if pairs:
+        out.append(f"\n{COST_CHECK[0].upper()}{COST_CHECK[1:]}:\n" if markdown else f"{COST_CHECK}:")
+        for tier in pairs:
+            worst = max(figures.median(f"{tier}:cost", n) /
+                        min(figures.median(tier, n), figures.median("recompute", n))
+                        for n in lengths)
+            out.append(f"{'- ' if markdown else '  '}{tier}: at most {worst:.2f}x the better of "
+                       f"'always' and recompute over every length: "
+                       f"{'met' if worst <= 1.10 else 'MISSED'} (target <= 1.10x)")
     targets = [(row, base, limit) for row, base, limit in TARGETS
                if row in rows and base in rows]
     length = min(lengths, key=lambda n: abs(n - TARGET_LENGTH))
@@ -608,7 +683,8 @@ def plot(all_figures: list[Figures], path: Path, title: str) -> None:
 
     fig, axes = plt.subplots(len(all_figures), 2, figsize=(13, 4.8 * len(all_figures)),
                              squeeze=False)
-    colors = dict(zip(ROWS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    palette = plt.get_cmap("tab20").colors
+    colors = dict(zip(ROWS, palette[::2] + palette[1::2]))
     for (left, right), figures in zip(axes, all_figures):
         bounded = [row for row in figures.rows if row == "prefix" or row in HITS]
         for axis, rows in ((left, figures.rows), (right, bounded)):
@@ -686,15 +762,23 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Figures]]:
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ttft-",
                                                                         dir=args.dir)))
-        remote_url = None
-        if "remote" in args.tiers:
+        remote_url = slow_url = None
+        if "slow" in args.tiers:  # one redis-server: read directly (remote) and throttled
+            from tests.redis_cluster import RedisServer
+            from tests.throttle_proxy import ThrottleProxy
+
+            server = stack.enter_context(RedisServer(scratch / "redis", "--maxmemory", "1gb"))
+            remote_url = server.url
+            slow_url = stack.enter_context(ThrottleProxy(
+                server.port, bytes_per_second=args.slow_mib_per_second * (1 << 20))).url
+        elif "remote" in args.tiers:
             from tests.redis_cluster import RedisCluster
 
             remote_url = stack.enter_context(RedisCluster(scratch / "redis", maxmemory="1gb")).url
         for name in args.models:
             model = build_model(name, scratch / "models")
             print(f"  ... {name}: {MODELS[name].what}", file=sys.stderr, flush=True)
-            all_figures.append(Bench(args, name, model, scratch, remote_url, cold).run())
+            all_figures.append(Bench(args, name, model, scratch, remote_url, cold, slow_url).run())
     load_after = os.getloadavg()
     minutes = (time.monotonic() - started) / 60
     import vllm

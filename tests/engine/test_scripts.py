@@ -35,6 +35,7 @@ def test_bench_ttft_measures_and_checks_every_row(tmp_path: Path) -> None:
     plot = tmp_path / "ttft.png"
     stdout = run_script("bench_ttft.py", "--models", "llama", "--lengths", "300,600",
                         "--rounds", "1", "--warmup", "1", "--warmup-length", "300",
+                        "--tiers", "cpu,disk,remote,slow", "--policies", "always,cost",
                         "--dir", str(tmp_path), "--out-json", str(out), "--plot", str(plot),
                         "--markdown")
     assert "every run equal to recompute, every hit as counted" in stdout
@@ -44,9 +45,13 @@ def test_bench_ttft_measures_and_checks_every_row(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())["models"]["llama"]
     assert figures["errors"] == []
     rows = figures["rows"]
-    assert set(rows) == {"recompute", "miss", "prefix", "cpu", "disk", "disk_warm", "remote"}
+    assert set(rows) == {"recompute", "miss", "prefix", "cpu", "disk", "disk_warm", "remote",
+                         "slow", "cpu:cost", "disk:cost", "remote:cost", "slow:cost"}
+    assert "load_policy cost against the better of" in stdout
     chunk = figures["tokens_per_chunk"]
-    for row in ("cpu", "disk", "disk_warm", "remote"):
+    for row in ("cpu:cost", "disk:cost", "remote:cost", "slow:cost"):
+        assert rows[row]["greedy_checked"] == 2  # declined or loaded, the same tokens
+    for row in ("cpu", "disk", "disk_warm", "remote", "slow"):
         assert rows[row]["greedy_checked"] == 2
         # 600 tokens: whole chunks, one token left to compute.
         assert rows[row]["cached_tokens"]["600"] == 599 // chunk * chunk > 0

@@ -1,8 +1,8 @@
 """Cost-aware loads: is loading a hit faster than computing its tokens? (pure bookkeeping)
 
-- :class:`DecayedLine` a decayed least-squares fit of ``y = intercept + slope * x``, started
-  from prior points: time against chunks for a tier's loads, time against tokens for the
-  engine's steps. Each new sample counts ``1 - decay`` of the weight; older ones fade.
+- :class:`DecayedLine` a decayed least-squares fit of ``y = intercept + slope * x``, pulled
+  toward a prior line that fades as samples come: time against chunks for a tier's loads,
+  time against tokens for the engine's steps. Each older sample weighs ``decay`` less.
 - :class:`CostModel` one line per tier (``cpu``, ``disk``, ``remote``) for the time from
   planning a load to its completion, and one for the engine's prefill (seconds a step
   takes for its scheduled tokens). :meth:`CostModel.best_prefix` picks how many chunks of a
@@ -28,50 +28,63 @@ DEFAULT_CHUNK_BYTES = 2 << 20  # for the priors, where the engine's chunk size i
 
 
 class DecayedLine:
-    """A least-squares line through samples, each new one weighing ``1 - decay`` and the
-    old ones fading by ``decay``; two prior points (weight ``prior_weight`` each) keep it
-    defined before samples arrive and fade like any sample."""
+    """``y = intercept + slope * x`` fitted to samples by least squares, each older sample
+    weighing ``decay`` times less, and pulled toward a prior line: at first as strongly as
+    ``prior_weight`` samples for the intercept and a fiftieth of that for the slope (a change
+    measured at ``x_scale``), fading like a sample down to 1% of that. So the first samples,
+    often all at one x, keep most of the prior's intercept (a tier's fixed cost) and set
+    the slope (its speed); samples over several x set both."""
 
-    __slots__ = ("_decay", "_w", "_x", "_y", "_xx", "_xy", "samples")
+    __slots__ = ("_decay", "_prior", "_lambda_a", "_lambda_b", "_floor", "_w", "_x", "_y",
+                 "_xx", "_xy", "_line", "samples")
 
-    def __init__(self, prior: tuple[tuple[float, float], tuple[float, float]],
-                 decay: float = 0.9, prior_weight: float = 1.0) -> None:
+    def __init__(self, prior: tuple[float, float], x_scale: float, decay: float = 0.9,
+                 prior_weight: float = 0.5) -> None:
         if not 0.0 < decay < 1.0:
             raise ConfigError(f"cost model: decay must be within (0, 1), got {decay!r}")
+        if not x_scale > 0:
+            raise ConfigError(f"cost model: x_scale must be > 0, got {x_scale!r}")
         self._decay = decay
+        self._prior = prior
+        self._lambda_a = prior_weight
+        self._lambda_b = 0.02 * prior_weight * x_scale ** 2  # a change of slope, at x_scale
+        self._floor = 0.01  # the prior fades like a sample, down to this share of its weight
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._line: tuple[float, float] | None = None  # cached fit, until the next sample
         self.samples = 0
-        for x, y in prior:
-            self._add(x, y, prior_weight)
-
-    def _add(self, x: float, y: float, weight: float) -> None:
-        self._w += weight
-        self._x += weight * x
-        self._y += weight * y
-        self._xx += weight * x * x
-        self._xy += weight * x * y
 
     def observe(self, x: float, y: float) -> None:
         decay = self._decay
-        self._w *= decay
-        self._x *= decay
-        self._y *= decay
-        self._xx *= decay
-        self._xy *= decay
-        self._add(x, y, 1.0 - decay)
+        if self._floor < 1.0:  # the prior's pull fades with the samples (kept above 1%)
+            self._lambda_a *= decay
+            self._lambda_b *= decay
+            self._floor /= decay
+        self._w = self._w * decay + 1.0
+        self._x = self._x * decay + x
+        self._y = self._y * decay + y
+        self._xx = self._xx * decay + x * x
+        self._xy = self._xy * decay + x * y
+        self._line = None
         self.samples += 1
 
     def line(self) -> tuple[float, float]:
         """``(intercept, slope)``, both at least 0 (a fit that says otherwise is noise)."""
-        w = self._w
-        mean_x, mean_y = self._x / w, self._y / w
-        spread = self._xx / w - mean_x * mean_x
-        if spread <= 1e-12 * max(mean_x * mean_x, 1.0):
-            slope = mean_y / mean_x if mean_x > 0 else 0.0  # one x seen: through the origin
-        else:
-            slope = (self._xy / w - mean_x * mean_y) / spread
-        slope = max(slope, 0.0)
-        return max(mean_y - slope * mean_x, 0.0), slope
+        if self._line is None:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
+        a0, b0 = self._prior
+        la, lb = self._lambda_a, self._lambda_b
+        # The normal equations of the weighted least squares with the prior's penalties.
+        m00, m01, m11 = self._w + la, self._x, self._xx + lb
+        r0, r1 = self._y + la * a0, self._xy + lb * b0
+        det = m00 * m11 - m01 * m01
+        intercept = (r0 * m11 - m01 * r1) / det
+        slope = (m00 * r1 - m01 * r0) / det
+        if slope < 0:  # refit with the slope at 0
+            slope, intercept = 0.0, r0 / m00
+        return max(intercept, 0.0), slope
 
     def predict(self, x: float) -> float:
         intercept, slope = self.line()
@@ -94,15 +107,14 @@ class CostPriors:
     step_seconds: float = 0.005  # a step's fixed cost
     seconds_per_token: float = 0.000025  # prefill: 40k tokens/s
 
-    def load_prior(self, tier: str, chunk_bytes: int
-                   ) -> tuple[tuple[float, float], tuple[float, float]]:
-        latency = getattr(self, f"{tier}_load_seconds")
-        per_chunk = chunk_bytes / getattr(self, f"{tier}_bytes_per_second")
-        return (1.0, latency + per_chunk), (16.0, latency + 16 * per_chunk)
+    def load_prior(self, tier: str, chunk_bytes: int) -> tuple[float, float]:
+        """(seconds a load, seconds a chunk) of ``tier``."""
+        return (getattr(self, f"{tier}_load_seconds"),
+                chunk_bytes / getattr(self, f"{tier}_bytes_per_second"))
 
-    def compute_prior(self) -> tuple[tuple[float, float], tuple[float, float]]:
-        return ((64.0, self.step_seconds + 64 * self.seconds_per_token),
-                (2048.0, self.step_seconds + 2048 * self.seconds_per_token))
+    def compute_prior(self) -> tuple[float, float]:
+        """(seconds a step, seconds a token)."""
+        return self.step_seconds, self.seconds_per_token
 
 
 class CostModel:
@@ -116,9 +128,9 @@ class CostModel:
             raise ConfigError(f"cost model: chunk_bytes must be > 0, got {chunk_bytes!r}")
         self.priors = priors
         self.load_bias = load_bias
-        self.loads = {tier: DecayedLine(priors.load_prior(tier, chunk_bytes), decay)
+        self.loads = {tier: DecayedLine(priors.load_prior(tier, chunk_bytes), 16.0, decay)
                       for tier in TIERS}
-        self.compute = DecayedLine(priors.compute_prior(), decay)
+        self.compute = DecayedLine(priors.compute_prior(), 1024.0, decay)
 
     def observe_load(self, tier: str, num_chunks: int, seconds: float) -> None:
         if num_chunks > 0 and seconds >= 0:
@@ -139,39 +151,37 @@ class CostModel:
         slope of the compute line: the step's fixed cost is paid either way)."""
         return self.compute.line()[1] * num_tokens if num_tokens > 0 else 0.0
 
-    def best_prefix(self, tiers: Sequence[str], tokens_per_chunk: int,
+    def best_prefix(self, runs: Sequence[tuple[str, int]], tokens_per_chunk: int,
                     first_chunk_tokens: int | None = None) -> tuple[int, float, float]:
-        """How many of the hit's chunks to load (``tiers``: each chunk's tier, in prefix
-        order), and the estimated seconds of that choice and of loading them all. The
-        choice minimizes load time of the prefix + compute time of the rest; loading
-        everything wins ties. ``first_chunk_tokens``: the first chunk's new tokens when
-        the engine's own prefix hit covers part of it."""
-        count = len(tiers)
+        """How many of the hit's chunks to load (``runs``: the hit's chunks in prefix order
+        as ``(tier, count)`` runs), and the estimated seconds of that choice and of loading
+        them all. The choice minimizes load time of the prefix + compute time of the rest;
+        loading everything wins ties. ``first_chunk_tokens``: the first chunk's new tokens
+        when the engine's own prefix hit covers part of it."""
+        count = sum(size for _, size in runs)
         if count == 0:
             return 0, 0.0, 0.0
         first = tokens_per_chunk if first_chunk_tokens is None else first_chunk_tokens
-        total_tokens = first + (count - 1) * tokens_per_chunk
-
-        def tokens_after(loaded: int) -> int:
-            if loaded == 0:
-                return total_tokens
-            return (count - loaded) * tokens_per_chunk
-
-        best, best_cost = count, float("inf")
-        chunks: dict[str, int] = {}
-        costs = [(0, self.compute_seconds(total_tokens))]
-        for position, tier in enumerate(tiers, start=1):
-            chunks[tier] = chunks.get(tier, 0) + 1
-            starts = position == 1 or tiers[position - 2] != tier
-            ends = position == count or tiers[position] != tier
-            if starts or ends:  # linear inside a run of one tier: its ends are enough
-                costs.append((position, self.load_seconds(chunks)
-                              + self.compute_seconds(tokens_after(position))))
-        all_cost = costs[-1][1]
-        for loaded, cost in reversed(costs):  # the longest prefix first: it wins ties
-            if cost < best_cost:
-                best, best_cost = loaded, cost
-        return best, best_cost, all_cost
+        per_token = self.compute.line()[1]
+        bias = self.load_bias
+        # Cost is linear inside a run (a tier's latency is paid by its first chunk): the
+        # run's first and last chunk are the only candidates in it.
+        best, best_cost = 0, per_token * (first + (count - 1) * tokens_per_chunk)
+        seen: set[str] = set()
+        loaded = 0
+        load_seconds = 0.0
+        for tier, size in runs:
+            intercept, slope = self.loads[tier].line()
+            if tier not in seen:
+                seen.add(tier)
+                load_seconds += bias * intercept
+            for step in ((1, size - 1) if size > 1 else (1,)):
+                loaded += step
+                load_seconds += bias * slope * step
+                cost = load_seconds + per_token * (count - loaded) * tokens_per_chunk
+                if cost <= best_cost:
+                    best, best_cost = loaded, cost
+        return best, best_cost, load_seconds
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "TIERS", "CostModel", "CostPriors", "DecayedLine"]

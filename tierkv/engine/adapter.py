@@ -295,7 +295,7 @@ class EngineAdapter:
         self._store_wait_since.pop(view.req_id, None)
         hits, on_cpu = found.num_hits, found.num_on_cpu
         if hits and self.costs is not None:
-            hits, on_cpu = self._choose_loads(view, start, hits, num_local_tokens)
+            hits, on_cpu = self._choose_loads(view, start, found, num_local_tokens)
             stop = start + hits
         tokens = max(stop * tpc - num_local_tokens, 0) if hits else 0
         self.stats.hit_tokens += tokens
@@ -304,51 +304,81 @@ class EngineAdapter:
             self._sync_budget -= hits
         return tokens
 
-    def _tier_of(self, key: bytes) -> str:
-        entry = self.index.entry(key)
-        if entry is None:
-            return "remote"  # a mark: on the remote tier only
-        return "cpu" if entry.cpu is CpuState.READY else "disk"
+    def _runs(self, keys: Sequence[bytes], found: Lookup) -> list[tuple[str, int]]:
+        """The hit's chunks as ``(tier, count)`` runs in prefix order; one tier (the common
+        case) is read off the lookup without a walk."""
+        hits = len(keys)
+        if found.num_on_cpu == hits:
+            return [("cpu", hits)]
+        if found.num_remote == hits:
+            return [("remote", hits)]
+        if not found.num_on_cpu and not found.num_remote:
+            return [("disk", hits)]
+        runs: list[tuple[str, int]] = []
+        entry_of = self.index.entry
+        for key in keys:
+            entry = entry_of(key)
+            tier = ("remote" if entry is None  # a mark: on the remote tier only
+                    else "cpu" if entry.cpu is CpuState.READY else "disk")
+            if runs and runs[-1][0] == tier:
+                runs[-1] = (tier, runs[-1][1] + 1)
+            else:
+                runs.append((tier, 1))
+        return runs
 
-    def _choose_loads(self, view: RequestView, start: int, hits: int,
+    def _choose_loads(self, view: RequestView, start: int, found: Lookup,
                       num_local_tokens: int) -> tuple[int, int]:
         """load_policy "cost": the prefix of the hit to load (see CostModel.best_prefix);
         the rest is declined, counted by tier. Returns (chunks, of them in the CPU tier)."""
-        assert self.costs is not None
-        tpc = self._tpc
-        tiers = [self._tier_of(key) for key in view.chunk_keys[start:start + hits]]
-        take, estimate, _ = self.costs.best_prefix(
-            tiers, tpc, first_chunk_tokens=(start + 1) * tpc - num_local_tokens)
-        now = self._clock()
-        if take < hits:  # a tier declined for probe_seconds gets one load: a new measurement
-            tier = tiers[take]
-            since = self._declining[tier]
-            if since is None or since < self._last_load[tier]:  # declining from now on
-                self._declining[tier] = now
-            elif now - since >= self.config.probe_seconds:
-                self._declining[tier] = now
-                self.stats.load_probes += 1
-                take = hits
-        for tier in set(tiers[:take]):
-            self._last_load[tier] = now
+        costs = self.costs
+        assert costs is not None
+        tpc, hits = self._tpc, found.num_hits
+        runs = self._runs(view.chunk_keys[start:start + hits], found)
+        first_tokens = (start + 1) * tpc - num_local_tokens
+        take, _, _ = costs.best_prefix(runs, tpc, first_chunk_tokens=first_tokens)
+        if take < hits:
+            take = self._maybe_probe(runs, take)
+        taken: dict[str, int] = {}
+        position = 0
         stats = self.stats
-        for position in range(take, hits):
-            declined = tpc if position else (start + 1) * tpc - num_local_tokens
-            tier = tiers[position]
-            if tier == "cpu":
-                stats.declined_tokens_cpu += declined
-            elif tier == "disk":
-                stats.declined_tokens_disk += declined
-            else:
-                stats.declined_tokens_remote += declined
-        taken = tiers[:take]
+        for tier, size in runs:
+            keep = min(size, max(take - position, 0))
+            if keep:
+                taken[tier] = taken.get(tier, 0) + keep
+            if keep < size:  # declined: the first chunk may be partly the engine's own hit
+                declined = (size - keep) * tpc - (tpc - first_tokens if position + keep == 0
+                                                  else 0)
+                setattr(stats, f"declined_tokens_{tier}",
+                        getattr(stats, f"declined_tokens_{tier}") + declined)
+            position += size
         if take:
+            now = self._clock()
+            for tier in taken:
+                self._last_load[tier] = now
             slowest = "remote" if "remote" in taken else "disk" if "disk" in taken else "cpu"
-            self._estimates[view.req_id] = (slowest, take, self.costs.load_seconds(
-                {tier: taken.count(tier) for tier in TIERS}))
+            self._estimates[view.req_id] = (slowest, take, costs.load_seconds(taken))
         else:
             self._estimates.pop(view.req_id, None)
-        return take, taken.count("cpu")
+        return take, taken.get("cpu", 0)
+
+    def _maybe_probe(self, runs: list[tuple[str, int]], take: int) -> int:
+        """A tier declined for ``probe_seconds`` gets one load (a new measurement: a slow
+        node may have recovered): the whole hit then."""
+        position = 0
+        tier = runs[-1][0]
+        for tier, size in runs:  # the tier of the first declined chunk
+            if position + size > take:
+                break
+            position += size
+        now = self._clock()
+        since = self._declining[tier]
+        if since is None or since < self._last_load[tier]:  # declining from now on
+            self._declining[tier] = now
+        elif now - since >= self.config.probe_seconds:
+            self._declining[tier] = now
+            self.stats.load_probes += 1
+            return sum(size for _, size in runs)
+        return take
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         """A custom engine's measured prefill: ``seconds`` to compute ``num_tokens`` (one

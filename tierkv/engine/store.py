@@ -498,8 +498,10 @@ class TierKVStore:
         return out
 
     def config_info(self) -> dict[str, str]:
-        """The labels of ``tierkv:config_info``: the effective settings (no secret), the
-        version and the namespace fingerprint."""
+        """The labels of ``tierkv:config_info``: the effective settings, tierkv's version
+        and the namespace fingerprint, each as a string. It never shows a secret (a remote
+        password is left out, a URL's credentials masked) and never touches a tier; it
+        raises nothing, also after :meth:`close`."""
         from tierkv import __version__
 
         return config_info(self.config, version=__version__,
