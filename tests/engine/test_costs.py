@@ -55,6 +55,9 @@ def test_a_slow_tier_is_declined_and_a_fast_tier_kept(
                 assert figures["declined_tokens_remote"] > 0
                 assert figures["load_seconds_measured_remote"] > 1.0  # ~2.8 s at 2 MiB/s
                 compare(engine.one(prompts[1]), refs[1], logprob_tolerance, "declined hit")
+                # No remote hit can pay now: the next request does not even ask the node.
+                assert engine.one(prompts[3], max_tokens=1).num_cached_tokens == 0
+                assert engine.figures()["remote_lookups_skipped"] >= 1
             with Engine(models["llama"], tierkv={**slow, "load_policy": "always"}) as engine:
                 engine.one(prompt(700, seed=99))
                 always, cached = ttft(engine, prompts[2])

@@ -156,3 +156,64 @@ def test_a_declined_tier_is_probed_again_after_probe_seconds() -> None:
     clock.now += 1.0
     assert adapter.lookup(view(), 0) == 8 * 32 and adapter.stats.load_probes == 1
     assert adapter.lookup(view(), 0) == 4 * 32  # declined again: the next probe in 30 s
+
+
+class Asker:
+    """A remote tier's lookups: it holds ``keys`` and counts the questions."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.asked = 0
+
+    def ask(self, keys: list[bytes]) -> list[bytes]:
+        self.asked += 1
+        held = set(self.keys)
+        out = []
+        for key in keys:
+            if key not in held:
+                break
+            out.append(key)
+        return out
+
+
+def test_a_remote_tier_no_hit_could_pay_for_is_not_asked_until_its_probe() -> None:
+    """A slow remote node: once its hits are declined and no load could pay, lookups skip
+    its round trip; past probe_seconds it is asked again, and its hit is the probe."""
+    clock = Clock()
+    remote_keys = [bytes([i]) * 32 for i in range(20, 28)]
+    asker = Asker(remote_keys)
+    index = BlockIndex(num_slots=16, disk_capacity=16, clock=clock)
+    slow = CostPriors(remote_load_seconds=0.5, remote_bytes_per_second=1e6,
+                      seconds_per_token=0.0001)
+    config = AdapterConfig(tokens_per_block=16, blocks_per_chunk=2, load_policy="cost",
+                           cost_priors=slow)
+    adapter = EngineAdapter(index, config, clock, remote=asker)
+    assert adapter.costs is not None and adapter.costs.never_pays("remote", 32)
+    request = RequestView("r", remote_keys, 8 * 32 + 1, 8 * 32 + 1, 0)
+    assert adapter.lookup(request, 0) == 0 and asker.asked == 1  # asked, then declined
+    assert adapter.stats.declined_tokens_remote == 8 * 32
+    clock.now += 10.0
+    assert adapter.lookup(request, 0) == 0 and asker.asked == 1  # not asked
+    assert adapter.stats.remote_lookups_skipped == 1
+    clock.now += 20.0
+    assert adapter.lookup(request, 0) == 8 * 32 and asker.asked == 2  # the probe
+    assert adapter.stats.load_probes == 1
+    # A fast remote tier is always asked.
+    fast = EngineAdapter(BlockIndex(num_slots=16, disk_capacity=16, clock=clock),
+                         AdapterConfig(tokens_per_block=16, blocks_per_chunk=2,
+                                       load_policy="cost",
+                                       cost_priors=CostPriors(seconds_per_token=0.0001)),
+                         clock, remote=Asker(remote_keys))
+    assert fast.costs is not None and not fast.costs.never_pays("remote", 32)
+    assert fast.lookup(request, 0) == 8 * 32 and fast.lookup(request, 0) == 8 * 32
+    assert fast.stats.remote_lookups_skipped == 0
+
+
+def test_never_pays_needs_every_chunk_slower_than_its_compute() -> None:
+    model = CostModel(CostPriors(remote_load_seconds=0.001, remote_bytes_per_second=1e9,
+                                 seconds_per_token=0.0001), chunk_bytes=2 << 20)
+    assert not model.never_pays("remote", 32)  # 2 ms a chunk against 3.2 ms of compute
+    assert model.never_pays("remote", 16)  # 2 ms against 1.6 ms
+    assert not CostModel(load_bias=0.5, chunk_bytes=2 << 20,
+                         priors=CostPriors(remote_load_seconds=0.001, remote_bytes_per_second=1e9,
+                                           seconds_per_token=0.0001)).never_pays("remote", 16)

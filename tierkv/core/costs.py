@@ -151,6 +151,15 @@ class CostModel:
         slope of the compute line: the step's fixed cost is paid either way)."""
         return self.compute.line()[1] * num_tokens if num_tokens > 0 else 0.0
 
+    def never_pays(self, tier: str, tokens_per_chunk: int) -> bool:
+        """Whether no run of ``tier``'s chunks, of any length and after any prefix, loads
+        faster than its tokens compute: each chunk costs at least its compute time and the
+        tier's latency is more than nothing. Its hits would all be declined, so a lookup
+        there can be skipped."""
+        intercept, slope = self.loads[tier].line()
+        chunk_compute = self.compute.line()[1] * tokens_per_chunk
+        return intercept > 0 and self.load_bias * slope >= chunk_compute
+
     def best_prefix(self, runs: Sequence[tuple[str, int]], tokens_per_chunk: int,
                     first_chunk_tokens: int | None = None) -> tuple[int, float, float]:
         """How many of the hit's chunks to load (``runs``: the hit's chunks in prefix order

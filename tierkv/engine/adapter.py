@@ -199,6 +199,7 @@ class AdapterStats:
     # load_policy "cost": hit tokens declined (recomputed instead) by the tier that held
     # them, and the taken loads' estimated and measured seconds by their slowest tier.
     load_probes: int = 0  # loads taken against the estimate, to measure a declined tier
+    remote_lookups_skipped: int = 0  # requests not asked of a remote tier being declined
     declined_tokens_cpu: int = 0
     declined_tokens_disk: int = 0
     declined_tokens_remote: int = 0
@@ -279,7 +280,11 @@ class EngineAdapter:
         start = num_local_tokens // tpc
         # At least one token must be left to compute, and only whole chunks load.
         end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
-        found, asking = lookup_tiers(self.index, self.remote, view.chunk_keys[start:end])
+        remote = self.remote
+        if remote is not None and self._remote_declined():
+            remote = None  # every remote hit would be declined: not worth a round trip
+            self.stats.remote_lookups_skipped += 1
+        found, asking = lookup_tiers(self.index, remote, view.chunk_keys[start:end])
         if asking and self._may_wait(self._pending_since, view.req_id):
             self.stats.not_yet += 1
             self.stats.remote_not_yet += 1
@@ -360,6 +365,16 @@ class EngineAdapter:
         else:
             self._estimates.pop(view.req_id, None)
         return take, taken.get("cpu", 0)
+
+    def _remote_declined(self) -> bool:
+        """load_policy "cost": the remote tier's hits are being declined, no load could pay
+        (CostModel.never_pays) and its probe is not due: its lookups are skipped too, so a
+        slow node costs the scheduler no round trip per request. Once probe_seconds pass,
+        the next lookup asks it again and its hit is the probe."""
+        costs, since = self.costs, self._declining["remote"]
+        return (costs is not None and since is not None and since >= self._last_load["remote"]
+                and self._clock() - since < self.config.probe_seconds
+                and costs.never_pays("remote", self._tpc))
 
     def _maybe_probe(self, runs: list[tuple[str, int]], take: int) -> int:
         """A tier declined for ``probe_seconds`` gets one load (a new measurement: a slow

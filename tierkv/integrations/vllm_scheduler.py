@@ -46,8 +46,9 @@ _INDEX_COUNTERS = (
 )
 _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
                      "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens",
-                     "stores_without_pages", "sync_loads", "load_probes", "declined_tokens_cpu",
-                     "declined_tokens_disk", "declined_tokens_remote",
+                     "stores_without_pages", "sync_loads", "load_probes",
+                     "remote_lookups_skipped", "declined_tokens_cpu", "declined_tokens_disk",
+                     "declined_tokens_remote",
                      *(f"load_seconds_{what}_{tier}" for what in ("estimated", "measured")
                        for tier in ("cpu", "disk", "remote")))
 
