@@ -584,8 +584,8 @@ def crossover_text(figures: Figures, row: str) -> str:
     return f"{length} tokens ({figures.cached[row].get(length, 0)} of them served)"
 
 
-COST_CHECK = ("load_policy cost against the better of load_policy always and recompute, "
-              "per tier (median / median at each length, the worst length)")
+COST_CHECK = ("load_policy cost against the better of load_policy always and recompute (and "
+              "tierkv's miss), per tier (median / median at each length, the worst length)")
 
 
 def tables(figures: Figures, markdown: bool) -> list[str]:
@@ -628,13 +628,19 @@ def tables(figures: Figures, markdown: bool) -> list[str]:
     pairs = [tier for tier in TIERS if tier in rows and f"{tier}:cost" in rows]
     if pairs:
         out.append(f"\n{COST_CHECK[0].upper()}{COST_CHECK[1:]}:\n" if markdown else f"{COST_CHECK}:")
+        # Against recompute without a connector (the target), and against the miss row:
+        # the connector computing every token, whose fixed cost a decline cannot avoid.
         for tier in pairs:
-            worst = max(figures.median(f"{tier}:cost", n) /
-                        min(figures.median(tier, n), figures.median("recompute", n))
-                        for n in lengths)
-            out.append(f"{'- ' if markdown else '  '}{tier}: at most {worst:.2f}x the better of "
-                       f"'always' and recompute over every length: "
-                       f"{'met' if worst <= 1.10 else 'MISSED'} (target <= 1.10x)")
+            for base, what in (("recompute", "recompute"), ("miss", "tierkv's miss")):
+                if base not in rows:
+                    continue
+                worst, at = max((figures.median(f"{tier}:cost", n) /
+                                 min(figures.median(tier, n), figures.median(base, n)), n)
+                                for n in lengths)
+                verdict = "met" if worst <= 1.10 else "MISSED" if base == "recompute" else "over"
+                out.append(f"{'- ' if markdown else '  '}{tier}: at most {worst:.2f}x (at {at} "
+                           f"tokens) the better of 'always' and {what}: {verdict} "
+                           f"(target <= 1.10x)")
     targets = [(row, base, limit) for row, base, limit in TARGETS
                if row in rows and base in rows]
     length = min(lengths, key=lambda n: abs(n - TARGET_LENGTH))
@@ -674,19 +680,21 @@ def checks(figures: Figures, markdown: bool = False) -> list[str]:
 
 
 def plot(all_figures: list[Figures], path: Path, title: str) -> None:
-    """Per model: every row (left), and the hits against vLLM's prefix cache (right, its own
-    scale). Median lines; the band is the interquartile range over the rounds."""
+    """Per model: every row (left, a log scale: the slow tier's loads are seconds), and the
+    hits of the fast tiers against vLLM's prefix cache (right, its own linear scale). Median
+    lines; the band is the interquartile range over the rounds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(all_figures), 2, figsize=(13, 4.8 * len(all_figures)),
+    fig, axes = plt.subplots(len(all_figures), 2, figsize=(13, 6.5 * len(all_figures)),
                              squeeze=False)
     palette = plt.get_cmap("tab20").colors
     colors = dict(zip(ROWS, palette[::2] + palette[1::2]))
     for (left, right), figures in zip(axes, all_figures):
-        bounded = [row for row in figures.rows if row == "prefix" or row in HITS]
+        bounded = [row for row in figures.rows
+                   if row == "prefix" or row in HITS and not row.startswith("slow")]
         for axis, rows in ((left, figures.rows), (right, bounded)):
             for row in rows:
                 ms = [sorted(1e3 * s for s in figures.seconds[row][n]) for n in figures.lengths]
@@ -699,14 +707,20 @@ def plot(all_figures: list[Figures], path: Path, title: str) -> None:
             axis.set_xlabel("prompt tokens")
             axis.set_ylabel("TTFT, ms (median; band: interquartile)")
             axis.set_xticks(figures.lengths)
-            axis.set_ylim(bottom=0)
+            if axis is left:
+                axis.set_yscale("log")
+                axis.set_xticks(figures.lengths, [str(n) for n in figures.lengths])
+            else:
+                axis.set_ylim(bottom=0)
             axis.grid(alpha=0.3)
-            axis.legend(fontsize=7.5, loc="upper left")
         chunk = f"tierkv chunk {figures.tokens_per_chunk or '-'}, vLLM block {figures.block_size}"
         left.set_title(f"{figures.model}: every row ({chunk})", fontsize=10)
-        right.set_title(f"{figures.model}: tierkv hits and vLLM's prefix cache", fontsize=10)
+        right.set_title(f"{figures.model}: hits of the fast tiers and vLLM's prefix cache",
+                        fontsize=10)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # every row: one legend
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2 / len(all_figures), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -765,11 +779,11 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Figures]]:
         remote_url = slow_url = None
         if "slow" in args.tiers:  # one redis-server: read directly (remote) and throttled
             from tests.redis_cluster import RedisServer
-            from tests.throttle_proxy import ThrottleProxy
+            from tests.throttle_proxy import ProxyProcess
 
             server = stack.enter_context(RedisServer(scratch / "redis", "--maxmemory", "1gb"))
             remote_url = server.url
-            slow_url = stack.enter_context(ThrottleProxy(
+            slow_url = stack.enter_context(ProxyProcess(  # its own process, as a node is
                 server.port, bytes_per_second=args.slow_mib_per_second * (1 << 20))).url
         elif "remote" in args.tiers:
             from tests.redis_cluster import RedisCluster

@@ -8,13 +8,19 @@ for the tests and benchmark of cost-aware loads; lookups (small replies) stay fa
         url = proxy.url   # redis://127.0.0.1:<proxy port>
 
 A thread per connection and direction; stopped (and every connection closed) on exit.
+:class:`ProxyProcess` runs the same proxy in a process of its own, as a remote node would
+be: its threads then take no share of the engine's GIL (the benchmark's in-process engine).
 """
 
 from __future__ import annotations
 
+import argparse
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 
 HOST = "127.0.0.1"
@@ -110,3 +116,58 @@ class ThrottleProxy:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class ProxyProcess:
+    """:class:`ThrottleProxy` in a child process (``python -m tests.throttle_proxy``),
+    stopped when its stdin closes; a context manager with the same ``port`` and ``url``."""
+
+    def __init__(self, upstream_port: int, *, bytes_per_second: float,
+                 delay_seconds: float = 0.0) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.throttle_proxy", str(upstream_port),
+             str(bytes_per_second), str(delay_seconds)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=Path(__file__).resolve().parents[1])
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"the throttle proxy did not start (it printed {line!r})")
+        self.port = int(line)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}"
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> ProxyProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a throttling TCP proxy until stdin closes")
+    parser.add_argument("upstream_port", type=int)
+    parser.add_argument("bytes_per_second", type=float)
+    parser.add_argument("delay_seconds", type=float, nargs="?", default=0.0)
+    args = parser.parse_args()
+    with ThrottleProxy(args.upstream_port, bytes_per_second=args.bytes_per_second,
+                       delay_seconds=args.delay_seconds) as proxy:
+        print(proxy.port, flush=True)
+        sys.stdin.read()  # until the parent closes it (or dies)
+
+
+if __name__ == "__main__":
+    main()
