@@ -126,7 +126,7 @@ class DiskTier(LowerTier):
         repair: bool = True,
         read_only: bool = False,
         shards: Sequence[int] | None = None,
-        trace: Callable[[str, int], None] | None = None,
+        trace: Callable[[str, int, int], None] | None = None,
     ) -> None:
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -149,7 +149,13 @@ class DiskTier(LowerTier):
              "full", "syncs", "write_txns"), 0)
         self._unsynced_bytes = 0
         self._last_sync = clock()
-        self.trace = trace  # (event, number): "payload" slot, "payload-sync", "index-commit" ...
+        # Per shard: an index commit never lands between a sync's slab and index fsyncs
+        # (the index sync would cover payloads not yet durable).
+        self._commit_locks = [threading.Lock() for _ in range(SHARDS)]
+        # Tests: called with (event, shard, slot) at each step the crash contract orders:
+        # "payload" (a slot written), "payload-sync", "index-commit" (per entry),
+        # "index-delete" (per entry dropped), "index-sync", "slot-free".
+        self.trace = trace
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
         page = os.sysconf("SC_PAGE_SIZE")
@@ -179,7 +185,7 @@ class DiskTier(LowerTier):
                     sync_always=config.sync_mode == "always", name=f"{self._name[:-1]}, shard "
                     f"{shard})", payload_bytes=payload_bytes, clock=clock,
                     exclusive=exclusive, repair=repair, read_only=read_only,
-                    direct_io=config.direct_io, trace=trace))
+                    direct_io=config.direct_io))
         except BaseException:
             for env in self._shards:
                 env.close(sync=False)
@@ -301,9 +307,9 @@ class DiskTier(LowerTier):
 
     # -- writes ----------------------------------------------------------------------------
 
-    def _trace(self, event: str, number: int) -> None:
+    def _trace(self, event: str, shard: int, slot: int = -1) -> None:
         if self.trace is not None:
-            self.trace(event, number)
+            self.trace(event, shard, slot)
 
     def put_many(
         self,
@@ -373,6 +379,23 @@ class DiskTier(LowerTier):
             slab.adopt_used(used)
         return slab
 
+    def _write_slot(self, lm: LmdbEnv, slab: SlabFile, slot: int, head: bytes,
+                    payload: memoryview) -> None:
+        slab.write(slot, head, payload)
+        self._trace("payload", lm.shard, slot)
+
+    def _sync_slab(self, lm: LmdbEnv, slab: SlabFile) -> None:
+        slab.sync()
+        self._trace("payload-sync", lm.shard)
+
+    def _release(self, lm: LmdbEnv, slab: SlabFile, slots: list[int]) -> None:
+        """Give ``slots`` back: unused allocations, or slots whose entries a committed index
+        txn dropped or replaced (never earlier: a reader may still follow the old entry, and
+        its header check is what stops it once the slot is rewritten)."""
+        for slot in slots:
+            self._trace("slot-free", lm.shard, slot)
+        slab.release(slots)
+
     def _take_seqs(self, shard: int, slab: SlabFile, count: int) -> int:
         """The first of ``count`` write sequences (``n, n + SHARDS, ...``), reserved now:
         a slot's header carries its sequence, so it is chosen before the payload is written
@@ -407,7 +430,7 @@ class DiskTier(LowerTier):
             slots, short = slab.allocate(len(items), self._slot_limit)
             if short and deletes:  # the deletes make room: committed first, slots freed
                 freed, early = self._index_deletes(lm, env, deletes)
-                slab.release(freed)
+                self._release(lm, slab, freed)
                 deletes = ()
                 more, short = slab.allocate(len(items) - len(slots), self._slot_limit)
                 slots += more
@@ -417,14 +440,13 @@ class DiskTier(LowerTier):
             try:
                 for (key, payload), slot in zip(items, slots):
                     head, check = seal(self._binding, key, payload, seq)
-                    slab.write(slot, head, memoryview(payload))
-                    self._trace("payload", slot)
+                    self._write_slot(lm, slab, slot, head, memoryview(payload))
                     entries.append((key, IndexEntry(0, slot, len(payload), seq, check)))
                     seq += SHARDS
                 if entries and self.config.sync_mode == "always":
-                    slab.sync()  # durable before the index that names them
+                    self._sync_slab(lm, slab)  # durable before the index that names them
             except OSError as exc:
-                slab.release(slots)
+                self._release(lm, slab, slots)
                 if not self._is_out_of_space(exc, len(slots)):
                     raise BrokenError(f"{self._name}: writing slab {slab.path}: {exc}") from exc
                 full, entries, why = [key for key, _ in items], [], "space"
@@ -432,11 +454,11 @@ class DiskTier(LowerTier):
         deleted += early
         if index_full:
             assert slab is not None
-            slab.release(entry.slot for _, entry in entries)
+            self._release(lm, slab, [entry.slot for _, entry in entries])
             full += [key for key, _ in entries]
             why = why or index_full
         if slab is not None:
-            slab.release(freed)
+            self._release(lm, slab, freed)
         return written, tuple(full), deleted, why
 
     def _commit_index(self, lm: LmdbEnv, env: lmdb.Environment,
@@ -487,6 +509,7 @@ class DiskTier(LowerTier):
         """One index txn: (slots its deletes and overwrites freed, entries deleted).
         ``expect``: delete the one key of ``deletes`` only if its entry is still that."""
         freed: list[int] = []
+        dropped: list[int] = []  # slots no entry names any more (deleted or replaced)
         deleted = 0
         txn = env.begin(write=True, db=lm.index)
         try:
@@ -498,23 +521,29 @@ class DiskTier(LowerTier):
                 deleted += 1
                 if (old := unpack_index(raw)) is not None:
                     freed.append(old.slot)
+                    dropped.append(old.slot)
             for key, entry in entries:
                 raw = txn.get(key)
                 if raw is not None and (old := unpack_index(raw)) is not None \
                         and old.slot != entry.slot:
                     freed.append(old.slot)
+                    dropped.append(old.slot)
                 txn.put(key, pack_index(entry))
             if entries:
                 last = max(entry.seq for _, entry in entries) + SHARDS
                 seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
                 stored = int.from_bytes(seq_raw, "little") if seq_raw else 0
                 txn.put(META_NEXT_SEQ, max(last, stored).to_bytes(8, "little"), db=lm.meta)
-            txn.commit()
+            with self._commit_locks[lm.shard]:  # a sync of the shard is not between syncs
+                txn.commit()
         except BaseException:
             txn.abort()
             raise
-        if entries or deleted:
-            self._trace("index-commit", len(entries))
+        if self.trace is not None:
+            for slot in dropped:
+                self._trace("index-delete", lm.shard, slot)
+            for _, entry in entries:
+                self._trace("index-commit", lm.shard, entry.slot)
         return freed, deleted
 
     def _delete_shard(self, lm: LmdbEnv, env: lmdb.Environment, keys: Sequence[bytes],
@@ -532,7 +561,7 @@ class DiskTier(LowerTier):
                            self._name, len(keys), self.root)
             return 0
         if lm.slab is not None and lm.slab.mapped:
-            lm.slab.release(freed)
+            self._release(lm, lm.slab, freed)
         return deleted
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -570,14 +599,16 @@ class DiskTier(LowerTier):
         return due
 
     def _sync_shard(self, lm: LmdbEnv, env: lmdb.Environment) -> None:
-        if lm.slab is not None:
-            try:
-                lm.slab.sync()  # the payloads, before the index sync that covers them
-            except OSError as exc:
-                raise BrokenError(f"{self._name}: fdatasync of {lm.slab.path} failed: "
-                                  f"{exc}") from exc
-        env.sync(True)
-        self._trace("index-sync", lm.shard)
+        try:
+            if lm.slab is not None:  # the bulk, while writers go on
+                lm.slab.sync()
+            with self._commit_locks[lm.shard]:  # no commit between the two syncs below
+                if lm.slab is not None:
+                    self._sync_slab(lm, lm.slab)  # what landed meanwhile, then the index
+                env.sync(True)
+                self._trace("index-sync", lm.shard)
+        except OSError as exc:
+            raise BrokenError(f"{self._name}: fdatasync of {lm.path} failed: {exc}") from exc
         lm.clear_stale_readers(env)  # a dead reader pins index pages: freed at each sync
 
     def sync(self) -> None:

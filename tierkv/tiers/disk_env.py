@@ -156,15 +156,13 @@ class LmdbEnv:
     def __init__(self, root: Path, namespace: Namespace, rank: int, shard: int, *, map_size: int,
                  sync_always: bool, name: str, payload_bytes: int,
                  clock: Callable[[], float] = time.monotonic, exclusive: bool = False,
-                 repair: bool = True, read_only: bool = False, direct_io: bool = True,
-                 trace: Callable[[str, int], None] | None = None) -> None:
+                 repair: bool = True, read_only: bool = False, direct_io: bool = True) -> None:
         self.root = Path(root)
         self.namespace = namespace
         self.rank, self.shard = rank, shard
         self.map_size = map_size
         self.payload_bytes = payload_bytes
         self._direct_io = direct_io
-        self.trace = trace
         self.read_only = read_only
         self.repair = repair and not read_only
         self.fingerprint = namespace.fingerprint()
@@ -319,8 +317,7 @@ class LmdbEnv:
             try:  # read-only beside an empty index and no slab yet: no slab (no chunks)
                 if writable or os.path.lexists(self.path / SLAB_NAME):
                     slab = SlabFile(self.path / SLAB_NAME, self.payload_bytes,
-                                    read_only=not writable, direct_io=self._direct_io,
-                                    trace=self.trace)
+                                    read_only=not writable, direct_io=self._direct_io)
             except OSError as exc:
                 raise BrokenError(f"{self._name}: cannot open {self.path / SLAB_NAME}: {exc} "
                                   f"(check disk.path permissions)") from exc

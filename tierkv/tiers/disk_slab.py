@@ -35,7 +35,7 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +56,12 @@ class SlabFile:
     """One shard's slab file and its slot allocator; see the module docstring."""
 
     def __init__(self, path: Path, payload_bytes: int, *, read_only: bool,
-                 direct_io: bool = True, trace: Callable[[str, int], None] | None = None) -> None:
+                 direct_io: bool = True) -> None:
         self.path = Path(path)
         self.payload_bytes = payload_bytes
         self.slot_bytes = slot_bytes_for(payload_bytes)
         self._padded = self.slot_bytes - HEADER_BLOCK
         self.read_only = read_only
-        self.trace = trace
         flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         flags |= os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT
         self._fd = os.open(self.path, flags, 0o600)
@@ -139,8 +138,6 @@ class SlabFile:
 
     def sync(self) -> None:
         os.fdatasync(self._fd)
-        if self.trace is not None:
-            self.trace("payload-sync", -1)
 
     def size(self) -> int:
         return os.fstat(self._fd).st_size
