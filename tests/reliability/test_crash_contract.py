@@ -38,6 +38,7 @@ from tierkv.tiers import disk as disk_module
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier, ReadStatus, shard_of
 from tierkv.tiers.disk_format import IndexEntry, check_slot, unpack_index
+from tierkv.tiers.disk_write import ShardWrites
 from tierkv.transfer.disk_io import DiskIO
 
 SIZE = 8192
@@ -123,51 +124,51 @@ def test_the_tier_keeps_the_order_the_contract_names(tmp_path: Path, sync_mode: 
 def _defer_payloads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: each slot is written (and traced) after the index txn commits."""
     pending: list[tuple[Any, ...]] = []
-    write, index_txn = DiskTier._write_slot, DiskTier._index_txn
+    write, index_txn = ShardWrites._write_slot, ShardWrites._index_txn
 
-    def deferred_write(self: DiskTier, *args: Any) -> None:
+    def deferred_write(self: ShardWrites, *args: Any) -> None:
         pending.append(args)
 
-    def index_then_payloads(self: DiskTier, *args: Any, **kwargs: Any) -> Any:
+    def index_then_payloads(self: ShardWrites, *args: Any, **kwargs: Any) -> Any:
         result = index_txn(self, *args, **kwargs)
         while pending:
             write(self, *pending.pop(0))
         return result
 
-    monkeypatch.setattr(DiskTier, "_write_slot", deferred_write)
-    monkeypatch.setattr(DiskTier, "_index_txn", index_then_payloads)
+    monkeypatch.setattr(ShardWrites, "_write_slot", deferred_write)
+    monkeypatch.setattr(ShardWrites, "_index_txn", index_then_payloads)
 
 
 def _skip_payload_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: the slab is never made durable."""
-    monkeypatch.setattr(DiskTier, "_sync_slab", lambda self, lm, slab: None)
+    monkeypatch.setattr(ShardWrites, "_sync_slab", lambda self, lm, slab: None)
 
 
 def _index_sync_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: the index is synced before the slab's payloads."""
-    def sync_shard(self: DiskTier, lm: Any, env: lmdb.Environment) -> None:
+    def sync_shard(self: ShardWrites, lm: Any, env: lmdb.Environment) -> None:
         env.sync(True)
-        self._trace("index-sync", lm.shard)
+        self.trace_event("index-sync", lm.shard)
         if lm.slab is not None:
             self._sync_slab(lm, lm.slab)
 
-    monkeypatch.setattr(DiskTier, "_sync_shard", sync_shard)
+    monkeypatch.setattr(ShardWrites, "sync_shard", sync_shard)
 
 
 def _free_before_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: a delete gives its slot back before its index txn commits."""
-    index_txn = DiskTier._index_txn
+    index_txn = ShardWrites._index_txn
 
-    def free_first(self: DiskTier, lm: Any, env: lmdb.Environment, entries: Any,
+    def free_first(self: ShardWrites, lm: Any, env: lmdb.Environment, entries: Any,
                    deletes: Any, expect: Any = None) -> Any:
         with env.begin(db=lm.index) as txn:
             slots = [entry.slot for key in deletes
                      if (entry := unpack_index(txn.get(key))) is not None]
         for slot in slots:
-            self._trace("slot-free", lm.shard, slot)
+            self.trace_event("slot-free", lm.shard, slot)
         return index_txn(self, lm, env, entries, deletes, expect)
 
-    monkeypatch.setattr(DiskTier, "_index_txn", free_first)
+    monkeypatch.setattr(ShardWrites, "_index_txn", free_first)
 
 
 @pytest.mark.parametrize(("breakage", "sync_mode", "clause"), [

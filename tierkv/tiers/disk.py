@@ -44,7 +44,6 @@ out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -59,14 +58,13 @@ from typing import Any
 import lmdb
 
 from tierkv.config import DiskTierConfig
-from tierkv.errors import BrokenError, ConfigError, UsageError, short_key
+from tierkv.errors import ConfigError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
-from tierkv.tiers.disk_env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv, shard_of
+from tierkv.tiers.disk_env import SHARDS, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
-from tierkv.tiers.disk_format import (HEADER_BLOCK, IndexEntry, binding_of, check_slot,
-                                      pack_index, seal, unpack_index)
-from tierkv.tiers.disk_slab import NO_SPACE, SlabFile
+from tierkv.tiers.disk_format import HEADER_BLOCK, binding_of, check_slot, unpack_index
+from tierkv.tiers.disk_write import ShardWrites
 from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
                                       slab_slots_for)
 from tierkv.tiers.malloc_tuning import tune_malloc
@@ -105,7 +103,7 @@ class DiskStatistics:
 
 def written_at(seq: int) -> float:
     """When the value of write sequence ``seq`` was written (seconds since the epoch; the
-    clock of the writing host, see :meth:`DiskTier._first_seq`)."""
+    clock of the writing host, see :meth:`ShardWrites._first_seq`)."""
     return seq // SHARDS / 1e6
 
 
@@ -149,13 +147,6 @@ class DiskTier(LowerTier):
              "full", "syncs", "write_txns"), 0)
         self._unsynced_bytes = 0
         self._last_sync = clock()
-        # Per shard: an index commit never lands between a sync's slab and index fsyncs
-        # (the index sync would cover payloads not yet durable).
-        self._commit_locks = [threading.Lock() for _ in range(SHARDS)]
-        # Tests: called with (event, shard, slot) at each step the crash contract orders:
-        # "payload" (a slot written), "payload-sync", "index-commit" (per entry),
-        # "index-delete" (per entry dropped), "index-sync", "slot-free".
-        self.trace = trace
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
         page = os.sysconf("SC_PAGE_SIZE")
@@ -164,8 +155,8 @@ class DiskTier(LowerTier):
             return SHARDS * map_size_for(shard_cap(cap, payload_bytes, SHARDS), payload_bytes, page)
 
         map_size = total_for(config.max_bytes) // SHARDS
-        self._slot_limit = slab_slots_for(shard_cap(config.max_bytes, payload_bytes, SHARDS),
-                                          payload_bytes)
+        slot_limit = slab_slots_for(shard_cap(config.max_bytes, payload_bytes, SHARDS),
+                                    payload_bytes)
         if map_size * SHARDS > MAP_LIMIT_BYTES:
             raise ConfigError(
                 f"{self._name}: disk.max_bytes={format_bytes(config.max_bytes)} needs "
@@ -194,6 +185,12 @@ class DiskTier(LowerTier):
         self.path = self._shards[0].rank_dir
         self.shard_paths = tuple(env.path for env in self._shards)
         self._env_of = {env.shard: env for env in self._shards}
+        # Tests: ``trace`` is called with (event, shard, slot) at each step the crash
+        # contract orders: "payload" (a slot written), "payload-sync", "index-commit" (per
+        # entry), "index-delete" (per entry dropped or replaced), "index-sync", "slot-free".
+        self._writes = ShardWrites(name=self._name, root=self.root, path=self.path,
+                                   payload_bytes=payload_bytes, config=config,
+                                   binding=self._binding, slot_limit=slot_limit, trace=trace)
 
     @property
     def map_size(self) -> int:  # all shards; grows when a map another process grew is adopted
@@ -240,24 +237,6 @@ class DiskTier(LowerTier):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _out_of_space(self, exc: lmdb.Error, num_items: int) -> bool:
-        """Whether a failed write txn of ``num_items`` values means the filesystem is full:
-        ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO from a short write (what ENOSPC looks
-        like on a full filesystem) when less is free than such a txn writes at least (a page
-        more per value, one value for deletes); any other EIO is a real I/O error."""
-        if isinstance(exc, lmdb.DiskError):
-            return True
-        text = str(exc)
-        if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
-            return True
-        if os.strerror(errno.EIO) not in text:
-            return False
-        try:
-            fs = os.statvfs(self.path)
-        except OSError:
-            return False
-        return fs.f_bavail * fs.f_frsize < max(num_items, 1) * (self.payload_bytes + 4096)
-
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():
@@ -289,14 +268,6 @@ class DiskTier(LowerTier):
                               f"{self.payload_bytes}")
         return view
 
-    @staticmethod
-    def _first_seq(shard: int, stored: int) -> int:
-        """A txn's first write sequence: after the shard's ``stored`` next one, at least the
-        wall clock in us (so the order holds across shards), and ``shard`` modulo
-        :data:`SHARDS` (so no two shards of a rank give the same number)."""
-        base = max(stored, time.time_ns() // 1000 * SHARDS)
-        return base + (shard - base) % SHARDS
-
     def _check_batch(self, batch: Any) -> None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
             raise ConfigError(f"{self._name}: batch must be a positive int, got {batch!r}")
@@ -306,10 +277,6 @@ class DiskTier(LowerTier):
             raise UsageError(f"{self._name}: {action} on a tier opened read-only")
 
     # -- writes ----------------------------------------------------------------------------
-
-    def _trace(self, event: str, shard: int, slot: int = -1) -> None:
-        if self.trace is not None:
-            self.trace(event, shard, slot)
 
     def put_many(
         self,
@@ -341,7 +308,7 @@ class DiskTier(LowerTier):
             if put and not lm.claimed:
                 lm.claim()  # one writing process per shard: its slots are allocated here
             done, no_room, gone, why = lm.run(
-                "writing chunks", partial(self._put_shard, lm, items=put, deletes=drop))
+                "writing chunks", partial(self._writes.put_shard, lm, items=put, deletes=drop))
             landed.update(done)
             full += no_room
             deleted, why_full = deleted + gone, why_full or why
@@ -362,208 +329,6 @@ class DiskTier(LowerTier):
         self._after_commit(num_bytes)
         return PutResult(written, tuple(full), deleted, num_bytes, message)
 
-    def _prepare_shard(self, lm: LmdbEnv, env: lmdb.Environment) -> SlabFile:
-        """The shard's slab, its allocator seeded from the index and its next sequence read
-        (once per environment: a rebuilt one starts afresh)."""
-        slab = lm.slab
-        if slab is None:
-            raise FilesDamaged("slab file missing")
-        if not slab.mapped:
-            with lm.random_access(), env.begin(db=lm.index) as txn:
-                used = [entry.slot for _, raw in txn.cursor()
-                        if (entry := unpack_index(raw)) is not None and entry.slab == 0]
-                seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
-            if seq_raw is None or len(seq_raw) != 8:
-                raise FilesDamaged("next_seq record missing or malformed")
-            slab.next_seq = int.from_bytes(seq_raw, "little")
-            slab.adopt_used(used)
-        return slab
-
-    def _write_slot(self, lm: LmdbEnv, slab: SlabFile, slot: int, head: bytes,
-                    payload: memoryview) -> None:
-        slab.write(slot, head, payload)
-        self._trace("payload", lm.shard, slot)
-
-    def _sync_slab(self, lm: LmdbEnv, slab: SlabFile) -> None:
-        slab.sync()
-        self._trace("payload-sync", lm.shard)
-
-    def _release(self, lm: LmdbEnv, slab: SlabFile, slots: list[int]) -> None:
-        """Give ``slots`` back: unused allocations, or slots whose entries a committed index
-        txn dropped or replaced (never earlier: a reader may still follow the old entry, and
-        its header check is what stops it once the slot is rewritten)."""
-        for slot in slots:
-            self._trace("slot-free", lm.shard, slot)
-        slab.release(slots)
-
-    def _take_seqs(self, shard: int, slab: SlabFile, count: int) -> int:
-        """The first of ``count`` write sequences (``n, n + SHARDS, ...``), reserved now:
-        a slot's header carries its sequence, so it is chosen before the payload is written
-        and persisted by the index txn that names it."""
-        with self._stats_lock:
-            stored = slab.next_seq or 1
-            first = self._first_seq(shard, stored)
-            slab.next_seq = first + count * SHARDS
-        return first
-
-    def _is_out_of_space(self, exc: OSError, num_items: int) -> bool:
-        if exc.errno in NO_SPACE:
-            return True
-        if exc.errno != errno.EIO:
-            return False
-        try:
-            fs = os.statvfs(self.path)
-        except OSError:
-            return False
-        return fs.f_bavail * fs.f_frsize < max(num_items, 1) * (self.payload_bytes + 4096)
-
-    def _put_shard(self, lm: LmdbEnv, env: lmdb.Environment,
-                   items: list[tuple[bytes, memoryview | bytes]], deletes: tuple[bytes, ...],
-                   ) -> tuple[tuple[bytes, ...], tuple[bytes, ...], int, str]:
-        """(written, full, deleted, why full) of one shard's part of a ``put_many``."""
-        slab = self._prepare_shard(lm, env) if items else lm.slab
-        full: list[bytes] = []
-        why, early = "", 0
-        entries: list[tuple[bytes, IndexEntry]] = []
-        if items:
-            assert slab is not None
-            slots, short = slab.allocate(len(items), self._slot_limit)
-            if short and deletes:  # the deletes make room: committed first, slots freed
-                freed, early = self._index_deletes(lm, env, deletes)
-                self._release(lm, slab, freed)
-                deletes = ()
-                more, short = slab.allocate(len(items) - len(slots), self._slot_limit)
-                slots += more
-            full = [key for key, _ in items[len(slots):]]
-            why = {"space": "space", "limit": "slab"}.get(short or "", "")
-            seq = self._take_seqs(lm.shard, slab, len(slots))
-            try:
-                for (key, payload), slot in zip(items, slots):
-                    head, check = seal(self._binding, key, payload, seq)
-                    self._write_slot(lm, slab, slot, head, memoryview(payload))
-                    entries.append((key, IndexEntry(0, slot, len(payload), seq, check)))
-                    seq += SHARDS
-                if entries and self.config.sync_mode == "always":
-                    self._sync_slab(lm, slab)  # durable before the index that names them
-            except OSError as exc:
-                self._release(lm, slab, slots)
-                if not self._is_out_of_space(exc, len(slots)):
-                    raise BrokenError(f"{self._name}: writing slab {slab.path}: {exc}") from exc
-                full, entries, why = [key for key, _ in items], [], "space"
-        written, freed, deleted, index_full = self._commit_index(lm, env, entries, deletes)
-        deleted += early
-        if index_full:
-            assert slab is not None
-            self._release(lm, slab, [entry.slot for _, entry in entries])
-            full += [key for key, _ in entries]
-            why = why or index_full
-        if slab is not None:
-            self._release(lm, slab, freed)
-        return written, tuple(full), deleted, why
-
-    def _commit_index(self, lm: LmdbEnv, env: lmdb.Environment,
-                      entries: list[tuple[bytes, IndexEntry]], deletes: Sequence[bytes],
-                      ) -> tuple[tuple[bytes, ...], list[int], int, str]:
-        """Commit ``deletes`` and ``entries`` in one index txn: (keys written, slots freed,
-        deleted, "" or why the entries did not fit: "map" or "space"). When the map cannot
-        take the entries, the deletes are committed alone and the entries are full."""
-        for attempt in (0, 1):
-            try:
-                freed, deleted = self._index_txn(lm, env, entries, deletes)
-                return tuple(key for key, _ in entries), freed, deleted, ""
-            except lmdb.MapFullError:
-                why = "map"
-            except lmdb.Error as exc:
-                if not self._out_of_space(exc, len(entries)):
-                    raise
-                why = "space"
-            if attempt or not entries:
-                break
-            freed, deleted = self._index_deletes(lm, env, deletes)
-            return (), freed, deleted, why
-        logger.warning("%s: %s full even for %d delete(s); raise disk.max_bytes, now %s, or "
-                       "free space under %s", self._name, "map" if why == "map" else
-                       "filesystem", len(deletes), format_bytes(self.config.max_bytes),
-                       self.root)
-        return (), [], 0, why
-
-    def _index_deletes(self, lm: LmdbEnv, env: lmdb.Environment,
-                       deletes: Sequence[bytes]) -> tuple[list[int], int]:
-        if not deletes:
-            return [], 0
-        try:
-            return self._index_txn(lm, env, [], deletes)
-        except lmdb.MapFullError:
-            pass
-        except lmdb.Error as exc:
-            if not self._out_of_space(exc, 0):
-                raise
-        logger.warning("%s: index full even for %d delete(s); raise disk.max_bytes, now %s, or "
-                       "free space under %s", self._name, len(deletes),
-                       format_bytes(self.config.max_bytes), self.root)
-        return [], 0
-
-    def _index_txn(self, lm: LmdbEnv, env: lmdb.Environment,
-                   entries: list[tuple[bytes, IndexEntry]], deletes: Sequence[bytes],
-                   expect: bytes | None = None) -> tuple[list[int], int]:
-        """One index txn: (slots its deletes and overwrites freed, entries deleted).
-        ``expect``: delete the one key of ``deletes`` only if its entry is still that."""
-        freed: list[int] = []
-        dropped: list[int] = []  # slots no entry names any more (deleted or replaced)
-        deleted = 0
-        txn = env.begin(write=True, db=lm.index)
-        try:
-            for key in deletes:
-                raw = txn.get(key)
-                if raw is None or (expect is not None and bytes(raw) != expect):
-                    continue
-                txn.delete(key)
-                deleted += 1
-                if (old := unpack_index(raw)) is not None:
-                    freed.append(old.slot)
-                    dropped.append(old.slot)
-            for key, entry in entries:
-                raw = txn.get(key)
-                if raw is not None and (old := unpack_index(raw)) is not None \
-                        and old.slot != entry.slot:
-                    freed.append(old.slot)
-                    dropped.append(old.slot)
-                txn.put(key, pack_index(entry))
-            if entries:
-                last = max(entry.seq for _, entry in entries) + SHARDS
-                seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
-                stored = int.from_bytes(seq_raw, "little") if seq_raw else 0
-                txn.put(META_NEXT_SEQ, max(last, stored).to_bytes(8, "little"), db=lm.meta)
-            with self._commit_locks[lm.shard]:  # a sync of the shard is not between syncs
-                txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
-        if self.trace is not None:
-            for slot in dropped:
-                self._trace("index-delete", lm.shard, slot)
-            for _, entry in entries:
-                self._trace("index-commit", lm.shard, entry.slot)
-        return freed, deleted
-
-    def _delete_shard(self, lm: LmdbEnv, env: lmdb.Environment, keys: Sequence[bytes],
-                      expect: bytes | None = None) -> int:
-        try:
-            freed, deleted = self._index_txn(lm, env, [], keys, expect)
-        except lmdb.MapFullError:  # copy-on-write needs a few pages even to delete
-            logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now %s",
-                           self._name, len(keys), format_bytes(self.config.max_bytes))
-            return 0
-        except lmdb.Error as exc:
-            if not self._out_of_space(exc, 0):
-                raise
-            logger.warning("%s: filesystem full even for %d delete(s); free space under %s",
-                           self._name, len(keys), self.root)
-            return 0
-        if lm.slab is not None and lm.slab.mapped:
-            self._release(lm, lm.slab, freed)
-        return deleted
-
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete ``keys`` (absent ones are ignored) in one index txn per shard; returns how
         many existed. Their slots are free from then on."""
@@ -573,7 +338,7 @@ class DiskTier(LowerTier):
         if not keys:
             self._shards[0].check_usable("deleting chunks")
         return sum(self._shards[shard].run("deleting chunks", partial(
-            self._delete_shard, self._shards[shard], keys=group))
+            self._writes.delete_shard, self._shards[shard], keys=group))
             for shard, group in self._by_shard(keys).items())
 
     def _after_commit(self, num_bytes: int) -> None:
@@ -598,19 +363,6 @@ class DiskTier(LowerTier):
             self.sync()
         return due
 
-    def _sync_shard(self, lm: LmdbEnv, env: lmdb.Environment) -> None:
-        try:
-            if lm.slab is not None:  # the bulk, while writers go on
-                lm.slab.sync()
-            with self._commit_locks[lm.shard]:  # no commit between the two syncs below
-                if lm.slab is not None:
-                    self._sync_slab(lm, lm.slab)  # what landed meanwhile, then the index
-                env.sync(True)
-                self._trace("index-sync", lm.shard)
-        except OSError as exc:
-            raise BrokenError(f"{self._name}: fdatasync of {lm.path} failed: {exc}") from exc
-        lm.clear_stale_readers(env)  # a dead reader pins index pages: freed at each sync
-
     def sync(self) -> None:
         """fsync everything committed so far (the durability point): per shard, the slab's
         payloads first, then the index; nothing to do read-only."""
@@ -620,7 +372,7 @@ class DiskTier(LowerTier):
         with self._stats_lock:  # commits during the fsync count toward the next one
             unsynced, started = self._unsynced_bytes, self._clock()
         for lm in self._shards:
-            lm.run("syncing", partial(self._sync_shard, lm))
+            lm.run("syncing", partial(self._writes.sync_shard, lm))
         with self._stats_lock:
             self._counts["syncs"] += 1
             self._unsynced_bytes -= unsynced
@@ -679,7 +431,7 @@ class DiskTier(LowerTier):
             if self.read_only and lm.run("reading chunk", partial(still, raw=raw), key):
                 break
             if not self.read_only and lm.run("deleting chunk", partial(
-                    self._delete_shard, lm, keys=[key], expect=raw), key):
+                    self._writes.delete_shard, lm, keys=[key], expect=raw), key):
                 break
         else:
             raw = None
@@ -771,7 +523,7 @@ class DiskTier(LowerTier):
                 continue
             checked, bad = checked + count, bad + [key for key, _ in found]
             for key, raw in found if repair else ():
-                repaired += lm.run("repairing", partial(self._delete_shard, lm, keys=[key],
+                repaired += lm.run("repairing", partial(self._writes.delete_shard, lm, keys=[key],
                                                         expect=raw))
         return VerifyReport(checked, tuple(bad), repaired,
                             damaged="; ".join(damaged) or None, rebuilt=bool(damaged))
