@@ -91,6 +91,10 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
     reports = {item["fingerprint"]: item for item in json.loads(capsys.readouterr().out)}
     rank = reports[NS.fingerprint()]["ranks"][0]
     assert (rank["chunks"], rank["payload_bytes"], rank["payload_len"]) == (30, 30 * PAYLOAD, PAYLOAD)
+    rank_dir = store / f"ns-{NS.fingerprint()}" / "rank-0"  # the index and the slabs count
+    slabs = sum(path.stat().st_size for path in rank_dir.glob("shard-*/slab-*.kv"))
+    assert slabs >= 30 * PAYLOAD and rank["file_bytes"] == slabs + sum(
+        path.stat().st_size for path in rank_dir.glob("shard-*/data.mdb"))
     assert rank["newest"][0] == key_of(29).hex() and rank["oldest"][1] < rank["newest"][1]
     assert reports[OTHER.fingerprint()]["format_version"] == FORMAT_VERSION
     # Read-only: the data files are untouched (readers only register in lock.mdb).

@@ -124,7 +124,7 @@ def test_the_tier_keeps_the_order_the_contract_names(tmp_path: Path, sync_mode: 
 def _defer_payloads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: each slot is written (and traced) after the index txn commits."""
     pending: list[tuple[Any, ...]] = []
-    write, index_txn = ShardWrites._write_slot, ShardWrites._index_txn
+    write, index_txn = ShardWrites._write_slots, ShardWrites._index_txn
 
     def deferred_write(self: ShardWrites, *args: Any) -> None:
         pending.append(args)
@@ -135,7 +135,7 @@ def _defer_payloads(monkeypatch: pytest.MonkeyPatch) -> None:
             write(self, *pending.pop(0))
         return result
 
-    monkeypatch.setattr(ShardWrites, "_write_slot", deferred_write)
+    monkeypatch.setattr(ShardWrites, "_write_slots", deferred_write)
     monkeypatch.setattr(ShardWrites, "_index_txn", index_then_payloads)
 
 

@@ -583,7 +583,10 @@ class DiskTier(LowerTier):
 
     def close(self) -> None:
         """Sync and close; idempotent."""
-        synced = [lm.close(sync=True) for lm in self._shards]
+        try:
+            synced = [lm.close(sync=True) for lm in self._shards]
+        finally:
+            self._writes.close()  # after the shards: no batch is in flight any more
         if any(synced):
             self._count(syncs=1)
 

@@ -35,7 +35,8 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,30 +99,65 @@ class SlabFile:
 
     def write(self, slot: int, head: bytes, payload: memoryview) -> None:
         """Write ``head`` (zero padded to the header block) and ``payload`` into ``slot``."""
-        block, bounce = self._buffers()
+        for piece in self.pieces(slot, head, payload, len(payload) or 1):
+            piece()
+
+    def pieces(self, slot: int, head: bytes, payload: memoryview,
+               piece_bytes: int) -> list[Callable[[], None]]:
+        """The writes of ``slot`` (its header block, then its payload in ``piece_bytes``
+        pieces, a multiple of 4 KiB) as calls that may run on any threads, in any order."""
+        offset = slot * self.slot_bytes
+        calls: list[Callable[[], None]] = [
+            partial(self._write_head, offset, head, payload[:piece_bytes])]
+        for start in range(piece_bytes, len(payload), piece_bytes):
+            calls.append(partial(self._write_at, offset + HEADER_BLOCK + start,
+                                 payload[start : start + piece_bytes]))
+        return calls
+
+    def _write_head(self, offset: int, head: bytes, first: memoryview) -> None:
+        """The header block and the payload's first piece: one ``pwritev`` when the piece
+        can go straight from the caller's buffer, else two writes."""
+        block, _ = self._buffers()
         block[: len(head)] = head
         block[len(head):] = bytes(HEADER_BLOCK - len(head))
-        offset = slot * self.slot_bytes
-        size = len(payload)
-        if self._direct_fd is not None:
-            if size == self._padded and _address(payload) % ALIGN == 0:
-                body = payload
-            else:  # unaligned source, or a payload not a whole number of blocks
-                copy_bytes(bounce[:size], payload)
-                if size < self._padded:
-                    bounce[size : self._padded] = bytes(self._padded - size)
-                body = bounce[: self._padded]
+        fd = self._direct_fd if self._direct_fd is not None else self._fd
+        if self._direct_fd is None or (len(first) % ALIGN == 0 and _address(first) % ALIGN == 0):
             try:
-                written = os.pwritev(self._direct_fd, [block, body], offset)
+                written = os.pwritev(fd, [block, first], offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or fd == self._fd:
+                    raise
+                self._direct_fd = None  # the filesystem refused O_DIRECT here: buffered
+                written = os.pwritev(self._fd, [block, first], offset)
+            self._check_written(written, HEADER_BLOCK + len(first))
+            return
+        self._write_at(offset, block, aligned=True)
+        self._write_at(offset + HEADER_BLOCK, first)
+
+    def _write_at(self, offset: int, data: memoryview, aligned: bool = False) -> None:
+        """``data`` at ``offset`` (4 KiB aligned): O_DIRECT from ``data`` itself when it is
+        aligned in address and length, else from this thread's bounce buffer (zero padded
+        to 4 KiB); buffered where the filesystem refused O_DIRECT."""
+        size = len(data)
+        if self._direct_fd is not None:
+            if aligned or (size % ALIGN == 0 and _address(data) % ALIGN == 0):
+                body = data
+            else:  # unaligned source, or a tail that is not a whole number of blocks
+                _, bounce = self._buffers()
+                padded = -(-size // ALIGN) * ALIGN
+                copy_bytes(bounce[:size], data)
+                bounce[size:padded] = bytes(padded - size)
+                body = bounce[:padded]
+            try:
+                written = os.pwrite(self._direct_fd, body, offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._direct_fd = None  # the filesystem refused O_DIRECT here: buffered
             else:
-                self._check_written(written, HEADER_BLOCK + len(body))
+                self._check_written(written, len(body))
                 return
-        written = os.pwritev(self._fd, [block, payload], offset)
-        self._check_written(written, HEADER_BLOCK + size)
+        self._check_written(os.pwrite(self._fd, data, offset), size)
 
     @staticmethod
     def _check_written(written: int, wanted: int) -> None:

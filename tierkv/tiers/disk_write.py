@@ -11,6 +11,9 @@ every method runs inside the shard's :meth:`LmdbEnv.run`):
   are given back only after it committed. Returns (written, full, deleted, why full).
 - ``delete_shard(lm, env, keys, expect=None)``: one index txn; ``expect`` deletes only an
   entry still equal to it (a reader's compare-and-delete).
+- Payloads are written in pieces of :data:`PIECE_BYTES` by :data:`WRITE_THREADS` threads
+  shared by the shards (started at the first batch with more than one piece, stopped by
+  ``close()``); the index txn waits for every piece.
 - ``sync_shard(lm, env)``: the slab's ``fdatasync`` (the bulk while writers go on; then,
   with the shard's commits held, what landed meanwhile), then the index's ``fsync``.
 - ``trace`` (tests): called with ``(event, shard, slot)`` at each ordered step.
@@ -24,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -36,6 +40,12 @@ from tierkv.tiers.disk_slab import NO_SPACE, SlabFile
 from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")
+
+# A payload is written in pieces of this size by the shared writer threads, so several
+# writes are in flight (docs/benchmarks/disk.md: 4 MiB x 8 threads was the best of the
+# shapes tried on the dev VM, 1 MiB pieces cost more CPU per GiB for no more speed).
+PIECE_BYTES = 4 << 20
+WRITE_THREADS = 8  # the slab writer threads of one tier (all shards share them)
 
 
 class ShardWrites:
@@ -54,6 +64,8 @@ class ShardWrites:
         # Per shard: an index commit never lands between a sync's slab and index fsyncs
         # (the index sync would cover payloads not yet durable).
         self.commit_locks = [threading.Lock() for _ in range(SHARDS)]
+        self._threads: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
 
     def out_of_space(self, exc: lmdb.Error, num_items: int) -> bool:
         """Whether a failed write txn of ``num_items`` values means the filesystem is full:
@@ -102,10 +114,40 @@ class ShardWrites:
             slab.adopt_used(used)
         return slab
 
-    def _write_slot(self, lm: LmdbEnv, slab: SlabFile, slot: int, head: bytes,
-                    payload: memoryview) -> None:
-        slab.write(slot, head, payload)
-        self.trace_event("payload", lm.shard, slot)
+    def _write_slots(self, lm: LmdbEnv, slab: SlabFile,
+                     writes: list[tuple[int, bytes, memoryview]]) -> None:
+        """Write every (slot, header, payload) of a batch; returns when all are written.
+        The pieces (header blocks, payloads in :data:`PIECE_BYTES`) run on the shared
+        writer threads, so a batch keeps several writes in flight (a disk queue deep enough
+        for the device, as vLLM's fs tier keeps with its 16 threads)."""
+        calls = [call for slot, head, payload in writes
+                 for call in slab.pieces(slot, head, payload, PIECE_BYTES)]
+        if len(calls) <= 2:
+            for call in calls:
+                call()
+        else:
+            futures = [self._pool().submit(call) for call in calls]
+            problem: BaseException | None = None
+            for future in futures:  # every piece has finished before an error is raised
+                error = future.exception()
+                problem = problem or error
+            if problem is not None:
+                raise problem
+        for slot, _, _ in writes:
+            self.trace_event("payload", lm.shard, slot)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._seq_lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(WRITE_THREADS, "tierkv-slab-writer")
+            return self._threads
+
+    def close(self) -> None:
+        """Stop the writer threads (idempotent)."""
+        with self._seq_lock:
+            threads, self._threads = self._threads, None
+        if threads is not None and os.getpid() == self._pid:  # a forked child has none
+            threads.shutdown(wait=True)
 
     def _sync_slab(self, lm: LmdbEnv, slab: SlabFile) -> None:
         slab.sync()
@@ -161,11 +203,13 @@ class ShardWrites:
             why = {"space": "space", "limit": "slab"}.get(short or "", "")
             seq = self._take_seqs(lm.shard, slab, len(slots))
             try:
+                writes: list[tuple[int, bytes, memoryview]] = []
                 for (key, payload), slot in zip(items, slots):
                     head, check = seal(self.binding, key, payload, seq)
-                    self._write_slot(lm, slab, slot, head, memoryview(payload))
+                    writes.append((slot, head, memoryview(payload)))
                     entries.append((key, IndexEntry(0, slot, len(payload), seq, check)))
                     seq += SHARDS
+                self._write_slots(lm, slab, writes)
                 if entries and self.config.sync_mode == "always":
                     self._sync_slab(lm, slab)  # durable before the index that names them
             except OSError as exc:
