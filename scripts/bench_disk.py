@@ -14,6 +14,9 @@ fsync of everything it wrote, inside the timed part):
 - tierkv one job    ``DiskIO``: one ``SpillSpec`` of every chunk, then ``flush()``
 - tierkv many jobs  ``DiskIO``: one ``SpillSpec`` of one chunk per chunk, all submitted at
                     once, then ``flush()`` (the writer groups queued jobs into transactions)
+- tierkv ..., slots reused  the one-job and many-jobs spills into a store that held these
+                    chunks and deleted them before the timed part: slots are overwritten
+                    (a store at its cap, evicting), not grown into fresh extents
 - tierkv always     ``sync_mode='always'`` (LMDB fsyncs every transaction), through DiskIO
                     (the engine's path: one job of every chunk, a writer per shard)
 - tierkv always, put_many  the same from one thread calling ``put_many`` (one
@@ -146,6 +149,10 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
 ]
 TARGET_RATIOS = 5  # the first rows of RATIOS are the issue's targets, summarised at the end
 RATIOS += [
+    ("reused slots: tierkv one / vLLM one", "tierkv one job, slots reused", "vLLM fs one job",
+     None),
+    ("reused slots: tierkv many / vLLM many", "tierkv many jobs, slots reused",
+     "vLLM fs many jobs", None),
     ("tierkv one job / bare slab shards", "tierkv DiskIO one job", f"bare slab x{SHARDS} threads",
      None),
     ("bare slab shards / vLLM fs one job", f"bare slab x{SHARDS} threads", "vLLM fs one job",
@@ -448,6 +455,32 @@ class Bench:
         name = "tierkv-one" if sync_mode == "periodic" else f"tierkv-one-{sync_mode}"
         return self._spill(name, [SpillSpec(JobId(1), writes)], sync_mode)
 
+    def write_disk_io_reused(self, many: bool) -> float:
+        """DiskIO into a store that already held these chunks and deleted them (outside the
+        timed part, synced): the slots are reused, as in a store that evicts to make room,
+        instead of grown into fresh (unwritten) extents. The warm-up round makes the store."""
+        root = self.dir / ("tierkv-reused-many" if many else "tierkv-reused-one")
+        root.mkdir(parents=True, exist_ok=True)
+        tier = self.tier(root)
+        tier.delete_many(self.keys)
+        tier.sync()
+        os.sync()
+        specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))
+                 for i in range(self.num_chunks)] if many else [SpillSpec(JobId(1), tuple(
+                     (self.keys[i], SlotId(i)) for i in range(self.num_chunks)))]
+        disk_io = DiskIO(tier, self.slab, self.batch_bytes)
+        start = time.perf_counter()
+        for spec in specs:
+            disk_io.submit_spill(spec)
+        disk_io.flush()
+        seconds = time.perf_counter() - start
+        done = disk_io.poll_finished()
+        assert len(done) == len(specs) and all(c.ok for c in done), \
+            [c for c in done if not c.ok][:3]
+        disk_io.shutdown()
+        tier.close()
+        return seconds
+
     def write_disk_io_many(self) -> float:
         specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))
                  for i in range(self.num_chunks)]
@@ -720,6 +753,8 @@ class Bench:
             "tierkv DiskIO + flush": self.write_disk_io,
             "tierkv DiskIO one job": self.write_disk_io_one,
             "tierkv DiskIO many jobs": self.write_disk_io_many,
+            "tierkv one job, slots reused": lambda: self.write_disk_io_reused(False),
+            "tierkv many jobs, slots reused": lambda: self.write_disk_io_reused(True),
         }
         if self.vllm is not None:
             writes["vLLM fs one job"] = lambda: self.write_vllm(False)
