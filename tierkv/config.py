@@ -25,7 +25,8 @@ PUSH_POLICIES = ("on_store", "on_evict", "read_only")  # when chunks go to the r
 # When TierKVStore.store() returns: once its source blocks are copied, or at once.
 STORE_MODES = ("copied", "async")
 
-# Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
+# Per-chunk disk overhead assumed for capacity accounting: the slot's 4 KiB header block,
+# its padding to 4 KiB and the index entry (docs/on-disk-format.md).
 DISK_OVERHEAD_BYTES = 8192
 
 
