@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the LMDB disk tier against baselines measured in the same run.
+"""Benchmark the disk tier (slab files indexed by LMDB) against baselines measured in the same run.
 
 The whole comparison runs once per chunk size (``--chunk-sizes``, MiB; default 0.5, 2, 8)
 over ``--total-mib`` of chunks per method (``--chunks`` sets the count instead).
@@ -14,6 +14,9 @@ fsync of everything it wrote, inside the timed part):
 - tierkv one job    ``DiskIO``: one ``SpillSpec`` of every chunk, then ``flush()``
 - tierkv many jobs  ``DiskIO``: one ``SpillSpec`` of one chunk per chunk, all submitted at
                     once, then ``flush()`` (the writer groups queued jobs into transactions)
+- tierkv ..., slots reused  the one-job and many-jobs spills into a store that held these
+                    chunks and deleted them before the timed part: slots are overwritten
+                    (a store at its cap, evicting), not grown into fresh extents
 - tierkv always     ``sync_mode='always'`` (LMDB fsyncs every transaction), through DiskIO
                     (the engine's path: one job of every chunk, a writer per shard)
 - tierkv always, put_many  the same from one thread calling ``put_many`` (one
@@ -24,6 +27,9 @@ fsync of everything it wrote, inside the timed part):
 - vLLM fs many jobs the same with one ``TransferJob`` of one chunk per chunk, all submitted
                     at once (its pool runs them on its 16 + 16 threads)
 - dd fdatasync      ``dd if=/dev/zero of=F bs=<chunk> count=N conv=fdatasync``
+- bare slab xN      the tier's slab layout without the tier: each shard's chunks ``pwrite``
+                    (``O_DIRECT`` from the page-aligned slab) into one preallocated file per
+                    shard by a thread each, then ``fdatasync``: the bound of the slab write path
 - bare lmdb         raw payloads, one txn per ``--batch-mib``, ``sync=False``, ``env.sync()``
 - bare lmdb xN      the same over the tier's N shards (environments), one thread each
 - file per chunk    temp file + fsync + rename per chunk, then one directory fsync
@@ -33,7 +39,8 @@ needs root; environments closed so no mapping pins pages): tierkv ``read_into`` 
 chunk in write order and in random order; tierkv ``DiskIO`` read jobs (one job of every
 chunk, and one job per chunk, all submitted at once) into a second ``CpuSlab``; vLLM fs
 ``submit_load`` (one job, and one job per chunk) into a second slab; bare file-per-chunk
-reads; the bare shards read by a thread each (the load ceiling); ``dd if=F of=/dev/null``.
+reads; the bare shards and the bare slabs read by a thread each (``pread``; the load
+ceilings); ``dd if=F of=/dev/null``.
 Every load but dd lands in a slab poisoned beforehand and is checked after the timed part:
 byte-exact against the source and xxh3 checksum of every chunk against the one taken of
 the source.
@@ -56,6 +63,10 @@ method's fsync does not pay for another's discards. Opening a DiskTier tunes gli
 for the whole process (``tune_malloc``; the bare lmdb baseline shares it); run with
 ``TIERKV_MALLOPT=0`` to measure without.
 
+Every write row also reports the CPU time the process (all its threads, and dd's child)
+spent per GiB written, over the whole call (setup included), median of the rounds; the
+ratio rows compare tierkv's with vLLM's (target: at most 2x).
+
 All write rounds run first, then all load rounds. Methods run round-robin inside each round
 so drift hits all of them alike; the first round of each phase is a warm-up and is not
 reported. Prints median MiB/s with min-max spread, then the ratios, per chunk size, then a
@@ -73,6 +84,7 @@ import mmap
 import os
 import pstats
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -136,6 +148,30 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
     ("cold: vLLM fs one / dd", "load: vLLM fs one job", "dd of=/dev/null", None),
 ]
 TARGET_RATIOS = 5  # the first rows of RATIOS are the issue's targets, summarised at the end
+RATIOS += [
+    ("reused slots: tierkv one / vLLM one", "tierkv one job, slots reused", "vLLM fs one job",
+     None),
+    ("reused slots: tierkv many / vLLM many", "tierkv many jobs, slots reused",
+     "vLLM fs many jobs", None),
+    ("tierkv one job / bare slab shards", "tierkv DiskIO one job", f"bare slab x{SHARDS} threads",
+     None),
+    ("bare slab shards / vLLM fs one job", f"bare slab x{SHARDS} threads", "vLLM fs one job",
+     None),
+    ("cold: tierkv one / bare slab shards", "load: tierkv DiskIO one job",
+     f"bare slab x{SHARDS} threads read", None),
+]
+# (label, numerator row, denominator row, most): CPU seconds per GiB written, tierkv / vLLM
+CPU_RATIOS: list[tuple[str, str, str, float]] = [
+    ("CPU/GiB tierkv one / vLLM fs one", "tierkv DiskIO one job", "vLLM fs one job", 2.0),
+    ("CPU/GiB tierkv many / vLLM fs many", "tierkv DiskIO many jobs", "vLLM fs many jobs", 2.0),
+]
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process (every thread) and of its waited-for children."""
+    own, children = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def parse_sizes(text: str) -> list[float]:
@@ -419,6 +455,32 @@ class Bench:
         name = "tierkv-one" if sync_mode == "periodic" else f"tierkv-one-{sync_mode}"
         return self._spill(name, [SpillSpec(JobId(1), writes)], sync_mode)
 
+    def write_disk_io_reused(self, many: bool) -> float:
+        """DiskIO into a store that already held these chunks and deleted them (outside the
+        timed part, synced): the slots are reused, as in a store that evicts to make room,
+        instead of grown into fresh (unwritten) extents. The warm-up round makes the store."""
+        root = self.dir / ("tierkv-reused-many" if many else "tierkv-reused-one")
+        root.mkdir(parents=True, exist_ok=True)
+        tier = self.tier(root)
+        tier.delete_many(self.keys)
+        tier.sync()
+        os.sync()
+        specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))
+                 for i in range(self.num_chunks)] if many else [SpillSpec(JobId(1), tuple(
+                     (self.keys[i], SlotId(i)) for i in range(self.num_chunks)))]
+        disk_io = DiskIO(tier, self.slab, self.batch_bytes)
+        start = time.perf_counter()
+        for spec in specs:
+            disk_io.submit_spill(spec)
+        disk_io.flush()
+        seconds = time.perf_counter() - start
+        done = disk_io.poll_finished()
+        assert len(done) == len(specs) and all(c.ok for c in done), \
+            [c for c in done if not c.ok][:3]
+        disk_io.shutdown()
+        tier.close()
+        return seconds
+
     def write_disk_io_many(self) -> float:
         specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))
                  for i in range(self.num_chunks)]
@@ -512,6 +574,56 @@ class Bench:
         seconds = time.perf_counter() - start
         for env in envs:
             env.close()
+        return seconds
+
+    def _slab_parts(self) -> list[list[int]]:
+        return [[i for i in range(self.num_chunks) if shard_of(self.keys[i]) == shard]
+                for shard in range(SHARDS)]
+
+    def write_bare_slabs(self) -> float:
+        """The bound of the slab layout: each shard's chunks ``pwrite`` from the slab (with
+        O_DIRECT where the filesystem takes it) into one preallocated file per shard, by a
+        thread each, then ``fdatasync``; no header, no checksum, no index."""
+        root = self.fresh("slabs")
+        parts = self._slab_parts()
+        fds = []
+        for shard in range(SHARDS):
+            path = root / f"slab-{shard}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.posix_fallocate(fd, 0, max(1, len(parts[shard])) * self.chunk_bytes)
+            os.close(fd)
+            try:
+                fds.append(os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0)))
+            except OSError:
+                fds.append(os.open(path, os.O_RDWR))
+
+        def write(shard: int) -> None:
+            for position, i in enumerate(parts[shard]):
+                os.pwrite(fds[shard], self.slab.memoryview(i), position * self.chunk_bytes)
+            os.fdatasync(fds[shard])
+
+        seconds = self._per_shard(write, [])
+        for fd in fds:
+            os.close(fd)
+        return seconds
+
+    def read_bare_slabs(self) -> float:
+        """The load ceiling of the slab layout: the bare slabs read by a thread each
+        (``pread`` into the slot, buffered)."""
+        self.poison(self.dest.tensor.numpy())
+        self.drop_caches()
+        root = self.dir / "slabs"
+        parts = self._slab_parts()
+        fds = [os.open(root / f"slab-{shard}", os.O_RDONLY) for shard in range(SHARDS)]
+
+        def read(shard: int) -> None:
+            for position, i in enumerate(parts[shard]):
+                os.preadv(fds[shard], [self.dest.memoryview(i)], position * self.chunk_bytes)
+
+        seconds = self._per_shard(read, [])
+        for fd in fds:
+            os.close(fd)
+        self.verify(self.dest.tensor.numpy(), None, "bare slabs read")
         return seconds
 
     def write_files(self) -> float:
@@ -641,6 +753,8 @@ class Bench:
             "tierkv DiskIO + flush": self.write_disk_io,
             "tierkv DiskIO one job": self.write_disk_io_one,
             "tierkv DiskIO many jobs": self.write_disk_io_many,
+            "tierkv one job, slots reused": lambda: self.write_disk_io_reused(False),
+            "tierkv many jobs, slots reused": lambda: self.write_disk_io_reused(True),
         }
         if self.vllm is not None:
             writes["vLLM fs one job"] = lambda: self.write_vllm(False)
@@ -649,6 +763,7 @@ class Bench:
             "dd conv=fdatasync": self.write_dd,
             "bare lmdb + sync": self.write_bare_lmdb,
             f"bare lmdb x{SHARDS} threads": self.write_bare_lmdb_shards,
+            f"bare slab x{SHARDS} threads": self.write_bare_slabs,
             "file per chunk + fsync": self.write_files,
         })
         if not args.no_always:
@@ -666,6 +781,7 @@ class Bench:
                 reads["load: vLLM fs one job"] = lambda: self.load_vllm(False)
                 reads["load: vLLM fs many jobs"] = lambda: self.load_vllm(True)
             reads[f"bare lmdb x{SHARDS} threads read"] = self.read_bare_lmdb_shards
+            reads[f"bare slab x{SHARDS} threads read"] = self.read_bare_slabs
             reads["file per chunk"] = self.read_files
             reads["dd of=/dev/null"] = self.read_dd
         return writes, reads
@@ -683,11 +799,13 @@ class Bench:
             print(f"    {line}")
 
 
-def summarize(name: str, seconds: list[float], total: int) -> float:
+def summarize(name: str, seconds: list[float], total: int,
+              cpu: list[float] | None = None) -> float:
     rates = sorted(total / MiB / s for s in seconds)
     median = statistics.median(rates)
+    per_gib = "" if not cpu else f"   CPU {statistics.median(cpu) / (total / (1 << 30)):.2f} s/GiB"
     print(f"  {name:<30} {median:8.0f} MiB/s   (min {rates[0]:.0f}, max {rates[-1]:.0f}, "
-          f"n={len(rates)})")
+          f"n={len(rates)}){per_gib}")
     return median
 
 
@@ -700,15 +818,20 @@ def run_size(args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None,
           f"{args.rounds} rounds + 1 warm-up, dir {args.dir} ({fs_type})")
     writes, reads = bench.methods()
     results: dict[str, list[float]] = {name: [] for name in [*writes, *reads]}
+    cpu: dict[str, list[float]] = {name: [] for name in writes}
     try:
         # Writes first, then loads: a page-cache drop between writes would hand some writers
         # freshly reclaimed memory and others the pages their own deleted output freed.
         for phase in (writes, reads):
             for round_number in range(args.rounds + 1 if phase else 0):
                 for name, run in phase.items():
+                    used = cpu_seconds()
                     seconds = run()
+                    used = cpu_seconds() - used
                     if round_number > 0:
                         results[name].append(seconds)
+                        if name in cpu:
+                            cpu[name].append(used)
                 label = "warm-up" if round_number == 0 else f"round {round_number}/{args.rounds}"
                 kind = "writes" if phase is writes else "cold loads"
                 print(f"  ... {bench.chunk_mib:g} MiB {kind} {label} done", file=sys.stderr)
@@ -720,7 +843,9 @@ def run_size(args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None,
         print(f"  vLLM fs tier: O_DIRECT {'on' if bench.o_direct else 'off (buffered)'}, "
               f"durable by {args.vllm_sync}")
     print("durable writes:")
-    medians = {name: summarize(name, results[name], bench.total) for name in writes}
+    medians = {name: summarize(name, results[name], bench.total, cpu[name]) for name in writes}
+    gib = bench.total / (1 << 30)
+    medians.update({f"cpu: {name}": statistics.median(cpu[name]) / gib for name in writes})
     if reads:
         print("cold loads" + ("" if bench.can_drop else " (page cache NOT dropped: warm)") +
               " (all but dd verified byte-exact and by checksum):")
@@ -732,6 +857,11 @@ def run_size(args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None,
             verdict = "" if target is None else (
                 f"   target >= {target:g}: {'met' if ratio >= target else 'MISSED'}")
             print(f"  {label:<34} {ratio:5.2f}x{verdict}")
+    for label, top, bottom, most in CPU_RATIOS:
+        if f"cpu: {top}" in medians and f"cpu: {bottom}" in medians:
+            ratio = medians[f"cpu: {top}"] / medians[f"cpu: {bottom}"]
+            print(f"  {label:<34} {ratio:5.2f}x   target <= {most:g}: "
+                  f"{'met' if ratio <= most else 'MISSED'}")
     return medians
 
 
@@ -768,6 +898,16 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append("-".rjust(9))
         if any(cell.strip() != "-" for cell in cells):
             print(f"  {label:<34} " + " ".join(cells) + f"   >= {target:g}")
+    for label, top, bottom, most in CPU_RATIOS:
+        cells = []
+        for medians in by_size.values():
+            if f"cpu: {top}" in medians and f"cpu: {bottom}" in medians:
+                ratio = medians[f"cpu: {top}"] / medians[f"cpu: {bottom}"]
+                cells.append(f"{ratio:5.2f}x{'!' if ratio > most else ' '}".rjust(9))
+            else:
+                cells.append("-".rjust(9))
+        if any(cell.strip() != "-" for cell in cells):
+            print(f"  {label:<34} " + " ".join(cells) + f"   <= {most:g}")
     return 0
 
 

@@ -25,7 +25,8 @@ PUSH_POLICIES = ("on_store", "on_evict", "read_only")  # when chunks go to the r
 # When TierKVStore.store() returns: once its source blocks are copied, or at once.
 STORE_MODES = ("copied", "async")
 
-# Per-chunk disk overhead assumed for capacity accounting (value header + LMDB pages).
+# Per-chunk disk overhead assumed for capacity accounting: the slot's 4 KiB header block,
+# its padding to 4 KiB and the index entry (docs/on-disk-format.md).
 DISK_OVERHEAD_BYTES = 8192
 
 
@@ -133,6 +134,8 @@ class DiskTierConfig:
     sync_every_seconds: float = 5.0
     retry_after_full_seconds: float = 1.0
     reader_threads: int = 4  # a load's chunks are read in parallel (docs/benchmarks/disk.md)
+    # Payloads are written with O_DIRECT where the filesystem takes it (docs/benchmarks/disk.md).
+    direct_io: bool = True
     # max_bytes is one cap for every namespace under path: a store recomputes its share this
     # often (and when it is full), docs/operations.md "One cap per disk path".
     budget_check_seconds: float = 10.0
@@ -160,7 +163,7 @@ class DiskTierConfig:
             raise ConfigError(
                 f"disk.sync_mode must be 'periodic', 'always' or 'close', got {self.sync_mode!r}"
             )
-        for name in ("write_through", "tune_malloc"):
+        for name in ("write_through", "tune_malloc", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"disk.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -27,7 +27,8 @@ from tierkv.errors import ConfigError
 
 ChunkKey = NewType("ChunkKey", bytes)
 
-FORMAT_VERSION = 3  # 2: values bound to namespace and rank, layers, block split; 3: shards
+FORMAT_VERSION = 4  # 2: values bound to namespace and rank, layers, block split; 3: shards;
+# 4: payloads in slab files, LMDB holds the index only
 KEY_BYTES = 32
 ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
 HASH_SCHEME = "tierkv-sha256-msgpack-v1"

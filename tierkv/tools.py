@@ -56,7 +56,7 @@ class RankReport:
     file_bytes: int = 0
     oldest: tuple[str, int] | None = None  # (key hex, write sequence)
     newest: tuple[str, int] | None = None
-    last_write: str | None = None  # data.mdb mtime, UTC
+    last_write: str | None = None  # newest data.mdb or slab mtime, UTC
     record: dict[str, Any] | None = None  # the authoritative namespace record (meta sub-db)
     problem: str | None = None  # not read at all: why
     # Shards that could not be read (shard -> why); the others' chunks are counted above.
@@ -126,7 +126,7 @@ def peek_rank(root: Path, namespace: Namespace, rank: int, path: Path) -> RankRe
     still counted."""
     report = RankReport(rank, path)
     infos = []
-    for data in sorted(path.glob("shard-*/data.mdb")):
+    for data in sorted([*path.glob("shard-*/data.mdb"), *path.glob("shard-*/slab-*.kv")]):
         with contextlib.suppress(OSError):  # deleted meanwhile (tierkv rm, a disk budget)
             if check_file(data, fix=False) is Trust.OK:
                 infos.append(data.stat())

@@ -28,6 +28,7 @@ from tierkv.errors import (
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.tiers.disk_format import HEADER_BLOCK, slot_bytes_for, unpack_index
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
 
 PAYLOAD = 16 * 1024
@@ -142,7 +143,7 @@ def test_deletes_and_writes_keep_submission_order(
 
 def test_map_full_is_reported_per_job(tmp_path: Path, slab: CpuSlab) -> None:
     size = PAYLOAD
-    config = DiskTierConfig(path=tmp_path, max_bytes=2 * size)
+    config = DiskTierConfig(path=tmp_path, max_bytes=8 * size)  # one job fills the slab
     with DiskTier(tmp_path, NS, 0, config, size) as small:
         io = DiskIO(small, slab, write_batch_bytes=8 * size)
         for slot in range(8):
@@ -189,10 +190,15 @@ def test_corrupt_value_is_reported_and_deleted(
     fill(slab, 0, seed=0)
     disk_io.submit_spill(spill(1, [(1, 0)]))
     disk_io.flush()
-    with tier._shard(key_of(0))._env.begin(write=True) as txn:  # flip the last payload byte in place
-        value = bytearray(txn.get(key_of(1), db=tier._shard(key_of(0)).chunks))
-        value[-1] ^= 0x01
-        txn.put(key_of(1), bytes(value), db=tier._shard(key_of(0)).chunks)
+    shard = tier._shard(key_of(0))
+    with shard._env.begin(db=shard.index) as txn:  # flip the last payload byte in place
+        entry = unpack_index(txn.get(key_of(1)))
+    assert entry is not None and shard.slab is not None
+    with open(shard.slab.path, "r+b") as slab_file:
+        slab_file.seek(entry.slot * slot_bytes_for(PAYLOAD) + HEADER_BLOCK + PAYLOAD - 1)
+        last = slab_file.read(1)[0]
+        slab_file.seek(-1, 1)
+        slab_file.write(bytes([last ^ 0x01]))
     outcomes: list[ReadOutcome] = []
     disk_io.submit_read(JobId(2), [ChunkCopy(key_of(1), SlotId(5), ())], outcomes.append)
     disk_io.flush()

@@ -25,7 +25,9 @@ from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, shard_of
 from tierkv.tiers.disk_files import OWNER_FILE
-from tierkv.tiers.disk_format import ValueWriter
+from tierkv.tiers.disk_format import (HEADER_BLOCK, IndexEntry, pack_index, seal,
+                                      slot_bytes_for)
+from tierkv.tiers.disk_slab import SLAB_NAME
 from tierkv.transfer.disk_io import DiskIO
 
 PAYLOAD = 16 * 1024
@@ -64,7 +66,7 @@ def shard_blocked(tier: DiskTier, shard: int) -> Iterator[None]:
 def stored_keys(env_dir: Path) -> set[bytes]:
     env = lmdb.open(str(env_dir), max_dbs=4, readonly=True)
     try:
-        with env.begin(db=env.open_db(b"chunks", create=False)) as txn:
+        with env.begin(db=env.open_db(b"index", create=False)) as txn:
             return {bytes(key) for key, _ in txn.cursor()}
     finally:
         env.close()
@@ -161,10 +163,14 @@ def test_verify_flags_a_value_in_the_wrong_shard_and_repair_deletes_it_there(
     with open_tier(tmp_path) as tier:
         tier.put_many([(key, payload_of(key))])
         binding, wrong = tier._binding, tier.shard_paths[2]
-    value = bytes(ValueWriter(PAYLOAD, binding).build(key, payload_of(key), seq=8))
+    head, check = seal(binding, key, payload_of(key), 8)  # a valid slot of K, in shard 2
+    with open(wrong / SLAB_NAME, "ab") as slab:
+        slot = slab.tell() // slot_bytes_for(PAYLOAD)
+        slab.write(head.ljust(HEADER_BLOCK, b"\0") + payload_of(key))
     env = lmdb.open(str(wrong), max_dbs=4)
     with env.begin(write=True) as txn:
-        txn.put(key, value, db=env.open_db(b"chunks", txn=txn))
+        txn.put(key, pack_index(IndexEntry(0, slot, PAYLOAD, 8, check)),
+                db=env.open_db(b"index", txn=txn))
     env.close()
     with open_tier(tmp_path) as tier:
         report = tier.verify()
@@ -199,7 +205,7 @@ def test_a_store_of_format_2_one_environment_per_rank_is_never_read(
         tmp_path: Path, caplog: pytest.LogCaptureFixture,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Format 2 kept a rank in one environment (``rank-<r>/data.mdb``). Its namespace
-    fingerprints differently, so format 3 starts empty beside it, says so, and leaves it."""
+    fingerprints differently, so this format starts empty beside it, says so, and leaves it."""
     import json
     from dataclasses import replace
 
@@ -226,3 +232,43 @@ def test_a_store_of_format_2_one_environment_per_rank_is_never_read(
     assert main(["verify", str(tmp_path)]) != 0
     out = capsys.readouterr()
     assert "format version 2" in out.out + out.err
+
+
+def test_a_store_of_format_3_chunks_inside_lmdb_is_never_read(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Format 3 kept payloads inside LMDB (sub-db ``chunks`` of each shard). Format 4 does
+    not migrate it: its namespace fingerprints differently, so the store starts empty
+    beside it, and the warning names the directory and the ``tierkv rm`` that deletes it;
+    ``tierkv verify`` refuses it. Its files are never read, moved or deleted."""
+    import json
+    from dataclasses import replace
+
+    from tierkv.cli import main
+
+    old = replace(NS, format_version=3)
+    ns_dir = tmp_path / f"ns-{old.fingerprint()}"
+    key = key_in(0, 1)
+    for shard in range(SHARDS):
+        shard_dir = ns_dir / "rank-0" / f"shard-{shard}"
+        shard_dir.mkdir(parents=True)
+        env = lmdb.open(str(shard_dir), max_dbs=4)
+        with env.begin(write=True) as txn:
+            txn.put(key, payload_of(key), db=env.open_db(b"chunks", txn=txn))
+        env.close()
+    for path in (tmp_path, *ns_dir.rglob("*"), ns_dir):
+        os.chmod(path, 0o700 if path.is_dir() else 0o600)
+    record = {"fingerprint": old.fingerprint(), "format_version": 3, "namespace": old.describe()}
+    (ns_dir / "namespace.json").write_text(json.dumps(record))
+    os.chmod(ns_dir / "namespace.json", 0o600)
+    before = {path: path.read_bytes() for path in ns_dir.rglob("*.mdb")}
+    with caplog.at_level("WARNING", logger="tierkv.disk"), open_tier(tmp_path) as tier:
+        assert list(tier.scan()) == [] and read(tier, key)[0] is ReadStatus.MISSING
+    assert "another tierkv format" in caplog.text and f"{ns_dir} v3" in caplog.text
+    assert f"tierkv rm {tmp_path} --namespace {old.fingerprint()} --yes" in caplog.text
+    assert {path: path.read_bytes() for path in ns_dir.rglob("*.mdb")} == before
+    assert main(["verify", str(tmp_path)]) != 0
+    out = capsys.readouterr()
+    assert "format version 3" in out.out + out.err
+    assert main(["rm", str(tmp_path), "--namespace", old.fingerprint(), "--yes"]) == 0
+    assert not ns_dir.exists()

@@ -1,7 +1,8 @@
-"""The LMDB disk tier on real environments in ``tmp_path``.
+"""The disk tier (slab files indexed by LMDB) on real files in ``tmp_path``.
 
 Faults are injected at tierkv's own boundary: the test closes the tier, opens the same
-environment with ``lmdb`` directly, rewrites a stored value, and reopens the tier.
+environment with ``lmdb`` and the slab file directly (``tests.reliability.support.raw_env``:
+a value is the slot's header and payload), rewrites a stored value, and reopens the tier.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.reliability import support
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ClosedError, ConfigError, NamespaceMismatchError
 from tierkv.keys import FORMAT_VERSION, Namespace
@@ -54,15 +56,10 @@ def open_tier(root: Path, payload_bytes: int = PAYLOAD, namespace: Namespace = N
 
 
 @contextmanager
-def raw_chunks(tier: DiskTier) -> Iterator[tuple[lmdb.Transaction, Any]]:
-    """A write txn on the (closed) tier's environment opened with lmdb directly."""
-    env = lmdb.open(str(env_dir(tier)), map_size=tier.map_size // SHARDS, max_dbs=4)
-    try:
-        db = env.open_db(b"chunks")
-        with env.begin(write=True) as txn:
-            yield txn, db
-    finally:
-        env.close()
+def raw_chunks(tier: DiskTier) -> Iterator[tuple[Any, str]]:
+    """Write access to the (closed) tier's values: index and slab opened directly."""
+    with support.raw_env(tier.path) as (txn, chunks, _):
+        yield txn, chunks
 
 
 def read(tier: DiskTier, key: bytes) -> tuple[ReadStatus, bytes]:
@@ -265,16 +262,17 @@ def test_map_full_is_a_value_and_reads_keep_working(tmp_path: Path, caplog: Any)
             written += result.written
             full += result.full
         assert written and full and len(written) + len(full) == 160
-        assert "map full writing chunk" in caplog.text
+        assert "slab full writing chunk" in caplog.text
         assert "raise disk.max_bytes, now 256 KiB" in caplog.text
         stats = tier.statistics()
         assert stats.full == len(full) and stats.chunks == len(written)
         for key in written[:5] + written[-5:]:
             assert read(tier, key)[0] is ReadStatus.OK
         assert read(tier, full[0])[0] is ReadStatus.MISSING
-        # deleting makes room again (deletes run first in the same transaction)
+        # deleting makes room again (deletes run first: their slots take the puts)
         result = tier.put_many([(full[0], payload_of(0, size))], deletes=written[:8])
-        assert result.written == (full[0],) and result.deleted == 8
+        assert result.written == (full[0],) and result.deleted == min(8, len(written))
+        assert read(tier, full[0]) == (ReadStatus.OK, payload_of(0, size))
 
 
 def test_deletes_run_before_puts(tmp_path: Path) -> None:
@@ -311,7 +309,7 @@ def test_files_are_private(tmp_path: Path) -> None:
     for path in (root, tier.namespace_dir, tier.path, *tier.shard_paths):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     for path in (tier.namespace_dir / "namespace.json", env_dir(tier) / "data.mdb",
-                 env_dir(tier) / "lock.mdb"):
+                 env_dir(tier) / "lock.mdb", env_dir(tier) / "slab-0.kv"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
@@ -407,8 +405,20 @@ def test_close_mode_syncs_only_at_close(tmp_path: Path) -> None:
     assert tier._counts["syncs"] == 1
 
 
-def test_map_size_has_headroom() -> None:
+def test_index_map_is_small_and_never_fills_before_the_slabs(tmp_path: Path) -> None:
+    """The LMDB map holds the index only (format 4): 64 GiB of 2 MiB chunks take a map of
+    tens of MiB, and a tier written to its slabs' limit with the smallest payloads (the
+    most entries per byte) is told "slab full", never "index map full"."""
     gib = 1 << 30
     size = map_size_for(64 * gib, 2 << 20)
-    assert 64 * gib * 1.25 < size < 64 * gib * 1.27
-    assert map_size_for(1, 4096) >= 4 << 20
+    assert 32768 * 256 < size < 64 << 20
+    assert map_size_for(1, 4096) >= 8 << 20
+    payload = 4096
+    with open_tier(tmp_path, payload, max_bytes=1500 * payload) as tier:
+        keys = [random.Random(i).randbytes(32) for i in range(4000)]
+        results = [tier.put_many([(key, bytes(payload)) for key in keys[start:start + 200]])
+                   for start in range(0, len(keys), 200)]
+        written = sum(len(result.written) for result in results)
+        assert written >= 1500 and any(result.full for result in results)
+        assert all("slab full" in result.message for result in results if result.message)
+        assert tier.statistics().chunks == written

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lmdb
 import pytest
 import torch
 
+from tests.reliability import support
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import chunk_keys
-from tierkv.tiers.disk import shard_of
 
 BPC = 2
 LAYERS = 3
@@ -113,14 +112,11 @@ def test_restart_serves_disk_byte_exact_and_other_namespace_sees_nothing(tmp_pat
 
 
 def corrupt_one_value(store_dir: Path, key: bytes, offset: int) -> None:
-    env_dir = next(store_dir.glob("ns-*/rank-0")) / f"shard-{shard_of(key)}"
-    env = lmdb.open(str(env_dir), max_dbs=8, subdir=True)
-    chunks = env.open_db(b"chunks")
-    with env.begin(write=True) as txn:
+    """Flip a byte of ``key``'s value (its slot's header then payload) in place."""
+    with support.raw_env(next(store_dir.glob("ns-*/rank-0"))) as (txn, chunks, _):
         value = bytearray(txn.get(key, db=chunks))
         value[offset % len(value)] ^= 0x5A
         txn.put(key, bytes(value), db=chunks)
-    env.close()
 
 
 @pytest.mark.parametrize("offset", [0, 5, 17, 40, 300, -1])

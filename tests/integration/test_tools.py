@@ -1,10 +1,10 @@
 """``tierkv inspect``, ``tierkv verify`` and ``tierkv rm`` through ``tierkv.cli.main`` on real
-LMDB stores.
+stores (slab files indexed by LMDB).
 
-Corruption is injected at tierkv's own boundary: the tiers are closed, the environment is
-opened with ``lmdb`` directly and stored values are rewritten (a flipped payload byte, a
-flipped header byte, a truncated value, a value moved under another key, an index entry
-whose value is gone) or ``data.mdb`` is cut short.
+Corruption is injected at tierkv's own boundary: the tiers are closed, the index and slab
+are opened directly (``tests.reliability.support.raw_env``) and stored values are rewritten
+(a flipped payload byte, a flipped header byte, a truncated value, a value moved under
+another key, an index entry whose slot was zeroed) or ``data.mdb`` is cut short.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from tests.reliability import support
 from tierkv.cli import main
 from tierkv.config import DiskTierConfig
 from tierkv.keys import FORMAT_VERSION, Namespace
@@ -46,27 +47,20 @@ def make_store(root: Path, namespace: Namespace, count: int, first: int = 0) -> 
 
 
 def rewrite(env_path: Path, edits: dict[bytes, object]) -> None:
-    """Apply edits with lmdb directly: bytes = new value, None = delete the value only."""
-    env = lmdb.open(str(env_path), max_dbs=4, map_size=64 << 20)
-    try:
-        chunks = env.open_db(b"chunks")
-        with env.begin(write=True, db=chunks) as txn:
-            for key, value in edits.items():
-                if value is None:
-                    txn.delete(key)
-                else:
-                    txn.put(key, value)  # type: ignore[arg-type]
-    finally:
-        env.close()
+    """Apply edits to a (closed) shard directly: bytes = new value (header and payload, in
+    its slot), None = zero its slot only (the index still names it)."""
+    with support.raw_env(env_path) as (txn, chunks, _):
+        for key, value in edits.items():
+            if value is None:
+                txn.clear(key)
+            else:
+                assert isinstance(value, bytes)
+                txn.put(key, value, db=chunks)
 
 
 def stored_value(env_path: Path, key: bytes) -> bytes:
-    env = lmdb.open(str(env_path), max_dbs=4, readonly=True)
-    try:
-        with env.begin(db=env.open_db(b"chunks", create=False)) as txn:
-            return bytes(txn.get(key))
-    finally:
-        env.close()
+    with support.raw_env(env_path) as (txn, chunks, _):
+        return bytes(txn.get(key, db=chunks))
 
 
 def flip(value: bytes, position: int) -> bytes:
@@ -81,7 +75,9 @@ def store(tmp_path: Path) -> Path:
 
 
 def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    files = {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in store.rglob("data.mdb")}
+    files = {path: (path.stat().st_size, path.stat().st_mtime_ns)
+             for path in [*store.rglob("data.mdb"), *store.rglob("slab-*.kv")]}
+    assert any(path.name.startswith("slab-") for path in files)
     today = time.strftime("%Y-%m-%dT", time.gmtime())
     assert main(["inspect", str(store)]) == 0
     out = capsys.readouterr().out
@@ -95,10 +91,15 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
     reports = {item["fingerprint"]: item for item in json.loads(capsys.readouterr().out)}
     rank = reports[NS.fingerprint()]["ranks"][0]
     assert (rank["chunks"], rank["payload_bytes"], rank["payload_len"]) == (30, 30 * PAYLOAD, PAYLOAD)
+    rank_dir = store / f"ns-{NS.fingerprint()}" / "rank-0"  # the index and the slabs count
+    slabs = sum(path.stat().st_size for path in rank_dir.glob("shard-*/slab-*.kv"))
+    assert slabs >= 30 * PAYLOAD and rank["file_bytes"] == slabs + sum(
+        path.stat().st_size for path in rank_dir.glob("shard-*/data.mdb"))
     assert rank["newest"][0] == key_of(29).hex() and rank["oldest"][1] < rank["newest"][1]
     assert reports[OTHER.fingerprint()]["format_version"] == FORMAT_VERSION
     # Read-only: the data files are untouched (readers only register in lock.mdb).
-    assert {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in store.rglob("data.mdb")} == files
+    assert {path: (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in [*store.rglob("data.mdb"), *store.rglob("slab-*.kv")]} == files
 
 
 def test_verify_finds_every_corrupted_chunk_and_repair_keeps_the_good_ones(
@@ -111,7 +112,7 @@ def test_verify_finds_every_corrupted_chunk_and_repair_keeps_the_good_ones(
         key_of(7): flip(stored_value(env, key_of(7)), 0),  # the magic
         key_of(11): stored_value(env, key_of(11))[:-1],  # truncated
         key_of(15): stored_value(env, key_of(16)),  # another key's (valid) value
-        key_of(20): None,  # the index still lists it, its value is gone
+        key_of(20): None,  # the index still lists it, its slot was zeroed
     }
     rewrite(env, bad)
     rewrite(other_env, {key_of(102): flip(stored_value(other_env, key_of(102)), 30)})  # a header byte
@@ -121,7 +122,8 @@ def test_verify_finds_every_corrupted_chunk_and_repair_keeps_the_good_ones(
     out = capsys.readouterr().out
     reported = {bytes.fromhex(line.split()[-1]) for line in out.splitlines() if line.startswith("  bad chunk ")}
     assert reported == corrupted
-    assert out.splitlines()[-1].startswith("verified 34 chunks in 2 namespace(s): 6 bad, run with --repair")
+    # every index entry is checked (format 4), the one whose slot was zeroed too
+    assert out.splitlines()[-1].startswith("verified 35 chunks in 2 namespace(s): 6 bad, run with --repair")
     assert stored_value(env, key_of(3)) == bad[key_of(3)]  # verify alone changed nothing
 
     assert main(["verify", str(store), "--repair"]) == 1  # found bad ones (and deleted them)

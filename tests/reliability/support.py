@@ -1,6 +1,6 @@
 """Shared helpers of the reliability suite: one small KV geometry, chunk bytes derived from
-the chunk key alone, a TierKVStore factory, raw LMDB access for fault injection and a
-forkserver for child processes.
+the chunk key alone, a TierKVStore factory, raw access to the index and the slab files
+for fault injection and a forkserver for child processes.
 
 A chunk's bytes are a pure function of its key (:func:`payload_for`), and
 :func:`fill_chunk` lays them into the KV blocks so that the CPU slot, and therefore the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -28,6 +29,9 @@ from tierkv.core.jobs import Completion
 from tierkv.engine.store import TierKVStore, build_namespace
 from tierkv.keys import Namespace, chunk_keys
 from tierkv.tiers.disk import SHARDS, shard_of
+from tierkv.tiers.disk_format import (HEADER_BLOCK, IndexEntry, pack_index, parse_header,
+                                      slot_bytes_for, unpack_index)
+from tierkv.tiers.disk_slab import SLAB_NAME
 from tierkv.transfer.layout import KVLayout
 
 LAYERS = 2
@@ -179,41 +183,112 @@ def data_files(env_dir: Path) -> list[Path]:
     return [shard / "data.mdb" for shard in shard_dirs(env_dir)]
 
 
-class ShardedTxn:
-    """Write txns on every shard of a rank: ``get``/``put``/``delete`` go to the key's."""
+def slab_files(env_dir: Path) -> list[Path]:
+    """Every slab file (the payloads) of a rank directory's shards."""
+    return [shard / SLAB_NAME for shard in shard_dirs(env_dir)]
 
-    def __init__(self, txns: dict[int, tuple[lmdb.Transaction, dict[str, Any]]]) -> None:
+
+class ShardedTxn:
+    """Write txns on every shard of a rank: ``get``/``put``/``delete`` go to the key's.
+
+    ``db="index"`` is the raw index entry. ``db="chunks"`` is the chunk's *value* as format
+    3 stored it in LMDB, which format 4 splits between the index and the slab: the slot's
+    prefix and header, then its payload (``get``); ``put`` writes a value's prefix and
+    header into the key's slot (a new one at the slab's end for a key without an entry),
+    its payload after them (clipped to the slot), and points the index entry at it with the
+    sequence and checksum its header claims and the payload length the value has, so only
+    the checks of the slot's bytes decide (``delete`` drops the index entry)."""
+
+    def __init__(self, txns: dict[int, tuple[lmdb.Transaction, dict[str, Any], Path]]) -> None:
         self._txns = txns
 
-    def _of(self, key: bytes, db: str) -> tuple[lmdb.Transaction, Any]:
-        txn, dbs = self._txns[shard_of(key)] if len(self._txns) > 1 else self._txns[0]
-        return txn, dbs[db]
+    def _of(self, key: bytes, db: str) -> tuple[lmdb.Transaction, Any, Path]:
+        txn, dbs, path = self._txns[shard_of(key)] if len(self._txns) > 1 else self._txns[0]
+        return txn, dbs["index"], path
+
+    def _entry(self, key: bytes) -> IndexEntry | None:
+        txn, index, _ = self._of(key, "index")
+        raw = txn.get(key, db=index)
+        return None if raw is None else unpack_index(bytes(raw))
+
+    def _payload_len(self, fallback: int) -> int:
+        for txn, dbs, _ in self._txns.values():
+            for _, raw in txn.cursor(db=dbs["index"]):
+                entry = unpack_index(bytes(raw))
+                if entry is not None:
+                    return entry.payload_len
+        return fallback
 
     def get(self, key: bytes, db: str) -> Any:
-        txn, handle = self._of(key, db)
-        return txn.get(key, db=handle)
+        txn, index, path = self._of(key, db)
+        if db == "index":
+            return txn.get(key, db=index)
+        entry = self._entry(key)
+        if entry is None:
+            return None
+        slot_bytes = slot_bytes_for(entry.payload_len)
+        with open(path / SLAB_NAME, "rb") as slab:
+            slab.seek(entry.slot * slot_bytes)
+            block = slab.read(HEADER_BLOCK)
+            payload = slab.read(entry.payload_len)
+        header_len = min(int.from_bytes(block[2:4], "little"), 64)
+        return block[: 4 + header_len] + payload
 
     def put(self, key: bytes, value: bytes, db: str) -> bool:
-        txn, handle = self._of(key, db)
-        return bool(txn.put(key, value, db=handle))
+        txn, index, path = self._of(key, db)
+        if db == "index":
+            return bool(txn.put(key, value, db=index))
+        parsed = parse_header(value)
+        if isinstance(parsed, str):
+            fields, start = [0, 0, 0, 0], min(len(value), HEADER_BLOCK)
+        else:
+            fields, start = parsed
+        old = self._entry(key)
+        payload_len = old.payload_len if old is not None else self._payload_len(len(value) - start)
+        slot_bytes = slot_bytes_for(payload_len)
+        with open(path / SLAB_NAME, "r+b") as slab:
+            if old is not None:
+                slot = old.slot
+            else:
+                slab.seek(0, os.SEEK_END)
+                slot = -(-slab.tell() // slot_bytes)
+            slab.seek(slot * slot_bytes)
+            slab.write(value[:start].ljust(HEADER_BLOCK, b"\0"))
+            slab.write(value[start:][: slot_bytes - HEADER_BLOCK])
+            if slab.tell() < (slot + 1) * slot_bytes:
+                slab.truncate(max((slot + 1) * slot_bytes, os.fstat(slab.fileno()).st_size))
+        seq, check = (fields[2], fields[3]) if isinstance(parsed, tuple) else (
+            (old.seq, old.checksum) if old is not None else (1, 0))
+        entry = IndexEntry(0, slot, len(value) - start, seq, check)
+        return bool(txn.put(key, pack_index(entry), db=index))
 
     def delete(self, key: bytes, db: str) -> bool:
-        txn, handle = self._of(key, db)
-        return bool(txn.delete(key, db=handle))
+        txn, index, _ = self._of(key, db)
+        return bool(txn.delete(key, db=index))
+
+    def clear(self, key: bytes) -> None:
+        """Zero the key's slot, its index entry left naming it: the value is gone."""
+        entry = self._entry(key)
+        assert entry is not None, key
+        _, _, path = self._of(key, "chunks")
+        slot_bytes = slot_bytes_for(entry.payload_len)
+        with open(path / SLAB_NAME, "r+b") as slab:
+            slab.seek(entry.slot * slot_bytes)
+            slab.write(bytes(slot_bytes))
 
 
 @contextmanager
 def raw_env(env_dir: Path) -> Iterator[tuple[ShardedTxn, str, str]]:
-    """Write txns on a (closed) tier's environments, opened with lmdb directly:
-    (txn, chunks db, index db), the txn routing each key to its shard. Fault injection at
-    tierkv's boundary, not a mock."""
+    """Write txns on a (closed) tier's environments and slab files, opened directly:
+    (txn, "chunks", "index"), the txn routing each key to its shard (see
+    :class:`ShardedTxn`). Fault injection at tierkv's boundary, not a mock."""
     with ExitStack() as stack:
-        txns: dict[int, tuple[lmdb.Transaction, dict[str, Any]]] = {}
+        txns: dict[int, tuple[lmdb.Transaction, dict[str, Any], Path]] = {}
         for shard, path in enumerate(shard_dirs(env_dir)):
             env = lmdb.open(str(path), max_dbs=4, subdir=True)
             stack.callback(env.close)
-            dbs = {"chunks": env.open_db(b"chunks"), "index": env.open_db(b"index")}
-            txns[shard] = (stack.enter_context(env.begin(write=True)), dbs)
+            dbs = {"index": env.open_db(b"index")}
+            txns[shard] = (stack.enter_context(env.begin(write=True)), dbs, path)
         yield ShardedTxn(txns), "chunks", "index"
 
 
@@ -265,3 +340,17 @@ def damage_subdb(env_dir: Path, name: bytes, keys: Sequence[bytes] | None = None
         pgno, psize = subdb_root(shard, name)
         if pgno != 2**64 - 1:  # P_INVALID: an empty sub-database has no page to damage
             damage_page(shard, pgno, psize)
+
+
+def damage_slab(env_dir: Path, how: str, keys: Sequence[bytes] | None = None) -> None:
+    """Damage the slab file of every shard of ``env_dir`` (of those holding ``keys``, when
+    given): ``"missing"`` deletes it (the index still names its chunks: damage of the
+    environment), ``"truncated"`` cuts it to nothing (each chunk's slot is past its end)."""
+    shards = shard_dirs(env_dir)
+    if keys is not None:
+        shards = [shards[shard] for shard in sorted({shard_of(key) for key in keys})]
+    for shard in shards:
+        if how == "missing":
+            (shard / SLAB_NAME).unlink()
+        else:
+            os.truncate(shard / SLAB_NAME, 0)

@@ -42,6 +42,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "retry_after_full_seconds": [-1, NAN, "1", None, True],
         "reader_threads": [0, -1, 2.0, "4", True, None],
         "tune_malloc": ["no", 0, None],
+        "direct_io": ["yes", 1, None],
         "budget_check_seconds": [0, -1, NAN, "10", None, True],
     },
     "remote": {

@@ -5,8 +5,8 @@ The DiskTier's single-fault matrix (every header byte flipped, hypothesis bit fl
 each malformed header shape, a value copied under another key) lives in
 ``tests/integration/test_disk_tier.py``; this file adds the store's view of the same
 faults and bulk, mixed damage. Faults are injected at tierkv's boundary: the store is
-closed, the environment opened with ``lmdb`` directly, a value rewritten, and the store
-reopened (or, for bit rot, bytes of ``data.mdb`` flipped in place).
+closed, the index and slab opened directly (``support.raw_env``), a value rewritten, and the store
+reopened (or, for bit rot, bytes of a slab file flipped in place).
 
 Per fault, through the store: ``lookup`` still says hit (the index cannot know), the load
 reports the chunk in ``failed_keys`` and ``corrupt_keys``, its destination blocks keep
@@ -162,10 +162,10 @@ def test_a_chunk_gone_from_disk_is_a_miss_and_forgotten(tmp_path: Path) -> None:
 
 
 def _bit_rot(data_file: Path, needle: bytes, rng: random.Random) -> int:
-    """Flip one byte of ``needle``'s first occurrence inside ``data.mdb``, in place."""
+    """Flip one byte of ``needle``'s first occurrence inside ``data_file``, in place."""
     raw = bytearray(data_file.read_bytes())
     at = raw.find(needle)
-    assert at >= 0, "payload not found in data.mdb"
+    assert at >= 0, f"payload not found in {data_file.name}"
     position = at + rng.randrange(len(needle))
     raw[position] ^= 0x10
     data_file.write_bytes(bytes(raw))
@@ -173,8 +173,8 @@ def _bit_rot(data_file: Path, needle: bytes, rng: random.Random) -> int:
 
 
 def test_bit_rot_in_the_data_file_is_caught_for_every_damaged_chunk(tmp_path: Path) -> None:
-    """Bytes flipped in ``data.mdb`` itself (LMDB has no page checksums): only tierkv's
-    checksum can notice. A mixed bag of damaged chunks is found exactly, through reads,
+    """Bytes flipped in the slab files themselves (the filesystem has no checksums): only
+    tierkv's checksum can notice. A mixed bag of damaged chunks is found exactly, through reads,
     ``verify`` and the store."""
     rng = random.Random(7)
     kv = support.make_kv()
@@ -188,7 +188,7 @@ def test_bit_rot_in_the_data_file_is_caught_for_every_damaged_chunk(tmp_path: Pa
     for key in sorted(damaged):
         payload = support.payload_for(key)
         start = rng.randrange(len(payload) - 64)
-        _bit_rot(support.shard_dirs(env_dir)[shard_of(key)] / "data.mdb",
+        _bit_rot(support.slab_files(env_dir)[shard_of(key)],
                  payload[start : start + 64], rng)
     with DiskTier(tmp_path, support.namespace_of(), 0, support.store_config(tmp_path).disk,
                   support.CHUNK_BYTES) as tier:

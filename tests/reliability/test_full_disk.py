@@ -3,16 +3,17 @@ and the engine go on, and stores resume once space returns.
 
 Every test runs twice:
 - ``tmpfs``: the disk tier on a real 4 MiB filesystem (a tmpfs mounted for the test; this
-  needs root). The filesystem fills long before the disk cap, so LMDB's commits fail with
-  ENOSPC (or EIO from a short write). Space returns by deleting a file.
-- ``small-map``: the LMDB maps are shrunk to 4 MiB in all (``map_size_for`` patched: tierkv's own
-  boundary), so ``MapFullError`` is what fills. Space returns by reopening with the real
-  map (raising the cap). Where a tmpfs cannot be mounted, the ``tmpfs`` run falls back to
+  needs root). The filesystem fills long before the disk cap, so growing a slab
+  (``posix_fallocate``) or an index commit fails with ENOSPC (or EIO from a short write).
+  Space returns by deleting a file.
+- ``small-slab``: the slab files may grow to 4 MiB in all (``slab_slots_for`` patched:
+  tierkv's own boundary), so a slab at its limit is what fills. Space returns by
+  reopening with the real limit (raising the cap). Where a tmpfs cannot be mounted, the ``tmpfs`` run falls back to
   this one and says why in a warning (shown in pytest's summary).
 
 A third way space returns, for both: reopening with a lower ``disk.max_bytes`` evicts the
 oldest chunks and new stores land again. ``tests/integration/test_disk_tier.py`` and
-``test_disk_io.py`` cover a full map at the tier and I/O-thread level.
+``test_disk_io.py`` cover a full slab at the tier and I/O-thread level.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tests.reliability import support
 from tierkv.engine.store import TierKVStore
 from tierkv.tiers import disk as disk_module
 from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, shard_of
+from tierkv.tiers.disk_format import slot_bytes_for
 
 FS_SIZE = "4m"
 SMALL_MAP = 4 << 20
@@ -44,24 +46,25 @@ STORE_OPTIONS: dict[str, Any] = dict(cpu_chunks=8, write_through=True, retry_aft
 @dataclass
 class SmallDisk:
     root: Path  # disk.path
-    kind: str  # "tmpfs" or "small-map"
+    kind: str  # "tmpfs" or "small-slab"
     filler: Path | None
     monkeypatch: pytest.MonkeyPatch
 
     def make_room(self) -> None:
-        """tmpfs: delete a file (the store keeps running). small-map: restore the real map
+        """tmpfs: delete a file (the store keeps running). small-slab: restore the real slab limit
         size; the caller reopens to raise the cap."""
         if self.filler is not None:
             self.filler.unlink()
         else:
-            self.monkeypatch.setattr(disk_module, "map_size_for", _REAL_MAP_SIZE_FOR)
+            self.monkeypatch.setattr(disk_module, "slab_slots_for", _REAL_SLAB_SLOTS_FOR)
 
     @property
     def reopen_needed(self) -> bool:
         return self.filler is None
 
 
-_REAL_MAP_SIZE_FOR = disk_module.map_size_for
+_REAL_SLAB_SLOTS_FOR = disk_module.slab_slots_for
+SMALL_SLOTS = SMALL_MAP // SHARDS // slot_bytes_for(support.CHUNK_BYTES)  # per shard
 
 
 def _mount_tmpfs(path: Path) -> str | None:
@@ -78,7 +81,7 @@ def _mount_tmpfs(path: Path) -> str | None:
     return None
 
 
-@pytest.fixture(params=["tmpfs", "small-map"])
+@pytest.fixture(params=["tmpfs", "small-slab"])
 def small_disk(request: pytest.FixtureRequest, tmp_path: Path,
                monkeypatch: pytest.MonkeyPatch) -> Iterator[SmallDisk]:
     mount_point = tmp_path / "fs"
@@ -90,15 +93,15 @@ def small_disk(request: pytest.FixtureRequest, tmp_path: Path,
             mounted = True
         else:
             warnings.warn(f"full-disk test: cannot mount a {FS_SIZE} tmpfs ({reason}); "
-                          f"running it on a {SMALL_MAP >> 20} MiB LMDB map instead", stacklevel=1)
+                          f"running it on {SMALL_MAP >> 20} MiB of slabs instead", stacklevel=1)
     try:
         if mounted:
             filler = mount_point / "filler"
             filler.write_bytes(b"\0" * FILLER_BYTES)
             yield SmallDisk(mount_point / "cache", "tmpfs", filler, monkeypatch)
         else:
-            monkeypatch.setattr(disk_module, "map_size_for", lambda *args: SMALL_MAP // SHARDS)
-            yield SmallDisk(mount_point / "cache", "small-map", None, monkeypatch)
+            monkeypatch.setattr(disk_module, "slab_slots_for", lambda *args: SMALL_SLOTS)
+            yield SmallDisk(mount_point / "cache", "small-slab", None, monkeypatch)
     finally:
         if mounted:
             if subprocess.run(["umount", str(mount_point)], capture_output=True).returncode:

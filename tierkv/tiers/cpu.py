@@ -14,6 +14,7 @@ CUDA, or an allocation the system refuses.
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -58,9 +59,17 @@ class CpuSlab:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.pinned = pin
+        self._map: mmap.mmap | None = None
         try:
-            self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin)
-        except (RuntimeError, MemoryError) as exc:
+            if pin:  # cudaHostAlloc: page-aligned already
+                self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8,
+                                          pin_memory=True)
+            else:  # an anonymous map is page-aligned, so the disk tier's O_DIRECT writes go
+                # straight from the slots (torch.empty gives 64-byte alignment: a bounce copy)
+                self._map = mmap.mmap(-1, max(total, 1))
+                self.tensor = torch.frombuffer(self._map, dtype=torch.uint8,
+                                               count=total).view(num_slots, slot_bytes)
+        except (RuntimeError, MemoryError, OSError, ValueError) as exc:
             why = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
             hint = " or set cpu.pin_memory='never'" if pin else ""
             raise ConfigError(

@@ -1,21 +1,31 @@
-"""The disk tier: chunk payloads of one namespace and rank in :data:`SHARDS` LMDB
-environments, at ``root/ns-<fingerprint>/rank-<r>/shard-<s>/``, a chunk in the shard
-:func:`shard_of` its key (``docs/on-disk-format.md`` has every byte).
+"""The disk tier: chunk payloads of one namespace and rank in :data:`SHARDS` shards at
+``root/ns-<fingerprint>/rank-<r>/shard-<s>/``, a chunk in the shard :func:`shard_of` its
+key; each shard a slab file of fixed slots holding the payloads and an LMDB environment
+holding the index (key -> slab, slot, length, sequence, checksum).
+``docs/on-disk-format.md`` has every byte and the crash contract.
 
 Primitives and contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and (one
 :class:`DiskTier` holds bytes and starts no threads; it may be called from several threads:
 LMDB serializes write transactions, reads run concurrently):
 
-- ``put_many(items, deletes=())`` is one write txn per shard it touches (deletes, then
-  puts), ``delete_many`` too; ``write_lanes``/``lane_of`` tell an I/O layer which keys may
-  be written in parallel (another shard: another LMDB writer lock). A full map or a full
-  filesystem (ENOSPC, EDQUOT, or EIO from a short write with the filesystem out of space)
-  is ``PutResult.full``; the disk cap is soft here (the scheduler side accounts for it).
-  Pages a delete frees are reused by its own shard only.
-- ``read_into(key, out)`` is one short read txn: header and checksum verified, the payload
-  copied straight into ``out``; a bad value is deleted and counted.
-- ``scan(batch)`` reads the small "index" sub-db in short txns of ``batch`` keys (restart
-  warm without reading payloads); ``verify`` also checks the index against the values.
+- ``put_many(items, deletes=())``, per shard it touches: the payloads are written into
+  free slots of the slab (``pwrite``, ``O_DIRECT`` where the filesystem takes it), made
+  durable first when ``disk.sync_mode`` is ``always``, and only then is one index txn
+  committed (deletes, then the entries). Writing takes the shard's claim (one writing
+  process per shard). ``delete_many`` is one index txn per shard; a slot is free once the
+  txn that dropped its entry committed. ``write_lanes``/``lane_of`` tell an I/O layer which
+  keys may be written in parallel (another shard). A slab at its size limit, a full
+  filesystem (ENOSPC, EDQUOT, a short write) or a full index map is ``PutResult.full``; the
+  disk cap is soft here (the scheduler side accounts for it).
+- ``read_into(key, out)``: the index entry in one short read txn, then one ``pread`` of the
+  slot, its payload straight into ``out``; the slot's header must name the entry's sequence
+  and checksum and the payload match the checksum bound to key, namespace and rank. A bad
+  slot whose entry is still the one read is deleted and counted (an entry changed meanwhile
+  is read again).
+- ``sync()``: every slab's ``fdatasync``, then the index's (payloads before the index
+  that names them). ``trace`` (tests): called with each ordering event.
+- ``scan(batch)`` reads the index sub-db in short txns of ``batch`` keys (restart warm
+  without reading payloads); ``verify`` reads every entry's slot and checks it.
 - ``claim()`` makes this process the one writer of the rank's environments
   (``exclusive=True`` does it at open, before anything is judged or moved): a second
   claim, from any process, is refused with a :class:`ConfigError` naming the holder.
@@ -34,7 +44,6 @@ out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -52,10 +61,12 @@ from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
-from tierkv.tiers.disk_env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv, shard_of
+from tierkv.tiers.disk_env import SHARDS, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
-from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value, pack_index, unpack_index
-from tierkv.tiers.lmdb_tuning import MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap
+from tierkv.tiers.disk_format import HEADER_BLOCK, binding_of, check_slot, unpack_index
+from tierkv.tiers.disk_write import ShardWrites
+from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
+                                      slab_slots_for)
 from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.units import format_bytes
 
@@ -92,12 +103,13 @@ class DiskStatistics:
 
 def written_at(seq: int) -> float:
     """When the value of write sequence ``seq`` was written (seconds since the epoch; the
-    clock of the writing host, see :meth:`DiskTier._first_seq`)."""
+    clock of the writing host, see :meth:`ShardWrites._first_seq`)."""
     return seq // SHARDS / 1e6
 
 
 class DiskTier(LowerTier):
-    """Chunk payloads of one namespace and rank in LMDB. See the module docstring."""
+    """Chunk payloads of one namespace and rank in slab files indexed by LMDB. See the
+    module docstring."""
 
     def __init__(
         self,
@@ -112,6 +124,7 @@ class DiskTier(LowerTier):
         repair: bool = True,
         read_only: bool = False,
         shards: Sequence[int] | None = None,
+        trace: Callable[[str, int, int], None] | None = None,
     ) -> None:
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -134,7 +147,6 @@ class DiskTier(LowerTier):
              "full", "syncs", "write_txns"), 0)
         self._unsynced_bytes = 0
         self._last_sync = clock()
-        self._writers = [ValueWriter(payload_bytes, self._binding) for _ in range(SHARDS)]
         if config.tune_malloc:
             tune_malloc(config.write_batch_bytes)
         page = os.sysconf("SC_PAGE_SIZE")
@@ -143,6 +155,8 @@ class DiskTier(LowerTier):
             return SHARDS * map_size_for(shard_cap(cap, payload_bytes, SHARDS), payload_bytes, page)
 
         map_size = total_for(config.max_bytes) // SHARDS
+        slot_limit = slab_slots_for(shard_cap(config.max_bytes, payload_bytes, SHARDS),
+                                    payload_bytes)
         if map_size * SHARDS > MAP_LIMIT_BYTES:
             raise ConfigError(
                 f"{self._name}: disk.max_bytes={format_bytes(config.max_bytes)} needs "
@@ -160,8 +174,9 @@ class DiskTier(LowerTier):
                 self._shards.append(LmdbEnv(
                     self.root, namespace, rank, shard, map_size=map_size,
                     sync_always=config.sync_mode == "always", name=f"{self._name[:-1]}, shard "
-                    f"{shard})", clock=clock, exclusive=exclusive, repair=repair,
-                    read_only=read_only))
+                    f"{shard})", payload_bytes=payload_bytes, clock=clock,
+                    exclusive=exclusive, repair=repair, read_only=read_only,
+                    direct_io=config.direct_io))
         except BaseException:
             for env in self._shards:
                 env.close(sync=False)
@@ -170,6 +185,12 @@ class DiskTier(LowerTier):
         self.path = self._shards[0].rank_dir
         self.shard_paths = tuple(env.path for env in self._shards)
         self._env_of = {env.shard: env for env in self._shards}
+        # Tests: ``trace`` is called with (event, shard, slot) at each step the crash
+        # contract orders: "payload" (a slot written), "payload-sync", "index-commit" (per
+        # entry), "index-delete" (per entry dropped or replaced), "index-sync", "slot-free".
+        self._writes = ShardWrites(name=self._name, root=self.root, path=self.path,
+                                   payload_bytes=payload_bytes, config=config,
+                                   binding=self._binding, slot_limit=slot_limit, trace=trace)
 
     @property
     def map_size(self) -> int:  # all shards; grows when a map another process grew is adopted
@@ -216,24 +237,6 @@ class DiskTier(LowerTier):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _out_of_space(self, exc: lmdb.Error, num_items: int) -> bool:
-        """Whether a failed write txn of ``num_items`` values means the filesystem is full:
-        ENOSPC (``lmdb.DiskError``) or EDQUOT, or EIO from a short write (what ENOSPC looks
-        like on a full filesystem) when less is free than such a txn writes at least (a page
-        more per value, one value for deletes); any other EIO is a real I/O error."""
-        if isinstance(exc, lmdb.DiskError):
-            return True
-        text = str(exc)
-        if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
-            return True
-        if os.strerror(errno.EIO) not in text:
-            return False
-        try:
-            fs = os.statvfs(self.path)
-        except OSError:
-            return False
-        return fs.f_bavail * fs.f_frsize < max(num_items, 1) * (self.payload_bytes + 4096)
-
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():
@@ -265,14 +268,6 @@ class DiskTier(LowerTier):
                               f"{self.payload_bytes}")
         return view
 
-    @staticmethod
-    def _first_seq(shard: int, stored: bytes) -> int:
-        """A txn's first write sequence: after the shard's ``stored`` next one, at least the
-        wall clock in us (so the order holds across shards), and ``shard`` modulo
-        :data:`SHARDS` (so no two shards of a rank give the same number)."""
-        base = max(int.from_bytes(stored, "little"), time.time_ns() // 1000 * SHARDS)
-        return base + (shard - base) % SHARDS
-
     def _check_batch(self, batch: Any) -> None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
             raise ConfigError(f"{self._name}: batch must be a positive int, got {batch!r}")
@@ -288,11 +283,9 @@ class DiskTier(LowerTier):
         items: Sequence[tuple[bytes, memoryview | bytes]],
         deletes: Sequence[bytes] = (),
     ) -> PutResult:
-        """Delete ``deletes`` then write ``items`` in one write transaction.
-
-        When the map cannot take every item and there are deletes, the deletes are committed
-        first (LMDB reuses freed pages only two transactions later) and the items retried;
-        items that still do not fit come back in ``full``, the rest are written."""
+        """Delete ``deletes`` then write ``items``: per shard, payloads into slots, then one
+        index txn. Items that find no slot (the slab at its limit, the filesystem full) or
+        no room in the index come back in ``full``, the rest are written."""
         self._check_writable("writing chunks")
         views: list[tuple[bytes, memoryview | bytes]] = []
         for key, payload in items:
@@ -308,23 +301,27 @@ class DiskTier(LowerTier):
             self._shards[0].check_usable("writing chunks")
         landed: set[bytes] = set()
         full: list[bytes] = []
-        deleted, no_space = 0, False
+        deleted, why_full = 0, ""
         for shard in sorted(puts.keys() | drops.keys()):
-            lmdb_env = self._shards[shard]
+            lm = self._shards[shard]
             put, drop = puts.get(shard, []), tuple(drops.get(shard, ()))
-            done, no_room, gone, space = lmdb_env.run(
-                "writing chunks", partial(self._put, lmdb_env, pending=put, deletes=drop))
+            if put and not lm.claimed:
+                lm.claim()  # one writing process per shard: its slots are allocated here
+            done, no_room, gone, why = lm.run(
+                "writing chunks", partial(self._writes.put_shard, lm, items=put, deletes=drop))
             landed.update(done)
             full += no_room
-            deleted, no_space = deleted + gone, no_space or space
+            deleted, why_full = deleted + gone, why_full or why
         written = tuple(key for key, _ in views if key in landed)
         num_bytes = len(written) * self.payload_bytes
         self._count(bytes_written=num_bytes, puts=len(written), full=len(full),
                     write_txns=len(puts.keys() | drops.keys()))
         message = None
         if full:
-            what, hint = (("filesystem", f"free space under {self.root} or lower disk.max_bytes")
-                          if no_space else ("map", "raise disk.max_bytes"))
+            what, hint = {
+                "space": ("filesystem", f"free space under {self.root} or lower disk.max_bytes"),
+                "map": ("index map", "raise disk.max_bytes"),
+            }.get(why_full, ("slab", "raise disk.max_bytes"))
             message = (f"{self._name}: {what} full writing chunk {short_key(full[0])} "
                        f"({len(full)} chunk(s) not written; {hint}, now "
                        f"{format_bytes(self.config.max_bytes)})")
@@ -332,107 +329,16 @@ class DiskTier(LowerTier):
         self._after_commit(num_bytes)
         return PutResult(written, tuple(full), deleted, num_bytes, message)
 
-    def _put(self, lm: LmdbEnv, env: lmdb.Environment,
-             pending: list[tuple[bytes, memoryview | bytes]], deletes: tuple[bytes, ...],
-             ) -> tuple[tuple[bytes, ...], tuple[bytes, ...], int, bool]:
-        """(written, full, deleted, filesystem full) of one ``put_many``."""
-        full: list[bytes] = []
-        settled, deleted, failed_at = 0, 0, None
-        no_space = False  # the filesystem (not the map) is full
-        readers_checked = False
-        while pending or deletes:
-            try:
-                failed_at, deleted = self._write_txn(lm, env, pending, deletes)
-            except lmdb.MapFullError:  # raised by commit: retry without the last item
-                failed_at, deleted = len(pending) - 1, 0
-            except lmdb.Error as exc:
-                if not self._out_of_space(exc, len(pending)):
-                    raise
-                # nothing of this txn landed; after deletes settle, retry once, then give up
-                failed_at, deleted, no_space = 0, 0, True
-            if failed_at is None:
-                break
-            if deletes:  # LMDB reuses pages freed by txn T from txn T+2 on
-                settled, deletes = self._settle_deletes(lm, env, deletes), ()
-                continue
-            if not no_space and not readers_checked:
-                readers_checked = True  # a dead reader may pin the pages we need
-                if lm.clear_stale_readers(env):
-                    continue
-            full[:0] = [key for key, _ in pending[failed_at:]]
-            pending = pending[:failed_at]
-        return tuple(key for key, _ in pending), tuple(full), deleted + settled, no_space
-
-    def _write_txn(
-        self, lm: LmdbEnv, env: lmdb.Environment, items: list[tuple[bytes, memoryview | bytes]],
-        deletes: Sequence[bytes],
-    ) -> tuple[int | None, int]:
-        """One txn; returns (index of the first item the map could not take or None, deleted).
-        The write sequence is read and advanced inside the txn, so it stays strictly
-        increasing across threads and processes (LMDB serializes writers)."""
-        txn = env.begin(write=True)
-        try:
-            deleted = 0
-            for key in deletes:
-                deleted += bool(txn.delete(key, db=lm.chunks))
-                txn.delete(key, db=lm.index)
-            if items:
-                seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
-                if seq_raw is None or len(seq_raw) != 8:
-                    raise FilesDamaged("next_seq record missing or malformed")
-                seq, writer = self._first_seq(lm.shard, seq_raw), self._writers[lm.shard]
-                for position, (key, payload) in enumerate(items):
-                    try:
-                        txn.put(key, writer.build(key, payload, seq), db=lm.chunks)
-                        txn.put(key, pack_index(self.payload_bytes, seq), db=lm.index)
-                    except lmdb.MapFullError:
-                        txn.abort()
-                        return position, 0
-                    seq += SHARDS
-                txn.put(META_NEXT_SEQ, seq.to_bytes(8, "little"), db=lm.meta)
-            txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
-        return None, deleted
-
-    def _settle_deletes(self, lm: LmdbEnv, env: lmdb.Environment,
-                        deletes: Sequence[bytes]) -> int:
-        """Commit ``deletes`` alone, then one small txn, so the next txn can reuse their pages."""
-        deleted = self._delete_txn(lm, env, deletes)
-        try:
-            with env.begin(write=True) as txn:
-                seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
-                if seq_raw is not None:
-                    txn.put(META_NEXT_SEQ, seq_raw, db=lm.meta)
-        except lmdb.Error as exc:  # full: the retry reports its keys as full
-            if not isinstance(exc, lmdb.MapFullError) and not self._out_of_space(exc, 0):
-                raise
-        return deleted
-
-    def _delete_txn(self, lm: LmdbEnv, env: lmdb.Environment, keys: Sequence[bytes]) -> int:
-        try:
-            return self._write_txn(lm, env, [], keys)[1]
-        except lmdb.MapFullError:  # copy-on-write needs a few pages even to delete
-            logger.warning("%s: map full even for %d delete(s); raise disk.max_bytes, now %s",
-                           self._name, len(keys), format_bytes(self.config.max_bytes))
-            return 0
-        except lmdb.Error as exc:
-            if not self._out_of_space(exc, 0):
-                raise
-            logger.warning("%s: filesystem full even for %d delete(s); free space under %s",
-                           self._name, len(keys), self.root)
-            return 0
-
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete ``keys`` (absent ones are ignored) in one write txn; returns how many existed."""
+        """Delete ``keys`` (absent ones are ignored) in one index txn per shard; returns how
+        many existed. Their slots are free from then on."""
         self._check_writable("deleting chunks")
         for key in keys:
             self._check_key(key)
         if not keys:
             self._shards[0].check_usable("deleting chunks")
         return sum(self._shards[shard].run("deleting chunks", partial(
-            self._delete_txn, self._shards[shard], keys=group))
+            self._writes.delete_shard, self._shards[shard], keys=group))
             for shard, group in self._by_shard(keys).items())
 
     def _after_commit(self, num_bytes: int) -> None:
@@ -458,20 +364,42 @@ class DiskTier(LowerTier):
         return due
 
     def sync(self) -> None:
-        """fsync everything committed so far (the durability point); nothing to do read-only."""
+        """fsync everything committed so far (the durability point): per shard, the slab's
+        payloads first, then the index; nothing to do read-only."""
         if self.read_only:
             self._shards[0].check_usable("syncing")
             return
         with self._stats_lock:  # commits during the fsync count toward the next one
             unsynced, started = self._unsynced_bytes, self._clock()
-        for shard in self._shards:
-            shard.run("syncing", lambda env: env.sync(True))
+        for lm in self._shards:
+            lm.run("syncing", partial(self._writes.sync_shard, lm))
         with self._stats_lock:
             self._counts["syncs"] += 1
             self._unsynced_bytes -= unsynced
             self._last_sync = started
 
     # -- reads -----------------------------------------------------------------------------
+
+    def _read_slot(self, lm: LmdbEnv, key: bytes, raw: bytes | None,
+                   out: memoryview) -> str | None:
+        """None when the slot the index entry ``raw`` names holds ``key``'s payload (now in
+        ``out``), else what is wrong."""
+        entry = unpack_index(raw)
+        if entry is None:
+            return "malformed index entry"
+        if shard_of(key) != lm.shard:
+            return f"found in shard {lm.shard}, its key's shard is {shard_of(key)}"
+        if entry.slab != 0:
+            return f"index names slab {entry.slab}, which this format does not have"
+        if entry.payload_len != self.payload_bytes:
+            return (f"index says {entry.payload_len} payload bytes, the tier stores "
+                    f"{self.payload_bytes}")
+        if lm.slab is None:
+            return "slab file missing"
+        head, count = lm.slab.read(entry.slot, out)
+        if count < HEADER_BLOCK + self.payload_bytes:
+            return f"slot {entry.slot} is past the slab's end (truncated)"
+        return check_slot(self._binding, key, head, entry, self.payload_bytes, out)
 
     def read_into(self, key: bytes, out: memoryview) -> ReadStatus:
         """Copy the verified payload of ``key`` into ``out[:payload_bytes]``."""
@@ -482,41 +410,50 @@ class DiskTier(LowerTier):
                                  writable=True)
         lm = self._shard(key)
 
-        def read(env: lmdb.Environment) -> tuple[bool, str | None]:
-            with env.begin(db=lm.chunks, buffers=True) as txn:
-                value = txn.get(key)  # py-lmdb touches each page first, GIL released
-                found = value is not None
-                problem = check_value(self._binding, key, value, self.payload_bytes,
-                                      out) if found else None
-                del value  # LMDB's buffer is valid only inside the txn
-            return found, problem
+        def read(env: lmdb.Environment) -> tuple[bytes | None, str | None]:
+            with env.begin(db=lm.index) as txn:
+                raw = txn.get(key)
+            if raw is None:
+                return None, None
+            return raw, self._read_slot(lm, key, raw, out)
 
-        found, problem = lm.run("reading chunk", read, key)
-        if not found:
+        def still(env: lmdb.Environment, raw: bytes) -> bool:
+            with env.begin(db=lm.index) as txn:
+                return txn.get(key) == raw
+
+        for _ in range(3):  # an entry rewritten or deleted while its slot was read: again
+            raw, problem = lm.run("reading chunk", read, key)
+            if raw is None:
+                break
+            if problem is None:
+                self._count(reads=1, hits=1, bytes_read=self.payload_bytes)
+                return ReadStatus.OK
+            if self.read_only and lm.run("reading chunk", partial(still, raw=raw), key):
+                break
+            if not self.read_only and lm.run("deleting chunk", partial(
+                    self._writes.delete_shard, lm, keys=[key], expect=raw), key):
+                break
+        else:
+            raw = None
+        if raw is None:
             self._count(reads=1, misses=1)
             return ReadStatus.MISSING
-        if problem is None:
-            self._count(reads=1, hits=1, bytes_read=self.payload_bytes)
-            return ReadStatus.OK
         self._count(reads=1, misses=1, corrupt=1)
         logger.warning("%s: corrupt chunk %s (%s)%s", self._name, short_key(key), problem,
                        "" if self.read_only else "; deleted it")
-        if not self.read_only:
-            self.delete_many([key])
         return ReadStatus.CORRUPT
 
     @staticmethod
     def _rows_after(txn: Any, db: Any, last: bytes | None,
                     batch: int) -> list[tuple[bytes, Any]]:
-        """Up to ``batch`` (key, value) rows of ``db`` after key ``last``, in ``txn`` (in a
-        ``buffers=True`` txn the values are LMDB's buffers, valid only inside it)."""
+        """Up to ``batch`` (key, value) rows of ``db`` after key ``last``, in ``txn``."""
         rows: list[tuple[bytes, Any]] = []
         cursor = txn.cursor(db=db)
         more = cursor.set_range(last) if last is not None else cursor.first()
         if more and last is not None and bytes(cursor.key()) == last:
             more = cursor.next()
         while more and len(rows) < batch:
-            rows.append((bytes(cursor.key()), cursor.value()))
+            rows.append((bytes(cursor.key()), bytes(cursor.value())))
             more = cursor.next()
         return rows
 
@@ -549,21 +486,22 @@ class DiskTier(LowerTier):
                     if last is not None:
                         last = None
                         continue
-                records += [ChunkRecord(key, *parsed) for key, raw in rows
-                            if (parsed := unpack_index(raw)) is not None]
+                records += [ChunkRecord(key, entry.payload_len, entry.seq) for key, raw in rows
+                            if (entry := unpack_index(raw)) is not None]
                 if len(rows) < batch:
                     return records
                 last = rows[-1][0]
 
     def verify(self, repair: bool = False, batch: int = 64,
                progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Check every value's header and checksum, its shard and the index; ``repair``
-        deletes bad keys.
+        """Read and check every index entry's slot (header, sequence, checksum) and its
+        shard; ``repair`` deletes bad keys.
 
-        Each batch is listed and checked inside one short read txn (one snapshot), so a
-        chunk that another thread or process deletes meanwhile is simply not seen, never
-        reported bad. Damage of a shard's environment is reported in ``damaged`` (see
-        :class:`VerifyReport`); where it may not be repaired, :class:`DamagedError` says why."""
+        Each batch of entries is listed in one short read txn; an entry that fails is read
+        again from the index, so a chunk another thread or process rewrote or deleted
+        meanwhile is checked anew or not at all, never reported bad. Damage of a shard's
+        environment is reported in ``damaged`` (see :class:`VerifyReport`); where it may
+        not be repaired, :class:`DamagedError` says why."""
         self._check_batch(batch)
         if repair:
             self._check_writable("repairing")
@@ -583,53 +521,57 @@ class DiskTier(LowerTier):
             if lm.replacements != replaced:  # rebuilt empty: nothing of it is left
                 damaged.append(str(lm.last_damage))
                 continue
-            checked, bad = checked + count, bad + found
-            if repair and found:
-                repaired += lm.run("repairing", partial(self._delete_txn, lm, keys=found))
+            checked, bad = checked + count, bad + [key for key, _ in found]
+            for key, raw in found if repair else ():
+                repaired += lm.run("repairing", partial(self._writes.delete_shard, lm, keys=[key],
+                                                        expect=raw))
         return VerifyReport(checked, tuple(bad), repaired,
                             damaged="; ".join(damaged) or None, rebuilt=bool(damaged))
 
     def _verify_shard(self, lm: LmdbEnv, batch: int, scratch: memoryview,
-                      progress: Callable[[int], None]) -> tuple[int, list[bytes]]:
-        """(values checked, bad keys) of one shard: values failing their checks, in the
-        wrong shard or without a good index entry; index entries without a value."""
+                      progress: Callable[[int], None]) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """(entries checked, (bad key, its entry)) of one shard."""
 
-        def bad_after(env: lmdb.Environment, last: bytes | None,
-                      values: bool) -> tuple[list[bytes], list[bytes]]:
-            """The next ``batch`` keys after ``last`` of the values (else of the index), and
-            the bad ones."""
-            chunks, index = lm.chunks, lm.index
-            with env.begin(buffers=True) as txn:
-                rows = self._rows_after(txn, chunks if values else index, last, batch)
-                keys = [key for key, _ in rows]
-                if not values:
-                    return keys, [key for key in keys if txn.get(key, db=chunks) is None]
-                return keys, [key for key, value in rows if shard_of(key) != lm.shard
-                              or check_value(self._binding, key, value, self.payload_bytes,
-                                             scratch) is not None
-                              or unpack_index(bytes(txn.get(key, db=index) or b"")) is None]
+        def rows_after(env: lmdb.Environment, last: bytes | None) -> list[tuple[bytes, bytes]]:
+            with env.begin(db=lm.index) as txn:
+                return self._rows_after(txn, lm.index, last, batch)
 
-        bad: dict[bytes, None] = {}
+        def bad_of(env: lmdb.Environment, key: bytes, raw: bytes) -> bytes | None:
+            """The entry of ``key`` that fails its checks, reading it again when it does."""
+            for _ in range(3):
+                if self._read_slot(lm, key, raw, scratch) is None:
+                    return None
+                with env.begin(db=lm.index) as txn:
+                    now = txn.get(key)
+                if now is None:
+                    return None
+                if now == raw:
+                    return raw
+                raw = now
+            return None
+
+        bad: list[tuple[bytes, bytes]] = []
         checked, replaced = 0, lm.replacements
-        for values in (True, False):
-            last: bytes | None = None
-            while lm.replacements == replaced:
-                keys, found = lm.run("verifying", partial(bad_after, last=last, values=values))
-                if values:
-                    checked += len(keys)
-                    progress(checked)
-                bad.update(dict.fromkeys(found))
-                if len(keys) < batch:
-                    break
-                last = keys[-1]
-        return checked, list(bad)
+        last: bytes | None = None
+        while lm.replacements == replaced:
+            rows = lm.run("verifying", partial(rows_after, last=last))
+            for key, raw in rows:
+                found = lm.run("verifying", partial(bad_of, key=key, raw=raw))
+                if found is not None:
+                    bad.append((key, found))
+            checked += len(rows)
+            progress(checked)
+            if len(rows) < batch:
+                break
+            last = rows[-1][0]
+        return checked, bad
 
     # -- life cycle ------------------------------------------------------------------------
 
     def statistics(self) -> DiskStatistics:
         def count(lm: LmdbEnv, env: lmdb.Environment) -> int:
             with env.begin() as txn:
-                return int(txn.stat(lm.chunks)["entries"])
+                return int(txn.stat(lm.index)["entries"])
 
         chunks = sum(lm.run("counting chunks", partial(count, lm)) for lm in self._shards)
         with self._stats_lock:
@@ -641,7 +583,10 @@ class DiskTier(LowerTier):
 
     def close(self) -> None:
         """Sync and close; idempotent."""
-        synced = [lm.close(sync=True) for lm in self._shards]
+        try:
+            synced = [lm.close(sync=True) for lm in self._shards]
+        finally:
+            self._writes.close()  # after the shards: no batch is in flight any more
         if any(synced):
             self._count(syncs=1)
 

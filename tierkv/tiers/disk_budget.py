@@ -220,7 +220,7 @@ def _holding(ns_dir: Path, own: tuple[str, int] | None) -> Holding:
             continue
         rank_bytes = tree_bytes(entry)
         holding.file_bytes += rank_bytes
-        for data in entry.glob("shard-*/data.mdb"):
+        for data in [*entry.glob("shard-*/data.mdb"), *entry.glob("shard-*/slab-*.kv")]:
             with suppress(OSError):
                 holding.last_used = max(holding.last_used, data.stat().st_mtime)
         who = next((found for env in _rank_environments(entry)

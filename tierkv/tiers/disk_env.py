@@ -1,7 +1,9 @@
 """One LMDB environment of the disk tier, kept trustworthy and usable under its calls.
 
-:class:`LmdbEnv` owns ``root/ns-<fingerprint>/rank-<r>/shard-<s>``: one LMDB environment,
-its three sub-dbs, the writer claim and the checks around them. A rank's chunks are spread
+:class:`LmdbEnv` owns ``root/ns-<fingerprint>/rank-<r>/shard-<s>``: one LMDB environment
+(the index: sub-dbs ``meta`` and ``index``), the shard's slab file of payloads
+(:class:`~tierkv.tiers.disk_slab.SlabFile`, ``slab``), the writer claim and the checks
+around them. A rank's chunks are spread
 over :data:`SHARDS` such environments by :func:`shard_of` (each has its own writer lock, so
 their commits run in parallel). :class:`~tierkv.tiers.disk.DiskTier` does its reads and
 writes through :meth:`LmdbEnv.run`.
@@ -23,7 +25,8 @@ Primitives and contracts:
   ``MDB_MAP_RESIZED`` adopts the map another process grew; a full reader table clears
   stale readers; **damage** (:data:`DAMAGE_ERRORS`: what LMDB reports as corrupt, a panic,
   or what tierkv finds, :class:`FilesDamaged`) moves the environment aside
-  (``.broken-<time>``) and opens an empty one, the retried call running on it. Repair
+  (``.broken-<time>``, the slab file with it) and opens an empty one, the retried call
+  running on it. Repair
   needs ``repair`` and the claim (taken then if no other process holds it); otherwise
   :class:`DamagedError`, nothing changed. Other LMDB errors are :class:`BrokenError`.
 - ``claim()`` makes this process the environment's one writer (an ``flock``); refused with
@@ -58,6 +61,7 @@ from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, che
                                      list_namespaces, make_private_dir, move_aside,
                                      namespace_record, prepare_root, read_private_file,
                                      write_private_file)
+from tierkv.tiers.disk_slab import SLAB_NAME, SlabFile
 from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")
@@ -150,12 +154,15 @@ class LmdbEnv:
     """One namespace and rank's environment; see the module docstring."""
 
     def __init__(self, root: Path, namespace: Namespace, rank: int, shard: int, *, map_size: int,
-                 sync_always: bool, name: str, clock: Callable[[], float] = time.monotonic,
-                 exclusive: bool = False, repair: bool = True, read_only: bool = False) -> None:
+                 sync_always: bool, name: str, payload_bytes: int,
+                 clock: Callable[[], float] = time.monotonic, exclusive: bool = False,
+                 repair: bool = True, read_only: bool = False, direct_io: bool = True) -> None:
         self.root = Path(root)
         self.namespace = namespace
         self.rank, self.shard = rank, shard
         self.map_size = map_size
+        self.payload_bytes = payload_bytes
+        self._direct_io = direct_io
         self.read_only = read_only
         self.repair = repair and not read_only
         self.fingerprint = namespace.fingerprint()
@@ -175,8 +182,9 @@ class LmdbEnv:
         self.replacements = 0  # times it was moved aside and started empty
         self.last_damage: str | None = None
         self._owner: OwnerLock | None = None
+        self._claim_lock = threading.Lock()
         self._env: lmdb.Environment | None = None
-        self.chunks: Any = None
+        self.slab: SlabFile | None = None
         self.index: Any = None
         self.meta: Any = None
         self._data_fd: int | None = None
@@ -248,8 +256,9 @@ class LmdbEnv:
         """Make this process the one writer of the environment (idempotent)."""
         if self.read_only:
             raise UsageError(f"{self._name}: opened read-only; it cannot claim {self.path}")
-        if self._owner is None:
-            self._owner = OwnerLock(self.path, self._name)
+        with self._claim_lock:  # two threads' first writes claim once
+            if self._owner is None:
+                self._owner = OwnerLock(self.path, self._name)
 
     def unclaim(self) -> None:
         owner, self._owner = self._owner, None
@@ -282,7 +291,7 @@ class LmdbEnv:
         writable = not self.read_only
         if writable:
             make_private_dir(self.path)
-        for name in _ENV_FILES:
+        for name in (*_ENV_FILES, SLAB_NAME):
             if check_file(self.path / name, fix=writable) is Trust.FOREIGN:
                 raise FilesDamaged(f"{name} is not a regular file that only this user can write")
         fresh = not (self.path / "data.mdb").exists()
@@ -294,22 +303,32 @@ class LmdbEnv:
             writemap=False, meminit=True, max_dbs=MAX_DBS, lock=True, readonly=not writable,
         )
         data_fd: int | None = None
+        slab: SlabFile | None = None
         try:
             data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             floor = self._check_file_size(env, data_fd)
             self.clear_stale_readers(env)  # before any txn: dead readers may fill the table
             with self.random_access(data_fd):  # a few pages, not the read-ahead around each
-                meta, chunks, index = (self._open_db(env, name)
-                                       for name in (b"meta", b"chunks", b"index"))
-                self._check_meta(env, meta, chunks)
+                meta, index = (self._open_db(env, name) for name in (b"meta", b"index"))
+                entries = self._check_meta(env, meta, index)
+            if entries and not os.path.lexists(self.path / SLAB_NAME):
+                raise FilesDamaged(f"{SLAB_NAME} missing while the index names {entries} "
+                                   f"chunk(s)")
+            try:  # read-only beside an empty index and no slab yet: no slab (no chunks)
+                if writable or os.path.lexists(self.path / SLAB_NAME):
+                    slab = SlabFile(self.path / SLAB_NAME, self.payload_bytes,
+                                    read_only=not writable, direct_io=self._direct_io)
+            except OSError as exc:
+                raise BrokenError(f"{self._name}: cannot open {self.path / SLAB_NAME}: {exc} "
+                                  f"(check disk.path permissions)") from exc
         except BaseException:
             if data_fd is not None:
                 os.close(data_fd)
             env.close()
             raise
-        for name in _ENV_FILES:
-            check_file(self.path / name, fix=writable)  # created by LMDB: clears read bits
-        self._env, self.chunks, self.index, self.meta = env, chunks, index, meta
+        for name in (*_ENV_FILES, SLAB_NAME):
+            check_file(self.path / name, fix=writable)  # created here: clears read bits
+        self._env, self.slab, self.index, self.meta = env, slab, index, meta
         self._data_fd, self._data_floor = data_fd, floor
         if fresh and self.shard == 0:
             self._warn_old_formats()
@@ -329,16 +348,18 @@ class LmdbEnv:
             raise FilesDamaged(f"data.mdb has {actual} bytes, its meta page needs {needed}")
         return actual
 
-    def _check_meta(self, env: lmdb.Environment, meta: Any, chunks: Any) -> None:
+    def _check_meta(self, env: lmdb.Environment, meta: Any, index: Any) -> int:
+        """Check the meta records (a fresh environment gets them); the index's entries."""
         with env.begin(write=not self.read_only) as txn:
             raw = txn.get(META_NAMESPACE, db=meta)
+            entries = int(txn.stat(index)["entries"])
             if raw is None:
-                if txn.stat(chunks)["entries"]:
+                if entries:
                     raise FilesDamaged("chunks present but no namespace record")
                 if not self.read_only:
                     txn.put(META_NAMESPACE, self._meta_raw, db=meta)
                     txn.put(META_NEXT_SEQ, (1).to_bytes(8, "little"), db=meta)
-                return
+                return 0
             try:
                 stored = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0)
             except Exception as exc:
@@ -357,6 +378,7 @@ class LmdbEnv:
             seq_raw = txn.get(META_NEXT_SEQ, db=meta)
             if seq_raw is None or len(seq_raw) != 8:
                 raise FilesDamaged("next_seq record missing or malformed")
+            return entries
 
     def _warn_old_formats(self) -> None:
         old = [info for info in list_namespaces(self.root) if info.format_version != FORMAT_VERSION]
@@ -364,9 +386,12 @@ class LmdbEnv:
             logger.warning(
                 "%s: %s holds %d namespace(s) of another tierkv format (%s); this tierkv "
                 "(format %d) never reads them and starts this namespace empty. Delete them when "
-                "no older tierkv uses them (tierkv inspect %s lists them)", self._name, self.root,
-                len(old), ", ".join(f"{info.path.name} v{info.format_version}" for info in old),
-                FORMAT_VERSION, self.root)
+                "no older tierkv uses them: %s (tierkv inspect %s lists them)", self._name,
+                self.root, len(old),
+                ", ".join(f"{info.path} v{info.format_version}" for info in old),
+                FORMAT_VERSION, "; ".join(
+                    f"tierkv rm {self.root} --namespace {info.fingerprint} --yes"
+                    for info in old), self.root)
 
     # -- damage, resizes, stale readers -----------------------------------------------------
 
@@ -386,6 +411,9 @@ class LmdbEnv:
 
     def _close_env(self) -> None:
         env, self._env = self._env, None
+        slab, self.slab = self.slab, None
+        if slab is not None:
+            slab.close()
         fd, self._data_fd = self._data_fd, None
         if fd is not None:
             os.close(fd)
@@ -587,9 +615,12 @@ class LmdbEnv:
         with self._guard.exclusive():
             try:
                 if self._env is not None and sync and not self.read_only:
+                    if self.slab is not None:  # payloads before the index that names them
+                        self.slab.shrink_to_used()
+                        self.slab.sync()
                     self._env.sync(True)
                     synced = True
-            except lmdb.Error as exc:  # committed data survives a crash; only the fsync failed
+            except (lmdb.Error, OSError) as exc:  # committed data survives a crash; only the fsync failed
                 logger.warning("%s: sync at close failed (%s); what was written since the last "
                                "sync may not survive a power loss", self._name, exc)
             finally:

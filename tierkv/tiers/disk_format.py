@@ -15,8 +15,16 @@ Primitives and contracts:
   binding, key and payload size; it copies the payload into the caller's buffer and then
   verifies the checksum there. It never unpickles or evaluates anything; msgpack input is
   bounded.
-- :func:`pack_index` / :func:`unpack_index`: the "index" sub-db value ``<QQ`` (payload
-  length, seq), so a restart rebuilds its index without reading payloads.
+- A slab slot (:func:`slot_bytes_for`) is a :data:`HEADER_BLOCK` holding the value's
+  prefix and header (zero padded), then the payload, padded to :data:`ALIGN`; so a payload
+  is written and read at an aligned offset (``O_DIRECT``).
+- :func:`seal` gives a slot's header block and checksum; :func:`check_slot` accepts a
+  slot only if its header is what this build writes, names the index entry's sequence,
+  length and checksum, and the payload (already in the caller's buffer) matches the
+  checksum bound to key, namespace and rank.
+- :class:`IndexEntry` / :func:`pack_index` / :func:`unpack_index`: the "index" sub-db value
+  ``<IQQQQ`` (slab, slot, payload length, seq, checksum): where a chunk is and what its
+  slot must hold; a restart rebuilds from it without reading payloads.
 
 The environment's layout and sizing are :mod:`tierkv.tiers.disk_env` and
 :mod:`tierkv.tiers.lmdb_tuning` (malloc: :mod:`tierkv.tiers.malloc_tuning`); files and
@@ -26,7 +34,7 @@ directories :mod:`tierkv.tiers.disk_files`.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -36,10 +44,11 @@ from tierkv.keys import FORMAT_VERSION
 
 MAGIC = b"TK"
 MAX_HEADER_BYTES = 64
-LMDB_PAGE_HEADER = 16  # bytes before the data on an LMDB overflow page
 _PREFIX = struct.Struct("<2sH")  # magic, msgpack header length
 _FIXED = struct.Struct("<QQQ")  # format version, payload length, seq: fed to the checksum
-_INDEX = struct.Struct("<QQ")  # "index" sub-db value: payload length, seq
+_INDEX = struct.Struct("<IQQQQ")  # "index" value: slab, slot, payload length, seq, checksum
+ALIGN = 4096  # slots, and payloads inside them, start at multiples of this (O_DIRECT)
+HEADER_BLOCK = ALIGN  # a slot's first block: prefix + header, zero padded
 _RANK = struct.Struct("<I")
 MAX_VALUE_OVERHEAD = _PREFIX.size + MAX_HEADER_BYTES
 
@@ -97,8 +106,27 @@ class ValueWriter:
 
 def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
                 out: memoryview) -> str | None:
-    """None when ``value`` is a good value of ``key`` under ``binding`` (its payload is then
+    """None when ``value`` (prefix, header and payload, contiguous: what a slot holds
+    without its padding) is a good value of ``key`` under ``binding`` (its payload is then
     in ``out``), else what is wrong with it."""
+    parsed = parse_header(value)
+    if isinstance(parsed, str):
+        return parsed
+    (version, payload_len, seq, expected), start = parsed
+    if payload_len != payload_bytes:
+        return f"payload length field {payload_len}, the tier stores {payload_bytes}"
+    if len(value) - start != payload_len:
+        return f"payload has {len(value) - start} bytes, header says {payload_len}"
+    target = out[:payload_len]
+    copy_bytes(target, value[start:])
+    if checksum(binding, key, version, payload_len, seq, target) != expected:
+        return "checksum mismatch (damaged, or a value of another key, namespace or rank)"
+    return None
+
+
+def parse_header(value: Any) -> tuple[list[int], int] | str:
+    """(the 4 header fields, where the payload starts) of a value's prefix and header, or
+    what is wrong with them (the checks 1-4 of docs/on-disk-format.md)."""
     total = len(value)
     if total < _PREFIX.size:
         return f"value of {total} bytes is shorter than its prefix"
@@ -121,27 +149,62 @@ def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
         return "header is not an array of 4 unsigned ints"
     if msgpack.packb(fields) != header:
         return "header is not canonical msgpack"
-    version, payload_len, seq, expected = fields
-    if version != FORMAT_VERSION:
-        return f"format version {version}, this build reads {FORMAT_VERSION}"
+    if fields[0] != FORMAT_VERSION:
+        return f"format version {fields[0]}, this build reads {FORMAT_VERSION}"
+    return fields, start
+
+
+def slot_bytes_for(payload_bytes: int) -> int:
+    """Bytes of one slab slot: the header block, then the payload padded to :data:`ALIGN`."""
+    return HEADER_BLOCK + -(-payload_bytes // ALIGN) * ALIGN
+
+
+def seal(binding: bytes, key: bytes, payload: Any, seq: int) -> tuple[bytes, int]:
+    """(prefix + header, checksum) of ``key``'s value holding ``payload`` at ``seq``."""
+    size = len(payload)
+    check = checksum(binding, key, FORMAT_VERSION, size, seq, payload)
+    header: bytes = msgpack.packb([FORMAT_VERSION, size, seq, check])
+    return _PREFIX.pack(MAGIC, len(header)) + header, check
+
+
+class IndexEntry(NamedTuple):
+    """Where a chunk's payload is (slab file, slot) and what the slot's header must say."""
+
+    slab: int
+    slot: int
+    payload_len: int
+    seq: int
+    checksum: int
+
+
+def check_slot(binding: bytes, key: bytes, head: Any, entry: IndexEntry, payload_bytes: int,
+               out: memoryview) -> str | None:
+    """None when the slot whose header block is ``head`` and whose payload was read into
+    ``out[:payload_bytes]`` holds ``key``'s value that ``entry`` names; else what is wrong.
+    The sequence and checksum must equal the index entry's: a slot freed and written again
+    (another key, or a newer write of this one) never answers for an older entry."""
+    if entry.payload_len != payload_bytes:
+        return f"index says {entry.payload_len} payload bytes, the tier stores {payload_bytes}"
+    parsed = parse_header(head)
+    if isinstance(parsed, str):
+        return parsed
+    (_, payload_len, seq, expected), _ = parsed
     if payload_len != payload_bytes:
         return f"payload length field {payload_len}, the tier stores {payload_bytes}"
-    if total - start != payload_len:
-        return f"payload has {total - start} bytes, header says {payload_len}"
-    target = out[:payload_len]
-    copy_bytes(target, value[start:])
-    if checksum(binding, key, version, payload_len, seq, target) != expected:
+    if seq != entry.seq or expected != entry.checksum:
+        return (f"slot {entry.slot} holds write {seq}, the index names write {entry.seq} "
+                f"(slot reused, or a stale index entry)")
+    if checksum(binding, key, FORMAT_VERSION, payload_len, seq, out[:payload_len]) != expected:
         return "checksum mismatch (damaged, or a value of another key, namespace or rank)"
     return None
 
 
-def pack_index(payload_len: int, seq: int) -> bytes:
-    return _INDEX.pack(payload_len, seq)
+def pack_index(entry: IndexEntry) -> bytes:
+    return _INDEX.pack(*entry)
 
 
-def unpack_index(raw: bytes) -> tuple[int, int] | None:
-    """(payload_len, seq), or None for a malformed entry."""
-    if len(raw) != _INDEX.size:
+def unpack_index(raw: Any) -> IndexEntry | None:
+    """The entry, or None for a malformed one."""
+    if raw is None or len(raw) != _INDEX.size:
         return None
-    payload_len, seq = _INDEX.unpack(raw)
-    return int(payload_len), int(seq)
+    return IndexEntry(*(int(field) for field in _INDEX.unpack(bytes(raw))))

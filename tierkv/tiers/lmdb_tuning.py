@@ -1,13 +1,13 @@
-"""LMDB sizing for the disk tier: :func:`map_size_for`, LMDB's ``map_size`` from the disk
-cap, with headroom; :func:`shard_cap` what each shard of a rank is mapped for and
-:func:`largest_cap` the largest ``disk.max_bytes`` whose maps fit :data:`MAP_LIMIT_BYTES`.
+"""Sizing for the disk tier: :func:`map_size_for`, the index's LMDB ``map_size`` from the
+disk cap, with headroom; :func:`slab_slots_for`, the slots a shard's slab may grow to;
+:func:`shard_cap` what each shard of a rank is sized for and :func:`largest_cap` the
+largest ``disk.max_bytes`` whose maps fit :data:`MAP_LIMIT_BYTES`.
 (The process's malloc tuning is :mod:`tierkv.tiers.malloc_tuning`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from tierkv.tiers.disk_format import LMDB_PAGE_HEADER, MAX_VALUE_OVERHEAD
 from tierkv.units import MiB, TiB
 
 # Address space one disk tier's maps may take: x86-64 and arm64 give a process 128 TiB
@@ -17,16 +17,24 @@ from tierkv.units import MiB, TiB
 MAP_LIMIT_BYTES = 96 * TiB
 
 
+INDEX_BYTES_PER_CHUNK = 512  # an index entry (32 + 36 bytes) in B-tree pages, copy-on-write
+
+
 def map_size_for(max_bytes: int, payload_bytes: int, page_bytes: int = 4096) -> int:
-    """LMDB ``map_size`` for a disk cap of ``max_bytes`` of payloads: every value's overflow
-    pages, under 256 bytes per chunk for the two B-trees, 25% for copy-on-write and free-list
-    fragmentation and 4 MiB for meta pages and roots, rounded up to 1 MiB (the formula is in
-    ``docs/on-disk-format.md``). A sparse file: only written pages take disk space."""
+    """LMDB ``map_size`` of a shard's index for a disk cap of ``max_bytes`` of payloads:
+    :data:`INDEX_BYTES_PER_CHUNK` per chunk (entries, B-tree, copy-on-write and free-list
+    slack) and 8 MiB for meta pages and roots, rounded up to 1 MiB (the payloads are in the
+    slab files, ``docs/on-disk-format.md``). A sparse file: only written pages take disk
+    space. ``page_bytes`` is kept for callers; the index needs no per-value pages."""
     num_chunks = -(-max_bytes // payload_bytes)
-    value_pages = -(-(payload_bytes + MAX_VALUE_OVERHEAD + LMDB_PAGE_HEADER) // page_bytes)
-    data = num_chunks * value_pages * page_bytes
-    total = data + data // 4 + num_chunks * 256 + 4 * MiB
+    total = num_chunks * INDEX_BYTES_PER_CHUNK + 8 * MiB
     return -(-total // MiB) * MiB
+
+
+def slab_slots_for(max_bytes: int, payload_bytes: int) -> int:
+    """The slots a shard's slab file may grow to under a shard cap of ``max_bytes`` (its
+    hard limit; the cap itself is kept by the scheduler side): one per chunk of the cap."""
+    return max(1, -(-max_bytes // payload_bytes))
 
 
 def shard_cap(max_bytes: int, payload_bytes: int, shards: int) -> int:

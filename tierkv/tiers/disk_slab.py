@@ -1,0 +1,259 @@
+"""One shard's slab file: the chunk payloads of the disk tier, in fixed slots.
+
+``rank-<r>/shard-<s>/slab-0.kv`` is an array of slots of ``slot_bytes_for(payload_bytes)``
+bytes (``docs/on-disk-format.md``): a 4 KiB header block (the value's prefix and header),
+then the payload, padded to 4 KiB. The LMDB index beside it says which key is in which
+slot; this module only moves bytes and keeps the slot allocator.
+
+Primitives and contracts:
+
+- ``SlabFile(path, payload_bytes, read_only=, direct_io=)`` opens (creating, when writable)
+  the file: never a link, FIFO or device (``O_NOFOLLOW | O_NONBLOCK``), mode 0o600.
+- ``write(slot, head, payload)``: one ``pwritev`` of the header block and the payload.
+  With ``direct_io`` (and a filesystem that takes ``O_DIRECT``) it bypasses the page
+  cache: from ``payload`` itself when it is 4 KiB aligned in address and length, else
+  from a per-thread aligned bounce buffer (one copy). Safe from several threads.
+- ``read(slot, head, out)``: one ``preadv`` of a slot's header block into ``head`` and its
+  payload into ``out``; returns the bytes read (short past the file's end). Buffered reads
+  (the page cache's read-ahead made them faster here than ``O_DIRECT``: see
+  ``docs/benchmarks/disk.md``).
+- ``sync()``: ``fdatasync`` (payloads and the file's size).
+- The allocator (one process writes a shard: the claim): ``allocate(count, limit)`` gives
+  free slots first, then grows the file in steps (``posix_fallocate``; doubling, at most
+  :data:`GROW_STEP_BYTES` at a time, never past ``limit`` slots). It returns what it could
+  and why it stopped: ``"limit"`` or ``"space"`` (ENOSPC, EDQUOT). ``release(slots)`` gives
+  slots back; ``adopt_used(slots)`` seeds it from the index (a slot no index entry names
+  is free: nothing else is persisted, so nothing can disagree with the index).
+- A slot freed may be written again at once: every read checks the slot's header against
+  the index entry (sequence and key-bound checksum), so an index entry that names a
+  reused slot (a crash brought it back) never serves another write's bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierkv.tiers.disk_format import ALIGN, HEADER_BLOCK, copy_bytes, slot_bytes_for
+
+SLAB_NAME = "slab-0.kv"  # slab number 0; the index names the slab so more can follow
+GROW_STEP_BYTES = 256 << 20  # a slab grows by at most this much at a time (fallocate)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _address(view: Any) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+class SlabFile:
+    """One shard's slab file and its slot allocator; see the module docstring."""
+
+    def __init__(self, path: Path, payload_bytes: int, *, read_only: bool,
+                 direct_io: bool = True) -> None:
+        self.path = Path(path)
+        self.payload_bytes = payload_bytes
+        self.slot_bytes = slot_bytes_for(payload_bytes)
+        self._padded = self.slot_bytes - HEADER_BLOCK
+        self.read_only = read_only
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags |= os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT
+        self._fd = os.open(self.path, flags, 0o600)
+        self._direct_fd: int | None = None
+        if direct_io and not read_only and hasattr(os, "O_DIRECT"):
+            try:
+                self._direct_fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+                                          | os.O_DIRECT)
+            except OSError:  # a filesystem without O_DIRECT (older tmpfs): buffered writes
+                self._direct_fd = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.slots = os.fstat(self._fd).st_size // self.slot_bytes  # slots the file holds
+        self._free: list[int] = []
+        self._high = 0  # slots below this are used or in _free
+        self.mapped = False  # adopt_used() has run
+        self.next_seq: int | None = None  # the writer's next sequence (set by the tier)
+        self.closed = False
+
+    @property
+    def direct(self) -> bool:
+        return self._direct_fd is not None
+
+    # -- bytes -------------------------------------------------------------------------
+
+    def _buffers(self) -> tuple[memoryview, memoryview]:
+        """This thread's aligned header block and payload bounce buffer (anonymous maps
+        are page-aligned)."""
+        local = self._local
+        if not hasattr(local, "head"):
+            local.maps = (mmap.mmap(-1, HEADER_BLOCK), mmap.mmap(-1, max(self._padded, ALIGN)))
+            local.head, local.bounce = (memoryview(m) for m in local.maps)
+        return local.head, local.bounce
+
+    def write(self, slot: int, head: bytes, payload: memoryview) -> None:
+        """Write ``head`` (zero padded to the header block) and ``payload`` into ``slot``."""
+        for piece in self.pieces(slot, head, payload, len(payload) or 1):
+            piece()
+
+    def pieces(self, slot: int, head: bytes, payload: memoryview,
+               piece_bytes: int) -> list[Callable[[], None]]:
+        """The writes of ``slot`` (its header block, then its payload in ``piece_bytes``
+        pieces, a multiple of 4 KiB) as calls that may run on any threads, in any order."""
+        offset = slot * self.slot_bytes
+        calls: list[Callable[[], None]] = [
+            partial(self._write_head, offset, head, payload[:piece_bytes])]
+        for start in range(piece_bytes, len(payload), piece_bytes):
+            calls.append(partial(self._write_at, offset + HEADER_BLOCK + start,
+                                 payload[start : start + piece_bytes]))
+        return calls
+
+    def _write_head(self, offset: int, head: bytes, first: memoryview) -> None:
+        """The header block and the payload's first piece: one ``pwritev`` when the piece
+        can go straight from the caller's buffer, else two writes."""
+        block, _ = self._buffers()
+        block[: len(head)] = head
+        block[len(head):] = bytes(HEADER_BLOCK - len(head))
+        fd = self._direct_fd if self._direct_fd is not None else self._fd
+        if self._direct_fd is None or (len(first) % ALIGN == 0 and _address(first) % ALIGN == 0):
+            try:
+                written = os.pwritev(fd, [block, first], offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or fd == self._fd:
+                    raise
+                self._direct_fd = None  # the filesystem refused O_DIRECT here: buffered
+                written = os.pwritev(self._fd, [block, first], offset)
+            self._check_written(written, HEADER_BLOCK + len(first))
+            return
+        self._write_at(offset, block, aligned=True)
+        self._write_at(offset + HEADER_BLOCK, first)
+
+    def _write_at(self, offset: int, data: memoryview, aligned: bool = False) -> None:
+        """``data`` at ``offset`` (4 KiB aligned): O_DIRECT from ``data`` itself when it is
+        aligned in address and length, else from this thread's bounce buffer (zero padded
+        to 4 KiB); buffered where the filesystem refused O_DIRECT."""
+        size = len(data)
+        if self._direct_fd is not None:
+            if aligned or (size % ALIGN == 0 and _address(data) % ALIGN == 0):
+                body = data
+            else:  # unaligned source, or a tail that is not a whole number of blocks
+                _, bounce = self._buffers()
+                padded = -(-size // ALIGN) * ALIGN
+                copy_bytes(bounce[:size], data)
+                bounce[size:padded] = bytes(padded - size)
+                body = bounce[:padded]
+            try:
+                written = os.pwrite(self._direct_fd, body, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_fd = None  # the filesystem refused O_DIRECT here: buffered
+            else:
+                self._check_written(written, len(body))
+                return
+        self._check_written(os.pwrite(self._fd, data, offset), size)
+
+    @staticmethod
+    def _check_written(written: int, wanted: int) -> None:
+        if written != wanted:  # a short write: the filesystem is full
+            raise OSError(errno.ENOSPC, f"short write ({written} of {wanted} bytes)")
+
+    def read(self, slot: int, out: memoryview) -> tuple[memoryview, int]:
+        """(this thread's header block, bytes read) of ``slot``, its payload read into
+        ``out[:payload_bytes]``; fewer bytes than a slot's header and payload mean the slot
+        is past the file's end."""
+        block, _ = self._buffers()
+        count = os.preadv(self._fd, [block, out[: self.payload_bytes]], slot * self.slot_bytes)
+        return block, count
+
+    def sync(self) -> None:
+        os.fdatasync(self._fd)
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    # -- slots -------------------------------------------------------------------------
+
+    def adopt_used(self, used: Iterable[int]) -> None:
+        """Seed the allocator: ``used`` slots (from the index) are taken, the rest free."""
+        taken = set(used)
+        with self._lock:
+            self.slots = self.size() // self.slot_bytes  # another writer may have grown it
+            self._high = max(self.slots, max(taken, default=-1) + 1)
+            self._free = sorted((slot for slot in range(self._high) if slot not in taken),
+                                reverse=True)  # pop() gives the lowest first
+            self.mapped = True
+
+    def allocate(self, count: int, limit: int) -> tuple[list[int], str | None]:
+        """Up to ``count`` slots (free ones first, then new ones past the used end, growing
+        the file); the reason for a shortfall: ``"limit"`` or ``"space"``."""
+        with self._lock:
+            slots = [self._free.pop() for _ in range(min(count, len(self._free)))]
+            want = count - len(slots)
+            if not want:
+                return slots, None
+            room = max(0, max(limit, self.slots) - self._high)  # slots that exist are used
+            fresh = min(want, room)
+            why: str | None = None if fresh == want else "limit"
+            if fresh and self._high + fresh > self.slots:
+                grown = self._grow(self._high + fresh, limit)
+                if grown < self._high + fresh:
+                    fresh, why = max(0, grown - self._high), "space"
+            slots += range(self._high, self._high + fresh)
+            self._high += fresh
+            return slots, why
+
+    def _grow(self, needed: int, limit: int) -> int:
+        """Make the file hold at least ``needed`` slots (a step more where it can); returns
+        the slots it holds after."""
+        step = max(1, min(self.slots, GROW_STEP_BYTES // self.slot_bytes))
+        for target in (min(limit, max(needed, self.slots + step)), needed):
+            try:
+                os.posix_fallocate(self._fd, 0, target * self.slot_bytes)
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
+                continue
+            self.slots = target
+            return target
+        return self.slots
+
+    def release(self, slots: Iterable[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+            self._free.sort(reverse=True)
+
+    def used_end(self) -> int:
+        """One past the highest slot that is not free (0 when none is used)."""
+        with self._lock:
+            free, end = set(self._free), self._high
+        while end and (end - 1) in free:
+            end -= 1
+        return end
+
+    def shrink_to_used(self) -> None:
+        """Give back the file's free tail (at close): the cap counts file bytes."""
+        if self.read_only or not self.mapped:
+            return
+        end = self.used_end()
+        if end < self.slots:
+            os.ftruncate(self._fd, end * self.slot_bytes)
+            with self._lock:
+                self.slots = end
+                self._free = [slot for slot in self._free if slot < end]
+                self._high = min(self._high, end)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for fd in (self._direct_fd, self._fd):
+            if fd is not None:
+                os.close(fd)
+        self._direct_fd = None
