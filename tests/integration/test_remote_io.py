@@ -40,7 +40,7 @@ def cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
 
 def test_pushes_land_in_batches_and_the_slot_may_be_reused_at_once(
         cluster: RedisCluster) -> None:
-    with RemoteTier(RemoteTierConfig(url=cluster.url), NS, 0, PAYLOAD) as tier:
+    with RemoteTier(RemoteTierConfig(url=cluster.url, timeout_seconds=5), NS, 0, PAYLOAD) as tier:
         io = RemoteIO(tier, queue_bytes=64 * PAYLOAD, batch=8)
         slot = bytearray(PAYLOAD)
         keys = [key_of(i) for i in range(40)]

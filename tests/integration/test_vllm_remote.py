@@ -87,10 +87,17 @@ def transfer_config(remote_url: str, **extra: Any) -> KVTransferConfig:
                             kv_connector_extra_config=settings)
 
 
-def harness_config(remote_url: str, async_scheduling: bool = False, **overrides: Any) -> HarnessConfig:
+# remote.timeout_seconds of the tests that are not about a failing server: the default
+# (0.5 s) is a production figure, which a loaded 2-core CI box can miss while connecting.
+RELAXED = 5.0
+
+
+def harness_config(remote_url: str, async_scheduling: bool = False, *,
+                   remote_timeout: float = RELAXED, **overrides: Any) -> HarnessConfig:
     knobs: dict[str, Any] = dict(async_scheduling=async_scheduling, enable_prefix_caching=False,
                                  num_gpu_blocks=48, max_num_batched_tokens=64,
-                                 kv_transfer_config=transfer_config(remote_url))
+                                 kv_transfer_config=transfer_config(
+                                     remote_url, remote={"timeout_seconds": remote_timeout}))
     knobs.update(overrides)
     return HarnessConfig(**knobs)
 
@@ -372,7 +379,7 @@ def test_a_dead_cluster_never_fails_a_request(redis_cluster: RedisCluster, tmp_p
     with contextlib.ExitStack() as stack:
         silent = stack.enter_context(SilentServer()) if server == "silent" else None
         port = silent.port if silent is not None else free_port()  # "refused": nothing listens
-        cfg = harness_config(f"redis://{HOST}:{port}")
+        cfg = harness_config(f"redis://{HOST}:{port}", remote_timeout=0.5)  # the default
         engine = Engine(cfg, tmp_path / "tiny-llama")
         started = time.perf_counter()
         result = engine.run(harness_lib.MultiTurnWorkload(**chat))
