@@ -427,9 +427,11 @@ class Bench:
         tier.close()
         return seconds
 
-    def _spill(self, name: str, specs: list[SpillSpec], sync_mode: str = "periodic") -> float:
-        root = self.fresh(name)
-        tier = self.tier(root, sync_mode)
+    def _spill(self, name: str, specs: list[SpillSpec], sync_mode: str = "periodic",
+               tier: DiskTier | None = None) -> float:
+        """``specs`` through DiskIO into a fresh store (or ``tier``), timed to durable."""
+        if tier is None:
+            tier = self.tier(self.fresh(name), sync_mode)
         disk_io = DiskIO(tier, self.slab, self.batch_bytes)
         start = time.perf_counter()
         for spec in specs:
@@ -468,18 +470,7 @@ class Bench:
         specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))
                  for i in range(self.num_chunks)] if many else [SpillSpec(JobId(1), tuple(
                      (self.keys[i], SlotId(i)) for i in range(self.num_chunks)))]
-        disk_io = DiskIO(tier, self.slab, self.batch_bytes)
-        start = time.perf_counter()
-        for spec in specs:
-            disk_io.submit_spill(spec)
-        disk_io.flush()
-        seconds = time.perf_counter() - start
-        done = disk_io.poll_finished()
-        assert len(done) == len(specs) and all(c.ok for c in done), \
-            [c for c in done if not c.ok][:3]
-        disk_io.shutdown()
-        tier.close()
-        return seconds
+        return self._spill(root.name, specs, tier=tier)
 
     def write_disk_io_many(self) -> float:
         specs = [SpillSpec(JobId(i + 1), ((self.keys[i], SlotId(i)),))

@@ -77,8 +77,11 @@ class ShardWrites:
         text = str(exc)
         if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
             return True
-        if os.strerror(errno.EIO) not in text:
-            return False
+        return os.strerror(errno.EIO) in text and self._short_of_room(num_items)
+
+    def _short_of_room(self, num_items: int) -> bool:
+        """Whether the filesystem has less free than ``num_items`` values need (a page
+        more each): what tells an EIO from a short write on a full disk from a real one."""
         try:
             fs = os.statvfs(self.path)
         except OSError:
@@ -172,15 +175,7 @@ class ShardWrites:
         return first
 
     def _is_out_of_space(self, exc: OSError, num_items: int) -> bool:
-        if exc.errno in NO_SPACE:
-            return True
-        if exc.errno != errno.EIO:
-            return False
-        try:
-            fs = os.statvfs(self.path)
-        except OSError:
-            return False
-        return fs.f_bavail * fs.f_frsize < max(num_items, 1) * (self.payload_bytes + 4096)
+        return exc.errno in NO_SPACE or exc.errno == errno.EIO and self._short_of_room(num_items)
 
     def put_shard(self, lm: LmdbEnv, env: lmdb.Environment,
                    items: list[tuple[bytes, memoryview | bytes]], deletes: tuple[bytes, ...],
