@@ -16,11 +16,12 @@ TTFT here is the wall time of one ``LLM.generate()`` of one token-id prompt with
                  (the bound: no copy at all).
 - ``cpu``        a tierkv hit from the CPU tier: the ``miss`` engine, the same prompt a
                  second time (vLLM's prefix cache off, so tierkv serves it).
-- ``disk``       a tierkv hit from disk: a fresh engine (no remote tier) over the LMDB
+- ``disk``       a tierkv hit from disk: a fresh engine (no remote tier) over the disk
                  directory the ``miss`` engine wrote; before each prompt the page cache of
-                 the LMDB files is dropped (``--cold``: ``posix_fadvise(DONTNEED)`` on them,
-                 or ``/proc/sys/vm/drop_caches``), and ``mincore`` shows what the hit read in.
-- ``disk_warm``  the same fresh engine on prompts of its own, after the LMDB files were read
+                 the disk tier's files (slabs and LMDB index) is dropped (``--cold``:
+                 ``posix_fadvise(DONTNEED)`` on them, or ``/proc/sys/vm/drop_caches``), and
+                 ``mincore`` shows what the hit read in.
+- ``disk_warm``  the same fresh engine on prompts of its own, after the disk files were read
                  whole (page cache warm): the disk tier's path without the device.
 - ``remote``     a tierkv hit from the remote tier: a fresh engine with no disk tier over
                  a real 3-master Redis Cluster on loopback (``tests/redis_cluster.py``) that
@@ -127,7 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slow-mib-per-second", type=float, default=8.0,
                         help="what the slow tier's proxy sends back, MiB/s, all connections")
     parser.add_argument("--cold", choices=("fadvise", "drop_caches", "none"), default="fadvise",
-                        help="how the disk row drops the LMDB files' page cache before each "
+                        help="how the disk row drops the disk files' page cache before each "
                              "prompt (drop_caches needs root and drops the whole machine's)")
     parser.add_argument("--tokens-per-chunk", type=int, default=None,
                         help="tierkv's chunk in tokens (default: the connector's default)")
@@ -159,7 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# -- the page cache of the LMDB files -------------------------------------------------------
+# -- the page cache of the disk files --------------------------------------------------------
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -169,8 +170,10 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
-def lmdb_files(root: Path) -> list[Path]:
-    return sorted(root.glob("**/data.mdb"))
+def disk_files(root: Path) -> list[Path]:
+    """The disk tier's files under ``root``: the slab files that hold the payloads and the
+    LMDB files of their index (docs/on-disk-format.md)."""
+    return sorted([*root.glob("**/slab-*.kv"), *root.glob("**/data.mdb")])
 
 
 def resident_bytes(path: Path) -> tuple[int, int]:
@@ -197,18 +200,18 @@ def resident_bytes(path: Path) -> tuple[int, int]:
 
 
 def page_cache(root: Path) -> int:
-    """Bytes of the LMDB files under ``root`` in the page cache."""
-    return sum(resident_bytes(path)[0] for path in lmdb_files(root))
+    """Bytes of the disk tier's files under ``root`` in the page cache."""
+    return sum(resident_bytes(path)[0] for path in disk_files(root))
 
 
 def drop_page_cache(root: Path, method: str) -> None:
-    """Drop the page cache of the LMDB files under ``root`` (``method``). Pages an open
-    environment has mapped (chunks this engine already read) stay resident either way."""
+    """Drop the page cache of the disk tier's files under ``root`` (``method``). Pages an
+    open LMDB environment has mapped (index pages) stay resident either way."""
     if method == "drop_caches":
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
         return
-    for path in lmdb_files(root):
+    for path in disk_files(root):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fdatasync(fd)  # dirty pages cannot be dropped
@@ -218,8 +221,8 @@ def drop_page_cache(root: Path, method: str) -> None:
 
 
 def fill_page_cache(root: Path) -> None:
-    """Read the LMDB files under ``root`` whole, so that every page is in the page cache."""
-    for path in lmdb_files(root):
+    """Read the disk tier's files under ``root`` whole, so every page is in the page cache."""
+    for path in disk_files(root):
         with open(path, "rb", buffering=0) as handle:
             while handle.read(8 << 20):
                 pass
@@ -257,7 +260,7 @@ class Figures:
     checked: dict[str, int] = field(default_factory=dict)  # runs whose token was compared
     mismatched: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-    # Cold disk hits: (page-cache bytes of the LMDB files after the drop, bytes the hit
+    # Cold disk hits: (page-cache bytes of the disk files after the drop, bytes the hit
     # brought in, bytes of the chunks it loaded).
     cold_reads: list[tuple[int, int, int]] = field(default_factory=list)
     block_size: int = 0
@@ -411,7 +414,7 @@ class Bench:
             "prefix": "vLLM prefix cache (no connector)",
             "cpu": "tierkv hit: CPU tier",
             "disk": "tierkv hit: disk, fresh engine, " + {
-                "fadvise": "cold (LMDB pages dropped)", "drop_caches": "cold (page cache dropped)",
+                "fadvise": "cold (its files' pages dropped)", "drop_caches": "cold (page cache dropped)",
                 "none": "page cache warm"}[cold],
             "disk_warm": "tierkv hit: disk, fresh engine, page cache warm",
             "remote": "tierkv hit: remote, fresh engine (3-master Redis Cluster)"
@@ -674,8 +677,8 @@ def checks(figures: Figures, markdown: bool = False) -> list[str]:
         needed = sum(n for _, _, n in figures.cold_reads)
         out.append(f"{'' if not markdown else chr(10)}cold disk hits: {brought / 2**20:.0f} MiB "
                    f"came into the page cache for {needed / 2**20:.0f} MiB of chunks loaded "
-                   f"({brought / max(needed, 1):.2f}x); LMDB pages resident before each hit: "
-                   f"median {resident / 2**20:.1f} MiB (pages this engine read before stay mapped)")
+                   f"({brought / max(needed, 1):.2f}x); disk pages resident before each hit: "
+                   f"median {resident / 2**20:.1f} MiB (index pages this engine mapped stay)")
     return out
 
 
