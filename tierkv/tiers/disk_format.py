@@ -109,24 +109,26 @@ def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
     """None when ``value`` (prefix, header and payload, contiguous: what a slot holds
     without its padding) is a good value of ``key`` under ``binding`` (its payload is then
     in ``out``), else what is wrong with it."""
-    parsed = parse_header(value)
+    parsed = parse_header(value, payload_bytes)
     if isinstance(parsed, str):
         return parsed
     (version, payload_len, seq, expected), start = parsed
-    if payload_len != payload_bytes:
-        return f"payload length field {payload_len}, the tier stores {payload_bytes}"
     if len(value) - start != payload_len:
         return f"payload has {len(value) - start} bytes, header says {payload_len}"
     target = out[:payload_len]
     copy_bytes(target, value[start:])
     if checksum(binding, key, version, payload_len, seq, target) != expected:
-        return "checksum mismatch (damaged, or a value of another key, namespace or rank)"
+        return CHECKSUM_MISMATCH
     return None
 
 
-def parse_header(value: Any) -> tuple[list[int], int] | str:
+CHECKSUM_MISMATCH = "checksum mismatch (damaged, or a value of another key, namespace or rank)"
+
+
+def parse_header(value: Any, payload_bytes: int | None = None) -> tuple[list[int], int] | str:
     """(the 4 header fields, where the payload starts) of a value's prefix and header, or
-    what is wrong with them (the checks 1-4 of docs/on-disk-format.md)."""
+    what is wrong with them (the checks 1-4 of docs/on-disk-format.md, and with
+    ``payload_bytes`` the length field's check against the tier's)."""
     total = len(value)
     if total < _PREFIX.size:
         return f"value of {total} bytes is shorter than its prefix"
@@ -151,6 +153,8 @@ def parse_header(value: Any) -> tuple[list[int], int] | str:
         return "header is not canonical msgpack"
     if fields[0] != FORMAT_VERSION:
         return f"format version {fields[0]}, this build reads {FORMAT_VERSION}"
+    if payload_bytes is not None and fields[1] != payload_bytes:
+        return f"payload length field {fields[1]}, the tier stores {payload_bytes}"
     return fields, start
 
 
@@ -185,17 +189,15 @@ def check_slot(binding: bytes, key: bytes, head: Any, entry: IndexEntry, payload
     (another key, or a newer write of this one) never answers for an older entry."""
     if entry.payload_len != payload_bytes:
         return f"index says {entry.payload_len} payload bytes, the tier stores {payload_bytes}"
-    parsed = parse_header(head)
+    parsed = parse_header(head, payload_bytes)
     if isinstance(parsed, str):
         return parsed
     (_, payload_len, seq, expected), _ = parsed
-    if payload_len != payload_bytes:
-        return f"payload length field {payload_len}, the tier stores {payload_bytes}"
     if seq != entry.seq or expected != entry.checksum:
         return (f"slot {entry.slot} holds write {seq}, the index names write {entry.seq} "
                 f"(slot reused, or a stale index entry)")
     if checksum(binding, key, FORMAT_VERSION, payload_len, seq, out[:payload_len]) != expected:
-        return "checksum mismatch (damaged, or a value of another key, namespace or rank)"
+        return CHECKSUM_MISMATCH
     return None
 
 
