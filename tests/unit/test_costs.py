@@ -12,7 +12,7 @@ from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 
 
 def test_a_decayed_line_learns_the_line_its_samples_lie_on() -> None:
@@ -94,9 +94,10 @@ class Clock:
         return self.now
 
 
-def adapter_with_chunks(policy: str, priors: CostPriors, clock: Clock) -> EngineAdapter:
+def adapter_with_chunks(policy: str, priors: CostPriors, clock: Clock,
+                        disk_capacity: int = 16) -> EngineAdapter:
     """Chunks 0-3 in the CPU tier, 4-7 (and MORE) on disk only."""
-    index = BlockIndex(num_slots=16, disk_capacity=16, clock=clock)
+    index = BlockIndex(num_slots=16, disk_capacity=disk_capacity, clock=clock)
     index.add_on_disk(KEYS[4:] + MORE)
     store = index.prepare_store(KEYS[:4])
     index.complete_store(Completion(store.job_id, ok=True))
@@ -158,6 +159,67 @@ def test_a_declined_tier_is_probed_again_after_probe_seconds() -> None:
     assert adapter.lookup(view(), 0) == 4 * 32  # declined again: the next probe in 30 s
 
 
+def load_all(adapter: EngineAdapter, clock: Clock, request: RequestView, seconds: float) -> None:
+    """Plan ``request``'s load and complete it ``seconds`` later."""
+    adapter.update_state_after_alloc(request, list(range(16)), 8 * 32, 0)
+    [load] = adapter.build_plan(StepInput()).loads
+    assert load.spec is not None
+    clock.now += seconds
+    adapter.complete(WorkerReport(0, (Completion(load.spec.job_id, ok=True),)))
+    adapter.request_finished(request)
+    adapter.build_plan(StepInput())
+
+
+def test_a_spike_costs_a_fast_tier_a_few_requests_and_a_slow_tier_thins_its_probes() -> None:
+    """One slow load (a spike) makes the disk look slow: its hits are declined for
+    probe_requests requests, then a probe loads; beating its estimate 2x, it restarts the
+    tier's line and the next hits load. A tier that stays slow is probed after 8, 16, 32
+    declined requests."""
+    clock = Clock()
+    fast_disk = CostPriors(disk_load_seconds=0.001, disk_bytes_per_second=4e9,
+                           seconds_per_token=0.0001)
+    adapter = adapter_with_chunks("cost", fast_disk, clock, disk_capacity=1000)
+    ids = iter(range(1000))
+    on_disk = [adapter.index]
+
+    def request() -> RequestView:
+        """KEYS' CPU head and 4 chunks of its own on disk only (a load moves them to CPU)."""
+        number = next(ids)
+        tail = [number.to_bytes(2, "big") * 16 for number in range(4 * number + 100,
+                                                                   4 * number + 104)]
+        on_disk[0].add_on_disk(tail)
+        return RequestView(f"r{number}", KEYS[:4] + tail, 8 * 32 + 1, 8 * 32 + 1, 0)
+
+    first = request()
+    assert adapter.lookup(first, 0) == 8 * 32
+    load_all(adapter, clock, first, 5.0)  # a spike
+    declined = [adapter.lookup(request(), 0) for _ in range(8)]
+    assert declined == [4 * 32] * 8 and adapter.stats.load_probes == 0
+    probe = request()
+    assert adapter.lookup(probe, 0) == 8 * 32 and adapter.stats.load_probes == 1
+    load_all(adapter, clock, probe, 0.002)
+    assert adapter.stats.load_lines_restarted == 1
+    assert adapter.lookup(request(), 0) == 8 * 32  # fast again, at once
+    # A disk that stays slow: probes after 8, then 16, then 32 declined requests.
+    slow = adapter_with_chunks("cost", fast_disk, clock, disk_capacity=1000)
+    on_disk[0] = slow.index
+    first = request()
+    assert slow.lookup(first, 0) == 8 * 32
+    load_all(slow, clock, first, 5.0)
+    gaps = []
+    for _ in range(3):
+        gap = 0
+        while True:
+            looked = request()
+            if slow.lookup(looked, 0) == 8 * 32:
+                load_all(slow, clock, looked, 5.0)
+                break
+            gap += 1
+        gaps.append(gap)
+    assert gaps == [8, 16, 32] and slow.stats.load_lines_restarted == 0
+    assert slow.stats.load_probes == 3
+
+
 class Asker:
     """A remote tier's lookups: it holds ``keys`` and counts the questions."""
 
@@ -209,6 +271,98 @@ def test_a_remote_tier_no_hit_could_pay_for_is_not_asked_until_its_probe() -> No
     assert fast.stats.remote_lookups_skipped == 0
 
 
+def test_a_request_may_ask_for_its_own_load_policy() -> None:
+    """RequestView.load_policy overrides the adapter's for that request: "always" loads the
+    hit a cost engine declines (and is measured), "cost" declines in an always engine, and
+    "recompute" loads nothing and asks no tier (the same engine's counterfactual)."""
+    slow = CostPriors(disk_load_seconds=1.0, remote_load_seconds=1.0, seconds_per_token=0.0001)
+    cost = adapter_with_chunks("cost", slow, Clock())
+
+    def asking(policy: str | None) -> RequestView:
+        return RequestView("r", KEYS, 8 * 32 + 1, 8 * 32 + 1, 0, load_policy=policy)
+
+    assert cost.lookup(asking(None), 0) == 4 * 32  # the engine's policy: disk declined
+    assert cost.lookup(asking("always"), 0) == 8 * 32
+    assert cost.stats.declined_tokens_disk == 4 * 32  # the "always" request declined nothing
+    always = adapter_with_chunks("always", slow, Clock())
+    assert always.lookup(asking(None), 0) == 8 * 32
+    assert always.lookup(asking("cost"), 0) == 4 * 32
+    assert always.stats.declined_tokens_disk == 4 * 32
+    # An "always" load is estimated, and measured when it completes.
+    clock = Clock()
+    measured = adapter_with_chunks("cost", slow, clock)
+    request = asking("always")
+    assert measured.lookup(request, 0) == 8 * 32
+    measured.update_state_after_alloc(request, list(range(16)), 8 * 32, 0)
+    [load] = measured.build_plan(StepInput()).loads
+    assert load.spec is not None
+    clock.now += 2.0
+    measured.complete(WorkerReport(0, (Completion(load.spec.job_id, ok=True),)))
+    assert measured.stats.load_seconds_measured_disk == pytest.approx(2.0)
+    assert measured.costs.loads["disk"].samples == 1
+    # "recompute": no hit, no tier asked, even with every chunk in the CPU tier.
+    remote_keys = [bytes([i]) * 32 for i in range(20, 28)]
+    asker = Asker(remote_keys)
+    index = BlockIndex(num_slots=16, disk_capacity=16, clock=clock)
+    adapter = EngineAdapter(index, AdapterConfig(tokens_per_block=16, blocks_per_chunk=2),
+                            clock, remote=asker)
+    on_remote = RequestView("r", remote_keys, 8 * 32 + 1, 8 * 32 + 1, 0, load_policy="recompute")
+    assert adapter.lookup(on_remote, 0) == 0 and asker.asked == 0
+    assert adapter.stats.lookups_recompute == 1 and adapter.stats.hit_tokens == 0
+    assert cost.lookup(asking("recompute"), 0) == 0
+    with pytest.raises(UsageError, match="load_policy 'fast'.*'recompute'"):
+        cost.lookup(asking("fast"), 0)
+
+
+def test_a_declined_remote_tier_is_still_asked_for_a_request_that_loads_always() -> None:
+    """The skip of a declined remote tier's lookups is the cost policy's: a request that
+    asks for "always" still gets the remote hit (and its load measures the node again)."""
+    clock = Clock()
+    remote_keys = [bytes([i]) * 32 for i in range(20, 28)]
+    asker = Asker(remote_keys)
+    slow = CostPriors(remote_load_seconds=0.5, remote_bytes_per_second=1e6,
+                      seconds_per_token=0.0001)
+    adapter = EngineAdapter(BlockIndex(num_slots=16, disk_capacity=16, clock=clock),
+                            AdapterConfig(tokens_per_block=16, blocks_per_chunk=2,
+                                          load_policy="cost", cost_priors=slow),
+                            clock, remote=asker)
+    request = RequestView("r", remote_keys, 8 * 32 + 1, 8 * 32 + 1, 0)
+    assert adapter.lookup(request, 0) == 0 and asker.asked == 1  # declined from now on
+    assert adapter.lookup(request, 0) == 0 and adapter.stats.remote_lookups_skipped == 1
+    clock.now += 1.0
+    loads = RequestView("a", remote_keys, 8 * 32 + 1, 8 * 32 + 1, 0, load_policy="always")
+    assert adapter.lookup(loads, 0) == 8 * 32  # the index's remote marks, or the node
+    assert adapter.stats.remote_lookups_skipped == 1
+    # A load was taken from the node: the next cost lookup looks (and declines) again.
+    assert adapter.lookup(request, 0) == 0 and adapter.stats.remote_lookups_skipped == 1
+    assert adapter.stats.declined_tokens_remote == 3 * 8 * 32  # every cost lookup declined
+
+
+def test_a_request_asked_again_counts_once_toward_the_probe() -> None:
+    """vLLM asks again about a request that heard "not yet" (here: its next chunk is being
+    stored); a skipped remote tier counts the request once, when it is answered, so a
+    waiting request does not bring the probe forward."""
+    clock = Clock()
+    remote_keys = [bytes([i]) * 32 for i in range(20, 28)]
+    slow = CostPriors(remote_load_seconds=0.5, remote_bytes_per_second=1e6,
+                      seconds_per_token=0.0001)
+    index = BlockIndex(num_slots=16, disk_capacity=16, clock=clock)
+    adapter = EngineAdapter(index, AdapterConfig(tokens_per_block=16, blocks_per_chunk=2,
+                                                 load_policy="cost", cost_priors=slow,
+                                                 wait_for_stores=True),
+                            clock, remote=Asker(remote_keys))
+    assert adapter.lookup(RequestView("r", remote_keys, 8 * 32 + 1, 8 * 32 + 1, 0), 0) == 0
+    local = [bytes([i]) * 32 for i in range(40, 48)]
+    index.prepare_store(local[:1])  # chunk 0 is being stored: "not yet" for a while
+    waiting = RequestView("w", local, 8 * 32 + 1, 8 * 32 + 1, 0)
+    for _ in range(20):
+        assert adapter.lookup(waiting, 0) is None
+    assert adapter.stats.waits_on_stores == 20 and adapter.stats.remote_lookups_skipped == 0
+    clock.now += 10.0  # promotion_wait_seconds passed: answered
+    assert adapter.lookup(waiting, 0) == 0
+    assert adapter.stats.remote_lookups_skipped == 1 and adapter.stats.load_probes == 0
+
+
 def test_never_pays_needs_every_chunk_slower_than_its_compute() -> None:
     model = CostModel(CostPriors(remote_load_seconds=0.001, remote_bytes_per_second=1e9,
                                  seconds_per_token=0.0001), chunk_bytes=2 << 20)
@@ -217,3 +371,29 @@ def test_never_pays_needs_every_chunk_slower_than_its_compute() -> None:
     assert not CostModel(load_bias=0.5, chunk_bytes=2 << 20,
                          priors=CostPriors(remote_load_seconds=0.001, remote_bytes_per_second=1e9,
                                            seconds_per_token=0.0001)).never_pays("remote", 16)
+
+
+def test_a_vllm_request_asks_for_its_policy_in_kv_transfer_params(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``{"tierkv": {"load_policy": ...}}`` in kv_transfer_params; anything else is warned
+    about once per value and the engine's policy applies (the request never fails)."""
+    from types import SimpleNamespace
+
+    from tierkv.integrations.vllm_scheduler import request_load_policy
+
+    def asks(params: object) -> SimpleNamespace:
+        return SimpleNamespace(request_id="req-7", kv_transfer_params=params)
+
+    warned: set[str] = set()
+    for policy in ("always", "cost", "recompute"):
+        assert request_load_policy(asks({"tierkv": {"load_policy": policy}}), warned) == policy
+    for params in (None, {}, {"do_remote_prefill": True}, {"tierkv": {}}, {"tierkv": "cost"}):
+        assert request_load_policy(asks(params), warned) is None
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="tierkv.vllm"):
+        assert request_load_policy(asks({"tierkv": {"load_policy": "fast"}}), warned) is None
+        assert request_load_policy(asks({"tierkv": {"load_policy": "fast"}}), warned) is None
+        assert request_load_policy(asks({"tierkv": {"load_policy": 3}}), warned) is None
+    assert [r.getMessage().split(" asks")[0] for r in caplog.records] == ["tierkv: request req-7"] * 2
+    assert "'fast'" in caplog.records[0].getMessage()
+    assert "engine's load_policy applies" in caplog.records[1].getMessage()

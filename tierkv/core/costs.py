@@ -128,13 +128,18 @@ class CostModel:
             raise ConfigError(f"cost model: chunk_bytes must be > 0, got {chunk_bytes!r}")
         self.priors = priors
         self.load_bias = load_bias
-        self.loads = {tier: DecayedLine(priors.load_prior(tier, chunk_bytes), 16.0, decay)
-                      for tier in TIERS}
+        self._decay = decay
+        self._load_priors = {tier: priors.load_prior(tier, chunk_bytes) for tier in TIERS}
+        self.loads = {tier: DecayedLine(self._load_priors[tier], 16.0, decay) for tier in TIERS}
         self.compute = DecayedLine(priors.compute_prior(), 1024.0, decay)
 
     def observe_load(self, tier: str, num_chunks: int, seconds: float) -> None:
         if num_chunks > 0 and seconds >= 0:
             self.loads[tier].observe(float(num_chunks), seconds)
+
+    def forget_loads(self, tier: str) -> None:
+        """``tier``'s line starts again from its prior (what it measured no longer holds)."""
+        self.loads[tier] = DecayedLine(self._load_priors[tier], 16.0, self._decay)
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds >= 0:

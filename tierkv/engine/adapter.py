@@ -77,7 +77,11 @@ def lookup_tiers(index: BlockIndex, remote: RemoteAsker | None,
 
 
 LOAD_POLICIES = ("always", "cost")
+# What one request may ask for itself (RequestView.load_policy): an engine's policy, or
+# "recompute": load nothing, ask no tier (the counterfactual of a load, in the same engine).
+REQUEST_LOAD_POLICIES = (*LOAD_POLICIES, "recompute")
 MAX_STEP_SAMPLE_SECONDS = 2.0  # a longer gap between plans is an idle engine, not compute
+MAX_PROBE_REQUESTS = 1 << 16  # probe_requests doubles up to this (probe_seconds still holds)
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,13 @@ class AdapterConfig:
     cost_priors: CostPriors = field(default_factory=CostPriors)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # one chunk on one rank (the priors' unit)
     # A tier whose loads were declined for this long is tried again with the next hit
-    # on it (a slow node may have recovered): one load is its new measurement.
+    # on it (a slow node may have recovered): one load is its new measurement. So is one
+    # declined for probe_requests requests in a row (0: never), a number that doubles
+    # with each probe until the model itself loads from the tier again: one slow load
+    # (a spike) costs a fast tier a few requests, not probe_seconds of them, and a slow
+    # tier's probes thin out.
     probe_seconds: float = 30.0
+    probe_requests: int = 8
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
@@ -126,6 +135,10 @@ class AdapterConfig:
                 or self.chunk_bytes <= 0:
             raise ConfigError(f"adapter: chunk_bytes must be a positive int, got "
                               f"{self.chunk_bytes!r}")
+        if isinstance(self.probe_requests, bool) or not isinstance(self.probe_requests, int) \
+                or self.probe_requests < 0:
+            raise ConfigError(f"adapter: probe_requests must be an int >= 0, got "
+                              f"{self.probe_requests!r}")
         if isinstance(self.sync_load_chunks, bool) or not isinstance(self.sync_load_chunks, int) \
                 or self.sync_load_chunks < 0:
             raise ConfigError(f"adapter: sync_load_chunks must be an int >= 0, got "
@@ -199,7 +212,9 @@ class AdapterStats:
     # load_policy "cost": hit tokens declined (recomputed instead) by the tier that held
     # them, and the taken loads' estimated and measured seconds by their slowest tier.
     load_probes: int = 0  # loads taken against the estimate, to measure a declined tier
+    load_lines_restarted: int = 0  # probes that beat their estimate 2x: the tier's line anew
     remote_lookups_skipped: int = 0  # requests not asked of a remote tier being declined
+    lookups_recompute: int = 0  # lookups of requests that asked for load_policy "recompute"
     declined_tokens_cpu: int = 0
     declined_tokens_disk: int = 0
     declined_tokens_remote: int = 0
@@ -258,15 +273,17 @@ class EngineAdapter:
         # chunks of the step's budget they took.
         self._sync: dict[str, int] = {}
         self._sync_budget = config.sync_load_chunks
-        # Cost-aware loads: the model, each taken load's (planned at, slowest tier, chunks,
-        # estimate, same-step), and the last plan's (time, tokens) for the compute line.
-        self.costs = (CostModel(config.cost_priors, config.chunk_bytes,
-                                load_bias=config.load_bias)
-                      if config.load_policy == "cost" else None)
+        # Cost-aware loads: the model (under either policy: a request may ask for "cost"
+        # itself; an "always" engine estimates and measures only those requests' loads),
+        # each taken load's (planned at, slowest tier, chunks, estimate, probe, same-step),
+        # and the last plan's (time, tokens) for the compute line.
+        self.costs = CostModel(config.cost_priors, config.chunk_bytes, load_bias=config.load_bias)
         self._last_load = dict.fromkeys(TIERS, -float("inf"))  # a load taken, by tier
         self._declining: dict[str, float | None] = dict.fromkeys(TIERS)  # since when declined
-        self._estimates: dict[str, tuple[str, int, float]] = {}
-        self._load_started: dict[JobId, tuple[float, str, int, float, bool]] = {}
+        self._declined = dict.fromkeys(TIERS, 0)  # requests declined (or not asked) since
+        self._probe_every = dict.fromkeys(TIERS, config.probe_requests)  # ... before a probe
+        self._estimates: dict[str, tuple[str, int, float, bool]] = {}
+        self._load_started: dict[JobId, tuple[float, str, int, float, bool, bool]] = {}
         self._last_plan: tuple[float, int] | None = None
         self.stats = AdapterStats()
 
@@ -276,14 +293,22 @@ class EngineAdapter:
         self._sync_budget += self._sync.pop(view.req_id, 0)  # asked again: the last answer is void
         if view.req_id in self._reloads_refused:
             return 0
+        policy = view.load_policy or self.config.load_policy
+        if policy not in REQUEST_LOAD_POLICIES:
+            raise UsageError(f"engine adapter: request {view.req_id!r} asks for load_policy "
+                             f"{policy!r}; a request may ask for one of "
+                             f"{list(REQUEST_LOAD_POLICIES)} (or None: the adapter's)")
+        if policy == "recompute":
+            self.stats.lookups_recompute += 1
+            return 0
         tpc = self._tpc
         start = num_local_tokens // tpc
         # At least one token must be left to compute, and only whole chunks load.
         end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
         remote = self.remote
-        if remote is not None and self._remote_declined():
+        skipped = remote is not None and policy == "cost" and self._remote_declined()
+        if skipped:
             remote = None  # every remote hit would be declined: not worth a round trip
-            self.stats.remote_lookups_skipped += 1
         found, asking = lookup_tiers(self.index, remote, view.chunk_keys[start:end])
         if asking and self._may_wait(self._pending_since, view.req_id):
             self.stats.not_yet += 1
@@ -299,10 +324,14 @@ class EngineAdapter:
             return None
         self._store_wait_since.pop(view.req_id, None)
         hits, on_cpu = found.num_hits, found.num_on_cpu
-        if hits and self.costs is not None:
-            hits, on_cpu = self._choose_loads(view, start, found, num_local_tokens)
+        if hits and (policy == "cost" or self.config.load_policy == "cost"):
+            hits, on_cpu = self._choose_loads(view, start, found, num_local_tokens,
+                                              decide=policy == "cost")
             stop = start + hits
         tokens = max(stop * tpc - num_local_tokens, 0) if hits else 0
+        if skipped:  # counted once per answer (a request may hear "not yet" many times)
+            self.stats.remote_lookups_skipped += 1
+            self._declined["remote"] += 1
         self.stats.hit_tokens += tokens
         if tokens and on_cpu == hits <= self._sync_budget:
             self._sync[view.req_id] = hits
@@ -332,17 +361,22 @@ class EngineAdapter:
         return runs
 
     def _choose_loads(self, view: RequestView, start: int, found: Lookup,
-                      num_local_tokens: int) -> tuple[int, int]:
-        """load_policy "cost": the prefix of the hit to load (see CostModel.best_prefix);
-        the rest is declined, counted by tier. Returns (chunks, of them in the CPU tier)."""
+                      num_local_tokens: int, decide: bool) -> tuple[int, int]:
+        """The prefix of the hit to load: the whole hit (a request that asks for "always"
+        in a cost engine), or (``decide``) the prefix CostModel.best_prefix picks, the rest
+        declined and counted by tier. The load taken is estimated either way (measured when
+        it completes: the model learns from both). Returns (chunks, of them in the CPU
+        tier)."""
         costs = self.costs
-        assert costs is not None
         tpc, hits = self._tpc, found.num_hits
         runs = self._runs(view.chunk_keys[start:start + hits], found)
         first_tokens = (start + 1) * tpc - num_local_tokens
-        take, _, _ = costs.best_prefix(runs, tpc, first_chunk_tokens=first_tokens)
-        if take < hits:
-            take = self._maybe_probe(runs, take)
+        take = chosen = hits
+        if decide:
+            take = chosen = costs.best_prefix(runs, tpc, first_chunk_tokens=first_tokens)[0]
+            if take < hits:
+                take = self._maybe_probe(runs, take)
+        probe = take != chosen
         taken: dict[str, int] = {}
         position = 0
         stats = self.stats
@@ -360,8 +394,10 @@ class EngineAdapter:
             now = self._clock()
             for tier in taken:
                 self._last_load[tier] = now
+                if decide and take == chosen:  # the model's own choice, not a probe
+                    self._probe_every[tier] = self.config.probe_requests
             slowest = "remote" if "remote" in taken else "disk" if "disk" in taken else "cpu"
-            self._estimates[view.req_id] = (slowest, take, costs.load_seconds(taken))
+            self._estimates[view.req_id] = (slowest, take, costs.load_seconds(taken), probe)
         else:
             self._estimates.pop(view.req_id, None)
         return take, taken.get("cpu", 0)
@@ -369,16 +405,25 @@ class EngineAdapter:
     def _remote_declined(self) -> bool:
         """load_policy "cost": the remote tier's hits are being declined, no load could pay
         (CostModel.never_pays) and its probe is not due: its lookups are skipped too, so a
-        slow node costs the scheduler no round trip per request. Once probe_seconds pass,
-        the next lookup asks it again and its hit is the probe."""
-        costs, since = self.costs, self._declining["remote"]
-        return (costs is not None and since is not None and since >= self._last_load["remote"]
+        slow node costs the scheduler no round trip per request. Once its probe is due
+        (probe_seconds, or probe_requests requests skipped), the next lookup asks it again
+        and its hit is the probe."""
+        since = self._declining["remote"]
+        return (since is not None and since >= self._last_load["remote"]
                 and self._clock() - since < self.config.probe_seconds
-                and costs.never_pays("remote", self._tpc))
+                and not self._probe_due("remote")
+                and self.costs.never_pays("remote", self._tpc))
+
+    def _probe_due(self, tier: str) -> bool:
+        """Whether ``tier`` was declined for its count of requests (probe_requests)."""
+        every = self._probe_every[tier]
+        return every > 0 and self._declined[tier] >= every
 
     def _maybe_probe(self, runs: list[tuple[str, int]], take: int) -> int:
-        """A tier declined for ``probe_seconds`` gets one load (a new measurement: a slow
-        node may have recovered): the whole hit then."""
+        """A tier declined for ``probe_seconds``, or for its count of requests in a row
+        (``probe_requests``, doubled by each probe), gets one load (a new measurement: a
+        slow node may have recovered, a fast tier's slow load may have been a spike): the
+        whole hit then."""
         position = 0
         tier = runs[-1][0]
         for tier, size in runs:  # the tier of the first declined chunk
@@ -389,18 +434,22 @@ class EngineAdapter:
         since = self._declining[tier]
         if since is None or since < self._last_load[tier]:  # declining from now on
             self._declining[tier] = now
-        elif now - since >= self.config.probe_seconds:
+            self._declined[tier] = 1
+        elif now - since >= self.config.probe_seconds or self._probe_due(tier):
             self._declining[tier] = now
+            self._declined[tier] = 0
+            self._probe_every[tier] = min(2 * self._probe_every[tier], MAX_PROBE_REQUESTS)
             self.stats.load_probes += 1
             return sum(size for _, size in runs)
+        else:
+            self._declined[tier] += 1
         return take
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         """A custom engine's measured prefill: ``seconds`` to compute ``num_tokens`` (one
-        step). Under load_policy "cost" it teaches the model what recompute costs; the vLLM
-        connector reports every step itself (build_plan)."""
-        if self.costs is not None:
-            self.costs.observe_compute(num_tokens, seconds)
+        step). It teaches the cost model what recompute costs; the vLLM connector reports
+        every step itself (build_plan)."""
+        self.costs.observe_compute(num_tokens, seconds)
 
     def sync_load(self, req_id: str) -> bool:
         """Whether the hit the last :meth:`lookup` of ``req_id`` found loads in the same step
@@ -613,8 +662,7 @@ class EngineAdapter:
             f"was changed.")
 
     def build_plan(self, step: StepInput) -> StepPlan:
-        if self.costs is not None:
-            self._observe_step(step)
+        self._observe_step(step)
         if self._departed:  # before any state changes: a refused step changes nothing
             for req_id in self._departed:
                 if req_id in step.requests or req_id in step.new_block_ids:
@@ -722,7 +770,6 @@ class EngineAdapter:
         """The engine's compute line from its steps: the time from one plan to the next is
         the previous step's (its forward pass computed its scheduled tokens). A gap over
         MAX_STEP_SAMPLE_SECONDS is an idle engine, not compute."""
-        assert self.costs is not None
         now = self._clock()
         last = self._last_plan
         if last is not None and last[1] > 0 and now - last[0] <= MAX_STEP_SAMPLE_SECONDS:
@@ -756,12 +803,16 @@ class EngineAdapter:
         return done
 
     def _measured_load(self, completion: Completion, planned_at: float, tier: str, chunks: int,
-                       estimate: float, sync: bool) -> None:
+                       estimate: float, probe: bool, sync: bool) -> None:
         """A taken load completed: teach the model its time (the copy's, for a same-step
         load, whose step also ran the forward pass; else the steps it spanned) and count
-        the estimate next to it."""
-        assert self.costs is not None
+        the estimate next to it. A probe that took less than half its estimate says the
+        loads the tier's line was fitted to no longer hold (a spike, a node that
+        recovered): the line starts again from the priors and this load."""
         seconds = completion.seconds if sync else self._clock() - planned_at
+        if probe and seconds < estimate / 2:
+            self.costs.forget_loads(tier)
+            self.stats.load_lines_restarted += 1
         self.costs.observe_load(tier, chunks, seconds)
         stats = self.stats
         setattr(stats, f"load_seconds_estimated_{tier}",

@@ -31,6 +31,9 @@ class RequestView:
     # Leading block positions whose pages the engine released for some KV cache group
     # (a sliding window that moved on): chunks over them can no longer be stored.
     num_released_blocks: int = 0
+    # This request's own load policy ("always", "cost" or "recompute": load nothing, ask
+    # no tier); None: the adapter's (AdapterConfig.load_policy).
+    load_policy: str | None = None
 
 
 @dataclass(frozen=True)

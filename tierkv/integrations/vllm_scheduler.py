@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
+from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
 from tierkv.engine.metrics import is_gauge, remote_figures, usage_figures
 from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
@@ -46,9 +47,9 @@ _INDEX_COUNTERS = (
 )
 _ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
                      "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens",
-                     "stores_without_pages", "sync_loads", "load_probes",
-                     "remote_lookups_skipped", "declined_tokens_cpu", "declined_tokens_disk",
-                     "declined_tokens_remote",
+                     "stores_without_pages", "sync_loads", "load_probes", "load_lines_restarted",
+                     "remote_lookups_skipped", "lookups_recompute", "declined_tokens_cpu",
+                     "declined_tokens_disk", "declined_tokens_remote",
                      *(f"load_seconds_{what}_{tier}" for what in ("estimated", "measured")
                        for tier in ("cpu", "disk", "remote")))
 
@@ -76,6 +77,29 @@ class _Tracked:
     # the adapter was given (every group's block of a position, side by side).
     group_blocks: list[list[int]] = field(default_factory=list)
     positions: int = 0
+    load_policy: str | None = None  # its own, from kv_transfer_params (request_load_policy)
+
+
+def request_load_policy(request: Any, warned: set[str]) -> str | None:
+    """The load policy a request asks for in ``kv_transfer_params`` (vLLM passes them from
+    ``SamplingParams.extra_args["kv_transfer_params"]``, or an OpenAI request's body):
+    ``{"tierkv": {"load_policy": "always" | "cost" | "recompute"}}``. None: the engine's
+    ``load_policy``. Anything else is warned about once and ignored: a request never fails
+    because of what it asked of the cache (``warned``: the values warned about)."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get("tierkv") if isinstance(params, dict) else None
+    if not isinstance(ours, dict) or "load_policy" not in ours:
+        return None
+    policy = ours["load_policy"]
+    if isinstance(policy, str) and policy in REQUEST_LOAD_POLICIES:
+        return policy
+    text = repr(policy)[:80]
+    if text not in warned:
+        warned.add(text)
+        log.warning("tierkv: request %s asks for kv_transfer_params tierkv.load_policy %s; "
+                    "one of %s is understood, so the engine's load_policy applies",
+                    request.request_id, text, list(REQUEST_LOAD_POLICIES))
+    return None
 
 
 class SchedulerSide:
@@ -106,6 +130,7 @@ class SchedulerSide:
         self._grouped = bool(geometry.groups)  # vLLM's block ids per group, null blocks
         self._windowed = geometry.window_kept is not None
         self._tracked: dict[str, _Tracked] = {}
+        self._warned: set[str] = set()  # request load policies warned about (once each)
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
         self._sources: dict[str, tuple[int, int, int]] = {}  # (cpu, disk, remote) tokens of the last load
         self._record_events = record_events
@@ -212,7 +237,7 @@ class SchedulerSide:
             released = self.geometry.released_blocks(
                 request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0))
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
-                           request.num_computed_tokens, released)
+                           request.num_computed_tokens, released, tracked.load_policy)
 
     def _block_ids(self, tracked: _Tracked | None, groups: Sequence[Sequence[int]],
                    replace: bool) -> Sequence[int]:
@@ -255,13 +280,16 @@ class SchedulerSide:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.request is not request:
             old = tracked
-            tracked = self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch)
+            policy = request_load_policy(request, self._warned)
+            tracked = self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch,
+                                                                   load_policy=policy)
             if old is not None:  # vLLM's block tables of the request id carry on
                 tracked.group_blocks, tracked.positions = old.group_blocks, old.positions
         return tracked
 
     def on_new_request(self, request: Any) -> None:
-        self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch)
+        self._tracked[request.request_id] = _Tracked(
+            request, epoch=self._epoch, load_policy=request_load_policy(request, self._warned))
 
     def reset_cache(self, is_running: Callable[[Any], bool]) -> bool:
         """Serve nothing stored before now (vLLM's ``reset_prefix_cache`` after a weight
