@@ -25,9 +25,16 @@ TTFT here is the wall time of one ``LLM.generate()`` of one token-id prompt with
                  whole (page cache warm): the disk tier's path without the device.
 - ``remote``     a tierkv hit from the remote tier: a fresh engine with no disk tier over
                  a real 3-master Redis Cluster on loopback (``tests/redis_cluster.py``) that
-                 the ``miss`` engine pushed to.
+                 the ``miss`` engine pushed to (one redis-server when ``slow`` runs).
+- ``slow``       the same over a redis-server behind a proxy process that sends
+                 ``--slow-mib-per-second`` (``tests/throttle_proxy.py``): a slow node.
+- ``TIER:cost``, ``TIER:recompute``  the engine of row ``TIER`` (its requests ask for
+                 load_policy "always"), with requests that ask for "cost" and "recompute"
+                 (``kv_transfer_params``), each on prompts of its own stored alike,
+                 interleaved with the first in an order that rotates by round and length:
+                 the three differ by the policy alone. The engines' own load_policy is cost.
 
-Each round opens the four engines one after another (two in-process engines at once would
+Each round opens the engines one after another (two in-process engines at once would
 share vLLM's process-wide connector), every row runs each length once per round on its own
 prompt (a fresh seed per round and length, so no prompt shares a prefix with another), and
 the tables show medians over ``--rounds`` rounds with the min-max spread. Each engine first
@@ -44,7 +51,9 @@ The tables: TTFT (ms), the tokens vLLM reported cached, the engine steps each ``
 took (``EngineCore.step_fn`` calls: an asynchronous load waits some), the ratios to
 ``recompute`` and to ``prefix``, the crossover of each tier (the shortest measured length
 from which it serves tokens and its median TTFT is below ``recompute``'s, at that length
-and every longer one) and issue 24's targets at the length nearest 1500 tokens.
+and every longer one), load_policy cost against the better of "always" and "recompute" per
+tier (issue 27's target, within one engine; also against recompute without a connector,
+for reference) and issue 24's targets at the length nearest 1500 tokens.
 ``--markdown`` prints them for docs/benchmarks/ttft.md; ``--from-json`` prints them again
 from an ``--out-json`` without measuring.
 
@@ -76,12 +85,21 @@ from tierkv.integrations.vllm_runner import cpu_environment  # noqa: E402  (no v
 
 cpu_environment(os.environ, in_process=True)  # before vLLM is imported
 
-ROWS = ("recompute", "miss", "prefix", "cpu", "cpu:cost", "disk", "disk:cost", "disk_warm",
-        "remote", "remote:cost", "slow", "slow:cost")
+ROWS = ("recompute", "miss", "prefix", "cpu", "cpu:cost", "cpu:recompute", "disk", "disk:cost",
+        "disk:recompute", "disk_warm", "remote", "remote:cost", "remote:recompute", "slow",
+        "slow:cost", "slow:recompute")
 TIERS = ("cpu", "disk", "remote", "slow")
 HITS = ("cpu", "cpu:cost", "disk", "disk:cost", "disk_warm", "remote", "remote:cost", "slow",
         "slow:cost")  # the rows of tierkv hits
-POLICIES = ("always", "cost")
+# What each hit row's request asks of tierkv (kv_transfer_params): "always" (the row named
+# for the tier), "cost" and "recompute" (rows "TIER:cost", "TIER:recompute"): one engine
+# serves the three, interleaved, so they differ by the policy alone.
+POLICIES = ("always", "cost", "recompute")
+
+
+def row_of(tier: str, policy: str) -> str:
+    """The row of ``tier``'s requests that ask for ``policy``."""
+    return tier if policy == "always" else f"{tier}:{policy}"
 ENGINE_MODELS = ("llama", "qwen2", "gemma3")  # deepseek_v2 (MLA): the connector refuses it on CPU
 
 
@@ -123,8 +141,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "a remote node behind a proxy held to --slow-mib-per-second)")
     parser.add_argument("--policies", type=parse_names(POLICIES, "--policies"),
                         default=list(POLICIES),
-                        help="load_policy of the hit rows: always (every hit loaded: the "
-                             "tier's speed) and cost (rows 'TIER:cost': cost-aware loads)")
+                        help="the load_policy each tier engine's requests ask for, interleaved "
+                             "in that engine, each on prompts of its own: always (every hit "
+                             "loaded: the tier's speed), cost (rows 'TIER:cost': cost-aware "
+                             "loads) and recompute (rows 'TIER:recompute': nothing loaded, "
+                             "the same engine's counterfactual)")
     parser.add_argument("--slow-mib-per-second", type=float, default=8.0,
                         help="what the slow tier's proxy sends back, MiB/s, all connections")
     parser.add_argument("--cold", choices=("fadvise", "drop_caches", "none"), default="fadvise",
@@ -155,7 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.lengths[-1] > args.max_model_len - 1 or args.warmup_length > args.max_model_len - 1:
         parser.error(f"prompt lengths must leave one token of --max-model-len "
                      f"({args.max_model_len}): at most {args.max_model_len - 1}")
-    if args.rounds * (2 * len(args.lengths) + args.warmup) >= 4000:
+    if args.rounds * ((len(args.policies) + 1) * len(args.lengths) + args.warmup) >= 4000:
         parser.error("too many rounds x lengths: prompts would repeat (4000 distinct seeds)")
     return args
 
@@ -301,6 +322,9 @@ class Round:
         self.figures = figures
         self.number = number
         self.prompts = {length: prompt(length, next(seeds)) for length in args.lengths}
+        # The hit rows of each policy but "always" (which reads ``prompts``) read their own.
+        self.asking = {policy: {length: prompt(length, next(seeds)) for length in args.lengths}
+                       for policy in args.policies if policy != "always"}
         # The warm-disk row reads prompts of its own (the cold row's are in the CPU tier
         # once read); the no-connector engine computes their references.
         self.extra = ({length: prompt(length, next(seeds)) for length in args.lengths}
@@ -309,18 +333,35 @@ class Round:
         self.references: dict[tuple[int, ...], Any] = {}
         self.outputs: list[tuple[str, tuple[int, ...], Any]] = []
 
+    def tokens(self, policy: str, length: int) -> list[int]:
+        """The prompt of ``length`` that requests asking for ``policy`` read."""
+        return self.prompts[length] if policy == "always" else self.asking[policy][length]
+
+    def every_prompt(self) -> list[list[int]]:
+        """Every measured prompt of the round, its warm-up ones aside."""
+        return [*self.prompts.values(), *(tokens for prompts in self.asking.values()
+                                          for tokens in prompts.values()), *self.extra.values()]
+
+    def order(self, policies: Sequence[str], length: int) -> list[str]:
+        """``policies`` in the order one length runs them: rotated by round and length, so
+        no policy always runs first (after another's load) or last."""
+        turn = (self.number + self.figures.lengths.index(length)) % len(policies)
+        return [*policies[turn:], *policies[:turn]]
+
     def measure(self, engine: Any, row: str, length: int, expected_cached: int | None,
-                tier: str | None = None, tokens: list[int] | None = None) -> Any:
+                tier: str | None = None, tokens: list[int] | None = None,
+                load_policy: str | None = None) -> Any:
         """One timed ``generate`` of ``tokens`` (this round's prompt of ``length``) for
-        ``row``; checks the tokens vLLM reports cached and tierkv's hit counter of ``tier``
-        (``expected_cached`` None: the row decides itself, as load_policy cost does; the
-        cached tokens and the counter must then agree)."""
+        ``row``, the request asking for ``load_policy``; checks the tokens vLLM reports
+        cached and tierkv's hit counter of ``tier`` (``expected_cached`` None: the row
+        decides itself, as load_policy cost does; the cached tokens and the counter must
+        then agree)."""
         tokens = self.prompts[length] if tokens is None else tokens
         before = engine.figures() if tier else {}
         gc.collect()
         steps = engine.steps
         start = time.perf_counter()
-        output = engine.one(tokens, max_tokens=1)
+        output = engine.one(tokens, max_tokens=1, load_policy=load_policy)
         seconds = time.perf_counter() - start
         self.figures.seconds[row][length].append(seconds)
         self.figures.steps[row][length].append(engine.steps - steps)
@@ -390,8 +431,10 @@ class Bench:
     """The rounds of one model."""
 
     def __init__(self, args: argparse.Namespace, model_name: str, model: Path, scratch: Path,
-                 remote_url: str | None, cold: str, slow_url: str | None = None) -> None:
+                 remote_url: str | None, cold: str, slow_url: str | None = None,
+                 flush_remote: Any = None) -> None:
         self.args = args
+        self.flush_remote = flush_remote  # empties the remote tier's server(s) between rounds
         self.slow_url = slow_url
         self.model = model
         self.scratch = scratch
@@ -399,9 +442,8 @@ class Bench:
         self.remote_url = remote_url
         self.cold = cold
         tiers = args.tiers
-        wanted = {"recompute", "prefix", *(tier for tier in tiers if "always" in args.policies)}
-        if "cost" in args.policies:
-            wanted.update(f"{tier}:cost" for tier in tiers)
+        wanted = {"recompute", "prefix",
+                  *(row_of(tier, policy) for tier in tiers for policy in args.policies)}
         if tiers:
             wanted.add("miss")
         if "disk" in tiers and cold != "none" and "always" in args.policies:
@@ -422,12 +464,15 @@ class Bench:
             "slow": f"tierkv hit: a slow remote node ({args.slow_mib_per_second:g} MiB/s), "
                     f"fresh engine",
         }
-        for tier in TIERS:  # the same rows under cost-aware loads
+        for tier in TIERS:  # the same engines' requests under the other policies
             self.figures.labels[f"{tier}:cost"] = \
                 self.figures.labels[tier] + ", load_policy cost"
+            self.figures.labels[f"{tier}:recompute"] = \
+                self.figures.labels[tier].replace("tierkv hit", "tierkv, no load") \
+                + ", load_policy recompute"
 
     def settings(self, **settings: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {"cpu_bytes": self.args.cpu_bytes, "load_policy": "always",
+        out: dict[str, Any] = {"cpu_bytes": self.args.cpu_bytes, "load_policy": "cost",
                                **self.args.extra, **settings}
         if self.args.tokens_per_chunk is not None:
             out["tokens_per_chunk"] = self.args.tokens_per_chunk
@@ -438,20 +483,22 @@ class Bench:
         for number in range(self.args.rounds):
             one = Round(self.figures, number, seeds, self.args)
             self.disk = self.scratch / f"kv-{self.figures.model}-{number}"
-            phases = [self.no_connector, self.storer, self.cpu_cost, self.from_disk,
-                      self.from_remote, self.from_slow]
+            phases = [self.no_connector, self.storer, self.from_disk, self.from_remote,
+                      self.from_slow]
             if number % 2:
                 phases = phases[1:] + phases[:1]
             for phase in phases:
                 phase(one)
             shutil.rmtree(self.disk, ignore_errors=True)
+            if self.flush_remote is not None:  # a round's prompts are never read again
+                self.flush_remote()
             one.check()
             print(f"  ... {self.figures.model}: round {number + 1}/{self.args.rounds} done",
                   file=sys.stderr, flush=True)
         return self.figures
 
     def no_connector(self, one: Round) -> None:
-        """``recompute`` and ``prefix``; the references of the warm-disk row's prompts."""
+        """``recompute`` and ``prefix``; the references of the other rows' own prompts."""
         with opened(self.model, self.args, prefix_caching=True) as engine:
             block = engine.llm.llm_engine.vllm_config.cache_config.block_size
             self.figures.block_size = block
@@ -461,7 +508,8 @@ class Bench:
             for length in self.args.lengths:
                 one.measure(engine, "recompute", length, 0)
                 one.measure(engine, "prefix", length, whole(length, block))
-            for tokens in one.extra.values():
+            for tokens in [*one.extra.values(), *(tokens for prompts in one.asking.values()
+                                                  for tokens in prompts.values())]:
                 one.references[tuple(tokens)] = engine.one(tokens, 1)
 
     def storer(self, one: Round) -> None:
@@ -484,80 +532,77 @@ class Bench:
                 engine.one(tokens, 1)
             for length in self.args.lengths:
                 one.measure(engine, "miss", length, 0)
-                engine.settle()  # stored, written to disk and pushed before the hit
-                if "cpu" in self.figures.rows:
-                    one.measure(engine, "cpu", length, whole(length, chunk), "cpu")
+                for policy in one.asking:  # stored too, for the other policies' rows
+                    engine.one(one.tokens(policy, length), 1)
+                engine.settle()  # stored, written to disk and pushed before the hits
+                if "cpu" in self.args.tiers:
+                    self.hits(one, engine, "cpu", length, whole(length, chunk))
             for tokens in one.extra.values():
                 engine.one(tokens, 1)
             engine.settle()
 
-    def cpu_cost(self, one: Round) -> None:
-        """``cpu:cost``: an engine of its own (CPU tier only, load_policy cost) stores each
-        prompt, then hits it."""
-        if "cpu:cost" not in self.figures.rows:
-            return
-        with opened(self.model, self.args,
-                    tierkv=self.settings(load_policy="cost")) as engine:
-            for tokens in one.warm:
-                engine.one(tokens, 1)
-                engine.settle()
-                engine.one(tokens, 1)
-            for length in self.args.lengths:
-                engine.one(one.prompts[length], 1)
-                engine.settle()
-                one.measure(engine, "cpu:cost", length, None, "cpu")
-
-    def policies(self, tier: str) -> list[tuple[str, str]]:
-        """(row, load_policy) of ``tier``'s rows in this run."""
-        return [(row, policy) for row, policy in ((tier, "always"), (f"{tier}:cost", "cost"))
-                if row in self.figures.rows]
+    def hits(self, one: Round, engine: Any, tier: str, length: int, hit: int,
+             before: Any = None) -> None:
+        """``tier``'s rows at ``length``: one request per policy, each on its own prompt
+        (stored alike), in :meth:`Round.order`; ``before()`` runs before each (the cold
+        disk's page-cache drop) and returns what ``after(resident)`` needs, if anything."""
+        geometry = engine.connector.geometry
+        for policy in one.order(self.args.policies, length):
+            resident = before() if before is not None else None
+            expected = {"always": hit, "recompute": 0}.get(policy)
+            one.measure(engine, row_of(tier, policy), length, expected,
+                        "remote" if tier == "slow" else tier,  # the counter of its hits
+                        one.tokens(policy, length), load_policy=policy)
+            if resident is not None and policy == "always":
+                self.figures.cold_reads.append((resident, page_cache(self.disk) - resident,
+                                                hit // geometry.tokens_per_chunk
+                                                * geometry.chunk_bytes))
 
     def from_disk(self, one: Round) -> None:
-        for row, policy in self.policies("disk"):
-            self._from_disk(one, row, policy)
-
-    def _from_disk(self, one: Round, row: str, policy: str) -> None:
-        with opened(self.model, self.args, tierkv=self.settings(disk_path=str(self.disk),
-                                                                load_policy=policy)) \
+        """A fresh engine (no remote tier) over the disk directory the ``miss`` engine
+        wrote: the warm-disk row, then each policy's request with the disk files' pages
+        dropped before it."""
+        if "disk" not in self.args.tiers:
+            return
+        with opened(self.model, self.args, tierkv=self.settings(disk_path=str(self.disk))) \
                 as engine:
-            geometry = engine.connector.geometry
-            chunk = geometry.tokens_per_chunk
+            chunk = engine.connector.geometry.tokens_per_chunk
             for tokens in one.warm:
                 engine.one(tokens, 1)
             for length in self.args.lengths:
                 hit = whole(length, chunk)
-                if "disk_warm" in self.figures.rows and policy == "always":
+                if "disk_warm" in self.figures.rows:
                     fill_page_cache(self.disk)
-                    one.measure(engine, "disk_warm", length, hit, "disk", one.extra[length])
-                if self.cold != "none":
-                    drop_page_cache(self.disk, self.cold)
-                resident = page_cache(self.disk)
-                one.measure(engine, row, length, hit if policy == "always" else None, "disk")
-                if policy == "always":
-                    self.figures.cold_reads.append((resident, page_cache(self.disk) - resident,
-                                                    hit // chunk * geometry.chunk_bytes))
+                    one.measure(engine, "disk_warm", length, hit, "disk", one.extra[length],
+                                load_policy="always")
+
+                def cold() -> int:
+                    if self.cold != "none":
+                        drop_page_cache(self.disk, self.cold)
+                    return page_cache(self.disk)
+
+                self.hits(one, engine, "disk", length, hit, cold)
 
     def from_remote(self, one: Round) -> None:
-        for row, policy in self.policies("remote"):
-            self._from_remote(one, row, policy, self.remote_url)
+        self._from_remote(one, "remote", self.remote_url)
 
     def from_slow(self, one: Round) -> None:
-        for row, policy in self.policies("slow"):
-            self._from_remote(one, row, policy, self.slow_url)
+        self._from_remote(one, "slow", self.slow_url)
 
-    def _from_remote(self, one: Round, row: str, policy: str, url: str | None) -> None:
+    def _from_remote(self, one: Round, tier: str, url: str | None) -> None:
         """A fresh engine with no disk over the remote tier at ``url``; its warm-up prompts
-        are hits too (under load_policy cost they measure the tier)."""
+        are hits too (they teach the cost model the tier)."""
+        if tier not in self.args.tiers:
+            return
         with opened(self.model, self.args, tierkv=self.settings(
-                remote_url=url, load_policy=policy,
+                remote_url=url,
                 remote={"timeout_seconds": 30.0, **self.args.extra.get("remote", {})})) \
                 as engine:
             chunk = engine.connector.geometry.tokens_per_chunk
             for tokens in one.warm:
                 engine.one(tokens, 1)
             for length in self.args.lengths:
-                one.measure(engine, row, length,
-                            whole(length, chunk) if policy == "always" else None, "remote")
+                self.hits(one, engine, tier, length, whole(length, chunk))
 
 
 # -- reporting -------------------------------------------------------------------------------
@@ -587,8 +632,11 @@ def crossover_text(figures: Figures, row: str) -> str:
     return f"{length} tokens ({figures.cached[row].get(length, 0)} of them served)"
 
 
-COST_CHECK = ("load_policy cost against the better of load_policy always and recompute (and "
-              "tierkv's miss), per tier (median / median at each length, the worst length)")
+COST_CHECK = ("load_policy cost against the better of load_policy always and recompute, per "
+              "tier (median / median at each length, the worst length): the target against "
+              "the same engine's requests that recompute; for reference against recompute "
+              "without a connector, which adds the engine-to-engine spread and the "
+              "connector's fixed cost that no load policy avoids (the miss row)")
 
 
 def tables(figures: Figures, markdown: bool) -> list[str]:
@@ -631,16 +679,18 @@ def tables(figures: Figures, markdown: bool) -> list[str]:
     pairs = [tier for tier in TIERS if tier in rows and f"{tier}:cost" in rows]
     if pairs:
         out.append(f"\n{COST_CHECK[0].upper()}{COST_CHECK[1:]}:\n" if markdown else f"{COST_CHECK}:")
-        # Against recompute without a connector (the target), and against the miss row:
-        # the connector computing every token, whose fixed cost a decline cannot avoid.
+        # The target: against the same engine's recompute requests (the policies differ
+        # in nothing else); for reference, against recompute without a connector.
         for tier in pairs:
-            for base, what in (("recompute", "recompute"), ("miss", "tierkv's miss")):
+            for base, what in ((f"{tier}:recompute", "the same engine's recompute"),
+                               ("recompute", "recompute without a connector")):
                 if base not in rows:
                     continue
                 worst, at = max((figures.median(f"{tier}:cost", n) /
                                  min(figures.median(tier, n), figures.median(base, n)), n)
                                 for n in lengths)
-                verdict = "met" if worst <= 1.10 else "MISSED" if base == "recompute" else "over"
+                target = base != "recompute" or f"{tier}:recompute" not in rows
+                verdict = "met" if worst <= 1.10 else "MISSED" if target else "over"
                 out.append(f"{'- ' if markdown else '  '}{tier}: at most {worst:.2f}x (at {at} "
                            f"tokens) the better of 'always' and {what}: {verdict} "
                            f"(target <= 1.10x)")
@@ -779,23 +829,25 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Figures]]:
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ttft-",
                                                                         dir=args.dir)))
-        remote_url = slow_url = None
+        remote_url = slow_url = flush = None
         if "slow" in args.tiers:  # one redis-server: read directly (remote) and throttled
             from tests.redis_cluster import RedisServer
             from tests.throttle_proxy import ProxyProcess
 
             server = stack.enter_context(RedisServer(scratch / "redis", "--maxmemory", "1gb"))
-            remote_url = server.url
+            remote_url, flush = server.url, server.flushall
             slow_url = stack.enter_context(ProxyProcess(  # its own process, as a node is
                 server.port, bytes_per_second=args.slow_mib_per_second * (1 << 20))).url
         elif "remote" in args.tiers:
             from tests.redis_cluster import RedisCluster
 
-            remote_url = stack.enter_context(RedisCluster(scratch / "redis", maxmemory="1gb")).url
+            cluster = stack.enter_context(RedisCluster(scratch / "redis", maxmemory="1gb"))
+            remote_url, flush = cluster.url, cluster.flushall
         for name in args.models:
             model = build_model(name, scratch / "models")
             print(f"  ... {name}: {MODELS[name].what}", file=sys.stderr, flush=True)
-            all_figures.append(Bench(args, name, model, scratch, remote_url, cold, slow_url).run())
+            all_figures.append(Bench(args, name, model, scratch, remote_url, cold, slow_url,
+                                     flush).run())
     load_after = os.getloadavg()
     minutes = (time.monotonic() - started) / 60
     import vllm

@@ -232,6 +232,9 @@ class RedisServer:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
 
+    def flushall(self) -> None:
+        _cli(self.port, "FLUSHALL")
+
     def __enter__(self) -> RedisServer:
         self.start()
         return self

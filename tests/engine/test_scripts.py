@@ -35,7 +35,7 @@ def test_bench_ttft_measures_and_checks_every_row(tmp_path: Path) -> None:
     plot = tmp_path / "ttft.png"
     stdout = run_script("bench_ttft.py", "--models", "llama", "--lengths", "300,600",
                         "--rounds", "1", "--warmup", "1", "--warmup-length", "300",
-                        "--tiers", "cpu,disk,remote,slow", "--policies", "always,cost",
+                        "--tiers", "cpu,disk,remote,slow", "--policies", "always,cost,recompute",
                         "--dir", str(tmp_path), "--out-json", str(out), "--plot", str(plot),
                         "--markdown")
     assert "every run equal to recompute, every hit as counted" in stdout
@@ -45,12 +45,19 @@ def test_bench_ttft_measures_and_checks_every_row(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())["models"]["llama"]
     assert figures["errors"] == []
     rows = figures["rows"]
-    assert set(rows) == {"recompute", "miss", "prefix", "cpu", "disk", "disk_warm", "remote",
-                         "slow", "cpu:cost", "disk:cost", "remote:cost", "slow:cost"}
+    tiers = ("cpu", "disk", "remote", "slow")
+    assert set(rows) == {"recompute", "miss", "prefix", "disk_warm",
+                         *(f"{tier}{policy}" for tier in tiers
+                           for policy in ("", ":cost", ":recompute"))}
     assert "load_policy cost against the better of" in stdout
+    assert "the better of 'always' and the same engine's recompute" in stdout
     chunk = figures["tokens_per_chunk"]
-    for row in ("cpu:cost", "disk:cost", "remote:cost", "slow:cost"):
-        assert rows[row]["greedy_checked"] == 2  # declined or loaded, the same tokens
+    for tier in tiers:
+        assert rows[f"{tier}:cost"]["greedy_checked"] == 2  # declined or loaded, the same tokens
+        # A request that asks to recompute is served nothing, in the engine that serves
+        # the others their hits.
+        assert rows[f"{tier}:recompute"]["cached_tokens"] == {"300": 0, "600": 0}
+        assert rows[f"{tier}:recompute"]["greedy_checked"] == 2
     for row in ("cpu", "disk", "disk_warm", "remote", "slow"):
         assert rows[row]["greedy_checked"] == 2
         # 600 tokens: whole chunks, one token left to compute.
