@@ -363,6 +363,28 @@ def test_a_request_asked_again_counts_once_toward_the_probe() -> None:
     assert adapter.stats.remote_lookups_skipped == 1 and adapter.stats.load_probes == 0
 
 
+def test_one_spike_moves_a_tier_line_a_bounded_step_and_a_slowdown_compounds() -> None:
+    """After a tier's first load, a load far slower than the line's estimate teaches it
+    SPIKE_FACTOR times the estimate: a 10x spike does not make a fast disk look slower than
+    computing, a disk that stays 100x slower is learned within a few loads. The first load
+    (the priors are a guess) is learned as it comes: a slow node is declined at once."""
+    model = CostModel(CostPriors(disk_load_seconds=0.005, disk_bytes_per_second=2e9,
+                                 seconds_per_token=0.0001), chunk_bytes=2 << 20)
+    for _ in range(3):
+        model.observe_load("disk", 4, 0.01)
+    estimate = model.load_seconds({"disk": 4})
+    model.observe_load("disk", 4, 10 * estimate)  # a spike
+    assert model.load_seconds({"disk": 4}) < 2 * estimate
+    assert model.best_prefix([("disk", 4)], 128)[0] == 4  # still loaded: 51 ms of compute
+    for _ in range(3):  # a lasting 100x slowdown
+        model.observe_load("disk", 4, 100 * estimate)
+    assert model.best_prefix([("disk", 4)], 128)[0] == 0
+    slow = CostModel(CostPriors(seconds_per_token=0.0001), chunk_bytes=2 << 20)
+    slow.observe_load("remote", 4, 3.0)  # the first load: as it comes
+    assert slow.best_prefix([("remote", 4)], 128)[0] == 0
+    assert slow.loads["remote"].predict(4) > 1.0
+
+
 def test_never_pays_needs_every_chunk_slower_than_its_compute() -> None:
     model = CostModel(CostPriors(remote_load_seconds=0.001, remote_bytes_per_second=1e9,
                                  seconds_per_token=0.0001), chunk_bytes=2 << 20)

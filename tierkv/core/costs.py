@@ -25,6 +25,10 @@ from tierkv.errors import ConfigError
 
 TIERS = ("cpu", "disk", "remote")
 DEFAULT_CHUNK_BYTES = 2 << 20  # for the priors, where the engine's chunk size is not given
+# A load that took more than this many times its tier's estimate teaches the line this
+# many times (from the tier's second load on): one spike moves the line a bounded step,
+# a lasting slowdown compounds it (4x, 16x, ...) within two or three loads.
+SPIKE_FACTOR = 4.0
 
 
 class DecayedLine:
@@ -134,8 +138,15 @@ class CostModel:
         self.compute = DecayedLine(priors.compute_prior(), 1024.0, decay)
 
     def observe_load(self, tier: str, num_chunks: int, seconds: float) -> None:
+        """A load of ``num_chunks`` from ``tier`` took ``seconds``; the line learns at most
+        SPIKE_FACTOR times its estimate (but from the tier's first load, which it takes as
+        it comes: the priors are a guess, a measurement is not)."""
         if num_chunks > 0 and seconds >= 0:
-            self.loads[tier].observe(float(num_chunks), seconds)
+            line, x = self.loads[tier], float(num_chunks)
+            if line.samples:  # the prior's estimate as a floor: a line near 0 stays a guide
+                intercept, slope = self._load_priors[tier]
+                seconds = min(seconds, SPIKE_FACTOR * max(line.predict(x), intercept + slope * x))
+            line.observe(x, seconds)
 
     def forget_loads(self, tier: str) -> None:
         """``tier``'s line starts again from its prior (what it measured no longer holds)."""
@@ -198,4 +209,5 @@ class CostModel:
         return best, best_cost, load_seconds
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "TIERS", "CostModel", "CostPriors", "DecayedLine"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "SPIKE_FACTOR", "TIERS", "CostModel", "CostPriors",
+           "DecayedLine"]
