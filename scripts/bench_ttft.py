@@ -773,7 +773,8 @@ def plot(all_figures: list[Figures], path: Path, title: str) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()  # every row: one legend
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.2 / len(all_figures), 1, 1))
+    legend_rows = (len(labels) + 1) // 2  # room below the plots for the legend
+    fig.tight_layout(rect=(0, (0.05 + 0.025 * legend_rows) / len(all_figures), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
