@@ -385,6 +385,42 @@ def test_one_spike_moves_a_tier_line_a_bounded_step_and_a_slowdown_compounds() -
     assert slow.loads["remote"].predict(4) > 1.0
 
 
+def test_an_engine_that_reports_its_steps_ends_is_timed_by_them_not_by_idle_gaps() -> None:
+    """Timed from plan to plan, a step followed by a second of idle engine (the next request
+    arrives late) looks 100x slower. An engine that reports each step's end (the vLLM
+    connector does) is timed from each plan to that end; plans made before the previous
+    step ended (asynchronous scheduling) pair in order."""
+    clock = Clock()
+    gaps = EngineAdapter(BlockIndex(num_slots=4, disk_capacity=4, clock=clock),
+                         AdapterConfig(tokens_per_block=16, blocks_per_chunk=2), clock)
+    ends = EngineAdapter(BlockIndex(num_slots=4, disk_capacity=4, clock=clock),
+                         AdapterConfig(tokens_per_block=16, blocks_per_chunk=2), clock)
+    for _ in range(10):  # 1000-token steps of 10 ms, each followed by 1 s idle
+        for adapter in (gaps, ends):
+            adapter.build_plan(StepInput(num_scheduled_tokens={"r": 1000}))
+        clock.now += 0.01
+        ends.step_finished()
+        clock.now += 1.0
+    assert gaps.costs.compute.predict(1000) > 0.5  # the idle second counted as compute
+    assert ends.costs.compute.predict(1000) == pytest.approx(0.01, rel=0.2)
+    # Asynchronous scheduling: the next step is planned before this one ends, and starts
+    # when it does.
+    paired = EngineAdapter(BlockIndex(num_slots=4, disk_capacity=4, clock=clock),
+                           AdapterConfig(tokens_per_block=16, blocks_per_chunk=2), clock)
+    paired.step_finished()  # nothing planned yet: ignored
+    for _ in range(10):
+        paired.build_plan(StepInput(num_scheduled_tokens={"r": 1000}))
+        clock.now += 0.001
+        paired.build_plan(StepInput(num_scheduled_tokens={"r": 1}))
+        clock.now += 0.01
+        paired.step_finished()  # the 1000-token step: 11 ms from its plan
+        clock.now += 0.002
+        paired.step_finished()  # the 1-token step: 2 ms from the end of the one before
+        clock.now += 1.0
+    assert paired.costs.compute.predict(1000) == pytest.approx(0.011, rel=0.2)
+    assert paired.costs.compute.predict(1) == pytest.approx(0.002, rel=0.5)
+
+
 def test_never_pays_needs_every_chunk_slower_than_its_compute() -> None:
     model = CostModel(CostPriors(remote_load_seconds=0.001, remote_bytes_per_second=1e9,
                                  seconds_per_token=0.0001), chunk_bytes=2 << 20)

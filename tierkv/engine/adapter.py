@@ -38,6 +38,7 @@ step) are in docs/engine-adapter.md and docs/design.md.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
@@ -81,6 +82,7 @@ LOAD_POLICIES = ("always", "cost")
 # "recompute": load nothing, ask no tier (the counterfactual of a load, in the same engine).
 REQUEST_LOAD_POLICIES = (*LOAD_POLICIES, "recompute")
 MAX_STEP_SAMPLE_SECONDS = 2.0  # a longer gap between plans is an idle engine, not compute
+MAX_UNFINISHED_STEPS = 8  # plans awaiting step_finished (asynchronous scheduling: 2)
 MAX_PROBE_REQUESTS = 1 << 16  # probe_requests doubles up to this (probe_seconds still holds)
 
 
@@ -285,6 +287,11 @@ class EngineAdapter:
         self._estimates: dict[str, tuple[str, int, float, bool]] = {}
         self._load_started: dict[JobId, tuple[float, str, int, float, bool, bool]] = {}
         self._last_plan: tuple[float, int] | None = None
+        # Plans whose steps the engine has not reported finished (step_finished), oldest
+        # first; once it reports, its steps are timed by it, not by the gaps between plans.
+        self._unfinished: deque[tuple[float, int]] = deque(maxlen=MAX_UNFINISHED_STEPS)
+        self._step_ends = False
+        self._last_end = -float("inf")  # when the last reported step ended
         self.stats = AdapterStats()
 
     # ------------------------------------------------------------------ lookup
@@ -767,14 +774,38 @@ class EngineAdapter:
         return StepPlan(loads, stores, (spill,) if spill is not None else (), tuple(flush), idle)
 
     def _observe_step(self, step: StepInput) -> None:
-        """The engine's compute line from its steps: the time from one plan to the next is
-        the previous step's (its forward pass computed its scheduled tokens). A gap over
+        """The engine's compute line from its steps. An engine that reports its steps'
+        ends (step_finished) is timed by them; else the time from one plan to the next is
+        the previous step's (its forward pass computed its scheduled tokens), which also
+        counts the engine's idle time before the next plan. A gap over
         MAX_STEP_SAMPLE_SECONDS is an idle engine, not compute."""
         now = self._clock()
+        tokens = sum(step.num_scheduled_tokens.values())
+        self._unfinished.append((now, tokens))
+        if self._step_ends:
+            return
         last = self._last_plan
         if last is not None and last[1] > 0 and now - last[0] <= MAX_STEP_SAMPLE_SECONDS:
             self.costs.observe_compute(last[1], now - last[0])
-        self._last_plan = (now, sum(step.num_scheduled_tokens.values()))
+        self._last_plan = (now, tokens)
+
+    def step_finished(self) -> None:
+        """The engine finished the step of its oldest plan not yet reported (forward pass
+        and sampling done; the vLLM connector reports each step's output). That step's
+        tokens took the time since its plan (or since the step before it ended): the
+        compute line learns that, not the gaps between plans, which count the time an idle
+        engine waited for its next request."""
+        self._step_ends = True
+        if not self._unfinished:
+            return
+        planned, tokens = self._unfinished.popleft()
+        now = self._clock()
+        # A step planned while the previous one ran (asynchronous scheduling) starts when
+        # that one ends.
+        seconds = now - max(planned, self._last_end)
+        self._last_end = now
+        if tokens > 0 and seconds <= MAX_STEP_SAMPLE_SECONDS:
+            self.costs.observe_compute(tokens, seconds)
 
     def take_flush_spills(self) -> StepPlan:
         """A plan that writes every dirty CPU chunk to disk (clean shutdown)."""

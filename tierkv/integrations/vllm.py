@@ -232,10 +232,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return failed
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if self._worker is None or not self._completions:
+        """The step's completions, and that the step ran (every step: see
+        TierKVWorkerMetadata.step_done)."""
+        if self._worker is None:
             return None
         completions, self._completions = self._completions, []
-        return TierKVWorkerMetadata(completions)
+        return TierKVWorkerMetadata(completions, step_done=True)
 
     # ================================================================ scheduler role
     def _scheduler_side(self) -> SchedulerSide:

@@ -41,11 +41,15 @@ class TierKVMetadata(KVConnectorMetadata):
 @dataclass
 class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
     completions: list[Completion] = field(default_factory=list)
+    # Sent after every step the worker ran (so vLLM reports every step's output to the
+    # scheduler side, which times the step from its plan: the cost model's compute line).
+    step_done: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, TierKVWorkerMetadata):
             raise TypeError(f"tierkv: cannot aggregate worker metadata of type {type(other).__name__}")
-        return TierKVWorkerMetadata(self.completions + other.completions)
+        return TierKVWorkerMetadata(self.completions + other.completions,
+                                    self.step_done or other.step_done)
 
 
 @dataclass

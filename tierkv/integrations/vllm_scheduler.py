@@ -402,7 +402,11 @@ class SchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(meta, TierKVWorkerMetadata) or not meta.completions:
+        if not isinstance(meta, TierKVWorkerMetadata):
+            return
+        if meta.step_done:  # the step of the oldest unreported plan ran: its compute time
+            self.adapter.step_finished()
+        if not meta.completions:
             return
         done = self.adapter.complete(WorkerReport(rank=-1, completions=tuple(meta.completions)))
         for completion in done:
