@@ -455,3 +455,6 @@ def test_a_vllm_request_asks_for_its_policy_in_kv_transfer_params(
     assert [r.getMessage().split(" asks")[0] for r in caplog.records] == ["tierkv: request req-7"] * 2
     assert "'fast'" in caplog.records[0].getMessage()
     assert "engine's load_policy applies" in caplog.records[1].getMessage()
+    for number in range(1000):  # a client's many values: a bounded set, bounded warnings
+        assert request_load_policy(asks({"tierkv": {"load_policy": f"x{number}"}}), warned) is None
+    assert len(warned) == 64 and len(caplog.records) == 64

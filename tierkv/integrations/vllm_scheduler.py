@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierkv.vllm")
 
 STATS_INTERVAL_SECONDS = 1.0
+MAX_POLICY_WARNINGS = 64  # distinct bad request load policies warned about, at most
 BUDGET_POLL_SECONDS = 1.0  # how often a step may stat the disk root for budget changes
 _INDEX_COUNTERS = (
     "loads_failed", "loads_no_room", "stores_planned", "stores_present", "stores_no_room",
@@ -93,8 +94,9 @@ def request_load_policy(request: Any, warned: set[str]) -> str | None:
     policy = ours["load_policy"]
     if isinstance(policy, str) and policy in REQUEST_LOAD_POLICIES:
         return policy
+    # A client's value: escaped and cut, and warned about a bounded number of times.
     text = repr(policy)[:80]
-    if text not in warned:
+    if text not in warned and len(warned) < MAX_POLICY_WARNINGS:
         warned.add(text)
         log.warning("tierkv: request %s asks for kv_transfer_params tierkv.load_policy %s; "
                     "one of %s is understood, so the engine's load_policy applies",
