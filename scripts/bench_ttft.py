@@ -544,8 +544,9 @@ class Bench:
     def hits(self, one: Round, engine: Any, tier: str, length: int, hit: int,
              before: Any = None) -> None:
         """``tier``'s rows at ``length``: one request per policy, each on its own prompt
-        (stored alike), in :meth:`Round.order`; ``before()`` runs before each (the cold
-        disk's page-cache drop) and returns what ``after(resident)`` needs, if anything."""
+        (stored alike), in :meth:`Round.order`. ``before()``, if given, runs before each
+        (the cold disk's page-cache drop) and returns the disk files' resident bytes, from
+        which the "always" request's cold read is counted."""
         geometry = engine.connector.geometry
         for policy in one.order(self.args.policies, length):
             resident = before() if before is not None else None
