@@ -337,11 +337,6 @@ class Round:
         """The prompt of ``length`` that requests asking for ``policy`` read."""
         return self.prompts[length] if policy == "always" else self.asking[policy][length]
 
-    def every_prompt(self) -> list[list[int]]:
-        """Every measured prompt of the round, its warm-up ones aside."""
-        return [*self.prompts.values(), *(tokens for prompts in self.asking.values()
-                                          for tokens in prompts.values()), *self.extra.values()]
-
     def order(self, policies: Sequence[str], length: int) -> list[str]:
         """``policies`` in the order one length runs them: rotated by round and length, so
         no policy always runs first (after another's load) or last."""

@@ -139,7 +139,7 @@ def test_measured_loads_and_steps_teach_the_adapter() -> None:
     for _ in range(20):  # the engine computes 1000 tokens in 0.1 s a step
         adapter.build_plan(StepInput(num_scheduled_tokens={"other": 1000}))
         clock.now += 0.1
-    assert adapter.costs is not None and adapter.costs.loads["disk"].samples == 1
+    assert adapter.costs.loads["disk"].samples == 1
     other = RequestView("s", KEYS[:4] + MORE, 8 * 32 + 1, 8 * 32 + 1, 0)
     assert adapter.lookup(other, 0) == 4 * 32  # the CPU chunks; the disk ones are declined
     assert adapter.stats.declined_tokens_disk == 4 * 32
@@ -250,7 +250,7 @@ def test_a_remote_tier_no_hit_could_pay_for_is_not_asked_until_its_probe() -> No
     config = AdapterConfig(tokens_per_block=16, blocks_per_chunk=2, load_policy="cost",
                            cost_priors=slow)
     adapter = EngineAdapter(index, config, clock, remote=asker)
-    assert adapter.costs is not None and adapter.costs.never_pays("remote", 32)
+    assert adapter.costs.never_pays("remote", 32)
     request = RequestView("r", remote_keys, 8 * 32 + 1, 8 * 32 + 1, 0)
     assert adapter.lookup(request, 0) == 0 and asker.asked == 1  # asked, then declined
     assert adapter.stats.declined_tokens_remote == 8 * 32
@@ -266,7 +266,7 @@ def test_a_remote_tier_no_hit_could_pay_for_is_not_asked_until_its_probe() -> No
                                        load_policy="cost",
                                        cost_priors=CostPriors(seconds_per_token=0.0001)),
                          clock, remote=Asker(remote_keys))
-    assert fast.costs is not None and not fast.costs.never_pays("remote", 32)
+    assert not fast.costs.never_pays("remote", 32)
     assert fast.lookup(request, 0) == 8 * 32 and fast.lookup(request, 0) == 8 * 32
     assert fast.stats.remote_lookups_skipped == 0
 
