@@ -96,6 +96,65 @@ def test_what_another_engine_stored_is_left_and_counted(cluster: RedisCluster) -
         assert read(second, key) == (ReadStatus.OK, payload_of(key))
 
 
+def received(cluster: RedisCluster) -> int:
+    """Bytes every master has received so far (``INFO stats``)."""
+    client = raw(cluster)
+    try:
+        return sum(int(client.info("stats", target_nodes=node)["total_net_input_bytes"])
+                   for node in client.get_primaries())
+    finally:
+        client.close()
+
+
+def test_values_the_server_holds_are_not_sent_again(cluster: RedisCluster) -> None:
+    """A push of chunks the tier has (another engine's, or this one's after a request that
+    recomputed a stored prefix) costs lookups, not the values: a slow or shared link is
+    not spent on them."""
+    keys = [key_of(i, salt=5) for i in range(12)]
+    with open_tier(cluster) as first, open_tier(cluster) as second:
+        before = received(cluster)
+        first.put_many([(key, payload_of(key)) for key in keys[:8]])
+        sent_fresh = received(cluster) - before
+        assert sent_fresh > 8 * PAYLOAD
+        before = received(cluster)
+        result = second.put_many([(key, payload_of(key)) for key in keys])
+        sent_again = received(cluster) - before
+        assert result.written == tuple(keys) and result.num_bytes == 4 * PAYLOAD
+        assert second.statistics().already == 8
+        assert 4 * PAYLOAD < sent_again < 5 * PAYLOAD, (sent_fresh, sent_again)
+        for key in keys:
+            assert read(second, key) == (ReadStatus.OK, payload_of(key))
+
+
+def exists_calls(cluster: RedisCluster) -> int:
+    client = raw(cluster)
+    try:
+        return sum(int(client.info("commandstats", target_nodes=node)
+                       .get("cmdstat_exists", {}).get("calls", 0))
+                   for node in client.get_primaries())
+    finally:
+        client.close()
+
+
+def test_pushes_ask_first_only_while_values_turn_out_held(cluster: RedisCluster) -> None:
+    """The round trip that spares held values is paid while held values are common: a tier
+    pushing new chunks soon stops asking, and one pushing held chunks starts again."""
+    batches = [[key_of(i, salt=100 + batch) for i in range(16)] for batch in range(10)]
+    with open_tier(cluster) as tier:
+        asked = []
+        for keys in batches:
+            before = exists_calls(cluster)
+            tier.put_many([(key, payload_of(key)) for key in keys])
+            asked.append(exists_calls(cluster) - before)
+        assert asked[0] == 16 and asked[-4:] == [0] * 4, asked
+        asked = []
+        for keys in batches:  # all held now
+            before = exists_calls(cluster)
+            assert tier.put_many([(key, payload_of(key)) for key in keys]).num_bytes == 0
+            asked.append(exists_calls(cluster) - before)
+        assert asked[0] == 0 and asked[-4:] == [16] * 4, asked
+
+
 def test_another_namespace_or_rank_never_hits(cluster: RedisCluster) -> None:
     key = key_of(2)
     with open_tier(cluster) as tier, open_tier(cluster, OTHER) as other, \
