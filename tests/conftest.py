@@ -1,5 +1,6 @@
 """Tests marked ``cuda`` (every test under tests/gpu is) run only where a GPU exists:
-without CUDA they are skipped, with the reason printed (``-ra``)."""
+without CUDA they are skipped, with the reason printed (``-ra``). Hypothesis runs under the
+``dev`` profile unless told ``--hypothesis-profile=ci`` (``make test``): tests/profiles.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+import tests.profiles  # noqa: F401  (registers the hypothesis profiles before they load)
 
 if TYPE_CHECKING:
     from tests.redis_cluster import RedisCluster

@@ -14,10 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.profiles import thorough
 from tierkv.core.jobs import LoadSpec, StoreSpec
 
 from .adapter_stack import TPC_DEFAULT, Stack, build_stack
@@ -100,5 +100,5 @@ class AdapterMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-AdapterMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
+AdapterMachine.TestCase.settings = thorough(25, 20)
 TestAdapterMachine = AdapterMachine.TestCase

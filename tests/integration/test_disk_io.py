@@ -87,11 +87,8 @@ def stored(tier: DiskTier, i: int) -> bytes | None:
 def test_submit_returns_at_once_and_completion_is_polled(
         tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
     data = fill(slab, 0, seed=1)
-    with writer_blocked(tier):
-        start = time.perf_counter()
+    with writer_blocked(tier):  # nothing commits meanwhile; the submit did not wait for it
         disk_io.submit_spill(spill(1, [(1, 0)]))
-        assert time.perf_counter() - start < 0.1
-        time.sleep(0.05)
         assert disk_io.poll_finished() == []  # not committed yet: not reported
     disk_io.wait([JobId(1)], timeout=10)
     disk_io.wait([JobId(1)], timeout=10)  # waiting again is fine

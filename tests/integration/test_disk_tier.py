@@ -19,9 +19,10 @@ from typing import Any
 import lmdb
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 from tests.reliability import support
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ClosedError, ConfigError, NamespaceMismatchError
@@ -176,7 +177,7 @@ def test_flipping_a_byte_is_corrupt(tmp_path: Path, position: int) -> None:
         assert_corrupt_and_gone(tier)
 
 
-@settings(max_examples=40, deadline=None,
+@thorough(40,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(position=st.integers(0, 255 + 30), mask=st.integers(1, 255))
 def test_flipping_any_bits_is_corrupt(tmp_path: Path, position: int, mask: int) -> None:

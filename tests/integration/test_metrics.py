@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv import StoreConfig, TierKVStore
 from tierkv.config import CpuTierConfig, DiskTierConfig
-from tierkv.engine.metrics import METRICS, PREFIX, register_store_metrics
+from tierkv.engine.metrics import GAUGE_KEYS, METRICS, PREFIX, register_store_metrics
+from tierkv.integrations.vllm_messages import TierKVConnectorStats
 
 from .test_vllm_connector import CHAT, HarnessConfig, MultiTurnWorkload, Run, assert_clean, \
     expected_chat_hits, tierkv_config
@@ -143,3 +144,21 @@ def test_a_vllm_scrape_shows_the_chat_workloads_hits_and_queries(async_schedulin
     assert all(len(repr(number).split(".")[-1]) <= 3 for number in line.values()
                if isinstance(number, float))
     run.shutdown()
+
+
+def test_payloads_merge_counters_durations_and_gauges() -> None:
+    a = TierKVConnectorStats(data={"hit_tokens_cpu": 32, "queried_tokens": 96,
+                                   "durations_gpu_to_cpu": [0.001], "cpu_used_bytes": 10})
+    b = TierKVConnectorStats(data={"hit_tokens_disk": 16, "queried_tokens": 32,
+                                   "durations_gpu_to_cpu": [0.003], "cpu_used_bytes": 20,
+                                   "seconds_gpu_to_cpu": 0.123456})
+    merged = a.aggregate(b)
+    assert merged.data["queried_tokens"] == 128
+    assert merged.data["durations_gpu_to_cpu"] == [0.001, 0.003]
+    assert merged.data["cpu_used_bytes"] == 20  # a gauge: the later value, not a sum
+    assert a.data["durations_gpu_to_cpu"] == [0.001]  # the inputs are not changed
+    line = merged.reduce()
+    assert line["hit_tokens"] == 48 and line["hit_rate"] == 0.375
+    assert line["seconds_gpu_to_cpu"] == 0.123 and line["median_ms_gpu_to_cpu"] == 2.0
+    assert "cpu_used_bytes" not in line
+    assert TierKVConnectorStats(data={name: 5 for name in GAUGE_KEYS}).is_empty()

@@ -11,7 +11,9 @@ this test's own environment through a ``.pth`` line (the extras' packages are la
 from __future__ import annotations
 
 import email.parser
+import importlib
 import os
+import pkgutil
 import shutil
 import subprocess
 import sys
@@ -175,3 +177,27 @@ def test_a_package_another_distribution_installed_too_is_refused_at_import(
 def test_the_readme_names_the_other_tierkv_project() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "ForeignInstallError" in readme and "pip uninstall -y tierkv tierkv-cache" in readme
+
+
+SKIP = ("tierkv.__main__",)  # runs the CLI when imported
+
+
+def test_every_module_exports_only_what_it_has() -> None:
+    checked = 0
+    for info in pkgutil.walk_packages(tierkv.__path__, "tierkv."):
+        if info.name in SKIP:
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError as exc:  # an optional extra (vllm, transformers) not installed
+            if exc.name is None or exc.name.split(".")[0] == "tierkv":
+                raise
+            continue
+        names = getattr(module, "__all__", None)
+        if names is None:
+            continue
+        assert len(set(names)) == len(names), f"{info.name}: __all__ repeats a name"
+        missing = [name for name in names if not hasattr(module, name)]
+        assert not missing, f"{info.name}.__all__ names what it lacks: {missing}"
+        checked += 1
+    assert checked >= 10  # the modules with an __all__ were found

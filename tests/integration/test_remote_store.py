@@ -384,16 +384,31 @@ def test_push_policies(cluster: RedisCluster, tmp_path: Path) -> None:
 
 
 def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisCluster) -> None:
-    """An "absent" answer is kept 50 ms, not longer: what another engine pushes after B
-    asked is a hit on B's next lookups (it was kept 1 s: B recomputed chunks A had pushed)."""
+    """An "absent" answer is kept 50 ms (``answer_seconds``), not longer: what another
+    engine pushes after B asked is a hit on B's lookups once that passed (it was kept 1 s: B
+    recomputed chunks A had pushed). Time is a fake clock."""
+    from tierkv.tiers.remote import RemoteTier
+    from tierkv.transfer.remote_lookup import RemoteLookup
+
     keys = chunk_keys(conversation(300, 3), TPC)
-    with TierKVStore(zeros(caches(1)), model_id="m", config=config(cluster.url)) as engine_b:
-        assert engine_b.lookup(keys) == 0  # asked: absent
-        with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as engine_a:
+    with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as engine_a:
+        now = [100.0]
+        settings = RemoteTierConfig(url=cluster.url, timeout_seconds=5.0)
+        lookup = RemoteLookup(RemoteTier(settings, engine_a.namespace, 0, 1024), [0], 5.0,
+                              clock=lambda: now[0])
+        try:
+            assert lookup.answer_seconds == 0.05
+            assert lookup.ask(keys) == []  # asked: absent
             store_all(engine_a, keys)
             push(engine_a)
-        time.sleep(0.1)
-        assert engine_b.lookup(keys) == 3
+            now[0] += 0.049
+            assert lookup.ask(keys) == []  # the answer is still kept: not asked again
+            requests = lookup.statistics().requests
+            now[0] += 0.002
+            assert lookup.ask(keys) == keys
+            assert lookup.statistics().requests == requests + 1
+        finally:
+            lookup.shutdown()
 
 
 def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None:

@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.profiles import thorough
 from tierkv.core.policy import policy_names
 from tierkv.engine.store import TierKVStore
 
@@ -159,5 +159,5 @@ class StoreMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+StoreMachine.TestCase.settings = thorough(40, 30)
 TestStoreMachine = StoreMachine.TestCase

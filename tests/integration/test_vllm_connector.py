@@ -828,6 +828,7 @@ from tierkv.tiers.base import ReadStatus
 namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
                       tokens_per_chunk=16)
 config = StoreConfig(disk=DiskTierConfig(path=Path({str(tmp_path)!r}), max_bytes=1 << 20), rank=0)
+print("waiting", flush=True)
 tier = open_follower(namespace, config, 64, wait_seconds=60)
 out = bytearray(64)
 for _ in range(600):
@@ -838,7 +839,8 @@ print(tier.read_only, out == bytes(range(64)))
 '''
     follower = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # the follower waits for the environment
+    assert follower.stdout is not None
+    assert follower.stdout.readline() == "waiting\n"  # started before the environment exists
     with DiskTier(tmp_path, namespace, 0, config.disk, 64) as writer:
         writer.put_many([(b"k" * 32, bytes(range(64)))])
         out, err = follower.communicate(timeout=120)

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 from tests.reliability import support
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
@@ -125,7 +126,7 @@ CHANGES: list[dict[str, Any]] = [
     {"tokens_per_chunk": 2 * support.TOKENS_PER_CHUNK}, {"dtype": "float16"}]
 
 
-@settings(max_examples=60, deadline=None)
+@thorough(60)
 @given(source=st.tuples(st.integers(0, len(CHANGES) - 1), st.integers(0, 3), st.integers(0, 3)),
        target=st.tuples(st.integers(0, len(CHANGES) - 1), st.integers(0, 3), st.integers(0, 3)))
 def test_a_value_verifies_only_where_it_was_written(source: tuple[int, int, int],

@@ -24,9 +24,10 @@ from typing import Any
 import lmdb
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 import tierkv
 from tests.reliability import support
 from tierkv.keys import FORMAT_VERSION, ROOT_KEY, Namespace, chunk_keys, salted_root
@@ -410,7 +411,7 @@ def test_tenant_salts_keep_tenants_apart_through_the_store(tmp_path: Path) -> No
         assert store.load(per_tenant["tenant-b"], [0] * 12).num_chunks == 0
 
 
-@settings(max_examples=60, deadline=None)
+@thorough(60)
 @given(tokens=st.lists(st.integers(0, 2**31 - 1), min_size=16, max_size=64),
        salts=st.lists(st.text(max_size=12) | st.binary(max_size=12), min_size=2, max_size=2,
                       unique=True))

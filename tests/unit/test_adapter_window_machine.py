@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.profiles import thorough
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import NO_BLOCK, Completion
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
@@ -176,6 +176,6 @@ class NarrowWindowMachine(WindowMachine):
 
 
 TestWindowMachine = WindowMachine.TestCase
-TestWindowMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWindowMachine.settings = thorough(150, 40)
 TestNarrowWindowMachine = NarrowWindowMachine.TestCase
-TestNarrowWindowMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestNarrowWindowMachine.settings = thorough(150, 40)

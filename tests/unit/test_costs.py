@@ -4,9 +4,10 @@ scripted, with a fake clock."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 from tierkv.core.costs import CostModel, CostPriors, DecayedLine
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion
@@ -41,7 +42,7 @@ def test_samples_at_one_x_keep_most_of_the_prior_intercept_and_set_the_slope() -
     assert falling.line()[1] == 0.0  # never a negative slope
 
 
-@settings(max_examples=60, deadline=None)
+@thorough(60)
 @given(st.lists(st.sampled_from(["cpu", "disk", "remote"]), min_size=1, max_size=12),
        st.floats(0.001, 1.0), st.floats(0.0, 0.1))
 def test_the_best_prefix_is_the_cheapest_of_every_prefix(tiers: list[str], per_token_ms: float,

@@ -11,9 +11,10 @@ policy.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 from tierkv.core.index import CLEAN, DIRTY, BlockIndex
 from tierkv.core.jobs import Completion, SlotId
 from tierkv.core.policy import policy_names
@@ -106,7 +107,7 @@ def snapshot(index: BlockIndex) -> object:
 
 
 @pytest.mark.parametrize("policy", policy_names())
-@settings(max_examples=500, deadline=None)
+@thorough(500)
 @given(num_slots=st.integers(1, 8), disk_capacity=st.sampled_from([0, 3, 20]),
        history=history_ops, runs=runs_strategy)
 def test_a_batch_decides_as_one_store_per_run(policy: str, num_slots: int, disk_capacity: int,

@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.profiles import thorough
 from tierkv.core.index import BlockIndex, Lookup
 from tierkv.core.jobs import Completion, JobId, SpillSpec
 from tierkv.core.policy import policy_names
@@ -453,5 +453,5 @@ class IndexMachine(RuleBasedStateMachine):
                 assert entry.on_disk, "a flushed store left a chunk only in the CPU tier"
 
 
-IndexMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+IndexMachine.TestCase.settings = thorough(300, 50)
 TestIndexMachine = IndexMachine.TestCase

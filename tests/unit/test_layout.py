@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 from tierkv.errors import ConfigError
 from tierkv.transfer.layout import KVLayout, consecutive_runs
 
@@ -237,7 +238,7 @@ def layouts(draw: st.DrawFn) -> tuple[KV, int, list[int], list[int], int]:
     return kv, per_chunk, draw(blocks), draw(blocks), draw(st.integers(0, per_chunk - 1))
 
 
-@settings(max_examples=60, deadline=None)
+@thorough(60)
 @given(layouts())
 def test_gather_then_scatter_matches_reference(
         case: tuple[KV, int, list[int], list[int], int]) -> None:

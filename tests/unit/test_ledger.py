@@ -5,9 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 from tierkv.core.jobs import JobId
 from tierkv.errors import ConfigError, JobTimeoutError, TransferError, UnknownJobError
 from tierkv.transfer.ledger import JobLedger
@@ -94,7 +95,7 @@ def test_dense_ids_are_remembered_by_a_floor_others_up_to_the_bound() -> None:
     assert len(sparse._finished) == 4 and len(sparse._order) == 4
 
 
-@settings(max_examples=200, deadline=None)
+@thorough(200)
 @given(st.permutations(range(1, 41)), st.sets(st.integers(1, 40)), st.integers(0, 45))
 def test_never_claims_an_unfinished_job_and_keeps_what_it_promises(
         finish_order: list[int], skipped: set[int], remember: int) -> None:

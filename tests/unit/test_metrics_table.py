@@ -5,9 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierkv.engine.metrics import (DURATION_BUCKETS, GAUGE_KEYS, MAX_PENDING_DURATIONS, METRICS,
+from tierkv.engine.metrics import (DURATION_BUCKETS, MAX_PENDING_DURATIONS, METRICS,
                                    Durations)
-from tierkv.integrations.vllm_messages import TierKVConnectorStats
 
 
 @given(st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), max_size=200))
@@ -39,21 +38,3 @@ def test_every_figure_key_is_read_by_one_metric_only() -> None:
     assert len(names) == len(set(names))
     for metric in METRICS:
         assert (metric.label is None) == (len(metric.keys) == 1 and metric.keys[0][0] == "")
-
-
-def test_payloads_merge_counters_durations_and_gauges() -> None:
-    a = TierKVConnectorStats(data={"hit_tokens_cpu": 32, "queried_tokens": 96,
-                                   "durations_gpu_to_cpu": [0.001], "cpu_used_bytes": 10})
-    b = TierKVConnectorStats(data={"hit_tokens_disk": 16, "queried_tokens": 32,
-                                   "durations_gpu_to_cpu": [0.003], "cpu_used_bytes": 20,
-                                   "seconds_gpu_to_cpu": 0.123456})
-    merged = a.aggregate(b)
-    assert merged.data["queried_tokens"] == 128
-    assert merged.data["durations_gpu_to_cpu"] == [0.001, 0.003]
-    assert merged.data["cpu_used_bytes"] == 20  # a gauge: the later value, not a sum
-    assert a.data["durations_gpu_to_cpu"] == [0.001]  # the inputs are not changed
-    line = merged.reduce()
-    assert line["hit_tokens"] == 48 and line["hit_rate"] == 0.375
-    assert line["seconds_gpu_to_cpu"] == 0.123 and line["median_ms_gpu_to_cpu"] == 2.0
-    assert "cpu_used_bytes" not in line
-    assert TierKVConnectorStats(data={name: 5 for name in GAUGE_KEYS}).is_empty()

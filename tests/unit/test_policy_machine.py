@@ -12,7 +12,6 @@ step, and for ARC the same ghosts and target.
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -22,6 +21,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.profiles import thorough
 from tierkv.core.policies.arc import ARCPolicy
 from tierkv.core.policy import EvictionPolicy, make_policy, policy_names
 
@@ -270,8 +270,7 @@ def machine_for(name: str) -> type[RuleBasedStateMachine]:
 
 @pytest.mark.parametrize("name", policy_names())
 def test_policy_against_contract_and_reference(name: str) -> None:
-    run_state_machine_as_test(machine_for(name), settings=settings(
-        max_examples=300, stateful_step_count=50, deadline=None))
+    run_state_machine_as_test(machine_for(name), settings=thorough(300, 50))
 
 
 def test_every_policy_has_a_reference_model() -> None:

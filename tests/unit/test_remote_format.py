@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.profiles import thorough
 from tierkv.tiers.remote_format import HEADER_BYTES, check_value, pack_value, redis_key
 
 FP = "802a6c76d0e36bab4a92f7e8a8c80f25"
@@ -48,7 +49,7 @@ def test_truncated_extended_or_misframed_values_fail(edit: object) -> None:
     assert check(edit(pack_value(FP, 0, KEY, PAYLOAD))) is not None  # type: ignore[operator]
 
 
-@settings(max_examples=60, deadline=None)
+@thorough(60)
 @given(st.integers(0, HEADER_BYTES + len(PAYLOAD) - 1), st.integers(1, 255))
 def test_any_changed_byte_fails(position: int, flip: int) -> None:
     value = bytearray(pack_value(FP, 0, KEY, PAYLOAD))
