@@ -36,7 +36,7 @@ from tierkv import remote_tools
 from tierkv.config import DiskTierConfig
 from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
                            short_key)
-from tierkv.keys import FORMAT_VERSION, Namespace, Part
+from tierkv.keys import FORMAT_VERSION, SINGLE_PART, Namespace, Part
 from tierkv.tiers.disk import SHARDS, DiskTier, written_at
 from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, Trust, check_file,
                                      parse_part_dir, read_private_file)
@@ -63,10 +63,13 @@ class RankReport:
     # Shards that could not be read (shard -> why); the others' chunks are counted above.
     damaged_shards: dict[int, str] = field(default_factory=dict)
     replica: int = 0  # data-parallel engine (part-<p>of<P>-dp<d>)
+    old_rank: int | None = None  # a rank-<r> directory of an older format (never read)
 
     @property
     def label(self) -> str:
-        """``part 0of2`` (``part 0of2 dp1``) for messages."""
+        """``part 0of2`` (``part 0of2 dp1``; ``rank 0`` of an older format) for messages."""
+        if self.old_rank is not None:
+            return f"rank {self.old_rank}"
         return f"part {self.part.name}" + (f" dp{self.replica}" if self.replica else "")
 
 
@@ -188,6 +191,7 @@ def _read_namespace(ns_dir: Path) -> NamespaceReport:
 
 def _add_ranks(root: Path, report: NamespaceReport) -> None:
     """Peek at every ``part-<p>of<P>`` of ``report``'s directory; list moved-aside ones."""
+    why = ""
     try:
         namespace: Namespace | None = _namespace_of(report)
     except ConfigError as exc:
@@ -203,6 +207,14 @@ def _add_ranks(root: Path, report: NamespaceReport) -> None:
                 report.ranks.append(peek_rank(root, namespace, part, rank_dir, replica))
             report.broken += [f"{rank_dir.name}/{shard.name}" for shard in
                               sorted(rank_dir.glob("shard-*.*-*"))]
+        elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
+            report.broken.append(rank_dir.name)
+    for rank_dir in sorted(report.path.glob("rank-*")):  # older formats' (never read)
+        suffix = rank_dir.name[5:]
+        if suffix.isdigit() and rank_dir.is_dir():
+            report.ranks.append(RankReport(
+                SINGLE_PART, rank_dir, old_rank=int(suffix),
+                problem=f"not read: {why if namespace is None else 'another tierkv format'}"))
         elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
             report.broken.append(rank_dir.name)
 
@@ -389,9 +401,13 @@ def run_inspect(args: argparse.Namespace) -> int:
         desc = report.description
         print(f"namespace {report.fingerprint} (format version {report.format_version})"
               + (f"  PROBLEM: {report.problem}" if report.problem else ""))
+        if report.format_version is not None and report.format_version != FORMAT_VERSION:
+            print(f"  another tierkv format: this tierkv (format {FORMAT_VERSION}) never reads "
+                  f"it; delete it when no older tierkv uses it: tierkv rm {args.store} "
+                  f"--namespace {report.fingerprint} --yes")
         for name in ("model_id", "dtype", "kv_layout", "page_bytes", "tokens_per_chunk",
-                     "blocks_per_chunk", "num_layers", "num_kv_heads", "rank_layout", "hash_scheme",
-                     "extra"):
+                     "blocks_per_chunk", "num_layers", "num_kv_heads", "tp_size", "rank_layout",
+                     "hash_scheme", "extra"):
             if name in desc:
                 print(f"  {name + ':':18s}{desc[name]}")
         names = desc.get("layer_names")

@@ -94,7 +94,7 @@ def test_a_stopped_rank_of_the_same_namespace_keeps_its_chunks_and_leaves_the_re
     kv = [torch.zeros((64, *PAGE_SHAPE), dtype=torch.float16) for _ in range(LAYERS)]
 
     def rank_store(rank: int) -> TierKVStore:
-        config = StoreConfig(blocks_per_chunk=BPC, device="cpu", rank=rank,
+        config = StoreConfig(blocks_per_chunk=BPC, device="cpu", rank=rank, tp_size=2,
                              cpu=CpuTierConfig(max_bytes=8 * CHUNK_BYTES),
                              disk=DiskTierConfig(path=tmp_path, max_bytes=CAP, write_through=True))
         return TierKVStore(kv, model_id="tp", tokens_per_block=TOKENS_PER_BLOCK, config=config)
