@@ -86,16 +86,17 @@ def build_namespace(
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) \
             or tokens_per_block <= 0:
         raise ConfigError(f"store: tokens_per_block must be a positive int, got {tokens_per_block!r}")
+    parts = config.tp_size  # the namespace's sizes are every part's (every rank's) together
     return Namespace(
         model_id=model_id,
         dtype=layout.dtype_name,
         kv_layout=layout.describe(),
-        page_bytes=sum(layout.page_bytes),
+        page_bytes=sum(layout.page_bytes) * parts,
         tokens_per_chunk=tokens_per_block * config.blocks_per_chunk,
         num_layers=layout.num_layers,
         layer_names=layout.layer_names,
         blocks_per_chunk=config.blocks_per_chunk,
-        chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk),
+        chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk) * parts,
     )
 
 
