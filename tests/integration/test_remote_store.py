@@ -28,6 +28,7 @@ from tests.redis_cluster import RedisCluster, free_port
 from tierkv import chunk_keys
 from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
 from tierkv.errors import ClosedError
+from tierkv.keys import Part
 from tierkv.engine.store import TierKVStore
 from tierkv.tiers.remote_format import HEADER_BYTES, redis_key
 
@@ -408,7 +409,7 @@ def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None
     for url, connected in ((cluster.url, True), (f"redis://127.0.0.1:{free_port()}", False)):
         settings = RemoteTierConfig(url=url, timeout_seconds=0.5)
         started = time.perf_counter()
-        lookup = RemoteLookup(RemoteTier(settings, namespace, 0, 1024, lazy=True), [0], 0.5)
+        lookup = RemoteLookup(RemoteTier(settings, namespace, 0, 1024, lazy=True), [[Part(0, 1)]], 0.5)
         took = time.perf_counter() - started
         try:
             # Connected already (statistics() would wait for a connect in progress).
@@ -420,4 +421,4 @@ def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None
         finally:
             lookup.shutdown()  # closes its tier too
             with pytest.raises(ClosedError):
-                lookup.tier.exists_on_ranks([bytes(32)], [0])
+                lookup.tier.exists_on_parts([bytes(32)], [Part(0, 1)])
