@@ -207,11 +207,14 @@ class SchedulerSide:
         chunks (the smallest rank share)."""
         from tierkv.tiers.disk_budget import DiskBudget
 
-        unit = self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES
-        self._budgets = [DiskBudget(root, self.fingerprint, part_dir_name(part, self.replica),
-                                    self.settings.disk_bytes, unit,
+        # A whole chunk (every part) per unit: each part's budget plans the engine's chunks,
+        # blind to its sibling parts, and publishes its part's share.
+        unit = (self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES) * len(parts)
+        names = tuple(part_dir_name(part, self.replica) for part in parts)
+        self._budgets = [DiskBudget(root, self.fingerprint, name, self.settings.disk_bytes, unit,
                                     check_seconds=self.config.disk.budget_check_seconds,
-                                    clock=self._clock) for part in parts]
+                                    clock=self._clock, parts=len(parts), siblings=names)
+                         for name in names]
         capacity = min(budget.plan(held + self._budget_headroom(budget))
                        for budget in self._budgets)
         line = self._budgets[0].start_line()

@@ -194,13 +194,15 @@ def _model_of(ns_dir: Path) -> str:
         return "?"
 
 
-def survey(root: Path, own: tuple[str, str] | None = None) -> list[Holding]:
+def survey(root: Path, own: tuple[str, str | frozenset[str]] | None = None) -> list[Holding]:
     """Every ``ns-<fingerprint>`` directory under ``root`` with what it holds; ``own``
-    (fingerprint, part directory name) is the surveying store's part, left out of its
-    namespace. A
+    (fingerprint, part directory name, or the names of every part of the surveying engine)
+    is left out of its namespace. A
     namespace that disappears meanwhile (deleted by another store, ``tierkv rm``) is left
     out."""
     holdings: list[Holding] = []
+    if own is not None and isinstance(own[1], str):
+        own = (own[0], frozenset((own[1],)))
     for ns_dir in sorted(Path(root).glob("ns-*")):
         try:
             if ns_dir.is_symlink() or check_dir(ns_dir, fix=False) is not Trust.OK:
@@ -211,7 +213,7 @@ def survey(root: Path, own: tuple[str, str] | None = None) -> list[Holding]:
     return holdings
 
 
-def _holding(ns_dir: Path, own: tuple[str, str] | None) -> Holding:
+def _holding(ns_dir: Path, own: tuple[str, str | frozenset[str]] | None) -> Holding:
     fingerprint = ns_dir.name[3:]
     holding = Holding(fingerprint, ns_dir, _model_of(ns_dir))
     rest = 0  # moved-aside ranks and leftovers (namespace.json only names the namespace)
@@ -224,7 +226,7 @@ def _holding(ns_dir: Path, own: tuple[str, str] | None) -> Holding:
         if not is_part_dir(entry.name):
             rest += tree_bytes(entry)
             continue
-        if own == (fingerprint, entry.name):
+        if own is not None and own[0] == fingerprint and entry.name in own[1]:
             continue
         rank_bytes = tree_bytes(entry)
         holding.file_bytes += rank_bytes
@@ -257,14 +259,25 @@ class DiskBudget:
     """One store's share of ``cap_bytes`` under ``root``, in chunks of ``unit_bytes``
     (chunk + per-chunk overhead); see the module docstring. Its own part directory is
     (``fingerprint``, ``part_dir``), which the store claims; :meth:`plan` publishes the
-    share there, :meth:`release` withdraws it."""
+    share there, :meth:`release` withdraws it.
+
+    An engine that writes ``parts`` parts of each chunk (the vLLM connector at TP > 1) has
+    one budget per part, each over ``unit_bytes`` of a whole chunk (every part) and blind
+    to its ``siblings`` (the engine's other part directories): they plan the same capacity
+    and each publishes its part's share (``1 / parts`` of it), so other engines see the
+    engine's whole reservation once. (Before, the second rank's budget counted the first
+    rank's published share as another holder's and the engine's capacity fell to a chunk
+    or two once the workers had created their directories before the scheduler planned.)"""
 
     def __init__(self, root: Path, fingerprint: str, part_dir: str, cap_bytes: int,
-                 unit_bytes: int, *, check_seconds: float,
+                 unit_bytes: int, *, check_seconds: float, parts: int = 1,
+                 siblings: tuple[str, ...] = (),
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.root = Path(root)
         self.fingerprint, self.part_dir = fingerprint, part_dir
+        self.parts = max(parts, 1)
+        self._own_dirs = frozenset((part_dir, *siblings))
         self.cap_bytes, self.unit_bytes = cap_bytes, unit_bytes
         self.check_seconds = check_seconds
         self._clock, self._wall_clock = clock, wall_clock
@@ -299,7 +312,7 @@ class DiskBudget:
         than its entitlement; published in its rank's share file."""
         self._checked = self._clock()
         self._seen = self._stamp()  # before the survey: what changes meanwhile is seen next
-        others = survey(self.root, (self.fingerprint, self.part_dir))
+        others = survey(self.root, (self.fingerprint, self._own_dirs))
         engines = 1 + sum(holding.engines for holding in others)
         entitlement = self.cap_bytes // engines
         wanted = min(wanted_chunks * self.unit_bytes, entitlement)
@@ -316,7 +329,7 @@ class DiskBudget:
         self.others, self.entitlement = others, entitlement
         self.deletable = len(deletable)
         self.capacity = max(allowed(), 0) // self.unit_bytes
-        self._publish(self.capacity * self.unit_bytes)
+        self._publish(self.capacity * self.unit_bytes // self.parts)
         return self.capacity
 
     def _delete(self, victim: Holding) -> bool:
@@ -370,7 +383,7 @@ class DiskBudget:
         """The store closes (its claim goes with it): its share becomes what it leaves on
         disk, ``held_chunks``."""
         self._published = None
-        self._publish(max(held_chunks, 0) * self.unit_bytes, running=False)
+        self._publish(max(held_chunks, 0) * self.unit_bytes // self.parts, running=False)
 
     def start_line(self) -> str | None:
         """The start-up line: the other namespaces under the root, their sizes, ages and
