@@ -72,6 +72,15 @@ so drift hits all of them alike; the first round of each phase is a warm-up and 
 reported. Prints median MiB/s with min-max spread, then the ratios, per chunk size, then a
 summary of the target ratios over all sizes. ``--profile`` adds a cProfile of one tierkv
 periodic write (the put_many path DiskIO's writer thread runs) per size.
+
+``--parts`` adds cold loads across TP sizes (format 5 stores a chunk as one value per
+writer part; docs/on-disk-format.md, "Parts"): each chunk viewed as 64 layer pages of 16
+tokens x 8 heads (NHD), stored as 2 parts as well (part-0of2, part-1of2, written before the
+timed part). Rows, each the whole chunk's bytes over the time: ``TP 2: own parts`` (each of
+two ranks ``read_into`` its own part: what a TP = 2 engine pays for its own chunks), ``TP 2
+from 1 part`` (each rank reads the whole one-part value, verifies it, copies its 4 heads:
+``PartReader``), ``TP 1 from 2 parts`` (one rank reads both parts, verifies each, copies
+them in); and ``tierkv read_into (in order)`` is TP 1's own. Verified byte-exact.
 """
 
 from __future__ import annotations
@@ -103,10 +112,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec  # noqa: E402
-from tierkv.keys import Namespace  # noqa: E402
+from tierkv.keys import Namespace, Part  # noqa: E402
 from tierkv.tiers.cpu import CpuSlab  # noqa: E402
 from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, shard_of, tune_malloc  # noqa: E402
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome  # noqa: E402
+from tierkv.transfer.parts import HeadLayout, PartReader, split_heads  # noqa: E402
 
 MiB = 1 << 20
 ALIGN = 4096  # O_DIRECT (vLLM's fs tier) needs block-aligned sizes and buffers
@@ -159,6 +169,9 @@ RATIOS += [
      None),
     ("cold: tierkv one / bare slab shards", "load: tierkv DiskIO one job",
      f"bare slab x{SHARDS} threads read", None),
+    ("parts: TP 2 from 1 / TP 2 own", "parts: TP 2 from 1 part", "parts: TP 2 own parts", None),
+    ("parts: TP 1 from 2 / TP 1 own", "parts: TP 1 from 2 parts", "tierkv read_into (in order)",
+     None),
 ]
 # (label, numerator row, denominator row, most): CPU seconds per GiB written, tierkv / vLLM
 CPU_RATIOS: list[tuple[str, str, str, float]] = [
@@ -208,6 +221,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fs tier rows")
     parser.add_argument("--vllm-sync", choices=("syncfs", "fsync"), default="syncfs",
                         help="how the vLLM fs rows are made durable at the end of a round")
+    parser.add_argument("--parts", action="store_true",
+                        help="also cold loads across TP sizes (one value per writer part)")
     parser.add_argument("--profile", action="store_true",
                         help="also cProfile one tierkv periodic write per chunk size")
     args = parser.parse_args(argv)
@@ -656,6 +671,106 @@ class Bench:
         self.verify(self.dest.tensor.numpy(), order, "tierkv read_into")
         return seconds
 
+    # -- across TP sizes (--parts) ---------------------------------------------------------
+
+    def head_layout(self) -> HeadLayout:
+        pieces, outer, heads = 64, 16, 8
+        return HeadLayout(pieces, outer, self.chunk_bytes // (pieces * outer * heads), heads)
+
+    def _part_tiers(self, count: int) -> list[DiskTier]:
+        root = self.dir / f"parts-{count}"
+        config = DiskTierConfig(path=root, max_bytes=self.total * 2,
+                                write_batch_bytes=self.batch_bytes)
+        return [DiskTier(root, self.namespace, Part(index, count), config,
+                         self.chunk_bytes // count) for index in range(count)]
+
+    def write_two_parts(self) -> None:
+        """The chunks as 2 parts (untimed, once)."""
+        if (self.dir / "parts-2").exists():
+            return
+        layout = self.head_layout()
+        tiers = self._part_tiers(2)
+        import torch
+
+        for first in range(0, self.num_chunks, self.per_txn):
+            batch = range(first, min(first + self.per_txn, self.num_chunks))
+            halves = [split_heads(layout, torch.from_numpy(self.source[i]), 2) for i in batch]
+            for index, tier in enumerate(tiers):
+                tier.put_many([(self.keys[i], halves[n][index].numpy())
+                               for n, i in enumerate(batch)])
+        for tier in tiers:
+            tier.close()
+
+    def _verify_halves(self, halves: np.ndarray, what: str) -> None:
+        import torch
+
+        layout = self.head_layout()
+        for chunk in range(self.num_chunks):
+            want = split_heads(layout, torch.from_numpy(self.source[chunk]), 2)
+            for index in range(2):
+                if not np.array_equal(halves[chunk, index], want[index].numpy()):
+                    raise AssertionError(f"{what}: chunk {chunk} part {index} differs")
+
+    def read_own_parts(self) -> float:
+        """TP 2, each rank its own part."""
+        self.write_two_parts()
+        halves = np.full((self.num_chunks, 2, self.chunk_bytes // 2), POISON, np.uint8)
+        self.drop_caches()
+        tiers = self._part_tiers(2)
+        start = time.perf_counter()
+        for i in range(self.num_chunks):
+            for index, tier in enumerate(tiers):
+                assert tier.read_into(self.keys[i], memoryview(halves[i, index])) is ReadStatus.OK
+        seconds = time.perf_counter() - start
+        for tier in tiers:
+            tier.close()
+        self._verify_halves(halves, "TP 2 own parts")
+        return seconds
+
+    def read_tp2_from_one(self) -> float:
+        """TP 2, each rank from the one-part value (read whole, verified, its heads copied)."""
+        halves = np.full((self.num_chunks, 2, self.chunk_bytes // 2), POISON, np.uint8)
+        self.drop_caches()
+        tier = self.tier(self.dir / "tierkv-periodic")
+
+        class One:
+            def read_part_into(self, key: bytes, part: Part, out: Any) -> ReadStatus:
+                return tier.read_into(key, out)
+
+        one = One()
+        readers = [PartReader(self.head_layout(), Part(index, 2), lambda count: one)
+                   for index in range(2)]
+        start = time.perf_counter()
+        for i in range(self.num_chunks):
+            for index, reader in enumerate(readers):
+                assert reader.read(self.keys[i], 1, memoryview(halves[i, index])) is ReadStatus.OK
+        seconds = time.perf_counter() - start
+        tier.close()
+        self._verify_halves(halves, "TP 2 from 1 part")
+        return seconds
+
+    def read_tp1_from_two(self) -> float:
+        """TP 1 from the two parts (each read whole and verified, both copied in)."""
+        self.write_two_parts()
+        self.poison(self.dest.tensor.numpy())
+        self.drop_caches()
+        tiers = self._part_tiers(2)
+
+        class Two:
+            def read_part_into(self, key: bytes, part: Part, out: Any) -> ReadStatus:
+                return tiers[part.index].read_into(key, out)
+
+        two = Two()
+        reader = PartReader(self.head_layout(), Part(0, 1), lambda count: two)
+        start = time.perf_counter()
+        for i in range(self.num_chunks):
+            assert reader.read(self.keys[i], 2, self.dest.memoryview(i)) is ReadStatus.OK
+        seconds = time.perf_counter() - start
+        for tier in tiers:
+            tier.close()
+        self.verify(self.dest.tensor.numpy(), None, "TP 1 from 2 parts")
+        return seconds
+
     def load_disk_io(self, many: bool) -> float:
         self.poison(self.dest.tensor.numpy())
         self.drop_caches()
@@ -771,6 +886,10 @@ class Bench:
             if self.vllm is not None:
                 reads["load: vLLM fs one job"] = lambda: self.load_vllm(False)
                 reads["load: vLLM fs many jobs"] = lambda: self.load_vllm(True)
+            if args.parts:
+                reads["parts: TP 2 own parts"] = self.read_own_parts
+                reads["parts: TP 2 from 1 part"] = self.read_tp2_from_one
+                reads["parts: TP 1 from 2 parts"] = self.read_tp1_from_two
             reads[f"bare lmdb x{SHARDS} threads read"] = self.read_bare_lmdb_shards
             reads[f"bare slab x{SHARDS} threads read"] = self.read_bare_slabs
             reads["file per chunk"] = self.read_files

@@ -61,7 +61,7 @@ from redis.cluster import RedisCluster as ClusterClient  # noqa: E402
 
 from tests.redis_cluster import RedisCluster  # noqa: E402
 from tierkv.config import CpuTierConfig, RemoteTierConfig, StoreConfig  # noqa: E402
-from tierkv.keys import Namespace, chunk_keys  # noqa: E402
+from tierkv.keys import Namespace, Part, chunk_keys  # noqa: E402
 from tierkv.tiers.base import ReadStatus  # noqa: E402
 from tierkv.tiers.remote import RemoteTier, connect  # noqa: E402
 from tierkv.tiers.remote_format import HEADER_BYTES, redis_key  # noqa: E402
@@ -227,8 +227,9 @@ def lookups(cluster: RedisCluster, ranks: int, chunks: int,
     fingerprint = "ab" * 16
     keys = [os.urandom(32) for _ in range(chunks)]
     layouts = {
-        "tagged": [[redis_key(b"bench:", fingerprint, r, k) for r in range(ranks)] for k in keys],
-        "spread": [[redis_key(b"bench:", fingerprint, r, k).replace(b"{", b"").replace(b"}", b"")
+        "tagged": [[redis_key(b"bench:", fingerprint, Part(r, ranks), k) for r in range(ranks)]
+                   for k in keys],
+        "spread": [[redis_key(b"bench:", fingerprint, Part(r, ranks), k).replace(b"{", b"").replace(b"}", b"")
                     for r in range(ranks)] for k in keys],
     }
     for names in layouts.values():
@@ -288,7 +289,7 @@ def remote_asks(cluster: RedisCluster, ranks: int, chunks: int, samples: int,
     methods = ("RemoteLookup.ask", "redis-py sequential EXISTS", "redis-py one pipeline")
     sets = {name: [[os.urandom(32) for _ in range(chunks)] for _ in range(samples * (rounds + 1))]
             for name in methods}
-    names = {key: [redis_key(prefix, fingerprint, rank, key) for rank in range(ranks)]
+    names = {key: [redis_key(prefix, fingerprint, Part(rank, ranks), key) for rank in range(ranks)]
              for group in sets.values() for keys in group for key in keys}
     pipe = client.pipeline()
     for count, redis_name in enumerate(n for group in names.values() for n in group):
@@ -297,8 +298,9 @@ def remote_asks(cluster: RedisCluster, ranks: int, chunks: int, samples: int,
             pipe.execute()
             pipe = client.pipeline()
     pipe.execute()
-    tier = RemoteTier(config, namespace, 0, 4096)
-    lookup = RemoteLookup(tier, tuple(range(ranks)), deadline_seconds=10.0, max_keys=chunks)
+    tier = RemoteTier(config, namespace, Part(0, ranks), 4096)
+    lookup = RemoteLookup(tier, [[Part(rank, ranks) for rank in range(ranks)]],
+                          deadline_seconds=10.0, max_keys=chunks)
 
     def ask(keys: list[bytes]) -> None:
         assert lookup.ask(keys) == keys

@@ -239,6 +239,9 @@ class StoreConfig:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     device: str = "auto"  # "auto", "cpu", "cuda"
     rank: int = 0
+    # Ranks of the engine's tensor parallelism: rank r stores part r of tp_size of each
+    # chunk (disk: part-<r>of<tp_size>/, remote keys ...:<r>of<tp_size>).
+    tp_size: int = 1
     remote: RemoteTierConfig | None = None  # None: no remote tier
     # TierKVStore.store(): "copied" returns once the source blocks are copied (rewriting
     # them afterwards is safe); "async" returns at once and the engine must fence() the
@@ -253,6 +256,9 @@ class StoreConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(f"rank must be an int >= 0, got {self.rank!r}")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) \
+                or not 1 <= self.tp_size <= 0xFFFF:
+            raise ConfigError(f"tp_size must be an int in [1, 65535], got {self.tp_size!r}")
         if self.store_mode not in STORE_MODES:
             raise ConfigError(f"store_mode must be one of {list(STORE_MODES)}, got "
                               f"{self.store_mode!r}")

@@ -10,8 +10,15 @@ encoding of ``[parent_key, token_ids, extra]``. The first chunk's parent is
 isolation: :func:`salted_root`). Never Python's ``hash()``; no per-process seeds.
 
 A :class:`Namespace` names everything that decides what a chunk's bytes mean. Persistent
-data lives under its fingerprint, every stored value is bound to it (and to its rank and
+data lives under its fingerprint, every stored value is bound to it (and to its part and
 key), and a store opened under another namespace never serves it.
+
+A :class:`Part` names one stored value of a chunk: part ``index`` of ``count``. A writer at
+tensor-parallel size ``t`` over a model of ``H`` KV heads writes ``count = min(t, H)`` parts,
+part ``p`` holding heads ``[p * H / count, (p + 1) * H / count)`` in the engine's own page
+layout; MLA (one latent replicated on every rank) writes one part. The namespace holds no
+TP size: engines of one model at TP 1, 2 and 4 share one namespace and read each other's
+parts (``docs/on-disk-format.md``, "Parts").
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from tierkv.errors import ConfigError
 
 ChunkKey = NewType("ChunkKey", bytes)
 
-FORMAT_VERSION = 4  # 2: values bound to namespace and rank, layers, block split; 3: shards;
-# 4: payloads in slab files, LMDB holds the index only
+FORMAT_VERSION = 5  # 2: values bound to namespace and rank, layers, block split; 3: shards;
+# 4: payloads in slab files, LMDB holds the index only; 5: one value per writer part (p of P),
+# namespaces without the TP size
 KEY_BYTES = 32
 ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
 HASH_SCHEME = "tierkv-sha256-msgpack-v1"
@@ -70,6 +78,66 @@ def chunk_keys(
     return keys
 
 
+@dataclass(frozen=True, order=True)
+class Part:
+    """Part ``index`` of ``count``: one stored value of a chunk (see the module docstring)."""
+
+    index: int
+    count: int
+
+    @property
+    def name(self) -> str:
+        """``<p>of<P>``: the disk directory's suffix and the Redis key's last field."""
+        return f"{self.index}of{self.count}"
+
+    def check(self) -> Part:
+        for field_name, value in (("index", self.index), ("count", self.count)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"part: {field_name} must be an int, got {value!r}")
+        if self.count < 1 or not 0 <= self.index < self.count or self.count > 0xFFFF:
+            raise ConfigError(f"part: need 0 <= index < count <= 65535, got {self.index} of "
+                              f"{self.count}")
+        return self
+
+
+SINGLE_PART = Part(0, 1)
+
+
+def as_part(value: Part | int) -> Part:
+    """A :class:`Part`; the int 0 means the one part of a single-part writer (TP 1, MLA)."""
+    if isinstance(value, Part):
+        return value.check()
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return SINGLE_PART
+    raise ConfigError(f"part: expected a Part(index, count) (or 0 for the one part of a "
+                      f"single-part writer), got {value!r}")
+
+
+def parse_part(text: str) -> Part | None:
+    """``<p>of<P>`` back to a :class:`Part`; None for anything else."""
+    index, sep, count = text.partition("of")
+    if not sep or not index.isdigit() or not count.isdigit() or len(index) > 5 or len(count) > 5:
+        return None
+    if str(int(index)) != index or str(int(count)) != count:
+        return None
+    try:
+        return Part(int(index), int(count)).check()
+    except ConfigError:
+        return None
+
+
+def part_counts(num_kv_heads: int) -> tuple[int, ...]:
+    """The part counts a chunk of a model with ``num_kv_heads`` KV heads can be stored
+    under: every power of two up to the heads, and the heads themselves (dividing them)."""
+    counts = {num_kv_heads}
+    count = 1
+    while count <= num_kv_heads:
+        if num_kv_heads % count == 0:
+            counts.add(count)
+        count *= 2
+    return tuple(sorted(counts))
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Everything that decides what stored KV bytes mean.
@@ -78,7 +146,12 @@ class Namespace:
     layer-major, so the same pages under another order are other bytes); empty only for
     namespaces built by hand. ``blocks_per_chunk`` is how the ``tokens_per_chunk`` split
     into engine blocks (the same tokens in another split are another byte layout).
-    ``chunk_bytes`` is one chunk's payload on one rank (what a disk value holds)."""
+    ``page_bytes`` and ``chunk_bytes`` are the whole model's (every KV head): a value of
+    part ``p`` of ``P`` holds ``chunk_bytes / P`` of them. ``num_kv_heads`` is the model's
+    KV heads (0: not recorded, the library's namespaces, whose ``kv_layout`` names one
+    rank's tensors). ``rank_layout`` is ``"heads"`` (ranks hold slices of the KV heads) or
+    ``"mla"`` (every rank holds the same latent: one part). No TP size: see
+    :class:`Part`."""
 
     model_id: str
     dtype: str
@@ -86,17 +159,17 @@ class Namespace:
     page_bytes: int
     tokens_per_chunk: int
     num_layers: int = 1
-    tp_size: int = 1
-    rank_layout: str = "tp"
+    rank_layout: str = "heads"
     hash_scheme: str = HASH_SCHEME
     format_version: int = FORMAT_VERSION
     extra: str = ""
     layer_names: tuple[str, ...] = ()
     blocks_per_chunk: int = 1
-    chunk_bytes: int = 0  # payload bytes of one chunk on one rank; 0: not recorded
+    chunk_bytes: int = 0  # payload bytes of one chunk, every part; 0: not recorded
+    num_kv_heads: int = 0  # the model's KV heads; 0: not recorded
 
     def __post_init__(self) -> None:
-        for name in ("page_bytes", "tokens_per_chunk", "num_layers", "tp_size",
+        for name in ("page_bytes", "tokens_per_chunk", "num_layers",
                      "format_version", "blocks_per_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -114,9 +187,10 @@ class Namespace:
         if names and len(names) != self.num_layers:
             raise ConfigError(f"namespace: {len(names)} layer_names for num_layers="
                               f"{self.num_layers}")
-        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) \
-                or self.chunk_bytes < 0:
-            raise ConfigError(f"namespace: chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
+        for name in ("chunk_bytes", "num_kv_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"namespace: {name} must be an int >= 0, got {value!r}")
         if self.tokens_per_chunk % self.blocks_per_chunk:
             raise ConfigError(f"namespace: tokens_per_chunk={self.tokens_per_chunk} is not a "
                               f"multiple of blocks_per_chunk={self.blocks_per_chunk}")

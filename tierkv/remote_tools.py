@@ -3,11 +3,12 @@ remote tier (Redis / Valkey, standalone or Cluster): ``tierkv.tools`` hands them
 argument that starts with ``redis://`` or ``rediss://`` (``tierkv ping URL`` is
 :mod:`tierkv.remote_ping`).
 
-- :func:`inspect_remote` counts chunks and value bytes per namespace fingerprint and rank
-  under ``--key-prefix`` (``SCAN`` on every primary, ``STRLEN`` in pipelines), and the keys
+- :func:`inspect_remote` counts chunks and value bytes per namespace fingerprint and part
+  (``0of2``; keys of tierkv format 4, one per rank, as ``rank <r>, format 4``: never read,
+  ``tierkv rm`` deletes them) under ``--key-prefix`` (``SCAN`` on every primary, ``STRLEN`` in pipelines), and the keys
   of another type than a string (a list under a chunk's name); nothing is read or changed.
 - :func:`verify_remote` checks every value (of the namespaces whose fingerprint starts with
-  ``only``) against the fingerprint, rank and key its Redis key names
+  ``only``) against the fingerprint, part and key its Redis key names
   (``tierkv.tiers.remote_format.check_value``). Sizes are checked before values are read:
   ``STRLEN`` and the 80-byte header of each key (pipelined), a namespace's chunk size is
   the payload length most of its headers give, and a value of another length, or a key of
@@ -43,7 +44,9 @@ from typing import Any, TypeVar
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import ConfigError
 from tierkv.extras import needs
+from tierkv.keys import FORMAT_VERSION, parse_part
 from tierkv.tiers.remote_format import (DELETE_BAD, HEADER_BYTES, MAGIC, check_value,
+                                        parse_old_key,
                                         parse_redis_key, value_bytes)
 from tierkv.units import format_bytes
 
@@ -156,18 +159,33 @@ class Session:
         self.client.close()
 
 
+OLD_FORMAT = ", format 4"  # the label's end for a key of tierkv format 4 (one per rank)
+
+
 def _entries(session: Session, only: str = "", report_every: int | None = PROGRESS_EVERY
-             ) -> list[tuple[bytes, str, int, bytes]]:
-    """(redis key, fingerprint, rank, chunk key) of every tierkv key under the prefix whose
-    fingerprint starts with ``only`` (a hex prefix also narrows the ``SCAN`` pattern)."""
+             ) -> list[tuple[bytes, str, str, bytes]]:
+    """(redis key, fingerprint, part label, chunk key) of every tierkv key under the prefix
+    whose fingerprint starts with ``only`` (a hex prefix also narrows the ``SCAN``
+    pattern). The label is the part (``0of2``), or ``rank <r>, format 4`` for a key of
+    tierkv format 4 (one value per rank), which this tierkv never reads."""
     prefix = session.config.key_prefix.encode()
     pattern = prefix + (only.encode() if _HEX.fullmatch(only) else b"") + b"*"
     out = []
     for name in session.names(pattern, report_every):
         parsed = parse_redis_key(prefix, name)
         if parsed is not None and parsed[0].startswith(only):
-            out.append((name, *parsed))
+            out.append((name, parsed[0], parsed[1].name, parsed[2]))
+            continue
+        old = parse_old_key(prefix, name)
+        if old is not None and old[0].startswith(only):
+            out.append((name, old[0], f"rank {old[1]}{OLD_FORMAT}", old[2]))
     return out
+
+
+def _old_format_problem(url: str, fingerprint: str) -> str:
+    return (f"a value of tierkv format 4 (one value per rank), which this tierkv (format "
+            f"{FORMAT_VERSION}) never reads; delete its namespace: tierkv rm {url} "
+            f"--namespace {fingerprint} --yes")
 
 
 def _sizes(session: Session, names: list[bytes]) -> list[int | None]:
@@ -178,9 +196,9 @@ def _sizes(session: Session, names: list[bytes]) -> list[int | None]:
 
 @dataclass
 class RemoteReport:
-    chunks: Counter[tuple[str, int]] = field(default_factory=Counter)
-    value_bytes: Counter[tuple[str, int]] = field(default_factory=Counter)
-    wrong_type: Counter[tuple[str, int]] = field(default_factory=Counter)
+    chunks: Counter[tuple[str, str]] = field(default_factory=Counter)
+    value_bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    wrong_type: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
 def inspect_remote(config: RemoteTierConfig) -> RemoteReport:
@@ -204,7 +222,7 @@ def inspect_remote(config: RemoteTierConfig) -> RemoteReport:
 class RemoteVerify:
     checked: int = 0
     checked_bytes: int = 0  # value bytes read
-    bad: list[tuple[str, int, bytes, str]] = field(default_factory=list)
+    bad: list[tuple[str, str, bytes, str]] = field(default_factory=list)
     deleted: int = 0
 
 
@@ -218,11 +236,13 @@ def _payload_len(header: Any) -> int | None:
     return int(_SIZE.unpack_from(header, 60)[0])
 
 
-def _chunk_sizes(entries: list[tuple[bytes, str, int, bytes]], sizes: list[int | None],
+def _chunk_sizes(entries: list[tuple[bytes, str, str, bytes]], sizes: list[int | None],
                  headers: list[Any]) -> dict[str, int]:
-    """Per fingerprint: the payload length most of its values' headers give and match."""
+    """Per fingerprint and part count: the payload length most of its values' headers give
+    and match."""
     votes: dict[str, Counter[int]] = {}
-    for (_, fingerprint, _, _), size, header in zip(entries, sizes, headers):
+    for (_, fingerprint, label, _), size, header in zip(entries, sizes, headers):
+        fingerprint = f"{fingerprint}/{label.partition('of')[2]}"
         length = _payload_len(header)
         if length is not None and size == value_bytes(length):
             votes.setdefault(fingerprint, Counter())[length] += 1
@@ -243,10 +263,17 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
                                    lambda pipe, name: pipe.getrange(name, 0, HEADER_BYTES - 1))
         chunk = _chunk_sizes(entries, sizes, headers)
         delete_bad = session.client.register_script(DELETE_BAD) if repair else None
-        for (name, fingerprint, rank, key), size in zip(entries, sizes):
+        for (name, fingerprint, label, key), size in zip(entries, sizes):
             if size == 0:
                 continue  # gone meanwhile (evicted, expired, deleted)
-            payload = chunk.get(fingerprint)
+            if label.endswith(OLD_FORMAT):  # never read, never repaired: tierkv rm
+                outcome.checked += 1
+                outcome.bad.append((fingerprint, label, key,
+                                    _old_format_problem(safe_url(config.url), fingerprint)))
+                continue
+            part = parse_part(label)
+            assert part is not None
+            payload = chunk.get(f"{fingerprint}/{part.count}")
             good = None if payload is None else value_bytes(payload)
             value, problem, digest = None, None, ""
             if size is None:
@@ -262,14 +289,14 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
                 if not value:
                     continue  # gone meanwhile
                 outcome.checked_bytes += len(value)
-                problem = check_value(fingerprint, rank, key, value, payload or 0,
+                problem = check_value(fingerprint, part, key, value, payload or 0,
                                       memoryview(bytearray(payload or 0)))
                 digest = hashlib.sha1(value).hexdigest() if problem else ""
             outcome.checked += 1
             if progress is not None:
                 progress(outcome.checked, outcome.checked_bytes, None)
             if problem is not None:
-                outcome.bad.append((fingerprint, rank, key, problem))
+                outcome.bad.append((fingerprint, label, key, problem))
                 if delete_bad is not None:
                     outcome.deleted += int(session.run(
                         "deleting a bad value",
@@ -288,7 +315,7 @@ class RemoteRemoval:
     """The one namespace :func:`remove_remote` found, and what it deleted."""
 
     fingerprint: str
-    chunks: Counter[int] = field(default_factory=Counter)  # per rank
+    chunks: Counter[str] = field(default_factory=Counter)  # per part label
     value_bytes: int = 0
     wrong_type: int = 0  # keys of another type (deleted with the rest)
     deleted: int = 0
@@ -316,7 +343,7 @@ def remove_remote(config: RemoteTierConfig, prefix: str, delete: bool = False) -
                               f"prefix")
         removal = RemoteRemoval(found[0])
         names = [name for name, _, _, _ in entries]
-        removal.chunks.update(rank for _, _, rank, _ in entries)
+        removal.chunks.update(label for _, _, label, _ in entries)
         sizes = _sizes(session, names)
         removal.value_bytes = sum(size or 0 for size in sizes)
         removal.wrong_type = sum(size is None for size in sizes)
@@ -352,17 +379,20 @@ def _other_type(count: int) -> str:
 def run_inspect(args: argparse.Namespace) -> int:
     report = inspect_remote(_config(args))
     if args.json:
-        print(json.dumps([{"fingerprint": fingerprint, "rank": rank, "chunks": chunks,
-                           "value_bytes": report.value_bytes[(fingerprint, rank)],
-                           "wrong_type": report.wrong_type[(fingerprint, rank)]}
-                          for (fingerprint, rank), chunks in sorted(report.chunks.items())]))
+        print(json.dumps([{"fingerprint": fingerprint, "part": label, "chunks": chunks,
+                           "value_bytes": report.value_bytes[(fingerprint, label)],
+                           "wrong_type": report.wrong_type[(fingerprint, label)]}
+                          for (fingerprint, label), chunks in sorted(report.chunks.items())]))
         return 0
-    print(f"remote store {safe_url(str(args.store))} (prefix {args.key_prefix!r}): "
+    store = safe_url(str(args.store))
+    print(f"remote store {store} (prefix {args.key_prefix!r}): "
           f"{len({fp for fp, _ in report.chunks})} namespace(s)")
-    for (fingerprint, rank), chunks in sorted(report.chunks.items()):
-        print(f"  namespace {fingerprint} rank {rank}: {chunks} chunks, "
-              f"{format_bytes(report.value_bytes[(fingerprint, rank)], 2)}"
-              f"{_other_type(report.wrong_type[(fingerprint, rank)])}")
+    for (fingerprint, label), chunks in sorted(report.chunks.items()):
+        old = (f" (never read by this tierkv; tierkv rm {store} --namespace {fingerprint} "
+               f"--yes deletes it)" if label.endswith(OLD_FORMAT) else "")
+        print(f"  namespace {fingerprint} {'' if old else 'part '}{label}: {chunks} chunks, "
+              f"{format_bytes(report.value_bytes[(fingerprint, label)], 2)}"
+              f"{_other_type(report.wrong_type[(fingerprint, label)])}{old}")
     total = sum(report.value_bytes.values())
     others = sum(report.wrong_type.values())
     print(f"inspected {sum(report.chunks.values())} chunks ({format_bytes(total, 2)})"
@@ -378,13 +408,14 @@ def run_verify(args: argparse.Namespace, progress: Progress | None = None) -> in
     if getattr(args, "json", False):
         print(json.dumps({"store": store, "checked": outcome.checked,
                           "checked_bytes": outcome.checked_bytes, "clean": not outcome.bad,
-                          "bad": [{"fingerprint": fingerprint, "rank": rank, "key": key.hex(),
+                          "bad": [{"fingerprint": fingerprint, "part": label, "key": key.hex(),
                                    "problem": problem}
-                                  for fingerprint, rank, key, problem in outcome.bad],
+                                  for fingerprint, label, key, problem in outcome.bad],
                           "repair": args.repair, "deleted": outcome.deleted}))
         return 1 if outcome.bad else 0
-    for fingerprint, rank, key, problem in outcome.bad:
-        print(f"  bad chunk namespace {fingerprint[:8]} rank {rank} {key.hex()}: {problem}")
+    for fingerprint, label, key, problem in outcome.bad:
+        print(f"  bad chunk namespace {fingerprint[:8]} "
+              f"{'' if label.endswith(OLD_FORMAT) else 'part '}{label} {key.hex()}: {problem}")
     what = f"verified {outcome.checked} chunks in {store}"
     if not outcome.bad:
         print(f"{what}: clean")
@@ -404,12 +435,13 @@ def run_rm(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps({"store": store, "prefix": args.key_prefix,
                           "fingerprint": removal.fingerprint, "keys": total,
-                          "keys_per_rank": {str(rank): count for rank, count
+                          "keys_per_part": {label: count for label, count
                                             in sorted(removal.chunks.items())},
                           "value_bytes": removal.value_bytes, "wrong_type": removal.wrong_type,
                           "deleted": removal.deleted, "dry_run": bool(args.dry_run)}))
         return code
-    ranks = ", ".join(f"rank {rank}: {count}" for rank, count in sorted(removal.chunks.items()))
+    ranks = ", ".join(f"{'' if label.endswith(OLD_FORMAT) else 'part '}{label}: {count}"
+                      for label, count in sorted(removal.chunks.items()))
     print(f"namespace {removal.fingerprint} in {store} (prefix {args.key_prefix!r}): "
           f"{total} chunks ({ranks}), {format_bytes(removal.value_bytes, 2)}"
           f"{_other_type(removal.wrong_type)}")

@@ -36,9 +36,10 @@ from tierkv import remote_tools
 from tierkv.config import DiskTierConfig
 from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
                            short_key)
-from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.keys import FORMAT_VERSION, SINGLE_PART, Namespace, Part
 from tierkv.tiers.disk import SHARDS, DiskTier, written_at
-from tierkv.tiers.disk_files import MAX_NAMESPACE_JSON_BYTES, Trust, check_file, read_private_file
+from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, Trust, check_file,
+                                     parse_part_dir, read_private_file)
 from tierkv.units import MiB, format_bytes, format_rate
 
 PROGRESS_SECONDS = 1.0  # at most one progress line per second
@@ -46,9 +47,9 @@ PROGRESS_SECONDS = 1.0  # at most one progress line per second
 
 @dataclass
 class RankReport:
-    """One ``rank-<r>`` environment."""
+    """One ``part-<p>of<P>`` directory (its shards' environments)."""
 
-    rank: int
+    part: Part
     path: Path
     chunks: int = 0
     payload_bytes: int = 0  # sum over chunks
@@ -61,6 +62,15 @@ class RankReport:
     problem: str | None = None  # not read at all: why
     # Shards that could not be read (shard -> why); the others' chunks are counted above.
     damaged_shards: dict[int, str] = field(default_factory=dict)
+    replica: int = 0  # data-parallel engine (part-<p>of<P>-dp<d>)
+    old_rank: int | None = None  # a rank-<r> directory of an older format (never read)
+
+    @property
+    def label(self) -> str:
+        """``part 0of2`` (``part 0of2 dp1``; ``rank 0`` of an older format) for messages."""
+        if self.old_rank is not None:
+            return f"rank {self.old_rank}"
+        return f"part {self.part.name}" + (f" dp{self.replica}" if self.replica else "")
 
 
 @dataclass
@@ -110,21 +120,22 @@ def _namespace_of(report: NamespaceReport) -> Namespace:
 
 
 def _open_tier(root: Path, namespace: Namespace, rank: RankReport, **how: Any) -> DiskTier:
-    payload = namespace.chunk_bytes or rank.payload_len or 1
+    payload = namespace.chunk_bytes // rank.part.count or rank.payload_len or 1
     config = DiskTierConfig(path=root, max_bytes=max(2 * rank.file_bytes, 64 * MiB),
                             sync_mode="close")
-    return DiskTier(root, namespace, rank.rank, config, payload, **how)
+    return DiskTier(root, namespace, rank.part, config, payload, replica=rank.replica, **how)
 
 
 def _utc(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-def peek_rank(root: Path, namespace: Namespace, rank: int, path: Path) -> RankReport:
-    """A :class:`RankReport` of one environment (index records only, read-only). Each shard
-    is opened on its own: a damaged one is named in ``damaged_shards`` and the others are
-    still counted."""
-    report = RankReport(rank, path)
+def peek_rank(root: Path, namespace: Namespace, part: Part, path: Path,
+              replica: int = 0) -> RankReport:
+    """A :class:`RankReport` of one part directory (index records only, read-only). Each
+    shard is opened on its own: a damaged one is named in ``damaged_shards`` and the others
+    are still counted."""
+    report = RankReport(part, path, replica=replica)
     infos = []
     for data in sorted([*path.glob("shard-*/data.mdb"), *path.glob("shard-*/slab-*.kv")]):
         with contextlib.suppress(OSError):  # deleted meanwhile (tierkv rm, a disk budget)
@@ -179,23 +190,33 @@ def _read_namespace(ns_dir: Path) -> NamespaceReport:
 
 
 def _add_ranks(root: Path, report: NamespaceReport) -> None:
-    """Peek at every ``rank-<r>`` of ``report``'s directory; list moved-aside ones."""
+    """Peek at every ``part-<p>of<P>`` of ``report``'s directory; list moved-aside ones."""
+    why = ""
     try:
         namespace: Namespace | None = _namespace_of(report)
     except ConfigError as exc:
         namespace, why = None, str(exc)
-    for rank_dir in sorted(report.path.glob("rank-*")):
-        suffix = rank_dir.name[5:]
-        if suffix.isdigit() and rank_dir.is_dir():
+    for rank_dir in sorted(report.path.glob("part-*")):
+        parsed = parse_part_dir(rank_dir.name)
+        if parsed is not None and rank_dir.is_dir():
+            part, replica = parsed
             if namespace is None:
-                report.ranks.append(RankReport(int(suffix), rank_dir, problem=f"not read: {why}"))
+                report.ranks.append(RankReport(part, rank_dir, replica=replica,
+                                               problem=f"not read: {why}"))
             else:
-                report.ranks.append(peek_rank(root, namespace, int(suffix), rank_dir))
-        elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
-            report.broken.append(rank_dir.name)
-        if suffix.isdigit() and rank_dir.is_dir():
+                report.ranks.append(peek_rank(root, namespace, part, rank_dir, replica))
             report.broken += [f"{rank_dir.name}/{shard.name}" for shard in
                               sorted(rank_dir.glob("shard-*.*-*"))]
+        elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
+            report.broken.append(rank_dir.name)
+    for rank_dir in sorted(report.path.glob("rank-*")):  # older formats' (never read)
+        suffix = rank_dir.name[5:]
+        if suffix.isdigit() and rank_dir.is_dir():
+            report.ranks.append(RankReport(
+                SINGLE_PART, rank_dir, old_rank=int(suffix),
+                problem=f"not read: {why if namespace is None else 'another tierkv format'}"))
+        elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
+            report.broken.append(rank_dir.name)
 
 
 def inspect_store(root: Path) -> list[NamespaceReport]:
@@ -234,7 +255,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome, progress: Callable[[int], None] | None = None) -> None:
     """Check one environment through :class:`DiskTier` (``repair``: see the module
     docstring); without ``repair``, the shards beside a damaged one are checked."""
-    name = f"namespace {namespace.fingerprint()[:8]} rank {rank.rank}"
+    name = f"namespace {namespace.fingerprint()[:8]} {rank.label}"
     if rank.problem is not None:
         outcome.damaged += 1
         outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
@@ -380,9 +401,13 @@ def run_inspect(args: argparse.Namespace) -> int:
         desc = report.description
         print(f"namespace {report.fingerprint} (format version {report.format_version})"
               + (f"  PROBLEM: {report.problem}" if report.problem else ""))
+        if report.format_version is not None and report.format_version != FORMAT_VERSION:
+            print(f"  another tierkv format: this tierkv (format {FORMAT_VERSION}) never reads "
+                  f"it; delete it when no older tierkv uses it: tierkv rm {args.store} "
+                  f"--namespace {report.fingerprint} --yes")
         for name in ("model_id", "dtype", "kv_layout", "page_bytes", "tokens_per_chunk",
-                     "blocks_per_chunk", "num_layers", "tp_size", "rank_layout", "hash_scheme",
-                     "extra"):
+                     "blocks_per_chunk", "num_layers", "num_kv_heads", "tp_size", "rank_layout",
+                     "hash_scheme", "extra"):
             if name in desc:
                 print(f"  {name + ':':18s}{desc[name]}")
         names = desc.get("layer_names")
@@ -391,10 +416,10 @@ def run_inspect(args: argparse.Namespace) -> int:
             print(f"  {'layer_names:':18s}{len(names)}: {shown}")
         for rank in report.ranks:
             if rank.problem:
-                print(f"  rank {rank.rank}: DAMAGED: {rank.problem}")
+                print(f"  {rank.label}: DAMAGED: {rank.problem}")
                 continue
             for shard, why in sorted(rank.damaged_shards.items()):
-                print(f"  rank {rank.rank}: DAMAGED shard-{shard}: {why}; {repair_plan(shard)}")
+                print(f"  {rank.label}: DAMAGED shard-{shard}: {why}; {repair_plan(shard)}")
             ends = ""
             if rank.oldest and rank.newest:
                 ends = ", ".join(["", *(f"{what} {key[:8]} (written {_utc(written_at(seq))})"
@@ -402,7 +427,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                                                                  ("newest", rank.newest)))])
             shards = "" if not rank.damaged_shards else " in shards " + ", ".join(
                 str(shard) for shard in range(SHARDS) if shard not in rank.damaged_shards)
-            print(f"  rank {rank.rank}: {rank.chunks} chunks{shards}, "
+            print(f"  {rank.label}: {rank.chunks} chunks{shards}, "
                   f"{format_bytes(rank.payload_bytes, 2)}"
                   f" (file {format_bytes(rank.file_bytes, 2)}){ends}, last write {rank.last_write}")
         for name in report.broken:

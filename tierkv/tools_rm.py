@@ -3,7 +3,7 @@
 :func:`remove_namespace` finds the one namespace whose fingerprint starts with a prefix and
 counts what it holds; with ``delete`` it claims every environment of it (refused while a
 running engine holds one: the engine's own claim, ``tierkv-owner.lock``), moves the
-``ns-<fingerprint>`` directory out of the store's view and deletes it (every rank, shard and
+``ns-<fingerprint>`` directory out of the store's view and deletes it (every part, shard and
 moved-aside leftover). Only a real directory directly under the root is deleted, never a link
 or what one points at. Exit codes of ``tierkv rm``: 0 deleted (or ``--dry-run``), 1 not
 deleted (``--yes`` missing), 2 refused or error.
@@ -134,7 +134,7 @@ def run_rm(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"store": str(args.store), "fingerprint": report.fingerprint,
                           "path": str(report.path), "description": report.description,
-                          "format_version": report.format_version, "ranks": len(report.ranks),
+                          "format_version": report.format_version, "parts": len(report.ranks),
                           "chunks": removal.chunks, "unread": removal.unread,
                           "moved_aside": report.broken, "file_bytes": removal.file_bytes,
                           "deleted": removal.deleted, "dry_run": bool(args.dry_run)},
@@ -145,7 +145,7 @@ def run_rm(args: argparse.Namespace) -> int:
     extra += [f"{removal.unread} environment(s) not readable, their chunks not counted"] \
         if removal.unread else []
     print(f"namespace {report.fingerprint} ({model}, format version {report.format_version}) in "
-          f"{args.store}: {len(report.ranks)} rank(s), {removal.chunks} chunks, "
+          f"{args.store}: {len(report.ranks)} part(s), {removal.chunks} chunks, "
           f"{format_bytes(removal.file_bytes, 2)} of files"
           + "".join(f", {part}" for part in extra))
     if removal.deleted:

@@ -27,7 +27,7 @@ import torch
 
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError
-from tierkv.keys import ROOT_KEY, Namespace, chunk_keys
+from tierkv.keys import ROOT_KEY, Namespace, Part, chunk_keys
 from tierkv.tiers.disk import DiskTier
 from tierkv.transfer.layout import KVLayout
 from tierkv.units import format_bytes
@@ -83,7 +83,7 @@ class ChunkWriter:
     """Writes chunks of one namespace to the disk tiers of ``ranks``; see the module docstring."""
 
     def __init__(self, root: Path, namespace: Namespace, chunk_bytes: int, *,
-                 ranks: Sequence[int] = (0,), disk_config: DiskTierConfig | None = None,
+                 ranks: Sequence[Part | int] = (0,), disk_config: DiskTierConfig | None = None,
                  capacity: int | None = None) -> None:
         self.root = Path(root)
         self.namespace = namespace
@@ -206,7 +206,7 @@ def warmup_tokens(
     *,
     chunk_bytes: int,
     tokens_per_chunk: int | None = None,
-    rank: int = 0,
+    rank: Part | int = 0,
     parent: bytes = ROOT_KEY,
     extra: Any = None,
     key_fn: Callable[[Sequence[int]], list[bytes]] | None = None,

@@ -32,7 +32,7 @@ _DESCRIBE_OPTIONS = {
     "model_id": "--model / --model-id / --revision", "dtype": "--dtype",
     "kv_layout": "--kv-cache-layout, the model's heads", "page_bytes": "--block-size, --dtype",
     "tokens_per_chunk": "--tokens-per-chunk", "num_layers": "--model",
-    "tp_size": "--tensor-parallel-size", "rank_layout": "--tensor-parallel-size",
+    "num_kv_heads": "--model (its KV heads)", "rank_layout": "--model (MLA or not)",
     "hash_scheme": "--hash-algo / --hash-seed / --hash-block-size", "extra": "--vllm-version",
     "format_version": "the tierkv version",
 }
@@ -339,7 +339,7 @@ async def _run(args: argparse.Namespace) -> int:
                     disable=True if args.no_progress else None)
     try:
         writer = ChunkWriter(args.store, namespace, target.chunk_bytes,
-                             ranks=range(target.tensor_parallel_size),
+                             ranks=target.parts(),
                              disk_config=target.disk_config(args.store),
                              capacity=target.disk_capacity)
     except ConfigError as exc:

@@ -94,7 +94,7 @@ def test_a_stopped_rank_of_the_same_namespace_keeps_its_chunks_and_leaves_the_re
     kv = [torch.zeros((64, *PAGE_SHAPE), dtype=torch.float16) for _ in range(LAYERS)]
 
     def rank_store(rank: int) -> TierKVStore:
-        config = StoreConfig(blocks_per_chunk=BPC, device="cpu", rank=rank,
+        config = StoreConfig(blocks_per_chunk=BPC, device="cpu", rank=rank, tp_size=2,
                              cpu=CpuTierConfig(max_bytes=8 * CHUNK_BYTES),
                              disk=DiskTierConfig(path=tmp_path, max_bytes=CAP, write_through=True))
         return TierKVStore(kv, model_id="tp", tokens_per_block=TOKENS_PER_BLOCK, config=config)
@@ -171,3 +171,35 @@ def test_the_start_up_line_names_the_other_namespaces_and_tierkv_rm(
     assert "no engine: deleted first when room is needed" in message
     assert "(model running-model, " in message and "in use by this process" in message
     assert f"delete one now with: tierkv rm {tmp_path} --namespace {old[:8]} --yes" in message
+
+
+def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_path: Path) -> None:
+    """Regression (vLLM at TP = 2, the workers' claims taken before the scheduler plans):
+    the second part's budget counted the first's published share as another engine's and
+    the engine's capacity fell to nothing. Each part's budget is blind to its siblings,
+    plans the engine's whole chunks and publishes its part's share, so another store sees
+    the engine's reservation once."""
+    from tierkv.integrations.vllm_disk import acquire_tier, claim_env, release_claimed
+    from tierkv.keys import Namespace, Part
+    from tierkv.tiers.disk_budget import DiskBudget, survey
+    from tierkv.tiers.disk_files import part_dir_name
+
+    namespace = Namespace(model_id="tp2", dtype="float16", kv_layout="test", page_bytes=4096,
+                          tokens_per_chunk=16, chunk_bytes=2 * CHUNK_BYTES)
+    parts = (Part(0, 2), Part(1, 2))
+    disk = DiskTierConfig(path=tmp_path, max_bytes=CAP)
+    tiers = [acquire_tier(tmp_path, namespace, part, disk, CHUNK_BYTES) for part in parts]
+    try:
+        for tier in tiers:  # the workers claim their parts first
+            claim_env(tier)
+        names = tuple(part_dir_name(part) for part in parts)
+        unit = 2 * UNIT  # a chunk of both parts
+        budgets = [DiskBudget(tmp_path, namespace.fingerprint(), name, CAP, unit,
+                              check_seconds=10.0, parts=2, siblings=names) for name in names]
+        assert [budget.plan(1000) for budget in budgets] == [CAP // unit] * 2
+        assert [budget.plan(1000) for budget in budgets] == [CAP // unit] * 2  # again: stable
+        (holding,) = survey(tmp_path)  # another store's view: the whole reservation, once
+        assert holding.held == CAP // unit * unit
+    finally:
+        for tier in tiers:
+            release_claimed(tier)

@@ -1,4 +1,4 @@
-"""The disk tier's shards: one LMDB environment per shard of a rank, written in parallel.
+"""The disk tier's shards: one LMDB environment per shard of a part, written in parallel.
 
 Keys here are made to land in a chosen shard (``shard_of`` is the key's first byte modulo
 ``SHARDS``). To hold one shard's writer still, a test opens a write transaction on that
@@ -79,7 +79,7 @@ def test_each_chunk_lives_in_the_environment_of_its_shard(tmp_path: Path) -> Non
         assert result.written == tuple(keys) and tier.statistics().write_txns == SHARDS
         paths = tier.shard_paths
     assert [path.name for path in paths] == [f"shard-{s}" for s in range(SHARDS)]
-    assert all(path.parent == tmp_path / f"ns-{NS.fingerprint()}" / "rank-0" for path in paths)
+    assert all(path.parent == tmp_path / f"ns-{NS.fingerprint()}" / "part-0of1" for path in paths)
     for shard, path in enumerate(paths):
         assert stored_keys(path) == {key for key in keys if shard_of(key) == shard}
     with open_tier(tmp_path) as tier:  # a restart finds every shard's chunks
@@ -271,4 +271,53 @@ def test_a_store_of_format_3_chunks_inside_lmdb_is_never_read(
     out = capsys.readouterr()
     assert "format version 3" in out.out + out.err
     assert main(["rm", str(tmp_path), "--namespace", old.fingerprint(), "--yes"]) == 0
+    assert not ns_dir.exists()
+
+
+def test_a_store_of_format_4_one_value_per_rank_is_refused_naming_tierkv_rm(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Format 4 kept one value per TP rank (``rank-<r>/shard-<s>``, index + slab) under a
+    namespace that held the TP size. Format 5 never misreads it: its namespace
+    fingerprints differently (format version, no ``tp_size``), the store starts empty
+    beside it with a warning naming the directory and the ``tierkv rm`` that deletes it,
+    ``tierkv verify`` refuses it, ``tierkv inspect`` lists its version, and its files are
+    never read, moved or deleted until ``tierkv rm``."""
+    import json
+
+    from tierkv.cli import main
+
+    description = NS.describe() | {"format_version": 4, "tp_size": 2, "rank_layout": "tp2"}
+    del description["num_kv_heads"]
+    fingerprint = "0123456789abcdef0123456789abcdef"  # format 4's own, whatever it was
+    ns_dir = tmp_path / f"ns-{fingerprint}"
+    key = key_in(0, 1)
+    for rank in range(2):
+        for shard in range(SHARDS):
+            shard_dir = ns_dir / f"rank-{rank}" / f"shard-{shard}"
+            shard_dir.mkdir(parents=True)
+            env = lmdb.open(str(shard_dir), max_dbs=4)
+            with env.begin(write=True) as txn:
+                txn.put(key, bytes(36), db=env.open_db(b"index", txn=txn))
+            env.close()
+            (shard_dir / "slab-0.kv").write_bytes(bytes(8192))
+    for path in (tmp_path, *ns_dir.rglob("*"), ns_dir):
+        os.chmod(path, 0o700 if path.is_dir() else 0o600)
+    record = {"fingerprint": fingerprint, "format_version": 4, "namespace": description}
+    (ns_dir / "namespace.json").write_text(json.dumps(record))
+    os.chmod(ns_dir / "namespace.json", 0o600)
+    before = {path: path.read_bytes() for path in ns_dir.rglob("*") if path.is_file()}
+    with caplog.at_level("WARNING", logger="tierkv.disk"), open_tier(tmp_path) as tier:
+        assert list(tier.scan()) == [] and read(tier, key)[0] is ReadStatus.MISSING
+    assert "another tierkv format" in caplog.text and f"{ns_dir} v4" in caplog.text
+    assert f"tierkv rm {tmp_path} --namespace {fingerprint} --yes" in caplog.text
+    assert {path: path.read_bytes() for path in ns_dir.rglob("*") if path.is_file()} == before
+    assert main(["verify", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert "format version 4" in out.out + out.err
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(format version 4)" in out
+    assert f"tierkv rm {tmp_path} --namespace {fingerprint} --yes" in out
+    assert main(["rm", str(tmp_path), "--namespace", fingerprint, "--yes"]) == 0
     assert not ns_dir.exists()

@@ -26,7 +26,7 @@ from tests.profiles import thorough
 from tests.reliability import support
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ClosedError, ConfigError, NamespaceMismatchError
-from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, list_namespaces, map_size_for, shard_of
 from tierkv.tiers.disk_format import MAGIC, binding_of, checksum, pack_header
 
@@ -137,7 +137,7 @@ def test_other_namespace_under_the_same_root_sees_nothing(tmp_path: Path) -> Non
     infos = {info.fingerprint: info for info in list_namespaces(tmp_path)}
     assert set(infos) == {NS.fingerprint(), OTHER_NS.fingerprint()}
     info = infos[NS.fingerprint()]
-    assert info.description == NS.describe() and info.ranks == (0,)
+    assert info.description == NS.describe() and info.parts == ((Part(0, 1), 0),)
     assert info.format_version == FORMAT_VERSION
 
 

@@ -25,7 +25,7 @@ from tests.redis_cluster import HOST, RedisCluster
 from tierkv import chunk_keys
 from tierkv.config import RemoteTierConfig
 from tierkv.engine.store import TierKVStore
-from tierkv.keys import Namespace
+from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.remote import RemoteTier
 from tierkv.tiers.remote_client import RemoteError
@@ -64,7 +64,7 @@ def stopped(cluster: RedisCluster, port: int) -> Iterator[None]:
 
 
 def on_node(cluster: RedisCluster, port: int, keys: list[bytes], namespace: Namespace = NS,
-            rank: int = 0) -> set[bytes]:
+            rank: Part | int = 0) -> set[bytes]:
     """The chunk keys among ``keys`` whose value lives on the master on ``port``."""
     slots = set(cluster.slots_of(port))
     return {key for key in keys

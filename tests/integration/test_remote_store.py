@@ -28,6 +28,7 @@ from tests.redis_cluster import RedisCluster, free_port
 from tierkv import chunk_keys
 from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
 from tierkv.errors import ClosedError
+from tierkv.keys import Part
 from tierkv.engine.store import TierKVStore
 from tierkv.tiers.remote_format import HEADER_BYTES, redis_key
 
@@ -394,7 +395,7 @@ def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisClust
     with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as engine_a:
         now = [100.0]
         settings = RemoteTierConfig(url=cluster.url, timeout_seconds=5.0)
-        lookup = RemoteLookup(RemoteTier(settings, engine_a.namespace, 0, 1024), [0], 5.0,
+        lookup = RemoteLookup(RemoteTier(settings, engine_a.namespace, 0, 1024), [[Part(0, 1)]], 5.0,
                               clock=lambda: now[0])
         try:
             assert lookup.answer_seconds == 0.05
@@ -423,7 +424,7 @@ def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None
     for url, connected in ((cluster.url, True), (f"redis://127.0.0.1:{free_port()}", False)):
         settings = RemoteTierConfig(url=url, timeout_seconds=0.5)
         started = time.perf_counter()
-        lookup = RemoteLookup(RemoteTier(settings, namespace, 0, 1024, lazy=True), [0], 0.5)
+        lookup = RemoteLookup(RemoteTier(settings, namespace, 0, 1024, lazy=True), [[Part(0, 1)]], 0.5)
         took = time.perf_counter() - started
         try:
             # Connected already (statistics() would wait for a connect in progress).
@@ -435,4 +436,4 @@ def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None
         finally:
             lookup.shutdown()  # closes its tier too
             with pytest.raises(ClosedError):
-                lookup.tier.exists_on_ranks([bytes(32)], [0])
+                lookup.tier.exists_on_parts([bytes(32)], [Part(0, 1)])

@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster as ClusterClient
 from tests.redis_cluster import HOST, RedisCluster, RedisServer, free_port
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError
-from tierkv.keys import Namespace
+from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.remote import RemoteTier
 from tierkv.tiers.remote_client import RemoteError
@@ -57,7 +57,7 @@ def cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
 RELAXED = 5.0
 
 
-def open_tier(cluster: RedisCluster, namespace: Namespace = NS, rank: int = 0,
+def open_tier(cluster: RedisCluster, namespace: Namespace = NS, rank: Part | int = 0,
               **config: object) -> RemoteTier:
     config.setdefault("timeout_seconds", RELAXED)
     return RemoteTier(RemoteTierConfig(url=cluster.url, **config),  # type: ignore[arg-type]
@@ -158,7 +158,7 @@ def test_pushes_ask_first_only_while_values_turn_out_held(cluster: RedisCluster)
 def test_another_namespace_or_rank_never_hits(cluster: RedisCluster) -> None:
     key = key_of(2)
     with open_tier(cluster) as tier, open_tier(cluster, OTHER) as other, \
-            open_tier(cluster, rank=1) as rank1:
+            open_tier(cluster, rank=Part(1, 2)) as rank1:
         tier.put_many([(key, payload_of(key))])
         assert other.exists_many([key]) == [False] and read(other, key)[0] is ReadStatus.MISSING
         assert rank1.exists_many([key]) == [False] and read(rank1, key)[0] is ReadStatus.MISSING
@@ -395,7 +395,7 @@ def test_an_acl_user_limited_to_its_prefix_is_enough(cluster: RedisCluster) -> N
     tier = RemoteTier(RemoteTierConfig(url=url, timeout_seconds=RELAXED), NS, 0, PAYLOAD)
     keys = [key_of(i) for i in range(12)]
     tier.put_many([(key, payload_of(key)) for key in keys])
-    assert tier.exists_on_ranks(keys, [0]) == [True] * 12
+    assert tier.exists_on_parts(keys, [Part(0, 1)]) == [True] * 12
     assert read(tier, keys[0]) == (ReadStatus.OK, payload_of(keys[0]))
     raw(cluster).set(redis_key(b"tierkv:", NS.fingerprint(), 0, keys[1]), b"bad")
     assert read(tier, keys[1])[0] is ReadStatus.CORRUPT  # the delete-if-same script runs

@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster as ClusterClient
 from tests.redis_cluster import RedisCluster
 from tierkv.cli import main
 from tierkv.config import RemoteTierConfig
-from tierkv.keys import Namespace
+from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.remote import RemoteTier
 from tierkv.tiers.remote_format import redis_key
@@ -44,13 +44,13 @@ def cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
 
 def fill(cluster: RedisCluster) -> list[bytes]:
     keys = [random.Random(i).randbytes(32) for i in range(12)]
-    for namespace, rank, count in ((NS, 0, 12), (NS, 1, 12), (OTHER, 0, 5)):
+    for namespace, rank, count in ((NS, Part(0, 2), 12), (NS, Part(1, 2), 12), (OTHER, 0, 5)):
         with RemoteTier(relaxed(cluster.url), namespace, rank, PAYLOAD) as tier:
             tier.put_many([(key, random.Random(key).randbytes(PAYLOAD)) for key in keys[:count]])
     return keys
 
 
-def test_inspect_counts_chunks_and_bytes_per_namespace_and_rank(
+def test_inspect_counts_chunks_and_bytes_per_namespace_and_part(
         cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
     fill(cluster)
     raw = ClusterClient.from_url(cluster.url)
@@ -59,15 +59,15 @@ def test_inspect_counts_chunks_and_bytes_per_namespace_and_rank(
     assert main(["inspect", cluster.url]) == 0
     out = capsys.readouterr().out
     value = PAYLOAD + 80  # header + payload
-    assert f"namespace {NS.fingerprint()} rank 0: 12 chunks, {format_bytes(12 * value, 2)}" in out
-    assert f"namespace {NS.fingerprint()} rank 1: 12 chunks" in out
-    assert f"namespace {OTHER.fingerprint()} rank 0: 5 chunks" in out
+    assert f"namespace {NS.fingerprint()} part 0of2: 12 chunks, {format_bytes(12 * value, 2)}" in out
+    assert f"namespace {NS.fingerprint()} part 1of2: 12 chunks" in out
+    assert f"namespace {OTHER.fingerprint()} part 0of1: 5 chunks" in out
     assert "2 namespace(s)" in out and "inspected 29 chunks" in out
     assert main(["inspect", cluster.url, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {(row["fingerprint"], row["rank"], row["chunks"], row["value_bytes"]) for row in rows} \
-        == {(NS.fingerprint(), 0, 12, 12 * value), (NS.fingerprint(), 1, 12, 12 * value),
-            (OTHER.fingerprint(), 0, 5, 5 * value)}
+    assert {(row["fingerprint"], row["part"], row["chunks"], row["value_bytes"]) for row in rows} \
+        == {(NS.fingerprint(), "0of2", 12, 12 * value), (NS.fingerprint(), "1of2", 12, 12 * value),
+            (OTHER.fingerprint(), "0of1", 5, 5 * value)}
     assert main(["inspect", cluster.url, "--key-prefix", "elsewhere:"]) == 0
     assert "inspected 0 chunks" in capsys.readouterr().out
 
@@ -76,12 +76,12 @@ def test_verify_finds_bad_values_and_repair_deletes_them(
         cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
     keys = fill(cluster)
     raw = ClusterClient.from_url(cluster.url)
-    flipped = redis_key(b"tierkv:", NS.fingerprint(), 0, keys[3])
+    flipped = redis_key(b"tierkv:", NS.fingerprint(), Part(0, 2), keys[3])
     value = bytearray(raw.get(flipped))
     value[100] ^= 1
     raw.set(flipped, bytes(value))
-    moved = redis_key(b"tierkv:", NS.fingerprint(), 1, keys[4])  # rank 0's value under rank 1
-    raw.set(moved, raw.get(redis_key(b"tierkv:", NS.fingerprint(), 0, keys[4])))
+    moved = redis_key(b"tierkv:", NS.fingerprint(), Part(1, 2), keys[4])  # part 0's under 1
+    raw.set(moved, raw.get(redis_key(b"tierkv:", NS.fingerprint(), Part(0, 2), keys[4])))
     assert main(["verify", cluster.url]) == 1
     out = capsys.readouterr().out
     assert out.count("bad chunk") == 2 and keys[3].hex() in out and keys[4].hex() in out
@@ -140,17 +140,17 @@ def test_rm_deletes_one_namespace_s_keys_and_leaves_the_rest(
     assert main(["rm", cluster.url, "--namespace", prefix, "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == (f"namespace {NS.fingerprint()} in {cluster.url} (prefix 'tierkv:'): 24 "
-                      f"chunks (rank 0: 12, rank 1: 12), {format_bytes(24 * value, 2)}")
+                      f"chunks (part 0of2: 12, part 1of2: 12), {format_bytes(24 * value, 2)}")
     assert out[-1] == "dry run: would delete 24 keys; nothing deleted"
     assert main(["rm", cluster.url, "--namespace", prefix]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "not deleted: add --yes to delete its 24 keys"
-    assert raw.exists(redis_key(b"tierkv:", NS.fingerprint(), 1, keys[0]))
+    assert raw.exists(redis_key(b"tierkv:", NS.fingerprint(), Part(1, 2), keys[0]))
 
     assert main(["rm", cluster.url, "--namespace", prefix, "--yes"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"removed namespace {NS.fingerprint()[:8]} from {cluster.url}: 24 chunks, "
         f"{format_bytes(24 * value, 2)} freed")
-    assert not any(raw.exists(redis_key(b"tierkv:", NS.fingerprint(), rank, key))
+    assert not any(raw.exists(redis_key(b"tierkv:", NS.fingerprint(), Part(rank, 2), key))
                    for rank in (0, 1) for key in keys)
     assert raw.exists(b"tierkv:" + NS.fingerprint().encode() + b":not-a-chunk")
     assert main(["verify", cluster.url]) == 0
@@ -182,9 +182,9 @@ def test_rm_refuses_an_ambiguous_prefix(cluster: RedisCluster,
 
 
 def plant_other_types(cluster: RedisCluster, keys: list[bytes]) -> list[bytes]:
-    """A list and a hash under two of NS's rank-0 chunk names: keys of another type."""
+    """A list and a hash under two of NS's part-0 chunk names: keys of another type."""
     raw = ClusterClient.from_url(cluster.url)
-    names = [redis_key(b"tierkv:", NS.fingerprint(), 0, key) for key in keys[:2]]
+    names = [redis_key(b"tierkv:", NS.fingerprint(), Part(0, 2), key) for key in keys[:2]]
     raw.delete(*names[:1])
     raw.delete(*names[1:])
     raw.rpush(names[0], b"x", b"y")
@@ -201,11 +201,11 @@ def test_keys_of_another_type_are_bad_values_for_every_tool(
     names = plant_other_types(cluster, keys)
     assert main(["inspect", cluster.url]) == 0
     out = capsys.readouterr().out
-    assert f"namespace {NS.fingerprint()} rank 0: 12 chunks" in out
+    assert f"namespace {NS.fingerprint()} part 0of2: 12 chunks" in out
     assert "2 key(s) of another type" in out
     assert main(["inspect", cluster.url, "--json"]) == 0
-    rows = {(row["fingerprint"], row["rank"]): row for row in json.loads(capsys.readouterr().out)}
-    assert rows[(NS.fingerprint(), 0)]["wrong_type"] == 2
+    rows = {(row["fingerprint"], row["part"]): row for row in json.loads(capsys.readouterr().out)}
+    assert rows[(NS.fingerprint(), "0of2")]["wrong_type"] == 2
     assert main(["verify", cluster.url]) == 1
     out = capsys.readouterr().out
     assert out.count("the key holds another type than a string") == 2
@@ -227,7 +227,7 @@ def test_a_value_of_another_size_is_bad_before_it_is_read(
         cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
     keys = fill(cluster)
     raw = ClusterClient.from_url(cluster.url)
-    name = redis_key(b"tierkv:", NS.fingerprint(), 0, keys[5])
+    name = redis_key(b"tierkv:", NS.fingerprint(), Part(0, 2), keys[5])
     raw.setrange(name, 64 << 20, b"\0")  # its header kept, 64 MiB long
     assert main(["verify", cluster.url, "--json", "--no-progress"]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -252,8 +252,8 @@ def test_verify_and_rm_print_json(cluster: RedisCluster,
     assert (plan["fingerprint"], plan["keys"], plan["deleted"]) == (OTHER.fingerprint(), 5, 0)
     assert main(["rm", cluster.url, "--namespace", prefix, "--json", "--yes"]) == 0
     done = json.loads(capsys.readouterr().out)
-    assert (done["deleted"], done["keys_per_rank"], done["value_bytes"]) == \
-        (5, {"0": 5}, 5 * (PAYLOAD + 80))
+    assert (done["deleted"], done["keys_per_part"], done["value_bytes"]) == \
+        (5, {"0of1": 5}, 5 * (PAYLOAD + 80))
 
 
 def test_ping_reports_nodes_slots_password_chunks_and_policy(
@@ -322,3 +322,27 @@ def test_a_stalled_node_costs_a_tool_one_timeout(
     assert f"node 127.0.0.1:{own_cluster.ports[2]}" in err and "timeout" in err
     assert "raise --timeout" in err
     assert took < 0.5 + 2.0, took  # one deadline, not redis-py's retries
+
+
+def test_values_of_tierkv_format_4_are_named_and_refused_never_read(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """Format 4 kept one value per rank, keys ending in ``:<rank>``: this tierkv never reads
+    them (its keys end in ``:<p>of<P>``, its fingerprints differ); inspect and verify name
+    them with the ``tierkv rm`` that deletes them, --repair leaves them, rm deletes them."""
+    old_fp = "0123456789abcdef0123456789abcdef"
+    raw = ClusterClient.from_url(cluster.url)
+    names = [b"tierkv:%s:{%s}:%d" % (old_fp.encode(), bytes([i]).hex().encode() * 32, rank)
+             for i in range(3) for rank in (0, 1)]
+    for name in names:
+        raw.set(name, b"TKRV" + bytes(PAYLOAD + 76))
+    assert main(["inspect", cluster.url]) == 0
+    out = capsys.readouterr().out
+    line = f"tierkv rm {cluster.url} --namespace {old_fp} --yes"
+    assert f"namespace {old_fp} rank 0, format 4: 3 chunks" in out and line in out
+    assert main(["verify", cluster.url, "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("a value of tierkv format 4") == 6 and line in out
+    assert all(raw.exists(name) for name in names)  # never repaired away
+    assert main(["rm", cluster.url, "--namespace", old_fp, "--yes"]) == 0
+    assert not any(raw.exists(name) for name in names)
+    raw.close()

@@ -113,7 +113,7 @@ def test_restart_serves_disk_byte_exact_and_other_namespace_sees_nothing(tmp_pat
 
 def corrupt_one_value(store_dir: Path, key: bytes, offset: int) -> None:
     """Flip a byte of ``key``'s value (its slot's header then payload) in place."""
-    with support.raw_env(next(store_dir.glob("ns-*/rank-0"))) as (txn, chunks, _):
+    with support.raw_env(next(store_dir.glob("ns-*/part-0of1"))) as (txn, chunks, _):
         value = bytearray(txn.get(key, db=chunks))
         value[offset % len(value)] ^= 0x5A
         txn.put(key, bytes(value), db=chunks)

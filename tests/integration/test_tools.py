@@ -23,7 +23,7 @@ import pytest
 from tests.reliability import support
 from tierkv.cli import main
 from tierkv.config import DiskTierConfig
-from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk import DiskTier, ReadStatus, shard_of
 from tierkv.units import format_bytes
 
@@ -83,7 +83,7 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == f"inspected 2 namespace(s): 35 chunks (140.00 KiB) in {store}"
     assert f"namespace {NS.fingerprint()} (format version {FORMAT_VERSION})" in out
-    assert "rank 0: 30 chunks, 120.00 KiB" in out and "rank 0: 5 chunks, 20.00 KiB" in out
+    assert "part 0of1: 30 chunks, 120.00 KiB" in out and "part 0of1: 5 chunks, 20.00 KiB" in out
     assert f"oldest {key_of(0).hex()[:8]} (written {today}" in out
     assert f"newest {key_of(29).hex()[:8]} (written {today}" in out
     assert "dtype:            bfloat16" in out
@@ -91,7 +91,7 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
     reports = {item["fingerprint"]: item for item in json.loads(capsys.readouterr().out)}
     rank = reports[NS.fingerprint()]["ranks"][0]
     assert (rank["chunks"], rank["payload_bytes"], rank["payload_len"]) == (30, 30 * PAYLOAD, PAYLOAD)
-    rank_dir = store / f"ns-{NS.fingerprint()}" / "rank-0"  # the index and the slabs count
+    rank_dir = store / f"ns-{NS.fingerprint()}" / "part-0of1"  # the index and the slabs count
     slabs = sum(path.stat().st_size for path in rank_dir.glob("shard-*/slab-*.kv"))
     assert slabs >= 30 * PAYLOAD and rank["file_bytes"] == slabs + sum(
         path.stat().st_size for path in rank_dir.glob("shard-*/data.mdb"))
@@ -104,8 +104,8 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
 
 def test_verify_finds_every_corrupted_chunk_and_repair_keeps_the_good_ones(
         store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    env = store / f"ns-{NS.fingerprint()}" / "rank-0" / f"shard-{shard_of(key_of(0))}"
-    other_env = store / f"ns-{OTHER.fingerprint()}" / "rank-0" / f"shard-{shard_of(key_of(0))}"
+    env = store / f"ns-{NS.fingerprint()}" / "part-0of1" / f"shard-{shard_of(key_of(0))}"
+    other_env = store / f"ns-{OTHER.fingerprint()}" / "part-0of1" / f"shard-{shard_of(key_of(0))}"
     value = stored_value(env, key_of(3))
     bad = {
         key_of(3): flip(value, len(value) - 100),  # a payload byte
@@ -144,7 +144,7 @@ def test_verify_finds_every_corrupted_chunk_and_repair_keeps_the_good_ones(
 def test_verify_reports_a_damaged_environment_and_repair_moves_it_aside(
         store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shard = f"shard-{shard_of(key_of(0))}"
-    data = store / f"ns-{OTHER.fingerprint()}" / "rank-0" / shard / "data.mdb"
+    data = store / f"ns-{OTHER.fingerprint()}" / "part-0of1" / shard / "data.mdb"
     size = data.stat().st_size
     os.truncate(data, size // 2)
     assert main(["verify", str(store)]) == 1
@@ -152,13 +152,13 @@ def test_verify_reports_a_damaged_environment_and_repair_moves_it_aside(
     assert "damaged environment" in out and f"data.mdb has {size // 2} bytes" in out
     assert data.stat().st_size == size // 2  # left as it was
     assert main(["inspect", str(store)]) == 0
-    assert "rank 0: DAMAGED" in capsys.readouterr().out
+    assert "part 0of1: DAMAGED" in capsys.readouterr().out
     assert main(["verify", str(store), "--repair"]) == 1
     assert f"moved it to {shard}.broken-" in capsys.readouterr().out
     assert main(["verify", str(store)]) == 0
     capsys.readouterr()
     assert main(["inspect", str(store)]) == 0
-    assert f"moved aside: rank-0/{shard}.broken-" in capsys.readouterr().out
+    assert f"moved aside: part-0of1/{shard}.broken-" in capsys.readouterr().out
 
 
 def spread_key(index: int) -> bytes:
@@ -175,13 +175,13 @@ def test_one_damaged_shard_does_not_hide_the_good_ones(tmp_path: Path,
     damaged = 2
     good = sum(shard_of(spread_key(i)) != damaged for i in range(40))
     assert good == 30
-    data = tmp_path / f"ns-{NS.fingerprint()}" / "rank-0" / f"shard-{damaged}" / "data.mdb"
+    data = tmp_path / f"ns-{NS.fingerprint()}" / "part-0of1" / f"shard-{damaged}" / "data.mdb"
     os.truncate(data, data.stat().st_size // 2)
 
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"rank 0: {good} chunks in shards 0, 1, 3, {format_bytes(good * PAYLOAD, 2)}" in out
-    assert f"rank 0: DAMAGED shard-{damaged}: " in out and "data.mdb has" in out
+    assert f"part 0of1: {good} chunks in shards 0, 1, 3, {format_bytes(good * PAYLOAD, 2)}" in out
+    assert f"part 0of1: DAMAGED shard-{damaged}: " in out and "data.mdb has" in out
     assert f"--repair moves shard-{damaged} aside" in out and "the other shards' are kept" in out
     assert out.splitlines()[-1].startswith(f"inspected 1 namespace(s): {good} chunks")
     assert main(["inspect", str(tmp_path), "--json"]) == 0
@@ -190,9 +190,9 @@ def test_one_damaged_shard_does_not_hide_the_good_ones(tmp_path: Path,
 
     assert main(["verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert f"rank 0: damaged environment {data.parent}: " in out
+    assert f"part 0of1: damaged environment {data.parent}: " in out
     assert f"  not checked: tierkv verify --repair moves shard-{damaged} aside" in out
-    assert f"rank 0: {good} chunks checked, 0 bad" in out
+    assert f"part 0of1: {good} chunks checked, 0 bad" in out
     assert out.splitlines()[-1].startswith(
         f"verified {good} chunks in 1 namespace(s): 0 bad, 1 damaged environment(s), run with "
         f"--repair to delete them and move the damaged environments aside")
@@ -311,7 +311,7 @@ def tree_bytes(path: Path) -> int:
     return sum(item.lstat().st_size for item in path.rglob("*") if item.is_file())
 
 
-def add_rank(root: Path, namespace: Namespace, rank: int, count: int) -> None:
+def add_rank(root: Path, namespace: Namespace, rank: Part | int, count: int) -> None:
     with DiskTier(root, namespace, rank, DiskTierConfig(path=root, max_bytes=16 << 20),
                   PAYLOAD) as tier:
         tier.put_many([(key_of(i), payload_of(i)) for i in range(count)])
@@ -319,17 +319,17 @@ def add_rank(root: Path, namespace: Namespace, rank: int, count: int) -> None:
 
 def test_rm_deletes_one_namespace_and_the_other_is_still_served(
         store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    add_rank(store, NS, 1, 7)
+    add_rank(store, NS, Part(1, 2), 7)
     ns_dir = store / f"ns-{NS.fingerprint()}"
-    (ns_dir / "rank-0.broken-20250101T000000Z").mkdir()  # leftovers of repairs go too
-    (ns_dir / "rank-1" / "shard-2.broken-20250101T000000Z").mkdir()
+    (ns_dir / "part-0of1.broken-20250101T000000Z").mkdir()  # leftovers of repairs go too
+    (ns_dir / "part-1of2" / "shard-2.broken-20250101T000000Z").mkdir()
     size = tree_bytes(ns_dir)
     other = tree(store / f"ns-{OTHER.fingerprint()}")
 
     assert main(["rm", str(store), "--namespace", NS.fingerprint()[:5], "--yes"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"namespace {NS.fingerprint()} (tiny, format version {FORMAT_VERSION}) "
-                             f"in {store}: 2 rank(s), 37 chunks, {format_bytes(size, 2)} of files, "
+                             f"in {store}: 2 part(s), 37 chunks, {format_bytes(size, 2)} of files, "
                              f"2 moved-aside environment(s)")
     assert out[-1] == (f"removed namespace {NS.fingerprint()[:8]} from {store}: 37 chunks, "
                        f"{format_bytes(size, 2)} freed")
@@ -352,7 +352,7 @@ def test_rm_dry_run_and_a_missing_yes_delete_nothing(store: Path,
     ns_dir = store / f"ns-{OTHER.fingerprint()}"
     assert main(["rm", str(store), "--namespace", OTHER.fingerprint(), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "1 rank(s), 5 chunks" in out
+    assert "1 part(s), 5 chunks" in out
     assert out.splitlines()[-1] == f"dry run: would delete {ns_dir}; nothing deleted"
     assert main(["rm", str(store), "--namespace", OTHER.fingerprint()[:4], "--yes",
                  "--dry-run"]) == 0  # --dry-run wins

@@ -806,15 +806,15 @@ def test_a_follower_rank_reads_the_writers_environment_once_it_exists(tmp_path: 
     waits (bounded) for rank 0 to create it, and says which path when it never appears."""
     from tierkv.config import DiskTierConfig, StoreConfig
     from tierkv.integrations.vllm_disk import open_follower
-    from tierkv.keys import Namespace
+    from tierkv.keys import SINGLE_PART, Namespace
     from tierkv.tiers.disk import DiskTier
 
     namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
                           tokens_per_chunk=16)
     config = StoreConfig(disk=DiskTierConfig(path=tmp_path, max_bytes=1 << 20), rank=0)
-    with pytest.raises(ConfigError, match=r"rank-0 \(the environment rank 0 writes for every "
-                                          r"rank\) could not be read within 0 s"):
-        open_follower(namespace, config, 64, wait_seconds=0.1)
+    with pytest.raises(ConfigError, match=r"part-0of1 \(the environment of part 0of1, which "
+                                          r"another rank writes\) could not be read within 0 s"):
+        open_follower(namespace, config, 64, SINGLE_PART, wait_seconds=0.1)
     # The follower is another process (as rank 1 is): it starts first, the writer then
     # creates the environment and stores a chunk, and the follower reads it.
     code = f'''
@@ -823,13 +823,13 @@ import time
 from pathlib import Path
 from tierkv.config import DiskTierConfig, StoreConfig
 from tierkv.integrations.vllm_disk import open_follower
-from tierkv.keys import Namespace
+from tierkv.keys import SINGLE_PART, Namespace
 from tierkv.tiers.base import ReadStatus
 namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
                       tokens_per_chunk=16)
 config = StoreConfig(disk=DiskTierConfig(path=Path({str(tmp_path)!r}), max_bytes=1 << 20), rank=0)
 print("waiting", flush=True)
-tier = open_follower(namespace, config, 64, wait_seconds=60)
+tier = open_follower(namespace, config, 64, SINGLE_PART, wait_seconds=60)
 out = bytearray(64)
 for _ in range(600):
     if tier.read_into(b"k" * 32, memoryview(out)) is ReadStatus.OK:
@@ -848,27 +848,45 @@ print(tier.read_only, out == bytes(range(64)))
     assert out.split() == ["True", "True"]  # read-only, and the writer's bytes
 
 
-def test_rebuild_keeps_chunks_every_rank_holds(tmp_path: Path) -> None:
+def test_rebuild_keeps_chunks_every_part_holds(tmp_path: Path) -> None:
     from tierkv.config import DiskTierConfig
     from tierkv.integrations.vllm_disk import acquire_tier, rebuild_keys, release_tier
-    from tierkv.keys import Namespace
+    from tierkv.keys import Namespace, Part
+    from tierkv.tiers.disk import DiskTier
 
     namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
-                          tokens_per_chunk=32, tp_size=2)
+                          tokens_per_chunk=32)
     config = DiskTierConfig(path=tmp_path, max_bytes=1 << 24)
     keys = [bytes([i]) * 32 for i in range(6)]
     payload = b"\x01" * 128
-    for rank, held in ((0, keys), (1, keys[:2] + keys[3:])):  # rank 1 lacks keys[2]
-        tier = acquire_tier(tmp_path, namespace, rank, config, len(payload))
+    for part, held in ((Part(0, 2), keys), (Part(1, 2), keys[:2] + keys[3:])):  # 1of2 lacks keys[2]
+        tier = acquire_tier(tmp_path, namespace, part, config, len(payload))
         for key in held:  # one txn each: keys[0] is the oldest
             tier.put_many([(key, payload)])
         release_tier(tier)
-    kept, deleted = rebuild_keys(tmp_path, namespace, [0, 1], config, len(payload), capacity=4)
+    kept, deleted, elsewhere = rebuild_keys(tmp_path, namespace, 2, config, len(payload),
+                                            capacity=4)
     assert kept == keys[1:2] + keys[3:]  # oldest first; keys[0] trimmed (capacity), keys[2] partial
-    assert deleted == 2
-    tier = acquire_tier(tmp_path, namespace, 0, config, len(payload))
+    assert deleted == 2 and elsewhere == {}
+    tier = acquire_tier(tmp_path, namespace, Part(0, 2), config, len(payload))
     assert sorted(record.key for record in tier.scan()) == sorted(kept)
     release_tier(tier)
+
+    # A TP = 1 engine's part (one value of both halves' bytes) and a TP = 4 engine's that
+    # lost a part (a crash between parts): the first is usable, loaded as 1 part; the
+    # second is not; neither is deleted (another engine's).
+    others = [bytes([100 + i]) * 32 for i in range(3)]
+    with DiskTier(tmp_path, namespace, Part(0, 1), config, 2 * len(payload)) as whole:
+        whole.put_many([(key, payload * 2) for key in others[:2] + keys[3:4]])
+    for index in range(3):  # part 3of4 never written
+        with DiskTier(tmp_path, namespace, Part(index, 4), config, len(payload) // 2) as quarter:
+            quarter.put_many([(others[2], payload[:64])])
+    kept, deleted, elsewhere = rebuild_keys(tmp_path, namespace, 2, config, len(payload),
+                                            capacity=100, counts=(2, 1, 4))
+    assert deleted == 0 and elsewhere == {others[0]: 1, others[1]: 1}  # keys[3]: our own
+    assert set(kept) == set(keys[1:2] + keys[3:]) | set(others[:2])
+    with DiskTier(tmp_path, namespace, Part(0, 1), config, 2 * len(payload)) as whole:
+        assert len(list(whole.scan())) == 3
 
 
 def test_a_job_completes_once_every_tp_rank_reported_it() -> None:
@@ -881,8 +899,8 @@ def test_a_job_completes_once_every_tp_rank_reported_it() -> None:
     geometry = Geometry(layer_names=("a", "b"), block_size=16, hash_block_size=16, blocks_per_chunk=2,
                         page_bytes=1024, num_heads=2, content_bytes=32, dtype="float16", layout="LBNHC",
                         page_order="NHD", world_size=2, num_slots=8, disk_capacity=0)
-    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=1024,
-                          tokens_per_chunk=32, tp_size=2)
+    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=2048,
+                          tokens_per_chunk=32)
     side = SchedulerSide(ConnectorSettings(), geometry, namespace)
     request = SimpleNamespace(request_id="r", block_hashes=[bytes([i]) * 32 for i in range(4)],
                               num_prompt_tokens=70, num_tokens=70, num_computed_tokens=0)
@@ -1100,7 +1118,7 @@ def test_one_disk_cap_for_every_namespace_under_the_disk_path(
     result = second.run(MultiTurnWorkload(**{**CHAT, "num_conversations": 6}))
     assert_clean(result, second.cfg.vocab_size)
     held = second.side.index.statistics().on_disk * (2 * small + DISK_OVERHEAD_BYTES)
-    others = sum(holding.held for holding in survey(disk, (second.side.fingerprint, 0)))
+    others = sum(holding.held for holding in survey(disk, (second.side.fingerprint, "part-0of1")))
     assert held + others <= cap
     assert not (disk / f"ns-{old}").exists()  # the old namespace gave its room
     assert held > cap // 2  # ... to the new one

@@ -201,17 +201,17 @@ def run_writer_in_another_process(args: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(line.removeprefix("TIERKV-RESULT ")))
 
 
-def cluster_chunks(url: str) -> Counter[tuple[str, int]]:
-    """Values on the cluster per (namespace fingerprint, rank): a SCAN of the ``tierkv:``
-    prefix on every primary."""
+def cluster_chunks(url: str) -> Counter[tuple[str, str]]:
+    """Values on the cluster per (namespace fingerprint, part ``<p>of<P>``): a SCAN of the
+    ``tierkv:`` prefix on every primary."""
     client = ClusterClient.from_url(url)
-    counts: Counter[tuple[str, int]] = Counter()
+    counts: Counter[tuple[str, str]] = Counter()
     try:
         for node in client.get_primaries():
             for name in client.scan_iter(match=PREFIX + b"*", count=1000, target_nodes=node):
                 parsed = parse_redis_key(PREFIX, name)
                 assert parsed is not None, name
-                counts[parsed[:2]] += 1
+                counts[(parsed[0], parsed[1].name)] += 1
     finally:
         client.close()
     return counts
@@ -240,7 +240,7 @@ def test_two_engines_share_one_cluster(redis_cluster: RedisCluster, tmp_path: Pa
     assert writer["queued"] == writer["pushed"] == expected_chunks
     assert writer["dropped"] == writer["failed"] == 0
     on_cluster = cluster_chunks(redis_cluster.url)
-    assert on_cluster == {(writer["fingerprint"], 0): expected_chunks}  # world size 1: rank 0
+    assert on_cluster == {(writer["fingerprint"], "0of1"): expected_chunks}  # TP 1: one part
 
     cfg = harness_config(redis_cluster.url, async_scheduling)
     reader = Engine(cfg, model_dir)  # empty CPU tier, no disk
@@ -284,7 +284,7 @@ def test_another_model_or_salt_gets_no_remote_hits(redis_cluster: RedisCluster, 
     writer = run_writer({"url": url, "async": False, "model_dir": str(model_dir),
                          "prompts": tokens, "salt": "tenant-a"})
     assert writer["bad_outputs"] == [] and writer["pushed"] == expected_chunks
-    assert cluster_chunks(url) == {(writer["fingerprint"], 0): expected_chunks}
+    assert cluster_chunks(url) == {(writer["fingerprint"], "0of1"): expected_chunks}
 
     variants: dict[str, tuple[dict[str, Any], Path, str]] = {
         "another tenant": ({}, model_dir, "tenant-b"),
@@ -315,8 +315,8 @@ def test_another_model_or_salt_gets_no_remote_hits(redis_cluster: RedisCluster, 
     assert fingerprints["another tenant"] == writer["fingerprint"]
     others = [fingerprints[name] for name in ("another model", "another layout", "another dtype")]
     assert len({writer["fingerprint"], *others}) == 4
-    assert cluster_chunks(url) == {(writer["fingerprint"], 0): 2 * expected_chunks,
-                                   **{(fp, 0): expected_chunks for fp in others}}
+    assert cluster_chunks(url) == {(writer["fingerprint"], "0of1"): 2 * expected_chunks,
+                                   **{(fp, "0of1"): expected_chunks for fp in others}}
 
     # The positive control: A's settings and tenant still hit every chunk A stored.
     cfg = harness_config(url)

@@ -57,8 +57,9 @@ def resend(run: TPRun, result: harness_lib.RunResult,
 def tp_config(**options: Any) -> HarnessConfig:
     extra = options.pop("extra", {})
     settings: dict[str, Any] = {"enable_prefix_caching": False, "num_gpu_blocks": 48,
-                                "max_num_batched_tokens": 64, **options}
-    return HarnessConfig(kv_transfer_config=tierkv_config(**extra), tensor_parallel_size=2,
+                                "max_num_batched_tokens": 64, "tensor_parallel_size": 2,
+                                **options}
+    return HarnessConfig(kv_transfer_config=tierkv_config(**extra),
                          create_worker_connector=False, aggregate_kv_outputs=False, **settings)
 
 
@@ -89,8 +90,8 @@ def test_two_rank_processes_with_preemption_and_a_restart_from_disk(async_schedu
     assert_clean(result, cfg.vocab_size)
     assert result.num_preemptions > 0
     first.shutdown()  # each rank flushes its CPU tier to its own environment
-    assert sorted(path.name for path in next(tmp_path.glob("ns-*")).glob("rank-*")) == \
-        ["rank-0", "rank-1"]
+    assert sorted(path.name for path in next(tmp_path.glob("ns-*")).glob("part-*")) == \
+        ["part-0of2", "part-1of2"]
 
     second = TPRun(cfg)
     assert second.side.found_on_disk > 0  # chunks every rank holds
@@ -132,7 +133,7 @@ def test_mla_under_tp_keeps_one_disk_copy_that_every_rank_loads(async_scheduling
         on_disk = run.side.index.statistics().on_disk
         run.shutdown()
         (report,) = inspect_store(root)
-        ranks = [f"rank-{rank.rank}" for rank in report.ranks]
+        ranks = [rank.path.name for rank in report.ranks]
         return (sum(rank.chunks for rank in report.ranks),
                 sum(rank.payload_bytes for rank in report.ranks), ranks,
                 on_disk + run.ranks.flushed)
@@ -141,7 +142,7 @@ def test_mla_under_tp_keeps_one_disk_copy_that_every_rank_loads(async_scheduling
                                                           head_size=16)
     full_values, full_bytes, full_ranks, full_chunks = stored(tmp_path / "full", num_kv_heads=2,
                                                               head_size=8)
-    assert mla_ranks == ["rank-0"] and full_ranks == ["rank-0", "rank-1"]
+    assert mla_ranks == ["part-0of1"] and full_ranks == ["part-0of2", "part-1of2"]
     assert mla_values == mla_chunks > 0  # one value per chunk
     assert full_values == 2 * full_chunks  # one per chunk and rank
     # Pages of the same size (MLA 1 x 16 latent; 1 head of K and V of 8 on each rank).
@@ -194,9 +195,92 @@ def test_mla_under_tp_keeps_one_remote_copy_that_every_rank_loads(redis_cluster:
     stored = first.side.index.statistics().stores_planned
     first.shutdown()  # each rank flushes its push queue
     on_cluster = cluster_chunks(redis_cluster.url)
-    assert on_cluster == {(first.side.fingerprint, 0): stored} and stored > 0
+    assert on_cluster == {(first.side.fingerprint, "0of1"): stored} and stored > 0
 
     second = TPRun(cfg)  # another engine: an empty CPU tier, the same cluster
     stats, computed = resend(second, result)
     assert stats["hit_tokens_remote"] == computed > 0 and stats["loads_failed"] == 0
     second.shutdown()
+
+
+# -- across TP sizes: one namespace, parts read whole and re-sliced ----------------------------
+CROSS_HEADS = 4  # TP 2: two heads a rank, so a rank copies a range of heads out of a part
+
+
+def cross_config(tp: int, layout: str, **extra: Any) -> HarnessConfig:
+    return tp_config(tensor_parallel_size=tp, num_kv_heads=CROSS_HEADS, kv_cache_layout=layout,
+                     model_head_values=True, extra=extra)
+
+
+def store_then_load(writer_tp: int, reader_tp: int, layout: str,
+                    **extra: Any) -> tuple[dict[str, int], int, str, str]:
+    """A TP = ``writer_tp`` engine computes and stores a chat's first turn; a TP =
+    ``reader_tp`` engine (ranks in their own processes, an empty CPU tier) is sent the same
+    sequences: each rank checks the exact KV of every head it holds in every slot before
+    each step, against the values the model's heads have whatever the TP size (so a chunk
+    with one head's bytes wrong, missing or another head's fails). Returns the reader's
+    figures, the tokens the writer computed in full chunks, and both namespaces."""
+    writer = TPRun(cross_config(writer_tp, layout, **extra))
+    result = writer.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1}))
+    assert_clean(result, writer.cfg.vocab_size)
+    writer.shutdown()  # flushes every part to disk, or the push queues to the cluster
+    reader = TPRun(cross_config(reader_tp, layout, **extra))
+    assert reader.side.geometry.num_parts == reader_tp != writer.side.geometry.num_parts
+    stats, computed = resend(reader, result)
+    assert reader.ranks.num_checked_slots > 0
+    reader.shutdown()
+    return stats, computed, writer.side.fingerprint, reader.side.fingerprint
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"], ids=["NHD", "HND"])
+@pytest.mark.parametrize("writer_tp,reader_tp", [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_another_tp_size_loads_every_chunk_from_disk_exactly(
+        writer_tp: int, reader_tp: int, layout: str, tmp_path: Path) -> None:
+    stats, computed, written_as, read_as = store_then_load(writer_tp, reader_tp, layout,
+                                                           disk_path=str(tmp_path))
+    assert written_as == read_as  # one namespace for both TP sizes
+    parts = sorted(path.name for path in next(tmp_path.glob("ns-*")).glob("part-*"))
+    assert parts == sorted({f"part-{p}of{writer_tp}" for p in range(writer_tp)}
+                           | {f"part-{p}of{reader_tp}" for p in range(reader_tp)})
+    fraction = stats["hit_tokens_disk"] / computed
+    print(f"disk, TP {writer_tp} -> TP {reader_tp} ({layout}): hit fraction {fraction:.3f} "
+          f"({stats['hit_tokens_disk']} of {computed} tokens)")
+    assert fraction == 1.0 and stats["loads_failed"] == 0 and stats["corrupt"] == 0
+
+
+@pytest.mark.parametrize("writer_tp,reader_tp", [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_another_tp_size_loads_every_chunk_from_the_cluster_exactly(
+        writer_tp: int, reader_tp: int, redis_cluster: Any) -> None:
+    from .test_vllm_remote import cluster_chunks
+
+    redis_cluster.flushall()
+    stats, computed, written_as, read_as = store_then_load(
+        writer_tp, reader_tp, "LBNHC", remote_url=redis_cluster.url)
+    assert written_as == read_as
+    on_cluster = cluster_chunks(redis_cluster.url)
+    assert {part for _, part in on_cluster} >= {f"{p}of{writer_tp}" for p in range(writer_tp)}
+    fraction = stats["hit_tokens_remote"] / computed
+    print(f"remote, TP {writer_tp} -> TP {reader_tp}: hit fraction {fraction:.3f} "
+          f"({stats['hit_tokens_remote']} of {computed} tokens)")
+    assert fraction == 1.0 and stats["loads_failed"] == 0
+
+
+def test_a_chunk_missing_one_part_is_a_miss_never_partial_bytes(tmp_path: Path) -> None:
+    """A crash between parts: a TP = 2 engine wrote both parts, then part 1's chunks are
+    lost. A TP = 1 engine finds no chunk whole under 2 parts: nothing hits, nothing of part
+    0 reaches a slot (the ranks' exact checks would fail), and part 0's values stay (they
+    are another engine's)."""
+    import shutil
+
+    writer = TPRun(cross_config(2, "LBNHC", disk_path=str(tmp_path)))
+    result = writer.run(MultiTurnWorkload(**{**CHAT, "num_turns": 1}))
+    assert_clean(result, writer.cfg.vocab_size)
+    writer.shutdown()
+    ns_dir = next(tmp_path.glob("ns-*"))
+    shutil.rmtree(ns_dir / "part-1of2")
+    reader = TPRun(cross_config(1, "LBNHC", disk_path=str(tmp_path)))
+    assert reader.side.found_on_disk == 0
+    stats, computed = resend(reader, result)
+    assert computed > 0 and stats["hit_tokens_disk"] == 0 and stats["loads_failed"] == 0
+    reader.shutdown()
+    assert (ns_dir / "part-0of2").is_dir()

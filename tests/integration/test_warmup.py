@@ -177,8 +177,8 @@ def test_namespace_equals_the_connectors(layout: str, algorithm: str, seed: str 
 
 
 def test_tensor_parallel_ranks_get_their_heads() -> None:
-    """Rank r's pages are a TP-1 engine's pages over vLLM's KV heads of rank r: contiguous
-    runs, or replicas when there are fewer heads than ranks."""
+    """Part p's pages are a TP-1 engine's pages over the KV heads of part p: contiguous
+    runs; with fewer heads than ranks, one part per head (ranks holding a head share it)."""
     keys = [torch.randn(4, 2 * TPC, 8).half() for _ in range(2)]
     values = [torch.randn(4, 2 * TPC, 8).half() for _ in range(2)]
     for layout in ("LBNHC", "LBHNC"):
@@ -191,9 +191,10 @@ def test_tensor_parallel_ranks_get_their_heads() -> None:
         replicated = VllmTarget("m", 2, 4, 8, tokens_per_chunk=TPC, kv_cache_layout=layout,
                                 tensor_parallel_size=8).pack(keys, values)
         one_head = VllmTarget("m", 2, 1, 8, tokens_per_chunk=TPC, kv_cache_layout=layout)
-        for rank in range(8):
-            head = slice(rank // 2, rank // 2 + 1)
-            assert torch.equal(replicated[rank], one_head.pack([k[head] for k in keys],
+        assert len(replicated) == 4
+        for part in range(4):
+            head = slice(part, part + 1)
+            assert torch.equal(replicated[part], one_head.pack([k[head] for k in keys],
                                                                [v[head] for v in values])[0])
 
 
@@ -408,7 +409,7 @@ def test_a_store_held_by_a_running_worker_is_refused(tiny_model: Path, warm_stor
         pytest.skip("this connector build does not lock its environments")
     store = Path(shutil.copytree(warm_store, tmp_path / "store"))
     (namespace,) = list_namespaces(store)
-    fd = os.open(namespace.path / "rank-0" / "shard-0" / vllm_disk.OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(namespace.path / "part-0of1" / "shard-0" / vllm_disk.OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a connector worker holds it
     try:
         prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[2:3])  # one chunk to write

@@ -201,14 +201,16 @@ class KVValueGenerator:
     """Expected KV bits for positions, as a [P, L, H, C] tensor of the cache's integer twin."""
 
     def __init__(self, num_layers: int, num_heads: int, num_elements: int, dtype: torch.dtype,
-                 rank: int = 0) -> None:
+                 rank: int = 0, first_head: int = 0) -> None:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if itemsize not in _BITS_DTYPE:
             raise HarnessError(f"KV dtype {dtype} has {itemsize}-byte elements; use 2 or 4")
         self.bits_dtype = _BITS_DTYPE[itemsize]
         self._bits = 8 * itemsize
         layer = torch.arange(num_layers, dtype=torch.int64).view(-1, 1, 1)
-        head = torch.arange(num_heads, dtype=torch.int64).view(1, -1, 1)
+        # first_head: the rank's heads by their index in the model (values then depend on
+        # the head, not on the TP size: a chunk of one TP size checks exactly under another).
+        head = torch.arange(first_head, first_head + num_heads, dtype=torch.int64).view(1, -1, 1)
         element = torch.arange(num_elements, dtype=torch.int64).view(1, 1, -1)
         # A tensor-parallel rank's heads get values of their own (rank 0: as without TP).
         salt = (layer * 0x10000 + head * 0x1000 + element + 1 + rank * 0x100000) * 0x01000193
@@ -270,6 +272,9 @@ class HarnessConfig:
     # An MLA model (DeepSeek-style): one latent vector of head_size a token, the same on
     # every TP rank (MLAAttentionSpec, vLLM's [B, 1, N, C] views).
     mla: bool = False
+    # KV values by the model's head index instead of salted by rank: rank r of TP t holds
+    # heads [r * H / t, ...) with the values a TP = 1 engine has for them (cross-TP tests).
+    model_head_values: bool = False
     # A hybrid model (Gemma/Mistral style): the layers named in sliding_window_layers attend
     # only the last sliding_window tokens (SlidingWindowSpec), the others everything
     # (FullAttentionSpec). vLLM's own grouping splits them into KV cache groups; with the
@@ -567,7 +572,12 @@ class FakeModelRunner:
         first = self.kv_caches[self.layer_names[0]]
         num_kernel_blocks, num_heads, _, num_elements = first.shape  # logical [B, H, N, C]
         self.num_blocks = num_kernel_blocks // self.kernel_ratio
-        self.values = KVValueGenerator(len(self.layer_names), num_heads, num_elements, cfg.dtype, rank)
+        if cfg.model_head_values and not cfg.mla:
+            self.values = KVValueGenerator(len(self.layer_names), num_heads, num_elements,
+                                           cfg.dtype, first_head=rank * num_heads)
+        else:
+            self.values = KVValueGenerator(len(self.layer_names), num_heads, num_elements,
+                                           cfg.dtype, rank)
         self._bits = {name: self.kv_caches[name].view(self.values.bits_dtype) for name in self.layer_names}
         self.requests: dict[str, _RequestState] = {}
         self._fingerprint_cache: dict[str, tuple[list[int], list[int]]] = {}

@@ -82,8 +82,9 @@ def inspector(root: str, result_path: str, stop_path: str) -> None:
             result["namespaces"] = sorted({info.fingerprint for info in infos})
             for info in infos:
                 namespace = Namespace(**info.description)
-                for rank in info.ranks:
-                    with DiskTier(Path(root), namespace, rank, config, support.CHUNK_BYTES) as tier:
+                for part, _ in info.parts:
+                    rank = part.index
+                    with DiskTier(Path(root), namespace, part, config, support.CHUNK_BYTES) as tier:
                         keys = [record.key for record in tier.scan()]
                         report = tier.verify(batch=4)  # many short txns: writers run between them
                         result["bad"] += len(report.bad_keys)

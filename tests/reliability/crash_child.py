@@ -61,7 +61,7 @@ def _diskio(root: Path, report: Report, rng: random.Random) -> None:
     from tierkv.transfer.disk_io import DiskIO
 
     config = support.store_config(root, write_batch_bytes=4 * support.CHUNK_BYTES).disk
-    tier = DiskTier(root, support.namespace_of(), 0, config, support.CHUNK_BYTES)
+    tier = DiskTier(root, support.namespace_of(), support.part(0), config, support.CHUNK_BYTES)
     slab = CpuSlab(num_slots=32, slot_bytes=support.CHUNK_BYTES, pin_memory="never")
     disk_io = DiskIO(tier, slab, write_batch_bytes=config.write_batch_bytes)
     committed = {record.key for record in tier.scan()}

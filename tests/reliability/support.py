@@ -27,7 +27,7 @@ import torch
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.core.jobs import Completion
 from tierkv.engine.store import TierKVStore, build_namespace
-from tierkv.keys import Namespace, chunk_keys
+from tierkv.keys import Namespace, Part, chunk_keys
 from tierkv.tiers.disk import SHARDS, shard_of
 from tierkv.tiers.disk_format import (HEADER_BLOCK, IndexEntry, pack_index, parse_header,
                                       slot_bytes_for, unpack_index)
@@ -50,13 +50,21 @@ def make_kv() -> list[torch.Tensor]:
     return [torch.zeros((NUM_BLOCKS, *PAGE_SHAPE), dtype=torch.uint8) for _ in range(LAYERS)]
 
 
+TP_SIZE = 2  # the stores here are ranks of a TP=2 engine: part-<rank>of2 directories
+
+
+def part(rank: int = 0) -> Part:
+    """The part a store of ``rank`` writes (its directory ``part-<rank>of2``)."""
+    return Part(rank, TP_SIZE)
+
+
 def store_config(root: Path | None, *, cpu_chunks: int = 16, disk_chunks: int = 1024,
                  rank: int = 0, **disk: Any) -> StoreConfig:
     disk_config = DiskTierConfig() if root is None else DiskTierConfig(
         path=root, max_bytes=disk_chunks * (CHUNK_BYTES + DISK_OVERHEAD), **disk)
     return StoreConfig(blocks_per_chunk=BPC, cpu=CpuTierConfig(max_bytes=cpu_chunks * CHUNK_BYTES,
                                                                pin_memory="never"),
-                       disk=disk_config, device="cpu", rank=rank)
+                       disk=disk_config, device="cpu", rank=rank, tp_size=TP_SIZE)
 
 
 def open_store(root: Path | None, kv: list[torch.Tensor] | None = None,
@@ -76,7 +84,7 @@ def binding(model_id: str = MODEL_ID, rank: int = 0, **options: Any) -> bytes:
     crafting values whose checksum is right)."""
     from tierkv.tiers.disk_format import binding_of
 
-    return binding_of(namespace_of(model_id, **options).fingerprint(), rank)
+    return binding_of(namespace_of(model_id, **options).fingerprint(), Part(rank, TP_SIZE))
 
 
 def payload_for(key: bytes, size: int = CHUNK_BYTES, variant: bytes = b"") -> bytes:
@@ -167,8 +175,9 @@ def load_chunks(store: TierKVStore, keys: Sequence[bytes],
 
 
 def env_dirs(root: Path) -> list[Path]:
-    """The rank directories under ``root`` (each holds one environment per shard)."""
-    return sorted(p for p in root.glob("ns-*/rank-*") if ".broken-" not in p.name)
+    """The part directories under ``root`` (each holds one environment per shard)."""
+    return sorted(p for p in root.glob("ns-*/part-*") if ".broken-" not in p.name
+                  and ".foreign-" not in p.name)
 
 
 def shard_dirs(env_dir: Path) -> list[Path]:

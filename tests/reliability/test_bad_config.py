@@ -68,6 +68,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "disk": ["/tmp/cache", None, {"path": "/tmp/cache"}],
         "device": ["gpu", "", None, 0],
         "rank": [-1, 1.5, "0", True, None],
+        "tp_size": [0, -1, 1.5, "2", True, None, 1 << 16],
         "remote": ["redis://h:6379", 3, {"url": "redis://h"}],
         "store_mode": ["sync", "", "COPIED", None, 1, True],
     },

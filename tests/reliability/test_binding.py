@@ -20,7 +20,7 @@ from tests.reliability import support
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.errors import NamespaceMismatchError
-from tierkv.keys import Namespace, chunk_keys
+from tierkv.keys import Namespace, Part, chunk_keys
 from tierkv.tiers.disk import SHARDS, DiskTier
 from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value
 
@@ -35,9 +35,9 @@ def _store_two_ranks(root: Path, keys: list[bytes]) -> None:
 
 def _swap_ranks(ns_dir: Path) -> None:
     """Swap the rank-0 and rank-1 directories, as an operator's mistake would."""
-    (ns_dir / "rank-0").rename(ns_dir / "swap")
-    (ns_dir / "rank-1").rename(ns_dir / "rank-0")
-    (ns_dir / "swap").rename(ns_dir / "rank-1")
+    (ns_dir / "part-0of2").rename(ns_dir / "swap")
+    (ns_dir / "part-1of2").rename(ns_dir / "part-0of2")
+    (ns_dir / "swap").rename(ns_dir / "part-1of2")
 
 
 def _served_bytes(store: TierKVStore, kv: list[torch.Tensor], keys: list[bytes],
@@ -74,16 +74,16 @@ def test_swapped_rank_directories_are_never_served_nor_destroyed(tmp_path: Path,
             with support.open_store(tmp_path, kv, rank=rank) as store:
                 assert store.lookup(keys) == 0
                 assert _served_bytes(store, kv, keys, b"rank%d" % (1 - rank)) == (0, 0)
-    assert "rank 1" in caplog.text and "rank 0" in caplog.text
+    assert "part '1of2'" in caplog.text and "part '0of2'" in caplog.text
     for rank in (0, 1):  # put each rank's environments back where they belong
         for shard in range(SHARDS):
-            (aside,) = (ns_dir / f"rank-{rank}").glob(f"shard-{shard}.foreign-*")
+            (aside,) = (ns_dir / f"part-{rank}of2").glob(f"shard-{shard}.foreign-*")
             aside.rename(ns_dir / f"back-{1 - rank}-{shard}")
-        shutil.rmtree(ns_dir / f"rank-{rank}")
-        (ns_dir / f"rank-{rank}").mkdir(mode=0o700)
+        shutil.rmtree(ns_dir / f"part-{rank}of2")
+        (ns_dir / f"part-{rank}of2").mkdir(mode=0o700)
     for rank in (0, 1):
         for shard in range(SHARDS):
-            (ns_dir / f"back-{rank}-{shard}").rename(ns_dir / f"rank-{rank}" / f"shard-{shard}")
+            (ns_dir / f"back-{rank}-{shard}").rename(ns_dir / f"part-{rank}of2" / f"shard-{shard}")
     for rank in (0, 1):
         kv = support.make_kv()
         with support.open_store(tmp_path, kv, rank=rank) as store:
@@ -137,7 +137,7 @@ def test_a_value_verifies_only_where_it_was_written(source: tuple[int, int, int]
 
     def place(where: tuple[int, int, int]) -> tuple[bytes, bytes]:
         namespace, rank, key = where
-        return binding_of(namespaces[namespace].fingerprint(), rank), support.pool_key(key)
+        return binding_of(namespaces[namespace].fingerprint(), Part(rank, 4)), support.pool_key(key)
 
     payload = support.payload_for(b"x", 256)
     binding, key = place(source)
@@ -219,7 +219,7 @@ def test_a_directory_copied_under_another_namespace_is_never_read(tmp_path: Path
     shutil.rmtree(target)
     shutil.copytree(source, target)
     with pytest.raises(NamespaceMismatchError):  # a handle that may not repair is told
-        DiskTier(tmp_path, support.namespace_of("model-b"), 0, support.store_config(tmp_path).disk,
+        DiskTier(tmp_path, support.namespace_of("model-b"), support.part(0), support.store_config(tmp_path).disk,
                  support.CHUNK_BYTES, repair=False)
     with support.open_store(tmp_path, support.make_kv(), model_id="model-b") as other:
         assert other.lookup(keys) == 0
@@ -240,7 +240,7 @@ def test_verify_reports_swapped_ranks_and_repair_moves_them_aside(
     assert main(["verify", str(tmp_path)]) == 1  # reported, nothing touched
     out = capsys.readouterr().out
     assert out.count(": damaged environment") == 2 and not list(ns_dir.glob("*.foreign-*"))
-    assert "rank 1, shard 0; expected" in out and "rank 0, shard 0; expected" in out
+    assert "part '1of2', shard 0; expected" in out and "part '0of2', shard 0; expected" in out
     assert main(["verify", "--repair", str(tmp_path)]) == 1
-    assert len(list(ns_dir.glob("rank-*/shard-*.foreign-*"))) == 2 * SHARDS
+    assert len(list(ns_dir.glob("part-*/shard-*.foreign-*"))) == 2 * SHARDS
     assert main(["verify", str(tmp_path)]) == 0

@@ -190,7 +190,7 @@ def test_bit_rot_in_the_data_file_is_caught_for_every_damaged_chunk(tmp_path: Pa
         start = rng.randrange(len(payload) - 64)
         _bit_rot(support.slab_files(env_dir)[shard_of(key)],
                  payload[start : start + 64], rng)
-    with DiskTier(tmp_path, support.namespace_of(), 0, support.store_config(tmp_path).disk,
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), support.store_config(tmp_path).disk,
                   support.CHUNK_BYTES) as tier:
         report = tier.verify()
         assert set(report.bad_keys) == damaged and report.checked == len(keys)
@@ -225,7 +225,7 @@ def test_mixed_damage_is_found_exactly_by_reads_and_verify(tmp_path: Path) -> No
     config = support.store_config(tmp_path).disk
 
     def open_tier() -> DiskTier:
-        return DiskTier(tmp_path, support.namespace_of(), 0, config, size)
+        return DiskTier(tmp_path, support.namespace_of(), support.part(0), config, size)
 
     with open_tier() as tier:
         tier.put_many([(key, support.payload_for(key, size)) for key in keys])

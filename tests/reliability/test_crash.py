@@ -78,8 +78,8 @@ def wait_ready(proc: object, path: Path, timeout: float = 30.0) -> None:
 
 def check_after_crash(root: Path, ledger: Ledger) -> int:
     """Reopen through the public API and check everything; returns the chunks on disk."""
-    assert not list(root.glob("ns-*/rank-*/shard-*.broken-*")), "a crash must not damage them"
-    if not list(root.glob("ns-*/rank-0/shard-*/data.mdb")):
+    assert not list(root.glob("ns-*/part-*/shard-*.broken-*")), "a crash must not damage them"
+    if not list(root.glob("ns-*/part-0of2/shard-*/data.mdb")):
         assert not ledger.must_have
         return 0
     kv = support.make_kv()

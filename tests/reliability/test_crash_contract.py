@@ -83,7 +83,7 @@ def run_workload(root: Path, sync_mode: str) -> list[Event]:
                             sync_every_bytes=4 * SIZE)
     rng = random.Random(5)
     keys = [support.pool_key(i, b"contract") for i in range(24)]
-    with DiskTier(root, support.namespace_of(), 0, config, SIZE,
+    with DiskTier(root, support.namespace_of(), support.part(0), config, SIZE,
                   trace=lambda *event: events.append(event)) as tier:
         for round_number in range(6):
             batch = rng.sample(keys, 8)
@@ -207,7 +207,7 @@ def _resurrected_read(root: Path, same_key: bool) -> tuple[ReadStatus, bytes, by
     key = support.pool_key(7, b"resurrect")
     other = key if same_key else bytes([key[0]]) + support.pool_key(8, b"resurrect")[1:]
     assert shard_of(other) == shard_of(key)
-    with DiskTier(root, support.namespace_of(), 0, config, SIZE) as tier:
+    with DiskTier(root, support.namespace_of(), support.part(0), config, SIZE) as tier:
         tier.put_many([(key, support.payload_for(key, SIZE))])
         lm = tier._shard(key)
         with lm._env.begin(db=lm.index) as txn:  # the entry a crash could bring back
@@ -222,7 +222,7 @@ def _resurrected_read(root: Path, same_key: bool) -> tuple[ReadStatus, bytes, by
         path = tier.path
     with index_of(path, key) as (txn, db):
         txn.put(key, old, db=db)
-    with DiskTier(root, support.namespace_of(), 0, config, SIZE) as tier:
+    with DiskTier(root, support.namespace_of(), support.part(0), config, SIZE) as tier:
         out = bytearray(SIZE)
         status = tier.read_into(key, memoryview(out))
         if not same_key:
@@ -282,7 +282,7 @@ def _kill_child(root: str, report_path: str, event: str, nth: int, sync_mode: st
                             sync_every_bytes=3 * SIZE)
     rng = random.Random(nth)
     keys = [support.pool_key(i, b"kill") for i in range(POOL)]
-    with DiskTier(Path(root), support.namespace_of(), 0, config, SIZE, trace=trace) as tier:
+    with DiskTier(Path(root), support.namespace_of(), support.part(0), config, SIZE, trace=trace) as tier:
         for round_number in range(1, 200):
             batch = rng.sample(keys, 4)
             drops = rng.sample([key for key in keys if key not in batch], 2)
@@ -323,7 +323,7 @@ def test_a_sigkill_at_each_step_never_yields_a_wrong_hit(tmp_path: Path, event: 
                 must_have.update(committed)
         kept += len(must_have)
         config = DiskTierConfig(path=root, max_bytes=4 * POOL * SIZE)
-        with DiskTier(root, support.namespace_of(), 0, config, SIZE) as tier:
+        with DiskTier(root, support.namespace_of(), support.part(0), config, SIZE) as tier:
             assert tier.statistics().rebuilds == 0
             out = memoryview(bytearray(SIZE))
             for key in (support.pool_key(i, b"kill") for i in range(POOL)):

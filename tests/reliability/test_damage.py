@@ -40,7 +40,7 @@ def _fill(root: Path, requests: int = 8, **options: object) -> list[bytes]:
 
 
 def _broken_dirs(root: Path) -> list[Path]:
-    return sorted(root.glob("ns-*/rank-*/shard-*.broken-*"))
+    return sorted(root.glob("ns-*/part-*/shard-*.broken-*"))
 
 
 def test_a_damaged_index_at_start_is_moved_aside_and_the_store_starts(tmp_path: Path) -> None:
@@ -262,7 +262,7 @@ def test_concurrent_writes_and_reads_never_look_like_a_truncation(tmp_path: Path
 
     size = 64 << 10
     config = support.store_config(tmp_path, disk_chunks=8192).disk
-    with DiskTier(tmp_path, support.namespace_of(), 0, config, size, exclusive=True) as tier:
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, size, exclusive=True) as tier:
         first = support.pool_key(0, b"grow")
         tier.put_many([(first, bytes(size))])
         stop = threading.Event()
@@ -305,9 +305,9 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
     config = DiskTierConfig(path=tmp_path, max_bytes=64 << 20)
     keys = [support.pool_key(i, b"tp") for i in range(6)]
     for rank in (0, 1):
-        with DiskTier(tmp_path, namespace, rank, config, 4096) as tier:
+        with DiskTier(tmp_path, namespace, support.part(rank), config, 4096) as tier:
             tier.put_many([(key, bytes(4096)) for key in keys])
-    rank1 = tmp_path / f"ns-{namespace.fingerprint()}" / "rank-1"
+    rank1 = tmp_path / f"ns-{namespace.fingerprint()}" / "part-1of2"
     for damage in ("index", "short file"):
         if damage == "index":
             support.damage_subdb(rank1, b"index")
@@ -319,8 +319,8 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
         for fd in fds:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as rank 1's worker holds it
         try:
-            kept, deleted = vllm_disk.rebuild_keys(tmp_path, namespace, [0, 1], config, 4096,
-                                                   capacity=100)
+            kept, deleted, _ = vllm_disk.rebuild_keys(tmp_path, namespace, 2, config, 4096,
+                                                      capacity=100)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -364,7 +364,7 @@ def test_calls_racing_close_get_closed_error(tmp_path: Path) -> None:
     from tierkv.tiers.disk import DiskTier
 
     config = support.store_config(tmp_path).disk
-    tier = DiskTier(tmp_path, support.namespace_of(), 0, config, 4096)
+    tier = DiskTier(tmp_path, support.namespace_of(), support.part(0), config, 4096)
     key = support.pool_key(1)
     tier.put_many([(key, bytes(4096))])
     errors: list[BaseException] = []

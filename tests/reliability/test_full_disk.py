@@ -203,7 +203,7 @@ def test_disk_tier_full_is_a_value_and_reads_go_on(small_disk: SmallDisk) -> Non
     written: list[bytes] = []
     full: list[bytes] = []
     messages: set[str] = set()
-    with DiskTier(small_disk.root, namespace, 0, config, size) as tier:
+    with DiskTier(small_disk.root, namespace, support.part(0), config, size) as tier:
         for start in range(0, len(keys), 6):
             result = tier.put_many(items(keys[start : start + 6]))  # never raises
             written += result.written
@@ -224,7 +224,7 @@ def test_disk_tier_full_is_a_value_and_reads_go_on(small_disk: SmallDisk) -> Non
         written = [key for key in written if key not in drop] + full[:1]
         full = full[1:]
     # a restart on the still full disk opens and serves what is there
-    with DiskTier(small_disk.root, namespace, 0, config, size) as tier:
+    with DiskTier(small_disk.root, namespace, support.part(0), config, size) as tier:
         check_reads(tier, written)
         assert tier.put_many(items(full[:6])).full
         small_disk.make_room()
@@ -232,9 +232,9 @@ def test_disk_tier_full_is_a_value_and_reads_go_on(small_disk: SmallDisk) -> Non
             result = tier.put_many(items(full[:6]))
             assert result.written == tuple(full[:6]), result.message
     if small_disk.reopen_needed:
-        with DiskTier(small_disk.root, namespace, 0, config, size) as tier:
+        with DiskTier(small_disk.root, namespace, support.part(0), config, size) as tier:
             assert tier.put_many(items(full[:6])).written == tuple(full[:6])
-    with DiskTier(small_disk.root, namespace, 0, config, size) as tier:
+    with DiskTier(small_disk.root, namespace, support.part(0), config, size) as tier:
         check_reads(tier, written + full[:6])
         assert tier.verify().bad_keys == ()
 

@@ -57,7 +57,7 @@ def _grow(root: str, rounds: int) -> None:
     """Another process (an operator tool, a scheduler-side scan) with a much larger cap
     writes enough to grow data.mdb past the first process's map."""
     config = support.store_config(Path(root), disk_chunks=4096).disk
-    with DiskTier(Path(root), support.namespace_of(), 0, config, support.CHUNK_BYTES) as tier:
+    with DiskTier(Path(root), support.namespace_of(), support.part(0), config, support.CHUNK_BYTES) as tier:
         for start in range(0, rounds, 16):
             tier.put_many([(support.pool_key(i, b"grow"), support.payload_for(support.pool_key(i, b"grow")))
                            for i in range(start, start + 16)])
@@ -74,7 +74,7 @@ def test_a_map_grown_by_another_process_is_adopted(tmp_path: Path,
     config = support.store_config(tmp_path, disk_chunks=4096).disk
     size = support.CHUNK_BYTES
     monkeypatch.setattr(disk_module, "map_size_for", lambda *args: 64 << 10)
-    with DiskTier(tmp_path, support.namespace_of(), 0, config, size) as tier:
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, size) as tier:
         child = support.forkserver().Process(target=_grow, args=(str(tmp_path), 1200))
         child.start()
         child.join(120)
@@ -237,7 +237,7 @@ def test_a_store_used_from_several_threads_fails_loudly_never_with_wrong_bytes(t
 
 def test_write_sequences_stay_strictly_increasing_across_threads(tmp_path: Path) -> None:
     config = support.store_config(tmp_path).disk
-    with DiskTier(tmp_path, support.namespace_of(), 0, config, 4096) as tier:
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, 4096) as tier:
         def writer(t: int) -> None:
             for i in range(60):
                 key = support.pool_key(1000 * t + i, b"seq")
@@ -254,7 +254,7 @@ def test_write_sequences_stay_strictly_increasing_across_threads(tmp_path: Path)
 
 def _write_seq(root: str, t: int, barrier: Any, refused: Any) -> None:
     config = support.store_config(Path(root)).disk
-    with DiskTier(Path(root), support.namespace_of(), 0, config, 4096) as tier:
+    with DiskTier(Path(root), support.namespace_of(), support.part(0), config, 4096) as tier:
         barrier.wait(60)  # both processes have the environment open before either writes
         for i in range(80):
             try:
@@ -272,7 +272,7 @@ def test_write_sequences_stay_strictly_increasing_across_processes(tmp_path: Pat
     ConfigError naming the holder) while the first writes, or writes after it closed;
     either way the numbers are unique and every chunk reads back."""
     context = support.forkserver()
-    DiskTier(tmp_path, support.namespace_of(), 0, support.store_config(tmp_path).disk, 4096).close()
+    DiskTier(tmp_path, support.namespace_of(), support.part(0), support.store_config(tmp_path).disk, 4096).close()
     barrier = context.Barrier(2)
     refused = context.Array("i", 2)
     children = [context.Process(target=_write_seq, args=(str(tmp_path), t, barrier, refused))
@@ -284,7 +284,7 @@ def test_write_sequences_stay_strictly_increasing_across_processes(tmp_path: Pat
         assert child.exitcode == 0
     writers = 2 - sum(refused)
     assert writers >= 1
-    with DiskTier(tmp_path, support.namespace_of(), 0, support.store_config(tmp_path).disk,
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), support.store_config(tmp_path).disk,
                   4096) as tier:
         seqs = [record.seq for record in tier.scan()]
         assert tier.verify().bad_keys == ()
@@ -294,9 +294,9 @@ def test_write_sequences_stay_strictly_increasing_across_processes(tmp_path: Pat
 def test_one_environment_opened_twice_in_a_process_says_so(tmp_path: Path) -> None:
     """LMDB forbids it; the message used to blame permissions and free space."""
     config = support.store_config(tmp_path).disk
-    with DiskTier(tmp_path, support.namespace_of(), 0, config, 4096) as tier:
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, 4096) as tier:
         with pytest.raises(UsageError, match="already open in this process") as info:
-            DiskTier(tmp_path, support.namespace_of(), 0, config, 4096)
+            DiskTier(tmp_path, support.namespace_of(), support.part(0), config, 4096)
         assert "free space" not in str(info.value)
         key = support.pool_key(1)
         assert tier.put_many([(key, bytes(4096))]).written == (key,)  # the first one is fine
@@ -326,7 +326,7 @@ def test_an_untrusted_owner_lock_file_is_moved_aside(tmp_path: Path, planted: st
 def test_disk_tier_calls_refuse_bad_buffers_and_batches_with_tierkv_errors(tmp_path: Path) -> None:
     config = support.store_config(tmp_path).disk
     key = support.pool_key(1)
-    with DiskTier(tmp_path, support.namespace_of(), 0, config, 4096) as tier:
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, 4096) as tier:
         payload = np.arange(1024, dtype=np.float32)  # 4096 bytes: any contiguous buffer works
         assert tier.put_many([(key, payload)]).written == (key,)
         out = bytearray(4096)
@@ -384,7 +384,7 @@ def test_threads_stop_even_when_waiting_for_the_last_jobs_fails(tmp_path: Path) 
     layout = KVLayout.from_tensors(kv)
     slab = CpuSlab(4, layout.chunk_bytes(support.BPC), "never")
     config = support.store_config(tmp_path).disk
-    tier = DiskTier(tmp_path, support.namespace_of(), 0, config, slab.slot_bytes)
+    tier = DiskTier(tmp_path, support.namespace_of(), support.part(0), config, slab.slot_bytes)
     executor = JobExecutor(FailingWaits(layout, slab, support.BPC), DiskIO(tier, slab, 1 << 20))
     from tierkv.core.jobs import ChunkCopy, JobId, SlotId, StoreSpec
 

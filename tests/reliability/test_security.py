@@ -236,12 +236,12 @@ CRAFTED: dict[str, bytes] = {
 @pytest.mark.parametrize("name", sorted(CRAFTED))
 def test_crafted_lengths_and_types_are_rejected(tmp_path: Path, name: str) -> None:
     config = support.store_config(tmp_path).disk
-    with DiskTier(tmp_path, support.namespace_of(), 0, config, SIZE) as tier:
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, SIZE) as tier:
         tier.put_many([(KEY, bytes(SIZE))])
     (env_dir,) = support.env_dirs(tmp_path)
     with support.raw_env(env_dir) as (txn, chunks, _):
         txn.put(KEY, CRAFTED[name], db=chunks)
-    with DiskTier(tmp_path, support.namespace_of(), 0, config, SIZE) as tier:
+    with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, SIZE) as tier:
         assert tier.verify().bad_keys == (KEY,)
         out = bytearray(b"\xee" * SIZE)
         assert tier.read_into(KEY, memoryview(out)) is ReadStatus.CORRUPT
@@ -255,7 +255,7 @@ def test_a_crafted_meta_record_is_damage_not_code(tmp_path: Path, caplog: Any) -
     config = support.store_config(tmp_path).disk
     for number, record in enumerate([pickle.dumps(_Exploit(marker)), b"\xd4\x01\x00",
                                      msgpack.packb({"namespace": msgpack.ExtType(1, b"x")})]):
-        with DiskTier(tmp_path, support.namespace_of(), 0, config, SIZE) as tier:
+        with DiskTier(tmp_path, support.namespace_of(), support.part(0), config, SIZE) as tier:
             tier.put_many([(KEY, bytes(SIZE))])
         (rank_dir,) = support.env_dirs(tmp_path)
         env_dir = support.shard_dirs(rank_dir)[shard_of(KEY)]
@@ -264,7 +264,7 @@ def test_a_crafted_meta_record_is_damage_not_code(tmp_path: Path, caplog: Any) -
             txn.put(b"namespace", record, db=env.open_db(b"meta", txn=txn))
         env.close()
         with caplog.at_level(logging.WARNING, logger="tierkv.disk"), \
-                DiskTier(tmp_path, support.namespace_of(), 0, config, SIZE) as tier:
+                DiskTier(tmp_path, support.namespace_of(), support.part(0), config, SIZE) as tier:
             assert tier.statistics().chunks == 0
         assert len(list(rank_dir.glob(f"{env_dir.name}.broken-*"))) == number + 1
         assert not marker.exists()
@@ -368,10 +368,10 @@ def test_two_models_under_one_root_never_see_each_others_kv(tmp_path: Path) -> N
 
 
 NAMESPACE = Namespace(model_id="m", dtype="bfloat16", kv_layout="NHD", page_bytes=4096,
-                      tokens_per_chunk=256, num_layers=32, tp_size=2)
+                      tokens_per_chunk=256, num_layers=32, num_kv_heads=8)
 CHANGES: dict[str, Any] = {"model_id": "m2", "dtype": "float16", "kv_layout": "HND",
                            "page_bytes": 8192, "tokens_per_chunk": 512, "num_layers": 16,
-                           "tp_size": 4, "rank_layout": "pp", "hash_scheme": "other",
+                           "num_kv_heads": 4, "rank_layout": "mla", "hash_scheme": "other",
                            "format_version": FORMAT_VERSION + 1, "extra": "quant:fp8",
                            "layer_names": tuple(f"model.layers.{i}" for i in range(32)),
                            "blocks_per_chunk": 16, "chunk_bytes": 1 << 20}

@@ -321,6 +321,6 @@ def test_verify_repair_moves_a_foreign_rank_directory_aside_and_says_so(
     os.chown(env_dir, OTHER_UID, OTHER_UID)
     assert main(["verify", "--repair", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    (aside,) = env_dir.parent.glob("rank-0.foreign-*")
+    (aside,) = env_dir.parent.glob("part-0of2.foreign-*")
     assert f"moved it to {aside.name}" in out and "moved aside 1" in out, out
     assert main(["verify", str(tmp_path)]) == 0

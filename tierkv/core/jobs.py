@@ -46,6 +46,10 @@ class ChunkCopy(NamedTuple):
     # (the engine's local prefix hit) and must not be written; so is every ``NO_BLOCK``.
     skip_blocks: int = 0
     from_remote: bool = False  # loads only: read the remote tier into the slot first
+    # Loads from disk or remote only: the part count the chunk is read from, when it is not
+    # this engine's own (0): a writer at another tensor-parallel size (docs/on-disk-format.md,
+    # "Parts"); the worker re-slices its heads from those parts.
+    parts: int = 0
 
 
 class StoreSpec(NamedTuple):

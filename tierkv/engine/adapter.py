@@ -238,6 +238,9 @@ class EngineAdapter:
     ) -> None:
         self.index = index
         self.remote = remote
+        # (key, from_remote) -> the part count a disk or remote chunk is read from, 0 for this
+        # engine's own (the vLLM connector sets it: chunks another TP size wrote).
+        self.source_parts: Callable[[bytes, bool], int] | None = None
         self.config = config
         self._clock = clock
         self._tpc = config.tokens_per_chunk
@@ -527,7 +530,9 @@ class EngineAdapter:
                 blocks = tuple(self._group_major([NO_BLOCK] * skip + ids[skip:]))
                 skip = 0
             remote = key in from_remote
-            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip, remote))
+            parts = self.source_parts(key, remote) if (from_disk or remote) \
+                and self.source_parts is not None else 0
+            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip, remote, parts))
             tokens = min(tpc, (chunk + 1) * tpc - num_local_tokens)  # only the first is partial
             if from_disk:
                 disk_tokens += tokens

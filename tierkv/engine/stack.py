@@ -28,7 +28,8 @@ from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter, RemoteAsker
 from tierkv.extras import needs
-from tierkv.keys import Namespace
+from tierkv.errors import ConfigError
+from tierkv.keys import Namespace, Part
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
     from tierkv.transfer.executor import JobExecutor
@@ -42,6 +43,15 @@ if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only 
     from tierkv.transfer.remote_lookup import RemoteLookup
 
 log = logging.getLogger("tierkv")
+
+
+def library_part(config: StoreConfig) -> Part:
+    """The part a library store writes and reads: part ``rank`` of ``tp_size``."""
+    if config.rank >= config.tp_size:
+        raise ConfigError(f"store: rank={config.rank} is not below tp_size={config.tp_size} "
+                          f"(rank r of a tensor-parallel engine of tp_size ranks stores part "
+                          f"r of tp_size of each chunk)")
+    return Part(config.rank, config.tp_size)
 
 
 def build_index(config: StoreConfig, num_slots: int, disk_capacity: int, *,
@@ -70,9 +80,11 @@ def build_adapter(index: BlockIndex, config: AdapterConfig,
     return EngineAdapter(index, config, clock=clock, remote=remote)
 
 
-def build_remote_lookup(config: StoreConfig, namespace: Namespace, ranks: Sequence[int],
+def build_remote_lookup(config: StoreConfig, namespace: Namespace,
+                        part_sets: Sequence[Sequence[Part]],
                         chunk_bytes: int) -> RemoteLookup | None:
-    """The remote tier's lookups for chunks of ``namespace`` on every rank in ``ranks``
+    """The remote tier's lookups for chunks of ``namespace`` that have every part of one of
+    ``part_sets`` (the first is this engine's own, whose parts hold ``chunk_bytes``)
     (connected on first use: a server down at start is a miss, not a failed start)."""
     if config.remote is None:
         return None
@@ -81,8 +93,9 @@ def build_remote_lookup(config: StoreConfig, namespace: Namespace, ranks: Sequen
         from tierkv.transfer.remote_lookup import RemoteLookup
 
     remote = config.remote
-    tier = RemoteTier(remote, namespace, min(ranks), chunk_bytes, lazy=True, role="lookups")
-    return RemoteLookup(tier, ranks, remote.lookup_deadline_seconds, remote.lookup_chunks)
+    tier = RemoteTier(remote, namespace, part_sets[0][0], chunk_bytes, lazy=True,
+                      role="lookups")
+    return RemoteLookup(tier, part_sets, remote.lookup_deadline_seconds, remote.lookup_chunks)
 
 
 @dataclass
@@ -134,11 +147,11 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
                  open_disk: Callable[[], DiskTier] | None = None,
                  release_disk: Callable[[DiskTier], None] = _close_disk,
                  namespace: Namespace | None = None,
-                 remote_rank: int | None = None) -> WorkerStack:
+                 remote_part: Part | None = None) -> WorkerStack:
     """The worker side over ``layout``'s tensors: a slab of ``num_slots`` chunks, the
     transfer engine for ``config.device``, (``open_disk`` given) the disk tier it opens
     with its I/O threads, and (``config.remote`` set) the remote tier of ``namespace`` and
-    ``remote_rank`` (default ``config.rank``), connected on first use, with its reader
+    ``remote_part`` (default: the library's :func:`library_part`), connected on first use, with its reader
     threads and its push thread (none with ``remote.push="read_only"``). The disk tier is
     opened first: a store path that is refused costs no slab and no thread."""
     from tierkv.transfer.executor import JobExecutor
@@ -167,8 +180,8 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
                 from tierkv.tiers.remote import RemoteTier
                 from tierkv.transfer.remote_io import RemoteIO
 
-            rank = config.rank if remote_rank is None else remote_rank
-            remote = RemoteTier(settings, namespace, rank, chunk_bytes, lazy=True,
+            part = remote_part if remote_part is not None else library_part(config)
+            remote = RemoteTier(settings, namespace, part, chunk_bytes, lazy=True,
                                 role="loads and pushes")
             remote_io = DiskIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
             if settings.push != "read_only":

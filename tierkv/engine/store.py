@@ -57,7 +57,7 @@ from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.adapter import lookup_tiers
 from tierkv.engine.metrics import PATH_NAMES, Durations, config_info, remote_figures, usage_figures
-from tierkv.engine.stack import build_index, build_remote_lookup, build_worker
+from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
 from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, RemoteStats,
@@ -66,7 +66,7 @@ from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import Namespace
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk_budget import DiskBudget
-from tierkv.tiers.disk_files import empty_namespace_warning
+from tierkv.tiers.disk_files import empty_namespace_warning, part_dir_name
 from tierkv.transfer.layout import KVLayout
 
 __all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
@@ -76,25 +76,27 @@ log = logging.getLogger(__name__)
 
 
 def build_namespace(
-    layout: KVLayout, model_id: str, tokens_per_block: int, config: StoreConfig, tp_size: int = 1
+    layout: KVLayout, model_id: str, tokens_per_block: int, config: StoreConfig
 ) -> Namespace:
     """Everything that decides what this store's chunk bytes mean: the layout (dtype, page
     shapes and memory order), the layers' names in registration order, and how a chunk's
-    tokens split into blocks."""
+    tokens split into blocks. The layout describes one rank's tensors (the library does not
+    know where heads are in them), so ranks of two TP sizes stay apart here; sharing across
+    TP sizes is the vLLM connector's (docs/on-disk-format.md, "Parts")."""
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) \
             or tokens_per_block <= 0:
         raise ConfigError(f"store: tokens_per_block must be a positive int, got {tokens_per_block!r}")
+    parts = config.tp_size  # the namespace's sizes are every part's (every rank's) together
     return Namespace(
         model_id=model_id,
         dtype=layout.dtype_name,
         kv_layout=layout.describe(),
-        page_bytes=sum(layout.page_bytes),
+        page_bytes=sum(layout.page_bytes) * parts,
         tokens_per_chunk=tokens_per_block * config.blocks_per_chunk,
         num_layers=layout.num_layers,
-        tp_size=tp_size,
         layer_names=layout.layer_names,
         blocks_per_chunk=config.blocks_per_chunk,
-        chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk),
+        chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk) * parts,
     )
 
 
@@ -188,7 +190,7 @@ class TierKVStore:
                 f"overhead); raise disk.max_bytes to at least {least}, or set "
                 f"disk.path=None for no disk tier")
         open_disk = None if cfg.disk.path is None else functools.partial(
-            DiskTier, cfg.disk.path, namespace, cfg.rank, cfg.disk, self.chunk_bytes,
+            DiskTier, cfg.disk.path, namespace, library_part(cfg), cfg.disk, self.chunk_bytes,
             exclusive=True)
         self._stack = build_worker(cfg, self.layout, num_slots, open_disk=open_disk,
                                    namespace=namespace)
@@ -196,7 +198,8 @@ class TierKVStore:
         self._remote = None
         self._budget: DiskBudget | None = None
         try:
-            self._remote = build_remote_lookup(cfg, namespace, (cfg.rank,), self.chunk_bytes)
+            self._remote = build_remote_lookup(cfg, namespace, [[library_part(cfg)]],
+                                               self.chunk_bytes)
             if self.disk is None or cfg.disk.path is None:
                 self.index = build_index(cfg, num_slots, 0)
             else:
@@ -222,7 +225,8 @@ class TierKVStore:
         assert self.disk is not None
         cfg, namespace = self.config, self.namespace
         records = sorted(self.disk.scan(), key=lambda record: record.seq)
-        self._budget = DiskBudget(root, namespace.fingerprint(), cfg.rank, cfg.disk.max_bytes,
+        self._budget = DiskBudget(root, namespace.fingerprint(),
+                                  part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
                                   self.chunk_bytes + DISK_OVERHEAD_BYTES,
                                   check_seconds=cfg.disk.budget_check_seconds)
         capacity = self._budget.plan(len(records))
@@ -267,7 +271,7 @@ class TierKVStore:
             raise ConfigError(f"store: namespace tokens_per_chunk={namespace.tokens_per_chunk} "
                               f"is not a multiple of blocks_per_chunk={bpc}")
         own = build_namespace(self.layout, namespace.model_id, namespace.tokens_per_chunk // bpc,
-                              self.config, namespace.tp_size)
+                              self.config)
         for name in ("dtype", "kv_layout", "page_bytes", "num_layers", "layer_names",
                      "blocks_per_chunk", "chunk_bytes"):
             if getattr(namespace, name) != getattr(own, name):

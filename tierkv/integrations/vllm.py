@@ -53,7 +53,7 @@ from tierkv.integrations.vllm_config import (  # noqa: E402
     build_namespace,
     check_hash_stability,
     check_prefill_after_hits,
-    disk_rank,
+    data_parallel_index,
     parse_settings,
 )
 from tierkv.integrations.vllm_logging import follow_vllm_logging  # noqa: E402
@@ -121,7 +121,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_blocks: set[int] = set()
         self._failed_loads: set[str] = set()
         self._completions: list[Any] = []
-        world = self.geometry.world_size
         if role == KVConnectorRole.SCHEDULER:
             events = vllm_config.kv_events_config
             self._events_enabled = bool(events is not None and events.enable_kv_cache_events)
@@ -131,10 +130,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                             "a chunk fails to load (e.g. a corrupt disk value); set it to "
                             "'recompute' to recompute those tokens instead",
                             transfer.kv_load_failure_policy)
-            stored = self.geometry.stored_ranks  # MLA: rank 0's copy serves every rank
             self._scheduler = SchedulerSide(
                 self.settings, self.geometry, self.namespace,
-                disk_ranks=[disk_rank(vllm_config, rank, world) for rank in range(stored)],
+                replica=data_parallel_index(vllm_config),
                 record_events=self._events_enabled,
             )
         else:
@@ -144,7 +142,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(
                 self.settings, self.geometry, self.namespace,
                 num_blocks=int(kv_cache_config.num_blocks), rank=rank,
-                disk_rank=disk_rank(vllm_config, self.geometry.stored_rank(rank), world))
+                replica=data_parallel_index(vllm_config))
 
     # ================================================================ both roles
     @property

@@ -39,7 +39,7 @@ from tierkv.errors import ConfigError, TierKVError
 from tierkv.integrations.vllm_versions import UnsupportedVersionError as UnsupportedVersionError
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
 from tierkv.integrations.vllm_versions import vllm_minor
-from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.keys import FORMAT_VERSION, Namespace, Part, part_counts
 from tierkv.units import as_size
 
 log = logging.getLogger("tierkv.vllm")
@@ -238,7 +238,7 @@ class Geometry:
     hash_block_size: int  # tokens per entry of request.block_hashes
     blocks_per_chunk: int
     page_bytes: int  # one block of one layer on one rank (unpadded)
-    num_heads: int
+    num_heads: int  # KV heads of one rank's page
     content_bytes: int  # C of the [H, N, C] page, in bytes
     dtype: str
     layout: str  # vLLM's KV cache layout name
@@ -252,6 +252,8 @@ class Geometry:
     # so ``layer_names`` are the widest group's, one per region, and a chunk holds each
     # region's page of every group's blocks (pages_per_chunk). Empty: one group.
     groups: tuple[KVGroup, ...] = ()
+    # The model's KV heads (every rank's together); 0: num_heads x world_size.
+    total_heads: int = 0
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -295,15 +297,52 @@ class Geometry:
         return max(0, num_processed_tokens - kept) // self.block_size
 
     @property
+    def model_heads(self) -> int:
+        """The KV heads parts are cut from: the model's, or 1 under MLA (one latent that
+        every rank holds whole)."""
+        if self.attention == "mla":
+            return 1
+        return self.total_heads or self.num_heads * self.world_size
+
+    @property
+    def num_parts(self) -> int:
+        """Parts each chunk is stored in (``docs/on-disk-format.md``, "Parts"): one per
+        rank's slice of the KV heads, ``min(world_size, heads)``; one under MLA, whose ranks
+        hold identical KV (rank 0 writes it, every rank loads it). Each part is one rank's
+        slot bytes, so a part's value is ``chunk_bytes`` long."""
+        return min(self.world_size, self.model_heads)
+
+    @property
     def stored_ranks(self) -> int:
-        """Ranks whose copies the disk and remote tiers keep: every rank's own KV, or one
-        copy for all of them under MLA, whose ranks hold identical KV (rank 0 writes it,
-        every rank loads it)."""
-        return 1 if self.attention == "mla" else self.world_size
+        """How many ranks write a part (the first rank of each part)."""
+        return self.num_parts
+
+    def part_of(self, rank: int) -> Part:
+        """The part ``rank`` holds: ranks that hold the same heads (heads < ranks, MLA)
+        hold one part."""
+        return Part(rank * self.num_parts // self.world_size, self.num_parts)
 
     def stored_rank(self, rank: int) -> int:
-        """The rank whose stored copy ``rank`` loads: its own, or rank 0's under MLA."""
-        return rank % self.stored_ranks
+        """The rank that writes the part ``rank`` holds (the first rank holding it)."""
+        return self.part_of(rank).index * self.world_size // self.num_parts
+
+    def part_heads(self, part: Part) -> tuple[int, int]:
+        """The KV heads ``[first, end)`` of ``part``."""
+        heads = self.model_heads
+        return part.index * heads // part.count, (part.index + 1) * heads // part.count
+
+    @property
+    def model_chunk_bytes(self) -> int:
+        """One chunk of every part together (the namespace's ``chunk_bytes``)."""
+        return self.chunk_bytes * self.num_parts
+
+    def source_counts(self) -> tuple[int, ...]:
+        """Part counts a chunk may be loaded from: this engine's own first, then every
+        other that cuts the heads evenly (MLA: only 1)."""
+        own = self.num_parts
+        if self.attention == "mla":
+            return (own,)
+        return (own, *(count for count in part_counts(self.model_heads) if count != own))
 
     @property
     def hashes_per_chunk(self) -> int:
@@ -425,13 +464,15 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
                    f"vLLM frees the window's blocks as it moves, and a chunk's pages must all "
                    f"still be held when the chunk is stored")
     world_size = world_size_of(vllm_config)
+    attention = ATTENTION_KINDS.get(type(spec).__name__, "full")
+    per_rank_heads = int(getattr(spec, "num_heads", spec.num_kv_heads))
     geometry = Geometry(
         layer_names=layer_names,
         block_size=block_size,
         hash_block_size=hash_block_size,
         blocks_per_chunk=tokens_per_chunk // block_size,
         page_bytes=int(spec.real_page_size_bytes),
-        num_heads=int(getattr(spec, "num_heads", spec.num_kv_heads)),
+        num_heads=per_rank_heads,
         content_bytes=int(getattr(spec, "state_content_size_bytes", 0)),
         dtype=str(spec.dtype).removeprefix("torch."),
         layout=layout,
@@ -439,8 +480,10 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
         world_size=world_size,
         num_slots=0,
         disk_capacity=0,
-        attention=ATTENTION_KINDS.get(type(spec).__name__, "full"),
+        attention=attention,
         groups=groups,
+        total_heads=1 if attention == "mla" else total_kv_heads(vllm_config, per_rank_heads,
+                                                                  world_size),
     )
     chunk_bytes = geometry.chunk_bytes
     num_slots = cpu_slot_count(settings.cpu_bytes, chunk_bytes, world_size)
@@ -450,12 +493,27 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
                    f"per rank x {world_size} rank(s); raise cpu_bytes or lower tokens_per_chunk")
     disk_capacity = 0
     if settings.disk_path is not None:
-        copies = geometry.stored_ranks
+        copies = geometry.num_parts
         disk_capacity = disk_chunk_capacity(settings.disk_bytes, chunk_bytes, copies)
         if disk_capacity < 1:
             raise _bad("disk_bytes", settings.disk_bytes,
-                       f"holds no chunk of {chunk_bytes} bytes x {copies} copies")
+                       f"holds no chunk of {chunk_bytes} bytes x {copies} parts")
     return replace(geometry, num_slots=num_slots, disk_capacity=disk_capacity)
+
+
+def total_kv_heads(vllm_config: Any, per_rank: int, world_size: int) -> int:
+    """The model's KV heads: vLLM's model config says (``get_total_num_kv_heads``); else a
+    rank's heads x ranks (each rank holds its own slice)."""
+    model = getattr(vllm_config, "model_config", None)
+    getter = getattr(model, "get_total_num_kv_heads", None)
+    if getter is not None:
+        try:
+            total = int(getter())
+        except Exception:  # noqa: BLE001 - a config without heads: derive them
+            total = 0
+        if total > 0 and total >= per_rank and (total % per_rank == 0):
+            return total
+    return per_rank * world_size
 
 
 def check_prefill_after_hits(vllm_config: Any, geometry: Geometry, on_cpu: bool) -> None:
@@ -522,37 +580,41 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
         or geometry.layer_names
     groups = (" groups=[" + ", ".join(group.describe() for group in geometry.groups) + "]"
               if geometry.groups else "")
+    # No TP size: a part's bytes are the heads it names, cut from the model's pages (page
+    # order, heads, tokens, bytes per head and token say where each head's bytes are).
+    mla = geometry.attention == "mla"
     return Namespace(
         model_id=model_id,
         dtype=f"{geometry.dtype}/{getattr(cache, 'cache_dtype', 'auto')}",
-        kv_layout=(("vllm-mla-page" if geometry.attention == "mla" else "vllm-page")
-                   + f" {geometry.page_order} [H={geometry.num_heads}, "
+        kv_layout=(("vllm-mla-page" if mla else "vllm-page")
+                   + f" {geometry.page_order} [H={geometry.model_heads}, "
                    f"N={geometry.block_size}, C={geometry.content_bytes}B]{groups}"),
-        page_bytes=geometry.page_bytes,
+        page_bytes=geometry.page_bytes * geometry.num_parts,
         tokens_per_chunk=geometry.tokens_per_chunk,
         num_layers=len(layers),
-        tp_size=geometry.world_size,
-        rank_layout=f"tp{geometry.world_size}",
+        rank_layout="mla" if mla else "heads",
         hash_scheme=hash_scheme,
         format_version=FORMAT_VERSION,
         extra=f"vllm-{vllm_minor(vllm_version)}" + (f"/quant:{quantization}" if quantization else ""),
         layer_names=layers,
         blocks_per_chunk=geometry.blocks_per_chunk,
-        chunk_bytes=geometry.chunk_bytes,
+        chunk_bytes=geometry.model_chunk_bytes,
+        num_kv_heads=geometry.model_heads,
     )
 
 
-def disk_rank(vllm_config: Any, rank: int, world_size: int) -> int:
-    """The disk environment of one worker: data-parallel engines keep separate ones."""
+def data_parallel_index(vllm_config: Any) -> int:
+    """Which data-parallel engine this is: each keeps its own part directories
+    (``part-<p>of<P>-dp<d>``), as it claims them."""
     parallel = vllm_config.parallel_config
-    dp_index = int(getattr(parallel, "data_parallel_index", None)
-                   or getattr(parallel, "data_parallel_rank", 0) or 0)
-    return dp_index * world_size + rank
+    return int(getattr(parallel, "data_parallel_index", None)
+               or getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
 def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0) -> StoreConfig:
     """One rank's :class:`~tierkv.config.StoreConfig`: its share of ``cpu_bytes`` and
-    ``disk_bytes`` (the disk map is sized for it), everything else as the settings say."""
+    ``disk_bytes`` (the disk map is sized for it: one part's share), everything else as the
+    settings say."""
     share = geometry.world_size
     return StoreConfig(
         blocks_per_chunk=geometry.pages_per_chunk,  # block ids a job copies per chunk
@@ -561,7 +623,7 @@ def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0)
                           spill_ahead_fraction=settings.spill_ahead_fraction,
                           eviction_policy=settings.eviction_policy),
         disk=DiskTierConfig(path=Path(settings.disk_path) if settings.disk_path else None,
-                            max_bytes=max(settings.disk_bytes // geometry.stored_ranks, 1),
+                            max_bytes=max(settings.disk_bytes // geometry.num_parts, 1),
                             write_through=settings.write_through,
                             sync_mode=settings.disk_sync_mode),
         device=settings.device,

@@ -4,11 +4,16 @@
   and process, reference counted. LMDB forbids opening one environment twice in a process
   (closing one handle drops the other's locks); with vLLM's single-process executor the
   worker and the scheduler live in the EngineCore process and share the handle.
-- :func:`rebuild_keys`: the scheduler's view at start. It scans every rank's environment
-  (index records only, no payloads), keeps the keys that **every** rank holds, deletes the
-  others on the ranks that hold them (a chunk is only usable whole), trims the oldest
-  chunks beyond the disk capacity, and closes what it opened: the scheduler process never
+- :func:`rebuild_keys`: the scheduler's view at start. It scans every part of this
+  engine's part count (index records only, no payloads), keeps the keys that **every**
+  part holds, deletes the others on the parts that hold them (a chunk is only usable
+  whole), trims the oldest chunks beyond the disk capacity; then, read-only, the parts of
+  every other part count found under the namespace (engines of another TP size): a chunk
+  every part of such a count holds is usable too, loaded from those parts (never deleted
+  here: they are another engine's). It closes what it opened: the scheduler process never
   keeps LMDB open, and never forks with it open.
+- :class:`OtherParts`: a worker's lazily opened, read-only, unclaimed view of the parts
+  another part count wrote (:mod:`tierkv.transfer.parts` reads them).
 - :func:`claim_env`: a worker makes itself its environment's one writer for its lifetime
   (:meth:`DiskTier.claim`, an exclusive ``flock``). Two engines on one environment (two
   servers given the same ``disk_path``) would evict each other's chunks and turn hits into
@@ -29,10 +34,11 @@ from pathlib import Path
 
 from tierkv.config import DiskTierConfig, StoreConfig
 from tierkv.errors import BrokenError, ConfigError, DamagedError
-from tierkv.keys import Namespace
+from tierkv.keys import Namespace, Part
+from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.disk_files import OWNER_FILE
+from tierkv.tiers.disk_files import OWNER_FILE, part_dir_name
 
 __all__ = ["OWNER_FILE", "acquire_tier", "claim_env", "open_follower", "rebuild_keys",
            "release_tier", "unclaim_env", "write_chunks"]
@@ -44,17 +50,17 @@ _OPEN: dict[Path, tuple[DiskTier, int]] = {}
 _CLAIMED: set[Path] = set()  # environments a worker of this process writes
 
 
-def env_path(root: Path, namespace: Namespace, rank: int) -> Path:
-    return Path(root) / f"ns-{namespace.fingerprint()}" / f"rank-{rank}"
+def env_path(root: Path, namespace: Namespace, part: Part, replica: int = 0) -> Path:
+    return Path(root) / f"ns-{namespace.fingerprint()}" / part_dir_name(part, replica)
 
 
-def acquire_tier(root: Path, namespace: Namespace, rank: int, config: DiskTierConfig,
-                 payload_bytes: int) -> DiskTier:
-    path = env_path(root, namespace, rank).resolve()
+def acquire_tier(root: Path, namespace: Namespace, part: Part, config: DiskTierConfig,
+                 payload_bytes: int, replica: int = 0) -> DiskTier:
+    path = env_path(root, namespace, part, replica).resolve()
     with _LOCK:
         tier, count = _OPEN.get(path, (None, 0))
         if tier is None:
-            tier = DiskTier(Path(root), namespace, rank, config, payload_bytes)
+            tier = DiskTier(Path(root), namespace, part, config, payload_bytes, replica=replica)
         _OPEN[tier.path.resolve()] = (tier, count + 1)
         return tier
 
@@ -94,10 +100,12 @@ def unclaim_env(tier: DiskTier) -> None:
         _CLAIMED.discard(tier.path.resolve())
 
 
-def open_claimed(namespace: Namespace, config: StoreConfig, payload_bytes: int) -> DiskTier:
+def open_claimed(namespace: Namespace, config: StoreConfig, payload_bytes: int, part: Part,
+                 replica: int = 0) -> DiskTier:
     """A worker's disk tier: shared in this process, claimed for this worker."""
     assert config.disk.path is not None
-    tier = acquire_tier(Path(config.disk.path), namespace, config.rank, config.disk, payload_bytes)
+    tier = acquire_tier(Path(config.disk.path), namespace, part, config.disk, payload_bytes,
+                        replica)
     try:
         claim_env(tier)
     except BaseException:
@@ -114,69 +122,159 @@ def release_claimed(tier: DiskTier) -> None:
 FOLLOWER_WAIT_SECONDS = 30.0  # for the writing rank to create its environment at start
 
 
-def open_follower(namespace: Namespace, config: StoreConfig, payload_bytes: int,
-                  wait_seconds: float = FOLLOWER_WAIT_SECONDS) -> DiskTier:
-    """The disk tier of a rank that loads another rank's copy (MLA: rank 0 writes one copy
-    for every rank): that rank's environment (``config.rank``), read-only and unclaimed,
-    once the writer has created it (both ranks start at once)."""
+def open_follower(namespace: Namespace, config: StoreConfig, payload_bytes: int, part: Part,
+                  replica: int = 0, wait_seconds: float = FOLLOWER_WAIT_SECONDS) -> DiskTier:
+    """The disk tier of a rank that loads a part another rank writes (MLA: rank 0 writes one
+    part for every rank; heads fewer than ranks: the first rank of each part): that part's
+    environment, read-only and unclaimed, once the writer has created it (both ranks start
+    at once)."""
     assert config.disk.path is not None
     root = Path(config.disk.path)
     deadline = time.monotonic() + wait_seconds
     while True:
         try:
-            return DiskTier(root, namespace, config.rank, config.disk, payload_bytes,
-                            read_only=True)
+            return DiskTier(root, namespace, part, config.disk, payload_bytes, read_only=True,
+                            replica=replica)
         except (ConfigError, DamagedError, BrokenError) as exc:  # not (fully) created yet
             if time.monotonic() >= deadline:
                 raise ConfigError(
-                    f"tierkv vLLM connector: {env_path(root, namespace, config.rank)} (the "
-                    f"environment rank {config.rank} writes for every rank) could not be read "
-                    f"within {wait_seconds:.0f} s: {exc}") from exc
+                    f"tierkv vLLM connector: {env_path(root, namespace, part, replica)} (the "
+                    f"environment of part {part.name}, which another rank writes) could not "
+                    f"be read within {wait_seconds:.0f} s: {exc}") from exc
             time.sleep(0.05)
 
 
-def rebuild_keys(root: Path, namespace: Namespace, ranks: Sequence[int], config: DiskTierConfig,
-                 payload_bytes: int, capacity: int) -> tuple[list[bytes], int]:
-    """Keys usable from disk, oldest first, at most ``capacity`` of them; and how many
-    chunks were deleted (held by only some ranks, or beyond the capacity). A rank whose
-    environment is damaged and owned by its worker (which rebuilds it when it meets the
-    damage) counts as holding nothing."""
-    tiers: list[DiskTier] = []
-    holders: Counter[bytes] = Counter()  # how many undamaged ranks hold each key
+def _scan_parts(root: Path, namespace: Namespace, count: int, config: DiskTierConfig,
+                payload_bytes: int, replica: int, own: bool,
+                tiers: list[DiskTier]) -> tuple[Counter[bytes], dict[bytes, int]] | None:
+    """How many parts of ``count`` hold each key, and each key's newest sequence; None when
+    (another count's) parts are not all there."""
+    holders: Counter[bytes] = Counter()
     seqs: dict[bytes, int] = {}
+    for index in range(count):
+        part = Part(index, count)
+        tier = None
+        try:
+            if own:
+                tier = acquire_tier(root, namespace, part, config, payload_bytes, replica)
+            else:
+                if not env_path(root, namespace, part, replica).is_dir():
+                    return None
+                tier = DiskTier(root, namespace, part, config, payload_bytes, read_only=True,
+                                replica=replica)
+            tiers.append(tier)
+            records = list(tier.scan())
+        except (DamagedError, BrokenError, ConfigError) as exc:
+            if own and not isinstance(exc, DamagedError):
+                raise
+            log.warning("tierkv: %s; its chunks are not used", exc)
+            if tier is not None:  # opened, but its scan met the damage
+                tiers.pop()
+                (release_tier if own else DiskTier.close)(tier)
+            if not own:
+                return None
+            continue
+        holders.update(record.key for record in records)
+        for record in records:
+            seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
+    return holders, seqs
+
+
+def rebuild_keys(root: Path, namespace: Namespace, own_count: int, config: DiskTierConfig,
+                 payload_bytes: int, capacity: int, *, counts: Sequence[int] = (),
+                 replica: int = 0) -> tuple[list[bytes], int, dict[bytes, int]]:
+    """Keys usable from disk, oldest first, at most ``capacity`` of them; how many chunks
+    were deleted (held by only some of this engine's parts, or beyond the capacity); and
+    the part count of each key usable only from another count's parts (``counts``, in
+    order of preference). A part whose environment is damaged and owned by its worker
+    (which rebuilds it when it meets the damage) counts as holding nothing.
+    ``payload_bytes`` is one part of ``own_count``'s; another count's are in proportion."""
+    own_tiers: list[DiskTier] = []
+    other_tiers: list[DiskTier] = []
+    model_bytes = payload_bytes * own_count
     try:
-        for rank in ranks:
-            tier = None
-            try:
-                tier = acquire_tier(root, namespace, rank, config, payload_bytes)
-                tiers.append(tier)
-                records = list(tier.scan())
-            except DamagedError as exc:
-                log.warning("tierkv: %s; its chunks are not used", exc)
-                if tier is not None:  # opened, but its scan met the damage
-                    release_tier(tiers.pop())
+        scanned = _scan_parts(root, namespace, own_count, config, payload_bytes, replica,
+                              True, own_tiers)
+        assert scanned is not None
+        holders, seqs = scanned
+        whole = [key for key, count in holders.items() if count == own_count]
+        partial = [key for key, count in holders.items() if count != own_count]
+        elsewhere: dict[bytes, int] = {}
+        for count in counts:
+            if count == own_count or model_bytes % count:
                 continue
-            holders.update(record.key for record in records)
-            for record in records:
-                seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
-        whole = [key for key, count in holders.items() if count == len(ranks)]
-        partial = [key for key, count in holders.items() if count != len(ranks)]
+            found = _scan_parts(root, namespace, count, config, model_bytes // count, replica,
+                                False, other_tiers)
+            if found is None:
+                continue
+            for key, held in found[0].items():
+                if held == count and key not in elsewhere and holders.get(key) != own_count:
+                    elsewhere[key] = count
+                    seqs[key] = max(seqs.get(key, 0), found[1][key])
         whole.sort(key=seqs.__getitem__)
-        excess = whole[: max(len(whole) - capacity, 0)]  # the oldest go first
-        keep = whole[len(excess):]
+        usable = sorted([*whole, *elsewhere], key=seqs.__getitem__)
+        dropped = usable[: max(len(usable) - capacity, 0)]  # the oldest go first
+        keep = usable[len(dropped):]
+        excess = [key for key in dropped if key not in elsewhere]  # another's: not deleted
         doomed = partial + excess
         if doomed:
-            for tier in tiers:
+            for tier in own_tiers:
                 try:
                     tier.delete_many(doomed)
                 except DamagedError as exc:
                     log.warning("tierkv: %s; its chunks stay until its worker rebuilds it", exc)
-            log.warning("tierkv: deleted %d chunk(s) from %s at start (%d held by only some ranks, "
-                     "%d over disk_bytes)", len(doomed), root, len(partial), len(excess))
-        return keep, len(doomed)
+            log.warning("tierkv: deleted %d chunk(s) from %s at start (%d held by only some "
+                        "parts, %d over disk_bytes)", len(doomed), root, len(partial),
+                        len(excess))
+        kept = set(keep)
+        return keep, len(doomed), {key: count for key, count in elsewhere.items() if key in kept}
     finally:
-        for tier in tiers:
+        for tier in own_tiers:
             release_tier(tier)
+        for tier in other_tiers:
+            tier.close()
+
+
+class OtherParts:
+    """The parts of other part counts on disk, as one worker reads them: each part's
+    environment opened read-only and unclaimed at its first read, kept open after (another
+    engine writes it; this one never claims, writes or repairs it). ``read_part_into``
+    answers ``MISSING`` for a part whose environment is not there."""
+
+    def __init__(self, root: Path, namespace: Namespace, config: DiskTierConfig,
+                 model_chunk_bytes: int, replica: int = 0) -> None:
+        self.root, self.namespace, self.config = Path(root), namespace, config
+        self.model_chunk_bytes, self.replica = model_chunk_bytes, replica
+        self._tiers: dict[Part, DiskTier | None] = {}
+        self._lock = threading.Lock()
+
+    def _tier(self, part: Part) -> DiskTier | None:
+        with self._lock:
+            if part in self._tiers:
+                return self._tiers[part]
+            tier: DiskTier | None
+            try:
+                tier = DiskTier(self.root, self.namespace, part, self.config,
+                                self.model_chunk_bytes // part.count, read_only=True,
+                                replica=self.replica)
+            except (ConfigError, DamagedError, BrokenError) as exc:
+                log.warning("tierkv: part %s on disk cannot be read: %s", part.name, exc)
+                tier = None
+            self._tiers[part] = tier
+            return tier
+
+    def read_part_into(self, key: bytes, part: Part, out: memoryview) -> ReadStatus:
+        tier = self._tier(part)
+        if tier is None:
+            return ReadStatus.MISSING
+        return tier.read_into(key, out)
+
+    def close(self) -> None:
+        with self._lock:
+            tiers, self._tiers = list(self._tiers.values()), {}
+        for tier in tiers:
+            if tier is not None:
+                tier.close()
 
 
 def write_chunks(tier: DiskTier, slab: CpuSlab, chunks: Sequence[tuple[bytes, int]],

@@ -30,7 +30,8 @@ from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
 from tierkv.integrations.vllm_keys import chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
-from tierkv.keys import Namespace
+from tierkv.keys import Namespace, Part
+from tierkv.tiers.disk_files import part_dir_name
 
 if TYPE_CHECKING:
     from tierkv.tiers.disk_budget import DiskBudget
@@ -111,7 +112,7 @@ class SchedulerSide:
         geometry: Geometry,
         namespace: Namespace,
         *,
-        disk_ranks: Sequence[int] = (0,),
+        replica: int = 0,
         record_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -122,11 +123,20 @@ class SchedulerSide:
         self.config = store_config(settings, geometry)
         self.index = build_index(self.config, geometry.num_slots, geometry.disk_capacity,
                                  clock=clock, record_events=record_events)
-        # Asks the remote tier for every TP rank's value (the workers' remote rank).
-        self.remote = build_remote_lookup(self.config, namespace, range(geometry.stored_ranks),
-                                          geometry.chunk_bytes)
+        # Asks the remote tier for every part of a chunk, under this engine's part count
+        # first, then every other one a writer of another TP size would use.
+        self.replica = replica
+        self.source_counts = geometry.source_counts()
+        self.remote = build_remote_lookup(
+            self.config, namespace,
+            [[Part(index, count) for index in range(count)] for count in self.source_counts],
+            geometry.chunk_bytes)
         self.adapter = build_adapter(self.index, adapter_config(settings, geometry), clock,
                                      self.remote)
+        # Chunks on disk only under another part count (found at start), with that count.
+        self._disk_parts: dict[bytes, int] = {}
+        self.found_on_disk_elsewhere = 0
+        self.adapter.source_parts = self._source_parts
         self._clock = clock
         self._hpc = geometry.hashes_per_chunk
         self._grouped = bool(geometry.groups)  # vLLM's block ids per group, null blocks
@@ -150,32 +160,46 @@ class SchedulerSide:
         self._budgets: list[DiskBudget] = []  # one per stored rank
         self._budget_polled = -float("inf")
         if settings.disk_path is not None:
-            self._rebuild_from_disk(disk_ranks)
+            self._rebuild_from_disk()
+
+    def _source_parts(self, key: bytes, from_remote: bool) -> int:
+        """The part count a load reads ``key`` from: 0 for this engine's own, else another
+        TP size's (docs/on-disk-format.md, "Parts")."""
+        own = self.geometry.num_parts
+        if from_remote:
+            count = self.remote.count_of(key) if self.remote is not None else 0
+        else:
+            count = self._disk_parts.get(key, 0)
+        return 0 if count == own else count
 
     # ------------------------------------------------------------------ start
-    def _rebuild_from_disk(self, ranks: Sequence[int]) -> None:
+    def _rebuild_from_disk(self) -> None:
         from tierkv.integrations.vllm_disk import rebuild_keys
         from tierkv.tiers.disk_files import empty_namespace_warning
 
         assert self.settings.disk_path is not None
         root = Path(self.settings.disk_path)
         started = time.perf_counter()
-        keys, self.deleted_on_disk = rebuild_keys(
-            root, self.namespace, ranks, self.config.disk, self.geometry.chunk_bytes,
-            self.geometry.disk_capacity,
+        own = self.geometry.num_parts
+        keys, self.deleted_on_disk, self._disk_parts = rebuild_keys(
+            root, self.namespace, own, self.config.disk, self.geometry.chunk_bytes,
+            self.geometry.disk_capacity, counts=self.source_counts, replica=self.replica,
         )
-        capacity = self._open_budgets(root, ranks, len(keys))
+        self.found_on_disk_elsewhere = len(self._disk_parts)
+        capacity = self._open_budgets(root, [Part(index, own) for index in range(own)],
+                                      len(keys))
         if capacity != self.index.disk_capacity:
             self.index.set_disk_capacity(capacity)
         self.found_on_disk = self.index.add_on_disk(keys)  # over the share: deleted next
-        log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s",
-                 self.found_on_disk, self.fingerprint[:8], self.settings.disk_path,
-                 time.perf_counter() - started)
+        log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s (%d of "
+                 "them as parts of another TP size)", self.found_on_disk, self.fingerprint[:8],
+                 self.settings.disk_path, time.perf_counter() - started,
+                 self.found_on_disk_elsewhere)
         warning = empty_namespace_warning(root, self.namespace, self.found_on_disk)
         if warning:
             log.warning("tierkv: %s", warning)
 
-    def _open_budgets(self, root: Path, ranks: Sequence[int], held: int) -> int:
+    def _open_budgets(self, root: Path, parts: Sequence[Part], held: int) -> int:
         """This engine's share of ``disk_bytes``, one cap for every namespace under the disk
         path (docs/operations.md, "One cap per disk path"): a share per stored rank, each
         rank's in its own share file, as library stores publish theirs. Namespaces no engine
@@ -183,10 +207,14 @@ class SchedulerSide:
         chunks (the smallest rank share)."""
         from tierkv.tiers.disk_budget import DiskBudget
 
-        unit = self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES
-        self._budgets = [DiskBudget(root, self.fingerprint, rank, self.settings.disk_bytes, unit,
+        # A whole chunk (every part) per unit: each part's budget plans the engine's chunks,
+        # blind to its sibling parts, and publishes its part's share.
+        unit = (self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES) * len(parts)
+        names = tuple(part_dir_name(part, self.replica) for part in parts)
+        self._budgets = [DiskBudget(root, self.fingerprint, name, self.settings.disk_bytes, unit,
                                     check_seconds=self.config.disk.budget_check_seconds,
-                                    clock=self._clock) for rank in ranks]
+                                    clock=self._clock, parts=len(parts), siblings=names)
+                         for name in names]
         capacity = min(budget.plan(held + self._budget_headroom(budget))
                        for budget in self._budgets)
         line = self._budgets[0].start_line()
@@ -396,6 +424,10 @@ class SchedulerSide:
         if self._budgets:
             self._rebalance_disk()
         plan = self.adapter.build_plan(step)
+        if self._disk_parts:
+            for spill in plan.spills:  # written as this engine's own parts from now on
+                for key, _ in spill.writes:
+                    self._disk_parts.pop(bytes(key), None)
         for keys in prune:  # their last chunk is planned now: forget keys never stored
             for key in keys:
                 if not self.index.contains(key):

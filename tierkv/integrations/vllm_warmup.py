@@ -30,7 +30,7 @@ from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HAS
                                              check_vllm_version, store_config)
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 from tierkv.integrations.vllm_versions import target_vllm_version
-from tierkv.keys import Namespace
+from tierkv.keys import Namespace, Part
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM 0.33 kv_cache_utils, PYTHONHASHSEED unset
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -179,7 +179,13 @@ class VllmTarget:
             dtype=self.dtype, layout=self.kv_cache_layout, page_order=PAGE_ORDER[self.kv_cache_layout],
             world_size=self.tensor_parallel_size, num_slots=1,
             disk_capacity=disk_chunk_capacity(self.disk_bytes, page * self.num_layers * blocks,
-                                              self.tensor_parallel_size))
+                                              min(self.tensor_parallel_size, self.num_kv_heads)),
+            total_heads=self.num_kv_heads)
+
+    def parts(self) -> list[Part]:
+        """The parts the connector stores each chunk as (one per rank's slice of the heads)."""
+        count = self.geometry().num_parts
+        return [Part(index, count) for index in range(count)]
 
     def _environ(self) -> dict[str, str]:
         return {} if self.hash_seed is None else {"PYTHONHASHSEED": self.hash_seed}
@@ -207,7 +213,7 @@ class VllmTarget:
         return chunk_keys_from_block_hashes(hashes, self.chunk_tokens // self.hash_block)
 
     def pack(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per rank, ``uint8 [num_chunks, chunk_bytes]`` from HF-style per-layer K and V
+        """Per part (:meth:`parts`), ``uint8 [num_chunks, chunk_bytes]`` from HF-style per-layer K and V
         (``[kv_heads, seq, head]`` or ``[1, kv_heads, seq, head]``, ``seq`` a multiple of the
         chunk): pages as vLLM's paged cache holds them (``[N, H, C]`` NHD, ``[H, N, C]`` HND,
         ``C`` = K then V of one head and token), in the slot byte layout (layer-major)."""
@@ -229,10 +235,12 @@ class VllmTarget:
             per_layer.append(torch.cat([key.to(dtype), value.to(dtype)], dim=-1))  # [H, S, C]
         num_chunks = per_layer[0].shape[1] // tpc
         out: list[torch.Tensor] = []
-        for rank in range(self.tensor_parallel_size):
+        geometry = self.geometry()
+        for stored in self.parts():
+            first, end = geometry.part_heads(stored)
             rows = []
             for cells in per_layer:
-                part = cells[self.rank_heads(rank)]  # [h, S, C]
+                part = cells[first:end]  # [h, S, C]
                 if PAGE_ORDER[self.kv_cache_layout] == "HND":
                     part = part.reshape(len(part), -1, bs, part.shape[-1])  # [h, blocks, N, C]
                 # pages first: NHD [S, h, C] (a block is [N, h, C]), HND [blocks, h, N, C]

@@ -19,9 +19,11 @@ code and LMDB). What each worker-role call does is the table in ``docs/vllm.md``
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,11 +33,13 @@ from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
-from tierkv.integrations.vllm_disk import open_claimed, open_follower, release_claimed, write_chunks
-from tierkv.keys import Namespace
+from tierkv.integrations.vllm_disk import (OtherParts, open_claimed, open_follower,
+                                           release_claimed, write_chunks)
+from tierkv.keys import Namespace, Part
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk import DiskTier
 from tierkv.transfer.layout import KVLayout
+from tierkv.transfer.parts import HeadLayout, PartReader
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -68,6 +72,14 @@ def regroup_layer(name: str, view: torch.Tensor, num_blocks: int, page_order: st
     return view.view(num_blocks, rows // num_blocks, *view.shape[1:])  # splitting dim 0: a view
 
 
+def head_layout(geometry: Geometry) -> HeadLayout:
+    """Where each KV head's bytes are in one rank's slot (:mod:`tierkv.transfer.parts`)."""
+    return HeadLayout.of_pages(
+        pieces=geometry.num_layers * geometry.pages_per_chunk, page_bytes=geometry.page_bytes,
+        page_heads=geometry.model_heads // geometry.num_parts, page_order=geometry.page_order,
+        tokens_per_page=geometry.block_size, model_heads=geometry.model_heads)
+
+
 def check_groups_alias(geometry: Geometry, kv_caches: Mapping[str, torch.Tensor]) -> None:
     """With several KV cache groups, tierkv copies the widest group's layer views only:
     layer ``i`` of every group must view the same bytes as that group's layer ``i`` (vLLM's
@@ -89,13 +101,17 @@ def check_groups_alias(geometry: Geometry, kv_caches: Mapping[str, torch.Tensor]
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, geometry: Geometry, namespace: Namespace,
-                 num_blocks: int, rank: int, disk_rank: int) -> None:
+                 num_blocks: int, rank: int, replica: int = 0) -> None:
         self.settings = settings
         self.geometry = geometry
         self.namespace = namespace
         self.num_blocks = num_blocks
         self.rank = rank
-        self.config = store_config(settings, geometry, disk_rank)
+        self.part = geometry.part_of(rank)  # what this rank stores and loads as its own
+        self.replica = replica  # data-parallel engine: its own part directories
+        self.config = store_config(settings, geometry, rank)
+        self._other_disk: OtherParts | None = None
+        self._other_remote: dict[int, Any] = {}  # part count -> RemoteTier of that count
         self._stack: WorkerStack | None = None
         self.slab: CpuSlab | None = None
         self.disk: DiskTier | None = None
@@ -105,7 +121,8 @@ class WorkerSide:
 
     @property
     def writer(self) -> bool:
-        """Whether this rank writes its stored copy (every rank, or rank 0 under MLA)."""
+        """Whether this rank writes its part (the first rank holding it: every rank, or
+        rank 0 under MLA)."""
         return self.geometry.stored_rank(self.rank) == self.rank
 
     # ------------------------------------------------------------------ registration
@@ -132,22 +149,24 @@ class WorkerSide:
                 f"the scheduler sizes them as {geometry.page_bytes} page bytes x "
                 f"{geometry.num_layers} layers x {geometry.pages_per_chunk} blocks = "
                 f"{geometry.chunk_bytes}; the KV cache views do not match the KV cache config")
-        # A rank past geometry.stored_ranks (MLA: every rank but 0) loads rank 0's copy and
-        # writes none: the disk read-only, no pushes, its spills done at once.
+        # A rank that holds a part another rank writes (MLA: every rank but 0; heads fewer
+        # than ranks: all but the first of each part) loads it and writes none: the disk
+        # read-only, no pushes, its spills done at once.
         writer = self.writer
         config = self.config
         if not writer and config.remote is not None:
             config = replace(config, remote=replace(config.remote, push="read_only"))
         opener = open_claimed if writer else open_follower
-        open_disk = (partial(opener, self.namespace, config, chunk_bytes)
+        open_disk = (partial(opener, self.namespace, config, chunk_bytes, self.part,
+                             self.replica)
                      if config.disk.path is not None else None)
-        # The remote tier is shared by engines: its rank is the TP rank (the disk's is
-        # per data-parallel engine too).
+        # The remote tier is shared by engines: its part is the one this rank holds (the
+        # disk's directory is per data-parallel engine too).
         self._stack = build_worker(config, layout, geometry.num_slots, open_disk=open_disk,
                                    release_disk=release_claimed if writer else DiskTier.close,
-                                   namespace=self.namespace,
-                                   remote_rank=geometry.stored_rank(self.rank))
+                                   namespace=self.namespace, remote_part=self.part)
         self.slab, self.disk = self._stack.slab, self._stack.disk
+        self._wire_other_parts(config)
         self.worker = WorkerAdapter(self._stack.executor, self.rank,
                                     track_slots=self.disk is not None and writer,
                                     writes_disk=writer)
@@ -155,6 +174,45 @@ class WorkerSide:
                  geometry.num_slots, chunk_bytes,
                  (f", disk tier at {self.disk.path}" if self.disk is not None else "") +
                  (f", remote tier {self._stack.remote.url}" if self._stack.remote else ""))
+
+    def _wire_other_parts(self, config: Any) -> None:
+        """Let the disk and remote readers load chunks another part count wrote (another
+        TP size): each needed part read whole, verified, and its heads copied into the
+        slot (:class:`tierkv.transfer.parts.PartReader`)."""
+        geometry, stack = self.geometry, self._stack
+        assert stack is not None
+        if len(geometry.source_counts()) < 2:
+            return  # MLA, or a model of one KV head: one part count only
+        layout = head_layout(geometry)
+        model_bytes = geometry.model_chunk_bytes
+        if stack.disk_io is not None and config.disk.path is not None:
+            self._other_disk = OtherParts(Path(config.disk.path), self.namespace, config.disk,
+                                          model_bytes, self.replica)
+            other = self._other_disk
+            reader = PartReader(layout, self.part, lambda count: other)
+            stack.disk_io.other_parts = reader.read
+        remote_io = stack.executor.remote_io
+        if remote_io is not None and config.remote is not None:
+            settings, namespace, tiers = config.remote, self.namespace, self._other_remote
+
+            def remote_source(count: int) -> Any:
+                if count not in tiers:
+                    from tierkv.tiers.remote import RemoteTier
+
+                    tiers[count] = RemoteTier(settings, namespace, Part(0, count),
+                                              model_bytes // count, lazy=True,
+                                              role=f"loads of {count}-part chunks")
+                return tiers[count]
+
+            remote_reader = PartReader(layout, self.part, remote_source)
+            lock = threading.Lock()
+
+            def read_remote(key: bytes, count: int, out: Any) -> Any:
+                with lock:  # one tier per count, made once
+                    remote_source(count)
+                return remote_reader.read(key, count, out)
+
+            remote_io.other_parts = read_remote
 
     def adapter(self) -> WorkerAdapter:
         """The rank's :class:`WorkerAdapter`, which runs each step's plan."""
@@ -198,6 +256,10 @@ class WorkerSide:
             return self._flush_unspilled() if flush else 0
         finally:
             self._stack.close()  # releases the disk tier
+            if self._other_disk is not None:
+                self._other_disk.close()
+            for tier in self._other_remote.values():
+                tier.close()
 
     def _flush_unspilled(self) -> int:
         assert self.disk is not None and self.slab is not None

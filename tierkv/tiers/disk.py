@@ -1,5 +1,5 @@
-"""The disk tier: chunk payloads of one namespace and rank in :data:`SHARDS` shards at
-``root/ns-<fingerprint>/rank-<r>/shard-<s>/``, a chunk in the shard :func:`shard_of` its
+"""The disk tier: chunk payloads of one namespace and part in :data:`SHARDS` shards at
+``root/ns-<fingerprint>/part-<p>of<P>/shard-<s>/``, a chunk in the shard :func:`shard_of` its
 key; each shard a slab file of fixed slots holding the payloads and an LMDB environment
 holding the index (key -> slab, slot, length, sequence, checksum).
 ``docs/on-disk-format.md`` has every byte and the crash contract.
@@ -19,20 +19,20 @@ LMDB serializes write transactions, reads run concurrently):
   disk cap is soft here (the scheduler side accounts for it).
 - ``read_into(key, out)``: the index entry in one short read txn, then one ``pread`` of the
   slot, its payload straight into ``out``; the slot's header must name the entry's sequence
-  and checksum and the payload match the checksum bound to key, namespace and rank. A bad
+  and checksum and the payload match the checksum bound to key, namespace and part. A bad
   slot whose entry is still the one read is deleted and counted (an entry changed meanwhile
   is read again).
 - ``sync()``: every slab's ``fdatasync``, then the index's (payloads before the index
   that names them). ``trace`` (tests): called with each ordering event.
 - ``scan(batch)`` reads the index sub-db in short txns of ``batch`` keys (restart warm
   without reading payloads); ``verify`` reads every entry's slot and checks it.
-- ``claim()`` makes this process the one writer of the rank's environments
+- ``claim()`` makes this process the one writer of the part's environments
   (``exclusive=True`` does it at open, before anything is judged or moved): a second
   claim, from any process, is refused with a :class:`ConfigError` naming the holder.
 - ``read_only=True`` (operator tools): nothing is created, written, moved or chmod-ed;
   what is not trusted, or damaged, raises :class:`DamagedError`; a corrupt value is
   answered ``CORRUPT`` and left in place. ``shards=`` (read-only only) opens some of the
-  rank's shards, so a tool reads the good ones beside a damaged one.
+  part's shards, so a tool reads the good ones beside a damaged one.
 - Any call from a forked child raises :class:`UsageError`.
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
 
@@ -59,7 +59,7 @@ import lmdb
 
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError, short_key
-from tierkv.keys import KEY_BYTES, Namespace
+from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.disk_env import SHARDS, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
@@ -115,32 +115,36 @@ class DiskTier(LowerTier):
         self,
         root: Path,
         namespace: Namespace,
-        rank: int,
+        part: Part | int,
         config: DiskTierConfig,
         payload_bytes: int,
         clock: Callable[[], float] = time.monotonic,
         *,
+        replica: int = 0,
         exclusive: bool = False,
         repair: bool = True,
         read_only: bool = False,
         shards: Sequence[int] | None = None,
         trace: Callable[[str, int, int], None] | None = None,
     ) -> None:
-        for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
+        part = as_part(part)
+        for name, value, low in (("payload_bytes", payload_bytes, 1), ("replica", replica, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"disk tier: {name} must be an int >= {low}, got {value!r}")
         if not isinstance(namespace, Namespace):
             raise ConfigError(f"disk tier: namespace must be a Namespace, got {namespace!r}")
         self.root = Path(root)
         self.namespace = namespace
-        self.rank = rank
+        self.part = part
+        self.replica = replica
         self.config = config
         self.payload_bytes = payload_bytes
         self.read_only = read_only
         self._clock = clock
         self.fingerprint = namespace.fingerprint()
-        self._name = f"disk tier (namespace {self.fingerprint[:8]}, rank {rank})"
-        self._binding = binding_of(self.fingerprint, rank)
+        self._name = f"disk tier (namespace {self.fingerprint[:8]}, part {part.name}" + (
+            f", data-parallel engine {replica})" if replica else ")")
+        self._binding = binding_of(self.fingerprint, part)
         self._stats_lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("bytes_written", "bytes_read", "puts", "reads", "hits", "misses", "corrupt",
@@ -172,7 +176,7 @@ class DiskTier(LowerTier):
         try:
             for shard in numbers:
                 self._shards.append(LmdbEnv(
-                    self.root, namespace, rank, shard, map_size=map_size,
+                    self.root, namespace, part, shard, map_size=map_size, replica=replica,
                     sync_always=config.sync_mode == "always", name=f"{self._name[:-1]}, shard "
                     f"{shard})", payload_bytes=payload_bytes, clock=clock,
                     exclusive=exclusive, repair=repair, read_only=read_only,

@@ -1,7 +1,7 @@
 """One cap per disk path: every namespace under a store root (``disk.path``) shares
 ``disk.max_bytes`` (docs/operations.md, "One cap per disk path").
 
-Who holds what under the root (:func:`survey`), per ``ns-<fingerprint>/rank-<r>``, in the
+Who holds what under the root (:func:`survey`), per ``ns-<fingerprint>/part-<p>of<P>``, in the
 cap's units (chunks x (chunk + overhead), what a store's index enforces):
 
 - a rank a running store claims (``tierkv-owner.lock``, :func:`claimant`) holds what it
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierkv.errors import BrokenError, ConfigError
-from tierkv.tiers.disk_files import (OWNER_FILE, OwnerLock, Trust, check_dir, read_private_file,
+from tierkv.tiers.disk_files import (OWNER_FILE, OwnerLock, Trust, check_dir, parse_part_dir,
+                                     read_private_file,
                                      write_private_file)
 from tierkv.units import format_bytes
 
@@ -55,12 +56,18 @@ _MAX_SHARE_BYTES = 4096
 
 
 # ------------------------------------------------------------------------------ claims
+def is_part_dir(name: str) -> bool:
+    """A part's directory (``part-<p>of<P>``), or an older format's rank's (``rank-<r>``)."""
+    return parse_part_dir(name) is not None or (name.startswith("rank-") and name[5:].isdigit())
+
+
 def environments(ns_dir: Path) -> list[Path]:
-    """Where an engine holds its claim under ``ns_dir``: each ``rank-<r>/shard-<s>`` (and
-    ``rank-<r>`` itself where it is format 2's one environment per rank)."""
+    """Where an engine holds its claim under ``ns_dir``: each ``part-<p>of<P>/shard-<s>``
+    (older formats: ``rank-<r>/shard-<s>``, and ``rank-<r>`` itself where it is format 2's
+    one environment per rank)."""
     found: list[Path] = []
-    for rank_dir in sorted(ns_dir.glob("rank-*")):
-        if not rank_dir.name[5:].isdigit() or rank_dir.is_symlink() or not rank_dir.is_dir():
+    for rank_dir in sorted([*ns_dir.glob("part-*"), *ns_dir.glob("rank-*")]):
+        if not is_part_dir(rank_dir.name) or rank_dir.is_symlink() or not rank_dir.is_dir():
             continue
         found += _rank_environments(rank_dir)
     return found
@@ -187,12 +194,15 @@ def _model_of(ns_dir: Path) -> str:
         return "?"
 
 
-def survey(root: Path, own: tuple[str, int] | None = None) -> list[Holding]:
+def survey(root: Path, own: tuple[str, str | frozenset[str]] | None = None) -> list[Holding]:
     """Every ``ns-<fingerprint>`` directory under ``root`` with what it holds; ``own``
-    (fingerprint, rank) is the surveying store's rank, left out of its namespace. A
+    (fingerprint, part directory name, or the names of every part of the surveying engine)
+    is left out of its namespace. A
     namespace that disappears meanwhile (deleted by another store, ``tierkv rm``) is left
     out."""
     holdings: list[Holding] = []
+    if own is not None and isinstance(own[1], str):
+        own = (own[0], frozenset((own[1],)))
     for ns_dir in sorted(Path(root).glob("ns-*")):
         try:
             if ns_dir.is_symlink() or check_dir(ns_dir, fix=False) is not Trust.OK:
@@ -203,7 +213,7 @@ def survey(root: Path, own: tuple[str, int] | None = None) -> list[Holding]:
     return holdings
 
 
-def _holding(ns_dir: Path, own: tuple[str, int] | None) -> Holding:
+def _holding(ns_dir: Path, own: tuple[str, str | frozenset[str]] | None) -> Holding:
     fingerprint = ns_dir.name[3:]
     holding = Holding(fingerprint, ns_dir, _model_of(ns_dir))
     rest = 0  # moved-aside ranks and leftovers (namespace.json only names the namespace)
@@ -213,10 +223,10 @@ def _holding(ns_dir: Path, own: tuple[str, int] | None) -> Holding:
             continue
         if entry.is_symlink() or not entry.is_dir():
             continue
-        if not entry.name.startswith("rank-") or not entry.name[5:].isdigit():
+        if not is_part_dir(entry.name):
             rest += tree_bytes(entry)
             continue
-        if own == (fingerprint, int(entry.name[5:])):
+        if own is not None and own[0] == fingerprint and entry.name in own[1]:
             continue
         rank_bytes = tree_bytes(entry)
         holding.file_bytes += rank_bytes
@@ -247,20 +257,31 @@ def _age(seconds: float) -> str:
 # ------------------------------------------------------------------------------ budget
 class DiskBudget:
     """One store's share of ``cap_bytes`` under ``root``, in chunks of ``unit_bytes``
-    (chunk + per-chunk overhead); see the module docstring. Its own rank is
-    (``fingerprint``, ``rank``), which the store claims; :meth:`plan` publishes the
-    share there, :meth:`release` withdraws it."""
+    (chunk + per-chunk overhead); see the module docstring. Its own part directory is
+    (``fingerprint``, ``part_dir``), which the store claims; :meth:`plan` publishes the
+    share there, :meth:`release` withdraws it.
 
-    def __init__(self, root: Path, fingerprint: str, rank: int, cap_bytes: int,
-                 unit_bytes: int, *, check_seconds: float,
+    An engine that writes ``parts`` parts of each chunk (the vLLM connector at TP > 1) has
+    one budget per part, each over ``unit_bytes`` of a whole chunk (every part) and blind
+    to its ``siblings`` (the engine's other part directories): they plan the same capacity
+    and each publishes its part's share (``1 / parts`` of it), so other engines see the
+    engine's whole reservation once. (Before, the second rank's budget counted the first
+    rank's published share as another holder's and the engine's capacity fell to a chunk
+    or two once the workers had created their directories before the scheduler planned.)"""
+
+    def __init__(self, root: Path, fingerprint: str, part_dir: str, cap_bytes: int,
+                 unit_bytes: int, *, check_seconds: float, parts: int = 1,
+                 siblings: tuple[str, ...] = (),
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.root = Path(root)
-        self.fingerprint, self.rank = fingerprint, rank
+        self.fingerprint, self.part_dir = fingerprint, part_dir
+        self.parts = max(parts, 1)
+        self._own_dirs = frozenset((part_dir, *siblings))
         self.cap_bytes, self.unit_bytes = cap_bytes, unit_bytes
         self.check_seconds = check_seconds
         self._clock, self._wall_clock = clock, wall_clock
-        self._rank_dir = self.root / f"ns-{fingerprint}" / f"rank-{rank}"
+        self._rank_dir = self.root / f"ns-{fingerprint}" / part_dir
         self._checked = -float("inf")
         self._seen: int | None = -1  # the root's mtime when last planned (see due())
         self._published: int | None = None
@@ -291,7 +312,7 @@ class DiskBudget:
         than its entitlement; published in its rank's share file."""
         self._checked = self._clock()
         self._seen = self._stamp()  # before the survey: what changes meanwhile is seen next
-        others = survey(self.root, (self.fingerprint, self.rank))
+        others = survey(self.root, (self.fingerprint, self._own_dirs))
         engines = 1 + sum(holding.engines for holding in others)
         entitlement = self.cap_bytes // engines
         wanted = min(wanted_chunks * self.unit_bytes, entitlement)
@@ -308,7 +329,7 @@ class DiskBudget:
         self.others, self.entitlement = others, entitlement
         self.deletable = len(deletable)
         self.capacity = max(allowed(), 0) // self.unit_bytes
-        self._publish(self.capacity * self.unit_bytes)
+        self._publish(self.capacity * self.unit_bytes // self.parts)
         return self.capacity
 
     def _delete(self, victim: Holding) -> bool:
@@ -362,7 +383,7 @@ class DiskBudget:
         """The store closes (its claim goes with it): its share becomes what it leaves on
         disk, ``held_chunks``."""
         self._published = None
-        self._publish(max(held_chunks, 0) * self.unit_bytes, running=False)
+        self._publish(max(held_chunks, 0) * self.unit_bytes // self.parts, running=False)
 
     def start_line(self) -> str | None:
         """The start-up line: the other namespaces under the root, their sizes, ages and

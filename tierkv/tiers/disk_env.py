@@ -1,9 +1,9 @@
 """One LMDB environment of the disk tier, kept trustworthy and usable under its calls.
 
-:class:`LmdbEnv` owns ``root/ns-<fingerprint>/rank-<r>/shard-<s>``: one LMDB environment
+:class:`LmdbEnv` owns ``root/ns-<fingerprint>/part-<p>of<P>/shard-<s>``: one LMDB environment
 (the index: sub-dbs ``meta`` and ``index``), the shard's slab file of payloads
 (:class:`~tierkv.tiers.disk_slab.SlabFile`, ``slab``), the writer claim and the checks
-around them. A rank's chunks are spread
+around them. A part's chunks are spread
 over :data:`SHARDS` such environments by :func:`shard_of` (each has its own writer lock, so
 their commits run in parallel). :class:`~tierkv.tiers.disk.DiskTier` does its reads and
 writes through :meth:`LmdbEnv.run`.
@@ -11,10 +11,10 @@ writes through :meth:`LmdbEnv.run`.
 Primitives and contracts:
 
 - Opening trusts only this user's private files (:mod:`tierkv.tiers.disk_files`; an
-  untrusted root is a ``ConfigError``): an untrusted namespace, rank or shard directory is moved
+  untrusted root is a ``ConfigError``): an untrusted namespace, part or shard directory is moved
   aside (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is
   not exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
-- The meta record (namespace, fingerprint, rank, shard, format version) must match: another
+- The meta record (namespace, fingerprint, part, shard, format version) must match: another
   environment is never read nor deleted, but moved aside (``.foreign-<time>``) and an
   empty one opened when this handle may repair (below); else :class:`NamespaceMismatchError`.
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
@@ -56,11 +56,11 @@ import msgpack
 
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
                            NamespaceMismatchError, TierKVError, UsageError, short_key)
-from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
                                      list_namespaces, make_private_dir, move_aside,
-                                     namespace_record, prepare_root, read_private_file,
-                                     write_private_file)
+                                     namespace_record, part_dir_name, prepare_root,
+                                     read_private_file, write_private_file)
 from tierkv.tiers.disk_slab import SLAB_NAME, SlabFile
 from tierkv.units import format_bytes
 
@@ -72,7 +72,7 @@ META_NAMESPACE = b"namespace"
 META_NEXT_SEQ = b"next_seq"
 _ENV_FILES = ("data.mdb", "lock.mdb")
 _MADV_NORMAL, _MADV_RANDOM = 0, 1  # <sys/mman.h>
-SHARDS = 4  # environments per rank: a format constant (docs/on-disk-format.md)
+SHARDS = 4  # environments per part: a format constant (docs/on-disk-format.md)
 
 
 def shard_of(key: bytes) -> int:
@@ -151,15 +151,16 @@ class _Guard:
 
 
 class LmdbEnv:
-    """One namespace and rank's environment; see the module docstring."""
+    """One namespace, part and shard's environment; see the module docstring."""
 
-    def __init__(self, root: Path, namespace: Namespace, rank: int, shard: int, *, map_size: int,
+    def __init__(self, root: Path, namespace: Namespace, part: Part, shard: int, *, map_size: int,
                  sync_always: bool, name: str, payload_bytes: int,
                  clock: Callable[[], float] = time.monotonic, exclusive: bool = False,
-                 repair: bool = True, read_only: bool = False, direct_io: bool = True) -> None:
+                 repair: bool = True, read_only: bool = False, direct_io: bool = True,
+                 replica: int = 0) -> None:
         self.root = Path(root)
         self.namespace = namespace
-        self.rank, self.shard = rank, shard
+        self.part, self.shard = part, shard
         self.map_size = map_size
         self.payload_bytes = payload_bytes
         self._direct_io = direct_io
@@ -167,13 +168,13 @@ class LmdbEnv:
         self.repair = repair and not read_only
         self.fingerprint = namespace.fingerprint()
         self.namespace_dir = self.root / f"ns-{self.fingerprint}"
-        self.rank_dir = self.namespace_dir / f"rank-{rank}"
+        self.rank_dir = self.namespace_dir / part_dir_name(part, replica)
         self.path = self.rank_dir / f"shard-{shard}"
         self._name = name
         self._sync_always = sync_always
         self._clock = clock
         self._record = namespace_record(self.fingerprint, namespace.describe())
-        meta = namespace_record(self.fingerprint, namespace.describe(), rank) | {"shard": shard}
+        meta = namespace_record(self.fingerprint, namespace.describe(), part) | {"shard": shard}
         self._meta_raw: bytes = msgpack.packb(meta)
         self._expected_meta = msgpack.unpackb(msgpack.packb(meta), raw=False)
         self._guard = _Guard()
@@ -368,11 +369,11 @@ class LmdbEnv:
                 raise FilesDamaged("namespace record has the wrong shape")
             if stored != self._expected_meta:
                 what = (f"format version {stored.get('format_version')!r}, namespace "
-                        f"{stored.get('fingerprint')!r}, rank {stored.get('rank', '?')!r}, "
+                        f"{stored.get('fingerprint')!r}, part {stored.get('part', '?')!r}, "
                         f"shard {stored.get('shard', '?')!r}")
                 raise NamespaceMismatchError(
                     f"{self._name}: {self.path} holds {what}; expected format version "
-                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, rank {self.rank}, shard "
+                    f"{FORMAT_VERSION}, namespace {self.fingerprint}, part {self.part.name}, shard "
                     f"{self.shard}. The directory was copied, swapped or renamed, or written "
                     f"by another tierkv version; nothing was read from it")
             seq_raw = txn.get(META_NEXT_SEQ, db=meta)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv.keys import FORMAT_VERSION, Namespace, Part, parse_part
 
 logger = logging.getLogger("tierkv.disk")
 
@@ -263,16 +263,33 @@ class NamespaceInfo:
     path: Path
     description: dict[str, Any]
     format_version: int
-    ranks: tuple[int, ...] = ()
+    parts: tuple[tuple[Part, int], ...] = ()  # (part, replica) of each part directory
+
+
+def part_dir_name(part: Part, replica: int = 0) -> str:
+    """``part-<p>of<P>`` (``-dp<d>`` for data-parallel engine ``d > 0``, which keeps its own)."""
+    return f"part-{part.name}" + (f"-dp{replica}" if replica else "")
+
+
+def parse_part_dir(name: str) -> tuple[Part, int] | None:
+    """(part, replica) of a :func:`part_dir_name`; None for any other name."""
+    if not name.startswith("part-"):
+        return None
+    body, sep, replica = name[5:].partition("-dp")
+    part = parse_part(body)
+    if part is None or (sep and (not replica.isdigit() or str(int(replica)) != replica
+                                 or int(replica) == 0)):
+        return None
+    return part, int(replica) if sep else 0
 
 
 def namespace_record(fingerprint: str, description: dict[str, Any],
-                     rank: int | None = None) -> dict[str, Any]:
-    """What ``namespace.json`` holds; the "meta" sub-db's record adds the ``rank``."""
+                     part: Part | None = None) -> dict[str, Any]:
+    """What ``namespace.json`` holds; the "meta" sub-db's record adds the ``part``."""
     record = {"fingerprint": fingerprint, "format_version": FORMAT_VERSION,
               "namespace": description}
-    if rank is not None:
-        record["rank"] = rank
+    if part is not None:
+        record["part"] = part.name
     return record
 
 
@@ -299,8 +316,9 @@ def list_namespaces(root: Path) -> list[NamespaceInfo]:
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             logger.warning("disk tier: skipping %s: unreadable namespace.json (%s)", ns_dir, exc)
             continue
-        ranks = sorted(int(p.name[5:]) for p in ns_dir.glob("rank-*") if p.name[5:].isdigit())
-        infos.append(NamespaceInfo(fingerprint, ns_dir, description, version, tuple(ranks)))
+        parts = sorted(found for found in (parse_part_dir(entry.name)
+                                           for entry in ns_dir.glob("part-*")) if found)
+        infos.append(NamespaceInfo(fingerprint, ns_dir, description, version, tuple(parts)))
     return infos
 
 

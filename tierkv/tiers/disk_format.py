@@ -6,9 +6,9 @@ Primitives and contracts:
   length, at most :data:`MAX_HEADER_BYTES`), header the canonical msgpack array
   ``[format_version, payload_len, seq, checksum]`` of unsigned ints, then the raw payload.
 - :func:`binding_of` is what binds a value to where it belongs: the 16 bytes of its
-  namespace fingerprint and its rank (``<I``).
+  namespace fingerprint and its part (``<HH``: index, count).
 - :func:`checksum` is xxh3_64 over ``binding | key | <QQQ>(version, payload_len, seq) |
-  payload``: a value copied under another key, into another namespace's or rank's
+  payload``: a value copied under another key, into another namespace's or part's
   environment, with a changed header field or payload byte, fails it.
 - :class:`ValueWriter` builds values into one reused buffer.
 - :func:`check_value` accepts only a value this build would have written for that
@@ -21,7 +21,7 @@ Primitives and contracts:
 - :func:`seal` gives a slot's header block and checksum; :func:`check_slot` accepts a
   slot only if its header is what this build writes, names the index entry's sequence,
   length and checksum, and the payload (already in the caller's buffer) matches the
-  checksum bound to key, namespace and rank.
+  checksum bound to key, namespace and part.
 - :class:`IndexEntry` / :func:`pack_index` / :func:`unpack_index`: the "index" sub-db value
   ``<IQQQQ`` (slab, slot, payload length, seq, checksum): where a chunk is and what its
   slot must hold; a restart rebuilds from it without reading payloads.
@@ -40,7 +40,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from tierkv.keys import FORMAT_VERSION
+from tierkv.keys import FORMAT_VERSION, Part, as_part
 
 MAGIC = b"TK"
 MAX_HEADER_BYTES = 64
@@ -49,7 +49,7 @@ _FIXED = struct.Struct("<QQQ")  # format version, payload length, seq: fed to th
 _INDEX = struct.Struct("<IQQQQ")  # "index" value: slab, slot, payload length, seq, checksum
 ALIGN = 4096  # slots, and payloads inside them, start at multiples of this (O_DIRECT)
 HEADER_BLOCK = ALIGN  # a slot's first block: prefix + header, zero padded
-_RANK = struct.Struct("<I")
+_PART = struct.Struct("<HH")
 MAX_VALUE_OVERHEAD = _PREFIX.size + MAX_HEADER_BYTES
 
 
@@ -59,17 +59,19 @@ def copy_bytes(out: Any, data: Any) -> None:
     np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(data, np.uint8))
 
 
-def binding_of(fingerprint: str, rank: int) -> bytes:
-    """What every value's checksum starts with: the fingerprint (16 bytes), rank (``<I``)."""
+def binding_of(fingerprint: str, part: Part | int) -> bytes:
+    """What every value's checksum starts with: the fingerprint (16 bytes), then the part
+    (``<HH``: index, count; 4 bytes, as format 4's rank)."""
     raw = bytes.fromhex(fingerprint)
     if len(raw) != 16:
         raise ValueError(f"a namespace fingerprint is 32 hex digits, got {fingerprint!r}")
-    return raw + _RANK.pack(rank)
+    part = as_part(part)
+    return raw + _PART.pack(part.index, part.count)
 
 
 def checksum(binding: bytes, key: bytes, version: int, payload_len: int, seq: int,
              payload: Any) -> int:
-    """xxh3_64 over the binding (namespace, rank), the key, the header fields and the payload."""
+    """xxh3_64 over the binding (namespace, part), the key, the header fields and the payload."""
     hasher = xxhash.xxh3_64(binding)
     hasher.update(key)
     hasher.update(_FIXED.pack(version, payload_len, seq))
@@ -122,7 +124,7 @@ def check_value(binding: bytes, key: bytes, value: Any, payload_bytes: int,
     return None
 
 
-CHECKSUM_MISMATCH = "checksum mismatch (damaged, or a value of another key, namespace or rank)"
+CHECKSUM_MISMATCH = "checksum mismatch (damaged, or a value of another key, namespace or part)"
 
 
 def parse_header(value: Any, payload_bytes: int | None = None) -> tuple[list[int], int] | str:

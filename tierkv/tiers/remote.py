@@ -1,4 +1,4 @@
-"""The remote tier: chunk payloads of one namespace and rank on Redis / Valkey (Cluster).
+"""The remote tier: chunk payloads of one namespace and part on Redis / Valkey (Cluster).
 
 Keys and values are :mod:`tierkv.tiers.remote_format` (``docs/remote.md``). Primitives and
 contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
@@ -12,16 +12,19 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
   Keys a server refused for want of memory are ``full`` (no room) and further pushes are
   skipped for ``remote.breaker_seconds``.
 - ``exists_many(keys)``: which keys have a value, in one pipeline of ``EXISTS``.
-  ``exists_on_ranks(keys, ranks)``: which chunks have a value for every rank, in one
-  pipeline of one ``EXISTS`` per chunk (its ranks share a hash slot): one round trip per
-  node, for the scheduler side's lookups.
+  ``exists_on_parts(keys, parts)``: which chunks have a value for every part, in one
+  pipeline of one ``EXISTS`` per chunk (its parts share a hash slot): one round trip per
+  node, for the scheduler side's lookups (``exists_under(keys, part_sets)``: the same for
+  several candidate part counts, one ``EXISTS`` per chunk and part count, one pipeline).
+- ``read_part_into(key, part, out)``: ``read_into`` of another part of the namespace (a
+  reader at another tensor-parallel size reads the parts another engine wrote).
 - ``read_into(key, out)``: one ``GETRANGE`` of at most a good value's length plus one
   byte, so a value of another length (256 MiB under a chunk's key) is bad before it is
   read; ``OK`` only for a value that passes every check; ``MISSING`` when it is gone
   (evicted, expired, deleted by another engine); ``CORRUPT`` otherwise, a key of another
   type (a list) included, and the bad value is deleted by what it was
   (:data:`~tierkv.tiers.remote_format.DELETE_BAD`, never by sending it back).
-- ``scan()`` lists this namespace and rank's chunks on every primary (``SCAN MATCH``, one
+- ``scan()`` lists this namespace and part's chunks on every primary (``SCAN MATCH``, one
   deadline per page); ``verify(repair)`` reads each one.
 - **Deadlines.** Every call (a lookup, a read and the delete of what it found bad, a push
   batch, a delete, a scan page) ends within ``remote.timeout_seconds`` as a whole, plus its
@@ -58,7 +61,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
-from tierkv.keys import KEY_BYTES, Namespace
+from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, connect,
@@ -107,30 +110,31 @@ HELD_SHARE_START = 0.5
 
 
 class RemoteTier(LowerTier):
-    """One namespace and rank on a Redis server or cluster; see the module docstring."""
+    """One namespace and part on a Redis server or cluster; see the module docstring."""
 
     write_lanes = 1
     transient_failures = True
 
-    def __init__(self, config: RemoteTierConfig, namespace: Namespace, rank: int,
+    def __init__(self, config: RemoteTierConfig, namespace: Namespace, part: Part | int,
                  payload_bytes: int, clock: Callable[[], float] = time.monotonic,
                  *, lazy: bool = False, role: str = "") -> None:
         if not isinstance(config, RemoteTierConfig):
             raise ConfigError(f"remote tier: config must be a RemoteTierConfig, got "
                               f"{type(config).__name__}")
-        for name, value, low in (("payload_bytes", payload_bytes, 1), ("rank", rank, 0)):
+        part = as_part(part)
+        for name, value, low in (("payload_bytes", payload_bytes, 1),):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"remote tier: {name} must be an int >= {low}, got {value!r}")
         if config.tune_malloc:  # a put's values and a read's reply: chunk-sized buffers
             tune_malloc(16 * payload_bytes)  # a push batch of 16 chunks
         self.config = config
         self.namespace = namespace
-        self.rank = rank
+        self.part = part
         self.payload_bytes = payload_bytes
         self.read_only = False
         self.fingerprint = namespace.fingerprint()
         self.url = safe_url(config.url.split(",")[0])
-        self._name = f"remote tier {self.url} (namespace {self.fingerprint[:8]}, rank {rank}" \
+        self._name = f"remote tier {self.url} (namespace {self.fingerprint[:8]}, part {part.name}" \
             f"{', ' + role if role else ''})"
         self._prefix = config.key_prefix.encode()
         self._value_bytes = value_bytes(payload_bytes)
@@ -284,11 +288,11 @@ class RemoteTier(LowerTier):
             for name, delta in deltas.items():
                 counts[name] += delta
 
-    def _key(self, key: bytes) -> bytes:
+    def _key(self, key: bytes, part: Part | None = None) -> bytes:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
             raise ConfigError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
                               f"got {key!r:.40}")
-        return redis_key(self._prefix, self.fingerprint, self.rank, bytes(key))
+        return redis_key(self._prefix, self.fingerprint, part or self.part, bytes(key))
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -329,7 +333,7 @@ class RemoteTier(LowerTier):
             for position in keep:
                 if position not in held:
                     pipe.set(names[position], pack_value(
-                        self.fingerprint, self.rank, bytes(items[position][0]),
+                        self.fingerprint, self.part, bytes(items[position][0]),
                         items[position][1]), nx=True, ex=ttl)
             answers = list(pipe.execute(raise_on_error=False)) if drops or len(held) < \
                 len(keep) else []
@@ -381,31 +385,44 @@ class RemoteTier(LowerTier):
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key has a value, in one pipeline (one round trip per node)."""
-        return self.exists_on_ranks(keys, [self.rank])
+        return self.exists_on_parts(keys, [self.part])
 
-    def exists_on_ranks(self, keys: Sequence[bytes], ranks: Sequence[int]) -> list[bool]:
-        """Whether each chunk has a value for every rank in ``ranks``: one ``EXISTS`` of its
-        ranks' keys per chunk (one hash slot: the hash tag), one pipeline. Chunks on a node
+    def exists_on_parts(self, keys: Sequence[bytes], parts: Sequence[Part]) -> list[bool]:
+        """Whether each chunk has a value for every part in ``parts``: one ``EXISTS`` of its
+        parts' keys per chunk (one hash slot: the hash tag), one pipeline. Chunks on a node
         whose breaker is open answer False (counted as skipped lookups)."""
+        if not parts:
+            self._check_open()
+            return [False] * len(keys)
+        return [found[0] for found in self.exists_under(keys, [parts])]
+
+    def exists_under(self, keys: Sequence[bytes],
+                     part_sets: Sequence[Sequence[Part]]) -> list[list[bool]]:
+        """Per chunk, per set of parts in ``part_sets`` (one per candidate part count),
+        whether every part of the set has a value: one ``EXISTS`` per chunk and set (a
+        chunk's parts share a hash slot), all in one pipeline."""
         self._check_open()
         for key in keys:
             self._key(key)  # checks the key
-        if not keys or not ranks:
-            return [False] * len(keys)
-        names = [[redis_key(self._prefix, self.fingerprint, rank, bytes(key)) for rank in ranks]
-                 for key in keys]
-        keep = self._usable([chunk[0] for chunk in names], "lookup")
+        sets = [tuple(as_part(part) for part in parts) for parts in part_sets if parts]
+        if not keys or not sets:
+            return [[False] * len(part_sets) for _ in keys]
+        names = [[[redis_key(self._prefix, self.fingerprint, part, bytes(key)) for part in parts]
+                  for parts in sets] for key in keys]
+        keep = self._usable([chunk[0][0] for chunk in names], "lookup")
         if not keep:
-            raise self._skip("looking up chunks", self._node_of(names[0][0]), "lookup", 0)
+            raise self._skip("looking up chunks", self._node_of(names[0][0][0]), "lookup", 0)
 
-        def work() -> list[bool]:
+        def work() -> list[list[bool]]:
             pipe = self._pipeline()
             for position in keep:
-                pipe.exists(*names[position])
-            return [int(answer) == len(ranks) for answer in pipe.execute()]
+                for parts in names[position]:
+                    pipe.exists(*parts)
+            answers = iter(pipe.execute())
+            return [[int(next(answers)) == len(parts) for parts in sets] for _ in keep]
 
         found = dict(zip(keep, self._run("looking up chunks", "lookup", work)))
-        return [found.get(position, False) for position in range(len(keys))]
+        return [found.get(position, [False] * len(sets)) for position in range(len(keys))]
 
     def _get(self, name: bytes) -> Any:
         """At most a good value's length plus one byte of ``name``'s value; None when there
@@ -420,7 +437,8 @@ class RemoteTier(LowerTier):
             return None  # GETRANGE answers "" for a missing key and for an empty value
         return value
 
-    def _judge(self, key: bytes, value: Any, out: memoryview) -> tuple[str, str] | None:
+    def _judge(self, key: bytes, value: Any, out: memoryview,
+               part: Part | None = None) -> tuple[str, str] | None:
         """None for a good value (its payload then in ``out``), else (check, what is wrong)."""
         if value is _WRONG_TYPE:
             return "type", "the key holds another type than a string"
@@ -428,17 +446,17 @@ class RemoteTier(LowerTier):
             more = "more than " if len(value) > self._value_bytes else ""
             return "size", f"value of {more}{len(value)} bytes, a good one has " \
                            f"{self._value_bytes} (header and a payload of {self.payload_bytes})"
-        problem = check_value(self.fingerprint, self.rank, bytes(key), value, self.payload_bytes,
-                              out)
+        problem = check_value(self.fingerprint, part or self.part, bytes(key), value,
+                              self.payload_bytes, out)
         return None if problem is None else (check_name(problem), problem)
 
-    def _read(self, key: bytes, out: memoryview, kind: str,
-              delete: bool = True) -> tuple[ReadStatus, str | None]:
+    def _read(self, key: bytes, out: memoryview, kind: str, delete: bool = True,
+              part: Part | None = None) -> tuple[ReadStatus, str | None]:
         """Read, check and (``delete``) delete a bad value of ``key``, all within one
         deadline. Loads count in reads, hits, misses and the checks failed; verify's
         reads do not."""
         counted = kind == "load"
-        name = self._key(key)
+        name = self._key(key, part)
         with deadline(self.deadline_seconds(self._value_bytes)):
             node = self._node_of(name) if self._client is not None and \
                 self._health.any_open() else None
@@ -449,7 +467,7 @@ class RemoteTier(LowerTier):
                 return ReadStatus.MISSING, None
             if value is not _WRONG_TYPE:
                 self._count(bytes_read=len(value))
-            verdict = self._judge(key, value, out)
+            verdict = self._judge(key, value, out, part)
             if verdict is None:
                 self._count(reads=counted, hits=counted)
                 return ReadStatus.OK, None
@@ -477,8 +495,18 @@ class RemoteTier(LowerTier):
                               f"be writable and hold {self.payload_bytes} bytes")
         return self._read(key, view, "load")[0]
 
+    def read_part_into(self, key: bytes, part: Part, out: Any) -> ReadStatus:
+        """``read_into`` of ``part`` of the chunk (another part of this tier's part count,
+        whose values are this tier's ``payload_bytes``): the same checks, bound to that part."""
+        view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
+        if view.readonly or len(view) < self.payload_bytes:
+            raise ConfigError(f"{self._name}: the read buffer for chunk {short_key(key)} must "
+                              f"be writable and hold {self.payload_bytes} bytes")
+        return self._read(key, view, "load", part=as_part(part))[0]
+
     def _names(self, batch: int) -> Iterator[bytes]:
-        pattern = b"%s%s:{*}:%d" % (self._prefix, self.fingerprint.encode(), self.rank)
+        pattern = b"%s%s:{*}:%s" % (self._prefix, self.fingerprint.encode(),
+                                    self.part.name.encode())
         return scan_names(self._client, self.cluster, pattern, batch, self.config.timeout_seconds)
 
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]:
@@ -486,7 +514,7 @@ class RemoteTier(LowerTier):
                           own_deadline=False)  # a deadline per SCAN page
         for name in names:
             parsed = parse_redis_key(self._prefix, name)
-            if parsed is not None and parsed[:2] == (self.fingerprint, self.rank):
+            if parsed is not None and parsed[:2] == (self.fingerprint, self.part):
                 yield ChunkRecord(parsed[2], self.payload_bytes, 0)
 
     def verify(self, repair: bool = False, batch: int = 64,

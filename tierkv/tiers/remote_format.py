@@ -2,15 +2,17 @@
 
 Primitives and contracts:
 
-- :func:`redis_key` is one key per (chunk, rank) (:func:`parse_redis_key` reads one back): ``<prefix><fingerprint>:{<key hex>}:<rank>``.
-  The braces are a Redis Cluster hash tag: every rank of a chunk hashes to one slot, so one
-  node answers whether all of them exist and a reshard moves them together.
+- :func:`redis_key` is one key per (chunk, part) (:func:`parse_redis_key` reads one back):
+  ``<prefix><fingerprint>:{<key hex>}:<p>of<P>``. The braces are a Redis Cluster hash tag:
+  every part of a chunk (under any part count) hashes to one slot, so one node answers
+  whether all of them exist and a reshard moves them together. Format 1 (tierkv format 4)
+  named a rank instead (``:<rank>``): :func:`parse_old_key` finds those, for the tools.
 - A value is a fixed 80-byte header, then the raw payload: magic ``b"TKRV"``, format
-  version, header length, the namespace fingerprint, the rank, the chunk key, the payload
-  length and an xxh3 checksum (:func:`tierkv.tiers.disk_format.checksum` with sequence 0:
-  over the fingerprint, rank, key, header fields and payload).
+  version, header length, the namespace fingerprint, the part (index, count), the chunk
+  key, the payload length and an xxh3 checksum (:func:`tierkv.tiers.disk_format.checksum`
+  with sequence 0: over the fingerprint, part, key, header fields and payload).
 - :func:`pack_value` builds one; :func:`check_value` accepts only a value this build would
-  have written for that namespace, rank, key and payload size, and copies its payload into
+  have written for that namespace, part, key and payload size, and copies its payload into
   the caller's buffer (then checks the checksum there). It answers what is wrong, never
   raises on bad bytes and never evaluates anything; :func:`check_name` says which check
   failed (``header``, ``checksum``; a reader's own checks: ``size``, ``type``).
@@ -28,11 +30,12 @@ import re
 import struct
 from typing import Any
 
+from tierkv.keys import Part, as_part, parse_part
 from tierkv.tiers.disk_format import binding_of, checksum, copy_bytes
 
 MAGIC = b"TKRV"
-REMOTE_FORMAT = 1
-_HEADER = struct.Struct("<4sHH16sI32sQQ4s")  # the last 4 bytes: reserved, zero
+REMOTE_FORMAT = 2  # 1: tierkv format 4, one value per rank (u32 rank at offset 24)
+_HEADER = struct.Struct("<4sHH16sHH32sQQ4s")  # the last 4 bytes: reserved, zero
 HEADER_BYTES = _HEADER.size  # 80
 
 
@@ -62,44 +65,58 @@ def check_name(problem: str) -> str:
     return "checksum" if problem == CHECKSUM_PROBLEM else "header"
 
 
-def redis_key(prefix: bytes, fingerprint: str, rank: int, key: bytes) -> bytes:
-    """The Redis key of chunk ``key`` on ``rank`` of the namespace ``fingerprint``."""
-    return b"%s%s:{%s}:%d" % (prefix, fingerprint.encode(), key.hex().encode(), rank)
+def redis_key(prefix: bytes, fingerprint: str, part: Part | int, key: bytes) -> bytes:
+    """The Redis key of chunk ``key``'s ``part`` in the namespace ``fingerprint``."""
+    return b"%s%s:{%s}:%s" % (prefix, fingerprint.encode(), key.hex().encode(),
+                              as_part(part).name.encode())
 
 
-_NAME = re.compile(rb"^(?P<fp>[0-9a-f]{32}):\{(?P<key>[0-9a-f]{64})\}:(?P<rank>[0-9]+)$")
+_NAME = re.compile(rb"^(?P<fp>[0-9a-f]{32}):\{(?P<key>[0-9a-f]{64})\}:(?P<part>[0-9]+of[0-9]+)$")
+_OLD_NAME = re.compile(rb"^(?P<fp>[0-9a-f]{32}):\{(?P<key>[0-9a-f]{64})\}:(?P<rank>[0-9]+)$")
 
 
-def parse_redis_key(prefix: bytes, name: bytes) -> tuple[str, int, bytes] | None:
-    """(fingerprint, rank, chunk key) of a :func:`redis_key` under ``prefix``; None for
+def parse_redis_key(prefix: bytes, name: bytes) -> tuple[str, Part, bytes] | None:
+    """(fingerprint, part, chunk key) of a :func:`redis_key` under ``prefix``; None for
     any other key."""
     match = _NAME.match(name[len(prefix):]) if name.startswith(prefix) else None
+    part = parse_part(match["part"].decode()) if match is not None else None
+    if match is None or part is None:
+        return None
+    return match["fp"].decode(), part, bytes.fromhex(match["key"].decode())
+
+
+def parse_old_key(prefix: bytes, name: bytes) -> tuple[str, int, bytes] | None:
+    """(fingerprint, rank, chunk key) of a key of tierkv format 4 (one value per rank,
+    ``...:<rank>``), which this build never reads; None for any other key."""
+    match = _OLD_NAME.match(name[len(prefix):]) if name.startswith(prefix) else None
     if match is None:
         return None
     return match["fp"].decode(), int(match["rank"]), bytes.fromhex(match["key"].decode())
 
 
-def pack_value(fingerprint: str, rank: int, key: bytes, payload: Any) -> bytearray:
+def pack_value(fingerprint: str, part: Part | int, key: bytes, payload: Any) -> bytearray:
     """Header and payload of ``key``'s value, in one buffer (one copy of the payload)."""
+    part = as_part(part)
     view = memoryview(payload).cast("B")
     size = len(view)
-    digest = checksum(binding_of(fingerprint, rank), key, REMOTE_FORMAT, size, 0, view)
+    digest = checksum(binding_of(fingerprint, part), key, REMOTE_FORMAT, size, 0, view)
     out = bytearray(HEADER_BYTES + size)
     _HEADER.pack_into(out, 0, MAGIC, REMOTE_FORMAT, HEADER_BYTES, bytes.fromhex(fingerprint),
-                      rank, key, size, digest, bytes(4))
+                      part.index, part.count, key, size, digest, bytes(4))
     copy_bytes(memoryview(out)[HEADER_BYTES:], view)
     return out
 
 
-def check_value(fingerprint: str, rank: int, key: bytes, value: Any, payload_bytes: int,
+def check_value(fingerprint: str, part: Part | int, key: bytes, value: Any, payload_bytes: int,
                 out: memoryview) -> str | None:
     """None when ``value`` is a good value of ``key`` (its payload is then in
     ``out[:payload_bytes]``), else what is wrong with it."""
     total = len(value)
     if total < HEADER_BYTES:
         return f"value of {total} bytes is shorter than its {HEADER_BYTES}-byte header"
-    magic, version, header, stored_fp, stored_rank, stored_key, size, digest, zero = \
-        _HEADER.unpack_from(value, 0)
+    part = as_part(part)
+    magic, version, header, stored_fp, stored_index, stored_count, stored_key, size, digest, \
+        zero = _HEADER.unpack_from(value, 0)
     if magic != MAGIC:
         return f"bad magic {bytes(magic)!r}"
     if zero != bytes(4):
@@ -109,13 +126,13 @@ def check_value(fingerprint: str, rank: int, key: bytes, value: Any, payload_byt
                f"{REMOTE_FORMAT} with {HEADER_BYTES}"
     if stored_fp.hex() != fingerprint:
         return f"value of namespace {stored_fp.hex()[:8]}, not {fingerprint[:8]}"
-    if stored_rank != rank or stored_key != key:
-        return "value of another chunk or rank"
+    if (stored_index, stored_count) != (part.index, part.count) or stored_key != key:
+        return "value of another chunk or part"
     if size != payload_bytes or total - HEADER_BYTES != size:
         return f"payload of {total - HEADER_BYTES} bytes, header says {size}, the tier " \
                f"stores {payload_bytes}"
     target = out[:size]
     copy_bytes(target, memoryview(value)[HEADER_BYTES:])
-    if checksum(binding_of(fingerprint, rank), key, REMOTE_FORMAT, size, 0, target) != digest:
+    if checksum(binding_of(fingerprint, part), key, REMOTE_FORMAT, size, 0, target) != digest:
         return CHECKSUM_PROBLEM
     return None

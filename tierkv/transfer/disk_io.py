@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
@@ -118,6 +119,9 @@ class DiskIO:
                               f"{section} chunks of {tier.payload_bytes} bytes")
         self.tier = tier
         self.slab = slab
+        # Reads a chunk of another part count (ChunkCopy.parts): (key, count, slot) -> status
+        # (tierkv.transfer.parts.PartReader.read); None: such a chunk is MISSING.
+        self.other_parts: Callable[[bytes, int, Any], ReadStatus] | None = None
         self.write_batch_bytes = write_batch_bytes
         self._payload = tier.payload_bytes
         self._cond = threading.Condition()
@@ -377,8 +381,13 @@ class DiskIO:
         open; the chunks of other nodes are read)."""
         for position, chunk in enumerate(job.chunks[first:end], first):
             try:
-                job.status[position] = self.tier.read_into(chunk.key,
-                                                           self.slab.memoryview(chunk.slot))
+                if chunk.parts:
+                    job.status[position] = (ReadStatus.MISSING if self.other_parts is None else
+                                            self.other_parts(chunk.key, chunk.parts,
+                                                             self.slab.memoryview(chunk.slot)))
+                else:
+                    job.status[position] = self.tier.read_into(chunk.key,
+                                                               self.slab.memoryview(chunk.slot))
             except Exception as exc:
                 self._mark_broken(exc)
                 transient = isinstance(exc, BrokenError) and self.tier.transient_failures

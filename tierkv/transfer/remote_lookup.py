@@ -3,10 +3,14 @@
 Primitives and contracts:
 
 - ``ask(keys) -> list[bytes] | None``: the longest prefix of ``keys`` (at most
-  ``remote.lookup_chunks`` of them) whose chunks have a value for every rank, or None: "not
-  yet" (the server did not answer within ``remote.lookup_deadline_seconds``; ask again).
-  What is not known yet is asked in one request: one pipeline of one ``EXISTS`` per chunk
-  (a chunk's ranks share a hash slot), so one round trip per node, never one per chunk.
+  ``remote.lookup_chunks`` of them) whose chunks have a value for every part of one of
+  the candidate sets of parts (``part_sets``, one per part count: this engine's own
+  first, then those of other TP sizes), or None: "not yet" (the server did not answer within
+  ``remote.lookup_deadline_seconds``; ask again). What is not known yet is asked in one
+  request: one pipeline of one ``EXISTS`` per chunk and candidate count (a chunk's parts
+  share a hash slot), so one round trip per node, never one per chunk.
+  ``count_of(key)``: the part count a found chunk is under (the first candidate with every
+  part), 0 when unknown.
   Answers are kept ``answer_seconds`` (50 ms: a request waiting for GPU blocks is not asked
   about again every step, and a chunk another engine pushes is found 50 ms later at most;
   what the server has is kept longer by the index: ``note_remote``), oldest dropped first.
@@ -28,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierkv.errors import ClosedError, TierKVError
+from tierkv.keys import Part
 from tierkv.tiers.remote import RemoteTier
 
 logger = logging.getLogger("tierkv.remote")
@@ -47,11 +52,13 @@ class RemoteLookupStatistics:
 class RemoteLookup:
     """See the module docstring."""
 
-    def __init__(self, tier: RemoteTier, ranks: Sequence[int], deadline_seconds: float,
-                 max_keys: int = 64, answer_seconds: float = 0.05, max_answers: int = 1 << 16,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, tier: RemoteTier, part_sets: Sequence[Sequence[Part]],
+                 deadline_seconds: float, max_keys: int = 64, answer_seconds: float = 0.05,
+                 max_answers: int = 1 << 16, clock: Callable[[], float] = time.monotonic) -> None:
         self.tier = tier
-        self.ranks = tuple(ranks)
+        self._part_sets = [list(parts) for parts in part_sets]
+        self.counts = tuple(parts[0].count for parts in self._part_sets)
+        self._count_of: dict[bytes, int] = {}  # found keys' part counts, oldest first
         self.deadline_seconds = deadline_seconds
         self.max_keys = max_keys
         self.answer_seconds = answer_seconds
@@ -122,8 +129,12 @@ class RemoteLookup:
                 self._wanted.clear()
                 self._sent = set(keys)
             started = time.perf_counter()
+            part_counts: list[int] = [0] * len(keys)
             try:
-                exists = self.tier.exists_on_ranks(keys, self.ranks)
+                found = self.tier.exists_under(keys, self._part_sets)
+                part_counts = [next((count for count, there in zip(self.counts, answer) if there), 0)
+                          for answer in found]
+                exists = [count > 0 for count in part_counts]
                 failed = False
             except TierKVError as exc:  # counted and logged by the tier (and its breaker)
                 logger.debug("remote lookup: %d key(s) failed: %s", len(keys), exc)
@@ -134,11 +145,16 @@ class RemoteLookup:
             with self._cond:
                 now = self._clock()
                 answers = self._answers
-                for key, there in zip(keys, exists):
+                for key, there, count in zip(keys, exists, part_counts):
                     answers.pop(key, None)  # re-inserted: the newest
                     answers[key] = (there, now)
+                    if there:
+                        self._count_of.pop(key, None)
+                        self._count_of[key] = count
                 while len(answers) > self._max_answers:
                     del answers[next(iter(answers))]
+                while len(self._count_of) > self._max_answers:
+                    del self._count_of[next(iter(self._count_of))]
                 counts = self._counts
                 counts["requests"] += 1
                 counts["keys_asked"] += len(keys)
@@ -147,6 +163,11 @@ class RemoteLookup:
                 counts["seconds"] += time.perf_counter() - started
                 self._sent = set()
                 self._cond.notify_all()
+
+    def count_of(self, key: bytes) -> int:
+        """The part count ``key`` was last found under (0: never found)."""
+        with self._cond:
+            return self._count_of.get(bytes(key), 0)
 
     def statistics(self) -> RemoteLookupStatistics:
         with self._cond:
