@@ -13,9 +13,10 @@ import sys
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ.update(spec.get("env", {}))
     from tierkv.integrations.vllm_runner import Engine
 
-    with Engine(spec["model"], tierkv=spec["tierkv"]) as engine:
+    with Engine(spec["model"], tierkv=spec["tierkv"], **spec.get("engine_args", {})) as engine:
         outputs = [engine.one(tokens, spec["max_tokens"]) for tokens in spec["prompts"]]
     print(json.dumps([output.to_json() for output in outputs]), flush=True)
 
