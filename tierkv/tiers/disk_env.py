@@ -258,6 +258,7 @@ class LmdbEnv:
         if self.read_only:
             raise UsageError(f"{self._name}: opened read-only; it cannot claim {self.path}")
         with self._claim_lock:  # two threads' first writes claim once
+            self.check_usable("claiming the environment")  # closed: nothing is left held
             if self._owner is None:
                 self._owner = OwnerLock(self.path, self._name)
 

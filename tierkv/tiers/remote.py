@@ -317,15 +317,18 @@ class RemoteTier(LowerTier):
         ttl = None if self.config.ttl_seconds is None else \
             max(1, int(round(self.config.ttl_seconds)))
         present: list[int] = []
+        dropped = set(drops)
         ask_first = self._held_share >= HELD_SHARE_ASK
 
         def work() -> list[Any]:
             held: set[int] = set()
-            if ask_first:  # see HELD_SHARE_ASK
+            # a key also in ``deletes`` is deleted first: what the server holds is no answer
+            asked = [position for position in keep if names[position] not in dropped]
+            if ask_first and asked:  # see HELD_SHARE_ASK
                 pipe = self._pipeline()
-                for position in keep:
+                for position in asked:
                     pipe.exists(names[position])
-                held = {position for position, answer in zip(keep, pipe.execute()) if answer}
+                held = {position for position, answer in zip(asked, pipe.execute()) if answer}
                 present[:] = sorted(held)
             pipe = self._pipeline()
             for name in drops:
@@ -488,21 +491,24 @@ class RemoteTier(LowerTier):
                        outcome)
         return ReadStatus.CORRUPT, problem
 
-    def read_into(self, key: bytes, out: Any) -> ReadStatus:
-        view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
+    def _out_view(self, key: bytes, out: Any) -> memoryview:
+        """``out`` as a flat writable byte view of at least ``payload_bytes`` (any element
+        type or shape: a 2-D byte array's ``len`` is its rows)."""
+        view = memoryview(out)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         if view.readonly or len(view) < self.payload_bytes:
             raise ConfigError(f"{self._name}: the read buffer for chunk {short_key(key)} must "
                               f"be writable and hold {self.payload_bytes} bytes")
-        return self._read(key, view, "load")[0]
+        return view
+
+    def read_into(self, key: bytes, out: Any) -> ReadStatus:
+        return self._read(key, self._out_view(key, out), "load")[0]
 
     def read_part_into(self, key: bytes, part: Part, out: Any) -> ReadStatus:
         """``read_into`` of ``part`` of the chunk (another part of this tier's part count,
         whose values are this tier's ``payload_bytes``): the same checks, bound to that part."""
-        view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
-        if view.readonly or len(view) < self.payload_bytes:
-            raise ConfigError(f"{self._name}: the read buffer for chunk {short_key(key)} must "
-                              f"be writable and hold {self.payload_bytes} bytes")
-        return self._read(key, view, "load", part=as_part(part))[0]
+        return self._read(key, self._out_view(key, out), "load", part=as_part(part))[0]
 
     def _names(self, batch: int) -> Iterator[bytes]:
         pattern = b"%s%s:{*}:%s" % (self._prefix, self.fingerprint.encode(),
