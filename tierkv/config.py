@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tierkv.core.policy import DEFAULT_POLICY, policy_names
 from tierkv.errors import ConfigError
-from tierkv.units import GiB, MiB, size_setting
+from tierkv.units import GiB, MiB, is_int, size_setting
 
 EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
 
@@ -75,8 +75,7 @@ def safe_url(url: str) -> str:
 
 def _is_number(value: Any) -> bool:
     """An int or float, not a bool, not NaN (NaN compares false with everything)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) \
-        and not math.isnan(value)
+    return (is_int(value) or isinstance(value, float)) and not math.isnan(value)
 
 
 def _positive(section: str, name: str, value: Any) -> None:
@@ -152,8 +151,7 @@ class DiskTierConfig:
             if not isinstance(raw, Path):
                 object.__setattr__(self, "path", Path(text))
         _sizes(self, "disk", "max_bytes", "write_batch_bytes", "sync_every_bytes")
-        if isinstance(self.reader_threads, bool) or not isinstance(self.reader_threads, int) \
-                or self.reader_threads <= 0:
+        if not is_int(self.reader_threads) or self.reader_threads <= 0:
             raise ConfigError(f"disk.reader_threads must be a positive int, got "
                               f"{self.reader_threads!r}")
         _positive("disk", "sync_every_seconds", self.sync_every_seconds)
@@ -204,8 +202,7 @@ class RemoteTierConfig:
         _positive("remote", "min_mib_per_second", self.min_mib_per_second)
         _positive("remote", "breaker_seconds", self.breaker_seconds)
         _sizes(self, "remote", "queue_bytes")
-        if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \
-                or self.breaker_failures < 1:
+        if not is_int(self.breaker_failures) or self.breaker_failures < 1:
             raise ConfigError(f"remote.breaker_failures must be an int >= 1, got "
                               f"{self.breaker_failures!r}")
         if self.ttl_seconds is not None:
@@ -219,7 +216,7 @@ class RemoteTierConfig:
         _positive("remote", "mark_seconds", self.mark_seconds)
         for name in ("lookup_chunks", "reader_threads"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"remote.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.tune_malloc, bool):
             raise ConfigError(f"remote.tune_malloc must be a bool, got {self.tune_malloc!r}")
@@ -249,15 +246,14 @@ class StoreConfig:
     store_mode: str = "copied"
 
     def __post_init__(self) -> None:
-        if isinstance(self.blocks_per_chunk, bool) or not isinstance(self.blocks_per_chunk, int):
+        if not is_int(self.blocks_per_chunk):
             raise ConfigError(f"blocks_per_chunk must be an int, got {self.blocks_per_chunk!r}")
         _positive("store", "blocks_per_chunk", self.blocks_per_chunk)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+        if not is_int(self.rank) or self.rank < 0:
             raise ConfigError(f"rank must be an int >= 0, got {self.rank!r}")
-        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) \
-                or not 1 <= self.tp_size <= 0xFFFF:
+        if not is_int(self.tp_size) or not 1 <= self.tp_size <= 0xFFFF:
             raise ConfigError(f"tp_size must be an int in [1, 65535], got {self.tp_size!r}")
         if self.store_mode not in STORE_MODES:
             raise ConfigError(f"store_mode must be one of {list(STORE_MODES)}, got "

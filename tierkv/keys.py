@@ -31,6 +31,7 @@ from typing import Any, NewType
 import msgpack
 
 from tierkv.errors import ConfigError
+from tierkv.units import is_int
 
 ChunkKey = NewType("ChunkKey", bytes)
 
@@ -92,7 +93,7 @@ class Part:
 
     def check(self) -> Part:
         for field_name, value in (("index", self.index), ("count", self.count)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise ConfigError(f"part: {field_name} must be an int, got {value!r}")
         if self.count < 1 or not 0 <= self.index < self.count or self.count > 0xFFFF:
             raise ConfigError(f"part: need 0 <= index < count <= 65535, got {self.index} of "
@@ -107,7 +108,7 @@ def as_part(value: Part | int) -> Part:
     """A :class:`Part`; the int 0 means the one part of a single-part writer (TP 1, MLA)."""
     if isinstance(value, Part):
         return value.check()
-    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+    if is_int(value) and value == 0:
         return SINGLE_PART
     raise ConfigError(f"part: expected a Part(index, count) (or 0 for the one part of a "
                       f"single-part writer), got {value!r}")
@@ -172,7 +173,7 @@ class Namespace:
         for name in ("page_bytes", "tokens_per_chunk", "num_layers",
                      "format_version", "blocks_per_chunk"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"namespace: {name} must be a positive int, got {value!r}")
         for name in ("model_id", "dtype", "kv_layout", "rank_layout", "hash_scheme", "extra"):
             if not isinstance(getattr(self, name), str):
@@ -189,7 +190,7 @@ class Namespace:
                               f"{self.num_layers}")
         for name in ("chunk_bytes", "num_kv_heads"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ConfigError(f"namespace: {name} must be an int >= 0, got {value!r}")
         if self.tokens_per_chunk % self.blocks_per_chunk:
             raise ConfigError(f"namespace: tokens_per_chunk={self.tokens_per_chunk} is not a "

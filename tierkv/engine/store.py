@@ -68,6 +68,7 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk_budget import DiskBudget
 from tierkv.tiers.disk_files import empty_namespace_warning, part_dir_name
 from tierkv.transfer.layout import KVLayout
+from tierkv.units import is_int
 
 __all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
            "TierKVStore", "build_namespace"]
@@ -83,8 +84,7 @@ def build_namespace(
     tokens split into blocks. The layout describes one rank's tensors (the library does not
     know where heads are in them), so ranks of two TP sizes stay apart here; sharing across
     TP sizes is the vLLM connector's (docs/on-disk-format.md, "Parts")."""
-    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) \
-            or tokens_per_block <= 0:
+    if not is_int(tokens_per_block) or tokens_per_block <= 0:
         raise ConfigError(f"store: tokens_per_block must be a positive int, got {tokens_per_block!r}")
     parts = config.tp_size  # the namespace's sizes are every part's (every rank's) together
     return Namespace(

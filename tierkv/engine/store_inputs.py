@@ -22,6 +22,7 @@ import torch
 from tierkv.core.jobs import JobId
 from tierkv.errors import ConfigError
 from tierkv.keys import KEY_BYTES
+from tierkv.units import is_int
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
@@ -105,7 +106,7 @@ def job_ids(wanted: Iterable[JobId | None]) -> list[JobId]:
     for job_id in wanted:
         if job_id is None:
             continue
-        if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)) or job_id < 1:
+        if not (is_int(job_id) or isinstance(job_id, np.integer)) or job_id < 1:
             raise ConfigError(f"store: wait() on {job_id!r:.40}, which is not a job id "
                               f"(store() and load() return them)")
         ids.append(JobId(int(job_id)))

@@ -40,7 +40,7 @@ from tierkv.integrations.vllm_versions import UnsupportedVersionError as Unsuppo
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
 from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace, Part, part_counts
-from tierkv.units import as_size
+from tierkv.units import as_size, is_int
 
 log = logging.getLogger("tierkv.vllm")
 DEFAULT_TOKENS_PER_CHUNK = 128  # a hit recomputes up to this many tokens (docs/design.md)
@@ -96,7 +96,7 @@ def _bad(key: str, value: Any, need: str) -> ConfigError:
 
 
 def _int(key: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise _bad(key, value, f"must be an int >= {low}")
     return value
 
@@ -110,7 +110,7 @@ def _size(key: str, value: Any) -> int:
 
 
 def _number(key: str, value: Any, low: float, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low \
+    if not (is_int(value) or isinstance(value, float)) or value < low \
             or (high is not None and value > high):
         bound = f"within [{low}, {high}]" if high is not None else f">= {low}"
         raise _bad(key, value, f"must be a number {bound}")

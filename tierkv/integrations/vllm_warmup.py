@@ -31,6 +31,7 @@ from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HAS
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 from tierkv.integrations.vllm_versions import target_vllm_version
 from tierkv.keys import Namespace, Part
+from tierkv.units import is_int
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM 0.33 kv_cache_utils, PYTHONHASHSEED unset
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -115,7 +116,7 @@ class VllmTarget:
                              ("tensor_parallel_size", "--tensor-parallel-size"),
                              ("disk_bytes", "--disk-bytes")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"warmup: {name}={value!r} ({option}) must be a positive int")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"warmup: dtype {self.dtype!r} (--dtype) must be one of {list(_DTYPES)}")

@@ -68,7 +68,7 @@ from tierkv.tiers.disk_write import ShardWrites
 from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
                                       slab_slots_for)
 from tierkv.tiers.malloc_tuning import tune_malloc
-from tierkv.units import format_bytes
+from tierkv.units import format_bytes, is_int
 
 __all__ = [
     "SHARDS", "ChunkRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult",
@@ -129,7 +129,7 @@ class DiskTier(LowerTier):
     ) -> None:
         part = as_part(part)
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("replica", replica, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ConfigError(f"disk tier: {name} must be an int >= {low}, got {value!r}")
         if not isinstance(namespace, Namespace):
             raise ConfigError(f"disk tier: namespace must be a Namespace, got {namespace!r}")
@@ -273,7 +273,7 @@ class DiskTier(LowerTier):
         return view
 
     def _check_batch(self, batch: Any) -> None:
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+        if not is_int(batch) or batch <= 0:
             raise ConfigError(f"{self._name}: batch must be a positive int, got {batch!r}")
 
     def _check_writable(self, action: str) -> None:

@@ -69,7 +69,7 @@ from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, c
 from tierkv.tiers.remote_format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
 from tierkv.tiers.remote_health import HINTS, TIER, WRITES, NodeHealth, who
-from tierkv.units import MiB
+from tierkv.units import MiB, is_int
 
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")
@@ -123,7 +123,7 @@ class RemoteTier(LowerTier):
                               f"{type(config).__name__}")
         part = as_part(part)
         for name, value, low in (("payload_bytes", payload_bytes, 1),):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ConfigError(f"remote tier: {name} must be an int >= {low}, got {value!r}")
         if config.tune_malloc:  # a put's values and a read's reply: chunk-sized buffers
             tune_malloc(16 * payload_bytes)  # a push batch of 16 chunks

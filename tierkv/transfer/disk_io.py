@@ -45,6 +45,7 @@ from tierkv.keys import KEY_BYTES
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.base import LowerTier, ReadStatus
 from tierkv.transfer.ledger import JobLedger
+from tierkv.units import is_int
 
 logger = logging.getLogger("tierkv.disk_io")
 PIECE_BYTES = 1 << 20  # a read job's pieces are at least this big: a hand-off costs too
@@ -111,7 +112,7 @@ class DiskIO:
         self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
         for name, value in (("write_batch_bytes", write_batch_bytes),
                             ("reader_threads", reader_threads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"{self._io}: {section}.{name} must be a positive int, "
                                   f"got {value!r}")
         if slab.slot_bytes < tier.payload_bytes:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.errors import ConfigError
+from tierkv.units import is_int
 
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16,
                                          1: torch.uint8}
@@ -272,8 +273,7 @@ class KVLayout:
         return self._groups
 
     def chunk_bytes(self, blocks_per_chunk: int) -> int:
-        if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int) \
-                or blocks_per_chunk <= 0:
+        if not is_int(blocks_per_chunk) or blocks_per_chunk <= 0:
             raise ConfigError(f"kv layout: blocks_per_chunk must be a positive int, "
                               f"got {blocks_per_chunk!r}")
         return blocks_per_chunk * sum(info.page_bytes for info in self._layers)

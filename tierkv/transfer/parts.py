@@ -35,6 +35,7 @@ import torch
 from tierkv.errors import ConfigError
 from tierkv.keys import Part
 from tierkv.tiers.base import ReadStatus
+from tierkv.units import is_int
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class HeadLayout:
     def __post_init__(self) -> None:
         for name in ("pieces", "outer", "head_bytes", "model_heads"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"head layout: {name} must be a positive int, got {value!r}")
 
     @classmethod

@@ -28,6 +28,7 @@ from typing import Any
 
 from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.tiers.base import LowerTier
+from tierkv.units import is_int
 
 logger = logging.getLogger("tierkv.remote")
 
@@ -48,7 +49,7 @@ class RemoteIO:
 
     def __init__(self, tier: LowerTier, queue_bytes: int, batch: int = 16) -> None:
         for name, value in (("queue_bytes", queue_bytes), ("batch", batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"remote io: {name} must be a positive int, got {value!r}")
         self.tier = tier
         self.queue_bytes = queue_bytes
