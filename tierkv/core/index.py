@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
+from tierkv.core.events import MEDIUM_CPU, MEDIUM_DISK, EventLog  # MEDIUM_*: importable here
 from tierkv.core.jobs import (
     ChunkCopy,
     Completion,
@@ -68,17 +69,16 @@ from tierkv.core.jobs import (
     failed_set,
 )
 from tierkv.core.policy import DEFAULT_POLICY, DISK_POLICY, make_policy, require
+from tierkv.core.remote_marks import RemoteMarks
 from tierkv.core.slots import SlotAllocator
 from tierkv.core.state import CpuState, DiskState, Entry
+from tierkv.core.stats import Counters, IndexStats
 from tierkv.errors import InvariantError, UsageError
 
 # The CPU policy's pools: READY chunks that are safe to evict now (on disk, or no disk
 # tier), and READY chunks not on disk yet (disk tier on, no spill in flight).
 CLEAN, DIRTY = 0, 1
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
-# The tiers a chunk's events name (take_events): bits of the media it was last reported in.
-MEDIUM_CPU, MEDIUM_DISK = 1, 2
-_MEDIA = ((MEDIUM_CPU, "CPU"), (MEDIUM_DISK, "DISK"))
 
 
 class Source(Enum):
@@ -121,63 +121,6 @@ class LoadPlan(NamedTuple):
 class LoadResult(NamedTuple):
     ok_keys: tuple[bytes, ...]
     failed_keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class IndexStats:
-    num_slots: int
-    free_slots: int
-    cpu_ready: int
-    storing: int
-    promoting: int
-    spilling: int
-    on_disk: int
-    disk_capacity: int
-    stores_planned: int
-    stores_present: int
-    stores_no_room: int
-    stores_failed: int
-    loads_cpu: int
-    loads_disk: int
-    loads_failed: int
-    loads_no_room: int
-    corrupt: int
-    disk_missing: int
-    cpu_evictions: int
-    dirty_dropped: int
-    disk_evictions: int
-    spills_ok: int
-    spills_failed: int
-    disk_no_room: int
-    remote_marks: int = 0  # marks held (aged ones until the next note_remote drops them)
-    loads_remote: int = 0
-    remote_missing: int = 0  # phantoms: noted remotely, gone when loaded
-    remote_corrupt: int = 0
-    remote_failed: int = 0  # remote loads that failed otherwise (network, breaker)
-
-
-@dataclass
-class _Counters:
-    stores_planned: int = 0
-    stores_present: int = 0
-    stores_no_room: int = 0
-    stores_failed: int = 0
-    loads_cpu: int = 0
-    loads_disk: int = 0
-    loads_failed: int = 0
-    loads_no_room: int = 0
-    corrupt: int = 0
-    disk_missing: int = 0
-    cpu_evictions: int = 0
-    dirty_dropped: int = 0
-    disk_evictions: int = 0
-    spills_ok: int = 0
-    spills_failed: int = 0
-    disk_no_room: int = 0
-    loads_remote: int = 0
-    remote_missing: int = 0
-    remote_corrupt: int = 0
-    remote_failed: int = 0
 
 
 @dataclass(slots=True)
@@ -234,19 +177,15 @@ class BlockIndex:
         self._spills_stuck = False  # write-through left dirty chunks for want of disk room
         self._room_wanted = 0  # slots that found no victim since the last spill plan
         self._jobs: dict[JobId, _Job] = {}
-        self._counters = _Counters()
-        # Events: keys whose tiers may have changed since take_events (appended inline where
-        # a chunk's tiers change: a method call there cost 2-6 % of an evicting plan step,
-        # bench_adapter.py --cpu-slots 2048), and the tiers each key was last reported in
-        # (MEDIUM_CPU | MEDIUM_DISK bits).
-        self._touched: list[bytes] | None = [] if record_events else None
-        self._media: dict[bytes, int] = {}
-        # Chunks the remote tier had (key -> when it answered), oldest first, and chunks
-        # whose remote load failed (key -> when): the remote tier's part of the index.
-        self._remote_seconds = remote_mark_seconds
-        self._max_marks = max_remote_marks
-        self._remote: dict[bytes, float] = {}
-        self._remote_gone: dict[bytes, float] = {}
+        self._counters = Counters()
+        # Events (core/events.py): the log's list of touched keys, held here and appended
+        # inline where a chunk's tiers change (None: no events recorded).
+        self._events = EventLog() if record_events else None
+        self._touched = self._events.touched if self._events is not None else None
+        # The remote tier's part of the index (core/remote_marks.py); lookup reads its marks
+        # dict inline.
+        self._marks = RemoteMarks(remote_mark_seconds, max_remote_marks, clock)
+        self._remote = self._marks.marks
 
     # ------------------------------------------------------------------ queries
     @property
@@ -284,7 +223,7 @@ class BlockIndex:
         remote = 0
         entries = self._entries
         marks = self._remote
-        oldest = self._clock() - self._remote_seconds if marks else 0.0
+        oldest = self._clock() - self._marks.seconds if marks else 0.0
         for key in keys:
             entry = entries.get(key)
             if entry is None:
@@ -310,26 +249,7 @@ class BlockIndex:
         """The remote tier has every rank's value of ``keys`` (see the module docstring);
         keys the index holds, or whose remote load failed lately, are skipped. Returns how
         many were noted."""
-        now = self._clock()
-        marks, gone, entries = self._remote, self._remote_gone, self._entries
-        since = now - self._remote_seconds
-        while gone and next(iter(gone.values())) < since:
-            del gone[next(iter(gone))]
-        noted = 0
-        for key in keys:
-            if key in entries or key in gone:
-                continue
-            marks.pop(key, None)  # re-inserted: the newest
-            marks[key] = now
-            noted += 1
-        while marks and (len(marks) > self._max_marks or next(iter(marks.values())) < since):
-            del marks[next(iter(marks))]
-        return noted
-
-    def _remote_mark(self, key: bytes) -> bool:
-        """Whether ``key`` is noted on the remote tier (and not too long ago)."""
-        seen = self._remote.get(key)
-        return seen is not None and seen >= self._clock() - self._remote_seconds
+        return self._marks.note(keys, self._entries)
 
     def shortfall(self, keys: Sequence[bytes], *, load: bool = False) -> int:
         """How many of ``keys`` would find neither a free slot nor a clean chunk to evict,
@@ -496,7 +416,7 @@ class BlockIndex:
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:
-                if not self._remote_mark(key):
+                if not self._marks.holds(key):
                     break
                 slot = self._take_slot(guard)
                 if slot is None:
@@ -595,8 +515,7 @@ class BlockIndex:
             counters.remote_missing += 1
         else:
             counters.remote_failed += 1
-        self._remote_gone.pop(key, None)
-        self._remote_gone[key] = self._clock()
+        self._marks.failed(key)
 
     # ------------------------------------------------------------------ spills
     def take_spills(self, flush: bool = False, at_least: int = 0) -> SpillSpec | None:
@@ -810,29 +729,8 @@ class BlockIndex:
 
     def take_events(self) -> list[tuple[str, str, bytes]]:
         """``("stored" | "removed", medium, key)`` for each tier a chunk entered or left since
-        the last call (empty unless ``record_events``): medium ``"CPU"`` (READY in the CPU
-        tier) or ``"DISK"`` (written to disk). A chunk that entered and left between two
-        calls gives no event."""
-        if not self._touched:
-            return []
-        touched, self._touched = self._touched, []
-        events: list[tuple[str, str, bytes]] = []
-        media, entries = self._media, self._entries
-        for key in dict.fromkeys(touched):
-            entry = entries.get(key)
-            now = 0
-            if entry is not None:
-                now = (MEDIUM_CPU if entry.cpu is CpuState.READY else 0) \
-                    | (MEDIUM_DISK if entry.disk is DiskState.ON_DISK else 0)
-            before = media.pop(key, 0)
-            if now:
-                media[key] = now
-            for bit, medium in _MEDIA:
-                if now & bit and not before & bit:
-                    events.append(("stored", medium, key))
-                elif before & bit and not now & bit:
-                    events.append(("removed", medium, key))
-        return events
+        the last call (empty unless ``record_events``): see core/events.py."""
+        return self._events.take(self._entries) if self._events is not None else []
 
     def _drop_disk(self, entry: Entry, *, evicted: bool) -> None:
         if self._touched is not None:
@@ -915,7 +813,7 @@ class BlockIndex:
                     f"{states.count(state)} chunks {state.value}, counted {kept}")
         require(self._disk_used == len(self._disk) + len(spilling),
                 f"disk used {self._disk_used} != {len(self._disk)} on disk + {len(spilling)}")
-        require(len(self._remote) <= self._max_marks, f"{len(self._remote)} remote marks")
+        self._marks.check()
         # Over the capacity only by what could not be evicted when it shrank: chunks being
         # promoted (on disk) or spilled.
         promoting = sum(1 for entry in self._entries.values()
