@@ -56,9 +56,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-import vllm_harness as harness_lib  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv and tests
+from tests.integration import vllm_harness as harness_lib  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
 SCHEDULER_METHODS = (
