@@ -1,9 +1,9 @@
 """LowerTier: a tier below the CPU tier (the disk tier, the remote tier).
 
-A lower tier holds chunk payloads of one namespace and rank under 32-byte keys. The CPU
-slab is its only gateway to the GPU: payloads come from slots and go into slots. The I/O
-threads that drive it (:class:`tierkv.transfer.disk_io.DiskIO`) and the operator tools
-(:mod:`tierkv.tools`) use nothing but this interface.
+A lower tier holds chunk payloads of one namespace and part (:class:`tierkv.keys.Part`)
+under 32-byte keys. The CPU slab is its only gateway to the GPU: payloads come from slots
+and go into slots. The I/O threads that drive it (:class:`tierkv.transfer.disk_io.DiskIO`)
+and the operator tools (:mod:`tierkv.tools`) use nothing but this interface.
 
 Primitives and their contracts (every implementation):
 
@@ -12,14 +12,17 @@ Primitives and their contracts (every implementation):
   reused. No room is a value (``PutResult.full``, with a message naming the setting), never
   an exception; a tier that fails underneath raises :class:`BrokenError`.
 - ``delete_many(keys)``: absent keys are ignored; returns how many existed.
-- ``read_into(key, out)``: ``OK`` only for verified bytes of this namespace, rank and key,
+- ``read_into(key, out)``: ``OK`` only for verified bytes of this namespace, part and key,
   copied into ``out[:payload_bytes]``; ``MISSING``; or ``CORRUPT`` (the value failed its
   checks; a writable tier deletes it). ``out``'s contents are unspecified unless ``OK``.
 - ``scan()``: every stored chunk as a :class:`ChunkRecord` (no payload read).
 - ``verify(repair)``: check every value; ``repair`` deletes bad ones (:class:`VerifyReport`).
 - ``sync()`` (the durability point), ``sync_if_due()`` (the tier's own schedule; the I/O
   thread calls it when idle), ``statistics()``, ``close()`` (idempotent; later calls raise
-  :class:`ClosedError`).
+  :class:`ClosedError`, except that a tier may keep answering ``statistics()`` with its
+  final counts, as the remote tier does for the engine's last metrics, and ``sync()`` of a
+  tier with nothing to make durable may do nothing; the contract suite,
+  ``tests/integration/test_lower_tier_contract.py``, holds both tiers to the rest).
 - ``read_only``: nothing is changed; writes raise :class:`UsageError`.
 - ``sync_every_seconds``: how often an idle I/O thread should call ``sync_if_due`` (None:
   never). ``sync_inline`` (True): ``put_many`` itself syncs when due; an I/O layer that
