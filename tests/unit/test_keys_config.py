@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -92,7 +93,11 @@ def test_core_imports_no_torch_lmdb_or_threads() -> None:
         "bad = {'torch', 'lmdb', 'threading', 'numpy'} & set(sys.modules);"
         "print(sorted(bad))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # Without pytest-cov's COV_CORE_* variables: under `--cov` its .pth would start coverage in
+    # the child, and coverage imports threading itself (the check is on tierkv's own imports).
+    env = {name: value for name, value in os.environ.items() if not name.startswith("COV_CORE_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env)
     assert out.stdout.strip() == "[]"
 
 
