@@ -1,135 +1,41 @@
 """BlockIndex: the scheduler side's one source of truth about where every chunk is.
 
-Primitives (all pure and single-threaded; plain data in and out):
+Pure and single-threaded, plain data in and out. Its primitives (``lookup``,
+``note_remote``, ``prepare_store`` / ``prepare_store_many`` / ``complete_store``,
+``prepare_load`` / ``complete_load``, ``take_spills`` / ``complete_spill``, ``touch``,
+``add_on_disk``, ``check``) and their contracts: docs/design.md, "The index's
+primitives". Misuse (completing a job that is not in flight, or as another kind of job;
+runs of keys that do not cover the keys given) raises :class:`~tierkv.errors.UsageError`
+naming the job and changes nothing.
 
-- ``lookup(keys)`` -> :class:`Lookup`: the ready, contiguous prefix of ``keys`` across
-  tiers (CPU READY, on disk only, or known remotely only). A key being promoted stops the
-  walk and answers ``pending`` ("not yet": ask again next step). No side effects.
-- ``note_remote(keys)``: the remote tier has these chunks (every rank's value): until
-  ``remote_mark_seconds`` pass, lookups count them as hits and loads promote them from the
-  remote tier. A chunk whose remote load failed is not noted again for as long (a phantom
-  is never a hit twice, and never a loop).
-- ``prepare_store(keys, protected)`` -> :class:`StorePlan`: skips keys already present,
-  allocates a slot per new key (evicting only READY chunks with no readers that are
-  clean or droppable, and never a protected key). When nothing can be freed it stops and
-  counts "no room": a value, never an exception, never eviction of data in use.
-- ``prepare_store_many(keys, run_ends, protected)`` -> :class:`StoreBatch`: the same
-  decisions for several requests' runs of keys in one job (the engine adapter's path:
-  one job per step).
-- ``complete_store(completion)``: STORING -> READY, or back out on failure.
-- ``prepare_load(keys)`` -> :class:`LoadPlan`: readers += 1 on CPU chunks; a slot and
-  PROMOTING for disk-only and remote-only chunks (the worker reads the lower tier into the
-  slot, then copies); ``LoadPlan.from_remote`` names the chunks read from the remote tier.
-- ``complete_load(completion)``: readers -= 1; promoted chunks become READY (from the
-  remote tier: dirty, to be written to disk) or are dropped; corrupt ones, and ones the
-  tier did not have (remote: a phantom, counted), are forgotten: no phantom hit.
-- ``take_spills(flush=False, at_least=0)`` -> :class:`SpillSpec` | None: write-back. Dirty
-  READY chunks (not on disk) are spilled, oldest first, so that a fraction of the slots (of
-  the disk, if smaller) stays clean (evictable at once), and at least ``at_least`` of them,
-  and at least one for every slot that found no victim since the last call (the clean
-  reserve can consist of chunks in use); with write-through, or when flushing, every dirty
-  chunk. Disk capacity (in chunks) is enforced here: LRU disk deletes ride in the spill job.
-  A chunk is written once per stay in the CPU tier (``DiskState.EVICTED``).
-- ``complete_spill(completion)``: SPILLING -> ON_DISK; a full disk backs spills off for
-  ``retry_after_full_seconds`` (during which dirty chunks may be dropped on eviction).
-- ``touch(keys, reuse=True)``: a request reused these chunks (``reuse=False``: it used
-  them again, e.g. the request that stored them finished): make them most recently used.
-- ``add_on_disk(keys)``: rebuild from the disk tier on open (a restart is warm).
-- ``check()``: every invariant, for tests after each step; raises
-  :class:`~tierkv.errors.InvariantError` (``python -O`` keeps it).
-
-Misuse (completing a job that is not in flight, or as another kind of job; runs of keys
-that do not cover the keys given) raises :class:`~tierkv.errors.UsageError` naming the job
-and changes nothing.
-
-Eviction order: an :class:`~tierkv.core.policy.EvictionPolicy` made by name
-(``eviction_policy``, ARC by default) orders the READY CPU chunks in two pools, clean and
-dirty; the disk tier's chunks have an LRU of their own (docs/design.md, "States").
+Parts: its records (core/plans.py, re-exported here), remote marks (core/remote_marks.py),
+write-back and disk capacity (core/spills.py), events (core/events.py), statistics
+(core/stats.py), the consistency check (core/invariants.py). The hot methods (lookup,
+stores, loads, CPU eviction) stay here and read the plain dicts inline.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from itertools import islice
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
-from enum import Enum
-from typing import NamedTuple
 
+from tierkv.core import spills
 from tierkv.core.events import MEDIUM_CPU, MEDIUM_DISK, EventLog  # MEDIUM_*: importable here
-from tierkv.core.jobs import (
-    ChunkCopy,
-    Completion,
-    JobId,
-    JobIds,
-    JobKind,
-    SlotId,
-    SpillSpec,
-    failed_set,
-)
-from tierkv.core.policy import DEFAULT_POLICY, DISK_POLICY, make_policy, require
+from tierkv.core.invariants import check_index
+from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobIds, JobKind, SlotId, SpillSpec,
+                              failed_set)
+# The records and pools of core/plans.py: importable here, as before it was split out.
+from tierkv.core.plans import (CLEAN, DIRTY, Job, LoadPlan, LoadResult, Lookup, Source,
+                               StoreBatch, StorePlan)
+from tierkv.core.policy import DEFAULT_POLICY, DISK_POLICY, make_policy, require  # noqa: F401
 from tierkv.core.remote_marks import RemoteMarks
 from tierkv.core.slots import SlotAllocator
 from tierkv.core.state import CpuState, DiskState, Entry
 from tierkv.core.stats import Counters, IndexStats
-from tierkv.errors import InvariantError, UsageError
+from tierkv.errors import InvariantError, UsageError  # noqa: F401 (importable here)
 
-# The CPU policy's pools: READY chunks that are safe to evict now (on disk, or no disk
-# tier), and READY chunks not on disk yet (disk tier on, no spill in flight).
-CLEAN, DIRTY = 0, 1
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
-
-
-class Source(Enum):
-    """Where a load job reads a chunk from."""
-
-    CPU = "cpu"
-    DISK = "disk"
-    REMOTE = "remote"
-
-
-class Lookup(NamedTuple):
-    num_hits: int  # contiguous ready chunks from the start of the keys
-    pending: bool  # the walk stopped at a chunk being promoted: ask again later
-    num_on_cpu: int = 0  # of the hits, chunks ready in the CPU tier
-    num_remote: int = 0  # of the hits, chunks known on the remote tier only
-
-
-class StorePlan(NamedTuple):
-    job_id: JobId | None
-    chunks: tuple[tuple[bytes, SlotId], ...]
-    num_present: int
-    num_no_room: int
-
-
-class StoreBatch(NamedTuple):
-    job_id: JobId | None
-    keys: tuple[bytes, ...]  # the keys to store, in the order given
-    slots: tuple[SlotId, ...]
-    placed: list[int] | None  # their positions in the keys given; None: every key
-    num_present: int
-    num_no_room: int
-
-
-class LoadPlan(NamedTuple):
-    job_id: JobId | None
-    chunks: tuple[tuple[bytes, SlotId, bool], ...]  # (key, slot, from_disk)
-    from_remote: frozenset[bytes] = frozenset()  # keys read from the remote tier first
-
-
-class LoadResult(NamedTuple):
-    ok_keys: tuple[bytes, ...]
-    failed_keys: tuple[bytes, ...]
-
-
-@dataclass(slots=True)
-class _Job:
-    kind: JobKind
-    keys: tuple[bytes, ...]
-    sources: tuple[Source, ...] = ()  # loads
-    deletes: tuple[bytes, ...] = ()
-    again: tuple[bytes, ...] = ()  # a flush's EVICTED chunks (EVICTED again if they fail)
 
 
 class BlockIndex:
@@ -176,7 +82,7 @@ class BlockIndex:
         self._disk_retry_at = -math.inf
         self._spills_stuck = False  # write-through left dirty chunks for want of disk room
         self._room_wanted = 0  # slots that found no victim since the last spill plan
-        self._jobs: dict[JobId, _Job] = {}
+        self._jobs: dict[JobId, Job] = {}
         self._counters = Counters()
         # Events (core/events.py): the log's list of touched keys, held here and appended
         # inline where a chunk's tiers change (None: no events recorded).
@@ -208,14 +114,7 @@ class BlockIndex:
         self.disk_capacity = max(int(num_chunks), 0)
         self._clean_target = math.ceil(self._spill_ahead_fraction *
                                        min(self.num_slots, self.disk_capacity))
-        return self._evict_over()
-
-    def _evict_over(self) -> int:
-        """Evict chunks on disk while the disk holds more than its capacity."""
-        evicted = 0
-        while self._disk_used > self.disk_capacity and self._evict_disk():
-            evicted += 1
-        return evicted
+        return spills.evict_over(self)
 
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
         hits = 0
@@ -246,9 +145,9 @@ class BlockIndex:
         return Lookup(hits, False, on_cpu, remote)
 
     def note_remote(self, keys: Iterable[bytes]) -> int:
-        """The remote tier has every rank's value of ``keys`` (see the module docstring);
-        keys the index holds, or whose remote load failed lately, are skipped. Returns how
-        many were noted."""
+        """The remote tier has every rank's value of ``keys`` (docs/design.md, "The index's
+        primitives"); keys the index holds, or whose remote load failed lately, are
+        skipped. Returns how many were noted."""
         return self._marks.note(keys, self._entries)
 
     def shortfall(self, keys: Sequence[bytes], *, load: bool = False) -> int:
@@ -380,7 +279,7 @@ class BlockIndex:
         counters.stores_planned += len(stored)
         self._num_storing += len(stored)
         job_id = self._job_ids.allocate()
-        self._jobs[job_id] = _Job(JobKind.STORE, stored)
+        self._jobs[job_id] = Job(JobKind.STORE, stored)
         return StoreBatch(job_id, stored, tuple(slots), placed, present, no_room)
 
     def complete_store(self, completion: Completion) -> None:
@@ -451,7 +350,7 @@ class BlockIndex:
         if not chunks:
             return LoadPlan(None, ())
         job_id = self._job_ids.allocate()
-        self._jobs[job_id] = _Job(
+        self._jobs[job_id] = Job(
             JobKind.LOAD, tuple(k for k, _, _ in chunks), tuple(d for _, _, d in chunks)
         )
         remote = frozenset(k for k, _, source in chunks if source is Source.REMOTE)
@@ -519,87 +418,15 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ spills
     def take_spills(self, flush: bool = False, at_least: int = 0) -> SpillSpec | None:
-        if not self.has_disk:
-            return None
-        writes: list[tuple[bytes, SlotId]] = []
-        again: tuple[bytes, ...] = ()
-        if flush or self._clock() >= self._disk_retry_at:
-            cpu = self._cpu
-            if flush or self.write_through:
-                want = cpu.count(DIRTY)
-            else:
-                clean_now = self._slots.num_free + cpu.count(CLEAN) + self._num_spilling
-                wanted = max(self._clean_target - clean_now, at_least, self._room_wanted)
-                want = min(cpu.count(DIRTY), wanted)
-            self._room_wanted = 0
-            # Dirty chunks in the policy's victim order: the next to go become clean first.
-            writes = self._start_spills(list(islice(cpu.victims(DIRTY), max(want, 0))), DIRTY)
-            self._spills_stuck = len(writes) < want
-            if flush:  # written before, their disk copy evicted: again, only into free room
-                evicted = [key for key in cpu.victims(CLEAN)
-                           if self._entries[key].disk is DiskState.EVICTED]
-                again = tuple(evicted[: max(self.disk_capacity - self._disk_used, 0)])
-                writes += self._start_spills(again, CLEAN)
-        deletes = tuple(self._pending_deletes)
-        self._pending_deletes.clear()
-        if not writes and not deletes:
-            return None
-        job_id = self._job_ids.allocate()
-        self._jobs[job_id] = _Job(JobKind.SPILL, tuple(k for k, _ in writes), deletes=deletes,
-                                  again=again)
-        return SpillSpec(job_id, tuple(writes), deletes)
-
-    def _start_spills(self, keys: Sequence[bytes], pool: int) -> list[tuple[bytes, SlotId]]:
-        """Spill ``keys`` of ``pool``, in order, while the disk has room or makes it (LRU)."""
-        writes: list[tuple[bytes, SlotId]] = []
-        entries = self._entries
-        hold = self._cpu.hold
-        spilling = DiskState.SPILLING
-        for key in keys:
-            if self._disk_used >= self.disk_capacity and not self._evict_disk():
-                self._counters.disk_no_room += 1
-                break
-            entry = entries[key]
-            assert entry.slot is not None
-            hold(key, pool)
-            entry.disk = spilling
-            self._disk_used += 1
-            writes.append((key, entry.slot))
-        self._num_spilling += len(writes)
-        return writes
+        """Write-back (core/spills.py): a spill job for dirty chunks, and the disk deletes
+        due; None when there is nothing to do."""
+        return spills.take_spills(self, flush, at_least)
 
     def complete_spill(self, completion: Completion) -> None:
-        job = self._pop_job(completion.job_id, JobKind.SPILL)
-        full = set(completion.full_keys)
-        failed = failed_set(completion, job.keys)
-        if full:
-            self._disk_retry_at = self._clock() + self._retry_after_full
-            self._counters.disk_no_room += len(full)
-        cpu = self._cpu
-        on_disk: list[bytes] = []
-        for key in job.keys:
-            entry = self._entries[key]
-            assert entry.disk is DiskState.SPILLING and entry.cpu is CpuState.READY
-            self._num_spilling -= 1
-            if key not in failed:
-                entry.disk = DiskState.ON_DISK
-                on_disk.append(key)
-                if self._touched is not None:
-                    self._touched.append(key)
-                self._counters.spills_ok += 1
-                cpu.place(key, CLEAN, oldest=True)
-            else:  # not written: as it was (a chunk written once stays EVICTED, clean)
-                again = key in job.again
-                entry.disk = DiskState.EVICTED if again else None
-                self._disk_used -= 1
-                self._counters.spills_failed += 1
-                cpu.place(key, CLEAN if again else DIRTY, oldest=True)
-        self._disk.insert(on_disk, 0)
-        if self._disk_used > self.disk_capacity:  # the capacity shrank meanwhile
-            self._evict_over()
+        spills.complete_spill(self, completion)
 
     def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
-        """Mark chunks as just used (``reuse``: see the module docstring; a policy may count
+        """Mark chunks as just used (``reuse``: see docs/design.md; a policy may count
         a reuse, ARC protects reused chunks from scans): READY chunks become the most recent
         of their CPU pool, chunks on disk the most recent on disk. Keys touched later count
         as more recent; absent or in-flight keys are skipped. No other effect."""
@@ -616,22 +443,9 @@ class BlockIndex:
                 disk_use(key)
 
     def add_on_disk(self, keys: Iterable[bytes]) -> int:
-        """Register chunks found on disk at open, oldest first. Chunks over the disk
-        capacity are queued for deletion (sent with the next spill job)."""
-        added: list[bytes] = []
-        for key in keys:
-            if key in self._entries:
-                continue
-            if self._disk_used >= self.disk_capacity:
-                self._pending_deletes.append(key)
-                continue
-            self._entries[key] = Entry(key, disk=DiskState.ON_DISK)
-            added.append(key)
-            if self._touched is not None:
-                self._touched.append(key)
-            self._disk_used += 1
-        self._disk.insert(added, 0)
-        return len(added)
+        """Register chunks found on disk at open, oldest first (core/spills.py). Chunks over
+        the disk capacity are queued for deletion (sent with the next spill job)."""
+        return spills.add_on_disk(self, keys)
 
     # ------------------------------------------------------------------ completion
     def complete(self, completion: Completion) -> LoadResult | None:
@@ -649,7 +463,7 @@ class BlockIndex:
         return None
 
     # ------------------------------------------------------------------ internals
-    def _pop_job(self, job_id: JobId, kind: JobKind) -> _Job:
+    def _pop_job(self, job_id: JobId, kind: JobKind) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
             raise UsageError(f"block index: no {kind.value} job {job_id} in flight (completed "
@@ -707,21 +521,6 @@ class BlockIndex:
             self._remove(victim.key)
         return slot
 
-    def _evict_disk(self) -> bool:
-        for key in self._disk.victims(0):
-            entry = self._entries[key]
-            if entry.cpu is CpuState.PROMOTING:
-                continue
-            self._pending_deletes.append(key)
-            self._counters.disk_evictions += 1
-            self._drop_disk(entry, evicted=True)
-            if entry.cpu is None:
-                self._remove(key)
-            else:  # READY: written once in this stay, never again (it stays clean)
-                entry.disk = DiskState.EVICTED
-            return True
-        return False
-
     def _remove(self, key: bytes) -> None:
         del self._entries[key]
         if self._touched is not None:
@@ -769,77 +568,8 @@ class BlockIndex:
         )
 
     def check(self) -> None:
-        """Every invariant (see the module docstring); the error names the broken entry."""
-        used: set[SlotId] = set()
-        spilling: set[bytes] = set()
-        cpu_listed: dict[bytes, int] = {}
-        disk_listed: dict[bytes, int] = {}
-        for key, entry in self._entries.items():
-            require(entry.key == key, "entry filed under another key:", entry)
-            require((entry.slot is None) == (entry.cpu is None), entry)
-            require(entry.cpu is not None or entry.disk is DiskState.ON_DISK, "empty entry:",
-                    entry)
-            require(entry.readers >= 0, entry)
-            if entry.readers:
-                require(entry.cpu in (CpuState.READY, CpuState.PROMOTING), entry)
-            if entry.cpu is CpuState.PROMOTING:  # from disk (on disk) or remote (not)
-                require(entry.readers == 1 and entry.disk in (DiskState.ON_DISK, None), entry)
-            if entry.slot is not None:
-                require(entry.slot not in used, "slot held twice:", entry)
-                require(not self._slots.is_free(entry.slot), "slot of an entry is free:", entry)
-                used.add(entry.slot)
-            if entry.disk is DiskState.SPILLING:
-                require(entry.cpu is CpuState.READY, entry)
-                spilling.add(key)
-            if entry.cpu is CpuState.READY and entry.disk is not DiskState.SPILLING:
-                clean = entry.disk is not None or not self.has_disk  # else dirty
-                cpu_listed[key] = CLEAN if clean else DIRTY
-            require(self._cpu.pool_of(key) == cpu_listed.get(key), "cpu pool of", entry)
-            if entry.disk is DiskState.ON_DISK:
-                disk_listed[key] = 0
-            require(self._disk.pool_of(key) == disk_listed.get(key), "disk order of", entry)
-        self._cpu.check(cpu_listed, spilling)
-        self._disk.check(disk_listed, ())
-        require(len(used) + self._slots.num_free == self.num_slots,
-                f"{len(used)} slots used + {self._slots.num_free} free != {self.num_slots}")
-        require(len(spilling) == self._num_spilling,
-                f"{len(spilling)} chunks spilling, counted {self._num_spilling}")
-        states = [entry.cpu for entry in self._entries.values()]
-        stats = self.statistics()
-        for state, kept in ((CpuState.STORING, stats.storing),
-                            (CpuState.PROMOTING, stats.promoting),
-                            (CpuState.READY, stats.cpu_ready)):
-            require(states.count(state) == kept,
-                    f"{states.count(state)} chunks {state.value}, counted {kept}")
-        require(self._disk_used == len(self._disk) + len(spilling),
-                f"disk used {self._disk_used} != {len(self._disk)} on disk + {len(spilling)}")
-        self._marks.check()
-        # Over the capacity only by what could not be evicted when it shrank: chunks being
-        # promoted (on disk) or spilled.
-        promoting = sum(1 for entry in self._entries.values()
-                        if entry.cpu is CpuState.PROMOTING and entry.disk is DiskState.ON_DISK)
-        require(self._disk_used <= max(self.disk_capacity, 0) + len(spilling) + promoting,
-                f"disk used {self._disk_used} > capacity {self.disk_capacity}")
-        readers: dict[bytes, int] = {}
-        for job_id, job in self._jobs.items():
-            for i, key in enumerate(job.keys):
-                found = self._entries.get(key)
-                if found is None:
-                    raise InvariantError(f"job {job_id} names chunk {key[:4].hex()}, not indexed")
-                if job.kind is JobKind.STORE:
-                    require(found.cpu is CpuState.STORING, "store job", job_id, "for", found)
-                elif job.kind is JobKind.SPILL:
-                    require(found.disk is DiskState.SPILLING, "spill job", job_id, "for", found)
-                else:
-                    readers[key] = readers.get(key, 0) + 1
-                    source = job.sources[i]
-                    if source is not Source.CPU:
-                        on_disk = found.disk is DiskState.ON_DISK
-                        require(found.cpu is CpuState.PROMOTING and
-                                on_disk == (source is Source.DISK), "promotion", job_id,
-                                "from", source.name, "for", found)
-        for key, entry in self._entries.items():
-            require(entry.readers == readers.get(key, 0), "readers != load jobs:", entry)
+        """Every invariant (core/invariants.py); the error names the broken entry."""
+        check_index(self)
 
 
 __all__ = [
