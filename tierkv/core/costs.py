@@ -7,7 +7,10 @@
   planning a load to its completion, and one for the engine's prefill (seconds a step
   takes for its scheduled tokens). :meth:`CostModel.best_prefix` picks how many chunks of a
   hit to load: the prefix (the whole hit, part of it, or none) whose load time plus the
-  compute time of the tokens left is least.
+  compute time of the tokens left is least, unless loading the whole hit costs at most
+  DECLINE_MARGIN more, or the engine's compute has not been measured on a step of a chunk's
+  tokens yet (then the whole hit: a decline weighs a measured load against a measured
+  compute, never against the priors' guess).
 
 Times are the engine's: a load's time runs from the step that planned it to the step that
 saw it complete, so it includes the scheduler steps an asynchronous load costs; a same-step
@@ -29,6 +32,11 @@ DEFAULT_CHUNK_BYTES = 2 << 20  # for the priors, where the engine's chunk size i
 # many times (from the tier's second load on): one spike moves the line a bounded step,
 # a lasting slowdown compounds it (4x, 16x, ...) within two or three loads.
 SPIKE_FACTOR = 4.0
+# A decline must save more than this share of the whole hit's load estimate plus one engine
+# step (the compute line's intercept). Closer than that the two choices are within the noise
+# of one step's timing (a loaded machine flipped a 7-chunk restart hit on a 1 ms estimated
+# gain), and a load at parity leaves the engine's compute to other requests.
+DECLINE_MARGIN = 0.1
 
 
 class DecayedLine:
@@ -136,6 +144,7 @@ class CostModel:
         self._load_priors = {tier: priors.load_prior(tier, chunk_bytes) for tier in TIERS}
         self.loads = {tier: DecayedLine(self._load_priors[tier], 16.0, decay) for tier in TIERS}
         self.compute = DecayedLine(priors.compute_prior(), 1024.0, decay)
+        self.widest_step = 0  # the most tokens a measured step computed
 
     def observe_load(self, tier: str, num_chunks: int, seconds: float) -> None:
         """A load of ``num_chunks`` from ``tier`` took ``seconds``; the line learns at most
@@ -155,6 +164,15 @@ class CostModel:
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds >= 0:
             self.compute.observe(float(num_tokens), seconds)
+            self.widest_step = max(self.widest_step, num_tokens)
+
+    def compute_measured(self, tokens_per_chunk: int) -> bool:
+        """Whether a step of at least a chunk's tokens was measured: before that the compute
+        line's slope is the priors' (decodes and short prefills say little about a token's
+        cost), and no hit is declined. Why: a restarted engine's first loads, cold and on a
+        loaded machine, measured 58 ms for 5 chunks; against the priors' 25 us a token the
+        next 7-chunk hit was declined though a chunk was never computed."""
+        return self.widest_step >= tokens_per_chunk
 
     def load_seconds(self, chunks_by_tier: dict[str, int]) -> float:
         """Estimated time to load that many chunks from each tier (one load job: each tier
@@ -173,15 +191,23 @@ class CostModel:
         tier's latency is more than nothing. Its hits would all be declined, so a lookup
         there can be skipped."""
         intercept, slope = self.loads[tier].line()
-        chunk_compute = self.compute.line()[1] * tokens_per_chunk
-        return intercept > 0 and self.load_bias * slope >= chunk_compute
+        step, per_token = self.compute.line()
+        chunk_compute = per_token * tokens_per_chunk
+        kept = (1.0 - DECLINE_MARGIN) * self.load_bias  # what a load counts against compute
+        # A run of n chunks is declined when kept * (intercept + n * slope) exceeds n chunks
+        # of compute plus a step (best_prefix's margin): for every n when it does for n = 1
+        # and each further chunk costs at least its compute.
+        return (self.compute_measured(tokens_per_chunk) and kept * slope >= chunk_compute
+                and kept * (intercept + slope) > chunk_compute + step)
 
     def best_prefix(self, runs: Sequence[tuple[str, int]], tokens_per_chunk: int,
                     first_chunk_tokens: int | None = None) -> tuple[int, float, float]:
         """How many of the hit's chunks to load (``runs``: the hit's chunks in prefix order
         as ``(tier, count)`` runs), and the estimated seconds of that choice and of loading
         them all. The choice minimizes load time of the prefix + compute time of the rest;
-        loading everything wins ties. ``first_chunk_tokens``: the first chunk's new tokens
+        loading everything wins unless the choice saves more than DECLINE_MARGIN of its
+        estimate plus one engine step, and while compute is not measured
+        (:meth:`compute_measured`). ``first_chunk_tokens``: the first chunk's new tokens
         when the engine's own prefix hit covers part of it."""
         count = sum(size for _, size in runs)
         if count == 0:
@@ -206,8 +232,12 @@ class CostModel:
                 cost = load_seconds + per_token * (count - loaded) * tokens_per_chunk
                 if cost <= best_cost:
                     best, best_cost = loaded, cost
+        if best < count and (not self.compute_measured(tokens_per_chunk)
+                             or best_cost + DECLINE_MARGIN * load_seconds
+                             + self.compute.line()[0] >= load_seconds):
+            best, best_cost = count, load_seconds  # unmeasured, or too close to call
         return best, best_cost, load_seconds
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "SPIKE_FACTOR", "TIERS", "CostModel", "CostPriors",
+__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "SPIKE_FACTOR", "TIERS", "CostModel", "CostPriors",
            "DecayedLine"]
