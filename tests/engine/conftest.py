@@ -69,8 +69,10 @@ def reference(models: dict[str, Path]) -> References:
 @pytest.fixture(scope="session")
 def logprob_tolerance(models: dict[str, Path], reference: References) -> float:
     """What vLLM's own prefix cache shows: the largest top-k log-probability difference
-    between a prefix-cache hit and the reference, over a few prompts, doubled (a tierkv hit
-    splits the prompt at another place), with a floor of 1e-6."""
+    between a prefix-cache hit and the reference, over a few prompts, times 4 (a tierkv hit
+    splits the prompt at another place, and three prompts sample that float noise thinly: a
+    CPU-tier hit of 1408 tokens once measured 2.06x their worst, 1.0e-4), with a floor of
+    1e-6. Wrong KV stays far outside: assert_distinct asks 100x this of different prompts."""
     tokens = [prompt(PROMPT_LENGTH + 37 * seed, seed) for seed in range(3)]
     refs = reference("llama", tokens)
     worst = 0.0
@@ -81,4 +83,4 @@ def logprob_tolerance(models: dict[str, Path], reference: References) -> float:
             assert hit.num_cached_tokens > 0, "vLLM's prefix cache did not hit"
             assert hit.tokens == ref.tokens, "vLLM's own prefix cache changed greedy tokens"
             worst = max(worst, deviation(hit, ref))
-    return max(2 * worst, 1e-6)
+    return max(4 * worst, 1e-6)
