@@ -17,7 +17,7 @@ from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers import disk_env
+from tierkv.tiers import disk_readahead
 from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
 
@@ -42,18 +42,18 @@ def open_tier(root: Path, **config: object) -> DiskTier:
 def advice_recorded() -> Iterator[list[tuple[int, int, int]]]:
     """Every madvise the disk tier makes meanwhile: (start, length, advice)."""
     advice: list[tuple[int, int, int]] = []
-    real = disk_env._madvise
+    real = disk_readahead._madvise
     assert real is not None
 
     def recorded(start: int, length: int, how: int) -> int:
         advice.append((start, length, how))
         return real(start, length, how)
 
-    disk_env._madvise = recorded
+    disk_readahead._madvise = recorded
     try:
         yield advice
     finally:
-        disk_env._madvise = real
+        disk_readahead._madvise = real
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the map is found through /proc/self/maps")
@@ -62,8 +62,8 @@ def test_a_scan_reads_the_index_without_read_ahead(tmp_path: Path) -> None:
     one page, not megabytes of payloads around it (scripts/bench_restart.py measures it)."""
     with open_tier(tmp_path) as tier:
         tier.put_many([(key_of(i), payload_of(i)) for i in range(3)])
-        spans = [shard._map_span_of_data(shard._data_fd) for shard in tier._shards]
-        span = tier._shard(key_of(0))._map_span_of_data(tier._shard(key_of(0))._data_fd)
+        spans = [disk_readahead.map_span(shard._data_fd) for shard in tier._shards]
+        span = disk_readahead.map_span(tier._shard(key_of(0))._data_fd)
         assert span is not None and span[1] >= tier.map_size // SHARDS  # this shard's map
         with advice_recorded() as advice:
             assert [record.key for record in tier.scan()] == sorted(key_of(i) for i in range(3))
@@ -84,7 +84,7 @@ def test_opening_reads_the_meta_records_without_read_ahead(tmp_path: Path) -> No
     with advice_recorded() as advice:
         tier = open_tier(tmp_path)
     with tier:
-        spans = [shard._map_span_of_data(shard._data_fd) for shard in tier._shards]
+        spans = [disk_readahead.map_span(shard._data_fd) for shard in tier._shards]
     assert advice == [(*span, how) for span in spans if span is not None for how in (1, 0)]
     assert len(advice) == 2 * SHARDS
 

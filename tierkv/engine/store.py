@@ -32,11 +32,13 @@ never reach the stored chunk; ``"async"`` returns at once and trusts the engine 
 modes", has the cost). Loads are always asynchronous.
 
 Inputs are checked before anything changes, with :class:`ConfigError` naming what is
-wrong (:mod:`tierkv.engine.store_inputs`).
+wrong (:mod:`tierkv.engine.store_inputs`; a namespace given:
+:mod:`tierkv.engine.store_namespace`).
 
 Not thread-safe, and not for a forked child: a call that overlaps another one, or any call
-from a child, raises :class:`UsageError` and changes nothing. Opening claims the disk
-environment (a second store on it is refused); a failed construction releases all it took.
+from a child, raises :class:`UsageError` and changes nothing
+(:mod:`tierkv.engine.store_guard`). Opening claims the disk environment (a second store on
+it is refused); a failed construction releases all it took.
 Why: docs/operations.md ("Fork", "Threads", "One writer per environment"). Spills and
 completions advance on every call; ``poll()`` in the engine loop keeps them moving.
 """
@@ -47,9 +49,9 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 
@@ -58,77 +60,26 @@ from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, St
 from tierkv.engine.adapter import lookup_tiers
 from tierkv.engine.metrics import PATH_NAMES, Durations, config_info, remote_figures, usage_figures
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
+from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
+from tierkv.engine.store_namespace import build_namespace as build_namespace
+from tierkv.engine.store_namespace import check_namespace
 from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, RemoteStats,
                                        StoreStats)
-from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
+from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.disk_budget import DiskBudget
 from tierkv.tiers.disk_files import empty_namespace_warning, part_dir_name
 from tierkv.transfer.layout import KVLayout
-from tierkv.units import is_int
 
 __all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
            "TierKVStore", "build_namespace"]
 
 log = logging.getLogger(__name__)
 
-
-def build_namespace(
-    layout: KVLayout, model_id: str, tokens_per_block: int, config: StoreConfig
-) -> Namespace:
-    """Everything that decides what this store's chunk bytes mean: the layout (dtype, page
-    shapes and memory order), the layers' names in registration order, and how a chunk's
-    tokens split into blocks. The layout describes one rank's tensors (the library does not
-    know where heads are in them), so ranks of two TP sizes stay apart here; sharing across
-    TP sizes is the vLLM connector's (docs/on-disk-format.md, "Parts")."""
-    if not is_int(tokens_per_block) or tokens_per_block <= 0:
-        raise ConfigError(f"store: tokens_per_block must be a positive int, got {tokens_per_block!r}")
-    parts = config.tp_size  # the namespace's sizes are every part's (every rank's) together
-    return Namespace(
-        model_id=model_id,
-        dtype=layout.dtype_name,
-        kv_layout=layout.describe(),
-        page_bytes=sum(layout.page_bytes) * parts,
-        tokens_per_chunk=tokens_per_block * config.blocks_per_chunk,
-        num_layers=layout.num_layers,
-        layer_names=layout.layer_names,
-        blocks_per_chunk=config.blocks_per_chunk,
-        chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk) * parts,
-    )
-
-
 MAX_PROMISES = 4096  # lookups remembered for the load shortfall (load() forgets its own)
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _one_caller(method: Callable[Concatenate[TierKVStore, _P], _R]
-                ) -> Callable[Concatenate[TierKVStore, _P], _R]:
-    """Refuse a call from a forked child, or one that overlaps another call (two threads):
-    misuse fails loudly before it changes anything, it never serves wrong KV."""
-
-    @functools.wraps(method)
-    def guarded(self: TierKVStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if os.getpid() != self._pid:
-            raise UsageError(
-                f"store: {method.__name__}() in a forked child (pid {os.getpid()}) of the "
-                f"process that created the store (pid {self._pid}); its threads, LMDB "
-                f"environment and CUDA streams do not survive fork(): create the store in "
-                f"the child, or use the spawn start method")
-        if not self._busy.acquire(blocking=False):
-            raise UsageError(
-                f"store: {method.__name__}() while another call is running (thread "
-                f"{threading.current_thread().name}); the store is not thread-safe: call it "
-                f"from one thread at a time, or give each thread its own store")
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy.release()
-
-    return guarded
 
 
 class TierKVStore:
@@ -170,7 +121,7 @@ class TierKVStore:
                 raise ConfigError("store: pass model_id (or a Namespace) so stored KV is tied to its model")
             namespace = build_namespace(self.layout, model_id, tokens_per_block, cfg)
         else:
-            self._check_namespace(namespace)
+            check_namespace(namespace, self.layout, cfg)
         self.namespace = namespace
         self.blocks_per_chunk = cfg.blocks_per_chunk
         self.tokens_per_chunk = namespace.tokens_per_chunk
@@ -260,29 +211,8 @@ class TierKVStore:
         if capacity != index.disk_capacity:
             index.set_disk_capacity(capacity)
 
-    def _check_namespace(self, namespace: Namespace) -> None:
-        """A namespace given by the caller must describe these tensors and this config: what
-        decides the bytes' meaning is not the caller's to choose (model id, TP size, hash
-        scheme and extra are)."""
-        if not isinstance(namespace, Namespace):
-            raise ConfigError(f"store: namespace must be a Namespace, got {namespace!r}")
-        bpc = self.config.blocks_per_chunk
-        if namespace.tokens_per_chunk % bpc:
-            raise ConfigError(f"store: namespace tokens_per_chunk={namespace.tokens_per_chunk} "
-                              f"is not a multiple of blocks_per_chunk={bpc}")
-        own = build_namespace(self.layout, namespace.model_id, namespace.tokens_per_chunk // bpc,
-                              self.config)
-        for name in ("dtype", "kv_layout", "page_bytes", "num_layers", "layer_names",
-                     "blocks_per_chunk", "chunk_bytes"):
-            if getattr(namespace, name) != getattr(own, name):
-                raise ConfigError(
-                    f"store: the namespace says {name}={getattr(namespace, name)!r}, the KV "
-                    f"tensors and config give {getattr(own, name)!r}; build it with "
-                    f"tierkv.engine.store.build_namespace (and dataclasses.replace for model "
-                    f"id, hash scheme or extra)")
-
     # ------------------------------------------------------------------ API
-    @_one_caller
+    @one_caller
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many chunks of ``keys``, from the first, are ready to load in some tier
         (CPU, disk, or remote within ``remote.lookup_deadline_seconds``).
@@ -305,7 +235,7 @@ class TierKVStore:
             self._promise(keys[0], found.num_hits)
         return found.num_hits
 
-    @_one_caller
+    @one_caller
     def store(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> JobId | None:
         """Copy the chunks of ``keys`` not yet present from their blocks (``block_ids``: one
         sequence of ``blocks_per_chunk`` ids per key, or one flat sequence) into the CPU
@@ -341,7 +271,7 @@ class TierKVStore:
             self.executor.transfer.make_compute_wait([plan.job_id])
         return plan.job_id
 
-    @_one_caller
+    @one_caller
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int] | Sequence[Sequence[int]]) -> LoadHandle:
         """Start loading the ready prefix of ``keys`` into ``block_ids`` (one sequence per
         key, or one flat sequence): from the CPU tier, or through a CPU slot from the disk
@@ -382,7 +312,7 @@ class TierKVStore:
         return LoadHandle(plan.job_id, len(chunks), sum(c.from_disk for c in chunks),
                           len(plan.from_remote))
 
-    @_one_caller
+    @one_caller
     def fence(self, block_ids: Any = None) -> None:
         """Before blocks are handed out again (to another request, to a new ``load()``, or
         rewritten): wait for every store job that reads and every load job that writes
@@ -403,7 +333,7 @@ class TierKVStore:
             self.executor.wait(jobs)
         self._pump()
 
-    @_one_caller
+    @one_caller
     def poll(self) -> list[Completion]:
         """Finished store and load jobs since the last call, each once (``failed_keys``:
         the chunks that did not land; recompute those). Also moves spills along.
@@ -416,7 +346,7 @@ class TierKVStore:
         ready, self._ready = self._ready, []
         return ready
 
-    @_one_caller
+    @one_caller
     def wait(self, job_ids: Iterable[JobId | None]) -> None:
         """Block until the jobs ``job_ids`` (what ``store()`` and ``load()`` returned; None
         is skipped) are done; their completions then come from ``poll()``.
@@ -428,7 +358,7 @@ class TierKVStore:
         self.executor.wait(job_ids_of(job_ids))
         self._pump()
 
-    @_one_caller
+    @one_caller
     def drain(self) -> None:
         """Wait until every job in flight (spills included) has finished.
 
@@ -438,7 +368,7 @@ class TierKVStore:
         self._check_open()
         self._drain()
 
-    @_one_caller
+    @one_caller
     def flush(self) -> None:
         """Write every chunk of the CPU tier that is not on disk yet, wait, and sync the
         disk tier (without one: a drain).
@@ -449,7 +379,7 @@ class TierKVStore:
         self._check_open()
         self._flush()
 
-    @_one_caller
+    @one_caller
     def statistics(self) -> StoreStats:
         """A snapshot of the counters since the store opened: the index's (hits, evictions,
         "no room", corrupt chunks), bytes and seconds per path, the remote tier's, and the
@@ -511,7 +441,7 @@ class TierKVStore:
         return config_info(self.config, version=__version__,
                            namespace=self.namespace.fingerprint())
 
-    @_one_caller
+    @one_caller
     def close(self) -> None:
         """Flush the CPU tier to disk (so the next process over the same directory starts
         warm), stop the threads, release the disk tier and its claim; idempotent.

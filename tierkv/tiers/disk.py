@@ -25,7 +25,8 @@ LMDB serializes write transactions, reads run concurrently):
 - ``sync()``: every slab's ``fdatasync``, then the index's (payloads before the index
   that names them). ``trace`` (tests): called with each ordering event.
 - ``scan(batch)`` reads the index sub-db in short txns of ``batch`` keys (restart warm
-  without reading payloads); ``verify`` reads every entry's slot and checks it.
+  without reading payloads); ``verify`` reads every entry's slot and checks it (both walk
+  each shard's index through :mod:`tierkv.tiers.disk_walk`).
 - ``claim()`` makes this process the one writer of the part's environments
   (``exclusive=True`` does it at open, before anything is judged or moved): a second
   claim, from any process, is refused with a :class:`ConfigError` naming the holder.
@@ -64,6 +65,7 @@ from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, Ver
 from tierkv.tiers.disk_env import SHARDS, LmdbEnv, shard_of
 from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk_format import HEADER_BLOCK, binding_of, check_slot, unpack_index
+from tierkv.tiers.disk_walk import scan_shard, verify_shard
 from tierkv.tiers.disk_write import ShardWrites
 from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
                                       slab_slots_for)
@@ -447,20 +449,6 @@ class DiskTier(LowerTier):
                        "" if self.read_only else "; deleted it")
         return ReadStatus.CORRUPT
 
-    @staticmethod
-    def _rows_after(txn: Any, db: Any, last: bytes | None,
-                    batch: int) -> list[tuple[bytes, Any]]:
-        """Up to ``batch`` (key, value) rows of ``db`` after key ``last``, in ``txn``."""
-        rows: list[tuple[bytes, Any]] = []
-        cursor = txn.cursor(db=db)
-        more = cursor.set_range(last) if last is not None else cursor.first()
-        if more and last is not None and bytes(cursor.key()) == last:
-            more = cursor.next()
-        while more and len(rows) < batch:
-            rows.append((bytes(cursor.key()), bytes(cursor.value())))
-            more = cursor.next()
-        return rows
-
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]:
         """Every stored chunk as (key, payload_len, seq), from the shards' indexes; no
         payload is read.
@@ -469,32 +457,9 @@ class DiskTier(LowerTier):
         record is yielded, so damage met anywhere in it (the shard is then rebuilt empty)
         never leaves a caller holding records of an environment that is gone."""
         self._check_batch(batch)
-        records = [self._scan_shard(lm, batch) for lm in self._shards]
+        records = [scan_shard(lm, batch) for lm in self._shards]
         for shard_records in records:
             yield from shard_records
-
-    def _scan_shard(self, lm: LmdbEnv, batch: int) -> list[ChunkRecord]:
-        records: list[ChunkRecord] = []
-        last: bytes | None = None
-        replaced = lm.replacements
-
-        def rows_of(env: lmdb.Environment) -> list[tuple[bytes, bytes]]:
-            with env.begin(db=lm.index) as txn:
-                return self._rows_after(txn, lm.index, last, batch)
-
-        with lm.random_access():  # a restart reads index pages, not read-ahead
-            while True:
-                rows = lm.run("scanning", rows_of)
-                if lm.replacements != replaced:  # rebuilt meanwhile: start over
-                    records, replaced = [], lm.replacements
-                    if last is not None:
-                        last = None
-                        continue
-                records += [ChunkRecord(key, entry.payload_len, entry.seq) for key, raw in rows
-                            if (entry := unpack_index(raw)) is not None]
-                if len(rows) < batch:
-                    return records
-                last = rows[-1][0]
 
     def verify(self, repair: bool = False, batch: int = 64,
                progress: Callable[[int], None] | None = None) -> VerifyReport:
@@ -521,7 +486,7 @@ class DiskTier(LowerTier):
                 if progress is not None:
                     progress(done + count)
 
-            count, found = self._verify_shard(lm, batch, scratch, shard_progress)
+            count, found = verify_shard(lm, batch, scratch, shard_progress, self._read_slot)
             if lm.replacements != replaced:  # rebuilt empty: nothing of it is left
                 damaged.append(str(lm.last_damage))
                 continue
@@ -531,44 +496,6 @@ class DiskTier(LowerTier):
                                                         expect=raw))
         return VerifyReport(checked, tuple(bad), repaired,
                             damaged="; ".join(damaged) or None, rebuilt=bool(damaged))
-
-    def _verify_shard(self, lm: LmdbEnv, batch: int, scratch: memoryview,
-                      progress: Callable[[int], None]) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """(entries checked, (bad key, its entry)) of one shard."""
-
-        def rows_after(env: lmdb.Environment, last: bytes | None) -> list[tuple[bytes, bytes]]:
-            with env.begin(db=lm.index) as txn:
-                return self._rows_after(txn, lm.index, last, batch)
-
-        def bad_of(env: lmdb.Environment, key: bytes, raw: bytes) -> bytes | None:
-            """The entry of ``key`` that fails its checks, reading it again when it does."""
-            for _ in range(3):
-                if self._read_slot(lm, key, raw, scratch) is None:
-                    return None
-                with env.begin(db=lm.index) as txn:
-                    now = txn.get(key)
-                if now is None:
-                    return None
-                if now == raw:
-                    return raw
-                raw = now
-            return None
-
-        bad: list[tuple[bytes, bytes]] = []
-        checked, replaced = 0, lm.replacements
-        last: bytes | None = None
-        while lm.replacements == replaced:
-            rows = lm.run("verifying", partial(rows_after, last=last))
-            for key, raw in rows:
-                found = lm.run("verifying", partial(bad_of, key=key, raw=raw))
-                if found is not None:
-                    bad.append((key, found))
-            checked += len(rows)
-            progress(checked)
-            if len(rows) < batch:
-                break
-            last = rows[-1][0]
-        return checked, bad
 
     # -- life cycle ------------------------------------------------------------------------
 

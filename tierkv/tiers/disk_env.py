@@ -18,17 +18,17 @@ Primitives and contracts:
   environment is never read nor deleted, but moved aside (``.foreign-<time>``) and an
   empty one opened when this handle may repair (below); else :class:`NamespaceMismatchError`.
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
-  (one plain lock on entry and on exit). Before it, a fork check (:class:`UsageError` in a
-  child), a closed check (:class:`ClosedError`) and a size check of ``data.mdb`` (it never
-  shrinks; smaller means truncated under us, which would SIGBUS). What stops ``work`` is
-  dealt with in the exclusive section and the call retried (at most twice):
-  ``MDB_MAP_RESIZED`` adopts the map another process grew; a full reader table clears
-  stale readers; **damage** (:data:`DAMAGE_ERRORS`: what LMDB reports as corrupt, a panic,
-  or what tierkv finds, :class:`FilesDamaged`) moves the environment aside
-  (``.broken-<time>``, the slab file with it) and opens an empty one, the retried call
-  running on it. Repair
-  needs ``repair`` and the claim (taken then if no other process holds it); otherwise
-  :class:`DamagedError`, nothing changed. Other LMDB errors are :class:`BrokenError`.
+  (:class:`~tierkv.tiers.disk_guard.Guard`: one plain lock on entry and on exit). Before
+  it, a fork check (:class:`UsageError` in a child), a closed check (:class:`ClosedError`)
+  and a size check of ``data.mdb`` (it never shrinks; smaller means truncated under us,
+  which would SIGBUS). What stops ``work`` is dealt with in the exclusive section and the
+  call retried (at most twice): ``MDB_MAP_RESIZED`` adopts the map another process grew;
+  a full reader table clears stale readers; **damage** (:data:`DAMAGE_ERRORS`: what LMDB
+  reports as corrupt, a panic, or what tierkv finds, :class:`FilesDamaged`) moves the
+  environment aside (``.broken-<time>``, the slab file with it) and opens an empty one,
+  the retried call running on it. Repair needs ``repair`` and the claim (taken then if no
+  other process holds it); otherwise :class:`DamagedError`, nothing changed. Other LMDB
+  errors are :class:`BrokenError`.
 - ``claim()`` makes this process the environment's one writer (an ``flock``); refused with
   :class:`ConfigError` naming the holder.
 - ``clear_stale_readers(env)`` frees reader slots of dead processes (also at open, and
@@ -39,15 +39,13 @@ Primitives and contracts:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,6 +59,8 @@ from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, che
                                      list_namespaces, make_private_dir, move_aside,
                                      namespace_record, part_dir_name, prepare_root,
                                      read_private_file, write_private_file)
+from tierkv.tiers.disk_guard import Guard
+from tierkv.tiers.disk_readahead import random_access
 from tierkv.tiers.disk_slab import SLAB_NAME, SlabFile
 from tierkv.units import format_bytes
 
@@ -71,7 +71,6 @@ READER_CHECK_SECONDS = 1.0
 META_NAMESPACE = b"namespace"
 META_NEXT_SEQ = b"next_seq"
 _ENV_FILES = ("data.mdb", "lock.mdb")
-_MADV_NORMAL, _MADV_RANDOM = 0, 1  # <sys/mman.h>
 SHARDS = 4  # environments per part: a format constant (docs/on-disk-format.md)
 
 
@@ -80,17 +79,6 @@ def shard_of(key: bytes) -> int:
     return key[0] % SHARDS
 
 
-def _load_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-_madvise = _load_madvise() if sys.platform == "linux" else None
 _T = TypeVar("_T")
 
 
@@ -109,45 +97,6 @@ DAMAGE_ERRORS: tuple[type[Exception], ...] = (
     lmdb.BadChecksumError)
 # What run() deals with (in the exclusive section) before retrying the call.
 _FIXABLE = DAMAGE_ERRORS + (lmdb.MapResizedError, lmdb.ReadersFullError)
-
-
-class _Guard:
-    """Shared sections for ordinary calls (``enter``/``leave``: one plain lock each way, the
-    read path's cost); an exclusive one (no call in flight) to swap or resize the
-    environment underneath them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._shared = 0
-        self._exclusive = False
-
-    def enter(self) -> None:
-        with self._lock:
-            while self._exclusive:
-                self._cond.wait()
-            self._shared += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._shared -= 1
-            if self._exclusive and not self._shared:
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._lock:
-            while self._exclusive:
-                self._cond.wait()
-            self._exclusive = True
-            while self._shared:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 class LmdbEnv:
@@ -177,7 +126,7 @@ class LmdbEnv:
         meta = namespace_record(self.fingerprint, namespace.describe(), part) | {"shard": shard}
         self._meta_raw: bytes = msgpack.packb(meta)
         self._expected_meta = msgpack.unpackb(msgpack.packb(meta), raw=False)
-        self._guard = _Guard()
+        self._guard = Guard()
         self._pid = os.getpid()
         self.generation = 0  # bumped whenever the environment underneath is changed
         self.replacements = 0  # times it was moved aside and started empty
@@ -503,36 +452,13 @@ class LmdbEnv:
 
     # -- access pattern ----------------------------------------------------------------------
 
-    @contextmanager
-    def random_access(self, data_fd: int | None = None) -> Iterator[None]:
+    def random_access(self, data_fd: int | None = None) -> AbstractContextManager[None]:
         """Within: no read-ahead on the map (``MADV_RANDOM``), so walking the index (or the
         meta records, at open) reads the pages it touches, not megabytes around each. Loads
-        need read-ahead (py-lmdb touches every page of a value, with the GIL released,
-        before it is copied), so it is back on after. A no-op where the map cannot be found
-        (not Linux). ``data_fd``: of the environment being opened."""
-        span = self._map_span_of_data(self._data_fd if data_fd is None else data_fd)
-        if span is None or _madvise is None or _madvise(span[0], span[1], _MADV_RANDOM):
-            yield
-            return
-        try:
-            yield
-        finally:
-            _madvise(span[0], span[1], _MADV_NORMAL)
-
-    @staticmethod
-    def _map_span_of_data(data_fd: int | None) -> tuple[int, int] | None:
-        """(start, length) of the map of the ``data.mdb`` open as ``data_fd``."""
-        with suppress(OSError, ValueError):
-            inode = os.fstat(data_fd).st_ino if data_fd is not None else None
-            with open("/proc/self/maps", "rb") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    if inode and len(fields) == 6 and int(fields[4]) == inode \
-                            and int(fields[2], 16) == 0 \
-                            and fields[5].strip().endswith(b"/data.mdb"):
-                        start, end = (int(part, 16) for part in fields[0].split(b"-"))
-                        return start, end - start
-        return None
+        need read-ahead, so it is back on after (:mod:`tierkv.tiers.disk_readahead`). A
+        no-op where the map cannot be found (not Linux). ``data_fd``: of the environment
+        being opened."""
+        return random_access(self._data_fd if data_fd is None else data_fd)
 
     # -- running calls -----------------------------------------------------------------------
 

@@ -1,0 +1,63 @@
+"""The namespace of a :class:`~tierkv.engine.store.TierKVStore`: what decides what its
+chunk bytes mean.
+
+- :func:`build_namespace` makes it from the KV layout, the model id, the tokens per block
+  and the config.
+- :func:`check_namespace` refuses a namespace the caller gave that does not describe
+  these tensors and this config (:class:`ConfigError` naming the field and both values).
+"""
+
+from __future__ import annotations
+
+from tierkv.config import StoreConfig
+from tierkv.errors import ConfigError
+from tierkv.keys import Namespace
+from tierkv.transfer.layout import KVLayout
+from tierkv.units import is_int
+
+__all__ = ["build_namespace", "check_namespace"]
+
+
+def build_namespace(
+    layout: KVLayout, model_id: str, tokens_per_block: int, config: StoreConfig
+) -> Namespace:
+    """Everything that decides what this store's chunk bytes mean: the layout (dtype, page
+    shapes and memory order), the layers' names in registration order, and how a chunk's
+    tokens split into blocks. The layout describes one rank's tensors (the library does not
+    know where heads are in them), so ranks of two TP sizes stay apart here; sharing across
+    TP sizes is the vLLM connector's (docs/on-disk-format.md, "Parts")."""
+    if not is_int(tokens_per_block) or tokens_per_block <= 0:
+        raise ConfigError(f"store: tokens_per_block must be a positive int, got {tokens_per_block!r}")
+    parts = config.tp_size  # the namespace's sizes are every part's (every rank's) together
+    return Namespace(
+        model_id=model_id,
+        dtype=layout.dtype_name,
+        kv_layout=layout.describe(),
+        page_bytes=sum(layout.page_bytes) * parts,
+        tokens_per_chunk=tokens_per_block * config.blocks_per_chunk,
+        num_layers=layout.num_layers,
+        layer_names=layout.layer_names,
+        blocks_per_chunk=config.blocks_per_chunk,
+        chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk) * parts,
+    )
+
+
+def check_namespace(namespace: Namespace, layout: KVLayout, config: StoreConfig) -> None:
+    """A namespace given by the caller must describe these tensors and this config: what
+    decides the bytes' meaning is not the caller's to choose (model id, TP size, hash
+    scheme and extra are)."""
+    if not isinstance(namespace, Namespace):
+        raise ConfigError(f"store: namespace must be a Namespace, got {namespace!r}")
+    bpc = config.blocks_per_chunk
+    if namespace.tokens_per_chunk % bpc:
+        raise ConfigError(f"store: namespace tokens_per_chunk={namespace.tokens_per_chunk} "
+                          f"is not a multiple of blocks_per_chunk={bpc}")
+    own = build_namespace(layout, namespace.model_id, namespace.tokens_per_chunk // bpc, config)
+    for name in ("dtype", "kv_layout", "page_bytes", "num_layers", "layer_names",
+                 "blocks_per_chunk", "chunk_bytes"):
+        if getattr(namespace, name) != getattr(own, name):
+            raise ConfigError(
+                f"store: the namespace says {name}={getattr(namespace, name)!r}, the KV "
+                f"tensors and config give {getattr(own, name)!r}; build it with "
+                f"tierkv.engine.store.build_namespace (and dataclasses.replace for model "
+                f"id, hash scheme or extra)")
