@@ -67,24 +67,25 @@ class StoreBatch:
     def add(self, state: RequestState, first: int, end: int) -> None:
         """Chunks ``[first, end)`` of ``state``, planned for store from now on."""
         state.stored_chunks = end
-        keys, bpc = state.view.chunk_keys, self._bpc
-        if not self._grouped:
-            self.keys += keys[first:end]
+        bpc = self._bpc
+        if not self._grouped:  # the hot path: one run of keys and of block ids
+            keys = self.keys
+            keys += state.view.chunk_keys[first:end]
             self.block_ids += state.block_ids[first * bpc : end * bpc]
-            self.ends.append(len(self.keys))
+            self.ends.append(len(keys))
             self.owners.append(state)
             return
         # The chunks with a page the engine no longer holds (NO_BLOCK, or a released block:
         # view.num_released_blocks) are left out: never storable.
-        added = False
+        chunk_keys, added = state.view.chunk_keys, False
         released, positions = state.view.num_released_blocks, self._positions
         for chunk in range(first, end):
             ids = state.block_ids[chunk * bpc : (chunk + 1) * bpc]
             if chunk * positions < released or NO_BLOCK in ids:
-                if not self._contains(keys[chunk]):  # stored already: nothing lost
+                if not self._contains(chunk_keys[chunk]):  # stored already: nothing lost
                     self.without_pages += 1
                 continue
-            self.keys.append(keys[chunk])
+            self.keys.append(chunk_keys[chunk])
             self.block_ids += group_major(ids, self._groups)
             added = True
         if added:
