@@ -30,7 +30,8 @@ def model_state(engine: Engine) -> str:
     lines = {tier: line.line() for tier, line in adapter.costs.loads.items()}
     return (f"figures {json.dumps({k: v for k, v in engine.figures().items() if v})}; compute "
             f"line {adapter.costs.compute.line()}; load lines {lines}; declining "
-            f"{adapter._declining}, declined {adapter._declined}, last loads {adapter._last_load}")
+            f"{adapter.policy.declining}, declined {adapter.policy.declined}, last loads "
+            f"{adapter.policy.last_load}")
 
 
 def test_a_slow_tier_is_declined_and_a_fast_tier_kept(

@@ -32,200 +32,32 @@ It never blocks and never touches tensor bytes. Primitives:
   reported it.
 
 The store watermarks, the fence and why it is kept per request (the per-chunk cost of a
-step) are in docs/engine-adapter.md and docs/design.md.
+step) are in docs/engine-adapter.md and docs/design.md. Per request state:
+:mod:`.request_state`; cost-aware loads: :mod:`.load_policy`; step timing:
+:mod:`.step_timing`; settings and counters: :mod:`.adapter_config`, :mod:`.adapter_stats`.
 """
-
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
-from tierkv.core.costs import DEFAULT_CHUNK_BYTES, TIERS, CostModel, CostPriors
-from tierkv.core.index import BlockIndex, Lookup
-from tierkv.core.state import CpuState
+from tierkv.core.costs import CostModel
+from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import (NO_BLOCK, ChunkCopy, Completion, CompletionTracker, JobId, JobKind,
                               LoadSpec, StoreSpec)
+from tierkv.core.state import CpuState
+from tierkv.engine.adapter_config import LOAD_POLICIES, REQUEST_LOAD_POLICIES, AdapterConfig
+from tierkv.engine.adapter_stats import AdapterStats
+from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted
+from tierkv.engine.request_state import RequestState, StoreBatch, group_major
 from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
-from tierkv.errors import ConfigError, UsageError
+from tierkv.engine.step_timing import StepTimer
+from tierkv.engine.tier_lookup import RemoteAsker, lookup_tiers
+from tierkv.errors import UsageError
 
-
-class RemoteAsker(Protocol):
-    """What the adapter needs of a remote tier's lookups
-    (:class:`tierkv.transfer.remote_lookup.RemoteLookup`): the prefix of ``keys`` whose
-    every rank's value exists, or None ("not yet")."""
-
-    def ask(self, keys: Sequence[bytes]) -> list[bytes] | None: ...
-
-
-def lookup_tiers(index: BlockIndex, remote: RemoteAsker | None,
-                 keys: Sequence[bytes]) -> tuple[Lookup, bool]:
-    """The index's lookup of ``keys``, the chunks past its hits asked of the remote tier
-    first (noted in the index when it has them), and whether the remote tier has not
-    answered yet ("not yet")."""
-    found = index.lookup(keys)
-    if remote is None or found.pending or found.num_hits >= len(keys) \
-            or index.contains(keys[found.num_hits]):
-        return found, False
-    answer = remote.ask(keys[found.num_hits:])
-    if answer is None:
-        return found, True
-    if answer and index.note_remote(answer):
-        found = index.lookup(keys)
-    return found, False
-
-
-LOAD_POLICIES = ("always", "cost")
-# What one request may ask for itself (RequestView.load_policy): an engine's policy, or
-# "recompute": load nothing, ask no tier (the counterfactual of a load, in the same engine).
-REQUEST_LOAD_POLICIES = (*LOAD_POLICIES, "recompute")
-MAX_STEP_SAMPLE_SECONDS = 2.0  # a longer gap between plans is an idle engine, not compute
-MAX_UNFINISHED_STEPS = 8  # plans awaiting step_finished (asynchronous scheduling: 2)
-MAX_PROBE_REQUESTS = 1 << 16  # probe_requests doubles up to this (probe_seconds still holds)
-
-
-@dataclass(frozen=True)
-class AdapterConfig:
-    tokens_per_block: int
-    blocks_per_chunk: int
-    world_size: int = 1
-    offload_prompt_only: bool = False
-    max_chunks_per_request: int | None = None
-    promotion_wait_seconds: float = 5.0
-    wait_for_stores: bool = False
-    # Block ids per token block: one per KV cache group of the engine. A request's block
-    # list then holds the ids of each block position side by side (position-major: ids
-    # [p * groups, (p + 1) * groups) are position p's, group 0 first); NO_BLOCK where a
-    # group holds no page (a sliding-window group before its window). A chunk's jobs list
-    # its ids group-major (blocks_per_chunk ids of group 0, then of group 1, ...).
-    groups: int = 1
-    # The engine may free a running request's blocks (a sliding-window group frees those
-    # that left the window): a block handed out again while a store job still reads it
-    # waits for that job (a fence), as for the blocks of requests that finished.
-    frees_running_blocks: bool = False
-    # Same-step loads: a hit whose chunks all sit in the CPU tier is copied before this
-    # step's forward pass, up to this many chunks per step (0: every load is asynchronous
-    # and the request waits a step or two for it). See sync_load().
-    sync_load_chunks: int = 0
-    # Cost-aware loads: "always" loads every hit; "cost" loads the prefix of a hit whose
-    # estimated load time plus the compute time of the rest is least (tierkv.core.costs:
-    # measured per tier and from the engine's steps, priors until then). load_bias scales
-    # the load estimates (above 1 favours recompute).
-    load_policy: str = "always"
-    load_bias: float = 1.0
-    cost_priors: CostPriors = field(default_factory=CostPriors)
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # one chunk on one rank (the priors' unit)
-    # A tier whose loads were declined for this long is tried again with the next hit
-    # on it (a slow node may have recovered): one load is its new measurement. So is one
-    # declined for probe_requests requests in a row (0: never), a number that doubles
-    # with each probe until the model itself loads from the tier again: one slow load
-    # (a spike) costs a fast tier a few requests, not probe_seconds of them, and a slow
-    # tier's probes thin out.
-    probe_seconds: float = 30.0
-    probe_requests: int = 8
-
-    def __post_init__(self) -> None:
-        if self.load_policy not in LOAD_POLICIES:
-            raise ConfigError(f"adapter: load_policy must be one of {list(LOAD_POLICIES)}, got "
-                              f"{self.load_policy!r}")
-        if isinstance(self.load_bias, bool) or not isinstance(self.load_bias, (int, float)) \
-                or not self.load_bias > 0:
-            raise ConfigError(f"adapter: load_bias must be a number > 0, got {self.load_bias!r}")
-        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) \
-                or self.chunk_bytes <= 0:
-            raise ConfigError(f"adapter: chunk_bytes must be a positive int, got "
-                              f"{self.chunk_bytes!r}")
-        if isinstance(self.probe_requests, bool) or not isinstance(self.probe_requests, int) \
-                or self.probe_requests < 0:
-            raise ConfigError(f"adapter: probe_requests must be an int >= 0, got "
-                              f"{self.probe_requests!r}")
-        if isinstance(self.sync_load_chunks, bool) or not isinstance(self.sync_load_chunks, int) \
-                or self.sync_load_chunks < 0:
-            raise ConfigError(f"adapter: sync_load_chunks must be an int >= 0, got "
-                              f"{self.sync_load_chunks!r}")
-        for name in ("tokens_per_block", "blocks_per_chunk", "world_size", "groups"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"adapter.{name} must be a positive int, got {value!r}")
-        if self.max_chunks_per_request is not None and self.max_chunks_per_request < 0:
-            raise ConfigError(
-                f"adapter.max_chunks_per_request must be >= 0, got {self.max_chunks_per_request!r}"
-            )
-
-    @property
-    def tokens_per_chunk(self) -> int:
-        return self.tokens_per_block * self.blocks_per_chunk
-
-
-@dataclass(slots=True)
-class _Request:
-    view: RequestView
-    block_ids: list[int] = field(default_factory=list)
-    stored_chunks: int = 0  # chunks [0, stored_chunks) were planned for store (or present)
-    jobs: set[JobId] = field(default_factory=set)
-    finished: bool = False
-    aborted: bool = False
-    released: int = 0  # block positions of view.num_released_blocks noted for the fence
-
-
-class _Candidates:
-    """Chunks to store in one job, laid end to end: a run per request (its keys and GPU
-    blocks), ``ends`` where each run ends, ``owners`` the request of each run."""
-
-    __slots__ = ("keys", "block_ids", "ends", "owners")
-
-    def __init__(self) -> None:
-        self.keys: list[bytes] = []
-        self.block_ids: list[int] = []
-        self.ends: list[int] = []
-        self.owners: list[_Request] = []
-
-    def add(self, state: _Request, first: int, end: int, blocks_per_chunk: int) -> None:
-        self.keys += state.view.chunk_keys[first:end]
-        self.block_ids += state.block_ids[first * blocks_per_chunk : end * blocks_per_chunk]
-        self.ends.append(len(self.keys))
-        self.owners.append(state)
-
-
-@dataclass
-class AdapterStats:
-    lookups: int = 0
-    hit_tokens: int = 0
-    not_yet: int = 0
-    loads_planned: int = 0
-    loads_failed_chunks: int = 0
-    stores_planned: int = 0
-    flushes: int = 0
-    requests_freed: int = 0
-    waits_on_stores: int = 0
-    hit_tokens_cpu: int = 0
-    hit_tokens_disk: int = 0
-    hit_tokens_remote: int = 0
-    remote_not_yet: int = 0
-    # Tokens past the engine's own prefix hit of requests that were allocated (the engine
-    # reports them with count_queried); hit_tokens_* / queried_tokens is tierkv's hit rate.
-    queried_tokens: int = 0
-    # Chunks not stored because the engine no longer held one of their pages (several
-    # groups: a sliding-window block freed, or never given, before the chunk was stored).
-    stores_without_pages: int = 0
-    sync_loads: int = 0  # loads copied in the step that asked for them (sync_load_chunks)
-    # load_policy "cost": hit tokens declined (recomputed instead) by the tier that held
-    # them, and the taken loads' estimated and measured seconds by their slowest tier.
-    load_probes: int = 0  # loads taken against the estimate, to measure a declined tier
-    load_lines_restarted: int = 0  # probes that beat their estimate 2x: the tier's line anew
-    remote_lookups_skipped: int = 0  # requests not asked of a remote tier being declined
-    lookups_recompute: int = 0  # lookups of requests that asked for load_policy "recompute"
-    declined_tokens_cpu: int = 0
-    declined_tokens_disk: int = 0
-    declined_tokens_remote: int = 0
-    load_seconds_estimated_cpu: float = 0.0
-    load_seconds_estimated_disk: float = 0.0
-    load_seconds_estimated_remote: float = 0.0
-    load_seconds_measured_cpu: float = 0.0
-    load_seconds_measured_disk: float = 0.0
-    load_seconds_measured_remote: float = 0.0
+__all__ = ["LOAD_POLICIES", "REQUEST_LOAD_POLICIES", "AdapterConfig", "AdapterStats",
+           "EngineAdapter", "RemoteAsker", "lookup_tiers"]
 
 
 class EngineAdapter:
@@ -251,57 +83,50 @@ class EngineAdapter:
         self._prompt_only = config.offload_prompt_only
         self._max_chunks = config.max_chunks_per_request if config.max_chunks_per_request is not None else 1 << 62
         self._tracker = CompletionTracker(config.world_size)
-        self._requests: dict[str, _Request] = {}
+        self.stats = AdapterStats()
+        # Everything tracked per request, from its blocks until its last job is done.
+        self._requests: dict[str, RequestState] = {}
         # The requests whose chunks a job in flight moves (a step's store job is shared).
-        self._job_owners: dict[JobId, list[_Request]] = {}
+        self._job_owners: dict[JobId, list[RequestState]] = {}
         # GPU blocks of requests that left (finished, aborted) while jobs of theirs may be
         # in flight: block -> request. Written once per request, not per chunk.
         self._released: dict[int, str] = {}
+        # Lookups that heard "not yet" (a promotion, the remote tier; a store under way):
+        # request -> when it first did (the request may not be admitted yet).
         self._pending_since: dict[str, float] = {}
         self._store_wait_since: dict[str, float] = {}
         self._finishing: set[bytes] = set()  # chunks of requests that finished since the plan
-        self._load_sources: dict[str, tuple[int, int, int]] = {}
         self._finished_queue: list[str] = []
         # Requests that finished and whose state is not freed yet (last plan to come, or
         # jobs in flight): their id may not come back as a new request (see _refuse_reuse).
         self._departed: set[str] = set()
         self._pending_loads: list[LoadRequest] = []
         self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
-        # Requests whose load lost a chunk: the engine recomputes them, and their next
-        # lookups hit nothing (a chunk whose copy keeps failing is not loaded forever).
-        self._reloads_refused: set[str] = set()
         # frees_running_blocks: blocks a running request released (view.num_released_blocks)
         # while a job of it was in flight -> the request; recorded once, when released.
         self._fence_running = config.frees_running_blocks
         self._freed_running: dict[int, str] = {}
-        # Same-step loads decided by this step's lookups (request -> chunks), and the
-        # chunks of the step's budget they took.
+        # This step's lookups' decisions (cleared by each plan): same-step loads (request ->
+        # chunks) and the chunks of the step's budget they took; the loads' estimates.
         self._sync: dict[str, int] = {}
         self._sync_budget = config.sync_load_chunks
-        # Cost-aware loads: the model (under either policy: a request may ask for "cost"
-        # itself; an "always" engine estimates and measures only those requests' loads),
-        # each taken load's (planned at, slowest tier, chunks, estimate, probe, same-step),
-        # and the last plan's (time, tokens) for the compute line.
-        self.costs = CostModel(config.cost_priors, config.chunk_bytes, load_bias=config.load_bias)
-        self._last_load = dict.fromkeys(TIERS, -float("inf"))  # a load taken, by tier
-        self._declining: dict[str, float | None] = dict.fromkeys(TIERS)  # since when declined
-        self._declined = dict.fromkeys(TIERS, 0)  # requests declined (or not asked) since
-        self._probe_every = dict.fromkeys(TIERS, config.probe_requests)  # ... before a probe
-        self._estimates: dict[str, tuple[str, int, float, bool]] = {}
-        self._load_started: dict[JobId, tuple[float, str, int, float, bool, bool]] = {}
-        self._last_plan: tuple[float, int] | None = None
-        # Plans whose steps the engine has not reported finished (step_finished), oldest
-        # first; once it reports, its steps are timed by it, not by the gaps between plans.
-        self._unfinished: deque[tuple[float, int]] = deque(maxlen=MAX_UNFINISHED_STEPS)
-        self._step_ends = False
-        self._last_end = -float("inf")  # when the last reported step ended
-        self.stats = AdapterStats()
+        self._estimates: dict[str, Estimate] = {}
+        # Cost-aware loads (load_policy "cost", or a request's own): the decisions, each
+        # taken load's timing, and the compute line from the engine's steps.
+        self.policy = CostPolicy(index, config, clock, self.stats)
+        self._load_started: dict[JobId, LoadStarted] = {}
+        self._timer = StepTimer(self.policy.costs, clock)
+
+    @property
+    def costs(self) -> CostModel:  # the cost model of cost-aware loads (tierkv.core.costs)
+        return self.policy.costs
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, view: RequestView, num_local_tokens: int) -> int | None:
         self.stats.lookups += 1
         self._sync_budget += self._sync.pop(view.req_id, 0)  # asked again: the last answer is void
-        if view.req_id in self._reloads_refused:
+        state = self._requests.get(view.req_id)
+        if state is not None and state.reloads_refused:
             return 0
         policy = view.load_policy or self.config.load_policy
         if policy not in REQUEST_LOAD_POLICIES:
@@ -316,7 +141,7 @@ class EngineAdapter:
         # At least one token must be left to compute, and only whole chunks load.
         end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
         remote = self.remote
-        skipped = remote is not None and policy == "cost" and self._remote_declined()
+        skipped = remote is not None and policy == "cost" and self.policy.remote_declined()
         if skipped:
             remote = None  # every remote hit would be declined: not worth a round trip
         found, asking = lookup_tiers(self.index, remote, view.chunk_keys[start:end])
@@ -335,125 +160,21 @@ class EngineAdapter:
         self._store_wait_since.pop(view.req_id, None)
         hits, on_cpu = found.num_hits, found.num_on_cpu
         if hits and (policy == "cost" or self.config.load_policy == "cost"):
-            hits, on_cpu = self._choose_loads(view, start, found, num_local_tokens,
-                                              decide=policy == "cost")
+            hits, on_cpu, estimate = self.policy.choose_loads(
+                view.chunk_keys, start, found, num_local_tokens, decide=policy == "cost")
+            if estimate is None:
+                self._estimates.pop(view.req_id, None)
+            else:
+                self._estimates[view.req_id] = estimate
             stop = start + hits
         tokens = max(stop * tpc - num_local_tokens, 0) if hits else 0
         if skipped:  # counted once per answer (a request may hear "not yet" many times)
-            self.stats.remote_lookups_skipped += 1
-            self._declined["remote"] += 1
+            self.policy.remote_skipped()
         self.stats.hit_tokens += tokens
         if tokens and on_cpu == hits <= self._sync_budget:
             self._sync[view.req_id] = hits
             self._sync_budget -= hits
         return tokens
-
-    def _runs(self, keys: Sequence[bytes], found: Lookup) -> list[tuple[str, int]]:
-        """The hit's chunks as ``(tier, count)`` runs in prefix order; one tier (the common
-        case) is read off the lookup without a walk."""
-        hits = len(keys)
-        if found.num_on_cpu == hits:
-            return [("cpu", hits)]
-        if found.num_remote == hits:
-            return [("remote", hits)]
-        if not found.num_on_cpu and not found.num_remote:
-            return [("disk", hits)]
-        runs: list[tuple[str, int]] = []
-        entry_of = self.index.entry
-        for key in keys:
-            entry = entry_of(key)
-            tier = ("remote" if entry is None  # a mark: on the remote tier only
-                    else "cpu" if entry.cpu is CpuState.READY else "disk")
-            if runs and runs[-1][0] == tier:
-                runs[-1] = (tier, runs[-1][1] + 1)
-            else:
-                runs.append((tier, 1))
-        return runs
-
-    def _choose_loads(self, view: RequestView, start: int, found: Lookup,
-                      num_local_tokens: int, decide: bool) -> tuple[int, int]:
-        """The prefix of the hit to load: the whole hit (a request that asks for "always"
-        in a cost engine), or (``decide``) the prefix CostModel.best_prefix picks, the rest
-        declined and counted by tier. The load taken is estimated either way (measured when
-        it completes: the model learns from both). Returns (chunks, of them in the CPU
-        tier)."""
-        costs = self.costs
-        tpc, hits = self._tpc, found.num_hits
-        runs = self._runs(view.chunk_keys[start:start + hits], found)
-        first_tokens = (start + 1) * tpc - num_local_tokens
-        take = chosen = hits
-        if decide:
-            take = chosen = costs.best_prefix(runs, tpc, first_chunk_tokens=first_tokens)[0]
-            if take < hits:
-                take = self._maybe_probe(runs, take)
-        probe = take != chosen
-        taken: dict[str, int] = {}
-        position = 0
-        stats = self.stats
-        for tier, size in runs:
-            keep = min(size, max(take - position, 0))
-            if keep:
-                taken[tier] = taken.get(tier, 0) + keep
-            if keep < size:  # declined: the first chunk may be partly the engine's own hit
-                declined = (size - keep) * tpc - (tpc - first_tokens if position + keep == 0
-                                                  else 0)
-                setattr(stats, f"declined_tokens_{tier}",
-                        getattr(stats, f"declined_tokens_{tier}") + declined)
-            position += size
-        if take:
-            now = self._clock()
-            for tier in taken:
-                self._last_load[tier] = now
-                if decide and take == chosen:  # the model's own choice, not a probe
-                    self._probe_every[tier] = self.config.probe_requests
-            slowest = "remote" if "remote" in taken else "disk" if "disk" in taken else "cpu"
-            self._estimates[view.req_id] = (slowest, take, costs.load_seconds(taken), probe)
-        else:
-            self._estimates.pop(view.req_id, None)
-        return take, taken.get("cpu", 0)
-
-    def _remote_declined(self) -> bool:
-        """load_policy "cost": the remote tier's hits are being declined, no load could pay
-        (CostModel.never_pays) and its probe is not due: its lookups are skipped too, so a
-        slow node costs the scheduler no round trip per request. Once its probe is due
-        (probe_seconds, or probe_requests requests skipped), the next lookup asks it again
-        and its hit is the probe."""
-        since = self._declining["remote"]
-        return (since is not None and since >= self._last_load["remote"]
-                and self._clock() - since < self.config.probe_seconds
-                and not self._probe_due("remote")
-                and self.costs.never_pays("remote", self._tpc))
-
-    def _probe_due(self, tier: str) -> bool:
-        """Whether ``tier`` was declined for its count of requests (probe_requests)."""
-        every = self._probe_every[tier]
-        return every > 0 and self._declined[tier] >= every
-
-    def _maybe_probe(self, runs: list[tuple[str, int]], take: int) -> int:
-        """A tier declined for ``probe_seconds``, or for its count of requests in a row
-        (``probe_requests``, doubled by each probe), gets one load (a new measurement: a
-        slow node may have recovered, a fast tier's slow load may have been a spike): the
-        whole hit then."""
-        position = 0
-        tier = runs[-1][0]
-        for tier, size in runs:  # the tier of the first declined chunk
-            if position + size > take:
-                break
-            position += size
-        now = self._clock()
-        since = self._declining[tier]
-        if since is None or since < self._last_load[tier]:  # declining from now on
-            self._declining[tier] = now
-            self._declined[tier] = 1
-        elif now - since >= self.config.probe_seconds or self._probe_due(tier):
-            self._declining[tier] = now
-            self._declined[tier] = 0
-            self._probe_every[tier] = min(2 * self._probe_every[tier], MAX_PROBE_REQUESTS)
-            self.stats.load_probes += 1
-            return sum(size for _, size in runs)
-        else:
-            self._declined[tier] += 1
-        return take
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         """A custom engine's measured prefill: ``seconds`` to compute ``num_tokens`` (one
@@ -503,18 +224,23 @@ class EngineAdapter:
             self._refuse_reuse(view.req_id)
         state = self._requests.get(view.req_id)
         if state is None:
-            state = self._requests[view.req_id] = _Request(view)
+            state = self._requests[view.req_id] = RequestState(view)
         state.view = view
         state.block_ids = list(block_ids)
         # The first block id past the local hit (ids of `groups` groups per block position)
         first_new = num_local_tokens // self.config.tokens_per_block * self._groups
         if self._released or self._fence_running:  # blocks a job may still read: fence them
             self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
-        if num_external_tokens <= 0:
-            return
+        if num_external_tokens > 0:
+            self._plan_load(state, num_local_tokens, num_external_tokens, first_new)
+
+    def _plan_load(self, state: RequestState, num_local_tokens: int, num_external_tokens: int,
+                   first_new: int) -> None:
+        """The load of the promised chunks into the request's new blocks (from block id
+        ``first_new``), sent with the next plan."""
+        view = state.view
         tpc, bpc = self._tpc, self._bpc
-        start = num_local_tokens // tpc
-        end = (num_local_tokens + num_external_tokens) // tpc
+        start, end = num_local_tokens // tpc, (num_local_tokens + num_external_tokens) // tpc
         plan = self.index.prepare_load(view.chunk_keys[start:end])
         skip_first = first_new - start * bpc
         chunks = []
@@ -527,7 +253,7 @@ class EngineAdapter:
                 blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
             else:  # the local hit's pages (leading, position-major) as NO_BLOCK: untouched
                 ids = state.block_ids[chunk * bpc : (chunk + 1) * bpc]
-                blocks = tuple(self._group_major([NO_BLOCK] * skip + ids[skip:]))
+                blocks = tuple(group_major([NO_BLOCK] * skip + ids[skip:], self._groups))
                 skip = 0
             remote = key in from_remote
             parts = self.source_parts(key, remote) if (from_disk or remote) \
@@ -544,17 +270,18 @@ class EngineAdapter:
         lost = tuple(block for block in state.block_ids[max(lost_from, first_new) : end * bpc]
                      if block != NO_BLOCK)
         if lost:
-            self._reloads_refused.add(view.req_id)
+            state.reloads_refused = True
         spec = None
         sync = view.req_id in self._sync
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
-            self._track(plan.job_id, view.req_id)
+            self._job_owners[plan.job_id] = [state]
+            state.jobs.add(plan.job_id)
             self.stats.loads_planned += len(chunks)
             estimate = self._estimates.pop(view.req_id, None)
             if estimate is not None:
                 self._load_started[plan.job_id] = (self._clock(), *estimate, sync)
-        self._load_sources[view.req_id] = (cpu_tokens, disk_tokens, remote_tokens)
+        state.load_sources = (cpu_tokens, disk_tokens, remote_tokens)
         self.stats.hit_tokens_cpu += cpu_tokens
         self.stats.hit_tokens_disk += disk_tokens
         self.stats.hit_tokens_remote += remote_tokens
@@ -566,16 +293,20 @@ class EngineAdapter:
 
     def take_load_sources(self, req_id: str) -> tuple[int, int, int]:
         """Tokens of the request's last planned load from the CPU, disk and remote tiers."""
-        return self._load_sources.pop(req_id, (0, 0, 0))
+        state = self._requests.get(req_id)
+        if state is None or state.load_sources is None:
+            return (0, 0, 0)
+        sources, state.load_sources = state.load_sources, None
+        return sources
 
     def request_finished(self, view: RequestView, aborted: bool = False) -> None:
-        self._reloads_refused.discard(view.req_id)
         self._store_wait_since.pop(view.req_id, None)
-        self._load_sources.pop(view.req_id, None)
         self._finishing.update(view.chunk_keys)
         state = self._requests.get(view.req_id)
         if state is None:
             return
+        state.reloads_refused = False
+        state.load_sources = None
         state.view = view
         state.finished = True
         state.aborted = aborted
@@ -585,96 +316,13 @@ class EngineAdapter:
         self._released.update(dict.fromkeys(state.block_ids, view.req_id))
 
     # ------------------------------------------------------------------ planning
-    def _add_departed_run(self, state: _Request, batch: _Candidates) -> None:
-        """The chunks a finished request may still store: up to ``max(prompt, tokens - 1)``
-        (never the last sampled token's slot) and never past what was computed; aborted:
-        what was computed."""
-        view = state.view
-        if state.aborted:
-            mark = view.num_computed_tokens
-        else:
-            mark = min(max(view.num_prompt_tokens, view.num_tokens - 1), view.num_computed_tokens)
-        if self._prompt_only and mark > view.num_prompt_tokens:
-            mark = view.num_prompt_tokens
-        target = min(mark // self._tpc, len(view.chunk_keys), len(state.block_ids) // self._bpc, self._max_chunks)
-        first = state.stored_chunks
-        if target > first:
-            state.stored_chunks = target
-            if not self._grouped:
-                batch.add(state, first, target, self._bpc)
-            else:
-                self._add_grouped(batch, state, first, target)
-
-    def _group_major(self, ids: list[int]) -> list[int]:
-        """One chunk's position-major block ids, group-major (see AdapterConfig.groups)."""
-        groups = self._groups
-        out = ids[0::groups]
-        for group in range(1, groups):
-            out += ids[group::groups]
-        return out
-
-    def _add_grouped(self, batch: _Candidates, state: _Request, first: int, end: int) -> None:
-        """``batch.add`` for block lists that may lack pages: each chunk's ids group-major,
-        and the chunks with a page the engine no longer holds (NO_BLOCK, or a released
-        block: ``view.num_released_blocks``) left out: never storable."""
-        keys, bpc, added = state.view.chunk_keys, self._bpc, False
-        released = state.view.num_released_blocks
-        positions = self.config.blocks_per_chunk
-        for chunk in range(first, end):
-            ids = state.block_ids[chunk * bpc : (chunk + 1) * bpc]
-            if chunk * positions < released or NO_BLOCK in ids:
-                if not self.index.contains(keys[chunk]):  # stored already: nothing lost
-                    self.stats.stores_without_pages += 1
-                continue
-            batch.keys.append(keys[chunk])
-            batch.block_ids += self._group_major(ids)
-            added = True
-        if added:
-            batch.ends.append(len(batch.keys))
-            batch.owners.append(state)
-
-    def _store_job(self, batch: _Candidates) -> StoreSpec | None:
-        """One store job for the candidate chunks (see BlockIndex.prepare_store_many)."""
-        if not batch.keys:
-            return None
-        candidates = batch.owners
-
-        def protected(run: int) -> Sequence[bytes]:  # a request's chunks up to its new end
-            owner = candidates[run]
-            return owner.view.chunk_keys[: owner.stored_chunks]
-
-        plan = self.index.prepare_store_many(batch.keys, batch.ends, protected)
-        job_id = plan.job_id
-        if job_id is None:
-            return None
-        block_ids = batch.block_ids
-        owners = candidates
-        if plan.placed is not None:  # some keys were present or found no room
-            bpc, ends = self._bpc, batch.ends
-            all_blocks, block_ids, owners = block_ids, [], []
-            run = 0
-            for i in plan.placed:
-                while i >= ends[run]:
-                    run += 1
-                if not owners or owners[-1] is not candidates[run]:
-                    owners.append(candidates[run])  # only requests with a chunk in the job
-                block_ids += all_blocks[i * bpc : (i + 1) * bpc]
-        for owner in owners:
-            owner.jobs.add(job_id)
-        self._job_owners[job_id] = owners
-        self.stats.stores_planned += len(plan.keys)
-        return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
-
-    def _refuse_reuse(self, req_id: str) -> NoReturn:
-        raise UsageError(
-            f"engine adapter: request id {req_id!r} came back before the request that "
-            f"finished under it was let go (its last stores planned, none of its jobs in "
-            f"flight); request ids must be unique (the fence tells requests apart by id: a "
-            f"block of the old request handed to the new one would not be flushed). Nothing "
-            f"was changed.")
-
     def build_plan(self, step: StepInput) -> StepPlan:
-        self._observe_step(step)
+        """The step's plan, in named steps: refuse a departed request's id; flush what a
+        preempted request's jobs hold, note the new blocks, store the finished requests'
+        last chunks (their own job), fence blocks handed out that a departed request's jobs
+        may still use, store the running requests' completed chunks (one job), then loads,
+        spills and flushes."""
+        self._timer.planned(sum(step.num_scheduled_tokens.values()))
         if self._departed:  # before any state changes: a refused step changes nothing
             for req_id in self._departed:
                 if req_id in step.requests or req_id in step.new_block_ids:
@@ -688,58 +336,113 @@ class EngineAdapter:
         for req_id in step.preempted:
             state = self._requests.get(req_id)
             if state is not None:
-                flush.update(dict.fromkeys(j for j in state.jobs if j not in fresh))
+                self._flush_jobs(state, flush, fresh)
                 if not state.jobs & fresh:
                     state.block_ids = []
+        allocated = self._take_new_blocks(step)
+        # Finished requests first: their last full chunk is stored now, in a job of its
+        # own: its bytes are on the GPU already, so a fence may flush it before the forward
+        # pass; the running requests' job needs this step's forward pass.
+        finished, self._finished_queue = self._finished_queue, []
+        finished_job = self._store_finished(finished) if finished else None
+        allocated.pop(NO_BLOCK, None)
+        if self._released:
+            self._fence_departed(allocated, flush, fresh)
+        for req_id in finished:
+            self._maybe_free(req_id)
+        # One store job for every running request's new chunks (per-job costs paid once).
+        batch = self._store_batch()
+        self._add_running(step, batch)
+        if self._freed_running:  # new blocks are in `allocated` only with departed requests
+            self._fence_freed_running(
+                (allocated, *(() if self._released else step.new_block_ids.values())),
+                flush, fresh)
+        stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
+        return self._finish_plan(step, stores, flush)
+
+    def _refuse_reuse(self, req_id: str) -> NoReturn:
+        raise UsageError(
+            f"engine adapter: request id {req_id!r} came back before the request that "
+            f"finished under it was let go (its last stores planned, none of its jobs in "
+            f"flight); request ids must be unique (the fence tells requests apart by id: a "
+            f"block of the old request handed to the new one would not be flushed). Nothing "
+            f"was changed.")
+
+    @staticmethod
+    def _flush_jobs(state: RequestState, flush: dict[JobId, None], fresh: set[JobId]) -> None:
+        """The request's jobs in flight finish before the step (but this step's loads)."""
+        flush.update(dict.fromkeys(j for j in state.jobs if j not in fresh))
+
+    def _take_new_blocks(self, step: StepInput) -> dict[int, str]:
+        """The step's new blocks into the requests' states; returns the blocks handed out
+        since the last plan (block -> request) that a departed request may still use."""
         allocated, self._allocated = self._allocated, {}
+        requests, released = self._requests, self._released
         for req_id, blocks in step.new_block_ids.items():
-            state = self._requests.get(req_id)
+            state = requests.get(req_id)
             if state is not None:
                 if req_id in step.replaced_blocks:
                     state.block_ids = list(blocks)
                     state.released = 0
                 else:
                     state.block_ids.extend(blocks)
-            if self._released:
+            if released:
                 allocated.update(dict.fromkeys(blocks, req_id))
-        # Finished requests first: their last full chunk is stored now, in a job of its
-        # own: its bytes are on the GPU already, so a fence may flush it before the forward
-        # pass; the running requests' job needs this step's forward pass.
-        finished, self._finished_queue = self._finished_queue, []
-        finished_job = None
-        if finished:
-            batch = _Candidates()
-            for req_id in finished:
-                state = self._requests.get(req_id)
-                if state is not None:
-                    self._add_departed_run(state, batch)
-            finished_job = self._store_job(batch)
-        # Fence: a block handed out this step (to a scheduled request or an async load)
-        # that a departed request's job may still use: that request's jobs finish first.
-        allocated.pop(NO_BLOCK, None)
-        for block, req_id in allocated.items() if self._released else ():
+        return allocated
+
+    def _store_finished(self, finished: list[str]) -> StoreSpec | None:
+        """The finished requests' last chunks: up to ``max(prompt, tokens - 1)`` (never the
+        last sampled token's slot) and never past what was computed; aborted: what was
+        computed. One job."""
+        batch = self._store_batch()
+        for req_id in finished:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            view = state.view
+            if state.aborted:
+                mark = view.num_computed_tokens
+            else:
+                mark = min(max(view.num_prompt_tokens, view.num_tokens - 1),
+                           view.num_computed_tokens)
+            if self._prompt_only and mark > view.num_prompt_tokens:
+                mark = view.num_prompt_tokens
+            target = min(mark // self._tpc, len(view.chunk_keys),
+                         len(state.block_ids) // self._bpc, self._max_chunks)
+            if target > state.stored_chunks:
+                batch.add(state, state.stored_chunks, target)
+        return self._store_job(batch)
+
+    def _fence_departed(self, allocated: dict[int, str], flush: dict[JobId, None],
+                        fresh: set[JobId]) -> None:
+        """Fence: a block handed out this step (to a scheduled request or an async load)
+        that a departed request's job may still use: that request's jobs finish first."""
+        for block, req_id in allocated.items():
             owner = self._released.get(block)
             if owner is not None and owner != req_id:
                 owner_state = self._requests.get(owner)
                 if owner_state is not None:
-                    flush.update(dict.fromkeys(j for j in owner_state.jobs if j not in fresh))
-        for req_id in finished:
-            self._maybe_free(req_id)
-        # One store job for every running request's new chunks (per-job costs paid once).
+                    self._flush_jobs(owner_state, flush, fresh)
+
+    def _store_batch(self) -> StoreBatch:
+        return StoreBatch(self.config.blocks_per_chunk, self._groups, self._grouped,
+                          self.index.contains)
+
+    def _add_running(self, step: StepInput, batch: StoreBatch) -> None:
+        """Each scheduled request's chunks completed up to its running watermark (this loop
+        is the scheduler's hot path: most steps complete no chunk)."""
         requests = self._requests
         scheduled = step.num_scheduled_tokens
         tpc, bpc, max_chunks, prompt_only = self._tpc, self._bpc, self._max_chunks, self._prompt_only
-        grouped, fence_running = self._grouped, self._fence_running
-        batch = _Candidates()
-        keys_to_store, blocks_to_store, ends, owners = batch.keys, batch.block_ids, batch.ends, batch.owners
+        fence_running = self._fence_running
+        add = batch.add
         for req_id, view in step.requests.items():
             state = requests.get(req_id)
             if state is None:
-                state = requests[req_id] = _Request(view, list(step.new_block_ids.get(req_id, ())))
+                state = requests[req_id] = RequestState(view, list(step.new_block_ids.get(req_id, ())))
             state.view = view
             if fence_running and view.num_released_blocks > state.released:
                 self._note_released(state, view.num_released_blocks)
-            # The running watermark, inline (this loop is the scheduler's hot path).
             mark = view.num_computed_tokens + scheduled.get(req_id, 0)
             if prompt_only and mark > view.num_prompt_tokens:
                 mark = view.num_prompt_tokens
@@ -747,27 +450,19 @@ class EngineAdapter:
             target = mark // tpc
             if target <= first:  # most steps: no chunk completes
                 continue
-            keys = view.chunk_keys
-            if target > len(keys):
-                target = len(keys)
+            if target > len(view.chunk_keys):
+                target = len(view.chunk_keys)
             if target * bpc > len(state.block_ids):
                 target = len(state.block_ids) // bpc
             if target > max_chunks:
                 target = max_chunks
-            if target > first:  # batch.add, inline
-                state.stored_chunks = target
-                if grouped:
-                    self._add_grouped(batch, state, first, target)
-                    continue
-                keys_to_store += keys[first:target]
-                blocks_to_store += state.block_ids[first * bpc : target * bpc]
-                ends.append(len(keys_to_store))
-                owners.append(state)
-        if self._freed_running:  # new blocks are in `allocated` only with departed requests
-            self._fence_freed_running(
-                (allocated, *(() if self._released else step.new_block_ids.values())),
-                flush, fresh)
-        stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
+            if target > first:
+                add(state, first, target)
+
+    def _finish_plan(self, step: StepInput, stores: tuple[StoreSpec, ...],
+                     flush: dict[JobId, None]) -> StepPlan:
+        """The plan: the loads planned since the last one, the stores, spills and flushes;
+        this step's lookup decisions end here."""
         loads, self._pending_loads = tuple(self._pending_loads), []
         self._sync.clear()  # a lookup whose request was not scheduled: its budget is back
         self._estimates.clear()
@@ -778,39 +473,34 @@ class EngineAdapter:
         idle = not any(step.num_scheduled_tokens.values())
         return StepPlan(loads, stores, (spill,) if spill is not None else (), tuple(flush), idle)
 
-    def _observe_step(self, step: StepInput) -> None:
-        """The engine's compute line from its steps. An engine that reports its steps'
-        ends (step_finished) is timed by them; else the time from one plan to the next is
-        the previous step's (its forward pass computed its scheduled tokens), which also
-        counts the engine's idle time before the next plan. A gap over
-        MAX_STEP_SAMPLE_SECONDS is an idle engine, not compute."""
-        now = self._clock()
-        tokens = sum(step.num_scheduled_tokens.values())
-        self._unfinished.append((now, tokens))
-        if self._step_ends:
-            return
-        last = self._last_plan
-        if last is not None and last[1] > 0 and now - last[0] <= MAX_STEP_SAMPLE_SECONDS:
-            self.costs.observe_compute(last[1], now - last[0])
-        self._last_plan = (now, tokens)
+    def _store_job(self, batch: StoreBatch) -> StoreSpec | None:
+        """One store job for the candidate chunks (see BlockIndex.prepare_store_many)."""
+        self.stats.stores_without_pages += batch.without_pages
+        if not batch.keys:
+            return None
+        candidates = batch.owners
+
+        def protected(run: int) -> Sequence[bytes]:  # a request's chunks up to its new end
+            owner = candidates[run]
+            return owner.view.chunk_keys[: owner.stored_chunks]
+
+        plan = self.index.prepare_store_many(batch.keys, batch.ends, protected)
+        job_id = plan.job_id
+        if job_id is None:
+            return None
+        block_ids, owners = batch.block_ids, candidates
+        if plan.placed is not None:  # some keys were present or found no room
+            block_ids, owners = batch.placed(plan.placed)
+        for owner in owners:
+            owner.jobs.add(job_id)
+        self._job_owners[job_id] = owners
+        self.stats.stores_planned += len(plan.keys)
+        return StoreSpec(job_id, plan.keys, plan.slots, tuple(block_ids))
 
     def step_finished(self) -> None:
         """The engine finished the step of its oldest plan not yet reported (forward pass
-        and sampling done; the vLLM connector reports each step's output). That step's
-        tokens took the time since its plan (or since the step before it ended): the
-        compute line learns that, not the gaps between plans, which count the time an idle
-        engine waited for its next request."""
-        self._step_ends = True
-        if not self._unfinished:
-            return
-        planned, tokens = self._unfinished.popleft()
-        now = self._clock()
-        # A step planned while the previous one ran (asynchronous scheduling) starts when
-        # that one ends.
-        seconds = now - max(planned, self._last_end)
-        self._last_end = now
-        if tokens > 0 and seconds <= MAX_STEP_SAMPLE_SECONDS:
-            self.costs.observe_compute(tokens, seconds)
+        and sampling done; the vLLM connector reports each step's output): see StepTimer."""
+        self._timer.step_finished()
 
     def take_flush_spills(self) -> StepPlan:
         """A plan that writes every dirty CPU chunk to disk (clean shutdown)."""
@@ -827,41 +517,18 @@ class EngineAdapter:
                 continue
             if (not merged.ok or merged.failed_keys) \
                     and self.index.job_kind(merged.job_id) is JobKind.LOAD:
-                self._reloads_refused.update(
-                    owner.view.req_id for owner in self._job_owners.get(merged.job_id, ()))
+                for owner in self._job_owners.get(merged.job_id, ()):
+                    owner.reloads_refused = True
             if self._load_started:
                 started = self._load_started.pop(merged.job_id, None)
                 if started is not None and merged.ok and not merged.failed_keys:
-                    self._measured_load(merged, *started)
+                    self.policy.measured_load(merged, started)
             self.index.complete(merged)
             self._untrack(merged.job_id)
             done.append(merged)
         return done
 
-    def _measured_load(self, completion: Completion, planned_at: float, tier: str, chunks: int,
-                       estimate: float, probe: bool, sync: bool) -> None:
-        """A taken load completed: teach the model its time (the copy's, for a same-step
-        load, whose step also ran the forward pass; else the steps it spanned) and count
-        the estimate next to it. A probe that took less than half its estimate says the
-        loads the tier's line was fitted to no longer hold (a spike, a node that
-        recovered): the line starts again from the priors and this load."""
-        seconds = completion.seconds if sync else self._clock() - planned_at
-        if probe and seconds < estimate / 2:
-            self.costs.forget_loads(tier)
-            self.stats.load_lines_restarted += 1
-        self.costs.observe_load(tier, chunks, seconds)
-        stats = self.stats
-        setattr(stats, f"load_seconds_estimated_{tier}",
-                getattr(stats, f"load_seconds_estimated_{tier}") + estimate)
-        setattr(stats, f"load_seconds_measured_{tier}",
-                getattr(stats, f"load_seconds_measured_{tier}") + seconds)
-
-    def _track(self, job_id: JobId, req_id: str) -> None:
-        state = self._requests[req_id]
-        self._job_owners[job_id] = [state]
-        state.jobs.add(job_id)
-
-    def _note_released(self, state: _Request, released: int) -> None:
+    def _note_released(self, state: RequestState, released: int) -> None:
         """The request released block positions up to ``released`` (a sliding window moved
         on): while a job of it is in flight, the fence keeps their blocks."""
         if state.jobs:
@@ -881,7 +548,7 @@ class EngineAdapter:
                 owner = freed.pop(block, None)
                 state = requests.get(owner) if owner is not None else None
                 if state is not None:
-                    flush.update(dict.fromkeys(j for j in state.jobs if j not in fresh))
+                    self._flush_jobs(state, flush, fresh)
 
     def _untrack(self, job_id: JobId) -> None:
         for state in self._job_owners.pop(job_id, ()):
