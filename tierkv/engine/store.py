@@ -57,7 +57,6 @@ import torch
 
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
-from tierkv.engine.adapter import lookup_tiers
 from tierkv.engine.metrics import PATH_NAMES, Durations, config_info, remote_figures, usage_figures
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
@@ -67,6 +66,7 @@ from tierkv.engine.store_namespace import build_namespace as build_namespace
 from tierkv.engine.store_namespace import check_namespace
 from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, RemoteStats,
                                        StoreStats)
+from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.tiers.disk import DiskTier
