@@ -9,9 +9,12 @@ runs of keys that do not cover the keys given) raises :class:`~tierkv.errors.Usa
 naming the job and changes nothing.
 
 Parts: its records (core/plans.py, re-exported here), remote marks (core/remote_marks.py),
-write-back and disk capacity (core/spills.py), events (core/events.py), statistics
-(core/stats.py), the consistency check (core/invariants.py). The hot methods (lookup,
-stores, loads, CPU eviction) stay here and read the plain dicts inline.
+events (core/events.py), statistics (core/stats.py), and two parts of the class itself,
+which it inherits: write-back and disk capacity (core/spills.py, ``Spills``) and the
+consistency check (core/invariants.py, ``Invariants``), methods over the attributes that
+core/index_state.py declares for all three. Imports run one way: this module imports the
+parts, they never import it. The hot methods (lookup, stores, loads, CPU eviction) stay
+here and read the plain dicts inline.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from tierkv.core import spills
 from tierkv.core.events import MEDIUM_CPU, MEDIUM_DISK, EventLog  # MEDIUM_*: importable here
-from tierkv.core.invariants import check_index
+from tierkv.core.invariants import Invariants
+# SpillSpec: importable here, as before its methods moved to core/spills.py.
 from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobIds, JobKind, SlotId, SpillSpec,
                               failed_set)
 # The records and pools of core/plans.py: importable here, as before it was split out.
@@ -31,6 +34,7 @@ from tierkv.core.plans import (CLEAN, DIRTY, Job, LoadPlan, LoadResult, Lookup, 
 from tierkv.core.policy import DEFAULT_POLICY, DISK_POLICY, make_policy, require  # noqa: F401
 from tierkv.core.remote_marks import RemoteMarks
 from tierkv.core.slots import SlotAllocator
+from tierkv.core.spills import Spills
 from tierkv.core.state import CpuState, DiskState, Entry
 from tierkv.core.stats import Counters, IndexStats
 from tierkv.errors import InvariantError, UsageError  # noqa: F401 (importable here)
@@ -38,7 +42,7 @@ from tierkv.errors import InvariantError, UsageError  # noqa: F401 (importable h
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
 
 
-class BlockIndex:
+class BlockIndex(Spills, Invariants):
     def __init__(
         self,
         num_slots: int,
@@ -94,10 +98,7 @@ class BlockIndex:
         self._remote = self._marks.marks
 
     # ------------------------------------------------------------------ queries
-    @property
-    def has_disk(self) -> bool:
-        return self._has_disk
-
+    # has_disk (a property): core/index_state.py, with the helpers every part uses.
     @property
     def disk_used(self) -> int:
         """Chunks on disk or being written there (what the disk capacity bounds)."""
@@ -114,7 +115,7 @@ class BlockIndex:
         self.disk_capacity = max(int(num_chunks), 0)
         self._clean_target = math.ceil(self._spill_ahead_fraction *
                                        min(self.num_slots, self.disk_capacity))
-        return spills.evict_over(self)
+        return self._evict_over()
 
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
         hits = 0
@@ -417,14 +418,7 @@ class BlockIndex:
         self._marks.failed(key)
 
     # ------------------------------------------------------------------ spills
-    def take_spills(self, flush: bool = False, at_least: int = 0) -> SpillSpec | None:
-        """Write-back (core/spills.py): a spill job for dirty chunks, and the disk deletes
-        due; None when there is nothing to do."""
-        return spills.take_spills(self, flush, at_least)
-
-    def complete_spill(self, completion: Completion) -> None:
-        spills.complete_spill(self, completion)
-
+    # take_spills, complete_spill, add_on_disk: inherited from Spills (core/spills.py).
     def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
         """Mark chunks as just used (``reuse``: see docs/design.md; a policy may count
         a reuse, ARC protects reused chunks from scans): READY chunks become the most recent
@@ -442,11 +436,6 @@ class BlockIndex:
             if entry.disk is DiskState.ON_DISK:
                 disk_use(key)
 
-    def add_on_disk(self, keys: Iterable[bytes]) -> int:
-        """Register chunks found on disk at open, oldest first (core/spills.py). Chunks over
-        the disk capacity are queued for deletion (sent with the next spill job)."""
-        return spills.add_on_disk(self, keys)
-
     # ------------------------------------------------------------------ completion
     def complete(self, completion: Completion) -> LoadResult | None:
         """Route a completion to the matching ``complete_*`` by the job's kind."""
@@ -463,18 +452,7 @@ class BlockIndex:
         return None
 
     # ------------------------------------------------------------------ internals
-    def _pop_job(self, job_id: JobId, kind: JobKind) -> Job:
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise UsageError(f"block index: no {kind.value} job {job_id} in flight (completed "
-                             f"already, or never planned by this index)")
-        if job.kind is not kind:  # the job stays in flight: nothing changed
-            raise UsageError(f"block index: job {job_id} is a {job.kind.value} job, not a "
-                             f"{kind.value} job")
-        del self._jobs[job_id]
-        self._spills_stuck = False  # room may have changed
-        return job
-
+    # _pop_job, _remove: core/index_state.py; _drop_disk: core/spills.py.
     def _take_slot(self, guard: set[bytes]) -> SlotId | None:
         slot = self._slots.allocate()
         return slot if slot is not None else self._evict_for(guard)
@@ -521,26 +499,10 @@ class BlockIndex:
             self._remove(victim.key)
         return slot
 
-    def _remove(self, key: bytes) -> None:
-        del self._entries[key]
-        if self._touched is not None:
-            self._touched.append(key)
-
     def take_events(self) -> list[tuple[str, str, bytes]]:
         """``("stored" | "removed", medium, key)`` for each tier a chunk entered or left since
         the last call (empty unless ``record_events``): see core/events.py."""
         return self._events.take(self._entries) if self._events is not None else []
-
-    def _drop_disk(self, entry: Entry, *, evicted: bool) -> None:
-        if self._touched is not None:
-            self._touched.append(entry.key)
-        if entry.disk is DiskState.ON_DISK:
-            if evicted:
-                self._disk.evict(entry.key, 0)
-            else:
-                self._disk.discard(entry.key, 0)
-            self._disk_used -= 1
-        entry.disk = None
 
     def _release_slot(self, entry: Entry) -> None:
         assert entry.slot is not None
@@ -567,9 +529,7 @@ class BlockIndex:
             **vars(self._counters),
         )
 
-    def check(self) -> None:
-        """Every invariant (core/invariants.py); the error names the broken entry."""
-        check_index(self)
+    # check(): every invariant, inherited from Invariants (core/invariants.py).
 
 
 __all__ = [
