@@ -239,5 +239,5 @@ class CostModel:
         return best, best_cost, load_seconds
 
 
-__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "SPIKE_FACTOR", "TIERS", "CostModel", "CostPriors",
-           "DecayedLine"]
+__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "SPIKE_FACTOR", "TIERS", "CostModel",
+           "CostPriors", "DecayedLine"]

@@ -81,7 +81,8 @@ class EngineAdapter:
         self._grouped = config.groups > 1 or config.frees_running_blocks
         self._bpc = config.blocks_per_chunk * config.groups  # block ids per chunk
         self._prompt_only = config.offload_prompt_only
-        self._max_chunks = config.max_chunks_per_request if config.max_chunks_per_request is not None else 1 << 62
+        limit = config.max_chunks_per_request
+        self._max_chunks = limit if limit is not None else 1 << 62
         self._tracker = CompletionTracker(config.world_size)
         self.stats = AdapterStats()
         # Everything tracked per request, from its blocks until its last job is done.
@@ -217,9 +218,8 @@ class EngineAdapter:
         prefix hit (``num_local_tokens``) were asked of tierkv (the hit rate's denominator)."""
         self.stats.queried_tokens += max(view.num_tokens - num_local_tokens, 0)
 
-    def update_state_after_alloc(
-        self, view: RequestView, block_ids: Iterable[int], num_external_tokens: int, num_local_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, view: RequestView, block_ids: Iterable[int],
+                                 num_external_tokens: int, num_local_tokens: int) -> None:
         if view.req_id in self._departed:
             self._refuse_reuse(view.req_id)
         state = self._requests.get(view.req_id)
