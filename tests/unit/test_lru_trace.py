@@ -11,6 +11,10 @@ thrashed): the spill-ahead reserve is bounded by the disk's size too, and a chun
 copy is evicted while it is in the CPU tier becomes EVICTED (clean) instead of dirty. With
 those two rules put back as they were, this driver gave ce484b3's digest (ec09beeb...) on
 the new code: they are the only decisions that changed.
+
+Re-recorded a second time, for a bug fix: chunks found on disk at open beyond the disk
+capacity were deleted newest first; the oldest go now (``Spills.add_on_disk``). With the old
+rule put back, this driver gives the previous digest (4564fe3a...).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 from tierkv.core.index import BlockIndex, IndexStats, LoadPlan, Lookup
 from tierkv.core.jobs import Completion
 
-RECORDED = "4564fe3a3580febaddaedc07ef0143c947b6a787f753b8a72c299fe2eefb55f0"  # see above
+RECORDED = "11a7832d0ee43a559d16236f11f53ff585eaf2a803c0043e45c7bf34440429d1"  # see above
 KEYS = [bytes([i]) * 8 for i in range(24)]
 
 

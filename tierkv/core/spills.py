@@ -140,22 +140,25 @@ class Spills(IndexState):
         entry.disk = None
 
     def add_on_disk(self, keys: Iterable[bytes]) -> int:
-        """Register chunks found on disk at open, oldest first. Chunks over the disk
-        capacity are queued for deletion (sent with the next spill job)."""
-        added: list[bytes] = []
+        """Register chunks found on disk at open, oldest first. Where they are more than the
+        disk capacity holds, the oldest are queued for deletion (sent with the next spill
+        job) and the newest kept: a restart keeps what was stored last."""
+        found: list[bytes] = []
+        seen: set[bytes] = set()
         for key in keys:
-            if key in self._entries:
-                continue
-            if self._disk_used >= self.disk_capacity:
-                self._pending_deletes.append(key)
-                continue
+            if key not in self._entries and key not in seen:
+                seen.add(key)
+                found.append(key)
+        room = max(0, self.disk_capacity - self._disk_used)
+        over = max(0, len(found) - room)
+        self._pending_deletes.extend(found[:over])
+        added = found[over:]
+        for key in added:
             self._entries[key] = Entry(key, disk=DiskState.ON_DISK)
-            added.append(key)
             if self._touched is not None:
                 self._touched.append(key)
-            self._disk_used += 1
+        self._disk_used += len(added)
         self._disk.insert(added, 0)
         return len(added)
-
 
 __all__ = ["Spills"]
