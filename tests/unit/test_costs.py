@@ -484,31 +484,3 @@ def test_never_pays_needs_every_chunk_slower_than_its_compute() -> None:
     assert slower.never_pays("remote", 4)
     assert all(slower.best_prefix([("remote", n)], 4)[0] == 0 for n in range(1, 50))
 
-
-def test_a_vllm_request_asks_for_its_policy_in_kv_transfer_params(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """``{"tierkv": {"load_policy": ...}}`` in kv_transfer_params; anything else is warned
-    about once per value and the engine's policy applies (the request never fails)."""
-    from types import SimpleNamespace
-
-    from tierkv.integrations.vllm_scheduler import request_load_policy
-
-    def asks(params: object) -> SimpleNamespace:
-        return SimpleNamespace(request_id="req-7", kv_transfer_params=params)
-
-    warned: set[str] = set()
-    for policy in ("always", "cost", "recompute"):
-        assert request_load_policy(asks({"tierkv": {"load_policy": policy}}), warned) == policy
-    for params in (None, {}, {"do_remote_prefill": True}, {"tierkv": {}}, {"tierkv": "cost"}):
-        assert request_load_policy(asks(params), warned) is None
-    assert not caplog.records
-    with caplog.at_level("WARNING", logger="tierkv.vllm"):
-        assert request_load_policy(asks({"tierkv": {"load_policy": "fast"}}), warned) is None
-        assert request_load_policy(asks({"tierkv": {"load_policy": "fast"}}), warned) is None
-        assert request_load_policy(asks({"tierkv": {"load_policy": 3}}), warned) is None
-    assert [r.getMessage().split(" asks")[0] for r in caplog.records] == ["tierkv: request req-7"] * 2
-    assert "'fast'" in caplog.records[0].getMessage()
-    assert "engine's load_policy applies" in caplog.records[1].getMessage()
-    for number in range(1000):  # a client's many values: a bounded set, bounded warnings
-        assert request_load_policy(asks({"tierkv": {"load_policy": f"x{number}"}}), warned) is None
-    assert len(warned) == 64 and len(caplog.records) == 64
