@@ -12,7 +12,6 @@ chunk that reached another rank's slots fails the check.
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from copy import deepcopy
 from dataclasses import replace
@@ -23,7 +22,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from .. import forkserver
 from . import vllm_harness as harness_lib
+
+forkserver.preload("tests.integration.tp_workers")  # vLLM and the harness, imported once
 
 STEP_TIMEOUT_SECONDS = 120.0
 
@@ -65,7 +67,7 @@ class ProcessRanks:
     def __init__(self, harness: harness_lib.Harness, model_dir: Path) -> None:
         cfg = harness.cfg
         tp = cfg.tensor_parallel_size
-        context = multiprocessing.get_context("spawn")
+        context = forkserver.context()  # a rank starts in ms, not seconds
         self.pipes: list[Connection] = []
         self.processes: list[Any] = []
         rank_cfg = replace(cfg, create_worker_connector=True)

@@ -13,7 +13,6 @@ written.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -24,6 +23,7 @@ from typing import Any
 import lmdb
 import torch
 
+from tests import forkserver as forkserver_lib
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.core.jobs import Completion
 from tierkv.engine.store import TierKVStore, build_namespace
@@ -301,20 +301,12 @@ def raw_env(env_dir: Path) -> Iterator[tuple[ShardedTxn, str, str]]:
         yield ShardedTxn(txns), "chunks", "index"
 
 
-_CONTEXT: Any = None
+forkserver_lib.preload("tests.reliability.support")
 
 
 def forkserver() -> Any:
-    """A multiprocessing context whose server has torch and tierkv imported already, so a
-    child starts in milliseconds instead of seconds. The server holds no LMDB environment
-    (tierkv never forks with one open)."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "lmdb", "tierkv.engine.store",
-                                        "tierkv.transfer.cpu", "tests.reliability.support"])
-        _CONTEXT = context
-    return _CONTEXT
+    """The test process's forkserver context (tests/forkserver.py), this module preloaded."""
+    return forkserver_lib.context()
 
 
 def subdb_root(env_dir: Path, name: bytes) -> tuple[int, int]:
