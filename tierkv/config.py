@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from tierkv.checks import is_int
 from tierkv.core.policy import DEFAULT_POLICY, policy_names
 from tierkv.errors import ConfigError
-from tierkv.units import GiB, MiB, is_int, size_setting
+from tierkv.units import GiB, MiB, size_setting
 
 EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
 

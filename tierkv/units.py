@@ -10,15 +10,12 @@ Everything tierkv prints is in binary units (KiB = 1024 B ... TiB), rates too.
   one lower-case letter ``k m g t``), or ``B``; ``ValueError`` for anything else.
 - ``as_size(value)``: an int or size string as a positive int, else None;
   ``size_setting(section, name, value)``: the same, or a ConfigError naming the setting.
-- ``is_int(value)``: an int and not a bool (``True`` is an int to Python, never a count to
-  tierkv): the one definition of "an int" for the checks of settings and arguments.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TypeGuard
-
+from tierkv.checks import is_int
 from tierkv.errors import ConfigError
 
 KiB = 1 << 10
@@ -26,11 +23,6 @@ MiB = 1 << 20
 GiB = 1 << 30
 TiB = 1 << 40
 _UNITS = ((TiB, "TiB"), (GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB"))
-
-
-def is_int(value: object) -> TypeGuard[int]:
-    """``value`` is an int (a subclass such as an ``IntEnum`` too) and not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def format_bytes(num_bytes: int, decimals: int | None = None) -> str:
@@ -89,7 +81,7 @@ def as_size(value: object) -> int | None:
             value = parse_size(value)
         except ValueError:
             return None
-    if not is_int(value) or value <= 0:
+    if not is_int(value, low=1):
         return None
     return value
 

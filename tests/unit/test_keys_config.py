@@ -108,8 +108,8 @@ def test_imports_flow_one_way() -> None:
     from pathlib import Path
 
     # config sits above core: it names core's eviction policies (and their default)
-    layers = {"errors": 0, "units": 0, "keys": 0, "extras": 0, "core": 1, "config": 1.5, "tiers": 2, "transfer": 3,
-              "engine": 4, "integrations": 5}
+    layers = {"errors": 0, "checks": 0, "units": 0, "keys": 0, "extras": 0, "core": 1,
+              "config": 1.5, "tiers": 2, "transfer": 3, "engine": 4, "integrations": 5}
 
     def layer(module: str) -> float | None:
         parts = module.split(".")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from tierkv.checks import is_int
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
 from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, RemoteTierConfig,
                            StoreConfig, cpu_slot_count, disk_chunk_capacity,
@@ -42,7 +43,7 @@ from tierkv.integrations.vllm_versions import UnsupportedVersionError as Unsuppo
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
 from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv.units import as_size, is_int
+from tierkv.units import as_size
 
 log = logging.getLogger("tierkv.vllm")
 DEFAULT_TOKENS_PER_CHUNK = 128  # a hit recomputes up to this many tokens (docs/design.md)
