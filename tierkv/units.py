@@ -8,15 +8,13 @@ Everything tierkv prints is in binary units (KiB = 1024 B ... TiB), rates too.
 - ``parse_size("64GiB")``: ints, or a number with a unit: binary (``KiB`` ... ``TiB``, any
   case; one upper-case letter ``K M G T`` as vLLM reads it), decimal (``kB`` ... ``TB``;
   one lower-case letter ``k m g t``), or ``B``; ``ValueError`` for anything else.
-- ``as_size(value)``: an int or size string as a positive int, else None;
-  ``size_setting(section, name, value)``: the same, or a ConfigError naming the setting.
+
+A size setting's check (an int of bytes or a size string) is :mod:`tierkv.settings`'s.
 """
 
 from __future__ import annotations
 
 import re
-from tierkv.checks import is_int
-from tierkv.errors import ConfigError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -71,26 +69,3 @@ def parse_size(text: str) -> int:
                 return int(size)
     raise ValueError(f"not a size: {text!r} (an int of bytes, or e.g. 64GiB, 32G = 32 GiB, "
                      f"500MB = 500 x 10**6)")
-
-
-def as_size(value: object) -> int | None:
-    """``value`` (an int of bytes, or a size string) as a positive int; None if it is not one
-    (bools, floats, zero, negative, unparsable)."""
-    if isinstance(value, str):
-        try:
-            value = parse_size(value)
-        except ValueError:
-            return None
-    if not is_int(value, low=1):
-        return None
-    return value
-
-
-def size_setting(section: str, name: str, value: object) -> int:
-    """A byte-count setting as a positive int (:func:`as_size`); a
-    :class:`~tierkv.errors.ConfigError` naming ``section.name`` and the value otherwise."""
-    size = as_size(value)
-    if size is None:
-        raise ConfigError(f"{section}.{name} must be a positive int of bytes or a size such as "
-                          f"'64GiB' or '32G', got {value!r}")
-    return size

@@ -1,18 +1,21 @@
 """The one check of "an int, not a bool, within bounds" and its number and flag siblings
-(``tierkv.checks``)."""
+(``tierkv.checks``), and the settings declared with them (``tierkv.settings``)."""
 
 from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tierkv.checks import check_flag, check_int, check_number, is_int, is_number
 from tierkv.errors import ConfigError
+from tierkv.settings import INVALID, check_settings, declared, derived, setting
 
 
 class _Level(enum.IntEnum):
@@ -76,3 +79,51 @@ def test_the_checks_name_what_they_check_and_the_value() -> None:
 def test_a_check_raises_the_error_it_is_given() -> None:
     with pytest.raises(ValueError, match="^line 3: flag must be true or false, got 'yes'$"):
         check_flag("line 3: flag", "yes", error=ValueError)
+
+
+@dataclass(frozen=True)
+class _Config:
+    count: int = setting(4, low=1, help="how many")
+    size: int = setting(1024, unit="bytes")
+    wait: float | None = setting(None, kind="number", above=0)
+    mode: str = setting("a", choices=("a", "b"))
+    on: bool = setting(True)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "demo")
+
+
+@dataclass(frozen=True)
+class _Renamed:
+    how_many: int = derived(_Config, "count", help="renamed")
+    mode: str = derived(_Config, "mode", default="b")
+
+
+def test_declared_settings_are_checked_and_sizes_become_ints() -> None:
+    assert _Config(size="2KiB").size == 2048  # type: ignore[arg-type]
+    specs = declared(_Config)
+    assert [spec.kind for spec in specs.values()] == ["int", "size", "number", "choice", "flag"]
+    assert specs["wait"].optional and specs["size"].need() == \
+        "an int >= 1 (bytes) or a size such as '32GiB' or '32G'"
+    for name, bad in [("count", 0), ("size", "2 parsecs"), ("wait", 0), ("mode", "c"),
+                      ("on", "yes"), ("count", None)]:
+        with pytest.raises(ConfigError, match=rf"^demo\.{name} must be .*, got {bad!r}$"):
+            _Config(**{name: bad})
+
+
+def test_a_derived_setting_is_the_source_under_another_name() -> None:
+    renamed, source = declared(_Renamed), declared(_Config)
+    assert renamed["how_many"].source == "_Config.count"
+    assert (renamed["how_many"].kind, renamed["how_many"].low) == ("int", 1)
+    assert renamed["how_many"].help == "how many; renamed"
+    assert _Renamed().how_many == 4 and _Renamed().mode == "b"  # the source's default, or its own
+    assert renamed["mode"].choices == source["mode"].choices
+    assert renamed["how_many"].accept(0) is INVALID and renamed["how_many"].accept(3) == 3
+    assert renamed["how_many"].need() == source["count"].need() == "an int >= 1"
+    assert source["wait"].need(none="null") == "a number > 0 or null"
+
+
+def test_a_declaration_of_an_unknown_kind_is_refused() -> None:
+    bad: Any = {"kind": "colour"}
+    with pytest.raises(TypeError, match="kind must be one of"):
+        setting("red", **bad)
