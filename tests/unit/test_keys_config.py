@@ -137,18 +137,6 @@ def test_imports_flow_one_way() -> None:
     assert upward == []
 
 
-def test_configuration_doc_lists_every_setting() -> None:
-    from dataclasses import fields
-    from pathlib import Path
-
-    from tierkv.engine.adapter import AdapterConfig
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
-    for cls in (StoreConfig, CpuTierConfig, DiskTierConfig, AdapterConfig):
-        for f in fields(cls):
-            assert f"`{f.name}`" in doc, f"docs/configuration.md does not describe {cls.__name__}.{f.name}"
-
-
 def test_the_integrations_use_the_engine_not_the_core() -> None:
     """The vLLM connector goes through the adapter's API: it imports nothing from
     tierkv.core (it reached into the index's states and entries)."""
