@@ -30,8 +30,8 @@ from typing import Any, NewType
 
 import msgpack
 
+from tierkv.checks import check_int, is_int
 from tierkv.errors import ConfigError
-from tierkv.units import is_int
 
 ChunkKey = NewType("ChunkKey", bytes)
 
@@ -93,8 +93,7 @@ class Part:
 
     def check(self) -> Part:
         for field_name, value in (("index", self.index), ("count", self.count)):
-            if not is_int(value):
-                raise ConfigError(f"part: {field_name} must be an int, got {value!r}")
+            check_int(f"part: {field_name}", value)
         if self.count < 1 or not 0 <= self.index < self.count or self.count > 0xFFFF:
             raise ConfigError(f"part: need 0 <= index < count <= 65535, got {self.index} of "
                               f"{self.count}")
@@ -173,8 +172,7 @@ class Namespace:
         for name in ("page_bytes", "tokens_per_chunk", "num_layers",
                      "format_version", "blocks_per_chunk"):
             value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ConfigError(f"namespace: {name} must be a positive int, got {value!r}")
+            check_int(f"namespace: {name}", value, low=1)
         for name in ("model_id", "dtype", "kv_layout", "rank_layout", "hash_scheme", "extra"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"namespace: {name} must be a str, got {getattr(self, name)!r}")
@@ -190,8 +188,7 @@ class Namespace:
                               f"{self.num_layers}")
         for name in ("chunk_bytes", "num_kv_heads"):
             value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                raise ConfigError(f"namespace: {name} must be an int >= 0, got {value!r}")
+            check_int(f"namespace: {name}", value, low=0)
         if self.tokens_per_chunk % self.blocks_per_chunk:
             raise ConfigError(f"namespace: tokens_per_chunk={self.tokens_per_chunk} is not a "
                               f"multiple of blocks_per_chunk={self.blocks_per_chunk}")

@@ -8,29 +8,19 @@ Everything tierkv prints is in binary units (KiB = 1024 B ... TiB), rates too.
 - ``parse_size("64GiB")``: ints, or a number with a unit: binary (``KiB`` ... ``TiB``, any
   case; one upper-case letter ``K M G T`` as vLLM reads it), decimal (``kB`` ... ``TB``;
   one lower-case letter ``k m g t``), or ``B``; ``ValueError`` for anything else.
-- ``as_size(value)``: an int or size string as a positive int, else None;
-  ``size_setting(section, name, value)``: the same, or a ConfigError naming the setting.
-- ``is_int(value)``: an int and not a bool (``True`` is an int to Python, never a count to
-  tierkv): the one definition of "an int" for the checks of settings and arguments.
+
+A size setting's check (an int of bytes or a size string) is :mod:`tierkv.settings`'s.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TypeGuard
-
-from tierkv.errors import ConfigError
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 TiB = 1 << 40
 _UNITS = ((TiB, "TiB"), (GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB"))
-
-
-def is_int(value: object) -> TypeGuard[int]:
-    """``value`` is an int (a subclass such as an ``IntEnum`` too) and not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def format_bytes(num_bytes: int, decimals: int | None = None) -> str:
@@ -79,26 +69,3 @@ def parse_size(text: str) -> int:
                 return int(size)
     raise ValueError(f"not a size: {text!r} (an int of bytes, or e.g. 64GiB, 32G = 32 GiB, "
                      f"500MB = 500 x 10**6)")
-
-
-def as_size(value: object) -> int | None:
-    """``value`` (an int of bytes, or a size string) as a positive int; None if it is not one
-    (bools, floats, zero, negative, unparsable)."""
-    if isinstance(value, str):
-        try:
-            value = parse_size(value)
-        except ValueError:
-            return None
-    if not is_int(value) or value <= 0:
-        return None
-    return value
-
-
-def size_setting(section: str, name: str, value: object) -> int:
-    """A byte-count setting as a positive int (:func:`as_size`); a
-    :class:`~tierkv.errors.ConfigError` naming ``section.name`` and the value otherwise."""
-    size = as_size(value)
-    if size is None:
-        raise ConfigError(f"{section}.{name} must be a positive int of bytes or a size such as "
-                          f"'64GiB' or '32G', got {value!r}")
-    return size

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierkv.checks import check_flag, is_int
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.extras import needs
 from tierkv.units import parse_size
@@ -68,14 +69,13 @@ def parse_line(where: str, line: int, raw: bytes, vocab_size: int) -> Prompt | N
     salt, special = obj.get("cache_salt"), obj.get("add_special_tokens", True)
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad('"cache_salt" must be a non-empty string')
-    if not isinstance(special, bool):
-        raise bad('"add_special_tokens" must be true or false')
+    check_flag('"add_special_tokens"', special, error=bad)
     if "text" in obj:
         if not isinstance(obj["text"], str):
             raise bad('"text" must be a string')
         return Prompt(line, obj["text"], None, salt, special)
     ids = obj["token_ids"]
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise bad('"token_ids" must be a list of integers')
     out_of_range = next((t for t in ids if not 0 <= t < vocab_size), None)
     if out_of_range is not None:

@@ -1050,6 +1050,39 @@ def test_sizes_as_vllm_writes_them_and_its_cpu_bytes_to_use_key() -> None:
             parse_settings(bad)
 
 
+def test_nan_is_refused_naming_the_key() -> None:
+    """NaN compares false with every bound, so the connector's own checks let it through:
+    promotion_wait_seconds=NaN reached the adapter, whose lookups then never waited on a
+    promotion, and load_bias=NaN failed later as the adapter's, not naming the key. The
+    checks the connector now shares with the library refuse it as the key's value."""
+    for key in ("promotion_wait_seconds", "load_bias", "spill_ahead_fraction"):
+        with pytest.raises(ConfigError, match=rf"\['{key}'\] = nan: must be a number"):
+            vllm_config.parse_settings({key: float("nan")})
+
+
+def test_the_connector_keys_are_the_library_settings_they_translate_to() -> None:
+    """Each key derived from a library setting takes what that setting takes (its kind,
+    bounds, choices) and has its default, unless the connector says otherwise."""
+    from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
+    from tierkv.engine.adapter import AdapterConfig
+    from tierkv.settings import declared
+
+    classes = {cls.__name__: cls for cls in (CpuTierConfig, DiskTierConfig, StoreConfig,
+                                             AdapterConfig)}
+    own_defaults = {"write_through": True, "load_policy": "cost"}  # docs/vllm.md says why
+    derived = {name: spec for name, spec in declared(vllm_config.ConnectorSettings).items()
+               if spec.source}
+    assert set(derived) >= {"cpu_bytes", "disk_bytes", "disk_sync_mode", "load_bias",
+                            "promotion_wait_seconds", "eviction_policy", "device"}
+    for name, spec in derived.items():
+        cls_name, source = spec.source.split(".")
+        mine = declared(classes[cls_name])[source]
+        assert (spec.kind, spec.low, spec.high, spec.above, spec.choices, spec.unit) == \
+            (mine.kind, mine.low, mine.high, mine.above, mine.choices, mine.unit), name
+        assert getattr(vllm_config.ConnectorSettings, name) == \
+            own_defaults.get(name, getattr(classes[cls_name], source)), name
+
+
 def test_a_restart_under_other_settings_warns_which_differ(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,

@@ -1,16 +1,11 @@
 """One byte formatter, one rate formatter and one size parser for messages, summaries and
-settings; one definition of an int setting (``is_int``)."""
+settings."""
 
 from __future__ import annotations
 
-import enum
-from decimal import Decimal
-from fractions import Fraction
-
-import numpy as np
 import pytest
 
-from tierkv.units import GiB, KiB, MiB, format_bytes, format_rate, is_int, parse_size
+from tierkv.units import GiB, KiB, MiB, format_bytes, format_rate, parse_size
 
 
 def test_format_bytes_messages_and_summaries() -> None:
@@ -43,20 +38,3 @@ def test_parse_size(text: str, size: int) -> None:
 def test_parse_size_refuses_what_is_not_a_size(text: str) -> None:
     with pytest.raises(ValueError, match="not a size"):
         parse_size(text)
-
-
-class _Level(enum.IntEnum):
-    HIGH = 3
-
-
-@pytest.mark.parametrize("value", [0, 1, -7, 1 << 70, _Level.HIGH])
-def test_is_int_takes_ints_and_int_subclasses(value: object) -> None:
-    assert is_int(value)
-
-
-@pytest.mark.parametrize("value", [True, False, np.bool_(True), 1.0, float("nan"), "3", b"3",
-                                   None, Decimal(3), Fraction(3), np.int64(3), [3]])
-def test_is_int_refuses_bools_and_what_is_not_an_int(value: object) -> None:
-    """A bool is an int to Python but never a count to tierkv; numpy ints, floats with a
-    whole value and numeric strings are refused too (the checks it replaced did the same)."""
-    assert not is_int(value)

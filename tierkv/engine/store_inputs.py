@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierkv.checks import is_int
 from tierkv.core.jobs import JobId
 from tierkv.errors import ConfigError
 from tierkv.keys import KEY_BYTES
-from tierkv.units import is_int
 
 
 def check_keys(keys: Sequence[bytes]) -> None:

@@ -9,11 +9,11 @@ chunk bytes mean.
 
 from __future__ import annotations
 
+from tierkv.checks import check_int
 from tierkv.config import StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace
 from tierkv.transfer.layout import KVLayout
-from tierkv.units import is_int
 
 __all__ = ["build_namespace", "check_namespace"]
 
@@ -26,8 +26,7 @@ def build_namespace(
     tokens split into blocks. The layout describes one rank's tensors (the library does not
     know where heads are in them), so ranks of two TP sizes stay apart here; sharing across
     TP sizes is the vLLM connector's (docs/on-disk-format.md, "Parts")."""
-    if not is_int(tokens_per_block) or tokens_per_block <= 0:
-        raise ConfigError(f"store: tokens_per_block must be a positive int, got {tokens_per_block!r}")
+    check_int("store: tokens_per_block", tokens_per_block, low=1)
     parts = config.tp_size  # the namespace's sizes are every part's (every rank's) together
     return Namespace(
         model_id=model_id,

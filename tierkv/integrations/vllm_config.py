@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
-from tierkv.config import (EVICTION_POLICIES, CpuTierConfig, DiskTierConfig, RemoteTierConfig,
-                           StoreConfig, cpu_slot_count, disk_chunk_capacity,
-                           has_password, redact)
-from tierkv.engine.adapter import LOAD_POLICIES, AdapterConfig
+from tierkv.config import (CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig,
+                           cpu_slot_count, disk_chunk_capacity, has_password, redact)
+from tierkv.engine.adapter import AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.integrations.vllm_geometry import Geometry as Geometry
 from tierkv.integrations.vllm_geometry import KVGroup as KVGroup
@@ -42,7 +41,7 @@ from tierkv.integrations.vllm_versions import UnsupportedVersionError as Unsuppo
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
 from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv.units import as_size, is_int
+from tierkv.settings import INVALID, declared, derived, setting
 
 log = logging.getLogger("tierkv.vllm")
 DEFAULT_TOKENS_PER_CHUNK = 128  # a hit recomputes up to this many tokens (docs/design.md)
@@ -57,33 +56,39 @@ KNOWN_HASHES = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """``kv_connector_extra_config`` keys. Their defaults are tierkv's own settings'
-    (:mod:`tierkv.config`, :class:`AdapterConfig`): :func:`store_config` and
-    :func:`adapter_config` translate them."""
+    """``kv_connector_extra_config`` keys. Each is a setting of the library's
+    (:mod:`tierkv.config`, :class:`AdapterConfig`) under the connector's name, declared
+    there once (:func:`tierkv.settings.derived`: kind, bounds, default, help), or one of the
+    connector's own; :func:`store_config` and :func:`adapter_config` translate them."""
 
-    cpu_bytes: int = CpuTierConfig.max_bytes  # pinned CPU tier, total over TP ranks
-    disk_path: str | None = None  # LMDB disk tier root; None = no disk tier
-    disk_bytes: int = DiskTierConfig.max_bytes  # disk tier cap, total over TP ranks
-    tokens_per_chunk: int | None = None  # None: 128 rounded up to the block size
-    offload_prompt_only: bool = AdapterConfig.offload_prompt_only  # never store decode tokens
+    cpu_bytes: int = derived(CpuTierConfig, "max_bytes", help="total over TP ranks")
+    disk_path: str | None = derived(DiskTierConfig, "path")
+    disk_bytes: int = derived(DiskTierConfig, "max_bytes", help="total over TP ranks")
+    tokens_per_chunk: int | None = setting(None, kind="int", low=1,
+                                           help="tokens per chunk; None: 128 rounded up to "
+                                                "the block size")
+    offload_prompt_only: bool = derived(AdapterConfig, "offload_prompt_only")
     # Write-behind of every stored chunk (the library's default is write-back): `vllm serve`
     # kills its workers at SIGTERM (--shutdown-timeout 0), before any shutdown flush.
-    write_through: bool = True
-    spill_ahead_fraction: float = CpuTierConfig.spill_ahead_fraction  # slots kept clean early
-    disk_sync_mode: str = DiskTierConfig.sync_mode  # "periodic", "always", "close"
-    max_chunks_per_request: int | None = AdapterConfig.max_chunks_per_request
-    promotion_wait_seconds: float = AdapterConfig.promotion_wait_seconds  # wait on a promotion
+    write_through: bool = derived(DiskTierConfig, "write_through", default=True,
+                                  help="on here: vllm serve kills its workers at SIGTERM")
+    spill_ahead_fraction: float = derived(CpuTierConfig, "spill_ahead_fraction")
+    disk_sync_mode: str = derived(DiskTierConfig, "sync_mode")
+    max_chunks_per_request: int | None = derived(AdapterConfig, "max_chunks_per_request")
+    promotion_wait_seconds: float = derived(AdapterConfig, "promotion_wait_seconds")
     # Same-step loads: a hit held in the CPU tier is copied before the step's forward pass,
     # up to this many bytes per rank and step (0: every load waits a step or two).
-    sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
+    sync_load_bytes: int = setting(DEFAULT_SYNC_LOAD_BYTES, unit="bytes", low=0,
+                                   help="same-step loads: bytes per rank and step")
     # Cost-aware loads (tierkv.core.costs): "cost" declines the part of a hit whose load
     # would take longer than computing it; "always" loads every hit.
-    load_policy: str = DEFAULT_LOAD_POLICY
-    load_bias: float = AdapterConfig.load_bias  # > 1 favours recompute, < 1 loads
-    device: str = StoreConfig.device  # transfer engine: "auto", "cuda", "cpu"
-    pin_memory: str = CpuTierConfig.pin_memory  # CPU slab: "auto", "always", "never"
-    flush_on_shutdown: bool = True  # write unspilled CPU chunks to disk at shutdown
-    eviction_policy: str = CpuTierConfig.eviction_policy  # CPU tier's eviction order
+    load_policy: str = derived(AdapterConfig, "load_policy", default=DEFAULT_LOAD_POLICY)
+    load_bias: float = derived(AdapterConfig, "load_bias")
+    device: str = derived(StoreConfig, "device")
+    pin_memory: str = derived(CpuTierConfig, "pin_memory")
+    flush_on_shutdown: bool = setting(True, help="write unspilled CPU chunks to disk at "
+                                                 "shutdown")
+    eviction_policy: str = derived(CpuTierConfig, "eviction_policy")
     # The shared remote tier: extra config "remote_url", and optionally "remote", a mapping
     # of RemoteTierConfig's other settings (key_prefix, push, timeout_seconds, ...).
     remote: RemoteTierConfig | None = None
@@ -97,47 +102,9 @@ def _bad(key: str, value: Any, need: str) -> ConfigError:
     return ConfigError(f"tierkv vLLM connector: kv_connector_extra_config[{key!r}] = {shown}: {need}")
 
 
-def _int(key: str, value: Any, low: int) -> int:
-    if not is_int(value) or value < low:
-        raise _bad(key, value, f"must be an int >= {low}")
-    return value
-
-
-def _size(key: str, value: Any) -> int:
-    """Bytes: an int, or a size string as vLLM reads them (``"32GiB"``, ``"32G"`` = GiB)."""
-    size = as_size(value)
-    if size is None:
-        raise _bad(key, value, "must be an int >= 1 (bytes) or a size such as '32GiB' or '32G'")
-    return size
-
-
-def _number(key: str, value: Any, low: float, high: float | None = None) -> float:
-    if not (is_int(value) or isinstance(value, float)) or value < low \
-            or (high is not None and value > high):
-        bound = f"within [{low}, {high}]" if high is not None else f">= {low}"
-        raise _bad(key, value, f"must be a number {bound}")
-    return float(value)
-
-
-def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise _bad(key, value, f"must be one of {list(choices)}")
-    return str(value)
-
-
-def _flag(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _bad(key, value, "must be true or false")
-    return value
-
-
 # Words of a key whose value an error never shows (a secret's name: "remote_password").
 _SECRET_WORDS = frozenset(("password", "passwd", "pass", "pw", "secret", "token", "auth",
                            "credential", "credentials"))
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "load_policy": LOAD_POLICIES,
-    "disk_sync_mode": ("periodic", "always", "close"), "device": ("auto", "cuda", "cpu"),
-    "pin_memory": ("auto", "always", "never"), "eviction_policy": EVICTION_POLICIES}
 
 
 def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -157,29 +124,17 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
     remote = _remote_settings(raw.pop("remote_url", None), raw.pop("remote", None))
     if remote is not None:
         out["remote"] = remote
+    settings = declared(ConnectorSettings)
     for key, value in raw.items():
-        if key in ("cpu_bytes", "disk_bytes"):
-            out[key] = _size(key, value)
-        elif key == "sync_load_bytes":
-            out[key] = 0 if type(value) is int and value == 0 else _size(key, value)
-        elif key == "tokens_per_chunk":
-            out[key] = None if value is None else _int(key, value, 1)
-        elif key == "max_chunks_per_request":
-            out[key] = None if value is None else _int(key, value, 0)
-        elif key == "disk_path":
-            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
-                raise _bad(key, value, "must be a directory path (a non-empty string) or null")
-            out[key] = None if value is None else str(Path(value).expanduser())
-        elif key == "spill_ahead_fraction":
-            out[key] = _number(key, value, 0.0, 1.0)
-        elif key == "promotion_wait_seconds":
-            out[key] = _number(key, value, 0.0)
-        elif key == "load_bias":
-            out[key] = _number(key, value, 0.01, 100.0)
-        elif key in _CHOICES:
-            out[key] = _choice(key, value, _CHOICES[key])
-        else:
-            out[key] = _flag(key, value)
+        spec = settings[key]
+        accepted = spec.accept(value)
+        if accepted is INVALID:
+            raise _bad(key, value, f"must be {spec.need(none='null')}")
+        if spec.kind == "path" and accepted is not None:
+            accepted = str(Path(accepted).expanduser())
+        elif spec.kind == "number":
+            accepted = float(accepted)
+        out[key] = accepted
     return ConnectorSettings(**out)
 
 

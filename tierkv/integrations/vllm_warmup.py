@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tierkv.checks import check_int
 from tierkv.config import DiskTierConfig, disk_chunk_capacity
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HASHES, PAGE_ORDER,
@@ -31,7 +32,6 @@ from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HAS
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 from tierkv.integrations.vllm_versions import target_vllm_version
 from tierkv.keys import Namespace, Part
-from tierkv.units import is_int
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM 0.33 kv_cache_utils, PYTHONHASHSEED unset
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -115,9 +115,7 @@ class VllmTarget:
                              ("head_size", "--model"), ("block_size", "--block-size"),
                              ("tensor_parallel_size", "--tensor-parallel-size"),
                              ("disk_bytes", "--disk-bytes")):
-            value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ConfigError(f"warmup: {name}={value!r} ({option}) must be a positive int")
+            check_int(f"warmup: {name} ({option})", getattr(self, name), low=1)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"warmup: dtype {self.dtype!r} (--dtype) must be one of {list(_DTYPES)}")
         if self.kv_cache_layout not in PAGE_ORDER:

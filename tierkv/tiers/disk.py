@@ -58,6 +58,7 @@ from typing import Any
 
 import lmdb
 
+from tierkv.checks import check_int
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
@@ -70,7 +71,7 @@ from tierkv.tiers.disk_write import ShardWrites
 from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
                                       slab_slots_for)
 from tierkv.tiers.malloc_tuning import tune_malloc
-from tierkv.units import format_bytes, is_int
+from tierkv.units import format_bytes
 
 __all__ = [
     "SHARDS", "ChunkRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult",
@@ -130,9 +131,8 @@ class DiskTier(LowerTier):
         trace: Callable[[str, int, int], None] | None = None,
     ) -> None:
         part = as_part(part)
-        for name, value, low in (("payload_bytes", payload_bytes, 1), ("replica", replica, 0)):
-            if not is_int(value) or value < low:
-                raise ConfigError(f"disk tier: {name} must be an int >= {low}, got {value!r}")
+        check_int("disk tier: payload_bytes", payload_bytes, low=1)
+        check_int("disk tier: replica", replica, low=0)
         if not isinstance(namespace, Namespace):
             raise ConfigError(f"disk tier: namespace must be a Namespace, got {namespace!r}")
         self.root = Path(root)
@@ -275,8 +275,7 @@ class DiskTier(LowerTier):
         return view
 
     def _check_batch(self, batch: Any) -> None:
-        if not is_int(batch) or batch <= 0:
-            raise ConfigError(f"{self._name}: batch must be a positive int, got {batch!r}")
+        check_int(f"{self._name}: batch", batch, low=1)
 
     def _check_writable(self, action: str) -> None:
         if self.read_only:

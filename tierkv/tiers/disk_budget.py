@@ -43,11 +43,12 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierkv.checks import is_int
 from tierkv.errors import BrokenError, ConfigError
 from tierkv.tiers.disk_files import (OWNER_FILE, OwnerLock, Trust, check_dir, parse_part_dir,
                                      read_private_file,
                                      write_private_file)
-from tierkv.units import format_bytes, is_int
+from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")
 
@@ -181,7 +182,7 @@ def _share_of(rank_dir: Path) -> tuple[int, bool] | None:
         reserved, running = record["reserved_bytes"], record.get("running", True)
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None
-    if not is_int(reserved) or reserved < 0:
+    if not is_int(reserved, low=0):
         return None
     return reserved, running is True
 

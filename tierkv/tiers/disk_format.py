@@ -40,6 +40,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from tierkv.checks import is_int
 from tierkv.keys import FORMAT_VERSION, Part, as_part
 
 MAGIC = b"TK"
@@ -149,7 +150,7 @@ def parse_header(value: Any, payload_bytes: int | None = None) -> tuple[list[int
     except Exception as exc:  # msgpack raises several types; the input is at most 64 bytes
         return f"header is not msgpack ({type(exc).__name__})"
     if not (isinstance(fields, list) and len(fields) == 4
-            and all(type(item) is int and item >= 0 for item in fields)):
+            and all(is_int(item, low=0) for item in fields)):
         return "header is not an array of 4 unsigned ints"
     if msgpack.packb(fields) != header:
         return "header is not canonical msgpack"

@@ -59,6 +59,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
+from tierkv.checks import check_int
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
@@ -69,7 +70,7 @@ from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, c
 from tierkv.tiers.remote_format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
 from tierkv.tiers.remote_health import HINTS, TIER, WRITES, NodeHealth, who
-from tierkv.units import MiB, is_int
+from tierkv.units import MiB
 
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")
@@ -122,9 +123,7 @@ class RemoteTier(LowerTier):
             raise ConfigError(f"remote tier: config must be a RemoteTierConfig, got "
                               f"{type(config).__name__}")
         part = as_part(part)
-        for name, value, low in (("payload_bytes", payload_bytes, 1),):
-            if not is_int(value) or value < low:
-                raise ConfigError(f"remote tier: {name} must be an int >= {low}, got {value!r}")
+        check_int("remote tier: payload_bytes", payload_bytes, low=1)
         if config.tune_malloc:  # a put's values and a read's reply: chunk-sized buffers
             tune_malloc(16 * payload_bytes)  # a push batch of 16 chunks
         self.config = config

@@ -39,13 +39,13 @@ from functools import partial
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.checks import check_int
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
 from tierkv.keys import KEY_BYTES
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.base import LowerTier, ReadStatus
 from tierkv.transfer.ledger import JobLedger
-from tierkv.units import is_int
 
 logger = logging.getLogger("tierkv.disk_io")
 PIECE_BYTES = 1 << 20  # a read job's pieces are at least this big: a hand-off costs too
@@ -112,9 +112,7 @@ class DiskIO:
         self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
         for name, value in (("write_batch_bytes", write_batch_bytes),
                             ("reader_threads", reader_threads)):
-            if not is_int(value) or value <= 0:
-                raise ConfigError(f"{self._io}: {section}.{name} must be a positive int, "
-                                  f"got {value!r}")
+            check_int(f"{self._io}: {section}.{name}", value, low=1)
         if slab.slot_bytes < tier.payload_bytes:
             raise ConfigError(f"{self._io}: cpu slots of {slab.slot_bytes} bytes cannot hold "
                               f"{section} chunks of {tier.payload_bytes} bytes")

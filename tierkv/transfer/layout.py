@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tierkv.checks import check_int
 from tierkv.errors import ConfigError
-from tierkv.units import is_int
 
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16,
                                          1: torch.uint8}
@@ -273,9 +273,7 @@ class KVLayout:
         return self._groups
 
     def chunk_bytes(self, blocks_per_chunk: int) -> int:
-        if not is_int(blocks_per_chunk) or blocks_per_chunk <= 0:
-            raise ConfigError(f"kv layout: blocks_per_chunk must be a positive int, "
-                              f"got {blocks_per_chunk!r}")
+        check_int("kv layout: blocks_per_chunk", blocks_per_chunk, low=1)
         return blocks_per_chunk * sum(info.page_bytes for info in self._layers)
 
     @property

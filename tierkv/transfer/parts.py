@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import torch
 
+from tierkv.checks import check_int
 from tierkv.errors import ConfigError
 from tierkv.keys import Part
 from tierkv.tiers.base import ReadStatus
-from tierkv.units import is_int
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,7 @@ class HeadLayout:
 
     def __post_init__(self) -> None:
         for name in ("pieces", "outer", "head_bytes", "model_heads"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ConfigError(f"head layout: {name} must be a positive int, got {value!r}")
+            check_int(f"head layout: {name}", getattr(self, name), low=1)
 
     @classmethod
     def of_pages(cls, *, pieces: int, page_bytes: int, page_heads: int, page_order: str,

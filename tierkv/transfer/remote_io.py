@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.errors import ClosedError, ConfigError, TierKVError
+from tierkv.checks import check_int
+from tierkv.errors import ClosedError, TierKVError
 from tierkv.tiers.base import LowerTier
-from tierkv.units import is_int
 
 logger = logging.getLogger("tierkv.remote")
 
@@ -49,8 +49,7 @@ class RemoteIO:
 
     def __init__(self, tier: LowerTier, queue_bytes: int, batch: int = 16) -> None:
         for name, value in (("queue_bytes", queue_bytes), ("batch", batch)):
-            if not is_int(value) or value <= 0:
-                raise ConfigError(f"remote io: {name} must be a positive int, got {value!r}")
+            check_int(f"remote io: {name}", value, low=1)
         self.tier = tier
         self.queue_bytes = queue_bytes
         self.batch = batch
