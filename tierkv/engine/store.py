@@ -56,8 +56,11 @@ from typing import Any
 import torch
 
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
+from tierkv.core.figures import values
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
-from tierkv.engine.metrics import PATH_NAMES, Durations, config_info, remote_figures, usage_figures
+from tierkv.engine.adapter_stats import AdapterStats
+from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, config_info,
+                                   remote_figures, usage_figures)
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
@@ -162,7 +165,7 @@ class TierKVStore:
         self._bytes = {kind: [0, 0.0] for kind in JobKind}
         self._failed_jobs = dict.fromkeys(JobKind, 0)
         self._durations = {kind: Durations() for kind in JobKind}
-        self._looked_up = dict.fromkeys(("queried", "cpu", "disk", "remote"), 0)  # chunks
+        self._lookups = AdapterStats()  # of its figures, queried_tokens and hit_tokens_<tier>
         self._ready: list[Completion] = []
         # Blocks each store or load job in flight reads or writes (fence()), and what the
         # last lookup of keys starting with a key promised (load() counts the shortfall).
@@ -226,11 +229,11 @@ class TierKVStore:
         check_keys(keys)
         self._pump()
         found = lookup_tiers(self.index, self._remote, keys)[0]
-        counts = self._looked_up
-        counts["queried"] += len(keys)
-        counts["cpu"] += found.num_on_cpu
-        counts["remote"] += found.num_remote
-        counts["disk"] += found.num_hits - found.num_on_cpu - found.num_remote
+        counts, tpc = self._lookups, self.tokens_per_chunk
+        counts.queried_tokens += len(keys) * tpc
+        counts.hit_tokens_cpu += found.num_on_cpu * tpc
+        counts.hit_tokens_remote += found.num_remote * tpc
+        counts.hit_tokens_disk += (found.num_hits - found.num_on_cpu - found.num_remote) * tpc
         if found.num_hits:
             self._promise(keys[0], found.num_hits)
         return found.num_hits
@@ -413,12 +416,10 @@ class TierKVStore:
         (a Prometheus scrape): it only reads counters.
 
         Never blocks, never changes anything and never raises (after ``close()`` too)."""
-        tpc = self.tokens_per_chunk
         index = self.index.statistics()
-        out: dict[str, float | Durations] = {name: value for name, value in vars(index).items()}
-        out["queried_tokens"] = self._looked_up["queried"] * tpc
-        for tier in ("cpu", "disk", "remote"):
-            out[f"hit_tokens_{tier}"] = self._looked_up[tier] * tpc
+        out: dict[str, float | Durations] = values(index)
+        out.update((name, value) for name, value in values(self._lookups).items()
+                   if name in LOOKUP_FIGURES)
         for kind, name in PATH_NAMES.items():
             out[f"bytes_{name}"], out[f"seconds_{name}"] = self._bytes[kind]
             out[f"failed_jobs_{name}"] = self._failed_jobs[kind]
