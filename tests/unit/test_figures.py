@@ -101,3 +101,22 @@ def test_the_index_gauges_are_gauges_to_the_payloads() -> None:
     assert INDEX_GAUGES <= GAUGE_KEYS
     assert is_gauge("cpu_used_bytes") and is_gauge("remote_marks")
     assert not any(is_gauge(name) for name in INDEX_COUNTERS | ADAPTER_REPORTED)
+
+
+def test_the_load_shortfall_is_a_snapshot_of_the_stores_counts() -> None:
+    from tierkv.engine.store_stats import LoadShortfall, ShortfallCounts, StoreStats
+
+    counts = ShortfallCounts()
+    counts.gone += 4
+    shortfall = LoadShortfall.of(counts)
+    counts.gone += 1  # the snapshot keeps what it saw
+    assert shortfall == LoadShortfall(gone=4) and shortfall.no_room == shortfall.failed == 0
+    assert [f.name for f in figures(LoadShortfall)] == ["gone", "no_room", "failed"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shortfall.gone = 0  # type: ignore[misc]
+    assert {StoreStats.__dataclass_fields__["load_shortfall"].default} == {LoadShortfall()}
+
+
+def test_a_snapshot_needs_every_gauge() -> None:
+    with pytest.raises(AssertionError):
+        IndexStats.of(Counters(), num_slots=1)

@@ -6,6 +6,8 @@ holds it.
 - :func:`figures`                  the figures a record type declares (:class:`Figure`:
   name, kind, help, record), in field order.
 - :func:`values`                   a record's figures by name, optionally of one kind.
+- :class:`Snapshot`                a read-only snapshot of a record of counters, which
+  derives from it (the counters declared once).
 
 A record is a dataclass: the hot path increments plain attributes
 (``counters.loads_cpu += 1``), never a dict by string. Everything that reports them reads
@@ -20,8 +22,8 @@ figure already counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Literal
+from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
+from typing import Any, Literal, Self
 
 Kind = Literal["counter", "gauge"]
 _FIGURE = "tierkv.figure"  # the field metadata key holding a figure's (kind, help, reported)
@@ -63,10 +65,35 @@ def figures(record: type) -> tuple[Figure, ...]:
     return known
 
 
+class Snapshot:
+    """A read-only snapshot of a record of counters, declared as a dataclass deriving from
+    this mixin and the mutable record (``class IndexStats(Snapshot, Counters)``), so the
+    counters are declared once. It refuses a second assignment, as a frozen dataclass does
+    (declare it ``unsafe_hash=True`` to keep it hashable)."""
+
+    @classmethod
+    def of(cls, counters: object, **gauges: Any) -> Self:
+        """The snapshot of ``counters`` and ``gauges`` (the snapshot's other fields, every
+        one), made without the assignments ``__init__`` checks one by one: as cheap as a
+        frozen dataclass's."""
+        snapshot = object.__new__(cls)
+        snapshot.__dict__.update(vars(counters), **gauges)
+        assert len(snapshot.__dict__) == len(fields(cls)), sorted(gauges)  # type: ignore[arg-type]
+        return snapshot
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__:
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
 def values(record: object, kind: Kind | None = None) -> dict[str, Any]:
     """``record``'s reported figures by name (only those of ``kind`` if given)."""
     return {figure.name: getattr(record, figure.name) for figure in figures(type(record))
             if figure.reported and (kind is None or figure.kind == kind)}
 
 
-__all__ = ["Figure", "Kind", "counter", "figures", "gauge", "values"]
+__all__ = ["Figure", "Kind", "Snapshot", "counter", "figures", "gauge", "values"]

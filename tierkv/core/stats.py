@@ -5,10 +5,9 @@ the index's gauges)."""
 
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-from tierkv.core.figures import counter, gauge
+from tierkv.core.figures import Snapshot, counter, gauge
 
 
 @dataclass
@@ -38,10 +37,9 @@ class Counters:
 
 
 @dataclass(kw_only=True, unsafe_hash=True)
-class IndexStats(Counters):
-    """A snapshot: the counters (fields of :class:`Counters`) and the gauges below. Read-only
-    as a frozen dataclass is (it derives from the mutable counters, so it refuses a second
-    assignment itself)."""
+class IndexStats(Snapshot, Counters):
+    """A snapshot (read-only, see :class:`Snapshot`): the counters (fields of
+    :class:`Counters`) and the gauges below."""
 
     num_slots: int = gauge("CPU slots")
     free_slots: int = gauge("CPU slots free")
@@ -53,24 +51,6 @@ class IndexStats(Counters):
     disk_capacity: int = gauge("Chunks the disk tier can hold")
     remote_marks: int = gauge("Remote marks held (aged ones until the next note_remote drops "
                               "them)")
-
-    @classmethod
-    def of(cls, counters: Counters, **gauges: int) -> IndexStats:
-        """The snapshot of ``counters`` and the gauges (every one of them), made without the
-        assignments ``__init__`` checks one by one: ``statistics()`` stays as cheap as a
-        frozen dataclass's."""
-        stats = object.__new__(cls)
-        stats.__dict__.update(vars(counters), **gauges)
-        assert len(stats.__dict__) == len(fields(cls)), sorted(gauges)
-        return stats
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dict__:
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
 
 
 __all__ = ["Counters", "IndexStats"]

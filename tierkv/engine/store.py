@@ -68,7 +68,7 @@ from tierkv.engine.store_inputs import job_ids as job_ids_of
 from tierkv.engine.store_namespace import build_namespace as build_namespace
 from tierkv.engine.store_namespace import check_namespace
 from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, RemoteStats,
-                                       StoreStats)
+                                       ShortfallCounts, StoreStats)
 from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
@@ -171,7 +171,7 @@ class TierKVStore:
         # last lookup of keys starting with a key promised (load() counts the shortfall).
         self._blocks_of: dict[JobId, frozenset[int]] = {}
         self._promised: dict[bytes, int] = {}
-        self._shortfall = dict.fromkeys(("gone", "no_room", "failed"), 0)
+        self._shortfall = ShortfallCounts()
 
     def _open_budget(self, root: Path, num_slots: int) -> None:
         """The index over this store's share of the disk cap, which every namespace under
@@ -301,8 +301,8 @@ class TierKVStore:
             self._make_room(short)
             hits = self.index.lookup(keys[:hits]).num_hits  # a spill may evict on disk
         plan = self.index.prepare_load(keys[:hits])
-        self._shortfall["gone"] += max(promised - hits, 0)
-        self._shortfall["no_room"] += max(min(promised, hits) - len(plan.chunks), 0)
+        self._shortfall.gone += max(promised - hits, 0)
+        self._shortfall.no_room += max(min(promised, hits) - len(plan.chunks), 0)
         if plan.job_id is None:
             return LoadHandle(None, 0, 0)
         chunks = tuple(
@@ -407,7 +407,7 @@ class TierKVStore:
             cpu_to_disk=path(JobKind.SPILL),
             chunk_bytes=self.chunk_bytes,
             remote=remote,
-            load_shortfall=LoadShortfall(**self._shortfall),
+            load_shortfall=LoadShortfall.of(self._shortfall),
         )
 
     def figures(self) -> dict[str, float | Durations]:
@@ -532,7 +532,7 @@ class TierKVStore:
             self.index.complete(completion)
             self._blocks_of.pop(completion.job_id, None)
             if kind is JobKind.LOAD:
-                self._shortfall["failed"] += len(completion.failed_keys)
+                self._shortfall.failed += len(completion.failed_keys)
             if kind is not None:
                 totals = self._bytes[kind]
                 totals[0] += completion.num_bytes
