@@ -120,3 +120,13 @@ def test_the_load_shortfall_is_a_snapshot_of_the_stores_counts() -> None:
 def test_a_snapshot_needs_every_gauge() -> None:
     with pytest.raises(AssertionError):
         IndexStats.of(Counters(), num_slots=1)
+
+
+def test_a_report_carries_the_counters_that_moved_and_the_gauges_now() -> None:
+    from tierkv.engine.metrics import since_last
+
+    reported = {"lookups": 3, "cpu_used_bytes": 10, "flushes": 1}
+    current = {"lookups": 5, "cpu_used_bytes": 7, "flushes": 1, "sync_loads": 2}
+    # lookups moved by 2, flushes did not (left out), sync_loads is new; a gauge is its value
+    assert since_last(current, reported) == {"lookups": 2, "sync_loads": 2, "cpu_used_bytes": 7}
+    assert since_last(current, current) == {"cpu_used_bytes": 7}

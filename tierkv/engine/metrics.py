@@ -155,6 +155,15 @@ def is_gauge(key: str) -> bool:
     return key in GAUGE_KEYS or key.startswith(DYNAMIC_GAUGES)
 
 
+def since_last(current: Mapping[str, Any], reported: Mapping[str, Any]) -> dict[str, Any]:
+    """A report's figures: the counters of ``current`` that moved since ``reported`` (the
+    previous report's ``current``), by how much, and the gauges' values now."""
+    out = {name: moved for name, value in current.items()
+           if not is_gauge(name) and (moved := value - reported.get(name, 0))}
+    out.update((name, value) for name, value in current.items() if is_gauge(name))
+    return out
+
+
 def metric_keys(metric: Metric, figures: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     """(label value, figure key) pairs ``metric`` reads from ``figures``."""
     if metric.dynamic is None:
@@ -336,4 +345,4 @@ def register_store_metrics(store: FigureSource, registry: Any = None,
 __all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "LOOKUP_FIGURES",
            "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector", "config_info",
            "is_gauge", "metric_keys", "register_store_metrics", "remote_figures",
-           "usage_figures", "values"]
+           "since_last", "usage_figures", "values"]

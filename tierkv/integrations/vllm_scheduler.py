@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
-from tierkv.engine.metrics import is_gauge, remote_figures, usage_figures, values
+from tierkv.engine.metrics import remote_figures, since_last, usage_figures, values
 from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
@@ -496,15 +496,9 @@ class SchedulerSide:
             return None
         self._last_report = now
         current = self.statistics()
-        delta = {name: value - self._reported.get(name, 0) for name, value in current.items()
-                 if not is_gauge(name)}
+        stats = TierKVConnectorStats(data=since_last(current, self._reported))
         self._reported = current
-        stats = TierKVConnectorStats(data={name: value for name, value in delta.items() if value})
-        if stats.is_empty():
-            return None
-        stats.data.update((name, value) for name, value in current.items()
-                          if is_gauge(name))  # gauges: values now
-        return stats
+        return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
         if self.remote is not None:
