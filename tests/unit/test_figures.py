@@ -130,3 +130,12 @@ def test_a_report_carries_the_counters_that_moved_and_the_gauges_now() -> None:
     # lookups moved by 2, flushes did not (left out), sync_loads is new; a gauge is its value
     assert since_last(current, reported) == {"lookups": 2, "sync_loads": 2, "cpu_used_bytes": 7}
     assert since_last(current, current) == {"cpu_used_bytes": 7}
+
+
+def test_every_metric_reads_its_declared_figures_as_their_kind() -> None:
+    declared = {f.name: f for record in (IndexStats, AdapterStats) for f in figures(record)}
+    read = [(metric, key) for metric in METRICS for _, key in metric.keys if key in declared]
+    assert len(read) >= 20  # hits, evictions, spills, no room, corrupt, declined, seconds...
+    for metric, key in read:
+        assert metric.kind == declared[key].kind, (metric.name, key)
+        assert declared[key].reported, key  # a metric reads what the reports carry
