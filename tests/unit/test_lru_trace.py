@@ -25,6 +25,7 @@ import random
 from dataclasses import fields
 from typing import Any
 
+from tierkv.core.figures import figures
 from tierkv.core.index import BlockIndex, IndexStats, LoadPlan, Lookup
 from tierkv.core.jobs import Completion
 
@@ -49,6 +50,7 @@ class _Recorded:
 _OLD_FIELDS = {Lookup: ("num_hits", "pending", "num_on_cpu"), LoadPlan: ("job_id", "chunks")}
 _NEW_STATS = ("remote_marks", "loads_remote", "remote_missing", "remote_corrupt",
               "remote_failed")
+_GAUGES = {figure.name for figure in figures(IndexStats) if figure.kind == "gauge"}
 
 
 def _as_recorded(item: object) -> object:
@@ -59,7 +61,10 @@ def _as_recorded(item: object) -> object:
         return _Recorded(item, names)
     if isinstance(item, IndexStats):
         assert not any(getattr(item, name) for name in _NEW_STATS)
-        return _Recorded(item, tuple(f.name for f in fields(item) if f.name not in _NEW_STATS))
+        # The recording commit declared the gauges first, then the counters.
+        names = sorted((f.name for f in fields(item) if f.name not in _NEW_STATS),
+                       key=lambda name: name not in _GAUGES)
+        return _Recorded(item, tuple(names))
     return item
 
 

@@ -516,7 +516,8 @@ class BlockIndex(Spills, Invariants):
     def statistics(self) -> IndexStats:
         """A snapshot in O(1): every used slot holds a STORING, PROMOTING or READY chunk."""
         free = self._slots.num_free
-        return IndexStats(
+        return IndexStats.of(
+            self._counters,
             num_slots=self.num_slots,
             free_slots=free,
             cpu_ready=self.num_slots - free - self._num_storing - self._num_promoting,
@@ -526,7 +527,6 @@ class BlockIndex(Spills, Invariants):
             on_disk=len(self._disk),
             disk_capacity=self.disk_capacity,
             remote_marks=len(self._remote),
-            **vars(self._counters),
         )
 
     # check(): every invariant, inherited from Invariants (core/invariants.py).

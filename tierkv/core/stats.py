@@ -1,69 +1,56 @@
-"""The block index's statistics: the snapshot ``BlockIndex.statistics()`` returns
-(:class:`IndexStats`) and the running counts behind it (:class:`Counters`, whose fields
-``statistics()`` passes on by name: every one of them is a field of IndexStats)."""
+"""The block index's statistics, declared once (:mod:`tierkv.core.figures`): the running
+counts (:class:`Counters`, which the index increments) and the snapshot
+``BlockIndex.statistics()`` returns (:class:`IndexStats`: the counters at that moment and
+the index's gauges)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class IndexStats:
-    num_slots: int
-    free_slots: int
-    cpu_ready: int
-    storing: int
-    promoting: int
-    spilling: int
-    on_disk: int
-    disk_capacity: int
-    stores_planned: int
-    stores_present: int
-    stores_no_room: int
-    stores_failed: int
-    loads_cpu: int
-    loads_disk: int
-    loads_failed: int
-    loads_no_room: int
-    corrupt: int
-    disk_missing: int
-    cpu_evictions: int
-    dirty_dropped: int
-    disk_evictions: int
-    spills_ok: int
-    spills_failed: int
-    disk_no_room: int
-    remote_marks: int = 0  # marks held (aged ones until the next note_remote drops them)
-    loads_remote: int = 0
-    remote_missing: int = 0  # phantoms: noted remotely, gone when loaded
-    remote_corrupt: int = 0
-    remote_failed: int = 0  # remote loads that failed otherwise (network, breaker)
+from tierkv.core.figures import Snapshot, counter, gauge
 
 
 @dataclass
 class Counters:
-    """The index's running counts (IndexStats' counters, in the same order)."""
+    """The index's running counts (the counters of :class:`IndexStats`)."""
 
-    stores_planned: int = 0
-    stores_present: int = 0
-    stores_no_room: int = 0
-    stores_failed: int = 0
-    loads_cpu: int = 0
-    loads_disk: int = 0
-    loads_failed: int = 0
-    loads_no_room: int = 0
-    corrupt: int = 0
-    disk_missing: int = 0
-    cpu_evictions: int = 0
-    dirty_dropped: int = 0
-    disk_evictions: int = 0
-    spills_ok: int = 0
-    spills_failed: int = 0
-    disk_no_room: int = 0
-    loads_remote: int = 0
-    remote_missing: int = 0
-    remote_corrupt: int = 0
-    remote_failed: int = 0
+    stores_planned: int = counter("Chunks planned for a store (GPU -> CPU)")
+    stores_present: int = counter("Chunks asked to store that the index already held")
+    stores_no_room: int = counter("Chunks not stored for want of a free CPU slot")
+    stores_failed: int = counter("Chunks whose store job failed")
+    loads_cpu: int = counter("Chunks loaded from the CPU tier")
+    loads_disk: int = counter("Chunks loaded from the disk tier (through a CPU slot)")
+    loads_failed: int = counter("Chunk loads that failed; their tokens are recomputed")
+    loads_no_room: int = counter("Chunk loads refused for want of a CPU slot")
+    corrupt: int = counter("Chunks read from disk whose bytes failed their checks")
+    disk_missing: int = counter("Chunks the index held on disk that were gone when loaded")
+    cpu_evictions: int = counter("Chunks evicted from the CPU tier")
+    dirty_dropped: int = counter("Chunks evicted from the CPU tier before they reached disk")
+    disk_evictions: int = counter("Chunks evicted from the disk tier")
+    spills_ok: int = counter("Chunks written from the CPU tier to disk")
+    spills_failed: int = counter("Chunks whose write to disk failed")
+    disk_no_room: int = counter("Chunks not written to disk for want of room")
+    loads_remote: int = counter("Chunks loaded from the remote tier")
+    remote_missing: int = counter("Phantoms: chunks noted remotely, gone when loaded")
+    remote_corrupt: int = counter("Chunks read from the remote tier whose bytes failed a check")
+    remote_failed: int = counter("Remote loads that failed otherwise (network, breaker)")
+
+
+@dataclass(kw_only=True, unsafe_hash=True)
+class IndexStats(Snapshot, Counters):
+    """A snapshot (read-only, see :class:`Snapshot`): the counters (fields of
+    :class:`Counters`) and the gauges below."""
+
+    num_slots: int = gauge("CPU slots")
+    free_slots: int = gauge("CPU slots free")
+    cpu_ready: int = gauge("Chunks ready in the CPU tier")
+    storing: int = gauge("Chunks being stored into the CPU tier")
+    promoting: int = gauge("Chunks being read from disk into the CPU tier")
+    spilling: int = gauge("Chunks being written to disk")
+    on_disk: int = gauge("Chunks on disk")
+    disk_capacity: int = gauge("Chunks the disk tier can hold")
+    remote_marks: int = gauge("Remote marks held (aged ones until the next note_remote drops "
+                              "them)")
 
 
 __all__ = ["Counters", "IndexStats"]

@@ -1,4 +1,5 @@
-"""AdapterStats: the engine adapter's counters (plain data; ``EngineAdapter.stats``).
+"""AdapterStats: the engine adapter's counters (plain data; ``EngineAdapter.stats``), each
+declared once as a figure (:mod:`tierkv.core.figures`).
 
 :mod:`tierkv.engine.adapter` re-exports it.
 """
@@ -7,43 +8,61 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierkv.core.figures import counter
+
 __all__ = ["AdapterStats"]
 
 
 @dataclass
 class AdapterStats:
-    lookups: int = 0
-    hit_tokens: int = 0
-    not_yet: int = 0
-    loads_planned: int = 0
-    loads_failed_chunks: int = 0
-    stores_planned: int = 0
-    flushes: int = 0
-    requests_freed: int = 0
-    waits_on_stores: int = 0
-    hit_tokens_cpu: int = 0
-    hit_tokens_disk: int = 0
-    hit_tokens_remote: int = 0
-    remote_not_yet: int = 0
-    # Tokens past the engine's own prefix hit of requests that were allocated (the engine
-    # reports them with count_queried); hit_tokens_* / queried_tokens is tierkv's hit rate.
-    queried_tokens: int = 0
-    # Chunks not stored because the engine no longer held one of their pages (several
-    # groups: a sliding-window block freed, or never given, before the chunk was stored).
-    stores_without_pages: int = 0
-    sync_loads: int = 0  # loads copied in the step that asked for them (sync_load_chunks)
+    lookups: int = counter("Requests looked up")
+    hit_tokens: int = counter("Tokens found, all tiers (reported as hit_tokens_<tier>)",
+                              reported=False)
+    not_yet: int = counter("Lookups answered \"not yet\" (a load or a remote answer pending)")
+    loads_planned: int = counter("Chunks planned for a load (the index counts them by tier)",
+                                 reported=False)
+    loads_failed_chunks: int = counter("Chunks of planned loads that failed (the index "
+                                       "counts them: loads_failed)", reported=False)
+    stores_planned: int = counter("Chunks planned for a store (the index counts them)",
+                                  reported=False)
+    flushes: int = counter("Jobs flushed (waited for) before their blocks were reused")
+    requests_freed: int = counter("Requests freed", reported=False)
+    waits_on_stores: int = counter("Lookups answered \"not yet\" waiting on a store of "
+                                   "their prefix (wait_for_stores)")
+    hit_tokens_cpu: int = counter("Tokens found in the CPU tier")
+    hit_tokens_disk: int = counter("Tokens found in the disk tier")
+    hit_tokens_remote: int = counter("Tokens found in the remote tier")
+    remote_not_yet: int = counter("Lookups answered \"not yet\" waiting on the remote "
+                                  "tier's answer")
+    # hit_tokens_* / queried_tokens is tierkv's hit rate.
+    queried_tokens: int = counter("Tokens looked up in tierkv: under vLLM a prompt's tokens "
+                                  "past vLLM's own prefix cache, in the library API the "
+                                  "lookup()'s chunks")
+    stores_without_pages: int = counter("Chunks not stored because the engine had released "
+                                        "one of their pages first (a sliding-window group's "
+                                        "block that left the window)")
+    sync_loads: int = counter("Loads copied in the step that asked for them "
+                              "(sync_load_chunks)")
     # load_policy "cost": hit tokens declined (recomputed instead) by the tier that held
     # them, and the taken loads' estimated and measured seconds by their slowest tier.
-    load_probes: int = 0  # loads taken against the estimate, to measure a declined tier
-    load_lines_restarted: int = 0  # probes that beat their estimate 2x: the tier's line anew
-    remote_lookups_skipped: int = 0  # requests not asked of a remote tier being declined
-    lookups_recompute: int = 0  # lookups of requests that asked for load_policy "recompute"
-    declined_tokens_cpu: int = 0
-    declined_tokens_disk: int = 0
-    declined_tokens_remote: int = 0
-    load_seconds_estimated_cpu: float = 0.0
-    load_seconds_estimated_disk: float = 0.0
-    load_seconds_estimated_remote: float = 0.0
-    load_seconds_measured_cpu: float = 0.0
-    load_seconds_measured_disk: float = 0.0
-    load_seconds_measured_remote: float = 0.0
+    load_probes: int = counter("Loads taken against the estimate, to measure a declined tier")
+    load_lines_restarted: int = counter("Probes that beat their estimate 2x: the tier's line "
+                                        "anew")
+    remote_lookups_skipped: int = counter("Requests not asked of a remote tier being declined")
+    lookups_recompute: int = counter("Lookups of requests that asked for load_policy "
+                                     "\"recompute\"")
+    declined_tokens_cpu: int = counter("Hit tokens in the CPU tier recomputed instead")
+    declined_tokens_disk: int = counter("Hit tokens in the disk tier recomputed instead")
+    declined_tokens_remote: int = counter("Hit tokens in the remote tier recomputed instead")
+    load_seconds_estimated_cpu: float = counter("Estimated seconds of loads slowest on CPU",
+                                                default=0.0)
+    load_seconds_estimated_disk: float = counter("Estimated seconds of loads slowest on disk",
+                                                 default=0.0)
+    load_seconds_estimated_remote: float = counter("Estimated seconds of loads slowest on the "
+                                                   "remote tier", default=0.0)
+    load_seconds_measured_cpu: float = counter("Measured seconds of loads slowest on CPU",
+                                               default=0.0)
+    load_seconds_measured_disk: float = counter("Measured seconds of loads slowest on disk",
+                                                default=0.0)
+    load_seconds_measured_remote: float = counter("Measured seconds of loads slowest on the "
+                                                  "remote tier", default=0.0)

@@ -15,6 +15,12 @@ the key being its label value (``remote_breaker_open/10.0.0.5:7000``: one per no
 :func:`remote_figures` makes the remote tier's figures from its statistics, and
 :func:`config_info` the labels of ``tierkv:config_info`` (the effective settings, no secret).
 
+The figures of the index and the engine adapter are declared once, as fields of their
+records (:class:`~tierkv.core.stats.IndexStats`, :class:`~tierkv.engine.adapter_stats.
+AdapterStats`; :mod:`tierkv.core.figures`): a metric that reads one of them takes its kind
+and help text from that declaration, and :func:`values` (re-exported here for the
+integrations) reads a record's figures by name.
+
 Counters are exposed with ``_total`` (``tierkv:hit_tokens_total{tier="disk"}``); byte figures
 are bytes and times are seconds, as Prometheus conventions ask.
 """
@@ -26,8 +32,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from tierkv.core.figures import figures, values
 from tierkv.core.index import IndexStats
 from tierkv.core.jobs import JobKind
+from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.extras import needs
 from tierkv.tiers.remote_health import CAUSES
 
@@ -37,6 +45,8 @@ Kind = Literal["counter", "gauge", "histogram"]
 PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
 PATHS = tuple(PATH_NAMES.values())
 TIERS = ("cpu", "disk", "remote")
+# What a lookup counts (AdapterStats' figures; TierKVStore.figures() reports these only).
+LOOKUP_FIGURES = ("queried_tokens", *(f"hit_tokens_{tier}" for tier in TIERS))
 # Seconds per job: a 2 MiB chunk copies in ~0.1 ms on a GPU, a disk batch can take seconds.
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -69,10 +79,15 @@ def _one(key: str) -> tuple[tuple[str, str], ...]:
     return (("", key),)
 
 
+def _figure(record: type, key: str, name: str | None = None) -> Metric:
+    """The metric of one figure (named ``name``, else as the figure), its kind and help as
+    the figure's record declares them (:mod:`tierkv.core.figures`)."""
+    figure = next(figure for figure in figures(record) if figure.name == key)
+    return Metric(name or key, figure.kind, figure.help, None, _one(key))
+
+
 METRICS: tuple[Metric, ...] = (
-    Metric("queried_tokens", "counter", "Tokens looked up in tierkv: under vLLM a prompt's "
-           "tokens past vLLM's own prefix cache, in the library API the lookup()'s chunks",
-           None, _one("queried_tokens")),
+    _figure(AdapterStats, "queried_tokens"),
     Metric("hit_tokens", "counter", "Tokens found in tierkv, by the tier that held them",
            "tier", _each("hit_tokens_{}", TIERS)),
     Metric("transfer_bytes", "counter", "Bytes moved by finished jobs, by path", "path",
@@ -83,22 +98,16 @@ METRICS: tuple[Metric, ...] = (
            _each("durations_{}", PATHS)),
     Metric("failed_jobs", "counter", "Jobs that failed (their chunks are misses), by path",
            "path", _each("failed_jobs_{}", PATHS)),
-    Metric("failed_loads", "counter", "Chunk loads that failed; their tokens are recomputed",
-           None, _one("loads_failed")),
-    Metric("cpu_evictions", "counter", "Chunks evicted from the CPU tier", None,
-           _one("cpu_evictions")),
-    Metric("dirty_dropped", "counter", "Chunks evicted from the CPU tier before they reached "
-           "disk", None, _one("dirty_dropped")),
+    _figure(IndexStats, "loads_failed", "failed_loads"),
+    _figure(IndexStats, "cpu_evictions"),
+    _figure(IndexStats, "dirty_dropped"),
     Metric("spills", "counter", "Chunks written from the CPU tier to disk, by result",
            "result", (("ok", "spills_ok"), ("failed", "spills_failed"))),
-    Metric("disk_evictions", "counter", "Chunks evicted from the disk tier", None,
-           _one("disk_evictions")),
+    _figure(IndexStats, "disk_evictions"),
     Metric("no_room", "counter", "Chunks not stored or loaded for want of room (all slots "
            "busy, or the disk full), by what was refused", "what",
            (("store", "stores_no_room"), ("load", "loads_no_room"), ("disk", "disk_no_room"))),
-    Metric("stores_without_pages", "counter", "Chunks not stored because the engine had "
-           "released one of their pages first (a sliding-window group's block that left the "
-           "window)", None, _one("stores_without_pages")),
+    _figure(AdapterStats, "stores_without_pages"),
     Metric("corrupt_chunks", "counter", "Chunks whose bytes failed their checks on read "
            "(served as misses, deleted), by tier", "tier",
            (("disk", "corrupt"), ("remote", "remote_corrupt"))),
@@ -135,7 +144,8 @@ METRICS: tuple[Metric, ...] = (
 )
 
 GAUGE_KEYS = frozenset(key for metric in METRICS if metric.kind == "gauge"
-                       for _, key in metric.keys)
+                       for _, key in metric.keys) | frozenset(
+    figure.name for figure in figures(IndexStats) if figure.kind == "gauge")
 DYNAMIC_GAUGES = tuple(metric.dynamic for metric in METRICS
                        if metric.kind == "gauge" and metric.dynamic)
 
@@ -143,6 +153,15 @@ DYNAMIC_GAUGES = tuple(metric.dynamic for metric in METRICS
 def is_gauge(key: str) -> bool:
     """Whether figure ``key`` is a gauge (a value now), not a counter."""
     return key in GAUGE_KEYS or key.startswith(DYNAMIC_GAUGES)
+
+
+def since_last(current: Mapping[str, Any], reported: Mapping[str, Any]) -> dict[str, Any]:
+    """A report's figures: the counters of ``current`` that moved since ``reported`` (the
+    previous report's ``current``), by how much, and the gauges' values now."""
+    out = {name: moved for name, value in current.items()
+           if not is_gauge(name) and (moved := value - reported.get(name, 0))}
+    out.update((name, value) for name, value in current.items() if is_gauge(name))
+    return out
 
 
 def metric_keys(metric: Metric, figures: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -323,6 +342,7 @@ def register_store_metrics(store: FigureSource, registry: Any = None,
     return collector
 
 
-__all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "METRICS", "Metric",
-           "PATH_NAMES", "PREFIX", "StoreCollector", "config_info", "is_gauge", "metric_keys",
-           "register_store_metrics", "remote_figures", "usage_figures"]
+__all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "LOOKUP_FIGURES",
+           "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector", "config_info",
+           "is_gauge", "metric_keys", "register_store_metrics", "remote_figures",
+           "since_last", "usage_figures", "values"]

@@ -56,8 +56,11 @@ from typing import Any
 import torch
 
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
+from tierkv.core.figures import values
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
-from tierkv.engine.metrics import PATH_NAMES, Durations, config_info, remote_figures, usage_figures
+from tierkv.engine.adapter_stats import AdapterStats
+from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, config_info,
+                                   remote_figures, usage_figures)
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
@@ -65,7 +68,7 @@ from tierkv.engine.store_inputs import job_ids as job_ids_of
 from tierkv.engine.store_namespace import build_namespace as build_namespace
 from tierkv.engine.store_namespace import check_namespace
 from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, RemoteStats,
-                                       StoreStats)
+                                       ShortfallCounts, StoreStats)
 from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
@@ -162,13 +165,13 @@ class TierKVStore:
         self._bytes = {kind: [0, 0.0] for kind in JobKind}
         self._failed_jobs = dict.fromkeys(JobKind, 0)
         self._durations = {kind: Durations() for kind in JobKind}
-        self._looked_up = dict.fromkeys(("queried", "cpu", "disk", "remote"), 0)  # chunks
+        self._lookups = AdapterStats()  # of its figures, queried_tokens and hit_tokens_<tier>
         self._ready: list[Completion] = []
         # Blocks each store or load job in flight reads or writes (fence()), and what the
         # last lookup of keys starting with a key promised (load() counts the shortfall).
         self._blocks_of: dict[JobId, frozenset[int]] = {}
         self._promised: dict[bytes, int] = {}
-        self._shortfall = dict.fromkeys(("gone", "no_room", "failed"), 0)
+        self._shortfall = ShortfallCounts()
 
     def _open_budget(self, root: Path, num_slots: int) -> None:
         """The index over this store's share of the disk cap, which every namespace under
@@ -226,11 +229,11 @@ class TierKVStore:
         check_keys(keys)
         self._pump()
         found = lookup_tiers(self.index, self._remote, keys)[0]
-        counts = self._looked_up
-        counts["queried"] += len(keys)
-        counts["cpu"] += found.num_on_cpu
-        counts["remote"] += found.num_remote
-        counts["disk"] += found.num_hits - found.num_on_cpu - found.num_remote
+        counts, tpc = self._lookups, self.tokens_per_chunk
+        counts.queried_tokens += len(keys) * tpc
+        counts.hit_tokens_cpu += found.num_on_cpu * tpc
+        counts.hit_tokens_remote += found.num_remote * tpc
+        counts.hit_tokens_disk += (found.num_hits - found.num_on_cpu - found.num_remote) * tpc
         if found.num_hits:
             self._promise(keys[0], found.num_hits)
         return found.num_hits
@@ -298,8 +301,8 @@ class TierKVStore:
             self._make_room(short)
             hits = self.index.lookup(keys[:hits]).num_hits  # a spill may evict on disk
         plan = self.index.prepare_load(keys[:hits])
-        self._shortfall["gone"] += max(promised - hits, 0)
-        self._shortfall["no_room"] += max(min(promised, hits) - len(plan.chunks), 0)
+        self._shortfall.gone += max(promised - hits, 0)
+        self._shortfall.no_room += max(min(promised, hits) - len(plan.chunks), 0)
         if plan.job_id is None:
             return LoadHandle(None, 0, 0)
         chunks = tuple(
@@ -404,7 +407,7 @@ class TierKVStore:
             cpu_to_disk=path(JobKind.SPILL),
             chunk_bytes=self.chunk_bytes,
             remote=remote,
-            load_shortfall=LoadShortfall(**self._shortfall),
+            load_shortfall=LoadShortfall.of(self._shortfall),
         )
 
     def figures(self) -> dict[str, float | Durations]:
@@ -413,12 +416,10 @@ class TierKVStore:
         (a Prometheus scrape): it only reads counters.
 
         Never blocks, never changes anything and never raises (after ``close()`` too)."""
-        tpc = self.tokens_per_chunk
         index = self.index.statistics()
-        out: dict[str, float | Durations] = {name: value for name, value in vars(index).items()}
-        out["queried_tokens"] = self._looked_up["queried"] * tpc
-        for tier in ("cpu", "disk", "remote"):
-            out[f"hit_tokens_{tier}"] = self._looked_up[tier] * tpc
+        out: dict[str, float | Durations] = values(index)
+        out.update((name, value) for name, value in values(self._lookups).items()
+                   if name in LOOKUP_FIGURES)
         for kind, name in PATH_NAMES.items():
             out[f"bytes_{name}"], out[f"seconds_{name}"] = self._bytes[kind]
             out[f"failed_jobs_{name}"] = self._failed_jobs[kind]
@@ -531,7 +532,7 @@ class TierKVStore:
             self.index.complete(completion)
             self._blocks_of.pop(completion.job_id, None)
             if kind is JobKind.LOAD:
-                self._shortfall["failed"] += len(completion.failed_keys)
+                self._shortfall.failed += len(completion.failed_keys)
             if kind is not None:
                 totals = self._bytes[kind]
                 totals[0] += completion.num_bytes

@@ -3,7 +3,7 @@
 - :class:`LoadHandle` what ``load()`` started.
 - :class:`StoreStats` ``statistics()``: the index's counters, bytes and seconds per path
   (:class:`PathStats`), the remote tier's (:class:`RemoteStats`) and the load shortfall
-  by cause (:class:`LoadShortfall`).
+  by cause (:class:`LoadShortfall`, a snapshot of the store's :class:`ShortfallCounts`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tierkv.core.figures import Snapshot, counter
 from tierkv.core.index import IndexStats
 from tierkv.core.jobs import JobId
 
@@ -31,14 +32,22 @@ class LoadHandle:
     num_from_remote: int = 0
 
 
-@dataclass(frozen=True)
-class LoadShortfall:
+@dataclass
+class ShortfallCounts:
     """Chunks a ``lookup()`` counted as hits that the ``load()`` of the same keys (the
-    next one starting with the same key) did not deliver, by cause."""
+    next one starting with the same key) did not deliver, by cause: the store's running
+    counts (:class:`LoadShortfall` is their snapshot)."""
 
-    gone: int = 0  # no longer hits when the load came (evicted or deleted meanwhile)
-    no_room: int = 0  # no CPU slot to load them through: every slot in use by jobs in flight
-    failed: int = 0  # planned but did not land (corrupt, missing on disk, a failed copy)
+    gone: int = counter("Hits gone when the load came (evicted or deleted meanwhile)")
+    no_room: int = counter("Hits not loaded for want of a CPU slot to load them through "
+                           "(every slot in use by jobs in flight)")
+    failed: int = counter("Hits planned that did not land (corrupt, missing on disk, a "
+                          "failed copy)")
+
+
+@dataclass(unsafe_hash=True)
+class LoadShortfall(Snapshot, ShortfallCounts):
+    """``statistics().load_shortfall``: a read-only snapshot of :class:`ShortfallCounts`."""
 
 
 @dataclass(frozen=True)

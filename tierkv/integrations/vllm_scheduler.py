@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
-from tierkv.engine.metrics import is_gauge, remote_figures, usage_figures
+from tierkv.engine.metrics import remote_figures, since_last, usage_figures, values
 from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
@@ -41,19 +41,8 @@ log = logging.getLogger("tierkv.vllm")
 STATS_INTERVAL_SECONDS = 1.0
 MAX_POLICY_WARNINGS = 64  # distinct bad request load policies warned about, at most
 BUDGET_POLL_SECONDS = 1.0  # how often a step may stat the disk root for budget changes
-_INDEX_COUNTERS = (
-    "loads_failed", "loads_no_room", "stores_planned", "stores_present", "stores_no_room",
-    "stores_failed", "cpu_evictions", "dirty_dropped", "disk_evictions", "spills_ok",
-    "spills_failed", "disk_no_room", "corrupt", "disk_missing", "remote_missing",
-    "remote_corrupt", "remote_failed",
-)
-_ADAPTER_COUNTERS = ("lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu",
-                     "hit_tokens_disk", "hit_tokens_remote", "remote_not_yet", "queried_tokens",
-                     "stores_without_pages", "sync_loads", "load_probes", "load_lines_restarted",
-                     "remote_lookups_skipped", "lookups_recompute", "declined_tokens_cpu",
-                     "declined_tokens_disk", "declined_tokens_remote",
-                     *(f"load_seconds_{what}_{tier}" for what in ("estimated", "measured")
-                       for tier in ("cpu", "disk", "remote")))
+# The index's chunk loads by tier are reported as hits (hit_tokens_<tier> beside them).
+_INDEX_RENAMED = {f"loads_{tier}": f"hit_chunks_{tier}" for tier in ("cpu", "disk", "remote")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,14 +471,11 @@ class SchedulerSide:
     # ------------------------------------------------------------------ stats
     def statistics(self) -> dict[str, int]:
         """Cumulative counters and the usage gauges, by figure key (tierkv.engine.metrics)."""
-        index = self.index.statistics()
-        adapter = self.adapter.stats
-        out = {name: getattr(index, name, 0) for name in _INDEX_COUNTERS}
-        out.update({name: getattr(adapter, name) for name in _ADAPTER_COUNTERS})
+        index, adapter = self.index.statistics(), self.adapter.stats
+        out = {_INDEX_RENAMED.get(name, name): value
+               for name, value in values(index, "counter").items()}
+        out.update(values(adapter))
         out.update(self._counts)
-        out["hit_chunks_cpu"] = index.loads_cpu
-        out["hit_chunks_disk"] = index.loads_disk
-        out["hit_chunks_remote"] = index.loads_remote
         if self.remote is not None:
             lookups = self.remote.statistics()
             out["remote_lookup_requests"] = lookups.requests
@@ -510,15 +496,9 @@ class SchedulerSide:
             return None
         self._last_report = now
         current = self.statistics()
-        delta = {name: value - self._reported.get(name, 0) for name, value in current.items()
-                 if not is_gauge(name)}
+        stats = TierKVConnectorStats(data=since_last(current, self._reported))
         self._reported = current
-        stats = TierKVConnectorStats(data={name: value for name, value in delta.items() if value})
-        if stats.is_empty():
-            return None
-        stats.data.update((name, value) for name, value in current.items()
-                          if is_gauge(name))  # gauges: values now
-        return stats
+        return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
         if self.remote is not None:

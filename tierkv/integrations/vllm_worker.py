@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tierkv.engine.metrics import is_gauge, remote_figures
+from tierkv.engine.metrics import remote_figures, since_last
 from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
@@ -229,11 +229,8 @@ class WorkerSide:
             pusher = self._stack.executor.pusher
             counts.update(remote_figures([self._stack.remote.statistics()],
                                          pusher.statistics() if pusher is not None else None))
-        delta = {name: value - self._reported.get(name, 0) for name, value in counts.items()
-                 if not is_gauge(name)}
+        out = since_last(counts, self._reported)
         self._reported = counts
-        out: dict[str, Any] = {name: value for name, value in delta.items() if value}
-        out.update((name, value) for name, value in counts.items() if is_gauge(name))
         out.update(self.worker.take_durations())
         return out
 

@@ -1,0 +1,141 @@
+"""The statistics model (tierkv.core.figures): each figure declared once, on its record, and
+read from there by statistics(), the vLLM figures and the Prometheus table. The names users
+see are pinned here: renaming a field is a breaking change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tierkv.core.figures import counter, figures, gauge, values
+from tierkv.core.stats import Counters, IndexStats
+from tierkv.engine.adapter_stats import AdapterStats
+from tierkv.engine.metrics import GAUGE_KEYS, LOOKUP_FIGURES, METRICS, is_gauge
+
+INDEX_COUNTERS = {
+    "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
+    "loads_disk", "loads_failed", "loads_no_room", "corrupt", "disk_missing", "cpu_evictions",
+    "dirty_dropped", "disk_evictions", "spills_ok", "spills_failed", "disk_no_room",
+    "loads_remote", "remote_missing", "remote_corrupt", "remote_failed",
+}
+INDEX_GAUGES = {"num_slots", "free_slots", "cpu_ready", "storing", "promoting", "spilling",
+                "on_disk", "disk_capacity", "remote_marks"}
+# AdapterStats' figures the vLLM connector reports (its statistics() and log line).
+ADAPTER_REPORTED = {
+    "lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu", "hit_tokens_disk",
+    "hit_tokens_remote", "remote_not_yet", "queried_tokens", "stores_without_pages",
+    "sync_loads", "load_probes", "load_lines_restarted", "remote_lookups_skipped",
+    "lookups_recompute", "declined_tokens_cpu", "declined_tokens_disk", "declined_tokens_remote",
+    *(f"load_seconds_{what}_{tier}" for what in ("estimated", "measured")
+      for tier in ("cpu", "disk", "remote")),
+}
+
+
+def snapshot(**counts: int) -> IndexStats:
+    return IndexStats(**dict.fromkeys(INDEX_GAUGES, 0), **counts)
+
+
+def test_the_index_figures_are_declared_once_and_keep_their_names() -> None:
+    # Counters declares the counters; IndexStats is them plus the gauges, in one record.
+    assert {f.name for f in figures(Counters)} == INDEX_COUNTERS
+    assert {f.name for f in figures(IndexStats) if f.kind == "counter"} == INDEX_COUNTERS
+    assert {f.name for f in figures(IndexStats) if f.kind == "gauge"} == INDEX_GAUGES
+    assert {f.name for f in dataclasses.fields(IndexStats)} == INDEX_COUNTERS | INDEX_GAUGES
+    assert all(figure.help for figure in figures(IndexStats))
+    assert {f.record for f in figures(IndexStats)} == {"IndexStats"}
+
+
+def test_the_adapter_figures_keep_their_names() -> None:
+    assert set(values(AdapterStats())) == ADAPTER_REPORTED
+    left_out = {f.name for f in figures(AdapterStats) if not f.reported}
+    assert left_out == {"hit_tokens", "loads_planned", "loads_failed_chunks", "stores_planned",
+                        "requests_freed"}
+    assert {f.name for f in dataclasses.fields(AdapterStats)} == ADAPTER_REPORTED | left_out
+    assert set(LOOKUP_FIGURES) <= ADAPTER_REPORTED
+
+
+def test_an_index_snapshot_is_read_only_and_hashable() -> None:
+    counters = Counters()
+    counters.loads_cpu += 2  # the hot path: a plain attribute
+    stats = snapshot(**vars(counters))
+    assert stats.loads_cpu == 2 and stats == snapshot(loads_cpu=2)
+    assert hash(stats) == hash(snapshot(loads_cpu=2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.loads_cpu = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del stats.num_slots
+    assert dataclasses.replace(stats, loads_cpu=5).loads_cpu == 5
+
+
+def test_values_reads_a_records_reported_figures_of_a_kind() -> None:
+    @dataclasses.dataclass(kw_only=True)
+    class Record:
+        hits: int = counter("hits")
+        total: int = counter("a sum of hits", reported=False)
+        seconds: float = counter("seconds", default=0.0)
+        plain: int = 0  # not a figure
+        held: int = gauge("held now")
+
+    record = Record(held=3)
+    record.hits += 1
+    assert values(record) == {"hits": 1, "seconds": 0.0, "held": 3}
+    assert values(record, "counter") == {"hits": 1, "seconds": 0.0}
+    assert values(record, "gauge") == {"held": 3}
+    assert [f.kind for f in figures(Record)] == ["counter", "counter", "counter", "gauge"]
+
+
+def test_metrics_of_one_figure_take_its_declared_kind_and_help() -> None:
+    declared = {f.name: f for record in (IndexStats, AdapterStats) for f in figures(record)}
+    single = {metric.name: metric for metric in METRICS if metric.label is None}
+    for name, key in (("queried_tokens", "queried_tokens"), ("failed_loads", "loads_failed"),
+                      ("cpu_evictions", "cpu_evictions"), ("dirty_dropped", "dirty_dropped"),
+                      ("disk_evictions", "disk_evictions"),
+                      ("stores_without_pages", "stores_without_pages")):
+        metric = single[name]
+        assert metric.keys == (("", key),)
+        assert (metric.kind, metric.help) == (declared[key].kind, declared[key].help)
+
+
+def test_the_index_gauges_are_gauges_to_the_payloads() -> None:
+    assert INDEX_GAUGES <= GAUGE_KEYS
+    assert is_gauge("cpu_used_bytes") and is_gauge("remote_marks")
+    assert not any(is_gauge(name) for name in INDEX_COUNTERS | ADAPTER_REPORTED)
+
+
+def test_the_load_shortfall_is_a_snapshot_of_the_stores_counts() -> None:
+    from tierkv.engine.store_stats import LoadShortfall, ShortfallCounts, StoreStats
+
+    counts = ShortfallCounts()
+    counts.gone += 4
+    shortfall = LoadShortfall.of(counts)
+    counts.gone += 1  # the snapshot keeps what it saw
+    assert shortfall == LoadShortfall(gone=4) and shortfall.no_room == shortfall.failed == 0
+    assert [f.name for f in figures(LoadShortfall)] == ["gone", "no_room", "failed"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shortfall.gone = 0  # type: ignore[misc]
+    assert {StoreStats.__dataclass_fields__["load_shortfall"].default} == {LoadShortfall()}
+
+
+def test_a_snapshot_needs_every_gauge() -> None:
+    with pytest.raises(AssertionError):
+        IndexStats.of(Counters(), num_slots=1)
+
+
+def test_a_report_carries_the_counters_that_moved_and_the_gauges_now() -> None:
+    from tierkv.engine.metrics import since_last
+
+    reported = {"lookups": 3, "cpu_used_bytes": 10, "flushes": 1}
+    current = {"lookups": 5, "cpu_used_bytes": 7, "flushes": 1, "sync_loads": 2}
+    # lookups moved by 2, flushes did not (left out), sync_loads is new; a gauge is its value
+    assert since_last(current, reported) == {"lookups": 2, "sync_loads": 2, "cpu_used_bytes": 7}
+    assert since_last(current, current) == {"cpu_used_bytes": 7}
+
+
+def test_every_metric_reads_its_declared_figures_as_their_kind() -> None:
+    declared = {f.name: f for record in (IndexStats, AdapterStats) for f in figures(record)}
+    read = [(metric, key) for metric in METRICS for _, key in metric.keys if key in declared]
+    assert len(read) >= 20  # hits, evictions, spills, no room, corrupt, declined, seconds...
+    for metric, key in read:
+        assert metric.kind == declared[key].kind, (metric.name, key)
+        assert declared[key].reported, key  # a metric reads what the reports carry
