@@ -431,7 +431,7 @@ class EngineAdapter:
         requests = self._requests
         scheduled = step.num_scheduled_tokens
         tpc, bpc, max_chunks, prompt_only = self._tpc, self._bpc, self._max_chunks, self._prompt_only
-        fence_running, one_group = self._fence_running, self._groups == 1
+        fence_running = self._fence_running
         add = batch.add
         for req_id, view in step.requests.items():
             state = requests.get(req_id)
@@ -450,9 +450,9 @@ class EngineAdapter:
                 continue
             if target > len(view.chunk_keys):
                 target = len(view.chunk_keys)
-            held = len(state.block_ids[0]) if one_group else state.positions()
-            if target * bpc > held:
-                target = held // bpc
+            for ids in state.block_ids:  # positions every group holds (they may grow unevenly)
+                if target * bpc > len(ids):
+                    target = len(ids) // bpc
             if target > max_chunks:
                 target = max_chunks
             if target > first:
