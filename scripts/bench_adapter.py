@@ -50,6 +50,16 @@ def adapter_config(args: argparse.Namespace) -> AdapterConfig:
                          frees_running_blocks=args.groups > 1, load_policy=args.load_policy)
 
 
+def block_lists(args: argparse.Namespace, num_chunks: int,
+                request: int) -> list[int] | tuple[list[int], ...]:
+    """A request's block ids: a flat list with one group, else one list per group."""
+    per_group = num_chunks * args.blocks_per_chunk
+    first = request * per_group * args.groups
+    lists = tuple(list(range(first + group * per_group, first + (group + 1) * per_group))
+                  for group in range(args.groups))
+    return lists[0] if args.groups == 1 else lists
+
+
 def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace,
                 stats: list[IndexStats] | None = None) -> tuple[float, float, int]:
     tpc = args.block_size * args.blocks_per_chunk
@@ -57,9 +67,7 @@ def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace,
     index = BlockIndex(num_slots=args.cpu_slots or num_requests * num_chunks + 16, disk_capacity=0,
                        eviction_policy=args.policy)
     adapter = EngineAdapter(index, adapter_config(args))
-    per_request = num_chunks * args.blocks_per_chunk * args.groups  # block ids
-    blocks = {req_id: list(range(r * per_request, (r + 1) * per_request))
-              for r, (req_id, _) in enumerate(views)}
+    blocks = {req_id: block_lists(args, num_chunks, r) for r, (req_id, _) in enumerate(views)}
     decisions = 0
     plan_seconds = 0.0
     lookup_seconds = 0.0
@@ -95,8 +103,7 @@ def run_decode_steps(views: list[tuple[str, list[bytes]]], args: argparse.Namesp
     index = BlockIndex(num_slots=len(views) * num_chunks + 16, disk_capacity=0, eviction_policy=args.policy)
     adapter = EngineAdapter(index, adapter_config(args))
     computed = num_chunks * tpc - tpc // 2  # mid-chunk: no chunk completes for a while
-    blocks = {req_id: list(range(num_chunks * args.blocks_per_chunk * args.groups))
-              for req_id, _ in views}
+    blocks = {req_id: block_lists(args, num_chunks, 0) for req_id, _ in views}
     first = {req_id: RequestView(req_id, keys, computed, computed + 1, computed) for req_id, keys in views}
     adapter.build_plan(StepInput(first, dict.fromkeys(first, 1), blocks, frozenset(first)))
     seconds = 0.0

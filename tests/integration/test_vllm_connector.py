@@ -922,6 +922,59 @@ def test_a_job_completes_once_every_tp_rank_reported_it() -> None:
     assert side.index.lookup(side._tracked["r"].keys).num_hits == 2
 
 
+def test_a_block_vllm_hands_to_one_group_ahead_of_the_other_is_fenced_at_once() -> None:
+    """Two KV cache groups: vLLM's new blocks of a step may fill one group's table ahead of
+    the other's. A block a finished request's store still reads, handed to one group,
+    is written by this very step's forward pass: that store must be flushed now, not when
+    the other group catches up (the connector used to pass on only the positions every
+    group held)."""
+    from types import SimpleNamespace
+
+    from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+    from tierkv.integrations.vllm_geometry import KVGroup
+    from tierkv.integrations.vllm_scheduler import SchedulerSide
+    from tierkv.keys import Namespace
+
+    geometry = Geometry(layer_names=("a",), block_size=16, hash_block_size=16, blocks_per_chunk=2,
+                        page_bytes=1024, num_heads=2, content_bytes=32, dtype="float16", layout="LBNHC",
+                        page_order="NHD", world_size=1, num_slots=8, disk_capacity=0,
+                        groups=(KVGroup("full", ("a",)), KVGroup("full", ("b",))))
+    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=1024,
+                          tokens_per_chunk=32)
+    side = SchedulerSide(ConnectorSettings(), geometry, namespace)
+
+    def request(req_id: str, blocks: int) -> SimpleNamespace:
+        return SimpleNamespace(request_id=req_id, num_prompt_tokens=16 * blocks + 8,
+                               block_hashes=[bytes([ord(req_id), i]) * 16 for i in range(blocks)],
+                               num_tokens=16 * blocks + 8, num_computed_tokens=0)
+
+    def step(new: list[SimpleNamespace], cached: dict[str, Any], tokens: dict[str, int]) -> Any:
+        so = SimpleNamespace(
+            scheduled_new_reqs=new, num_scheduled_tokens=tokens, preempted_req_ids=set(),
+            scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                                  new_block_ids=list(cached.values()),
+                                                  resumed_req_ids=set()))
+        return side.build_meta(so).plan
+
+    done, running = request("d", 2), request("r", 2)
+    side.on_new_request(done)
+    side.on_new_request(running)
+    plan = step([SimpleNamespace(req_id="d", block_ids=([1, 2], [11, 12])),
+                 SimpleNamespace(req_id="r", block_ids=([3], [13]))], {}, {"d": 32, "r": 16})
+    (store,) = plan.stores  # d's first chunk: in flight, reading blocks 1, 2, 11 and 12
+    assert [chunk.block_ids for chunk in store.chunks] == [(1, 2, 11, 12)]
+    done.num_computed_tokens, running.num_computed_tokens = 32, 16
+    side.request_finished(done, aborted=False)  # its blocks go back to vLLM at once
+    # Block 1 goes to r's group 0; its group 1 gets no block this step.
+    plan = step([], {"r": ([1], [])}, {"r": 16})
+    assert store.job_id in plan.jobs_to_flush
+    assert plan.stores == ()  # r's chunk 0 lacks group 1's second page
+    running.num_computed_tokens = 32
+    plan = step([], {"r": ([], [14])}, {"r": 1})
+    (store,) = plan.stores
+    assert [chunk.block_ids for chunk in store.chunks] == [(3, 1, 13, 14)]
+
+
 def test_keys_follow_rewritten_block_hashes() -> None:
     """A streaming-input session drops its last sampled token and vLLM rewrites the hashes
     from that block on: keys derived from the old hashes must not be reused."""

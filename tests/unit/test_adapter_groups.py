@@ -1,13 +1,16 @@
 """EngineAdapter with several KV cache groups (a hybrid model: full attention + sliding
-window): block ids per position, chunks group-major, pages an engine no longer holds, and
+window): block ids per group, chunks group after group, pages an engine no longer holds, and
 the fence for blocks freed while their request runs. Scripted, pure."""
 
 from __future__ import annotations
+
+import pytest
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import NO_BLOCK, Completion
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.errors import UsageError
 from tierkv.keys import chunk_keys
 
 BLOCK = 4
@@ -29,9 +32,9 @@ def done(adapter: EngineAdapter, plan) -> None:  # type: ignore[no-untyped-def]
     adapter.complete(WorkerReport(0, tuple(Completion(j, ok=True) for j in jobs)))
 
 
-def positions(*pairs: tuple[int, int]) -> list[int]:
-    """Position-major ids from (group 0, group 1) pairs."""
-    return [block for pair in pairs for block in pair]
+def positions(*pairs: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """Each group's block list from (group 0, group 1) pairs, one pair per position."""
+    return [pair[0] for pair in pairs], [pair[1] for pair in pairs]
 
 
 def test_a_chunk_lists_each_groups_blocks_in_turn() -> None:
@@ -91,7 +94,7 @@ def test_lost_blocks_of_a_load_never_name_a_missing_page() -> None:
     ids = positions((21, X), (22, X), (23, 33), (24, 34), (25, 35), (26, 36), (27, 37))
     adapter.update_state_after_alloc(v, ids, 24, 0)
     [load] = adapter.build_plan(StepInput()).loads
-    assert load.failed_block_ids == (25, 35, 26, 36)
+    assert load.failed_block_ids == (25, 26, 35, 36)
 
 
 def test_a_block_freed_while_its_request_runs_waits_for_the_store_that_reads_it() -> None:
@@ -156,3 +159,44 @@ def test_chunks_over_blocks_a_sliding_window_released_are_not_stored() -> None:
     assert spec.keys == (chunk_keys(tokens, TPC)[2],)  # chunks 0 and 1 overlap the released
     assert [c.block_ids for c in spec.chunks] == [(5, 6)]
     assert adapter.stats.stores_without_pages == 2
+
+
+def test_a_block_list_that_does_not_match_the_groups_is_refused_and_changes_nothing() -> None:
+    adapter = make()
+    v = view("r", list(range(17)), 17, 0)
+    # Two groups take one list per group: a flat list, or three lists, are refused.
+    with pytest.raises(UsageError, match="AdapterConfig.groups is 2"):
+        adapter.update_state_after_alloc(v, [1, 11, 2, 12], 0, 0)
+    with pytest.raises(UsageError, match="3 block lists"):
+        adapter.build_plan(StepInput({"r": v}, {"r": 16}, {"r": ([1, 2], [11, 12], [21, 22])},
+                                     frozenset({"r"})))
+    assert adapter.num_requests() == 0 and adapter.jobs_in_flight() == 0
+    plan = adapter.build_plan(StepInput({"r": v}, {"r": 16}, {"r": ([1, 2], [11, 12])},
+                                        frozenset({"r"})))
+    [spec] = plan.stores
+    assert [c.block_ids for c in spec.chunks] == [(1, 2, 11, 12)]
+
+
+def test_one_group_takes_a_flat_list_or_a_list_per_group_alike() -> None:
+    tokens = list(range(17))
+    chunks = []
+    for ids in ([1, 2, 3, 4], ([1, 2, 3, 4],), range(1, 5), (1, 2, 3, 4)):
+        adapter = EngineAdapter(BlockIndex(num_slots=64), AdapterConfig(BLOCK, BPC))
+        plan = adapter.build_plan(StepInput({"r": view("r", tokens, 17, 0)}, {"r": 16},
+                                            {"r": ids}, frozenset({"r"})))
+        chunks.append([c.block_ids for c in plan.stores[0].chunks])
+    assert chunks == [[(1, 2), (3, 4)]] * 4
+
+
+def test_groups_that_grow_unevenly_store_only_the_positions_every_group_holds() -> None:
+    adapter = make()
+    tokens = list(range(25))
+    # Group 0 gets two positions' blocks in the first step, group 1 one: chunk 0 (positions
+    # 0 and 1) lacks group 1's second page until the next step brings it.
+    plan = adapter.build_plan(StepInput({"r": view("r", tokens, 25, 0)}, {"r": 8},
+                                        {"r": ([1, 2], [11])}, frozenset({"r"})))
+    assert plan.stores == ()
+    plan = adapter.build_plan(StepInput({"r": view("r", tokens, 25, 8)}, {"r": 8},
+                                        {"r": ([], [12])}))
+    [spec] = plan.stores
+    assert [c.block_ids for c in spec.chunks] == [(1, 2, 11, 12)]

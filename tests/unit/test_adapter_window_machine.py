@@ -81,7 +81,7 @@ class WindowMachine(RuleBasedStateMachine):
         self.finished = []
         views: dict[str, RequestView] = {}
         scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
+        new_blocks: dict[str, tuple[list[int], ...]] = {}
         replaced: set[str] = set()
         handed: set[int] = set()
         for req in list(self.running.values()):
@@ -108,8 +108,7 @@ class WindowMachine(RuleBasedStateMachine):
                 if req.tables[1][-1] == 0:
                     self.free.insert(0, given[2 * index + 1])
             handed.update(b for b in given if b not in self.free)
-            ids = [NO_BLOCK if b == 0 else b for position in range(first, len(req.tables[0]))
-                   for b in (req.tables[0][position], req.tables[1][position])]
+            ids = tuple([NO_BLOCK if b == 0 else b for b in table[first:]] for table in req.tables)
             if not req.computed and req.req_id not in replaced and first == 0:
                 replaced.add(req.req_id)
             new_blocks[req.req_id] = ids

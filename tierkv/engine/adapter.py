@@ -15,7 +15,8 @@ It never blocks and never touches tensor bytes. Primitives:
   lost a chunk hits nothing from then on: the engine recomputes it (a chunk whose copy
   keeps failing is never offered to it again).
 - ``update_state_after_alloc(view, block_ids, num_external_tokens)``: the engine gave the
-  request its blocks; plans the load of the promised chunks (sent with the next plan).
+  request its blocks (a list per KV cache group, or one group's flat list); plans the
+  load of the promised chunks (sent with the next plan).
   ``take_load_sources(req_id)``: the load's tokens by tier, ``(cpu, disk, remote)``.
 - ``touch(view, num_chunks)``: the engine reused the first chunks from its own cache;
   they become the most recently used (tail first).
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from typing import NoReturn
 
 from tierkv.core.costs import CostModel
@@ -50,8 +52,9 @@ from tierkv.core.state import CpuState
 from tierkv.engine.adapter_config import LOAD_POLICIES, REQUEST_LOAD_POLICIES, AdapterConfig
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted
-from tierkv.engine.request_state import RequestState, StoreBatch, group_major
-from tierkv.engine.requests import LoadRequest, RequestView, StepInput, StepPlan, WorkerReport
+from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group
+from tierkv.engine.requests import (BlockIds, LoadRequest, RequestView, StepInput, StepPlan,
+                                    WorkerReport)
 from tierkv.engine.step_timing import StepTimer
 from tierkv.engine.tier_lookup import RemoteAsker, lookup_tiers
 from tierkv.errors import UsageError
@@ -79,7 +82,7 @@ class EngineAdapter:
         self._groups = config.groups
         # Block lists that may lack pages (NO_BLOCK, released blocks): checked per chunk.
         self._grouped = config.groups > 1 or config.frees_running_blocks
-        self._bpc = config.blocks_per_chunk * config.groups  # block ids per chunk
+        self._bpc = config.blocks_per_chunk  # block positions per chunk
         self._prompt_only = config.offload_prompt_only
         limit = config.max_chunks_per_request
         self._max_chunks = limit if limit is not None else 1 << 62
@@ -218,26 +221,23 @@ class EngineAdapter:
         prefix hit (``num_local_tokens``) were asked of tierkv (the hit rate's denominator)."""
         self.stats.queried_tokens += max(view.num_tokens - num_local_tokens, 0)
 
-    def update_state_after_alloc(self, view: RequestView, block_ids: Iterable[int],
+    def update_state_after_alloc(self, view: RequestView, block_ids: BlockIds | Iterable[int],
                                  num_external_tokens: int, num_local_tokens: int) -> None:
         if view.req_id in self._departed:
             self._refuse_reuse(view.req_id)
-        state = self._requests.get(view.req_id)
-        if state is None:
-            state = self._requests[view.req_id] = RequestState(view)
-        state.view = view
-        state.block_ids = list(block_ids)
-        # The first block id past the local hit (ids of `groups` groups per block position)
-        first_new = num_local_tokens // self.config.tokens_per_block * self._groups
+        lists = per_group(block_ids, self._groups, view.req_id)
+        state = self._requests.setdefault(view.req_id, RequestState(view, lists))
+        state.view, state.block_ids = view, lists
+        first_new = num_local_tokens // self.config.tokens_per_block  # position past the hit
         if self._released or self._fence_running:  # blocks a job may still read: fence them
-            self._allocated.update(dict.fromkeys(state.block_ids[first_new:], view.req_id))
+            self._allocated.update(dict.fromkeys(state.blocks(first_new), view.req_id))
         if num_external_tokens > 0:
             self._plan_load(state, num_local_tokens, num_external_tokens, first_new)
 
     def _plan_load(self, state: RequestState, num_local_tokens: int, num_external_tokens: int,
                    first_new: int) -> None:
-        """The load of the promised chunks into the request's new blocks (from block id
-        ``first_new``), sent with the next plan."""
+        """The load of the promised chunks into the request's new blocks (from block
+        position ``first_new``), sent with the next plan."""
         view = state.view
         tpc, bpc = self._tpc, self._bpc
         start, end = num_local_tokens // tpc, (num_local_tokens + num_external_tokens) // tpc
@@ -250,10 +250,9 @@ class EngineAdapter:
             chunk = start + position
             skip = skip_first if position == 0 else 0
             if not self._grouped:
-                blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
-            else:  # the local hit's pages (leading, position-major) as NO_BLOCK: untouched
-                ids = state.block_ids[chunk * bpc : (chunk + 1) * bpc]
-                blocks = tuple(group_major([NO_BLOCK] * skip + ids[skip:], self._groups))
+                blocks = tuple(state.block_ids[0][chunk * bpc : (chunk + 1) * bpc])
+            else:  # the local hit's pages (each group's leading ones) as NO_BLOCK: untouched
+                blocks = tuple(state.chunk_ids(chunk * bpc, (chunk + 1) * bpc, skip))
                 skip = 0
             remote = key in from_remote
             parts = self.source_parts(key, remote) if (from_disk or remote) \
@@ -266,9 +265,8 @@ class EngineAdapter:
                 remote_tokens += tokens
             else:
                 cpu_tokens += tokens
-        lost_from = (start + len(plan.chunks)) * bpc
-        lost = tuple(block for block in state.block_ids[max(lost_from, first_new) : end * bpc]
-                     if block != NO_BLOCK)
+        lost_from = max((start + len(plan.chunks)) * bpc, first_new)
+        lost = tuple(block for block in state.blocks(lost_from, end * bpc) if block != NO_BLOCK)
         if lost:
             state.reloads_refused = True
         spec = None
@@ -313,7 +311,7 @@ class EngineAdapter:
         self._pending_since.pop(view.req_id, None)
         self._finished_queue.append(view.req_id)
         self._departed.add(view.req_id)
-        self._released.update(dict.fromkeys(state.block_ids, view.req_id))
+        self._released.update(dict.fromkeys(state.blocks(), view.req_id))
 
     # ------------------------------------------------------------------ planning
     def build_plan(self, step: StepInput) -> StepPlan:
@@ -327,6 +325,8 @@ class EngineAdapter:
             for req_id in self._departed:
                 if req_id in step.requests or req_id in step.new_block_ids:
                     self._refuse_reuse(req_id)
+        new = {req_id: per_group(blocks, self._groups, req_id)  # refused: nothing changed
+               for req_id, blocks in step.new_block_ids.items()}
         flush: dict[JobId, None] = {}
         # Loads planned since the last plan target blocks allocated since: never flushed
         # (a request preempted and re-admitted in one step has such a load).
@@ -338,8 +338,8 @@ class EngineAdapter:
             if state is not None:
                 self._flush_jobs(state, flush, fresh)
                 if not state.jobs & fresh:
-                    state.block_ids = []
-        allocated = self._take_new_blocks(step)
+                    state.block_ids = tuple([] for _ in state.block_ids)
+        allocated = self._take_new_blocks(step, new)
         # Finished requests first: their last full chunk is stored now, in a job of its
         # own: its bytes are on the GPU already, so a fence may flush it before the forward
         # pass; the running requests' job needs this step's forward pass.
@@ -352,10 +352,10 @@ class EngineAdapter:
             self._maybe_free(req_id)
         # One store job for every running request's new chunks (per-job costs paid once).
         batch = self._store_batch()
-        self._add_running(step, batch)
+        self._add_running(step, batch, new)
         if self._freed_running:  # new blocks are in `allocated` only with departed requests
             self._fence_freed_running(
-                (allocated, *(() if self._released else step.new_block_ids.values())),
+                (allocated, *(() if self._released else chain.from_iterable(new.values()))),
                 flush, fresh)
         stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         return self._finish_plan(step, stores, flush)
@@ -373,21 +373,18 @@ class EngineAdapter:
         """The request's jobs in flight finish before the step (but this step's loads)."""
         flush.update(dict.fromkeys(j for j in state.jobs if j not in fresh))
 
-    def _take_new_blocks(self, step: StepInput) -> dict[int, str]:
-        """The step's new blocks into the requests' states; returns the blocks handed out
-        since the last plan (block -> request) that a departed request may still use."""
+    def _take_new_blocks(self, step: StepInput, new: dict[str, GroupLists]) -> dict[int, str]:
+        """The step's new blocks (``new``: per group) into the requests' states; returns the
+        blocks handed out since the last plan (block -> request) that a departed request
+        may still use."""
         allocated, self._allocated = self._allocated, {}
         requests, released = self._requests, self._released
-        for req_id, blocks in step.new_block_ids.items():
+        for req_id, lists in new.items():
             state = requests.get(req_id)
             if state is not None:
-                if req_id in step.replaced_blocks:
-                    state.block_ids = list(blocks)
-                    state.released = 0
-                else:
-                    state.block_ids.extend(blocks)
+                state.take_blocks(lists, req_id in step.replaced_blocks)
             if released:
-                allocated.update(dict.fromkeys(blocks, req_id))
+                allocated.update(dict.fromkeys(chain.from_iterable(lists), req_id))
         return allocated
 
     def _store_finished(self, finished: list[str]) -> StoreSpec | None:
@@ -408,7 +405,7 @@ class EngineAdapter:
             if self._prompt_only and mark > view.num_prompt_tokens:
                 mark = view.num_prompt_tokens
             target = min(mark // self._tpc, len(view.chunk_keys),
-                         len(state.block_ids) // self._bpc, self._max_chunks)
+                         state.positions() // self._bpc, self._max_chunks)
             if target > state.stored_chunks:
                 batch.add(state, state.stored_chunks, target)
         return self._store_job(batch)
@@ -428,7 +425,7 @@ class EngineAdapter:
         return StoreBatch(self.config.blocks_per_chunk, self._groups, self._grouped,
                           self.index.contains)
 
-    def _add_running(self, step: StepInput, batch: StoreBatch) -> None:
+    def _add_running(self, step: StepInput, batch: StoreBatch, new: dict[str, GroupLists]) -> None:
         """Each scheduled request's chunks completed up to its running watermark (this loop
         is the scheduler's hot path: most steps complete no chunk)."""
         requests = self._requests
@@ -439,7 +436,8 @@ class EngineAdapter:
         for req_id, view in step.requests.items():
             state = requests.get(req_id)
             if state is None:
-                state = requests[req_id] = RequestState(view, list(step.new_block_ids.get(req_id, ())))
+                lists = new.get(req_id) or tuple([] for _ in range(self._groups))
+                state = requests[req_id] = RequestState(view, lists)
             state.view = view
             if fence_running and view.num_released_blocks > state.released:
                 self._note_released(state, view.num_released_blocks)
@@ -452,8 +450,9 @@ class EngineAdapter:
                 continue
             if target > len(view.chunk_keys):
                 target = len(view.chunk_keys)
-            if target * bpc > len(state.block_ids):
-                target = len(state.block_ids) // bpc
+            for ids in state.block_ids:  # positions every group holds (they may grow unevenly)
+                if target * bpc > len(ids):
+                    target = len(ids) // bpc
             if target > max_chunks:
                 target = max_chunks
             if target > first:
@@ -532,9 +531,8 @@ class EngineAdapter:
         """The request released block positions up to ``released`` (a sliding window moved
         on): while a job of it is in flight, the fence keeps their blocks."""
         if state.jobs:
-            groups = self._groups
-            ids = state.block_ids[state.released * groups : released * groups]
-            self._freed_running.update(dict.fromkeys(ids, state.view.req_id))
+            self._freed_running.update(dict.fromkeys(state.blocks(state.released, released),
+                                                     state.view.req_id))
         state.released = released
 
     def _fence_freed_running(self, handed_out: Iterable[Iterable[int]],
@@ -563,7 +561,7 @@ class EngineAdapter:
         del self._requests[req_id]
         self._departed.discard(req_id)
         released = self._released
-        for block in state.block_ids:
+        for block in state.blocks():
             if released.get(block) == req_id:
                 del released[block]
         self.stats.requests_freed += 1

@@ -36,10 +36,10 @@ class AdapterConfig:
     wait_for_stores: bool = setting(False, help="also wait on the stores of the chunk after "
                                                 "a hit")
     # Block ids per token block: one per KV cache group of the engine. A request's block
-    # list then holds the ids of each block position side by side (position-major: ids
-    # [p * groups, (p + 1) * groups) are position p's, group 0 first); NO_BLOCK where a
-    # group holds no page (a sliding-window group before its window). A chunk's jobs list
-    # its ids group-major (blocks_per_chunk ids of group 0, then of group 1, ...).
+    # ids are then one list per group (position p's ids at index p of each, as vLLM gives
+    # them); NO_BLOCK where a group holds no page (a sliding-window group before its
+    # window). A chunk's jobs list its ids group after group (blocks_per_chunk ids of
+    # group 0, then of group 1, ...).
     groups: int = setting(1, low=1, help="block ids per token block (KV cache groups)")
     # The engine may free a running request's blocks (a sliding-window group frees those
     # that left the window): a block handed out again while a store job still reads it

@@ -1,19 +1,47 @@
 """RequestState: what the engine adapter tracks of one request; StoreBatch: a store job's
 chunks, gathered run by run from the requests' states.
 
-A request's block ids are position-major (``AdapterConfig.groups`` ids per block
-position); a chunk's jobs list them group-major (:func:`group_major`).
+A request's block ids are kept as the engine gives them: one list per KV cache group
+(``AdapterConfig.groups``), a block position's ids at the same index of each. A chunk's
+jobs list its ids group after group (:meth:`RequestState.chunk_ids`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import cast
 
 from tierkv.core.jobs import NO_BLOCK, JobId
-from tierkv.engine.requests import RequestView
+from tierkv.engine.requests import BlockIds, RequestView
+from tierkv.errors import UsageError
 
-__all__ = ["RequestState", "StoreBatch", "group_major"]
+__all__ = ["GroupLists", "RequestState", "StoreBatch", "per_group"]
+
+GroupLists = tuple[list[int], ...]  # a request's block ids, one list per group
+
+
+def per_group(block_ids: BlockIds | Iterable[int], groups: int, req_id: str) -> GroupLists:
+    """``block_ids`` as fresh per-group lists: one list per group as given, or a flat list
+    of ids with one group. Anything else raises UsageError (nothing was changed)."""
+    given: Sequence[object] = block_ids if isinstance(block_ids, (list, tuple)) \
+        else list(block_ids)
+    if not given:
+        return tuple([] for _ in range(groups))
+    first = given[0]
+    if type(first) is not int and isinstance(first, Iterable):
+        lists = tuple(list(ids) for ids in cast(Sequence[Sequence[int]], given))
+        if len(lists) == groups:
+            return lists
+        what = f"{len(lists)} block lists"
+    elif groups == 1:
+        return (list(cast(Sequence[int], given)),)
+    else:
+        what = "one flat block list"
+    raise UsageError(f"engine adapter: request {req_id!r} was given {what}, but "
+                     f"AdapterConfig.groups is {groups}: pass one list of block ids per KV "
+                     f"cache group (a flat list only with one group). Nothing was changed.")
 
 
 @dataclass(slots=True)
@@ -21,7 +49,7 @@ class RequestState:
     """One request the adapter holds (from its blocks until its last job is done)."""
 
     view: RequestView
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: GroupLists  # one list per KV cache group (position p: index p of each)
     stored_chunks: int = 0  # chunks [0, stored_chunks) were planned for store (or present)
     jobs: set[JobId] = field(default_factory=set)  # its jobs in flight
     finished: bool = False
@@ -33,13 +61,33 @@ class RequestState:
     # Its last planned load's tokens by tier (cpu, disk, remote): take_load_sources.
     load_sources: tuple[int, int, int] | None = None
 
+    def positions(self) -> int:
+        """Block positions every group holds an id for (groups may grow unevenly)."""
+        return min(map(len, self.block_ids))
 
-def group_major(ids: list[int], groups: int) -> list[int]:
-    """One chunk's position-major block ids, group-major (see AdapterConfig.groups)."""
-    out = ids[0::groups]
-    for group in range(1, groups):
-        out += ids[group::groups]
-    return out
+    def take_blocks(self, lists: GroupLists, replaced: bool) -> None:
+        """The engine's new blocks (``replaced``: its whole block lists) of a step."""
+        if replaced:
+            self.block_ids, self.released = lists, 0
+        else:
+            for ids, more in zip(self.block_ids, lists):
+                ids += more
+
+    def blocks(self, low: int = 0, high: int | None = None) -> Iterator[int]:
+        """The ids of block positions ``[low, high)`` of every group, group after group."""
+        if not low and high is None:
+            return chain.from_iterable(self.block_ids)
+        return chain.from_iterable(ids[low:high] for ids in self.block_ids)
+
+    def chunk_ids(self, low: int, high: int, skip: int = 0) -> list[int]:
+        """Block positions ``[low, high)`` of each group, group after group (a chunk's jobs
+        list them so); each group's first ``skip`` positions as NO_BLOCK."""
+        out: list[int] = []
+        for ids in self.block_ids:
+            if skip:
+                out += [NO_BLOCK] * skip
+            out += ids[low + skip : high]
+        return out
 
 
 class StoreBatch:
@@ -49,7 +97,7 @@ class StoreBatch:
     chunk is checked, and ``without_pages`` counts those left out."""
 
     __slots__ = ("keys", "block_ids", "ends", "owners", "without_pages", "_bpc", "_positions",
-                 "_groups", "_grouped", "_contains")
+                 "_grouped", "_contains")
 
     def __init__(self, blocks_per_chunk: int, groups: int, grouped: bool,
                  contains: Callable[[bytes], bool]) -> None:
@@ -59,7 +107,6 @@ class StoreBatch:
         self.owners: list[RequestState] = []
         self.without_pages = 0
         self._positions = blocks_per_chunk
-        self._groups = groups
         self._bpc = blocks_per_chunk * groups  # block ids per chunk
         self._grouped = grouped
         self._contains = contains
@@ -67,26 +114,26 @@ class StoreBatch:
     def add(self, state: RequestState, first: int, end: int) -> None:
         """Chunks ``[first, end)`` of ``state``, planned for store from now on."""
         state.stored_chunks = end
-        bpc = self._bpc
-        if not self._grouped:  # the hot path: one run of keys and of block ids
+        positions = self._positions
+        if not self._grouped:  # the hot path: one group, one run of keys and of block ids
             keys = self.keys
             keys += state.view.chunk_keys[first:end]
-            self.block_ids += state.block_ids[first * bpc : end * bpc]
+            self.block_ids += state.block_ids[0][first * positions : end * positions]
             self.ends.append(len(keys))
             self.owners.append(state)
             return
         # The chunks with a page the engine no longer holds (NO_BLOCK, or a released block:
         # view.num_released_blocks) are left out: never storable.
         chunk_keys, added = state.view.chunk_keys, False
-        released, positions = state.view.num_released_blocks, self._positions
+        released = state.view.num_released_blocks
         for chunk in range(first, end):
-            ids = state.block_ids[chunk * bpc : (chunk + 1) * bpc]
+            ids = state.chunk_ids(chunk * positions, (chunk + 1) * positions)
             if chunk * positions < released or NO_BLOCK in ids:
                 if not self._contains(chunk_keys[chunk]):  # stored already: nothing lost
                     self.without_pages += 1
                 continue
             self.keys.append(chunk_keys[chunk])
-            self.block_ids += group_major(ids, self._groups)
+            self.block_ids += ids
             added = True
         if added:
             self.ends.append(len(self.keys))

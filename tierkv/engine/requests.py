@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Union
 
 from tierkv.core.jobs import NO_BLOCK as NO_BLOCK  # re-exported: block lists carry it
 from tierkv.core.jobs import Completion as Completion  # re-exported: reports carry them
 from tierkv.core.jobs import JobId, LoadSpec, SpillSpec, StoreSpec
+
+# A request's block ids: one list per KV cache group (vLLM's form: a block position's ids
+# at the same index of each), or, with one group, a flat list of ids.
+BlockIds = Union[Sequence[Sequence[int]], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,14 @@ class StepInput:
     ``requests`` holds a view of every scheduled request as of *before* this step's
     tokens are computed; ``num_scheduled_tokens`` the tokens each computes this step.
     ``new_block_ids`` lists blocks allocated to a request this step (appended to its
-    block list); for a request in ``replaced_blocks`` (new, or resumed after a
-    preemption) it is the request's whole block list. ``finished``: requests whose
+    block lists, group by group: :data:`BlockIds`); for a request in ``replaced_blocks``
+    (new, or resumed after a preemption) they are the request's whole block lists. ``finished``: requests whose
     ``request_finished`` was called since the last step; ``preempted``: requests whose
     blocks the engine took back this step."""
 
     requests: Mapping[str, RequestView] = field(default_factory=dict)
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
-    new_block_ids: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    new_block_ids: Mapping[str, BlockIds] = field(default_factory=dict)
     replaced_blocks: frozenset[str] = frozenset()
     preempted: Sequence[str] = ()
 

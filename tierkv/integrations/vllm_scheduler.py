@@ -64,10 +64,6 @@ class _Tracked:
     keys: list[bytes] = field(default_factory=list)
     sources: list[bytes] = field(default_factory=list)
     epoch: bytes = b""  # the cache epoch its keys are derived in (see reset_cache)
-    # Several KV cache groups: vLLM's block ids per group, and how many positions of them
-    # the adapter was given (every group's block of a position, side by side).
-    group_blocks: list[list[int]] = field(default_factory=list)
-    positions: int = 0
     load_policy: str | None = None  # its own, from kv_transfer_params (request_load_policy)
 
 
@@ -258,28 +254,13 @@ class SchedulerSide:
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
                            request.num_computed_tokens, released, tracked.load_policy)
 
-    def _block_ids(self, tracked: _Tracked | None, groups: Sequence[Sequence[int]],
-                   replace: bool) -> Sequence[int]:
-        """The adapter's block ids from vLLM's per-group lists: group 0's with one group;
-        else each position's ids side by side (AdapterConfig.groups), vLLM's null block
-        (id 0: a sliding window's block before the window) as NO_BLOCK. ``tracked``: the
-        request's new blocks of a step (positions every group has so far, once each);
-        None: the whole lists."""
+    def _block_ids(self, groups: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
+        """vLLM's per-group block lists as the adapter takes them (AdapterConfig.groups):
+        as they are, but with several groups or a window vLLM's null block (id 0: a sliding
+        window's block before the window) as NO_BLOCK."""
         if not self._grouped:
-            return groups[0]
-        if tracked is None:
-            mirror, start = [list(ids) for ids in groups], 0
-        else:
-            if replace or not tracked.group_blocks:
-                tracked.group_blocks, tracked.positions = [[] for _ in groups], 0
-            mirror, start = tracked.group_blocks, tracked.positions
-            for mine, ids in zip(mirror, groups):
-                mine.extend(ids)
-        end = min(len(ids) for ids in mirror)
-        if tracked is not None:
-            tracked.positions = end
-        return [NO_BLOCK if block == 0 else block
-                for position in range(start, end) for block in (ids[position] for ids in mirror)]
+            return groups
+        return [[NO_BLOCK if block == 0 else block for block in ids] for ids in groups]
 
     def _rewind(self, tracked: _Tracked) -> None:
         """vLLM rewrote block hashes (a streaming-input session dropped its last sampled
@@ -298,12 +279,9 @@ class SchedulerSide:
     def _tracked_for(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.request is not request:
-            old = tracked
             policy = request_load_policy(request, self._warned)
             tracked = self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch,
                                                                    load_policy=policy)
-            if old is not None:  # vLLM's block tables of the request id carry on
-                tracked.group_blocks, tracked.positions = old.group_blocks, old.positions
         return tracked
 
     def on_new_request(self, request: Any) -> None:
@@ -353,7 +331,7 @@ class SchedulerSide:
             return
         if local is None:
             local = request.num_computed_tokens - num_external_tokens
-        block_ids = self._block_ids(None, blocks.get_block_ids(), replace=True)
+        block_ids = self._block_ids(blocks.get_block_ids())
         self.adapter.update_state_after_alloc(view, block_ids, num_external_tokens, local)
         self._sources[req_id] = self.adapter.take_load_sources(req_id)
 
@@ -386,12 +364,10 @@ class SchedulerSide:
     # ------------------------------------------------------------------ steps
     def build_meta(self, so: Any) -> TierKVMetadata:
         self._step += 1
-        new_block_ids: dict[str, Sequence[int]] = {}
+        new_block_ids: dict[str, Sequence[Sequence[int]]] = {}
         replaced: set[str] = set()
-        tracked = self._tracked
         for new in so.scheduled_new_reqs:
-            new_block_ids[new.req_id] = self._block_ids(tracked.get(new.req_id), new.block_ids,
-                                                        replace=True)
+            new_block_ids[new.req_id] = self._block_ids(new.block_ids)
             replaced.add(new.req_id)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
@@ -399,8 +375,7 @@ class SchedulerSide:
             if req_id in resumed:
                 replaced.add(req_id)
             if blocks is not None:
-                new_block_ids[req_id] = self._block_ids(tracked.get(req_id), blocks,
-                                                        replace=req_id in resumed)
+                new_block_ids[req_id] = self._block_ids(blocks)
         views = {req_id: self._view(self._tracked[req_id]) for req_id in so.num_scheduled_tokens}
         step = StepInput(
             requests=views,
