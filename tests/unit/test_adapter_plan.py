@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion
+from tierkv.core.jobs import Completion, JobKind
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.errors import TierKVError
@@ -26,8 +26,8 @@ def view(req_id: str, tokens: list[int], prompt: int, computed: int, keys_upto: 
 
 
 def report(plan, rank: int = 0) -> WorkerReport:  # type: ignore[no-untyped-def]
-    jobs = [s.job_id for s in plan.stores] + [l.spec.job_id for l in plan.loads if l.spec]
-    return WorkerReport(rank, tuple(Completion(j, ok=True) for j in jobs))
+    specs = [*plan.stores, *(l.spec for l in plan.loads if l.spec)]
+    return WorkerReport(rank, tuple(Completion(s.job_id, s.kind, ok=True) for s in specs))
 
 
 def stored_chunks(plan) -> int:  # type: ignore[no-untyped-def]
@@ -269,7 +269,7 @@ def test_a_request_whose_load_failed_is_not_offered_the_chunks_again() -> None:
     adapter.update_state_after_alloc(v, [10, 11, 12, 13], 16, 0)
     load = adapter.build_plan(StepInput()).loads[0].spec
     assert load is not None
-    failed = Completion(load.job_id, ok=False, failed_keys=tuple(c.key for c in load.chunks))
+    failed = Completion(load.job_id, load.kind, ok=False, failed_keys=tuple(c.key for c in load.chunks))
     adapter.complete(WorkerReport(0, (failed,)))
     # The engine puts the request back to recompute it: the chunks are still indexed (the
     # copy failed, not the chunk), but this request is not offered them again ...

@@ -29,7 +29,8 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Protocol
 
-from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobSpec, LoadSpec, SpillSpec, StoreSpec, failed_set
+from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec,
+                              StoreSpec, failed_set)
 from tierkv.errors import BrokenError, ClosedError, TierKVError, UsageError
 from tierkv.transfer.base import TransferEngine
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
@@ -106,8 +107,9 @@ class JobExecutor:
                 keys = tuple(key for key, _ in spec.writes)
                 log.warning("worker: disk tier unusable, spill job %s failed: %s", spec.job_id, exc)
                 with self._lock:
-                    self._direct.append(Completion(spec.job_id, ok=False, failed_keys=keys,
-                                                   full_keys=keys, error=str(exc)))
+                    self._direct.append(Completion(spec.job_id, spec.kind, ok=False,
+                                                   failed_keys=keys, full_keys=keys,
+                                                   error=str(exc)))
                 return None
         if not any(chunk.from_disk or chunk.from_remote for chunk in spec.chunks):
             self.transfer.submit_load(spec)
@@ -182,7 +184,7 @@ class JobExecutor:
         if chained.corrupt and not error:
             error = f"{len(chained.corrupt)} chunk(s) failed their checks where they were read"
         return Completion(
-            job_id, not failed, (copy.num_bytes if copy else 0) + chained.read_bytes,
+            job_id, JobKind.LOAD, not failed, (copy.num_bytes if copy else 0) + chained.read_bytes,
             (copy.seconds if copy else 0.0) + chained.read_seconds, failed_keys=failed,
             corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing)
 
