@@ -64,7 +64,7 @@ def test_aborted_request_stores_only_computed_tokens() -> None:
 
 def wait_only_submitted(worker: WorkerAdapter, plan: StepPlan, forward) -> None:  # type: ignore[no-untyped-def]
     """vLLM's old bug: wait on the flush jobs already submitted; submit the rest later."""
-    worker.executor.wait([j for j in plan.jobs_to_flush if j in worker._submitted])
+    worker.executor.wait([j for j in plan.jobs_to_flush if worker.executor.submitted(j)])
     worker._handled = plan  # keep start() from running the real flush
     worker.start(plan)
     forward()

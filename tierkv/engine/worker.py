@@ -143,7 +143,6 @@ class WorkerAdapter:
         self._counts: dict[str, float] = {}
         self._durations: dict[str, Durations] = {}
         self._pending: list[StoreSpec] = []  # stores planned but not yet submitted
-        self._submitted: set[JobId] = set()
         self._loads: dict[JobId, _LoadInFlight] = {}
         self._finished_loads: list[str] = []
         self._failed_blocks: list[int] = []
@@ -156,8 +155,9 @@ class WorkerAdapter:
         if self._residency is not None and self._handled is not plan:
             self._residency.expect(plan)
         flush = set(plan.jobs_to_flush)
+        submitted = self.executor.submitted
         for spec in plan.stores:
-            if spec.job_id in flush and spec.job_id not in self._submitted:
+            if spec.job_id in flush and not submitted(spec.job_id):
                 self._pending.append(spec)
         self.submit_pending()
         self.executor.wait(plan.jobs_to_flush)
@@ -189,7 +189,8 @@ class WorkerAdapter:
             else:
                 self._skipped.append(Completion(spill.job_id, spill.kind, ok=True))
         # The plan's other stores wait for the forward pass that completes their chunks.
-        self._pending.extend(s for s in plan.stores if s.job_id not in self._submitted)
+        submitted = self.executor.submitted
+        self._pending.extend(s for s in plan.stores if not submitted(s.job_id))
         if sync:  # this step's forward reads them: they land first (the engine calls start
             self.executor.wait(sync)  # before its forward when a plan has same-step loads)
 
@@ -198,11 +199,10 @@ class WorkerAdapter:
 
     def submit_pending(self) -> None:
         pending, self._pending = self._pending, []
+        executor = self.executor
         for spec in pending:
-            if spec.job_id in self._submitted:
-                continue
-            self._submitted.add(spec.job_id)
-            self.executor.submit(spec)
+            if not executor.submitted(spec.job_id):  # a flush may have submitted it first
+                executor.submit(spec)
 
     # ------------------------------------------------------------------ reports
     def poll(self) -> WorkerReport:
@@ -210,7 +210,6 @@ class WorkerAdapter:
             time.sleep(IDLE_YIELD_SECONDS)  # let the copy and disk threads run (see above)
         completions = self.executor.poll_finished()
         for completion in completions:
-            self._submitted.discard(completion.job_id)
             self._account(completion)
             load = self._loads.pop(completion.job_id, None)
             if load is not None:

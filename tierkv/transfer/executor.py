@@ -16,7 +16,8 @@ Primitives:
   wait before its submit :class:`UnknownJobError`); a job id's record is what to wait on
   (the transfer engine, the disk threads, a chained load, or nothing: a spill refused by
   a broken disk tier has its failed completion ready).
-- ``in_flight_ids()``: jobs submitted and not yet polled.
+- ``in_flight_ids()``: jobs submitted and not yet polled; ``submitted(job_id)``: the job
+  was submitted (in flight, or finished: the ledger's memory of finished ids).
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 Called from one thread (the worker's); reader threads only run chained loads' steps.
 """
@@ -222,6 +223,9 @@ class JobExecutor:
 
     def in_flight_ids(self) -> list[JobId]:
         return self._ledger.live_ids()
+
+    def submitted(self, job_id: JobId) -> bool:
+        return job_id in self._ledger
 
     def shutdown(self) -> None:
         """Wait for the jobs in flight, then stop the threads; the threads stop even when a
