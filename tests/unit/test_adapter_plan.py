@@ -138,6 +138,27 @@ def test_a_job_completes_only_when_every_worker_reported_it() -> None:
     assert adapter.index.lookup([key]).num_hits == 1
 
 
+def test_a_load_is_in_flight_until_every_worker_reported_it() -> None:
+    # The adapter counts loads by the kind each completion carries (it asks the index
+    # nothing): a store's completion leaves the count alone, a load's ends it once merged.
+    adapter = make(world_size=2)
+    tokens = list(range(16))
+    seed = view("s", tokens, 16, 0)
+    plan = adapter.build_plan(StepInput({"s": seed}, {"s": 16}, {"s": [0, 1, 2, 3]}, frozenset({"s"})))
+    for rank in (0, 1):
+        adapter.complete(report(plan, rank))  # the store: 2 chunks in the CPU tier
+    v = view("r", tokens + [99], 17, 0)
+    assert adapter.lookup(v, 0) == 16
+    adapter.update_state_after_alloc(v, [10, 11, 12, 13], 16, 0)
+    assert adapter.loads_in_flight() == 1  # planned, not in a plan yet
+    plan = adapter.build_plan(StepInput())
+    [load] = plan.loads
+    assert load.spec is not None and adapter.loads_in_flight() == 1  # in flight
+    [merged] = adapter.complete(report(plan, 0)) + adapter.complete(report(plan, 1))
+    assert merged.kind is JobKind.LOAD and merged.job_id == load.spec.job_id
+    assert adapter.loads_in_flight() == 0 and adapter.jobs_in_flight() == 0
+
+
 def test_one_store_job_per_step_and_a_shared_chunk_is_stored_once() -> None:
     adapter = make()
     shared = list(range(16))  # two chunks every request starts with

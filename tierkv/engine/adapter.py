@@ -584,8 +584,8 @@ class EngineAdapter:
         return len(self._job_owners)
 
     def loads_in_flight(self) -> int:
-        """Loads planned and not yet finished (their KV is still on its way to the GPU)."""
-        return len(self._pending_loads) + self._loads_in_flight
+        """Loads planned and not yet finished, each once (a job's KV is on its way)."""
+        return self._loads_in_flight + sum(load.spec is None for load in self._pending_loads)
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
