@@ -82,7 +82,7 @@ def run_adapter(views: list[tuple[str, list[bytes]]], args: argparse.Namespace,
         replaced = frozenset(requests) if step == 0 else frozenset()
         t0 = time.perf_counter()
         plan = adapter.build_plan(StepInput(requests, scheduled, new_blocks, replaced))
-        adapter.complete(WorkerReport(0, tuple(Completion(s.job_id, ok=True) for s in plan.stores)))
+        adapter.complete(WorkerReport(0, tuple(Completion(s.job_id, s.kind, ok=True) for s in plan.stores)))
         t1 = time.perf_counter()
         for req_id, view in requests.items():
             adapter.lookup(view, 0)

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
 
 from tierkv.core.index import BlockIndex, IndexStats  # noqa: E402
-from tierkv.core.jobs import Completion  # noqa: E402
+from tierkv.core.jobs import Completion, JobKind  # noqa: E402
 from tierkv.core.policy import DEFAULT_POLICY, policy_names  # noqa: E402
 from tierkv.keys import chunk_keys  # noqa: E402
 
@@ -45,17 +45,17 @@ def run_index(keys: list[bytes], args: argparse.Namespace) -> dict[str, float]:
         t0 = clock()
         plan = index.prepare_store(batch)
         if plan.job_id is not None:
-            index.complete_store(Completion(plan.job_id, ok=True))
+            index.complete_store(Completion(plan.job_id, JobKind.STORE, ok=True))
         t1 = clock()
         spill = index.take_spills()
         if spill is not None:
-            index.complete_spill(Completion(spill.job_id, ok=True))
+            index.complete_spill(Completion(spill.job_id, JobKind.SPILL, ok=True))
         t2 = clock()
         hits = index.lookup(batch).num_hits
         t3 = clock()
         load = index.prepare_load(batch[:hits])
         if load.job_id is not None:
-            index.complete_load(Completion(load.job_id, ok=True))
+            index.complete_load(Completion(load.job_id, JobKind.LOAD, ok=True))
         t4 = clock()
         spent["store"] += t1 - t0
         spent["spill"] += t2 - t1
@@ -69,7 +69,7 @@ def statistics_cost(num_entries: int, args: argparse.Namespace) -> list[float]:
     index = BlockIndex(num_entries, eviction_policy=args.policy)
     plan = index.prepare_store([i.to_bytes(8, "big") for i in range(num_entries)])
     if plan.job_id is not None:
-        index.complete_store(Completion(plan.job_id, ok=True))
+        index.complete_store(Completion(plan.job_id, JobKind.STORE, ok=True))
     timer = timeit.Timer(index.statistics)
     number, _ = timer.autorange()
     return [seconds / number for seconds in timer.repeat(args.repeats, number)]
@@ -92,16 +92,16 @@ def run_chats(disk_chunks: int, args: argparse.Namespace) -> tuple[IndexStats, i
         reusable += len(chat)
         load = index.prepare_load(chat[: index.lookup(chat).num_hits])
         if load.job_id is not None:
-            index.complete_load(Completion(load.job_id, ok=True))
+            index.complete_load(Completion(load.job_id, JobKind.LOAD, ok=True))
         new = 4 if chat else 8
         chat += [key.to_bytes(8, "big") for key in range(next_key, next_key + new)]
         next_key += new
         plan = index.prepare_store(chat)
         if plan.job_id is not None:
-            index.complete_store(Completion(plan.job_id, ok=True))
+            index.complete_store(Completion(plan.job_id, JobKind.STORE, ok=True))
         spill = index.take_spills()
         if spill is not None:
-            index.complete_spill(Completion(spill.job_id, ok=True))
+            index.complete_spill(Completion(spill.job_id, JobKind.SPILL, ok=True))
     return index.statistics(), reusable
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tierkv.core.jobs import JobId, JobKind, SlotId, SpillSpec, StoreSpec
 from tierkv.engine.requests import StepPlan
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.keys import chunk_keys
@@ -63,7 +64,7 @@ def test_aborted_request_stores_only_computed_tokens() -> None:
 
 def wait_only_submitted(worker: WorkerAdapter, plan: StepPlan, forward) -> None:  # type: ignore[no-untyped-def]
     """vLLM's old bug: wait on the flush jobs already submitted; submit the rest later."""
-    worker.executor.wait([j for j in plan.jobs_to_flush if j in worker._submitted])
+    worker.executor.wait([j for j in plan.jobs_to_flush if worker.executor.submitted(j)])
     worker._handled = plan  # keep start() from running the real flush
     worker.start(plan)
     forward()
@@ -137,4 +138,45 @@ def test_preemption_mid_store_and_mid_load_then_resume(tmp_path: Path) -> None:
     assert stats.storing == stats.promoting == stats.spilling == 0
     assert stack.adapter.num_requests() == 0 and stack.adapter.jobs_in_flight() == 0
     assert stack.verify_stored() > 0
+    stack.close()
+
+
+def test_the_worker_counts_each_job_under_the_kind_its_completion_carries(tmp_path: Path) -> None:
+    # The worker keeps no job id -> spec table to account a job: stores, loads and spills
+    # each land on their own path, by the kind their completion carries.
+    stack = build_stack(tmp_path, num_blocks=20, num_slots=6, disk_chunks=64, token_budget=3 * TPC)
+    system = prompt(3 * TPC, 9)
+    stack.engine.add_request("r0", system + prompt(TPC, 10), 2)
+    stack.engine.run(100)
+    stack.drain()  # the system prompt's chunks on disk too
+    for r in range(1, 4):
+        stack.engine.add_request(f"r{r}", system + prompt(TPC + r, 10 + r), 2)
+    stack.engine.run(200)
+    stack.drain()
+    counts, index = stack.worker.statistics(), stack.index.statistics()
+    assert stack.engine.loaded_tokens > 0 and index.spills_ok > 0
+    assert counts["bytes_gpu_to_cpu"] == index.stores_planned * stack.slab.slot_bytes
+    assert counts["bytes_cpu_to_gpu"] > 0 and counts["bytes_cpu_to_disk"] > 0
+    assert not any(name.startswith("failed_jobs") for name in counts)
+    stack.close()
+
+
+def test_a_rank_that_writes_no_disk_reports_its_spills_done_and_counts_nothing(tmp_path: Path) -> None:
+    # MLA: another rank writes the one disk copy. This rank's spills are reported done at
+    # once (as spills), move no bytes, and leave its slots' residency as it was.
+    stack = build_stack(tmp_path, disk_chunks=64)
+    worker = WorkerAdapter(stack.worker.executor, track_slots=True, writes_disk=False)
+    key = b"\x01" * 32
+    store = StoreSpec(JobId(1), (key,), (SlotId(0),), (0, 1))
+    worker.start(StepPlan(stores=(store,)))
+    worker.after_forward()
+    worker.wait_all()
+    assert [(c.job_id, c.kind) for c in worker.poll().completions] == [(1, JobKind.STORE)]
+    assert worker.unspilled_chunks() == [(key, 0)]
+    worker.start(StepPlan(spills=(SpillSpec(JobId(2), ((key, SlotId(0)),)),)))
+    [done] = worker.poll().completions
+    assert done.job_id == 2 and done.kind is JobKind.SPILL and done.ok
+    assert worker.unspilled_chunks() == [(key, 0)]  # nothing was written
+    assert "bytes_cpu_to_disk" not in worker.statistics()
+    assert worker.statistics()["bytes_gpu_to_cpu"] == stack.slab.slot_bytes
     stack.close()

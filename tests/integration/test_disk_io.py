@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.config import DiskTierConfig
-from tierkv.core.jobs import ChunkCopy, Completion, JobId, SlotId, SpillSpec
+from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, SlotId, SpillSpec
 from tierkv.errors import (
     BrokenError,
     ClosedError,
@@ -93,7 +93,7 @@ def test_submit_returns_at_once_and_completion_is_polled(
     disk_io.wait([JobId(1)], timeout=10)
     disk_io.wait([JobId(1)], timeout=10)  # waiting again is fine
     (completion,) = disk_io.poll_finished()  # wait did not consume it
-    assert completion.job_id == 1 and completion.ok
+    assert completion.job_id == 1 and completion.ok and completion.kind is JobKind.SPILL
     assert completion.num_bytes == PAYLOAD and completion.seconds >= 0
     assert disk_io.poll_finished() == []
     assert stored(tier, 1) == data

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from tierkv.core.jobs import NO_BLOCK, ChunkCopy, Completion, JobId, LoadSpec, SlotId, StoreSpec
+from tierkv.core.jobs import NO_BLOCK, ChunkCopy, Completion, JobId, JobKind, LoadSpec, SlotId, StoreSpec
 from tierkv.errors import ClosedError, JobTimeoutError, TransferError, UnknownJobError
 from tierkv.testing import LayoutKV
 from tierkv.transfer.base import TransferEngine
@@ -152,6 +152,7 @@ def test_round_trip_is_byte_exact(harness: Harness, kind: str) -> None:
     [done] = engine.poll_finished()
     chunk_bytes = LAYERS * BPC * kv.page
     assert done.ok and done.num_bytes == 2 * chunk_bytes and done.seconds > 0
+    assert done.kind is JobKind.STORE  # a completion says what kind of job it was
     assert torch.equal(engine.slab.view(3), kv.chunk((0, 1, 2, 3)))
     assert torch.equal(engine.slab.view(1), kv.chunk((9, 4, 12, 6)))
     stored = [kv.chunk((0, 1, 2, 3)), kv.chunk((9, 4, 12, 6))]
@@ -161,7 +162,7 @@ def test_round_trip_is_byte_exact(harness: Harness, kind: str) -> None:
     engine.submit_load(load(2, chunk(1, 3, (14, 15, 7, 8)), chunk(2, 1, (12, 5, 10, 0))))
     engine.wait([JobId(2)])
     [done] = engine.poll_finished()
-    assert done.ok and done.num_bytes == 2 * chunk_bytes
+    assert done.ok and done.num_bytes == 2 * chunk_bytes and done.kind is JobKind.LOAD
     assert torch.equal(kv.chunk((14, 15, 7, 8)), stored[0])
     assert torch.equal(kv.chunk((12, 5, 10, 0)), stored[1])
     assert torch.equal(kv.chunk((13,)), untouched)
@@ -312,7 +313,7 @@ def test_a_spec_that_cannot_run_fails_its_job(engine: TransferEngine,
     engine.wait([spec.job_id])
     [done] = drain(engine, 1)
     assert not done.ok and done.error is not None and message in done.error
-    assert set(done.failed_keys) == {c.key for c in spec.chunks}
+    assert set(done.failed_keys) == {c.key for c in spec.chunks} and done.kind is spec.kind
 
 
 def test_concurrent_submits_from_threads(harness: Harness, kv: LayoutKV) -> None:

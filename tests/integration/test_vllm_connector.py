@@ -1003,10 +1003,10 @@ def test_keys_follow_rewritten_block_hashes() -> None:
     assert side._view(side._tracked["s"]).chunk_keys == []
 
 
-def tierkv_vllm_completion(job_id: Any) -> Any:
-    from tierkv.core.jobs import Completion
+def tierkv_vllm_completion(job_id: Any) -> Any:  # a store job's
+    from tierkv.core.jobs import Completion, JobKind
 
-    return Completion(job_id, ok=True, num_bytes=4096)
+    return Completion(job_id, JobKind.STORE, ok=True, num_bytes=4096)
 
 
 # randomized runs ---------------------------------------------------------------------------------
@@ -1076,12 +1076,12 @@ def test_random_configurations_keep_every_kv_slot_right(seed: int, tmp_path: Pat
 
 def test_block_index_touch_refreshes_recency() -> None:
     from tierkv.core.index import BlockIndex
-    from tierkv.core.jobs import Completion
+    from tierkv.core.jobs import Completion, JobKind
 
     index = BlockIndex(num_slots=3)
     keys = [bytes([i]) * 32 for i in range(4)]
     plan = index.prepare_store(keys[:3])
-    index.complete_store(Completion(plan.job_id, ok=True))  # LRU order: 0, 1, 2
+    index.complete_store(Completion(plan.job_id, JobKind.STORE, ok=True))  # LRU order: 0, 1, 2
     index.touch([keys[0], b"absent" * 6])  # 0 is now the most recent
     index.prepare_store(keys[3:])  # evicts the least recent: 1
     assert [index.contains(key) for key in keys] == [True, False, True, True]

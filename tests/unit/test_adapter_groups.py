@@ -28,8 +28,8 @@ def view(req_id: str, tokens: list[int], prompt: int, computed: int) -> RequestV
 
 
 def done(adapter: EngineAdapter, plan) -> None:  # type: ignore[no-untyped-def]
-    jobs = [s.job_id for s in plan.stores] + [l.spec.job_id for l in plan.loads if l.spec]
-    adapter.complete(WorkerReport(0, tuple(Completion(j, ok=True) for j in jobs)))
+    specs = [*plan.stores, *(l.spec for l in plan.loads if l.spec)]
+    adapter.complete(WorkerReport(0, tuple(Completion(s.job_id, s.kind, ok=True) for s in specs)))
 
 
 def positions(*pairs: tuple[int, int]) -> tuple[list[int], list[int]]:
@@ -112,7 +112,7 @@ def test_a_block_freed_while_its_request_runs_waits_for_the_store_that_reads_it(
     # store must finish before the forward pass that writes it.
     plan = adapter.build_plan(StepInput({"r": at(8, 1)}, {"r": 4}, {"r": positions((3, 11))}))
     assert spec.job_id in plan.jobs_to_flush
-    adapter.complete(WorkerReport(0, (Completion(spec.job_id, ok=True),)))
+    adapter.complete(WorkerReport(0, (Completion(spec.job_id, spec.kind, ok=True),)))
     done(adapter, plan)
     # Position 1 (block 12) released with no job in flight: nothing to wait for.
     plan = adapter.build_plan(StepInput({"r": at(12, 2)}, {"r": 4}, {"r": positions((4, 12))}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion
+from tierkv.core.jobs import Completion, JobKind
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.errors import TierKVError
@@ -26,8 +26,8 @@ def view(req_id: str, tokens: list[int], prompt: int, computed: int, keys_upto: 
 
 
 def report(plan, rank: int = 0) -> WorkerReport:  # type: ignore[no-untyped-def]
-    jobs = [s.job_id for s in plan.stores] + [l.spec.job_id for l in plan.loads if l.spec]
-    return WorkerReport(rank, tuple(Completion(j, ok=True) for j in jobs))
+    specs = [*plan.stores, *(l.spec for l in plan.loads if l.spec)]
+    return WorkerReport(rank, tuple(Completion(s.job_id, s.kind, ok=True) for s in specs))
 
 
 def stored_chunks(plan) -> int:  # type: ignore[no-untyped-def]
@@ -136,6 +136,27 @@ def test_a_job_completes_only_when_every_worker_reported_it() -> None:
     assert adapter.index.lookup([key]).num_hits == 0  # rank 1 still copying
     assert len(adapter.complete(report(plan, rank=1))) == 1
     assert adapter.index.lookup([key]).num_hits == 1
+
+
+def test_a_load_is_in_flight_until_every_worker_reported_it() -> None:
+    # The adapter counts loads by the kind each completion carries (it asks the index
+    # nothing): a store's completion leaves the count alone, a load's ends it once merged.
+    adapter = make(world_size=2)
+    tokens = list(range(16))
+    seed = view("s", tokens, 16, 0)
+    plan = adapter.build_plan(StepInput({"s": seed}, {"s": 16}, {"s": [0, 1, 2, 3]}, frozenset({"s"})))
+    for rank in (0, 1):
+        adapter.complete(report(plan, rank))  # the store: 2 chunks in the CPU tier
+    v = view("r", tokens + [99], 17, 0)
+    assert adapter.lookup(v, 0) == 16
+    adapter.update_state_after_alloc(v, [10, 11, 12, 13], 16, 0)
+    assert adapter.loads_in_flight() == 1  # planned, not in a plan yet
+    plan = adapter.build_plan(StepInput())
+    [load] = plan.loads
+    assert load.spec is not None and adapter.loads_in_flight() == 1  # in flight
+    [merged] = adapter.complete(report(plan, 0)) + adapter.complete(report(plan, 1))
+    assert merged.kind is JobKind.LOAD and merged.job_id == load.spec.job_id
+    assert adapter.loads_in_flight() == 0 and adapter.jobs_in_flight() == 0
 
 
 def test_one_store_job_per_step_and_a_shared_chunk_is_stored_once() -> None:
@@ -269,7 +290,7 @@ def test_a_request_whose_load_failed_is_not_offered_the_chunks_again() -> None:
     adapter.update_state_after_alloc(v, [10, 11, 12, 13], 16, 0)
     load = adapter.build_plan(StepInput()).loads[0].spec
     assert load is not None
-    failed = Completion(load.job_id, ok=False, failed_keys=tuple(c.key for c in load.chunks))
+    failed = Completion(load.job_id, load.kind, ok=False, failed_keys=tuple(c.key for c in load.chunks))
     adapter.complete(WorkerReport(0, (failed,)))
     # The engine puts the request back to recompute it: the chunks are still indexed (the
     # copy failed, not the chunk), but this request is not offered them again ...

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tests.profiles import thorough
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import NO_BLOCK, Completion
+from tierkv.core.jobs import NO_BLOCK, Completion, JobKind
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.keys import chunk_keys
@@ -149,7 +149,7 @@ class WindowMachine(RuleBasedStateMachine):
         for job_id in done:
             del self.reads[job_id]
         if done:
-            self.adapter.complete(WorkerReport(0, tuple(Completion(j, ok=True) for j in done)))
+            self.adapter.complete(WorkerReport(0, tuple(Completion(j, JobKind.STORE, ok=True) for j in done)))
 
     @rule(data=st.data())
     def complete_some(self, data: st.DataObject) -> None:

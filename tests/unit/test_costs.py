@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.profiles import thorough
 from tierkv.core.costs import DECLINE_MARGIN, CostModel, CostPriors, DecayedLine
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion
+from tierkv.core.jobs import Completion, JobKind
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.errors import ConfigError, UsageError
@@ -135,7 +135,7 @@ def adapter_with_chunks(policy: str, priors: CostPriors, clock: Clock,
     index = BlockIndex(num_slots=16, disk_capacity=disk_capacity, clock=clock)
     index.add_on_disk(KEYS[4:] + MORE)
     store = index.prepare_store(KEYS[:4])
-    index.complete_store(Completion(store.job_id, ok=True))
+    index.complete_store(Completion(store.job_id, JobKind.STORE, ok=True))
     config = AdapterConfig(tokens_per_block=16, blocks_per_chunk=2, load_policy=policy,
                            cost_priors=priors)
     adapter = EngineAdapter(index, config, clock)
@@ -170,7 +170,7 @@ def test_measured_loads_and_steps_teach_the_adapter() -> None:
     [load] = plan.loads
     assert load.spec is not None
     clock.now += 5.0  # the disk took 5 s
-    adapter.complete(WorkerReport(0, (Completion(load.spec.job_id, ok=True),)))
+    adapter.complete(WorkerReport(0, (Completion(load.spec.job_id, JobKind.LOAD, ok=True),)))
     assert adapter.stats.load_seconds_measured_disk == pytest.approx(5.0)
     assert 0 < adapter.stats.load_seconds_estimated_disk < 1.0
     for _ in range(20):  # the engine computes 1000 tokens in 0.1 s a step
@@ -202,7 +202,7 @@ def load_all(adapter: EngineAdapter, clock: Clock, request: RequestView, seconds
     [load] = adapter.build_plan(StepInput()).loads
     assert load.spec is not None
     clock.now += seconds
-    adapter.complete(WorkerReport(0, (Completion(load.spec.job_id, ok=True),)))
+    adapter.complete(WorkerReport(0, (Completion(load.spec.job_id, JobKind.LOAD, ok=True),)))
     adapter.request_finished(request)
     adapter.build_plan(StepInput())
 
@@ -336,7 +336,7 @@ def test_a_request_may_ask_for_its_own_load_policy() -> None:
     [load] = measured.build_plan(StepInput()).loads
     assert load.spec is not None
     clock.now += 2.0
-    measured.complete(WorkerReport(0, (Completion(load.spec.job_id, ok=True),)))
+    measured.complete(WorkerReport(0, (Completion(load.spec.job_id, JobKind.LOAD, ok=True),)))
     assert measured.stats.load_seconds_measured_disk == pytest.approx(2.0)
     assert measured.costs.loads["disk"].samples == 1
     # "recompute": no hit, no tier asked, even with every chunk in the CPU tier.

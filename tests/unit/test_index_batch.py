@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.profiles import thorough
 from tierkv.core.index import CLEAN, DIRTY, BlockIndex
-from tierkv.core.jobs import Completion, SlotId
+from tierkv.core.jobs import Completion, JobKind, SlotId
 from tierkv.core.policy import policy_names
 from tierkv.core.state import CpuState, Entry
 
@@ -53,10 +53,10 @@ def replay(num_slots: int, disk_capacity: int, history: list[tuple[str, object]]
         if op in ("store", "storing", "store_fails"):
             plan = index.prepare_store(arg)  # type: ignore[arg-type]
             if plan.job_id is not None and op == "store":
-                index.complete_store(Completion(plan.job_id, ok=True))
+                index.complete_store(Completion(plan.job_id, JobKind.STORE, ok=True))
             elif plan.job_id is not None and op == "store_fails":
                 failed = tuple(key for key, _ in plan.chunks[1:])
-                index.complete_store(Completion(plan.job_id, ok=not failed, failed_keys=failed))
+                index.complete_store(Completion(plan.job_id, JobKind.STORE, ok=not failed, failed_keys=failed))
         elif op == "read":
             keys = arg[: index.lookup(arg).num_hits]  # type: ignore[index]
             index.prepare_load(keys)
@@ -67,7 +67,7 @@ def replay(num_slots: int, disk_capacity: int, history: list[tuple[str, object]]
         elif spills:
             spec = spills.pop(0)
             full = tuple(key for key, _ in spec.writes) if op == "full" else ()
-            index.complete_spill(Completion(spec.job_id, ok=not full, failed_keys=full, full_keys=full))
+            index.complete_spill(Completion(spec.job_id, JobKind.SPILL, ok=not full, failed_keys=full, full_keys=full))
     return index
 
 
@@ -147,5 +147,5 @@ def test_a_key_twice_in_one_batch_is_stored_once() -> None:
     batch = index.prepare_store_many([a, b, a], [2, 3], lambda run: ())
     assert batch.keys == (a, b) and batch.placed == [0, 1] and batch.num_present == 1
     assert index.statistics().free_slots == 2
-    index.complete_store(Completion(batch.job_id, ok=True))
+    index.complete_store(Completion(batch.job_id, JobKind.STORE, ok=True))
     index.check()

@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tests.profiles import thorough
 from tierkv.core.index import BlockIndex, Lookup
-from tierkv.core.jobs import Completion, JobId, SpillSpec
+from tierkv.core.jobs import Completion, JobId, JobKind, SpillSpec
 from tierkv.core.policy import policy_names
 from tierkv.core.state import CpuState, DiskState
 
@@ -286,7 +286,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self.written[key] = self.written.get(key, 0) + 1
                 assert self.written[key] == 1, "a chunk written twice in one stay in the CPU tier"
         self.index.complete_spill(
-            Completion(spec.job_id, ok=not full_keys, full_keys=tuple(full_keys),
+            Completion(spec.job_id, spec.kind, ok=not full_keys, full_keys=tuple(full_keys),
                        failed_keys=tuple(full_keys))
         )
 
@@ -299,7 +299,7 @@ class IndexMachine(RuleBasedStateMachine):
             for key, slot in chunks:
                 if key not in failed:
                     self.slots[slot] = value_of(key)
-            self.index.complete_store(Completion(job_id, ok=not failed, failed_keys=failed))
+            self.index.complete_store(Completion(job_id, JobKind.STORE, ok=not failed, failed_keys=failed))
             return
         failed_keys: list[bytes] = []
         corrupt_keys: list[bytes] = []
@@ -331,7 +331,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.slots[slot] == value_of(key), "a load delivered another key's bytes"
             self.delivered += 1
         result = self.index.complete_load(
-            Completion(job_id, ok=not (failed_keys or corrupt_keys or missing_keys),
+            Completion(job_id, JobKind.LOAD, ok=not (failed_keys or corrupt_keys or missing_keys),
                        failed_keys=tuple(failed_keys + missing_keys),
                        corrupt_keys=tuple(corrupt_keys), missing_keys=tuple(missing_keys))
         )

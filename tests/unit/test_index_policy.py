@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion
+from tierkv.core.jobs import Completion, JobKind
 from tierkv.core.policies.arc import T1, T2, ARCPolicy
 from tierkv.core.policy import make_policy, policy_names
 from tierkv.errors import ConfigError
@@ -18,17 +18,17 @@ from tierkv.errors import ConfigError
 A, B, C, D, E, F, G = (bytes([i]) * 32 for i in range(1, 8))
 
 
-def done(job_id, **kw) -> Completion:  # type: ignore[no-untyped-def]
-    return Completion(job_id, ok=not (kw.get("failed_keys") or kw.get("full_keys")), **kw)
+def done(job_id, kind, **kw) -> Completion:  # type: ignore[no-untyped-def]
+    return Completion(job_id, kind, ok=not (kw.get("failed_keys") or kw.get("full_keys")), **kw)
 
 
 def stored(index: BlockIndex, *keys: bytes) -> None:
     for key in keys:
-        index.complete_store(done(index.prepare_store([key]).job_id))
+        index.complete_store(done(index.prepare_store([key]).job_id, JobKind.STORE))
 
 
 def loaded(index: BlockIndex, *keys: bytes) -> None:
-    index.complete_load(done(index.prepare_load(list(keys)).job_id))
+    index.complete_load(done(index.prepare_load(list(keys)).job_id, JobKind.LOAD))
 
 
 def arc(index: BlockIndex) -> ARCPolicy:
@@ -73,7 +73,7 @@ def test_arc_clean_before_dirty_wins_over_the_policys_preference() -> None:
                        eviction_policy="arc")
     stored(index, A)
     loaded(index, A)  # A: T2
-    index.complete_spill(done(index.take_spills(at_least=1).job_id))  # A: clean, T2
+    index.complete_spill(done(index.take_spills(at_least=1).job_id, JobKind.SPILL))  # A: clean, T2
     stored(index, B)  # B: dirty, T1 (the list ARC evicts from first)
     stored(index, C)  # needs a slot: the clean chunk goes, not ARC's favourite victim
     assert index.entry(A).cpu is None and index.entry(A).on_disk  # still a disk hit
@@ -92,7 +92,7 @@ def test_write_back_spills_the_policys_next_victim(policy: str, spilled: bytes) 
     # LRU: A is the least recently used dirty chunk. ARC: B (T1, never reused) goes
     # before A (T2), so B is made clean first.
     assert spill is not None and [key for key, _ in spill.writes] == [spilled]
-    index.complete_spill(done(spill.job_id))
+    index.complete_spill(done(spill.job_id, JobKind.SPILL))
     index.check()
 
 
@@ -102,7 +102,7 @@ def test_arc_a_spilled_chunk_keeps_its_reuse() -> None:
     spill = index.take_spills(flush=True)  # A held while its spill is in flight
     loaded(index, A)  # reused meanwhile: T2, though held
     assert arc(index).list_of(A) == T2 and arc(index).pool_of(A) is None
-    index.complete_spill(done(spill.job_id))
+    index.complete_spill(done(spill.job_id, JobKind.SPILL))
     assert arc(index).list_of(A) == T2  # clean now, still protected from scans
     index.check()
 
@@ -124,7 +124,7 @@ def test_readers_and_the_requests_own_keys_are_never_victims(policy: str) -> Non
     stored(index, A, B)
     load = index.prepare_load([A])  # A has a reader
     assert index.prepare_store([C], protected=[B]).num_no_room == 1  # A read, B protected
-    index.complete_load(done(load.job_id))
+    index.complete_load(done(load.job_id, JobKind.LOAD))
     assert index.prepare_store([C], protected=[B]).chunks  # now A goes
     assert index.entry(A) is None
     index.check()

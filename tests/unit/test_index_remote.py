@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv.core.index import BlockIndex, IndexStats, Lookup
-from tierkv.core.jobs import Completion, JobId
+from tierkv.core.jobs import Completion, JobId, JobKind
 from tierkv.core.state import CpuState, DiskState, Entry
 
 A, B, C, D, E = (bytes([i]) * 32 for i in range(1, 6))
@@ -38,15 +38,15 @@ def entry_of(index: BlockIndex, key: bytes) -> Entry:
     return entry
 
 
-def ok(job_id: JobId | None) -> Completion:
+def ok(job_id: JobId | None, kind: JobKind) -> Completion:
     assert job_id is not None
-    return Completion(job_id, ok=True)
+    return Completion(job_id, kind, ok=True)
 
 
 def store(index: BlockIndex, *keys: bytes) -> None:
     plan = index.prepare_store(list(keys))
     assert [k for k, _ in plan.chunks] == list(keys)
-    index.complete_store(ok(plan.job_id))
+    index.complete_store(ok(plan.job_id, JobKind.STORE))
     index.check()
 
 
@@ -56,7 +56,7 @@ def land_remote(index: BlockIndex, *keys: bytes) -> None:
     plan = index.prepare_load(list(keys))
     assert plan.from_remote == frozenset(keys)
     index.check()
-    result = index.complete_load(ok(plan.job_id))
+    result = index.complete_load(ok(plan.job_id, JobKind.LOAD))
     assert result.ok_keys == tuple(keys) and result.failed_keys == ()
     index.check()
 
@@ -66,10 +66,10 @@ def fail(job_id: JobId | None, key: bytes, how: str) -> Completion:
     (a missing or corrupt key is a failed key too)."""
     assert job_id is not None
     if how == "missing":
-        return Completion(job_id, ok=False, failed_keys=(key,), missing_keys=(key,))
+        return Completion(job_id, JobKind.LOAD, ok=False, failed_keys=(key,), missing_keys=(key,))
     if how == "corrupt":
-        return Completion(job_id, ok=False, failed_keys=(key,), corrupt_keys=(key,))
-    return Completion(job_id, ok=False, failed_keys=(key,), error="network")
+        return Completion(job_id, JobKind.LOAD, ok=False, failed_keys=(key,), corrupt_keys=(key,))
+    return Completion(job_id, JobKind.LOAD, ok=False, failed_keys=(key,), error="network")
 
 
 # ---------------------------------------------------------------- marks and lookups
@@ -117,7 +117,7 @@ def test_lookup_stops_at_a_chunk_being_stored_even_if_noted_before() -> None:
     plan = index.prepare_store([B])  # STORING: in the index now, not a hit
     assert plan.job_id is not None
     assert index.lookup([A, B]) == Lookup(1, False, 0, 1)
-    index.complete_store(ok(plan.job_id))
+    index.complete_store(ok(plan.job_id, JobKind.STORE))
     assert index.lookup([A, B]) == Lookup(2, False, 1, 1)  # B from the CPU tier now
     index.check()
 
@@ -180,7 +180,7 @@ def test_a_locally_present_chunk_is_not_noted_and_is_served_locally() -> None:
     assert index.add_on_disk([B]) == 1
     plan = index.prepare_store([C])  # STORING
     assert index.note_remote([A, B, C, D]) == 1  # only D: the others are in the index
-    index.complete_store(ok(plan.job_id))
+    index.complete_store(ok(plan.job_id, JobKind.STORE))
     index.check()
     assert index.lookup([A, B, C, D]) == Lookup(4, False, 2, 1)
     load = index.prepare_load([A, B, C, D])
@@ -190,7 +190,7 @@ def test_a_locally_present_chunk_is_not_noted_and_is_served_locally() -> None:
     stats = index.statistics()
     assert (stats.loads_cpu, stats.loads_disk, stats.loads_remote) == (2, 1, 1)
     index.check()
-    index.complete_load(ok(load.job_id))
+    index.complete_load(ok(load.job_id, JobKind.LOAD))
     index.check()
 
 
@@ -206,7 +206,7 @@ def test_a_chunk_noted_first_then_stored_locally_is_served_from_the_cpu_tier() -
     assert entry is not None and entry.cpu is CpuState.READY and entry.readers == 1
     assert index.statistics().loads_remote == 0
     index.check()
-    index.complete_load(ok(plan.job_id))
+    index.complete_load(ok(plan.job_id, JobKind.LOAD))
     assert index.note_remote([A]) == 0  # present: skipped
     index.check()
 
@@ -252,8 +252,8 @@ def test_no_slot_for_a_remote_chunk_stops_the_plan() -> None:
     again = index.prepare_load([C])
     assert again.job_id is None and index.statistics().loads_no_room == 2
     index.check()
-    index.complete_load(ok(busy.job_id))
-    index.complete_load(ok(plan.job_id))
+    index.complete_load(ok(busy.job_id, JobKind.LOAD))
+    index.complete_load(ok(plan.job_id, JobKind.LOAD))
     index.check()
     third = index.prepare_load([C])  # room now (an evictable clean chunk)
     assert third.from_remote == frozenset({C})
@@ -272,7 +272,7 @@ def test_a_remote_promotion_evicts_but_never_a_key_of_its_own_load() -> None:
     assert index.take_events() == [("removed", "CPU", B)]
     assert index.statistics().cpu_evictions == 1
     index.check()
-    index.complete_load(ok(plan.job_id))
+    index.complete_load(ok(plan.job_id, JobKind.LOAD))
     assert index.take_events() == [("stored", "CPU", C)]
     index.check()
 
@@ -291,7 +291,7 @@ def test_a_landed_remote_chunk_with_a_disk_tier_is_dirty_and_spilled() -> None:
     assert spec is not None and [k for k, _ in spec.writes] == [A]
     assert entry_of(index, A).disk is DiskState.SPILLING
     index.check()
-    index.complete_spill(ok(spec.job_id))
+    index.complete_spill(ok(spec.job_id, JobKind.SPILL))
     assert entry_of(index, A).disk is DiskState.ON_DISK
     assert index.statistics().spills_ok == 1
     index.check()
@@ -328,7 +328,7 @@ def test_a_landed_remote_chunk_without_a_disk_is_clean_and_evictable() -> None:
     assert index.statistics().cpu_evictions == 1
     assert index.take_events() == [("removed", "CPU", A)]
     index.check()
-    index.complete_store(ok(plan.job_id))
+    index.complete_store(ok(plan.job_id, JobKind.STORE))
     assert index.take_events() == [("stored", "CPU", B)]
     index.check()
 
@@ -338,7 +338,7 @@ def test_a_promotion_lands_even_if_its_mark_would_have_aged_out() -> None:
     assert index.note_remote([A]) == 1
     plan = index.prepare_load([A])
     clock.now = 3 * SECONDS
-    index.complete_load(ok(plan.job_id))
+    index.complete_load(ok(plan.job_id, JobKind.LOAD))
     assert index.lookup([A]) == Lookup(1, False, 1, 0)
     index.check()
 
@@ -373,7 +373,7 @@ def test_a_job_that_failed_as_a_whole_counts_its_remote_chunks_as_failed() -> No
     assert index.note_remote([B, C]) == 2
     plan = index.prepare_load([A, B, C])
     assert plan.job_id is not None
-    result = index.complete_load(Completion(plan.job_id, ok=False, error="boom"))
+    result = index.complete_load(Completion(plan.job_id, JobKind.LOAD, ok=False, error="boom"))
     assert set(result.failed_keys) == {A, B, C}
     stats = index.statistics()
     assert stats.remote_failed == 2 and stats.loads_failed == 3
@@ -408,7 +408,7 @@ def test_a_phantom_is_not_noted_again_until_mark_seconds_pass() -> None:
     assert index.lookup([A, B]) == Lookup(2, False, 1, 1)
     again = index.prepare_load([A])
     assert again.from_remote == frozenset({A})
-    index.complete_load(ok(again.job_id))
+    index.complete_load(ok(again.job_id, JobKind.LOAD))
     assert index.lookup([A]) == Lookup(1, False, 1, 0)
     assert index.take_events() == [("stored", "CPU", A), ("stored", "CPU", B)]
     index.check()
@@ -449,7 +449,7 @@ def test_a_chunk_reported_missing_never_lands_even_in_an_ok_completion() -> None
     a, b = bytes([1]) * 32, bytes([2]) * 32
     index.note_remote([a, b])
     plan = index.prepare_load([a, b])
-    result = index.complete_load(Completion(plan.job_id, ok=True, missing_keys=(a,)))
+    result = index.complete_load(Completion(plan.job_id, JobKind.LOAD, ok=True, missing_keys=(a,)))
     assert result.failed_keys == (a,) and result.ok_keys == (b,)
     assert index.entry(a) is None and index.statistics().remote_missing == 1
     index.check()

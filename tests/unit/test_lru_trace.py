@@ -27,7 +27,7 @@ from typing import Any
 
 from tierkv.core.figures import figures
 from tierkv.core.index import BlockIndex, IndexStats, LoadPlan, Lookup
-from tierkv.core.jobs import Completion
+from tierkv.core.jobs import Completion, JobKind
 
 RECORDED = "11a7832d0ee43a559d16236f11f53ff585eaf2a803c0043e45c7bf34440429d1"  # see above
 KEYS = [bytes([i]) * 8 for i in range(24)]
@@ -111,7 +111,7 @@ def drive(seed: int, steps: int = 300) -> str:
         elif op == 3 and stores:
             job_id, keys = stores.pop(rng.randrange(len(stores)) if rng.random() < 0.3 else 0)
             failed = tuple(k for k in keys if rng.random() < 0.15)
-            index.complete_store(Completion(job_id, ok=not failed, failed_keys=failed))
+            index.complete_store(Completion(job_id, JobKind.STORE, ok=not failed, failed_keys=failed))
             record("stored", job_id, failed)
         elif op == 4 and loads:
             job_id, chunks = loads.pop(0)
@@ -119,7 +119,7 @@ def drive(seed: int, steps: int = 300) -> str:
             corrupt = tuple(k for k in disk_keys if rng.random() < 0.1)
             missing = tuple(k for k in disk_keys if k not in corrupt and rng.random() < 0.1)
             failed = tuple(k for k, _, _ in chunks if rng.random() < 0.1) + corrupt + missing
-            result = index.complete_load(Completion(job_id, ok=not failed, failed_keys=failed,
+            result = index.complete_load(Completion(job_id, JobKind.LOAD, ok=not failed, failed_keys=failed,
                                                     corrupt_keys=corrupt, missing_keys=missing))
             record("loaded", result)
         elif op == 5:
@@ -131,7 +131,7 @@ def drive(seed: int, steps: int = 300) -> str:
             job_id, keys = spills.pop(0)
             full = tuple(k for k in keys[-1:] if rng.random() < 0.2)
             failed = full + tuple(k for k in keys if k not in full and rng.random() < 0.1)
-            index.complete_spill(Completion(job_id, ok=not failed, failed_keys=failed, full_keys=full))
+            index.complete_spill(Completion(job_id, JobKind.SPILL, ok=not failed, failed_keys=failed, full_keys=full))
             record("spilled", job_id, failed)
         elif op == 7:
             index.touch(reversed(rng.sample(KEYS, rng.randrange(1, 6))))

@@ -195,10 +195,6 @@ class BlockIndex(Spills, Invariants):
         """Spill jobs in flight (their chunks become clean, evictable, when they land)."""
         return [job_id for job_id, job in self._jobs.items() if job.kind is JobKind.SPILL]
 
-    def job_kind(self, job_id: JobId) -> JobKind | None:
-        job = self._jobs.get(job_id)
-        return job.kind if job is not None else None
-
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[bytes], protected: Sequence[bytes] = ()) -> StorePlan:
         batch = self.prepare_store_many(keys, (len(keys),), lambda run: (*protected, *keys))
@@ -438,17 +434,14 @@ class BlockIndex(Spills, Invariants):
 
     # ------------------------------------------------------------------ completion
     def complete(self, completion: Completion) -> LoadResult | None:
-        """Route a completion to the matching ``complete_*`` by the job's kind."""
-        kind = self.job_kind(completion.job_id)
+        """Route a completion to the matching ``complete_*`` by its kind."""
+        kind = completion.kind
+        if kind is JobKind.LOAD:
+            return self.complete_load(completion)
         if kind is JobKind.STORE:
             self.complete_store(completion)
-        elif kind is JobKind.LOAD:
-            return self.complete_load(completion)
-        elif kind is JobKind.SPILL:
-            self.complete_spill(completion)
         else:
-            raise UsageError(f"block index: no job {completion.job_id} in flight (completed "
-                             f"already, or never planned by this index)")
+            self.complete_spill(completion)
         return None
 
     # ------------------------------------------------------------------ internals

@@ -6,7 +6,9 @@ the scheduler side (decides) and the worker side (moves bytes).
   is first read from the disk (remote) tier into its slot.
 - :class:`SpillSpec`  CPU slots -> disk tier, plus disk deletes chosen by the scheduler
   side (deletes run before writes).
-- :class:`Completion` what the worker reports for one job.
+- :class:`Completion` what the worker reports for one job: its kind and the bytes it
+  moved travel with it, so whoever receives one routes and counts it without a table of
+  job id -> kind.
 
 Job ids are allocated by :class:`JobIds` (monotonic, never reused in one process).
 Specs are NamedTuples: immutable plain data, and about 3x cheaper to build than frozen
@@ -105,11 +107,14 @@ JobSpec = StoreSpec | LoadSpec | SpillSpec
 
 
 class Completion(NamedTuple):
-    """A finished job. ``failed_keys`` did not land; ``corrupt_keys`` (loads) failed their
-    checks on disk and were deleted there; ``full_keys`` (spills) found the disk full;
-    ``missing_keys`` (loads) were not on disk at all (gone behind the index's back)."""
+    """A finished job. ``kind`` is its spec's kind (its creator copies it from the spec);
+    ``num_bytes``: the bytes that reached their destination. ``failed_keys`` did not land;
+    ``corrupt_keys`` (loads) failed their checks on disk and were deleted there;
+    ``full_keys`` (spills) found the disk full; ``missing_keys`` (loads) were not on disk
+    at all (gone behind the index's back)."""
 
     job_id: JobId
+    kind: JobKind
     ok: bool
     num_bytes: int = 0
     seconds: float = 0.0
@@ -172,9 +177,12 @@ def _union(groups: list[tuple[Key, ...]]) -> tuple[Key, ...]:
 
 
 def merge_completions(parts: list[Completion]) -> Completion:
+    """One completion from every rank's report of one job (see CompletionTracker)."""
     errors = [p.error for p in parts if p.error]
+    assert all(p.kind is parts[0].kind for p in parts), "a job's ranks report one kind"
     return Completion(
         job_id=parts[0].job_id,
+        kind=parts[0].kind,
         ok=all(p.ok for p in parts),
         num_bytes=sum(p.num_bytes for p in parts),
         seconds=max(p.seconds for p in parts),

@@ -92,6 +92,7 @@ class EngineAdapter:
         self._requests: dict[str, RequestState] = {}
         # The requests whose chunks a job in flight moves (a step's store job is shared).
         self._job_owners: dict[JobId, list[RequestState]] = {}
+        self._loads_in_flight = 0  # of those jobs (a completion says its kind)
         # GPU blocks of requests that left (finished, aborted) while jobs of theirs may be
         # in flight: block -> request. Written once per request, not per chunk.
         self._released: dict[int, str] = {}
@@ -274,6 +275,7 @@ class EngineAdapter:
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._job_owners[plan.job_id] = [state]
+            self._loads_in_flight += 1
             state.jobs.add(plan.job_id)
             self.stats.loads_planned += len(chunks)
             estimate = self._estimates.pop(view.req_id, None)
@@ -514,8 +516,8 @@ class EngineAdapter:
             merged = self._tracker.report(part)
             if merged is None:
                 continue
-            if (not merged.ok or merged.failed_keys) \
-                    and self.index.job_kind(merged.job_id) is JobKind.LOAD:
+            is_load = merged.kind is JobKind.LOAD
+            if is_load and (not merged.ok or merged.failed_keys):
                 for owner in self._job_owners.get(merged.job_id, ()):
                     owner.reloads_refused = True
             if self._load_started:
@@ -523,6 +525,7 @@ class EngineAdapter:
                 if started is not None and merged.ok and not merged.failed_keys:
                     self.policy.measured_load(merged, started)
             self.index.complete(merged)
+            self._loads_in_flight -= is_load
             self._untrack(merged.job_id)
             done.append(merged)
         return done
@@ -579,10 +582,8 @@ class EngineAdapter:
         return len(self._job_owners)
 
     def loads_in_flight(self) -> int:
-        """Loads planned and not yet finished (their KV is still on its way to the GPU)."""
-        kind = self.index.job_kind
-        return len(self._pending_loads) + sum(1 for job_id in self._job_owners
-                                              if kind(job_id) is JobKind.LOAD)
+        """Loads planned and not yet finished, each once (a job's KV is on its way)."""
+        return self._loads_in_flight + sum(load.spec is None for load in self._pending_loads)
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests

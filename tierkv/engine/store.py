@@ -528,19 +528,18 @@ class TierKVStore:
     def _pump(self) -> None:
         """Apply finished jobs to the index and start the spills it asks for."""
         for completion in self.executor.poll_finished():
-            kind = self.index.job_kind(completion.job_id)
+            kind = completion.kind
             self.index.complete(completion)
             self._blocks_of.pop(completion.job_id, None)
             if kind is JobKind.LOAD:
                 self._shortfall.failed += len(completion.failed_keys)
-            if kind is not None:
-                totals = self._bytes[kind]
-                totals[0] += completion.num_bytes
-                totals[1] += completion.seconds
-                self._durations[kind].observe(completion.seconds)
-                if not completion.ok:
-                    self._failed_jobs[kind] += 1
-            if kind in (JobKind.STORE, JobKind.LOAD):
+            totals = self._bytes[kind]
+            totals[0] += completion.num_bytes
+            totals[1] += completion.seconds
+            self._durations[kind].observe(completion.seconds)
+            if not completion.ok:
+                self._failed_jobs[kind] += 1
+            if kind is not JobKind.SPILL:
                 self._ready.append(completion)
             if completion.error and not completion.ok:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)

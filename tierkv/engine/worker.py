@@ -51,8 +51,28 @@ class SlotResidency:
         self._holding: dict[int, bytes] = {}  # slot -> key
         self._held: dict[bytes, int] = {}  # key -> slot
         self._unspilled: set[bytes] = set()
+        # The jobs in flight that rewrite slots or their disk copies: what each does.
+        self._specs: dict[JobId, JobSpec] = {}
 
-    def apply(self, spec: JobSpec, completion: Completion) -> None:
+    def expect(self, plan: StepPlan) -> None:
+        """The plan's jobs will run: remember what those that touch slots do."""
+        specs = self._specs
+        for store in plan.stores:
+            specs[store.job_id] = store
+        for load in plan.loads:
+            if load.spec is not None and any(c.from_disk or c.from_remote
+                                             for c in load.spec.chunks):
+                specs[load.spec.job_id] = load.spec
+        for spill in plan.spills:
+            specs[spill.job_id] = spill
+
+    def finished(self, completion: Completion, ran: bool = True) -> None:
+        """A job finished (``ran`` False: it was skipped, and changed nothing)."""
+        spec = self._specs.pop(completion.job_id, None)
+        if spec is not None and ran:
+            self._apply(spec, completion)
+
+    def _apply(self, spec: JobSpec, completion: Completion) -> None:
         """What a finished job did to the slots."""
         if isinstance(spec, SpillSpec):
             for key in spec.deletes:  # deletes run before the job's writes
@@ -119,12 +139,10 @@ class WorkerAdapter:
         # spill jobs are reported done at once, and write or delete nothing.
         self.writes_disk = writes_disk
         self._skipped: list[Completion] = []
-        self._specs: dict[JobId, JobSpec] = {}
         self._residency = SlotResidency() if track_slots else None
         self._counts: dict[str, float] = {}
         self._durations: dict[str, Durations] = {}
         self._pending: list[StoreSpec] = []  # stores planned but not yet submitted
-        self._submitted: set[JobId] = set()
         self._loads: dict[JobId, _LoadInFlight] = {}
         self._finished_loads: list[str] = []
         self._failed_blocks: list[int] = []
@@ -133,23 +151,13 @@ class WorkerAdapter:
         self._idle = False
 
     # ------------------------------------------------------------------ steps
-    def _record(self, plan: StepPlan) -> None:
-        if self._handled is plan:
-            return
-        specs = self._specs
-        for spec in plan.stores:
-            specs[spec.job_id] = spec
-        for load in plan.loads:
-            if load.spec is not None:
-                specs[load.spec.job_id] = load.spec
-        for spill in plan.spills:
-            specs[spill.job_id] = spill
-
     def handle_preemptions(self, plan: StepPlan) -> None:
-        self._record(plan)
+        if self._residency is not None and self._handled is not plan:
+            self._residency.expect(plan)
         flush = set(plan.jobs_to_flush)
+        submitted = self.executor.submitted
         for spec in plan.stores:
-            if spec.job_id in flush and spec.job_id not in self._submitted:
+            if spec.job_id in flush and not submitted(spec.job_id):
                 self._pending.append(spec)
         self.submit_pending()
         self.executor.wait(plan.jobs_to_flush)
@@ -179,9 +187,10 @@ class WorkerAdapter:
             if self.writes_disk:
                 self.executor.submit(spill)
             else:
-                self._skipped.append(Completion(spill.job_id, ok=True))
+                self._skipped.append(Completion(spill.job_id, spill.kind, ok=True))
         # The plan's other stores wait for the forward pass that completes their chunks.
-        self._pending.extend(s for s in plan.stores if s.job_id not in self._submitted)
+        submitted = self.executor.submitted
+        self._pending.extend(s for s in plan.stores if not submitted(s.job_id))
         if sync:  # this step's forward reads them: they land first (the engine calls start
             self.executor.wait(sync)  # before its forward when a plan has same-step loads)
 
@@ -190,29 +199,26 @@ class WorkerAdapter:
 
     def submit_pending(self) -> None:
         pending, self._pending = self._pending, []
+        executor = self.executor
         for spec in pending:
-            if spec.job_id in self._submitted:
-                continue
-            self._submitted.add(spec.job_id)
-            self.executor.submit(spec)
+            if not executor.submitted(spec.job_id):  # a flush may have submitted it first
+                executor.submit(spec)
 
     # ------------------------------------------------------------------ reports
     def poll(self) -> WorkerReport:
         if self._idle and self.executor.in_flight_ids():
             time.sleep(IDLE_YIELD_SECONDS)  # let the copy and disk threads run (see above)
         completions = self.executor.poll_finished()
-        if self._skipped:
-            for skipped in self._skipped:
-                self._specs.pop(skipped.job_id, None)  # nothing moved: not accounted
-            completions, self._skipped = [*completions, *self._skipped], []
         for completion in completions:
-            self._submitted.discard(completion.job_id)
-            spec = self._specs.pop(completion.job_id, None)
-            if spec is not None:
-                self._account(spec, completion)
+            self._account(completion)
             load = self._loads.pop(completion.job_id, None)
             if load is not None:
                 self._finish_load(load, completion)
+        if self._skipped:  # nothing moved: not accounted
+            if self._residency is not None:
+                for skipped in self._skipped:
+                    self._residency.finished(skipped, ran=False)
+            completions, self._skipped = [*completions, *self._skipped], []
         finished, self._finished_loads = self._finished_loads, []
         failed, self._failed_blocks = self._failed_blocks, []
         failed_loads, self._failed_loads = self._failed_loads, []
@@ -229,15 +235,15 @@ class WorkerAdapter:
         if failed_keys or load.lost:
             self._failed_loads.append(load.req_id)
 
-    def _account(self, spec: JobSpec, completion: Completion) -> None:
-        name, counts = PATH_NAMES[spec.kind], self._counts
+    def _account(self, completion: Completion) -> None:
+        name, counts = PATH_NAMES[completion.kind], self._counts
         counts[f"bytes_{name}"] = counts.get(f"bytes_{name}", 0) + completion.num_bytes
         counts[f"seconds_{name}"] = counts.get(f"seconds_{name}", 0.0) + completion.seconds
         self._durations.setdefault(name, Durations()).observe(completion.seconds)
         if not completion.ok:
             counts[f"failed_jobs_{name}"] = counts.get(f"failed_jobs_{name}", 0) + 1
         if self._residency is not None:
-            self._residency.apply(spec, completion)
+            self._residency.finished(completion)
 
     def statistics(self) -> dict[str, float]:
         return dict(self._counts)

@@ -158,6 +158,6 @@ def failed_completion(spec: StoreSpec | LoadSpec, error: str, first_failed: int 
     """A completion whose chunks from ``first_failed`` on did not land."""
     failed = (spec.keys[first_failed:] if isinstance(spec, StoreSpec)
               else tuple(chunk.key for chunk in spec.chunks[first_failed:]))
-    return Completion(spec.job_id, False, num_bytes, seconds, failed_keys=failed,
+    return Completion(spec.job_id, spec.kind, False, num_bytes, seconds, failed_keys=failed,
                       error=f"{direction_name(spec)} job {spec.job_id}: {error}")
 

@@ -132,7 +132,7 @@ class CpuTransferEngine(TransferEngine):
                 return failed_completion(
                     spec, f"chunk {short_key(chunk.key)} (slot {chunk.slot}): "
                     f"{type(exc).__name__}: {exc}", position, moved, time.perf_counter() - start)
-        return Completion(spec.job_id, True, moved, time.perf_counter() - start)
+        return Completion(spec.job_id, spec.kind, True, moved, time.perf_counter() - start)
 
     def _gather(self, slot: int, block_ids: tuple[int, ...]) -> None:
         """Blocks ``block_ids`` into slot ``slot``."""

@@ -209,7 +209,7 @@ class CudaTransferEngine(TransferEngine):
         seconds = job.start.elapsed_time(job.end) / 1000.0
         if job.error is not None:
             return failed_completion(job.spec, job.error, seconds=seconds)
-        return Completion(job.spec.job_id, True, job.num_bytes, seconds)
+        return Completion(job.spec.job_id, job.spec.kind, True, job.num_bytes, seconds)
 
     def poll_finished(self) -> list[Completion]:
         finished: list[Completion] = []

@@ -341,7 +341,7 @@ class DiskIO:
         failed = tuple(key for key in keys if key not in job.landed)
         error = job.error
         return Completion(
-            job_id=job.spec.job_id, ok=not failed and error is None,
+            job_id=job.spec.job_id, kind=job.spec.kind, ok=not failed and error is None,
             num_bytes=(len(keys) - len(failed)) * self._payload,
             seconds=time.perf_counter() - job.start, failed_keys=failed,
             full_keys=tuple(key for key in keys if key in job.full),

@@ -15,8 +15,9 @@ Primitives:
   Job ids follow :mod:`tierkv.transfer.ledger` (reuse raises :class:`TransferError`, a
   wait before its submit :class:`UnknownJobError`); a job id's record is what to wait on
   (the transfer engine, the disk threads, a chained load, or nothing: a spill refused by
-  a broken disk tier has its failed completion ready).
-- ``in_flight_ids()``: jobs submitted and not yet polled.
+  a broken disk tier has its failed completion ready) and what to push when it lands.
+- ``in_flight_ids()``: jobs submitted and not yet polled; ``submitted(job_id)``: the job
+  was submitted (in flight, or finished: the ledger's memory of finished ids).
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 Called from one thread (the worker's); reader threads only run chained loads' steps.
 """
@@ -27,9 +28,10 @@ import logging
 import threading
 from collections.abc import Iterable
 from functools import partial
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobSpec, LoadSpec, SpillSpec, StoreSpec, failed_set
+from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec,
+                              StoreSpec, failed_set)
 from tierkv.errors import BrokenError, ClosedError, TierKVError, UsageError
 from tierkv.transfer.base import TransferEngine
 from tierkv.transfer.disk_io import DiskIO, ReadOutcome
@@ -41,6 +43,14 @@ log = logging.getLogger(__name__)
 
 class _Waiter(Protocol):
     def wait(self, job_ids: Iterable[JobId]) -> None: ...
+
+
+class _Live(NamedTuple):
+    """The executor's record of a job in flight: what to wait on (None: its completion is
+    ready), and the ``(key, slot)`` of the chunks to push once they land (jobs that push)."""
+
+    waiter: _Waiter | None
+    push: tuple[tuple[bytes, int], ...] = ()
 
 
 class _ChainedLoad:
@@ -72,8 +82,7 @@ class JobExecutor:
         self.remote_io = remote_io  # reads of the remote tier
         self.pusher = pusher
         self._push_kind = {"on_store": StoreSpec, "on_evict": SpillSpec}.get(push_on)
-        self._to_push: dict[JobId, tuple[tuple[bytes, int], ...]] = {}  # job -> (key, slot)
-        self._ledger: JobLedger[_Waiter | None] = JobLedger("worker")
+        self._ledger: JobLedger[_Live] = JobLedger("worker")
         self._direct: list[Completion] = []  # completions ready at once (see _start)
         self._lock = threading.Lock()
         self._closed = False
@@ -83,10 +92,11 @@ class JobExecutor:
         if self._closed:
             raise ClosedError("worker: job submitted after shutdown")
         self._ledger.check_new(spec.job_id)  # a reused id raises before anything runs
-        self._ledger.add(spec.job_id, self._start(spec))
+        push: tuple[tuple[bytes, int], ...] = ()
         if self.pusher is not None and type(spec) is self._push_kind:
-            self._to_push[spec.job_id] = tuple(zip(spec.keys, spec.slots)) \
-                if isinstance(spec, StoreSpec) else tuple(getattr(spec, "writes"))
+            push = tuple(zip(spec.keys, spec.slots)) if isinstance(spec, StoreSpec) \
+                else tuple(getattr(spec, "writes"))
+        self._ledger.add(spec.job_id, _Live(self._start(spec), push))
 
     def _start(self, spec: JobSpec) -> _Waiter | None:
         """Start ``spec``; what to wait on for it (None: its completion is ready)."""
@@ -106,8 +116,9 @@ class JobExecutor:
                 keys = tuple(key for key, _ in spec.writes)
                 log.warning("worker: disk tier unusable, spill job %s failed: %s", spec.job_id, exc)
                 with self._lock:
-                    self._direct.append(Completion(spec.job_id, ok=False, failed_keys=keys,
-                                                   full_keys=keys, error=str(exc)))
+                    self._direct.append(Completion(spec.job_id, spec.kind, ok=False,
+                                                   failed_keys=keys, full_keys=keys,
+                                                   error=str(exc)))
                 return None
         if not any(chunk.from_disk or chunk.from_remote for chunk in spec.chunks):
             self.transfer.submit_load(spec)
@@ -182,30 +193,31 @@ class JobExecutor:
         if chained.corrupt and not error:
             error = f"{len(chained.corrupt)} chunk(s) failed their checks where they were read"
         return Completion(
-            job_id, not failed, (copy.num_bytes if copy else 0) + chained.read_bytes,
+            job_id, JobKind.LOAD, not failed, (copy.num_bytes if copy else 0) + chained.read_bytes,
             (copy.seconds if copy else 0.0) + chained.read_seconds, failed_keys=failed,
             corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing)
 
     def poll_finished(self) -> list[Completion]:
         with self._lock:
             finished, self._direct = self._direct, []
+        ledger = self._ledger
         for completion in self.transfer.poll_finished():
-            chained = self._ledger.record(completion.job_id)
-            if isinstance(chained, _ChainedLoad):
-                completion = self._merge(completion.job_id, completion, chained)
+            live = ledger.record(completion.job_id)
+            if live is not None and isinstance(live.waiter, _ChainedLoad):
+                completion = self._merge(completion.job_id, completion, live.waiter)
             finished.append(completion)
         if self.disk_io is not None:
             finished.extend(self.disk_io.poll_finished())
         for completion in finished:
-            self._ledger.finish(completion.job_id)
-            if self._to_push:
-                self._push(completion)
+            live = ledger.record(completion.job_id)
+            ledger.finish(completion.job_id)
+            if live is not None and live.push:
+                self._push(completion, live.push)
         return finished
 
-    def _push(self, completion: Completion) -> None:
+    def _push(self, completion: Completion, chunks: tuple[tuple[bytes, int], ...]) -> None:
         """Queue copies of the landed chunks of a job that pushes (see the docstring)."""
-        chunks = self._to_push.pop(completion.job_id, None)
-        if not chunks or self.pusher is None:
+        if self.pusher is None:
             return
         failed = failed_set(completion, tuple(key for key, _ in chunks))
         slab, size = self.transfer.slab, self.pusher.tier.payload_bytes
@@ -214,12 +226,15 @@ class JobExecutor:
                 self.pusher.push(key, slab.memoryview(slot)[:size])
 
     def wait(self, job_ids: Iterable[JobId]) -> None:
-        for job_id, waiter in self._ledger.pending(job_ids).items():
-            if waiter is not None:
-                waiter.wait([job_id])
+        for job_id, live in self._ledger.pending(job_ids).items():
+            if live.waiter is not None:
+                live.waiter.wait([job_id])
 
     def in_flight_ids(self) -> list[JobId]:
         return self._ledger.live_ids()
+
+    def submitted(self, job_id: JobId) -> bool:
+        return job_id in self._ledger
 
     def shutdown(self) -> None:
         """Wait for the jobs in flight, then stop the threads; the threads stop even when a

@@ -22,7 +22,7 @@ Primitives and their contracts (not thread-safe: the owner holds its lock around
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Generic, TypeVar
 
@@ -43,8 +43,9 @@ class JobLedger(Generic[RecordT]):
         self.component = component
         self._live: dict[JobId, RecordT] = {}
         self._floor = 1  # every id in [1, floor) finished
-        self._finished: set[JobId] = set()  # the other finished ids still remembered
-        self._order: deque[JobId] = deque()  # ``_finished`` oldest first (some compacted)
+        # The other finished ids still remembered, oldest first (an OrderedDict forgets
+        # its oldest in O(1); a plain dict's first key is found by a scan).
+        self._finished: OrderedDict[JobId, None] = OrderedDict()
         self._remember = remember
 
     def __contains__(self, job_id: JobId) -> bool:
@@ -64,19 +65,17 @@ class JobLedger(Generic[RecordT]):
 
     def finish(self, job_id: JobId) -> None:
         self._live.pop(job_id, None)
+        finished = self._finished
         if job_id != self._floor:
-            self._finished.add(job_id)
-            self._order.append(job_id)
-            while len(self._finished) > self._remember:
-                self._finished.discard(self._order.popleft())
+            finished[job_id] = None
+            if len(finished) > self._remember:
+                finished.popitem(last=False)
             return
         floor = job_id + 1
-        while floor in self._finished:
-            self._finished.remove(JobId(floor))
+        while floor in finished:
+            del finished[JobId(floor)]
             floor += 1
         self._floor = floor
-        while self._order and 0 < self._order[0] < floor:
-            self._order.popleft()
 
     def is_finished(self, job_id: JobId) -> bool:
         return 1 <= job_id < self._floor or job_id in self._finished
