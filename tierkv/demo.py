@@ -152,7 +152,7 @@ def check_demo_dir(path: Path, fresh: bool) -> None:
     """Refuse a ``--dir`` that is not the demo's own: a file, or a directory that holds
     anything but demo namespaces (``--fresh`` would delete it; a run would add the demo's
     namespace to a real store). A missing or empty directory is the demo's."""
-    from tierkv.tiers.disk_files import list_namespaces
+    from tierkv.tiers.disk.files import list_namespaces
 
     if not path.exists():
         return

@@ -19,7 +19,7 @@ import torch
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import chunk_keys
-from tierkv.tools import inspect_store
+from tierkv.tiers.disk.tools import inspect_store
 
 PAGE_SHAPE = (2, 16, 4, 64)  # 16 KiB of float16 per block and layer
 LAYERS, BPC, TOKENS_PER_BLOCK = 2, 2, 16
@@ -181,8 +181,8 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
     the engine's reservation once."""
     from tierkv.integrations.vllm_disk import acquire_tier, claim_env, release_claimed
     from tierkv.keys import Namespace, Part
-    from tierkv.tiers.disk_budget import DiskBudget, survey
-    from tierkv.tiers.disk_files import part_dir_name
+    from tierkv.tiers.disk.budget import DiskBudget, survey
+    from tierkv.tiers.disk.files import part_dir_name
 
     namespace = Namespace(model_id="tp2", dtype="float16", kv_layout="test", page_bytes=4096,
                           tokens_per_chunk=16, chunk_bytes=2 * CHUNK_BYTES)

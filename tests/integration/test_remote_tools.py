@@ -19,8 +19,8 @@ from tierkv.cli import main
 from tierkv.config import RemoteTierConfig
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.remote import RemoteTier
-from tierkv.tiers.remote_format import redis_key
+from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.format import redis_key
 from tierkv.units import format_bytes
 
 PAYLOAD = 4096

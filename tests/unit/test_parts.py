@@ -12,7 +12,7 @@ from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import Geometry, build_namespace
 from tierkv.keys import Part, as_part, parse_part, part_counts
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.disk_files import parse_part_dir, part_dir_name
+from tierkv.tiers.disk.files import parse_part_dir, part_dir_name
 from tierkv.transfer.parts import HeadLayout, PartReader, assemble_heads, copy_heads, split_heads
 
 LAYERS, BLOCKS, HEADS, TOKENS, CONTENT = 3, 2, 4, 4, 6  # CONTENT: K and V bytes of a head

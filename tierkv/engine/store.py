@@ -69,9 +69,9 @@ from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, Rem
 from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.disk_budget import DiskBudget
-from tierkv.tiers.disk_files import empty_namespace_warning, part_dir_name
+from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.disk.budget import DiskBudget
+from tierkv.tiers.disk.files import empty_namespace_warning, part_dir_name
 from tierkv.transfer.layout import KVLayout
 
 __all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
@@ -172,7 +172,7 @@ class TierKVStore:
 
     def _open_budget(self, root: Path, num_slots: int) -> None:
         """The index over this store's share of the disk cap, which every namespace under
-        ``root`` shares (:mod:`tierkv.tiers.disk_budget`), warm with the chunks on disk."""
+        ``root`` shares (:mod:`tierkv.tiers.disk.budget`), warm with the chunks on disk."""
         assert self.disk is not None
         cfg, namespace = self.config, self.namespace
         records = sorted(self.disk.scan(), key=lambda record: record.seq)

@@ -37,8 +37,8 @@ from tierkv.errors import BrokenError, ConfigError, DamagedError
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.disk_files import OWNER_FILE, part_dir_name
+from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.disk.files import OWNER_FILE, part_dir_name
 
 __all__ = ["OWNER_FILE", "acquire_tier", "claim_env", "open_follower", "rebuild_keys",
            "release_tier", "unclaim_env", "write_chunks"]

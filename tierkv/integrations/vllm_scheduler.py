@@ -31,10 +31,10 @@ from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter
 from tierkv.integrations.vllm_keys import chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace, Part
-from tierkv.tiers.disk_files import part_dir_name
+from tierkv.tiers.disk.files import part_dir_name
 
 if TYPE_CHECKING:
-    from tierkv.tiers.disk_budget import DiskBudget
+    from tierkv.tiers.disk.budget import DiskBudget
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -175,7 +175,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ start
     def _rebuild_from_disk(self) -> None:
         from tierkv.integrations.vllm_disk import rebuild_keys
-        from tierkv.tiers.disk_files import empty_namespace_warning
+        from tierkv.tiers.disk.files import empty_namespace_warning
 
         assert self.settings.disk_path is not None
         root = Path(self.settings.disk_path)
@@ -205,7 +205,7 @@ class SchedulerSide:
         rank's in its own share file, as library stores publish theirs. Namespaces no engine
         claims give room first (least recently written first). Returns the capacity in
         chunks (the smallest rank share)."""
-        from tierkv.tiers.disk_budget import DiskBudget
+        from tierkv.tiers.disk.budget import DiskBudget
 
         # A whole chunk (every part) per unit: each part's budget plans the engine's chunks,
         # blind to its sibling parts, and publishes its part's share.

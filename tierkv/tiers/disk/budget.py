@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierkv.errors import BrokenError, ConfigError
-from tierkv.tiers.disk_files import (OWNER_FILE, OwnerLock, Trust, check_dir, parse_part_dir,
+from tierkv.tiers.disk.files import (OWNER_FILE, OwnerLock, Trust, check_dir, parse_part_dir,
                                      read_private_file,
                                      write_private_file)
 from tierkv.units import format_bytes, is_int

@@ -1,6 +1,6 @@
 """The remote tier: chunk payloads of one namespace and part on Redis / Valkey (Cluster).
 
-Keys and values are :mod:`tierkv.tiers.remote_format` (``docs/remote.md``). Primitives and
+Keys and values are :mod:`tierkv.tiers.remote.format` (``docs/remote.md``). Primitives and
 contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 
 - ``put_many(items, deletes)``: one pipeline (at most one round trip per node): the
@@ -23,17 +23,17 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
   read; ``OK`` only for a value that passes every check; ``MISSING`` when it is gone
   (evicted, expired, deleted by another engine); ``CORRUPT`` otherwise, a key of another
   type (a list) included, and the bad value is deleted by what it was
-  (:data:`~tierkv.tiers.remote_format.DELETE_BAD`, never by sending it back).
+  (:data:`~tierkv.tiers.remote.format.DELETE_BAD`, never by sending it back).
 - ``scan()`` lists this namespace and part's chunks on every primary (``SCAN MATCH``, one
   deadline per page); ``verify(repair)`` reads each one.
 - **Deadlines.** Every call (a lookup, a read and the delete of what it found bad, a push
   batch, a delete, a scan page) ends within ``remote.timeout_seconds`` as a whole, plus its
   bytes at ``remote.min_mib_per_second`` (``deadline_seconds``), whatever redis-py retries or
-  refreshes inside (:func:`~tierkv.tiers.remote_client.deadline`); a node that sends
+  refreshes inside (:func:`~tierkv.tiers.remote.client.deadline`); a node that sends
   nothing for ``timeout_seconds`` fails the call at once.
   A failure raises :class:`RemoteError` (a :class:`BrokenError`) naming the tier, the
   address (never the password), the cause and what to check.
-- **Breakers** (:class:`~tierkv.tiers.remote_health.NodeHealth`): one per node, one for the
+- **Breakers** (:class:`~tierkv.tiers.remote.health.NodeHealth`): one per node, one for the
   cluster as a whole. A node that timed out or refused a connection is skipped at once
   (no network) for ``remote.breaker_seconds``; keys of healthy nodes go on being served.
   Other failures open a breaker after ``remote.breaker_failures`` in a row. A probe after
@@ -64,11 +64,11 @@ from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.malloc_tuning import tune_malloc
-from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, connect,
+from tierkv.tiers.remote.client import (DeadlinePassed, RemoteError, cause_of, connect,
                                         deadline, is_wrong_type, node_name, scan_names, scrub)
-from tierkv.tiers.remote_format import (DELETE_BAD, check_name, check_value, pack_value,
+from tierkv.tiers.remote.format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
-from tierkv.tiers.remote_health import HINTS, TIER, WRITES, NodeHealth, who
+from tierkv.tiers.remote.health import HINTS, TIER, WRITES, NodeHealth, who
 from tierkv.units import MiB, is_int
 
 logger = logging.getLogger("tierkv.remote")

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.tiers.disk_format import ALIGN, HEADER_BLOCK, copy_bytes, slot_bytes_for
+from tierkv.tiers.disk.format import ALIGN, HEADER_BLOCK, copy_bytes, slot_bytes_for
 
 SLAB_NAME = "slab-0.kv"  # slab number 0; the index names the slab so more can follow
 GROW_STEP_BYTES = 256 << 20  # a slab grows by at most this much at a time (fallocate)
