@@ -114,6 +114,7 @@ from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec  # noqa: E402
 from tierkv.keys import Namespace, Part  # noqa: E402
 from tierkv.tiers.cpu import CpuSlab  # noqa: E402
+from tierkv.tiers.disk.layout import StoreLayout  # noqa: E402
 from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus, shard_of, tune_malloc  # noqa: E402
 from tierkv.transfer.tier_io import TierIO, ReadOutcome  # noqa: E402
 from tierkv.transfer.parts import HeadLayout, PartReader, split_heads  # noqa: E402
@@ -554,7 +555,7 @@ class Bench:
         """The ceiling of the sharded layout: a chunk per environment by its key's shard,
         one thread per environment, each ending with its own fsync."""
         root = self.fresh("lmdb-shards")
-        envs = [lmdb.open(str(root / f"shard-{shard}"), map_size=self.total * 2, sync=False,
+        envs = [lmdb.open(str(root / StoreLayout.shard_name(shard)), map_size=self.total * 2, sync=False,
                           metasync=False, writemap=False, readahead=True)
                 for shard in range(SHARDS)]
 
@@ -814,7 +815,7 @@ class Bench:
         self.poison(self.dest.tensor.numpy())
         self.drop_caches()
         root = self.dir / "lmdb-shards"
-        envs = [lmdb.open(str(root / f"shard-{shard}"), readonly=True, readahead=True)
+        envs = [lmdb.open(str(root / StoreLayout.shard_name(shard)), readonly=True, readahead=True)
                 for shard in range(SHARDS)]
         dest = self.dest.tensor.numpy()
 

@@ -32,6 +32,7 @@ from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import TierKVError
 from tierkv.keys import FORMAT_VERSION
 from tierkv.tiers.base import Progress
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.tiers.disk.tier import SHARDS, written_at
 from tierkv.tiers.disk.tools import inspect_store, remove_namespace, repair_plan, utc, verify_store
 from tierkv.tiers.remote.ping import SLOTS, ping_remote
@@ -115,7 +116,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                 print(f"  {rank.label}: DAMAGED: {rank.problem}")
                 continue
             for shard, why in sorted(rank.damaged_shards.items()):
-                print(f"  {rank.label}: DAMAGED shard-{shard}: {why}; {repair_plan(shard)}")
+                print(f"  {rank.label}: DAMAGED {StoreLayout.shard_name(shard)}: {why}; "
+                      f"{repair_plan(shard)}")
             ends = ""
             if rank.oldest and rank.newest:
                 ends = ", ".join(["", *(f"{what} {key[:8]} (written {utc(written_at(seq))})"

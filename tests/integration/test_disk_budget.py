@@ -182,7 +182,7 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
     from tierkv.integrations.vllm_disk import acquire_tier, claim_env, release_claimed
     from tierkv.keys import Namespace, Part
     from tierkv.tiers.disk.budget import DiskBudget, survey
-    from tierkv.tiers.disk.files import part_dir_name
+    from tierkv.tiers.disk.layout import StoreLayout
 
     namespace = Namespace(model_id="tp2", dtype="float16", kv_layout="test", page_bytes=4096,
                           tokens_per_chunk=16, chunk_bytes=2 * CHUNK_BYTES)
@@ -192,7 +192,7 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
     try:
         for tier in tiers:  # the workers claim their parts first
             claim_env(tier)
-        names = tuple(part_dir_name(part) for part in parts)
+        names = tuple(StoreLayout.part_dir_name(part) for part in parts)
         unit = 2 * UNIT  # a chunk of both parts
         budgets = [DiskBudget(tmp_path, namespace.fingerprint(), name, CAP, unit,
                               check_seconds=10.0, parts=2, siblings=names) for name in names]

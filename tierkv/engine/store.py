@@ -71,7 +71,8 @@ from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.tiers.disk.budget import DiskBudget
-from tierkv.tiers.disk.files import empty_namespace_warning, part_dir_name
+from tierkv.tiers.disk.files import empty_namespace_warning
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.transfer.layout import KVLayout
 
 __all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
@@ -177,7 +178,7 @@ class TierKVStore:
         cfg, namespace = self.config, self.namespace
         records = sorted(self.disk.scan(), key=lambda record: record.seq)
         self._budget = DiskBudget(root, namespace.fingerprint(),
-                                  part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
+                                  StoreLayout.part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
                                   self.chunk_bytes + DISK_OVERHEAD_BYTES,
                                   check_seconds=cfg.disk.budget_check_seconds)
         capacity = self._budget.plan(len(records))

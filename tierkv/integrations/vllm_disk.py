@@ -38,7 +38,8 @@ from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.disk.tier import DiskTier
-from tierkv.tiers.disk.files import OWNER_FILE, part_dir_name
+from tierkv.tiers.disk.files import OWNER_FILE
+from tierkv.tiers.disk.layout import StoreLayout
 
 __all__ = ["OWNER_FILE", "acquire_tier", "claim_env", "open_follower", "rebuild_keys",
            "release_tier", "unclaim_env", "write_chunks"]
@@ -51,7 +52,7 @@ _CLAIMED: set[Path] = set()  # environments a worker of this process writes
 
 
 def env_path(root: Path, namespace: Namespace, part: Part, replica: int = 0) -> Path:
-    return Path(root) / f"ns-{namespace.fingerprint()}" / part_dir_name(part, replica)
+    return StoreLayout(root).part_dir(namespace.fingerprint(), part, replica)
 
 
 def acquire_tier(root: Path, namespace: Namespace, part: Part, config: DiskTierConfig,

@@ -31,7 +31,7 @@ from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter
 from tierkv.integrations.vllm_keys import chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace, Part
-from tierkv.tiers.disk.files import part_dir_name
+from tierkv.tiers.disk.layout import StoreLayout
 
 if TYPE_CHECKING:
     from tierkv.tiers.disk.budget import DiskBudget
@@ -210,7 +210,7 @@ class SchedulerSide:
         # A whole chunk (every part) per unit: each part's budget plans the engine's chunks,
         # blind to its sibling parts, and publishes its part's share.
         unit = (self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES) * len(parts)
-        names = tuple(part_dir_name(part, self.replica) for part in parts)
+        names = tuple(StoreLayout.part_dir_name(part, self.replica) for part in parts)
         self._budgets = [DiskBudget(root, self.fingerprint, name, self.settings.disk_bytes, unit,
                                     check_seconds=self.config.disk.budget_check_seconds,
                                     clock=self._clock, parts=len(parts), siblings=names)

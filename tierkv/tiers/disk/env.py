@@ -57,9 +57,10 @@ from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk.files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
                                      list_namespaces, make_private_dir, move_aside,
-                                     namespace_record, part_dir_name, prepare_root,
+                                     namespace_record, prepare_root,
                                      read_private_file, write_private_file)
 from tierkv.tiers.disk.guard import Guard
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.tiers.disk.readahead import random_access
 from tierkv.tiers.disk.slab import SLAB_NAME, SlabFile
 from tierkv.units import format_bytes
@@ -116,9 +117,10 @@ class LmdbEnv:
         self.read_only = read_only
         self.repair = repair and not read_only
         self.fingerprint = namespace.fingerprint()
-        self.namespace_dir = self.root / f"ns-{self.fingerprint}"
-        self.rank_dir = self.namespace_dir / part_dir_name(part, replica)
-        self.path = self.rank_dir / f"shard-{shard}"
+        layout = StoreLayout(self.root)
+        self.namespace_dir = layout.namespace_dir(self.fingerprint)
+        self.rank_dir = layout.part_dir(self.fingerprint, part, replica)
+        self.path = layout.shard_dir(self.fingerprint, part, shard, replica)
         self._name = name
         self._sync_always = sync_always
         self._clock = clock

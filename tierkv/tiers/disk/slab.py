@@ -1,6 +1,6 @@
 """One shard's slab file: the chunk payloads of the disk tier, in fixed slots.
 
-``rank-<r>/shard-<s>/slab-0.kv`` is an array of slots of ``slot_bytes_for(payload_bytes)``
+``part-<p>of<P>/shard-<s>/slab-0.kv`` is an array of slots of ``slot_bytes_for(payload_bytes)``
 bytes (``docs/on-disk-format.md``): a 4 KiB header block (the value's prefix and header),
 then the payload, padded to 4 KiB. The LMDB index beside it says which key is in which
 slot; this module only moves bytes and keeps the slot allocator.

@@ -45,7 +45,8 @@ from tierkv.tiers.base import Progress
 from tierkv.tiers.disk.budget import (claim_namespace, claimant, delete_tree, environments,
                                       tree_bytes)
 from tierkv.tiers.disk.files import (MAX_NAMESPACE_JSON_BYTES, OwnerLock, Trust, check_dir,
-                                     check_file, parse_part_dir, read_private_file)
+                                     check_file, read_private_file)
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.tiers.disk.tier import SHARDS, DiskTier
 from tierkv.units import MiB
 
@@ -95,9 +96,10 @@ def _store_dirs(root: Path) -> list[Path]:
         raise ConfigError(f"no such store directory: {root}")
     if not root.is_dir():
         raise ConfigError(f"{root} is not a directory (expected a tierkv store root, disk.path)")
-    dirs = sorted(path for path in root.glob("ns-*") if path.is_dir())
+    dirs = [path for path in StoreLayout(root).namespace_dirs() if path.is_dir()]
     if not dirs:
-        raise ConfigError(f"{root} holds no tierkv store (no ns-<fingerprint> directories)")
+        raise ConfigError(f"{root} holds no tierkv store (no "
+                          f"{StoreLayout.namespace_name('<fingerprint>')} directories)")
     return dirs
 
 
@@ -142,7 +144,7 @@ def peek_rank(root: Path, namespace: Namespace, part: Part, path: Path,
     are still counted."""
     report = RankReport(part, path, replica=replica)
     infos = []
-    for data in sorted([*path.glob("shard-*/data.mdb"), *path.glob("shard-*/slab-*.kv")]):
+    for data in StoreLayout.data_files(path):
         with contextlib.suppress(OSError):  # deleted meanwhile (tierkv rm, a disk budget)
             if check_file(data, fix=False) is Trust.OK:
                 infos.append(data.stat())
@@ -175,13 +177,14 @@ def peek_rank(root: Path, namespace: Namespace, part: Part, path: Path,
 
 def repair_plan(shard: int) -> str:
     """What ``tierkv verify --repair`` does to a damaged shard, for messages."""
-    return (f"tierkv verify --repair moves shard-{shard} aside (shard-{shard}.broken-<time>) "
+    name = StoreLayout.shard_name(shard)
+    return (f"tierkv verify --repair moves {name} aside ({name}.broken-<time>) "
             f"and starts it empty: its chunks are lost, the other shards' are kept")
 
 
 def _read_namespace(ns_dir: Path) -> NamespaceReport:
     """A :class:`NamespaceReport` of ``ns_dir`` from its ``namespace.json`` (no ranks yet)."""
-    report = NamespaceReport(ns_dir.name[3:], ns_dir, None, {})
+    report = NamespaceReport(StoreLayout.fingerprint_of(ns_dir), ns_dir, None, {})
     try:
         raw = read_private_file(ns_dir / "namespace.json", MAX_NAMESPACE_JSON_BYTES)
         if raw is None or len(raw) > MAX_NAMESPACE_JSON_BYTES:
@@ -201,8 +204,8 @@ def _add_ranks(root: Path, report: NamespaceReport) -> None:
         namespace: Namespace | None = _namespace_of(report)
     except ConfigError as exc:
         namespace, why = None, str(exc)
-    for rank_dir in sorted(report.path.glob("part-*")):
-        parsed = parse_part_dir(rank_dir.name)
+    for rank_dir in StoreLayout.part_dirs(report.path):
+        parsed = StoreLayout.parse_part_dir(rank_dir.name)
         if parsed is not None and rank_dir.is_dir():
             part, replica = parsed
             if namespace is None:
@@ -211,14 +214,14 @@ def _add_ranks(root: Path, report: NamespaceReport) -> None:
             else:
                 report.ranks.append(peek_rank(root, namespace, part, rank_dir, replica))
             report.broken += [f"{rank_dir.name}/{shard.name}" for shard in
-                              sorted(rank_dir.glob("shard-*.*-*"))]
+                              StoreLayout.moved_aside_shards(rank_dir)]
         elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
             report.broken.append(rank_dir.name)
-    for rank_dir in sorted(report.path.glob("rank-*")):  # older formats' (never read)
-        suffix = rank_dir.name[5:]
-        if suffix.isdigit() and rank_dir.is_dir():
+    for rank_dir in StoreLayout.old_rank_dirs(report.path):  # older formats' (never read)
+        old_rank = StoreLayout.old_rank_of(rank_dir.name)
+        if old_rank is not None and rank_dir.is_dir():
             report.ranks.append(RankReport(
-                SINGLE_PART, rank_dir, old_rank=int(suffix),
+                SINGLE_PART, rank_dir, old_rank=old_rank,
                 problem=f"not read: {why if namespace is None else 'another tierkv format'}"))
         elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
             report.broken.append(rank_dir.name)
@@ -251,11 +254,6 @@ class VerifyOutcome:
         return self.bad == 0 and self.damaged == 0
 
 
-def _moved_aside(rank_dir: Path) -> set[Path]:
-    """What the engine moved aside of one rank: the rank directory, or one of its shards."""
-    return set(rank_dir.parent.glob(f"{rank_dir.name}.*-*")) | set(rank_dir.glob("shard-*.*-*"))
-
-
 def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
                  outcome: VerifyOutcome, progress: Callable[[int], None] | None = None) -> None:
     """Check one environment through :class:`DiskTier` (``repair``: see the module
@@ -269,14 +267,15 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
     known = rank.problem is not None or bool(rank.damaged_shards)
     for shard, why in sorted(rank.damaged_shards.items()):
         outcome.damaged += 1
-        outcome.lines.append(f"{name}: damaged environment {rank.path / f'shard-{shard}'}: "
+        outcome.lines.append(f"{name}: damaged environment "
+                             f"{rank.path / StoreLayout.shard_name(shard)}: "
                              f"{why}")
         if not repair:
             outcome.lines.append(f"  not checked: {repair_plan(shard)}")
     good = [shard for shard in range(SHARDS) if shard not in rank.damaged_shards]
     if not good:
         return
-    before = _moved_aside(rank.path)
+    before = StoreLayout.moved_aside(rank.path)
     try:
         with _open_tier(root, namespace, rank, repair=repair, read_only=not repair,
                         shards=None if repair else good) as tier:
@@ -296,7 +295,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         else:  # a known problem: only a repair got here
             outcome.lines.append(f"  not repaired: {exc}")
         return
-    moved = sorted(_moved_aside(rank.path) - before)
+    moved = sorted(StoreLayout.moved_aside(rank.path) - before)
     if moved:
         outcome.moved_aside += len(moved)
         outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "
@@ -369,12 +368,13 @@ def _select(root: Path, prefix: str) -> Path:
     if not _FINGERPRINT_PREFIX.fullmatch(prefix):
         raise ConfigError(f"--namespace {prefix!r} is not the start of a namespace "
                           f"fingerprint (1 to 32 hex digits); tierkv inspect {root} lists them")
-    matches = [path for path in _store_dirs(root) if path.name[3:].startswith(prefix)]
+    matches = [path for path in _store_dirs(root)
+               if StoreLayout.fingerprint_of(path).startswith(prefix)]
     if not matches:
         raise ConfigError(f"no namespace in {root} starts with {prefix!r} (--namespace); "
                           f"nothing deleted; tierkv inspect {root} lists them")
     if len(matches) > 1:
-        listed = "; ".join(f"{path.name[3:]} "
+        listed = "; ".join(f"{StoreLayout.fingerprint_of(path)} "
                            f"({_read_namespace(path).description.get('model_id', '?')})"
                            for path in matches)
         raise ConfigError(f"{len(matches)} namespaces in {root} start with {prefix!r}: "
@@ -391,7 +391,7 @@ def _select(root: Path, prefix: str) -> Path:
 
 
 def _in_use(root: Path, prefix: str, ns_dir: Path, env_dir: Path, who: str) -> ConfigError:
-    return ConfigError(f"namespace {ns_dir.name[3:11]} (--namespace {prefix}) in "
+    return ConfigError(f"namespace {StoreLayout.fingerprint_of(ns_dir)[:8]} (--namespace {prefix}) in "
                        f"{root} is in use: {env_dir} is claimed by {who}, a running engine (a "
                        f"vLLM server, a TierKVStore or a warm-up over {root}); nothing deleted: "
                        f"stop it, then rerun tierkv rm")
