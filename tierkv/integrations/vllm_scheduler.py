@@ -174,8 +174,8 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ start
     def _rebuild_from_disk(self) -> None:
+        from tierkv.engine.disk_start import rebuild_index
         from tierkv.integrations.vllm_disk import rebuild_keys
-        from tierkv.tiers.disk.files import empty_namespace_warning
 
         assert self.settings.disk_path is not None
         root = Path(self.settings.disk_path)
@@ -188,16 +188,13 @@ class SchedulerSide:
         self.found_on_disk_elsewhere = len(self._disk_parts)
         capacity = self._open_budgets(root, [Part(index, own) for index in range(own)],
                                       len(keys))
-        if capacity != self.index.disk_capacity:
-            self.index.set_disk_capacity(capacity)
-        self.found_on_disk = self.index.add_on_disk(keys)  # over the share: deleted next
+        self.found_on_disk = rebuild_index(  # over the share: deleted next
+            self.index, keys, capacity, root=root, namespace=self.namespace,
+            cap=f"disk_bytes={self.settings.disk_bytes}", log=log)
         log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s (%d of "
                  "them as parts of another TP size)", self.found_on_disk, self.fingerprint[:8],
                  self.settings.disk_path, time.perf_counter() - started,
                  self.found_on_disk_elsewhere)
-        warning = empty_namespace_warning(root, self.namespace, self.found_on_disk)
-        if warning:
-            log.warning("tierkv: %s", warning)
 
     def _open_budgets(self, root: Path, parts: Sequence[Part], held: int) -> int:
         """This engine's share of ``disk_bytes``, one cap for every namespace under the disk
