@@ -95,6 +95,33 @@ def test_verify_finds_bad_values_and_repair_deletes_them(
     raw.close()
 
 
+def test_verify_reads_every_value_through_the_tier(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tool has no read-and-check loop of its own: each value of the right size is read,
+    checked and repaired by RemoteTier.verify_chunk, the load's own path."""
+    keys = fill(cluster)
+    raw = ClusterClient.from_url(cluster.url)
+    flipped = redis_key(b"tierkv:", NS.fingerprint(), Part(1, 2), keys[2])
+    value = bytearray(raw.get(flipped))
+    value[-1] ^= 1
+    raw.set(flipped, bytes(value))
+    seen: list[tuple[str, bytes, str, bool]] = []
+    real = RemoteTier.verify_chunk
+
+    def spy(tier: RemoteTier, key: bytes, part: Part | None = None,
+            repair: bool = False, out: memoryview | None = None) -> object:
+        seen.append((tier.fingerprint, key, part.name if part else "", repair))
+        return real(tier, key, part, repair, out)
+
+    monkeypatch.setattr(RemoteTier, "verify_chunk", spy)
+    assert main(["verify", cluster.url, "--repair"]) == 1
+    assert "1 bad, deleted 1" in capsys.readouterr().out and not raw.exists(flipped)
+    assert len(seen) == 29 and all(repair for *_, repair in seen)
+    assert (NS.fingerprint(), keys[2], "1of2", True) in seen
+    raw.close()
+
+
 def test_a_server_that_is_not_there_is_an_error_naming_it(
         capsys: pytest.CaptureFixture[str]) -> None:
     from tests.redis_cluster import free_port

@@ -8,12 +8,14 @@ or ``rediss://`` and prints (``tierkv ping URL`` is :mod:`tierkv.tiers.remote.pi
   ``tierkv rm`` deletes them) under ``--key-prefix`` (``SCAN`` on every primary, ``STRLEN`` in pipelines), and the keys
   of another type than a string (a list under a chunk's name); nothing is read or changed.
 - :func:`verify_remote` checks every value (of the namespaces whose fingerprint starts with
-  ``only``) against the fingerprint, part and key its Redis key names
-  (``tierkv.tiers.remote.format.check_value``). Sizes are checked before values are read:
-  ``STRLEN`` and the 80-byte header of each key (pipelined), a namespace's chunk size is
-  the payload length most of its headers give, and a value of another length, or a key of
-  another type, is bad unread. ``repair`` deletes a bad value by what it was (its type,
-  length or digest: ``DELETE_BAD``), never by sending it back. ``progress`` is called
+  ``only``) against the fingerprint, part and key its Redis key names. Sizes are checked
+  before values are read: ``STRLEN`` and the 80-byte header of each key (pipelined), a
+  namespace's chunk size is the payload length most of its headers give, and a value of
+  another length, or a key of another type, is bad unread. The values of the right size
+  are read and checked by the tier itself (:meth:`RemoteTier.verify_chunk`, one tier per
+  namespace and part count: the load's read and checks), never by a loop of the tool's
+  own. ``repair`` deletes a bad value by what it was (its type, length or digest:
+  ``DELETE_BAD``), never by sending it back. ``progress`` is called
   after each value (chunks and value bytes so far; the total is not known). Exit codes as
   for a disk store: 0 clean, 1 bad values found (also when repaired), 2 error.
 - :func:`remove_remote` finds the one namespace whose fingerprint starts with a prefix
@@ -30,7 +32,6 @@ or ``rediss://`` and prints (``tierkv ping URL`` is :mod:`tierkv.tiers.remote.pi
 
 from __future__ import annotations
 
-import hashlib
 import re
 import struct
 import sys
@@ -42,9 +43,9 @@ from typing import Any, TypeVar
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import ConfigError
 from tierkv.extras import needs
-from tierkv.keys import FORMAT_VERSION, parse_part
-from tierkv.tiers.base import Progress
-from tierkv.tiers.remote.format import (DELETE_BAD, HEADER_BYTES, MAGIC, check_value,
+from tierkv.keys import FORMAT_VERSION, Part, parse_part
+from tierkv.tiers.base import Progress, ReadStatus
+from tierkv.tiers.remote.format import (DELETE_BAD, HEADER_BYTES, MAGIC,
                                         parse_old_key,
                                         parse_redis_key, value_bytes)
 
@@ -250,6 +251,7 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
     """Check every value (of the namespaces whose fingerprint starts with ``only``); see the
     module docstring."""
     session = Session(config)
+    tiers = _Tiers(config)
     outcome = RemoteVerify()
     try:
         entries = _entries(session, only or "", report_every=None)
@@ -271,7 +273,8 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
             assert part is not None
             payload = chunk.get(f"{fingerprint}/{part.count}")
             good = None if payload is None else value_bytes(payload)
-            value, problem, digest = None, None, ""
+            problem: str | None = None
+            repaired = False  # the tier read it, and deleted it if bad under repair
             if size is None:
                 problem = WRONG_TYPE
             elif good is None:
@@ -279,31 +282,56 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
             elif size != good:
                 problem = f"value of {size} bytes; this namespace's values have {good} " \
                           f"(a payload of {payload})"
-            else:
-                value = session.run(f"reading {name.decode(errors='replace')}",
-                                    lambda: session.client.getrange(name, 0, good))
-                if not value:
+            else:  # the right size: the tier reads and checks it (and repairs it)
+                assert payload is not None
+                check = tiers.of(fingerprint, part.count, payload).verify_chunk(
+                    key, part, repair=repair)
+                if check.status is ReadStatus.MISSING:
                     continue  # gone meanwhile
-                outcome.checked_bytes += len(value)
-                problem = check_value(fingerprint, part, key, value, payload or 0,
-                                      memoryview(bytearray(payload or 0)))
-                digest = hashlib.sha1(value).hexdigest() if problem else ""
+                outcome.checked_bytes += check.bytes_read
+                problem, repaired = check.problem, True
+                outcome.deleted += check.deleted
             outcome.checked += 1
             if progress is not None:
                 progress(outcome.checked, outcome.checked_bytes, None)
             if problem is not None:
                 outcome.bad.append((fingerprint, label, key, problem))
-                if delete_bad is not None:
+                if delete_bad is not None and not repaired:  # bad unread: by type or size
                     outcome.deleted += int(session.run(
                         "deleting a bad value",
-                        lambda: delete_bad(keys=[name], args=[good or 0, digest])))
+                        lambda: delete_bad(keys=[name], args=[good or 0, ""])))
     finally:
+        tiers.close()
         session.close()
     if only and not outcome.checked:
         raise ConfigError(f"no namespace in {safe_url(config.url)} (prefix "
                           f"{config.key_prefix!r}) starts with {only!r} (--namespace); tierkv "
                           f"inspect {safe_url(config.url)} lists them")
     return outcome
+
+
+class _Tiers:
+    """The tier of each (fingerprint, part count, payload length) :func:`verify_remote`
+    reads through, opened at its first value, on the tool's settings (``--timeout``)."""
+
+    def __init__(self, config: RemoteTierConfig) -> None:
+        self.config = config
+        self._open: dict[tuple[str, int, int], Any] = {}
+
+    def of(self, fingerprint: str, count: int, payload: int) -> Any:
+        found = self._open.get((fingerprint, count, payload))
+        if found is None:
+            with needs("remote", "tierkv verify of a redis:// store"):
+                from tierkv.tiers.remote.tier import RemoteTier
+            found = RemoteTier(self.config, fingerprint, Part(0, count), payload,
+                               role="tierkv verify")
+            self._open[(fingerprint, count, payload)] = found
+        return found
+
+    def close(self) -> None:
+        for tier in self._open.values():
+            tier.close()
+        self._open.clear()
 
 
 @dataclass
