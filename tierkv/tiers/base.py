@@ -54,6 +54,17 @@ class ReadStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class ChunkCheck:
+    """One value read and checked (a tier's ``verify_chunk``): ``MISSING`` (gone), ``OK`` or ``CORRUPT`` with what is
+    wrong, whether the bad value was deleted, and the value bytes read."""
+
+    status: ReadStatus
+    problem: str | None = None
+    deleted: bool = False
+    bytes_read: int = 0
+
+
+@dataclass(frozen=True)
 class PutResult:
     """What one ``put_many`` did. ``full`` keys found no room (not an error)."""
 

@@ -65,7 +65,8 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
-from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
+from tierkv.tiers.base import (ChunkCheck, ChunkRecord, LowerTier, PutResult, ReadStatus,
+                               VerifyReport)
 from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.tiers.remote.client import (DeadlinePassed, RemoteError, cause_of, connect,
                                         deadline, is_wrong_type, node_name, scan_names, scrub)
@@ -100,17 +101,6 @@ class RemoteStatistics:
     bad_values: tuple[tuple[str, int], ...] = ()  # value checks failed, by check
     breakers: tuple[tuple[str, int], ...] = ()  # per node: 1 open (or probing), 0 closed
 
-
-
-@dataclass(frozen=True)
-class ChunkCheck:
-    """One value read and checked: ``MISSING`` (gone), ``OK`` or ``CORRUPT`` with what is
-    wrong, whether the bad value was deleted, and the value bytes read."""
-
-    status: ReadStatus
-    problem: str | None = None
-    deleted: bool = False
-    bytes_read: int = 0
 
 
 # Pushes ask the server which values it holds before sending them while at least this share
