@@ -2,7 +2,7 @@
 find and change under a store root (``disk.path``); :mod:`tierkv.tools` parses their
 arguments and prints (``docs/warmup.md`` shows their output).
 
-- :func:`inspect_store` opens every ``ns-<fingerprint>/rank-<r>`` environment through a
+- :func:`inspect_store` opens every ``ns-<fingerprint>/part-<p>of<P>`` environment through a
   **read-only** :class:`DiskTier` and reads its index records only: nothing is changed.
 - :func:`verify_store` checks every value's header and checksum and the index
   (:meth:`DiskTier.verify`), opening every environment read-only and reporting a damaged one
