@@ -9,15 +9,15 @@ fsync of everything it wrote, inside the timed part):
 
 - tierkv periodic   ``DiskTier.put_many`` in batches of ``--batch-mib``, then ``sync()``
                     (the default policy: no fsync per transaction)
-- tierkv DiskIO     the same through ``DiskIO``'s writer thread, one spill job per
+- tierkv TierIO     the same through ``TierIO``'s writer thread, one spill job per
                     ``--batch-mib``, then ``flush()``
-- tierkv one job    ``DiskIO``: one ``SpillSpec`` of every chunk, then ``flush()``
-- tierkv many jobs  ``DiskIO``: one ``SpillSpec`` of one chunk per chunk, all submitted at
+- tierkv one job    ``TierIO``: one ``SpillSpec`` of every chunk, then ``flush()``
+- tierkv many jobs  ``TierIO``: one ``SpillSpec`` of one chunk per chunk, all submitted at
                     once, then ``flush()`` (the writer groups queued jobs into transactions)
 - tierkv ..., slots reused  the one-job and many-jobs spills into a store that held these
                     chunks and deleted them before the timed part: slots are overwritten
                     (a store at its cap, evicting), not grown into fresh extents
-- tierkv always     ``sync_mode='always'`` (LMDB fsyncs every transaction), through DiskIO
+- tierkv always     ``sync_mode='always'`` (LMDB fsyncs every transaction), through TierIO
                     (the engine's path: one job of every chunk, a writer per shard)
 - tierkv always, put_many  the same from one thread calling ``put_many`` (one
                     transaction, and fsync, per shard a batch touches)
@@ -36,7 +36,7 @@ fsync of everything it wrote, inside the timed part):
 
 Cold loads (page cache dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` before each,
 needs root; environments closed so no mapping pins pages): tierkv ``read_into`` of every
-chunk in write order and in random order; tierkv ``DiskIO`` read jobs (one job of every
+chunk in write order and in random order; tierkv ``TierIO`` read jobs (one job of every
 chunk, and one job per chunk, all submitted at once) into a second ``CpuSlab``; vLLM fs
 ``submit_load`` (one job, and one job per chunk) into a second slab; bare file-per-chunk
 reads; the bare shards and the bare slabs read by a thread each (``pread``; the load
@@ -71,7 +71,7 @@ All write rounds run first, then all load rounds. Methods run round-robin inside
 so drift hits all of them alike; the first round of each phase is a warm-up and is not
 reported. Prints median MiB/s with min-max spread, then the ratios, per chunk size, then a
 summary of the target ratios over all sizes. ``--profile`` adds a cProfile of one tierkv
-periodic write (the put_many path DiskIO's writer thread runs) per size.
+periodic write (the put_many path TierIO's writer thread runs) per size.
 
 ``--parts`` adds cold loads across TP sizes (format 5 stores a chunk as one value per
 writer part; docs/on-disk-format.md, "Parts"): each chunk viewed as 64 layer pages of 16
@@ -114,8 +114,9 @@ from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec  # noqa: E402
 from tierkv.keys import Namespace, Part  # noqa: E402
 from tierkv.tiers.cpu import CpuSlab  # noqa: E402
-from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, shard_of, tune_malloc  # noqa: E402
-from tierkv.transfer.disk_io import DiskIO, ReadOutcome  # noqa: E402
+from tierkv.tiers.disk.layout import StoreLayout  # noqa: E402
+from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus, shard_of, tune_malloc  # noqa: E402
+from tierkv.transfer.tier_io import TierIO, ReadOutcome  # noqa: E402
 from tierkv.transfer.parts import HeadLayout, PartReader, split_heads  # noqa: E402
 
 MiB = 1 << 20
@@ -125,30 +126,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 # (label, numerator row, denominator row, target or None); rows missing from a run are skipped
 RATIOS: list[tuple[str, str, str, float | None]] = [
-    ("tierkv one job / vLLM fs one job", "tierkv DiskIO one job", "vLLM fs one job", 1.0),
-    ("tierkv many / vLLM fs many jobs", "tierkv DiskIO many jobs", "vLLM fs many jobs", 0.9),
+    ("tierkv one job / vLLM fs one job", "tierkv TierIO one job", "vLLM fs one job", 1.0),
+    ("tierkv many / vLLM fs many jobs", "tierkv TierIO many jobs", "vLLM fs many jobs", 0.9),
     ("tierkv always / dd write", "tierkv sync_mode=always", "dd conv=fdatasync", 0.8),
-    ("cold: tierkv one / vLLM fs one", "load: tierkv DiskIO one job", "load: vLLM fs one job",
+    ("cold: tierkv one / vLLM fs one", "load: tierkv TierIO one job", "load: vLLM fs one job",
      1.0),
-    ("cold: tierkv many / vLLM fs many", "load: tierkv DiskIO many jobs",
+    ("cold: tierkv many / vLLM fs many", "load: tierkv TierIO many jobs",
      "load: vLLM fs many jobs", 1.0),
     ("tierkv periodic / dd write", "tierkv periodic + sync", "dd conv=fdatasync", 0.7),
     ("tierkv periodic / file-per-chunk", "tierkv periodic + sync", "file per chunk + fsync",
      3.0),
-    ("tierkv DiskIO / dd write", "tierkv DiskIO + flush", "dd conv=fdatasync", 0.7),
-    ("tierkv one job / dd write", "tierkv DiskIO one job", "dd conv=fdatasync", None),
+    ("tierkv TierIO / dd write", "tierkv TierIO + flush", "dd conv=fdatasync", 0.7),
+    ("tierkv one job / dd write", "tierkv TierIO one job", "dd conv=fdatasync", None),
     ("vLLM fs one job / dd write", "vLLM fs one job", "dd conv=fdatasync", None),
     ("tierkv always put_many / dd", "tierkv always, put_many", "dd conv=fdatasync", None),
     ("tierkv always / file-per-chunk", "tierkv sync_mode=always", "file per chunk + fsync",
      None),
     ("tierkv / bare lmdb write", "tierkv periodic + sync", "bare lmdb + sync", None),
-    ("tierkv one job / bare lmdb shards", "tierkv DiskIO one job",
+    ("tierkv one job / bare lmdb shards", "tierkv TierIO one job",
      f"bare lmdb x{SHARDS} threads", None),
     ("bare lmdb shards / vLLM fs one job", f"bare lmdb x{SHARDS} threads", "vLLM fs one job",
      None),
     ("bare lmdb shards / vLLM fs many", f"bare lmdb x{SHARDS} threads", "vLLM fs many jobs", None),
     ("tierkv / dd cold read", "tierkv read_into (in order)", "dd of=/dev/null", 0.7),
-    ("cold: tierkv one / bare lmdb shards", "load: tierkv DiskIO one job",
+    ("cold: tierkv one / bare lmdb shards", "load: tierkv TierIO one job",
      f"bare lmdb x{SHARDS} threads read", None),
     ("cold: bare lmdb shards / vLLM one", f"bare lmdb x{SHARDS} threads read",
      "load: vLLM fs one job", None),
@@ -163,11 +164,11 @@ RATIOS += [
      None),
     ("reused slots: tierkv many / vLLM many", "tierkv many jobs, slots reused",
      "vLLM fs many jobs", None),
-    ("tierkv one job / bare slab shards", "tierkv DiskIO one job", f"bare slab x{SHARDS} threads",
+    ("tierkv one job / bare slab shards", "tierkv TierIO one job", f"bare slab x{SHARDS} threads",
      None),
     ("bare slab shards / vLLM fs one job", f"bare slab x{SHARDS} threads", "vLLM fs one job",
      None),
-    ("cold: tierkv one / bare slab shards", "load: tierkv DiskIO one job",
+    ("cold: tierkv one / bare slab shards", "load: tierkv TierIO one job",
      f"bare slab x{SHARDS} threads read", None),
     ("parts: TP 2 from 1 / TP 2 own", "parts: TP 2 from 1 part", "parts: TP 2 own parts", None),
     ("parts: TP 1 from 2 / TP 1 own", "parts: TP 1 from 2 parts", "tierkv read_into (in order)",
@@ -175,8 +176,8 @@ RATIOS += [
 ]
 # (label, numerator row, denominator row, most): CPU seconds per GiB written, tierkv / vLLM
 CPU_RATIOS: list[tuple[str, str, str, float]] = [
-    ("CPU/GiB tierkv one / vLLM fs one", "tierkv DiskIO one job", "vLLM fs one job", 2.0),
-    ("CPU/GiB tierkv many / vLLM fs many", "tierkv DiskIO many jobs", "vLLM fs many jobs", 2.0),
+    ("CPU/GiB tierkv one / vLLM fs one", "tierkv TierIO one job", "vLLM fs one job", 2.0),
+    ("CPU/GiB tierkv many / vLLM fs many", "tierkv TierIO many jobs", "vLLM fs many jobs", 2.0),
 ]
 
 
@@ -444,10 +445,10 @@ class Bench:
 
     def _spill(self, name: str, specs: list[SpillSpec], sync_mode: str = "periodic",
                tier: DiskTier | None = None) -> float:
-        """``specs`` through DiskIO into a fresh store (or ``tier``), timed to durable."""
+        """``specs`` through TierIO into a fresh store (or ``tier``), timed to durable."""
         if tier is None:
             tier = self.tier(self.fresh(name), sync_mode)
-        disk_io = DiskIO(tier, self.slab, self.batch_bytes)
+        disk_io = TierIO(tier, self.slab, self.batch_bytes)
         start = time.perf_counter()
         for spec in specs:
             disk_io.submit_spill(spec)
@@ -473,7 +474,7 @@ class Bench:
         return self._spill(name, [SpillSpec(JobId(1), writes)], sync_mode)
 
     def write_disk_io_reused(self, many: bool) -> float:
-        """DiskIO into a store that already held these chunks and deleted them (outside the
+        """TierIO into a store that already held these chunks and deleted them (outside the
         timed part, synced): the slots are reused, as in a store that evicts to make room,
         instead of grown into fresh (unwritten) extents. The warm-up round makes the store."""
         root = self.dir / ("tierkv-reused-many" if many else "tierkv-reused-one")
@@ -554,7 +555,7 @@ class Bench:
         """The ceiling of the sharded layout: a chunk per environment by its key's shard,
         one thread per environment, each ending with its own fsync."""
         root = self.fresh("lmdb-shards")
-        envs = [lmdb.open(str(root / f"shard-{shard}"), map_size=self.total * 2, sync=False,
+        envs = [lmdb.open(str(root / StoreLayout.shard_name(shard)), map_size=self.total * 2, sync=False,
                           metasync=False, writemap=False, readahead=True)
                 for shard in range(SHARDS)]
 
@@ -775,7 +776,7 @@ class Bench:
         self.poison(self.dest.tensor.numpy())
         self.drop_caches()
         tier = self.tier(self.dir / "tierkv-one")
-        disk_io = DiskIO(tier, self.dest, self.batch_bytes)
+        disk_io = TierIO(tier, self.dest, self.batch_bytes)
         chunks = [ChunkCopy(self.keys[i], SlotId(i), ()) for i in range(self.num_chunks)]
         outcomes: list[ReadOutcome] = []
         jobs = [(JobId(i + 1), [chunk]) for i, chunk in enumerate(chunks)] if many else \
@@ -789,7 +790,7 @@ class Bench:
         tier.close()
         assert len(outcomes) == len(jobs) and all(o.ok for o in outcomes), \
             [o for o in outcomes if not o.ok][:3]
-        self.verify(self.dest.tensor.numpy(), None, "tierkv DiskIO load")
+        self.verify(self.dest.tensor.numpy(), None, "tierkv TierIO load")
         return seconds
 
     def load_vllm(self, many: bool) -> float:
@@ -814,7 +815,7 @@ class Bench:
         self.poison(self.dest.tensor.numpy())
         self.drop_caches()
         root = self.dir / "lmdb-shards"
-        envs = [lmdb.open(str(root / f"shard-{shard}"), readonly=True, readahead=True)
+        envs = [lmdb.open(str(root / StoreLayout.shard_name(shard)), readonly=True, readahead=True)
                 for shard in range(SHARDS)]
         dest = self.dest.tensor.numpy()
 
@@ -856,9 +857,9 @@ class Bench:
         args = self.args
         writes: dict[str, Callable[[], float]] = {
             "tierkv periodic + sync": lambda: self.write_tierkv("periodic"),
-            "tierkv DiskIO + flush": self.write_disk_io,
-            "tierkv DiskIO one job": self.write_disk_io_one,
-            "tierkv DiskIO many jobs": self.write_disk_io_many,
+            "tierkv TierIO + flush": self.write_disk_io,
+            "tierkv TierIO one job": self.write_disk_io_one,
+            "tierkv TierIO many jobs": self.write_disk_io_many,
             "tierkv one job, slots reused": lambda: self.write_disk_io_reused(False),
             "tierkv many jobs, slots reused": lambda: self.write_disk_io_reused(True),
         }
@@ -880,8 +881,8 @@ class Bench:
             reads = {
                 "tierkv read_into (in order)": lambda: self.read_tierkv(False),
                 "tierkv read_into (random)": lambda: self.read_tierkv(True),
-                "load: tierkv DiskIO one job": lambda: self.load_disk_io(False),
-                "load: tierkv DiskIO many jobs": lambda: self.load_disk_io(True),
+                "load: tierkv TierIO one job": lambda: self.load_disk_io(False),
+                "load: tierkv TierIO many jobs": lambda: self.load_disk_io(True),
             }
             if self.vllm is not None:
                 reads["load: vLLM fs one job"] = lambda: self.load_vllm(False)

@@ -63,9 +63,9 @@ from tests.redis_cluster import RedisCluster  # noqa: E402
 from tierkv.config import CpuTierConfig, RemoteTierConfig, StoreConfig  # noqa: E402
 from tierkv.keys import Namespace, Part, chunk_keys  # noqa: E402
 from tierkv.tiers.base import ReadStatus  # noqa: E402
-from tierkv.tiers.remote import RemoteTier, connect  # noqa: E402
-from tierkv.tiers.remote_format import HEADER_BYTES, redis_key  # noqa: E402
-from tierkv.transfer.remote_lookup import RemoteLookup  # noqa: E402
+from tierkv.tiers.remote.tier import RemoteTier, connect  # noqa: E402
+from tierkv.tiers.remote.format import HEADER_BYTES, redis_key  # noqa: E402
+from tierkv.tiers.remote.lookup import RemoteLookup  # noqa: E402
 
 MiB = 1 << 20
 
@@ -183,7 +183,7 @@ def tierkv_round(cluster: RedisCluster, chunk_bytes: int, num_chunks: int,
 
 def redis_py_round(cluster: RedisCluster, value_bytes: int, num_chunks: int,
                    batch: int) -> dict[str, float]:
-    """MiB/s of redis-py alone (the tier's client, as ``tierkv.tiers.remote.connect`` sets
+    """MiB/s of redis-py alone (the tier's client, as ``tierkv.tiers.remote.tier.connect`` sets
     it up, with no tier code around it): ``num_chunks`` SETs of ``value_bytes`` values built
     beforehand, in cluster pipelines of ``batch`` (as ``put_many``, less its value building
     and checks), then one plain GET per key, its reply unchecked (as ``read_into``, less its

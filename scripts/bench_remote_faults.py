@@ -47,7 +47,7 @@ from tests.redis_cluster import RedisCluster  # noqa: E402
 from tierkv import chunk_keys  # noqa: E402
 from tierkv.config import CpuTierConfig, RemoteTierConfig, StoreConfig  # noqa: E402
 from tierkv.engine.store import TierKVStore  # noqa: E402
-from tierkv.tiers.remote_format import redis_key  # noqa: E402
+from tierkv.tiers.remote.format import redis_key  # noqa: E402
 
 BLOCKS, TPB, BPC, LAYERS = 256, 16, 2, 2
 TPC = TPB * BPC

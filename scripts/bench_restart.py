@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.keys import Namespace  # noqa: E402
-from tierkv.tiers.disk import DiskTier  # noqa: E402
+from tierkv.tiers.disk.tier import DiskTier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NS = Namespace(model_id="bench-restart", dtype="bfloat16", kv_layout="bench", page_bytes=4096,

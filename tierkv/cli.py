@@ -54,7 +54,7 @@ COMMANDS: dict[str, Command] = {
     "verify": Command("tierkv.tools", "add_verify_arguments", "run_verify",
                       "checksum every chunk of a store; exit 0 clean, 1 bad found, 2 error"),
     "rm": Command(
-        "tierkv.tools_rm", "add_rm_arguments", "run_rm",
+        "tierkv.tools", "add_rm_arguments", "run_rm",
         "delete one namespace of a store; exit 0 deleted (or --dry-run), 1 not deleted (no "
         "--yes), 2 refused",
         "Delete the namespace whose fingerprint starts with --namespace PREFIX (exactly one "
@@ -62,7 +62,7 @@ COMMANDS: dict[str, Command] = {
         "leftover, or its keys in a redis:// store. Refused while a running engine claims "
         "it. Without --yes it only prints what it would delete; see docs/warmup.md."),
     "ping": Command(
-        "tierkv.remote_ping", "add_arguments", "run",
+        "tierkv.tools", "add_ping_arguments", "run_ping",
         "a remote store's nodes, slots, latency, password, chunks and eviction policy; exit 0 "
         "ready, 1 problems found, 2 cannot connect",
         "Connect to a redis:// or rediss:// remote tier as an engine would and report every "

@@ -152,7 +152,8 @@ def check_demo_dir(path: Path, fresh: bool) -> None:
     """Refuse a ``--dir`` that is not the demo's own: a file, or a directory that holds
     anything but demo namespaces (``--fresh`` would delete it; a run would add the demo's
     namespace to a real store). A missing or empty directory is the demo's."""
-    from tierkv.tiers.disk_files import list_namespaces
+    from tierkv.tiers.disk.files import list_namespaces
+    from tierkv.tiers.disk.layout import StoreLayout
 
     if not path.exists():
         return
@@ -160,7 +161,8 @@ def check_demo_dir(path: Path, fresh: bool) -> None:
               "the demo would write its namespace into it")
     if not path.is_dir():
         raise ConfigError(f"demo: --dir {path} is not a directory; pick a new directory")
-    strangers = sorted(entry.name for entry in path.iterdir() if not entry.name.startswith("ns-"))
+    strangers = sorted(entry.name for entry in path.iterdir()
+                       if not StoreLayout.is_namespace_name(entry.name))
     others = sorted({str(info.description.get("model_id")) for info in list_namespaces(path)
                      if info.description.get("model_id") != DEMO_MODEL_ID})
     if strangers or others:

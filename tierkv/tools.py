@@ -1,354 +1,51 @@
-"""Operator tools over a disk tier root: ``tierkv inspect`` and ``tierkv verify``
-(``docs/warmup.md`` shows their output; ``tierkv rm`` is :mod:`tierkv.tools_rm`).
+"""The operator commands over a store, whichever tier holds it: ``tierkv inspect``,
+``tierkv verify``, ``tierkv rm`` (a store root, ``disk.path``, or a remote store's
+``redis://`` / ``rediss://`` URL) and ``tierkv ping URL`` (``docs/warmup.md`` and
+``docs/remote.md`` show their output).
 
-- :func:`inspect_store` opens every ``ns-<fingerprint>/rank-<r>`` environment through a
-  **read-only** :class:`DiskTier` and reads its index records only: nothing is changed.
-- :func:`verify_store` checks every value's header and checksum and the index
-  (:meth:`DiskTier.verify`), opening every environment read-only and reporting a damaged one
-  (LMDB reports damage, its meta record is unreadable, or its files are not this user's).
-  With ``repair`` it deletes bad chunks and moves a damaged environment aside and rebuilds it
-  empty (what the engine itself does when it meets damage), unless a running engine claims it.
-  ``progress`` is called as each environment's check goes (per batch of 64) and after it,
-  with the chunks and payload bytes checked so far and the total the index records count; :class:`ProgressLine` prints it at most once
-  per ``interval`` on stderr.
-- Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found (also
-  when ``--repair`` fixed them: a rerun then answers 0), 2 error.
+This module parses the arguments and prints; what each command finds and changes is the
+tier's own tools' view, which reaches the bytes only through the tier:
+:mod:`tierkv.tiers.disk.tools` (:func:`inspect_store`, :func:`verify_store`,
+:func:`remove_namespace`), :mod:`tierkv.tiers.remote.tools` (:func:`inspect_remote`,
+:func:`verify_remote`, :func:`remove_remote`) and :mod:`tierkv.tiers.remote.ping`.
 
-Inspect and verify are safe while an engine has the store open (LMDB is multi-process); a
-chunk deleted by ``--repair`` under a running engine is a failed load there, which the
-engine recomputes.
+- Exit codes of ``tierkv verify``: 0 clean, 1 bad chunks or damaged environments found
+  (also when ``--repair`` fixed them: a rerun then answers 0), 2 error. ``tierkv rm``: 0
+  deleted (or ``--dry-run``), 1 not deleted (``--yes`` missing), 2 refused or error.
+  ``tierkv ping``: 0 usable and set up as a cache, 1 usable with problems, 2 cannot connect.
+- Long checks print progress on stderr (:class:`ProgressLine`), at most once per
+  ``PROGRESS_SECONDS``; ``--json`` prints one JSON document instead of the lines.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from tierkv import remote_tools
-from tierkv.config import DiskTierConfig
-from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
-                           short_key)
-from tierkv.keys import FORMAT_VERSION, SINGLE_PART, Namespace, Part
-from tierkv.tiers.disk import SHARDS, DiskTier, written_at
-from tierkv.tiers.disk_files import (MAX_NAMESPACE_JSON_BYTES, Trust, check_file,
-                                     parse_part_dir, read_private_file)
-from tierkv.units import MiB, format_bytes, format_rate
+from tierkv.config import RemoteTierConfig, safe_url
+from tierkv.errors import TierKVError
+from tierkv.keys import FORMAT_VERSION
+from tierkv.tiers.base import Progress
+from tierkv.tiers.disk.layout import StoreLayout
+from tierkv.tiers.disk.tier import SHARDS, written_at
+from tierkv.tiers.disk.tools import inspect_store, remove_namespace, repair_plan, utc, verify_store
+from tierkv.tiers.remote.ping import SLOTS, ping_remote
+from tierkv.tiers.remote.tools import (OLD_FORMAT, inspect_remote, is_remote, remove_remote,
+                                       verify_remote)
+from tierkv.units import format_bytes, format_rate
 
 PROGRESS_SECONDS = 1.0  # at most one progress line per second
 
 
-@dataclass
-class RankReport:
-    """One ``part-<p>of<P>`` directory (its shards' environments)."""
-
-    part: Part
-    path: Path
-    chunks: int = 0
-    payload_bytes: int = 0  # sum over chunks
-    payload_len: int = 0  # the most common payload length (0: none)
-    file_bytes: int = 0
-    oldest: tuple[str, int] | None = None  # (key hex, write sequence)
-    newest: tuple[str, int] | None = None
-    last_write: str | None = None  # newest data.mdb or slab mtime, UTC
-    record: dict[str, Any] | None = None  # the authoritative namespace record (meta sub-db)
-    problem: str | None = None  # not read at all: why
-    # Shards that could not be read (shard -> why); the others' chunks are counted above.
-    damaged_shards: dict[int, str] = field(default_factory=dict)
-    replica: int = 0  # data-parallel engine (part-<p>of<P>-dp<d>)
-    old_rank: int | None = None  # a rank-<r> directory of an older format (never read)
-
-    @property
-    def label(self) -> str:
-        """``part 0of2`` (``part 0of2 dp1``; ``rank 0`` of an older format) for messages."""
-        if self.old_rank is not None:
-            return f"rank {self.old_rank}"
-        return f"part {self.part.name}" + (f" dp{self.replica}" if self.replica else "")
-
-
-@dataclass
-class NamespaceReport:
-    fingerprint: str
-    path: Path
-    format_version: int | None
-    description: dict[str, Any]
-    ranks: list[RankReport] = field(default_factory=list)
-    # rank-<r>.broken-*, rank-<r>/shard-<s>.broken-* (and .foreign-*) directories
-    broken: list[str] = field(default_factory=list)
-    problem: str | None = None
-
-
-def _store_dirs(root: Path) -> list[Path]:
-    if not root.exists():
-        raise ConfigError(f"no such store directory: {root}")
-    if not root.is_dir():
-        raise ConfigError(f"{root} is not a directory (expected a tierkv store root, disk.path)")
-    dirs = sorted(path for path in root.glob("ns-*") if path.is_dir())
-    if not dirs:
-        raise ConfigError(f"{root} holds no tierkv store (no ns-<fingerprint> directories)")
-    return dirs
-
-
-def _namespace_of(report: NamespaceReport) -> Namespace:
-    """The namespace ``namespace.json`` describes; ConfigError when it cannot be read as one
-    of this tierkv's, or does not fingerprint as its directory's name."""
-    if report.problem is not None:
-        raise ConfigError(f"namespace {report.fingerprint[:8]}: {report.problem}")
-    if report.format_version != FORMAT_VERSION:
-        raise ConfigError(
-            f"namespace {report.fingerprint[:8]} ({report.path}) has format version "
-            f"{report.format_version}, written by another tierkv; this tierkv reads format "
-            f"{FORMAT_VERSION} and never serves it (an engine starts that namespace empty). "
-            f"Delete it when no such tierkv uses it (tierkv rm STORE --namespace "
-            f"{report.fingerprint[:8]} --yes), or verify the rest with --namespace")
-    try:
-        namespace = Namespace(**report.description)
-    except (TypeError, ConfigError) as exc:
-        raise ConfigError(f"namespace {report.fingerprint[:8]}: cannot rebuild it from its "
-                          f"record ({exc})") from exc
-    if namespace.fingerprint() != report.fingerprint:
-        raise ConfigError(f"{report.path}: its record fingerprints as "
-                          f"{namespace.fingerprint()[:8]}, not as its directory name says")
-    return namespace
-
-
-def _open_tier(root: Path, namespace: Namespace, rank: RankReport, **how: Any) -> DiskTier:
-    payload = namespace.chunk_bytes // rank.part.count or rank.payload_len or 1
-    config = DiskTierConfig(path=root, max_bytes=max(2 * rank.file_bytes, 64 * MiB),
-                            sync_mode="close")
-    return DiskTier(root, namespace, rank.part, config, payload, replica=rank.replica, **how)
-
-
-def _utc(seconds: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
-
-
-def peek_rank(root: Path, namespace: Namespace, part: Part, path: Path,
-              replica: int = 0) -> RankReport:
-    """A :class:`RankReport` of one part directory (index records only, read-only). Each
-    shard is opened on its own: a damaged one is named in ``damaged_shards`` and the others
-    are still counted."""
-    report = RankReport(part, path, replica=replica)
-    infos = []
-    for data in sorted([*path.glob("shard-*/data.mdb"), *path.glob("shard-*/slab-*.kv")]):
-        with contextlib.suppress(OSError):  # deleted meanwhile (tierkv rm, a disk budget)
-            if check_file(data, fix=False) is Trust.OK:
-                infos.append(data.stat())
-    if infos:
-        report.file_bytes = sum(info.st_size for info in infos)
-        report.last_write = _utc(max(info.st_mtime for info in infos))
-    lengths: collections.Counter[int] = collections.Counter()
-    for shard in range(SHARDS):
-        try:
-            with _open_tier(root, namespace, report, read_only=True, shards=[shard]) as tier:
-                records = list(tier.scan())
-        except (DamagedError, NamespaceMismatchError, BrokenError) as exc:
-            report.damaged_shards[shard] = str(exc)
-            continue
-        for record in records:
-            report.chunks += 1
-            report.payload_bytes += record.payload_len
-            lengths[record.payload_len] += 1
-            if report.oldest is None or record.seq < report.oldest[1]:
-                report.oldest = (record.key.hex(), record.seq)
-            if report.newest is None or record.seq > report.newest[1]:
-                report.newest = (record.key.hex(), record.seq)
-    report.payload_len = lengths.most_common(1)[0][0] if lengths else 0
-    if len(report.damaged_shards) == SHARDS:  # nothing of it could be read
-        reasons = dict.fromkeys(report.damaged_shards.values())
-        report.problem = "; ".join(reasons)
-        report.damaged_shards = {}
-    return report
-
-
-def repair_plan(shard: int) -> str:
-    """What ``tierkv verify --repair`` does to a damaged shard, for messages."""
-    return (f"tierkv verify --repair moves shard-{shard} aside (shard-{shard}.broken-<time>) "
-            f"and starts it empty: its chunks are lost, the other shards' are kept")
-
-
-def _read_namespace(ns_dir: Path) -> NamespaceReport:
-    """A :class:`NamespaceReport` of ``ns_dir`` from its ``namespace.json`` (no ranks yet)."""
-    report = NamespaceReport(ns_dir.name[3:], ns_dir, None, {})
-    try:
-        raw = read_private_file(ns_dir / "namespace.json", MAX_NAMESPACE_JSON_BYTES)
-        if raw is None or len(raw) > MAX_NAMESPACE_JSON_BYTES:
-            raise ValueError("missing, too big, or not a regular file of this user's")
-        record = json.loads(raw.decode())
-        report.description = dict(record["namespace"])
-        report.format_version = int(record["format_version"])
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        report.problem = f"namespace.json unreadable ({exc})"
-    return report
-
-
-def _add_ranks(root: Path, report: NamespaceReport) -> None:
-    """Peek at every ``part-<p>of<P>`` of ``report``'s directory; list moved-aside ones."""
-    why = ""
-    try:
-        namespace: Namespace | None = _namespace_of(report)
-    except ConfigError as exc:
-        namespace, why = None, str(exc)
-    for rank_dir in sorted(report.path.glob("part-*")):
-        parsed = parse_part_dir(rank_dir.name)
-        if parsed is not None and rank_dir.is_dir():
-            part, replica = parsed
-            if namespace is None:
-                report.ranks.append(RankReport(part, rank_dir, replica=replica,
-                                               problem=f"not read: {why}"))
-            else:
-                report.ranks.append(peek_rank(root, namespace, part, rank_dir, replica))
-            report.broken += [f"{rank_dir.name}/{shard.name}" for shard in
-                              sorted(rank_dir.glob("shard-*.*-*"))]
-        elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
-            report.broken.append(rank_dir.name)
-    for rank_dir in sorted(report.path.glob("rank-*")):  # older formats' (never read)
-        suffix = rank_dir.name[5:]
-        if suffix.isdigit() and rank_dir.is_dir():
-            report.ranks.append(RankReport(
-                SINGLE_PART, rank_dir, old_rank=int(suffix),
-                problem=f"not read: {why if namespace is None else 'another tierkv format'}"))
-        elif ".broken-" in rank_dir.name or ".foreign-" in rank_dir.name:
-            report.broken.append(rank_dir.name)
-
-
-def inspect_store(root: Path) -> list[NamespaceReport]:
-    """Every namespace under ``root`` and its environments, read-only."""
-    reports = []
-    for ns_dir in _store_dirs(Path(root)):
-        report = _read_namespace(ns_dir)
-        _add_ranks(Path(root), report)
-        reports.append(report)
-    return reports
-
-
-# ------------------------------------------------------------------------------ verify
-@dataclass
-class VerifyOutcome:
-    namespaces: int = 0
-    checked: int = 0
-    checked_bytes: int = 0  # payload bytes of the chunks checked (as the index records count)
-    bad: int = 0  # chunks that failed their checks
-    deleted: int = 0
-    damaged: int = 0  # environments that could not be checked
-    moved_aside: int = 0
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def clean(self) -> bool:
-        return self.bad == 0 and self.damaged == 0
-
-
-def _moved_aside(rank_dir: Path) -> set[Path]:
-    """What the engine moved aside of one rank: the rank directory, or one of its shards."""
-    return set(rank_dir.parent.glob(f"{rank_dir.name}.*-*")) | set(rank_dir.glob("shard-*.*-*"))
-
-
-def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
-                 outcome: VerifyOutcome, progress: Callable[[int], None] | None = None) -> None:
-    """Check one environment through :class:`DiskTier` (``repair``: see the module
-    docstring); without ``repair``, the shards beside a damaged one are checked."""
-    name = f"namespace {namespace.fingerprint()[:8]} {rank.label}"
-    if rank.problem is not None:
-        outcome.damaged += 1
-        outcome.lines.append(f"{name}: damaged environment {rank.path}: {rank.problem}")
-        if not repair:
-            return
-    known = rank.problem is not None or bool(rank.damaged_shards)
-    for shard, why in sorted(rank.damaged_shards.items()):
-        outcome.damaged += 1
-        outcome.lines.append(f"{name}: damaged environment {rank.path / f'shard-{shard}'}: "
-                             f"{why}")
-        if not repair:
-            outcome.lines.append(f"  not checked: {repair_plan(shard)}")
-    good = [shard for shard in range(SHARDS) if shard not in rank.damaged_shards]
-    if not good:
-        return
-    before = _moved_aside(rank.path)
-    try:
-        with _open_tier(root, namespace, rank, repair=repair, read_only=not repair,
-                        shards=None if repair else good) as tier:
-            result = tier.verify(repair=repair, progress=progress)
-            rebuilt = tier.statistics().rebuilds > 0
-            if rebuilt and not known:
-                outcome.damaged += 1
-                outcome.lines.append(f"{name}: damaged environment {rank.path}: "
-                                     f"{result.damaged or 'found while opening it'}")
-            _report_chunks(tier, name, result, repair, outcome)
-            outcome.checked_bytes += (rank.payload_bytes if result.checked == rank.chunks
-                                      else result.checked * rank.payload_len)
-    except (DamagedError, NamespaceMismatchError) as exc:
-        if not known:
-            outcome.damaged += 1
-            outcome.lines.append(f"{name}: damaged environment {rank.path}: {exc}")
-        else:  # a known problem: only a repair got here
-            outcome.lines.append(f"  not repaired: {exc}")
-        return
-    moved = sorted(_moved_aside(rank.path) - before)
-    if moved:
-        outcome.moved_aside += len(moved)
-        outcome.lines.append(f"  repaired: moved it to {', '.join(p.name for p in moved)} "
-                             f"and started an empty environment")
-    elif known and repair:
-        outcome.lines.append("  not repaired: the environment opened and verified cleanly "
-                             "(rerun tierkv verify)")
-
-
-def _report_chunks(tier: Any, name: str, result: Any, repair: bool,
-                   outcome: VerifyOutcome) -> None:
-    outcome.checked += result.checked
-    outcome.bad += len(result.bad_keys)
-    outcome.lines.append(f"{name}: {result.checked} chunks checked, {len(result.bad_keys)} bad")
-    outcome.lines.extend(f"  bad chunk {key.hex()}" for key in result.bad_keys)
-    if repair and result.bad_keys:
-        remaining = {record.key for record in tier.scan()} & set(result.bad_keys)
-        if remaining:
-            raise BrokenError(f"{name}: {len(remaining)} bad chunk(s) could not be deleted, "
-                              f"e.g. {short_key(next(iter(remaining)))} (map full? raise "
-                              f"disk.max_bytes)")
-        outcome.deleted += len(result.bad_keys)
-        outcome.lines.append(f"  repaired: deleted {len(result.bad_keys)} bad chunk(s)")
-
-
-Progress = remote_tools.Progress  # (chunks, bytes) so far, and the total when known
-
-
-def verify_store(root: Path, repair: bool = False, only: str | None = None,
-                 progress: Progress | None = None) -> VerifyOutcome:
-    """Verify every chunk of every namespace (or those whose fingerprint starts with ``only``);
-    ``progress`` is called as each environment is checked (see the module docstring)."""
-    root = Path(root)
-    outcome = VerifyOutcome()
-    reports = [report for report in inspect_store(root)
-               if not only or report.fingerprint.startswith(only)]
-    if only and not reports:
-        raise ConfigError(f"no namespace under {root} starts with {only!r} (--namespace)")
-    total = sum(rank.chunks for report in reports for rank in report.ranks)
-    for report in reports:
-        outcome.namespaces += 1
-        namespace = _namespace_of(report)
-        for rank in report.ranks:
-            def within(count: int, rank: RankReport = rank) -> None:  # during the rank's check
-                if progress is not None:
-                    progress(outcome.checked + count,
-                             outcome.checked_bytes + count * rank.payload_len, total)
-
-            _verify_rank(root, namespace, rank, repair, outcome, within)
-            if progress is not None:
-                progress(outcome.checked, outcome.checked_bytes, total)
-    return outcome
-
-
 class ProgressLine:
     """Progress of a long check on ``stream`` (stderr): :meth:`update` is the ``progress``
-    callback of :func:`verify_store` and :func:`remote_tools.verify_remote`, and prints
+    callback of :func:`verify_store` and :func:`verify_remote`, and prints
     ``verify: 12,345 / 50,000 chunks, 1.2 GiB, 850.00 MiB/s`` at most once per ``interval``
     seconds (None: never); :meth:`summary` is the closing line."""
 
@@ -383,12 +80,12 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
                                       "a remote store's redis:// or rediss:// URL")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
-    remote_tools.add_arguments(parser)
+    add_remote_arguments(parser)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    if remote_tools.is_remote(args.store):
-        return remote_tools.run_inspect(args)
+    if is_remote(args.store):
+        return _run_inspect_remote(args)
     args.store = Path(args.store)
     reports = inspect_store(args.store)
     chunks = sum(rank.chunks for report in reports for rank in report.ranks)
@@ -419,10 +116,11 @@ def run_inspect(args: argparse.Namespace) -> int:
                 print(f"  {rank.label}: DAMAGED: {rank.problem}")
                 continue
             for shard, why in sorted(rank.damaged_shards.items()):
-                print(f"  {rank.label}: DAMAGED shard-{shard}: {why}; {repair_plan(shard)}")
+                print(f"  {rank.label}: DAMAGED {StoreLayout.shard_name(shard)}: {why}; "
+                      f"{repair_plan(shard)}")
             ends = ""
             if rank.oldest and rank.newest:
-                ends = ", ".join(["", *(f"{what} {key[:8]} (written {_utc(written_at(seq))})"
+                ends = ", ".join(["", *(f"{what} {key[:8]} (written {utc(written_at(seq))})"
                                         for what, (key, seq) in (("oldest", rank.oldest),
                                                                  ("newest", rank.newest)))])
             shards = "" if not rank.damaged_shards else " in shards " + ", ".join(
@@ -440,7 +138,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
                                       "a remote store's redis:// or rediss:// URL")
-    remote_tools.add_arguments(parser)
+    add_remote_arguments(parser)
     parser.add_argument("--repair", action="store_true",
                         help="delete bad chunks; move damaged environments aside")
     parser.add_argument("--namespace", metavar="PREFIX",
@@ -455,8 +153,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     progress = ProgressLine("verify", None if args.no_progress else PROGRESS_SECONDS)
-    if remote_tools.is_remote(args.store):
-        code = remote_tools.run_verify(args, progress.update)
+    if is_remote(args.store):
+        code = _run_verify_remote(args, progress.update)
     else:
         code = _run_verify_disk(args, progress.update)
     print(progress.summary(), file=sys.stderr)
@@ -488,3 +186,193 @@ def _run_verify_disk(args: argparse.Namespace, progress: Progress) -> int:
                      "rest are kept)" if outcome.damaged else ""))
     print(f"{what}: {', '.join(parts)} ({seconds:.1f} s)")
     return 1
+
+
+def add_rm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
+                                      "a remote store's redis:// or rediss:// URL")
+    parser.add_argument("--namespace", metavar="PREFIX", required=True,
+                        help="the namespace to delete: its fingerprint or a prefix of it that "
+                             "no other namespace starts with (tierkv inspect lists them)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="only print what would be deleted")
+    parser.add_argument("--yes", action="store_true",
+                        help="delete it; without --yes only what would be deleted is printed")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of the result lines (exit "
+                             "codes unchanged)")
+    add_remote_arguments(parser)
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    if is_remote(args.store):
+        return _run_rm_remote(args)
+    args.store = Path(args.store)
+    delete = args.yes and not args.dry_run
+    removal = remove_namespace(args.store, args.namespace, delete=delete)
+    report = removal.report
+    code = 0 if removal.deleted or args.dry_run else 1
+    if args.json:
+        print(json.dumps({"store": str(args.store), "fingerprint": report.fingerprint,
+                          "path": str(report.path), "description": report.description,
+                          "format_version": report.format_version, "parts": len(report.ranks),
+                          "chunks": removal.chunks, "unread": removal.unread,
+                          "moved_aside": report.broken, "file_bytes": removal.file_bytes,
+                          "deleted": removal.deleted, "dry_run": bool(args.dry_run)},
+                         default=str))
+        return code
+    model = report.description.get("model_id", "?")
+    extra = [f"{len(report.broken)} moved-aside environment(s)"] if report.broken else []
+    extra += [f"{removal.unread} environment(s) not readable, their chunks not counted"] \
+        if removal.unread else []
+    print(f"namespace {report.fingerprint} ({model}, format version {report.format_version}) in "
+          f"{args.store}: {len(report.ranks)} part(s), {removal.chunks} chunks, "
+          f"{format_bytes(removal.file_bytes, 2)} of files"
+          + "".join(f", {part}" for part in extra))
+    if removal.deleted:
+        print(f"removed namespace {report.fingerprint[:8]} from {args.store}: {removal.chunks} "
+              f"chunks, {format_bytes(removal.file_bytes, 2)} freed")
+        return 0
+    if args.dry_run:
+        print(f"dry run: would delete {report.path}; nothing deleted")
+        return 0
+    print(f"not deleted: add --yes to delete {report.path}")
+    return 1
+
+
+# ------------------------------------------------------------------------------ remote
+def _remote_config(args: argparse.Namespace) -> RemoteTierConfig:
+    return RemoteTierConfig(url=str(args.store), key_prefix=args.key_prefix,
+                            timeout_seconds=args.timeout)
+
+
+def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--key-prefix", default="tierkv:",
+                        help="remote store: the key prefix (remote.key_prefix)")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="remote store: seconds per network operation")
+
+
+def _other_type(count: int) -> str:
+    return f", {count} key(s) of another type" if count else ""
+
+
+def _run_inspect_remote(args: argparse.Namespace) -> int:
+    report = inspect_remote(_remote_config(args))
+    if args.json:
+        print(json.dumps([{"fingerprint": fingerprint, "part": label, "chunks": chunks,
+                           "value_bytes": report.value_bytes[(fingerprint, label)],
+                           "wrong_type": report.wrong_type[(fingerprint, label)]}
+                          for (fingerprint, label), chunks in sorted(report.chunks.items())]))
+        return 0
+    store = safe_url(str(args.store))
+    print(f"remote store {store} (prefix {args.key_prefix!r}): "
+          f"{len({fp for fp, _ in report.chunks})} namespace(s)")
+    for (fingerprint, label), chunks in sorted(report.chunks.items()):
+        old = (f" (never read by this tierkv; tierkv rm {store} --namespace {fingerprint} "
+               f"--yes deletes it)" if label.endswith(OLD_FORMAT) else "")
+        print(f"  namespace {fingerprint} {'' if old else 'part '}{label}: {chunks} chunks, "
+              f"{format_bytes(report.value_bytes[(fingerprint, label)], 2)}"
+              f"{_other_type(report.wrong_type[(fingerprint, label)])}{old}")
+    total = sum(report.value_bytes.values())
+    others = sum(report.wrong_type.values())
+    print(f"inspected {sum(report.chunks.values())} chunks ({format_bytes(total, 2)})"
+          + (f"; {others} key(s) of another type: tierkv verify --repair deletes them"
+             if others else ""))
+    return 0
+
+
+def _run_verify_remote(args: argparse.Namespace, progress: Progress | None = None) -> int:
+    outcome = verify_remote(_remote_config(args), repair=args.repair, only=args.namespace,
+                            progress=progress)
+    store = safe_url(str(args.store))
+    if getattr(args, "json", False):
+        print(json.dumps({"store": store, "checked": outcome.checked,
+                          "checked_bytes": outcome.checked_bytes, "clean": not outcome.bad,
+                          "bad": [{"fingerprint": fingerprint, "part": label, "key": key.hex(),
+                                   "problem": problem}
+                                  for fingerprint, label, key, problem in outcome.bad],
+                          "repair": args.repair, "deleted": outcome.deleted}))
+        return 1 if outcome.bad else 0
+    for fingerprint, label, key, problem in outcome.bad:
+        print(f"  bad chunk namespace {fingerprint[:8]} "
+              f"{'' if label.endswith(OLD_FORMAT) else 'part '}{label} {key.hex()}: {problem}")
+    what = f"verified {outcome.checked} chunks in {store}"
+    if not outcome.bad:
+        print(f"{what}: clean")
+        return 0
+    tail = f"deleted {outcome.deleted}" if args.repair else "run with --repair to delete them"
+    print(f"{what}: {len(outcome.bad)} bad, {tail}")
+    return 1
+
+
+def _run_rm_remote(args: argparse.Namespace) -> int:
+    """``tierkv rm URL --namespace PREFIX [--dry-run] [--yes]``: exit codes as for a disk store."""
+    delete = args.yes and not args.dry_run
+    removal = remove_remote(_remote_config(args), args.namespace, delete=delete)
+    total = sum(removal.chunks.values())
+    store = safe_url(str(args.store))
+    code = 0 if delete or args.dry_run else 1
+    if getattr(args, "json", False):
+        print(json.dumps({"store": store, "prefix": args.key_prefix,
+                          "fingerprint": removal.fingerprint, "keys": total,
+                          "keys_per_part": {label: count for label, count
+                                            in sorted(removal.chunks.items())},
+                          "value_bytes": removal.value_bytes, "wrong_type": removal.wrong_type,
+                          "deleted": removal.deleted, "dry_run": bool(args.dry_run)}))
+        return code
+    ranks = ", ".join(f"{'' if label.endswith(OLD_FORMAT) else 'part '}{label}: {count}"
+                      for label, count in sorted(removal.chunks.items()))
+    print(f"namespace {removal.fingerprint} in {store} (prefix {args.key_prefix!r}): "
+          f"{total} chunks ({ranks}), {format_bytes(removal.value_bytes, 2)}"
+          f"{_other_type(removal.wrong_type)}")
+    if delete:
+        print(f"removed namespace {removal.fingerprint[:8]} from {store}: {removal.deleted} "
+              f"chunks, {format_bytes(removal.value_bytes, 2)} freed")
+    elif args.dry_run:
+        print(f"dry run: would delete {total} keys; nothing deleted")
+    else:
+        print(f"not deleted: add --yes to delete its {total} keys")
+    return code
+
+
+# ------------------------------------------------------------------------------ ping
+def add_ping_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", metavar="URL",
+                        help="the remote tier's redis:// or rediss:// URL (remote.url)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_remote_arguments(parser)
+
+
+def run_ping(args: argparse.Namespace) -> int:
+    if not is_remote(args.store):
+        raise TierKVError(f"tierkv ping takes a redis:// or rediss:// URL, got "
+                          f"{safe_url(str(args.store))!r}")
+    result = ping_remote(RemoteTierConfig(url=str(args.store), key_prefix=args.key_prefix,
+                                          timeout_seconds=args.timeout))
+    code = 1 if result.problems else 0
+    if args.json:
+        print(json.dumps(asdict(result)))
+        return code
+    kind = "cluster" if result.cluster else "plain server"
+    print(f"remote store {result.store} ({kind}, prefix {result.prefix!r}): password "
+          f"{result.password}")
+    for node in result.nodes:
+        if node.problem is not None:
+            print(f"  node {node.node} {node.role}: DOWN: {node.problem}")
+            continue
+        memory = "" if node.used_memory is None else \
+            f", {format_bytes(node.used_memory, 1)} used of " + \
+            (format_bytes(node.maxmemory, 1) if node.maxmemory else "no maxmemory")
+        print(f"  node {node.node} {node.role}: {node.latency_ms:.2f} ms, {node.slots} slots"
+              f"{memory}, maxmemory-policy {node.policy}")
+    state = f" (cluster_state {result.cluster_state})" if result.cluster_state else ""
+    print(f"  slots: {result.slots_covered} of {SLOTS} covered{state}")
+    missing = f" (not counted: {', '.join(result.not_counted)})" if result.not_counted else ""
+    print(f"  prefix {result.prefix!r}: {result.chunks} chunks, "
+          f"{format_bytes(result.value_bytes, 2)} in {result.namespaces} namespace(s){missing}")
+    for problem in result.problems:
+        print(f"  problem: {problem}")
+    print(f"pinged {len(result.nodes)} node(s): "
+          + (f"{len(result.problems)} problem(s)" if result.problems else "ready for tierkv"))
+    return code

@@ -28,7 +28,7 @@ import torch
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError
 from tierkv.keys import ROOT_KEY, Namespace, Part, chunk_keys
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk.tier import DiskTier
 from tierkv.transfer.layout import KVLayout
 from tierkv.units import format_bytes
 

@@ -197,7 +197,7 @@ class HfModel:
 
 def check_store(store: Path, namespace: Any, allow_new: bool) -> None:
     """Refuse a store that holds only other namespaces (a mismatched setting, most likely)."""
-    from tierkv.tiers.disk_files import closest_namespace, describe_differences, list_namespaces
+    from tierkv.tiers.disk.files import closest_namespace, describe_differences, list_namespaces
 
     if store.exists() and not store.is_dir():
         raise ConfigError(f"warmup: --store {store} is not a directory")
@@ -370,7 +370,7 @@ async def _run(args: argparse.Namespace) -> int:
               f"connector's disk_bytes) to warm more", file=sys.stderr)
         code = 1
     if args.verify:
-        from tierkv.tools import verify_store
+        from tierkv.tiers.disk.tools import verify_store
 
         outcome = verify_store(args.store, only=report.fingerprint)
         print(f"verified {outcome.checked} chunks: " + ("clean" if outcome.clean else

@@ -18,9 +18,9 @@ from tierkv.engine.worker import WorkerAdapter
 from tierkv.keys import Namespace
 from tierkv.testing import MiniEngine
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import DiskTier, ReadStatus
+from tierkv.tiers.disk.tier import DiskTier, ReadStatus
 from tierkv.transfer.cpu import CpuTransferEngine
-from tierkv.transfer.disk_io import DiskIO
+from tierkv.transfer.tier_io import TierIO
 from tierkv.transfer.executor import JobExecutor
 from tierkv.transfer.layout import KVLayout
 
@@ -118,7 +118,7 @@ def build_stack(
         namespace = Namespace("adapter-test", "int32", "LBNHC", chunk_bytes // BPC // LAYERS, BLOCK * BPC, LAYERS)
         disk = DiskTier(tmp_path / "disk", namespace, 0, DiskTierConfig(path=tmp_path / "disk", max_bytes=64 << 20),
                         chunk_bytes)
-        disk_io = DiskIO(disk, slab, 1 << 20)
+        disk_io = TierIO(disk, slab, 1 << 20)
     index = BlockIndex(num_slots, disk_chunks, write_through=write_through, spill_ahead_fraction=0.25)
     adapter = EngineAdapter(index, AdapterConfig(BLOCK, BPC))
     worker = WorkerAdapter(JobExecutor(transfer, disk_io))

@@ -18,7 +18,7 @@ import pytest
 from tierkv.cli import main
 from tierkv.config import DiskTierConfig
 from tierkv.keys import Namespace
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk.tier import DiskTier
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -101,7 +101,7 @@ def test_demo_refuses_shapes_it_cannot_run(option: str, value: str, tmp_path: Pa
 def test_help_imports_no_command_module() -> None:
     code = ("import sys\nfrom tierkv.cli import main\ntry:\n    main(['--help'])\n"
             "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'lmdb', 'tierkv.demo', "
-            "'tierkv.tools', 'tierkv.warmup_hf', 'tierkv.tools_rm') if m in sys.modules))")
+            "'tierkv.tools', 'tierkv.warmup_hf', 'tierkv.tiers.disk.tools') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
                           timeout=120)
     assert done.returncode == 0, done.stderr

@@ -19,7 +19,7 @@ import torch
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import chunk_keys
-from tierkv.tools import inspect_store
+from tierkv.tiers.disk.tools import inspect_store
 
 PAGE_SHAPE = (2, 16, 4, 64)  # 16 KiB of float16 per block and layer
 LAYERS, BPC, TOKENS_PER_BLOCK = 2, 2, 16
@@ -181,8 +181,8 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
     the engine's reservation once."""
     from tierkv.integrations.vllm_disk import acquire_tier, claim_env, release_claimed
     from tierkv.keys import Namespace, Part
-    from tierkv.tiers.disk_budget import DiskBudget, survey
-    from tierkv.tiers.disk_files import part_dir_name
+    from tierkv.tiers.disk.budget import DiskBudget, survey
+    from tierkv.tiers.disk.layout import StoreLayout
 
     namespace = Namespace(model_id="tp2", dtype="float16", kv_layout="test", page_bytes=4096,
                           tokens_per_chunk=16, chunk_bytes=2 * CHUNK_BYTES)
@@ -192,7 +192,7 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
     try:
         for tier in tiers:  # the workers claim their parts first
             claim_env(tier)
-        names = tuple(part_dir_name(part) for part in parts)
+        names = tuple(StoreLayout.part_dir_name(part) for part in parts)
         unit = 2 * UNIT  # a chunk of both parts
         budgets = [DiskBudget(tmp_path, namespace.fingerprint(), name, CAP, unit,
                               check_seconds=10.0, parts=2, siblings=names) for name in names]

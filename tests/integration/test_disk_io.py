@@ -1,4 +1,4 @@
-"""DiskIO: the writer and reader threads over a real LMDB disk tier and a CPU slab.
+"""TierIO: the writer and reader threads over a real LMDB disk tier and a CPU slab.
 
 To hold the writer still, a test opens a write transaction on the tier's own environment:
 LMDB lets one writer in at a time, so queued spill jobs pile up behind it.
@@ -27,9 +27,9 @@ from tierkv.errors import (
 )
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import DiskTier, ReadStatus
-from tierkv.tiers.disk_format import HEADER_BLOCK, slot_bytes_for, unpack_index
-from tierkv.transfer.disk_io import DiskIO, ReadOutcome
+from tierkv.tiers.disk.tier import DiskTier, ReadStatus
+from tierkv.tiers.disk.format import HEADER_BLOCK, slot_bytes_for, unpack_index
+from tierkv.transfer.tier_io import TierIO, ReadOutcome
 
 PAYLOAD = 16 * 1024
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=1024,
@@ -59,8 +59,8 @@ def slab() -> CpuSlab:
 
 
 @pytest.fixture()
-def disk_io(tier: DiskTier, slab: CpuSlab) -> Iterator[DiskIO]:
-    io = DiskIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
+def disk_io(tier: DiskTier, slab: CpuSlab) -> Iterator[TierIO]:
+    io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
     yield io
     io.shutdown()
 
@@ -85,7 +85,7 @@ def stored(tier: DiskTier, i: int) -> bytes | None:
 
 
 def test_submit_returns_at_once_and_completion_is_polled(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     data = fill(slab, 0, seed=1)
     with writer_blocked(tier):  # nothing commits meanwhile; the submit did not wait for it
         disk_io.submit_spill(spill(1, [(1, 0)]))
@@ -100,7 +100,7 @@ def test_submit_returns_at_once_and_completion_is_polled(
 
 
 def test_queued_jobs_share_one_transaction_in_order(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     data = {i: fill(slab, i, seed=i) for i in range(1, 6)}
     with writer_blocked(tier):
         for i in range(1, 6):
@@ -114,7 +114,7 @@ def test_queued_jobs_share_one_transaction_in_order(
 
 
 def test_a_job_bigger_than_a_batch_spans_txns_and_reports_once(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     data = {i: fill(slab, i, seed=i) for i in range(10)}
     disk_io.submit_spill(spill(7, [(i, i) for i in range(10)]))
     disk_io.wait([JobId(7)], timeout=10)
@@ -125,7 +125,7 @@ def test_a_job_bigger_than_a_batch_spans_txns_and_reports_once(
 
 
 def test_deletes_and_writes_keep_submission_order(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     fill(slab, 0, seed=0)
     newer = fill(slab, 1, seed=11)
     with writer_blocked(tier):
@@ -142,7 +142,7 @@ def test_map_full_is_reported_per_job(tmp_path: Path, slab: CpuSlab) -> None:
     size = PAYLOAD
     config = DiskTierConfig(path=tmp_path, max_bytes=8 * size)  # one job fills the slab
     with DiskTier(tmp_path, NS, 0, config, size) as small:
-        io = DiskIO(small, slab, write_batch_bytes=8 * size)
+        io = TierIO(small, slab, write_batch_bytes=8 * size)
         for slot in range(8):
             fill(slab, slot, seed=slot)
         for job in range(60):
@@ -157,7 +157,7 @@ def test_map_full_is_reported_per_job(tmp_path: Path, slab: CpuSlab) -> None:
 
 
 def test_reads_land_in_slots_and_chain_on_done(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     data = {i: fill(slab, i, seed=i) for i in range(3)}
     disk_io.submit_spill(spill(1, [(i, i) for i in range(3)]))
     disk_io.wait([JobId(1)])
@@ -183,7 +183,7 @@ def test_reads_land_in_slots_and_chain_on_done(
 
 
 def test_corrupt_value_is_reported_and_deleted(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     fill(slab, 0, seed=0)
     disk_io.submit_spill(spill(1, [(1, 0)]))
     disk_io.flush()
@@ -204,7 +204,7 @@ def test_corrupt_value_is_reported_and_deleted(
 
 
 def test_on_done_that_raises_keeps_the_reader_alive(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO, caplog: pytest.LogCaptureFixture) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO, caplog: pytest.LogCaptureFixture) -> None:
     def explode(outcome: ReadOutcome) -> None:
         raise RuntimeError("boom")
 
@@ -216,24 +216,24 @@ def test_on_done_that_raises_keeps_the_reader_alive(
     assert disk_io.statistics().callback_errors == 1 and "boom" in caplog.text
 
 
-def test_wait_on_a_job_never_submitted_raises(disk_io: DiskIO) -> None:
+def test_wait_on_a_job_never_submitted_raises(disk_io: TierIO) -> None:
     with pytest.raises(UnknownJobError, match="disk io: wait on job 42, which was never submitted"):
         disk_io.wait([JobId(42)])
 
 
 def test_a_wait_that_times_out_raises_and_the_job_still_completes(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     with writer_blocked(tier):
         disk_io.submit_spill(spill(1, [(1, 0)]))
         with pytest.raises(JobTimeoutError, match=r"disk io: job\(s\) \[1\] still running") as info:
             disk_io.wait([JobId(1)], timeout=0.05)
-        assert isinstance(info.value, TimeoutError)  # what DiskIO raised before
+        assert isinstance(info.value, TimeoutError)  # what TierIO raised before
     disk_io.wait([JobId(1)], timeout=10)
     assert [c.job_id for c in disk_io.poll_finished()] == [1]
 
 
-def test_a_spill_job_id_is_taken_once(disk_io: DiskIO) -> None:
-    """DiskIO refused an id only while its job was in flight: a finished spill's id was
+def test_a_spill_job_id_is_taken_once(disk_io: TierIO) -> None:
+    """TierIO refused an id only while its job was in flight: a finished spill's id was
     taken again, so a wait on it could no longer tell the two jobs apart."""
     disk_io.submit_spill(spill(1, [(1, 0)]))
     with pytest.raises(TransferError, match="job 1 was already submitted"):
@@ -243,7 +243,7 @@ def test_a_spill_job_id_is_taken_once(disk_io: DiskIO) -> None:
         disk_io.submit_spill(spill(1, [(2, 1)]))  # finished
 
 
-def test_bad_specs_raise_at_submit(disk_io: DiskIO) -> None:
+def test_bad_specs_raise_at_submit(disk_io: TierIO) -> None:
     with pytest.raises(ConfigError, match="out of range"):
         disk_io.submit_spill(spill(1, [(1, 999)]))
     with pytest.raises(ConfigError, match="32 bytes"):
@@ -251,7 +251,7 @@ def test_bad_specs_raise_at_submit(disk_io: DiskIO) -> None:
 
 
 def test_shutdown_flushes_and_is_idempotent(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     data = fill(slab, 3, seed=3)
     syncs_before = tier.statistics().syncs
     disk_io.submit_spill(spill(1, [(1, 3)]))
@@ -264,7 +264,7 @@ def test_shutdown_flushes_and_is_idempotent(
 
 
 def test_a_tier_failing_underneath_surfaces_as_broken(
-        tier: DiskTier, slab: CpuSlab, disk_io: DiskIO) -> None:
+        tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     tier.close()
     disk_io.submit_spill(spill(1, [(1, 0)]))
     disk_io.wait([JobId(1)], timeout=10)
@@ -277,11 +277,28 @@ def test_a_tier_failing_underneath_surfaces_as_broken(
         disk_io.flush()
 
 
+def test_a_broken_tier_is_named_by_its_section_and_setting(
+        tier: DiskTier, slab: CpuSlab) -> None:
+    """The message names the tier the threads serve and its setting: the remote tier's
+    reads run on a TierIO of their own, whose failure said "disk tier ... check disk.path"."""
+    io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD, section="remote")
+    try:
+        tier.close()
+        io.submit_spill(spill(1, [(1, 0)]))
+        io.wait([JobId(1)], timeout=10)
+        with pytest.raises(BrokenError, match="remote io: the remote tier failed underneath") \
+                as info:
+            io.submit_spill(spill(2, [(2, 0)]))
+        assert "check remote.url" in str(info.value) and "disk.path" not in str(info.value)
+    finally:
+        io.shutdown()
+
+
 def test_idle_writer_syncs_periodically(tmp_path: Path, slab: CpuSlab) -> None:
     now = [0.0]
     config = DiskTierConfig(path=tmp_path, sync_every_seconds=0.02, sync_every_bytes=1 << 40)
     with DiskTier(tmp_path, NS, 0, config, PAYLOAD, clock=lambda: now[0]) as disk:
-        io = DiskIO(disk, slab, write_batch_bytes=4 * PAYLOAD)
+        io = TierIO(disk, slab, write_batch_bytes=4 * PAYLOAD)
         io.submit_spill(spill(1, [(1, 0)]))
         io.wait([JobId(1)], timeout=10)
         assert disk.statistics().syncs == 0  # no fsync per transaction
@@ -294,7 +311,7 @@ def test_idle_writer_syncs_periodically(tmp_path: Path, slab: CpuSlab) -> None:
 
 
 def test_a_read_the_tier_cannot_serve_reports_every_key_as_not_landed(
-        tier: DiskTier, disk_io: DiskIO) -> None:
+        tier: DiskTier, disk_io: TierIO) -> None:
     tier.close()
     outcomes: list[ReadOutcome] = []
     chunks = [ChunkCopy(key_of(i), SlotId(i), ()) for i in range(3)]

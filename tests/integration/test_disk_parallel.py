@@ -17,9 +17,9 @@ from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers import disk_readahead
-from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus
-from tierkv.transfer.disk_io import DiskIO, ReadOutcome
+from tierkv.tiers.disk import readahead as disk_readahead
+from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus
+from tierkv.transfer.tier_io import TierIO, ReadOutcome
 
 PAYLOAD = 256 * 1024
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=4096,
@@ -96,7 +96,7 @@ def spill(job: int, writes: list[tuple[int, int]]) -> SpillSpec:
 def test_one_read_job_is_split_across_reader_threads(tmp_path: Path) -> None:
     slab = CpuSlab(num_slots=40, slot_bytes=PAYLOAD, pin_memory="never")
     with open_tier(tmp_path) as tier:
-        io = DiskIO(tier, slab, write_batch_bytes=4 * PAYLOAD, reader_threads=4)
+        io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD, reader_threads=4)
         try:
             for i in range(16):
                 slab.memoryview(i)[:] = payload_of(i)
@@ -144,7 +144,7 @@ def test_periodic_fsync_runs_on_its_own_thread(tmp_path: Path) -> None:
             original()
 
         tier.sync = sync  # type: ignore[method-assign]
-        io = DiskIO(tier, slab, write_batch_bytes=PAYLOAD)
+        io = TierIO(tier, slab, write_batch_bytes=PAYLOAD)
         try:
             for job in range(1, 6):
                 slab.memoryview(job)[:] = payload_of(job)
@@ -192,7 +192,7 @@ def test_small_chunks_are_not_split_into_pieces(tmp_path: Path) -> None:
     small = 16 * 1024
     slab = CpuSlab(num_slots=40, slot_bytes=small, pin_memory="never")
     with DiskTier(tmp_path, NS, 0, DiskTierConfig(path=tmp_path), small) as tier:
-        io = DiskIO(tier, slab, write_batch_bytes=64 * small, reader_threads=4)
+        io = TierIO(tier, slab, write_batch_bytes=64 * small, reader_threads=4)
         try:
             for i in range(16):
                 slab.memoryview(i)[:] = payload_of(i)[:small]

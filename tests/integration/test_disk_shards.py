@@ -23,12 +23,12 @@ from tierkv.core.jobs import JobId, SlotId, SpillSpec
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, shard_of
-from tierkv.tiers.disk_files import OWNER_FILE
-from tierkv.tiers.disk_format import (HEADER_BLOCK, IndexEntry, pack_index, seal,
+from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus, shard_of
+from tierkv.tiers.disk.files import OWNER_FILE
+from tierkv.tiers.disk.format import (HEADER_BLOCK, IndexEntry, pack_index, seal,
                                       slot_bytes_for)
-from tierkv.tiers.disk_slab import SLAB_NAME
-from tierkv.transfer.disk_io import DiskIO
+from tierkv.tiers.disk.slab import SLAB_NAME
+from tierkv.transfer.tier_io import TierIO
 
 PAYLOAD = 16 * 1024
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=1024,
@@ -112,7 +112,7 @@ def test_a_blocked_shard_does_not_hold_up_writes_to_the_others(tmp_path: Path) -
     slab.memoryview(0)[:] = payload_of(slow)
     slab.memoryview(1)[:] = payload_of(fast)
     with open_tier(tmp_path) as tier:
-        io = DiskIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
+        io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
         try:
             with shard_blocked(tier, 0):
                 io.submit_spill(SpillSpec(JobId(1), ((slow, SlotId(0)),)))
@@ -138,7 +138,7 @@ def test_a_job_over_several_shards_is_reported_once_all_landed(tmp_path: Path) -
         slab.memoryview(slot)[:] = payload_of(key)
     with open_tier(tmp_path) as tier:
         tier.put_many([(old, payload_of(old))])
-        io = DiskIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
+        io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
         try:
             with shard_blocked(tier, 3):
                 io.submit_spill(SpillSpec(JobId(5), tuple((key, SlotId(slot))

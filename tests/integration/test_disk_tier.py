@@ -27,8 +27,8 @@ from tests.reliability import support
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ClosedError, ConfigError, NamespaceMismatchError
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
-from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, list_namespaces, map_size_for, shard_of
-from tierkv.tiers.disk_format import MAGIC, binding_of, checksum, pack_header
+from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus, list_namespaces, map_size_for, shard_of
+from tierkv.tiers.disk.format import MAGIC, binding_of, checksum, pack_header
 
 PAYLOAD = 8192
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=512,

@@ -27,9 +27,9 @@ from tierkv.config import DiskTierConfig, RemoteTierConfig
 from tierkv.errors import ClosedError, ConfigError
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import LowerTier, ReadStatus
-from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.remote import RemoteTier
-from tierkv.tiers.remote_format import redis_key
+from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.format import redis_key
 from tierkv.units import MiB
 
 PAYLOAD = 4096

@@ -27,9 +27,9 @@ from tierkv.config import RemoteTierConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.remote import RemoteTier
-from tierkv.tiers.remote_client import RemoteError
-from tierkv.tiers.remote_format import redis_key, value_bytes
+from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.client import RemoteError
+from tierkv.tiers.remote.format import redis_key, value_bytes
 
 # remote.timeout_seconds of the engines and tiers that meet the fault (the others get the
 # test config's 2 s): a healthy call on a loaded 2-core CI machine must fit in it, since a

@@ -16,8 +16,8 @@ from tierkv.config import RemoteTierConfig
 from tierkv.errors import ClosedError
 from tierkv.keys import Namespace
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.remote import RemoteTier
-from tierkv.transfer.remote_io import RemoteIO
+from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.pushes import RemoteIO
 
 PAYLOAD = 16384
 NS = Namespace(model_id="push", dtype="float16", kv_layout="NHD", page_bytes=512,

@@ -24,8 +24,8 @@ from tierkv.config import RemoteTierConfig
 from tierkv.errors import BrokenError
 from tierkv.keys import Namespace
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.remote import RemoteTier
-from tierkv.tiers.remote_format import redis_key
+from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.format import redis_key
 
 PAYLOAD = 1024
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=512,

@@ -142,8 +142,8 @@ def test_a_wrong_password_is_one_line_that_says_so_and_never_shown(
 def test_the_tier_logs_a_refused_password_once_with_its_cause(
         locked_cluster: RedisCluster, caplog: pytest.LogCaptureFixture) -> None:
     from tierkv.keys import Namespace
-    from tierkv.tiers.remote import RemoteTier
-    from tierkv.tiers.remote_client import RemoteError
+    from tierkv.tiers.remote.tier import RemoteTier
+    from tierkv.tiers.remote.client import RemoteError
 
     namespace = Namespace(model_id="s", dtype="f", kv_layout="NHD", page_bytes=1,
                           tokens_per_chunk=1)

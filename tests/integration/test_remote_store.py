@@ -30,7 +30,7 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, Store
 from tierkv.errors import ClosedError
 from tierkv.keys import Part
 from tierkv.engine.store import TierKVStore
-from tierkv.tiers.remote_format import HEADER_BYTES, redis_key
+from tierkv.tiers.remote.format import HEADER_BYTES, redis_key
 
 BLOCKS, TPB, BPC, LAYERS = 64, 16, 2, 2
 TPC = TPB * BPC
@@ -388,8 +388,8 @@ def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisClust
     """An "absent" answer is kept 50 ms (``answer_seconds``), not longer: what another
     engine pushes after B asked is a hit on B's lookups once that passed (it was kept 1 s: B
     recomputed chunks A had pushed). Time is a fake clock."""
-    from tierkv.tiers.remote import RemoteTier
-    from tierkv.transfer.remote_lookup import RemoteLookup
+    from tierkv.tiers.remote.tier import RemoteTier
+    from tierkv.tiers.remote.lookup import RemoteLookup
 
     keys = chunk_keys(conversation(300, 3), TPC)
     with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as engine_a:
@@ -416,8 +416,8 @@ def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None
     """The lookup thread connects (cluster discovery: tens of ms) before the constructor
     returns, so the first lookup pays one round trip and fits the 10 ms default deadline;
     a server that is down costs the constructor at most remote.timeout_seconds."""
-    from tierkv.tiers.remote import RemoteTier
-    from tierkv.transfer.remote_lookup import RemoteLookup
+    from tierkv.tiers.remote.tier import RemoteTier
+    from tierkv.tiers.remote.lookup import RemoteLookup
 
     with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as store:
         namespace = store.namespace

@@ -22,9 +22,9 @@ from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.remote import RemoteTier
-from tierkv.tiers.remote_client import RemoteError
-from tierkv.tiers.remote_format import redis_key
+from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.client import RemoteError
+from tierkv.tiers.remote.format import redis_key
 
 PAYLOAD = 8192
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=512,
@@ -459,7 +459,7 @@ def test_opening_the_tier_tunes_malloc_unless_told_not_to(cluster: RedisCluster,
     """remote.tune_malloc (docs/benchmarks/remote.md: 2 MiB puts 0.72x -> 1.17x, reads
     0.60x -> 0.80x of redis-benchmark); a fresh process, since the tuning is per process."""
     code = ("import sys; from tierkv.config import RemoteTierConfig; from tierkv.keys import "
-            "Namespace; from tierkv.tiers import malloc_tuning; from tierkv.tiers.remote "
+            "Namespace; from tierkv.tiers import malloc_tuning; from tierkv.tiers.remote.tier "
             "import RemoteTier; ns = Namespace(model_id='t', dtype='f', kv_layout='NHD', "
             "page_bytes=1, tokens_per_chunk=1); "
             f"RemoteTier(RemoteTierConfig(url=sys.argv[1], tune_malloc={tune}), ns, 0, 1 << 20)"

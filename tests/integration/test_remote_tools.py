@@ -19,8 +19,8 @@ from tierkv.cli import main
 from tierkv.config import RemoteTierConfig
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.remote import RemoteTier
-from tierkv.tiers.remote_format import redis_key
+from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.format import redis_key
 from tierkv.units import format_bytes
 
 PAYLOAD = 4096
@@ -92,6 +92,33 @@ def test_verify_finds_bad_values_and_repair_deletes_them(
     assert not raw.exists(flipped) and not raw.exists(moved)
     assert main(["verify", cluster.url]) == 0
     assert "verified 27 chunks" in capsys.readouterr().out
+    raw.close()
+
+
+def test_verify_reads_every_value_through_the_tier(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tool has no read-and-check loop of its own: each value of the right size is read,
+    checked and repaired by RemoteTier.verify_chunk, the load's own path."""
+    keys = fill(cluster)
+    raw = ClusterClient.from_url(cluster.url)
+    flipped = redis_key(b"tierkv:", NS.fingerprint(), Part(1, 2), keys[2])
+    value = bytearray(raw.get(flipped))
+    value[-1] ^= 1
+    raw.set(flipped, bytes(value))
+    seen: list[tuple[str, bytes, str, bool]] = []
+    real = RemoteTier.verify_chunk
+
+    def spy(tier: RemoteTier, key: bytes, part: Part | None = None,
+            repair: bool = False, out: memoryview | None = None) -> object:
+        seen.append((tier.fingerprint, key, part.name if part else "", repair))
+        return real(tier, key, part, repair, out)
+
+    monkeypatch.setattr(RemoteTier, "verify_chunk", spy)
+    assert main(["verify", cluster.url, "--repair"]) == 1
+    assert "1 bad, deleted 1" in capsys.readouterr().out and not raw.exists(flipped)
+    assert len(seen) == 29 and all(repair for *_, repair in seen)
+    assert (NS.fingerprint(), keys[2], "1of2", True) in seen
     raw.close()
 
 

@@ -24,7 +24,7 @@ from tests.reliability import support
 from tierkv.cli import main
 from tierkv.config import DiskTierConfig
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
-from tierkv.tiers.disk import DiskTier, ReadStatus, shard_of
+from tierkv.tiers.disk.tier import DiskTier, ReadStatus, shard_of
 from tierkv.units import format_bytes
 
 PAYLOAD = 4096
@@ -250,7 +250,8 @@ def test_verify_prints_progress_and_a_speed_line_on_stderr(
 
 
 def test_progress_lines_are_throttled_and_the_speed_is_binary(store: Path) -> None:
-    from tierkv.tools import ProgressLine, verify_store
+    from tierkv.tiers.disk.tools import verify_store
+    from tierkv.tools import ProgressLine
     from tierkv.units import GiB
 
     now = [100.0]
@@ -282,7 +283,7 @@ def test_progress_lines_are_throttled_and_the_speed_is_binary(store: Path) -> No
 
 def test_progress_is_reported_within_an_environment(tmp_path: Path) -> None:
     """A store of one big environment shows progress while it is checked, not only at its end."""
-    from tierkv.tools import verify_store
+    from tierkv.tiers.disk.tools import verify_store
 
     make_store(tmp_path, NS, 300)
     seen: list[tuple[int, int, int | None]] = []
@@ -432,7 +433,7 @@ import sys
 from pathlib import Path
 from tests.integration.test_tools import NS, PAYLOAD
 from tierkv.config import DiskTierConfig
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk.tier import DiskTier
 root = Path({str(store)!r})
 with DiskTier(root, NS, 0, DiskTierConfig(path=root), PAYLOAD, exclusive=True):
     print("open", flush=True)

@@ -807,7 +807,7 @@ def test_a_follower_rank_reads_the_writers_environment_once_it_exists(tmp_path: 
     from tierkv.config import DiskTierConfig, StoreConfig
     from tierkv.integrations.vllm_disk import open_follower
     from tierkv.keys import SINGLE_PART, Namespace
-    from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.disk.tier import DiskTier
 
     namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
                           tokens_per_chunk=16)
@@ -852,7 +852,7 @@ def test_rebuild_keeps_chunks_every_part_holds(tmp_path: Path) -> None:
     from tierkv.config import DiskTierConfig
     from tierkv.integrations.vllm_disk import acquire_tier, rebuild_keys, release_tier
     from tierkv.keys import Namespace, Part
-    from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.disk.tier import DiskTier
 
     namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
                           tokens_per_chunk=32)
@@ -1182,7 +1182,7 @@ def test_one_disk_cap_for_every_namespace_under_the_disk_path(
     the start-up line names it and `tierkv rm`. Before, each namespace had a cap of its own
     and the old ones stayed forever (the path held both: 2x the cap)."""
     from tierkv.config import DISK_OVERHEAD_BYTES
-    from tierkv.tiers.disk_budget import survey
+    from tierkv.tiers.disk.budget import survey
 
     disk = tmp_path / "kv"
     small = 2 * 2 * 1024  # 2 blocks x 2 layers x 1 KiB pages: a 32-token chunk's bytes

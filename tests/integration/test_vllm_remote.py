@@ -46,7 +46,7 @@ from vllm.config import KVTransferConfig
 from tests.integration import vllm_harness as harness_lib
 from tests.integration.test_vllm_connector import Run, expected_chat_hits
 from tests.redis_cluster import HOST, RedisCluster, free_port
-from tierkv.tiers.remote_format import parse_redis_key
+from tierkv.tiers.remote.format import parse_redis_key
 
 HarnessConfig = harness_lib.HarnessConfig
 RequestSpec = harness_lib.RequestSpec

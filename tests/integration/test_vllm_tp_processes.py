@@ -119,7 +119,7 @@ def test_mla_under_tp_keeps_one_disk_copy_that_every_rank_loads(async_scheduling
     """MLA ranks hold identical KV (issue 15, point 2): rank 0 writes one copy per chunk, and
     rank 1 loads it (exact checks of both ranks' slots). A full-attention model with pages of
     the same size keeps one copy per rank: the bytes saved are measured against it."""
-    from tierkv.tools import inspect_store
+    from tierkv.tiers.disk.tools import inspect_store
 
     workload = {**CHAT, "num_conversations": 4}
 

@@ -34,8 +34,8 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore, build_namespace
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 from tierkv.keys import chunk_keys
-from tierkv.tiers.disk import list_namespaces
-from tierkv.tools import inspect_store, verify_store
+from tierkv.tiers.disk.tier import list_namespaces
+from tierkv.tiers.disk.tools import inspect_store, verify_store
 from tierkv.transfer.layout import KVLayout
 from tierkv.integrations.vllm_warmup import VllmTarget, vllm_block_hashes
 from tierkv.warmup import gather_chunks, warmup_tokens

@@ -68,7 +68,7 @@ def worker(rank: int, root: str, result_path: str) -> None:
 
 def inspector(root: str, result_path: str, stop_path: str) -> None:
     from tierkv.keys import Namespace
-    from tierkv.tiers.disk import DiskTier, ReadStatus, list_namespaces
+    from tierkv.tiers.disk.tier import DiskTier, ReadStatus, list_namespaces
 
     result: dict[str, Any] = {"error": None, "rounds": 0, "verified": {}, "bad": 0, "reads_ok": 0,
                               "reads_missing": 0, "reads_corrupt": 0, "namespaces": []}

@@ -11,10 +11,10 @@ kernel keeps it whatever happens to the process next):
     E <text>           the child failed (it never should before the kill)
 
 Two modes, alternated by the test:
-- ``diskio``: DiskTier + DiskIO directly; spill jobs of 1-6 chunks with some deletes,
+- ``diskio``: DiskTier + TierIO directly; spill jobs of 1-6 chunks with some deletes,
   up to 4 jobs queued so that the writer batches several jobs per transaction.
 - ``store``: the TierKVStore library path with write-through (spills ride the same
-  DiskIO writer); every few requests ``flush()``, after which every chunk the index holds
+  TierIO writer); every few requests ``flush()``, after which every chunk the index holds
   on disk is reported committed.
 """
 
@@ -57,13 +57,13 @@ def run_child(mode: str, root: str, report_path: str, seed: int) -> None:
 def _diskio(root: Path, report: Report, rng: random.Random) -> None:
     from tierkv.core.jobs import JobId, SlotId, SpillSpec
     from tierkv.tiers.cpu import CpuSlab
-    from tierkv.tiers.disk import DiskTier
-    from tierkv.transfer.disk_io import DiskIO
+    from tierkv.tiers.disk.tier import DiskTier
+    from tierkv.transfer.tier_io import TierIO
 
     config = support.store_config(root, write_batch_bytes=4 * support.CHUNK_BYTES).disk
     tier = DiskTier(root, support.namespace_of(), support.part(0), config, support.CHUNK_BYTES)
     slab = CpuSlab(num_slots=32, slot_bytes=support.CHUNK_BYTES, pin_memory="never")
-    disk_io = DiskIO(tier, slab, write_batch_bytes=config.write_batch_bytes)
+    disk_io = TierIO(tier, slab, write_batch_bytes=config.write_batch_bytes)
     committed = {record.key for record in tier.scan()}
     busy: set[bytes] = set()  # keys with a write or delete in flight
     free_slots = list(range(slab.num_slots))

@@ -28,10 +28,10 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.core.jobs import Completion
 from tierkv.engine.store import TierKVStore, build_namespace
 from tierkv.keys import Namespace, Part, chunk_keys
-from tierkv.tiers.disk import SHARDS, shard_of
-from tierkv.tiers.disk_format import (HEADER_BLOCK, IndexEntry, pack_index, parse_header,
+from tierkv.tiers.disk.tier import SHARDS, shard_of
+from tierkv.tiers.disk.format import (HEADER_BLOCK, IndexEntry, pack_index, parse_header,
                                       slot_bytes_for, unpack_index)
-from tierkv.tiers.disk_slab import SLAB_NAME
+from tierkv.tiers.disk.slab import SLAB_NAME
 from tierkv.transfer.layout import KVLayout
 
 LAYERS = 2
@@ -82,7 +82,7 @@ def namespace_of(model_id: str = MODEL_ID, **options: Any) -> Namespace:
 def binding(model_id: str = MODEL_ID, rank: int = 0, **options: Any) -> bytes:
     """What every value of :func:`open_store`'s namespace and ``rank`` is bound to (for
     crafting values whose checksum is right)."""
-    from tierkv.tiers.disk_format import binding_of
+    from tierkv.tiers.disk.format import binding_of
 
     return binding_of(namespace_of(model_id, **options).fingerprint(), Part(rank, TP_SIZE))
 

@@ -21,8 +21,8 @@ from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from tierkv.engine.store import TierKVStore
 from tierkv.errors import NamespaceMismatchError
 from tierkv.keys import Namespace, Part, chunk_keys
-from tierkv.tiers.disk import SHARDS, DiskTier
-from tierkv.tiers.disk_format import ValueWriter, binding_of, check_value
+from tierkv.tiers.disk.tier import SHARDS, DiskTier
+from tierkv.tiers.disk.format import ValueWriter, binding_of, check_value
 
 
 def _store_two_ranks(root: Path, keys: list[bytes]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.reliability import concurrency_child, support
-from tierkv.tiers.disk import list_namespaces
+from tierkv.tiers.disk.tier import list_namespaces
 
 
 def _result(path: Path) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def test_verify_while_another_thread_writes_and_deletes_reports_nothing_bad(
     gone, not corrupt: verify must check each batch in one snapshot."""
     import threading
 
-    from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.disk.tier import DiskTier
 
     size = 4096
     keys = [support.pool_key(i, b"verify-race") for i in range(64)]

@@ -25,8 +25,8 @@ import pytest
 
 from tests.reliability import support
 from tierkv.keys import FORMAT_VERSION
-from tierkv.tiers.disk import DiskTier, ReadStatus, shard_of
-from tierkv.tiers.disk_format import MAGIC, checksum
+from tierkv.tiers.disk.tier import DiskTier, ReadStatus, shard_of
+from tierkv.tiers.disk.format import MAGIC, checksum
 
 Edit = Callable[[bytes, bytes, bytes], bytes]  # (value, value of another key, key) -> value
 

@@ -2,7 +2,7 @@
 
 A child process (``crash_child.py``, started from a forkserver that has torch and tierkv
 imported) writes to one disk tier under load and reports every commit after it is known.
-The test kills it at a random moment, 20 times, alternating the DiskTier + DiskIO path
+The test kills it at a random moment, 20 times, alternating the DiskTier + TierIO path
 (batched spill jobs with deletes) and the TierKVStore path (write-through spills). After
 each kill the parent reopens the store through the public API and checks that the
 environment opens without being moved aside, ``verify()`` finds nothing, every chunk
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from tests.reliability import crash_child, support
-from tierkv.tiers.disk import list_namespaces
+from tierkv.tiers.disk.tier import list_namespaces
 
 ROUNDS = 20
 

@@ -34,12 +34,12 @@ import pytest
 from tests.reliability import support
 from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import JobId, SlotId, SpillSpec
-from tierkv.tiers import disk as disk_module
+from tierkv.tiers.disk import tier as disk_module
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import DiskTier, ReadStatus, shard_of
-from tierkv.tiers.disk_format import IndexEntry, check_slot, unpack_index
-from tierkv.tiers.disk_write import ShardWrites
-from tierkv.transfer.disk_io import DiskIO
+from tierkv.tiers.disk.tier import DiskTier, ReadStatus, shard_of
+from tierkv.tiers.disk.format import IndexEntry, check_slot, unpack_index
+from tierkv.tiers.disk.write import ShardWrites
+from tierkv.transfer.tier_io import TierIO
 
 SIZE = 8192
 Event = tuple[str, int, int]
@@ -77,7 +77,7 @@ def check_order(events: list[Event], sync_mode: str) -> None:
 
 def run_workload(root: Path, sync_mode: str) -> list[Event]:
     """Puts, overwrites, deletes (alone and in put batches), reads and syncs, through the
-    tier and through DiskIO's writer threads (one per shard); returns the trace."""
+    tier and through TierIO's writer threads (one per shard); returns the trace."""
     events: list[Event] = []
     config = DiskTierConfig(path=root, max_bytes=64 * SIZE, sync_mode=sync_mode,
                             sync_every_bytes=4 * SIZE)
@@ -97,7 +97,7 @@ def run_workload(root: Path, sync_mode: str) -> list[Event]:
             if round_number % 2:
                 tier.sync()
         slab = CpuSlab(num_slots=8, slot_bytes=SIZE, pin_memory="never")
-        io = DiskIO(tier, slab, write_batch_bytes=2 * SIZE)
+        io = TierIO(tier, slab, write_batch_bytes=2 * SIZE)
         try:
             for job in range(6):
                 for slot in range(8):
@@ -245,7 +245,7 @@ def test_without_the_sequence_check_a_reused_slot_would_serve_another_write(
     they are the entry's. Then K's resurrected entry serves the newer write's bytes."""
     def self_consistent_only(binding: bytes, key: bytes, head: Any, entry: IndexEntry,
                              payload_bytes: int, out: memoryview) -> str | None:
-        from tierkv.tiers.disk_format import parse_header
+        from tierkv.tiers.disk.format import parse_header
 
         parsed = parse_header(head)
         assert not isinstance(parsed, str)

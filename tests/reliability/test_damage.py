@@ -23,7 +23,7 @@ import pytest
 from tests.reliability import support
 from tierkv.cli import main
 from tierkv.errors import UsageError
-from tierkv.tiers.disk import SHARDS, shard_of
+from tierkv.tiers.disk.tier import SHARDS, shard_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -187,7 +187,7 @@ def test_a_data_file_truncated_under_a_running_store_is_damage_not_sigbus(tmp_pa
 import os
 from pathlib import Path
 from tests.reliability import support
-from tierkv.tiers.disk import shard_of
+from tierkv.tiers.disk.tier import shard_of
 root = Path({str(tmp_path)!r})
 kv = support.make_kv()
 store = support.open_store(root, kv, cpu_chunks=4)
@@ -253,12 +253,12 @@ def test_a_forked_child_using_its_parent_s_store_fails_loudly(tmp_path: Path) ->
 
 def test_concurrent_writes_and_reads_never_look_like_a_truncation(tmp_path: Path) -> None:
     """The size check read the file's size, then compared it with a floor another thread had
-    raised after its commit: ordinary traffic (DiskIO's writer and reader threads) looked
+    raised after its commit: ordinary traffic (TierIO's writer and reader threads) looked
     like a shrink and the environment was thrown away (3 rebuilds in 10 s in one review run;
     the same here within a few seconds)."""
     import threading
 
-    from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.disk.tier import DiskTier
 
     size = 64 << 10
     config = support.store_config(tmp_path, disk_chunks=8192).disk
@@ -299,7 +299,7 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
 
     from tierkv.config import DiskTierConfig
     from tierkv.integrations import vllm_disk
-    from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.disk.tier import DiskTier
 
     namespace = support.namespace_of()
     config = DiskTierConfig(path=tmp_path, max_bytes=64 << 20)
@@ -361,7 +361,7 @@ def test_calls_racing_close_get_closed_error(tmp_path: Path) -> None:
     import threading
 
     from tierkv.errors import ClosedError
-    from tierkv.tiers.disk import DiskTier
+    from tierkv.tiers.disk.tier import DiskTier
 
     config = support.store_config(tmp_path).disk
     tier = DiskTier(tmp_path, support.namespace_of(), support.part(0), config, 4096)

@@ -32,9 +32,9 @@ import torch
 
 from tests.reliability import support
 from tierkv.engine.store import TierKVStore
-from tierkv.tiers import disk as disk_module
-from tierkv.tiers.disk import SHARDS, DiskTier, ReadStatus, shard_of
-from tierkv.tiers.disk_format import slot_bytes_for
+from tierkv.tiers.disk import tier as disk_module
+from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus, shard_of
+from tierkv.tiers.disk.format import slot_bytes_for
 
 FS_SIZE = "4m"
 SMALL_MAP = 4 << 20

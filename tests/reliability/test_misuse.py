@@ -18,7 +18,7 @@ import torch
 
 from tests.reliability import support
 from tierkv.errors import ConfigError, TierKVError, TransferError, UnknownJobError, UsageError
-from tierkv.tiers.disk import SHARDS, DiskTier
+from tierkv.tiers.disk.tier import SHARDS, DiskTier
 
 
 def _tierkv_threads() -> set[threading.Thread]:
@@ -69,7 +69,7 @@ def test_a_map_grown_by_another_process_is_adopted(tmp_path: Path,
     open; its index grows data.mdb past this process's map, which is
     adopted (format 4's map holds the index only, so this process's map is shrunk to
     64 KiB per shard here, at tierkv's own boundary, for a few hundred entries to pass it)."""
-    from tierkv.tiers import disk as disk_module
+    from tierkv.tiers.disk import tier as disk_module
 
     config = support.store_config(tmp_path, disk_chunks=4096).disk
     size = support.CHUNK_BYTES
@@ -170,7 +170,7 @@ def test_block_ids_as_numpy_or_tensors_work_and_floats_are_refused(tmp_path: Pat
 
 def test_a_wait_before_its_submit_raises_unknown_job(tmp_path: Path) -> None:
     """A wait on a job id that was never submitted is the race tierkv exists to prevent. The
-    worker raised a bare TierKVError for it (the CPU engine TransferError, DiskIO
+    worker raised a bare TierKVError for it (the CPU engine TransferError, TierIO
     ConfigError); every component raises UnknownJobError now."""
     kv = support.make_kv()
     with support.open_store(tmp_path, kv) as store:
@@ -372,7 +372,7 @@ def test_threads_stop_even_when_waiting_for_the_last_jobs_fails(tmp_path: Path) 
     from tierkv.errors import TransferError
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.transfer.cpu import CpuTransferEngine
-    from tierkv.transfer.disk_io import DiskIO
+    from tierkv.transfer.tier_io import TierIO
     from tierkv.transfer.layout import KVLayout
 
     class FailingWaits(CpuTransferEngine):  # a transfer engine whose waits fail
@@ -385,7 +385,7 @@ def test_threads_stop_even_when_waiting_for_the_last_jobs_fails(tmp_path: Path) 
     slab = CpuSlab(4, layout.chunk_bytes(support.BPC), "never")
     config = support.store_config(tmp_path).disk
     tier = DiskTier(tmp_path, support.namespace_of(), support.part(0), config, slab.slot_bytes)
-    executor = JobExecutor(FailingWaits(layout, slab, support.BPC), DiskIO(tier, slab, 1 << 20))
+    executor = JobExecutor(FailingWaits(layout, slab, support.BPC), TierIO(tier, slab, 1 << 20))
     from tierkv.core.jobs import ChunkCopy, JobId, SlotId, StoreSpec
 
     key = support.request_keys(12, num_chunks=1)[0]

@@ -31,8 +31,8 @@ from tests.profiles import thorough
 import tierkv
 from tests.reliability import support
 from tierkv.keys import FORMAT_VERSION, ROOT_KEY, Namespace, chunk_keys, salted_root
-from tierkv.tiers.disk import DiskTier, ReadStatus, list_namespaces, shard_of
-from tierkv.tiers.disk_format import MAGIC, checksum
+from tierkv.tiers.disk.tier import DiskTier, ReadStatus, list_namespaces, shard_of
+from tierkv.tiers.disk.format import MAGIC, checksum
 
 PACKAGE = Path(tierkv.__file__).parent
 
@@ -431,7 +431,7 @@ def test_a_private_file_is_written_through_a_new_name_never_an_existing_one(
     import itertools
     import os
 
-    from tierkv.tiers import disk_files
+    from tierkv.tiers.disk import files as disk_files
 
     names = itertools.chain(["planted"], (f"n{i}" for i in itertools.count()))
     monkeypatch.setattr(disk_files.secrets, "token_hex", lambda n: next(names))

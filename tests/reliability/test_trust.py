@@ -131,7 +131,7 @@ def test_own_files_others_could_write_are_never_trusted(tmp_path: Path, loose: s
     with support.open_store(tmp_path, kv) as store:
         support.store_chunks(store, kv, keys)
     env_dir = support.env_dirs(tmp_path)[0]
-    from tierkv.tiers.disk_format import ValueWriter
+    from tierkv.tiers.disk.format import ValueWriter
 
     forged = bytes(ValueWriter(support.CHUNK_BYTES, support.binding()).build(
         keys[0], support.payload_for(keys[0], variant=b"forged"), seq=999))

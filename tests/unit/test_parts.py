@@ -12,7 +12,7 @@ from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import Geometry, build_namespace
 from tierkv.keys import Part, as_part, parse_part, part_counts
 from tierkv.tiers.base import ReadStatus
-from tierkv.tiers.disk_files import parse_part_dir, part_dir_name
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.transfer.parts import HeadLayout, PartReader, assemble_heads, copy_heads, split_heads
 
 LAYERS, BLOCKS, HEADS, TOKENS, CONTENT = 3, 2, 4, 4, 6  # CONTENT: K and V bytes of a head
@@ -134,12 +134,12 @@ def test_part_names_directories_and_candidate_counts() -> None:
         as_part(1)  # a rank is not a part: its count must be given
     with pytest.raises(ConfigError):
         as_part(Part(2, 2))
-    assert part_dir_name(Part(0, 2)) == "part-0of2"
-    assert part_dir_name(Part(0, 2), 1) == "part-0of2-dp1"
-    assert parse_part_dir("part-0of2-dp1") == (Part(0, 2), 1)
-    assert parse_part_dir("part-3of4") == (Part(3, 4), 0)
+    assert StoreLayout.part_dir_name(Part(0, 2)) == "part-0of2"
+    assert StoreLayout.part_dir_name(Part(0, 2), 1) == "part-0of2-dp1"
+    assert StoreLayout.parse_part_dir("part-0of2-dp1") == (Part(0, 2), 1)
+    assert StoreLayout.parse_part_dir("part-3of4") == (Part(3, 4), 0)
     for bad in ("rank-0", "part-0of2-dp0", "part-0of2-dpx", "part-2of2", "part-0of2.broken-x"):
-        assert parse_part_dir(bad) is None, bad
+        assert StoreLayout.parse_part_dir(bad) is None, bad
     assert part_counts(8) == (1, 2, 4, 8)
     assert part_counts(6) == (1, 2, 6)
     assert part_counts(1) == (1,)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tests.profiles import thorough
 from tierkv.keys import Part
-from tierkv.tiers.remote_format import HEADER_BYTES, check_value, pack_value, redis_key
+from tierkv.tiers.remote.format import HEADER_BYTES, check_value, pack_value, redis_key
 
 FP = "802a6c76d0e36bab4a92f7e8a8c80f25"
 OTHER_FP = "0123456789abcdef0123456789abcdef"
@@ -77,9 +77,9 @@ def test_the_parts_of_a_chunk_share_one_hash_tag_under_every_part_count() -> Non
 
 
 def test_a_redis_key_parses_back_and_other_keys_do_not() -> None:
-    from tierkv.tiers.remote_format import parse_redis_key
+    from tierkv.tiers.remote.format import parse_redis_key
 
-    from tierkv.tiers.remote_format import parse_old_key
+    from tierkv.tiers.remote.format import parse_old_key
 
     name = redis_key(b"tierkv:", FP, Part(3, 4), KEY)
     assert parse_redis_key(b"tierkv:", name) == (FP, Part(3, 4), KEY)

@@ -1,4 +1,4 @@
-"""The remote tier's per-node breakers and their log lines (tierkv.tiers.remote_health),
+"""The remote tier's per-node breakers and their log lines (tierkv.tiers.remote.health),
 with a fake clock: no network, no sleep."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tierkv.tiers.remote_health import TIER, WRITES, NodeHealth
+from tierkv.tiers.remote.health import TIER, WRITES, NodeHealth
 
 
 class Clock:

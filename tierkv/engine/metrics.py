@@ -37,7 +37,7 @@ from tierkv.core.index import IndexStats
 from tierkv.core.jobs import JobKind
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.extras import needs
-from tierkv.tiers.remote_health import CAUSES
+from tierkv.tiers.remote.health import CAUSES
 
 PREFIX = "tierkv:"
 Kind = Literal["counter", "gauge", "histogram"]
@@ -175,8 +175,8 @@ def metric_keys(metric: Metric, figures: Mapping[str, Any]) -> tuple[tuple[str, 
 def remote_figures(tiers: Sequence[Any], pushes: Any = None,
                    breakers: bool = True) -> dict[str, float]:
     """The remote tier's figures from the statistics of its tiers
-    (:class:`~tierkv.tiers.remote.RemoteStatistics`: an engine's lookups and its loads and
-    pushes have a tier each) and its pushes (:class:`~tierkv.transfer.remote_io.
+    (:class:`~tierkv.tiers.remote.tier.RemoteStatistics`: an engine's lookups and its loads and
+    pushes have a tier each) and its pushes (:class:`~tierkv.tiers.remote.pushes.
     RemoteIOStatistics`): counters summed, a node's breaker open if any tier's is
     (``breakers=False``: none of those gauges)."""
     out: dict[str, float] = dict.fromkeys(

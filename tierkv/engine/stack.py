@@ -34,13 +34,13 @@ from tierkv.keys import Namespace, Part
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
     from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
-    from tierkv.tiers.disk import DiskTier
-    from tierkv.tiers.remote import RemoteTier
+    from tierkv.tiers.disk.tier import DiskTier
+    from tierkv.tiers.remote.tier import RemoteTier
     from tierkv.transfer.base import TransferEngine
-    from tierkv.transfer.disk_io import DiskIO
+    from tierkv.transfer.tier_io import TierIO
     from tierkv.transfer.layout import KVLayout
-    from tierkv.transfer.remote_io import RemoteIO
-    from tierkv.transfer.remote_lookup import RemoteLookup
+    from tierkv.tiers.remote.pushes import RemoteIO
+    from tierkv.tiers.remote.lookup import RemoteLookup
 
 log = logging.getLogger("tierkv")
 
@@ -89,8 +89,8 @@ def build_remote_lookup(config: StoreConfig, namespace: Namespace,
     if config.remote is None:
         return None
     with needs("remote", "the remote tier (StoreConfig.remote, vLLM's remote_url)"):
-        from tierkv.tiers.remote import RemoteTier
-        from tierkv.transfer.remote_lookup import RemoteLookup
+        from tierkv.tiers.remote.tier import RemoteTier
+        from tierkv.tiers.remote.lookup import RemoteLookup
 
     remote = config.remote
     tier = RemoteTier(remote, namespace, part_sets[0][0], chunk_bytes, lazy=True,
@@ -106,7 +106,7 @@ class WorkerStack:
     slab: CpuSlab
     transfer: TransferEngine
     disk: DiskTier | None
-    disk_io: DiskIO | None
+    disk_io: TierIO | None
     executor: JobExecutor
     release_disk: Callable[[DiskTier], None]
     remote: RemoteTier | None = None
@@ -116,7 +116,7 @@ class WorkerStack:
 
 
 def _release(executor: JobExecutor | None,
-             parts: Sequence[DiskIO | TransferEngine | RemoteIO | None],
+             parts: Sequence[TierIO | TransferEngine | RemoteIO | None],
              disk: DiskTier | None, release_disk: Callable[[DiskTier], None],
              remote: RemoteTier | None) -> None:
     """Stop threads (the executor's, or ``parts`` before it owned them), then release the
@@ -156,7 +156,7 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
     opened first: a store path that is refused costs no slab and no thread."""
     from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
-    from tierkv.transfer.disk_io import DiskIO
+    from tierkv.transfer.tier_io import TierIO
     from tierkv.transfer.factory import make_transfer_engine
 
     chunk_bytes = layout.chunk_bytes(config.blocks_per_chunk)
@@ -165,25 +165,25 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
     disk = open_disk() if open_disk is not None else None
     slab: CpuSlab | None = None
     transfer: TransferEngine | None = None
-    disk_io: DiskIO | None = None
+    disk_io: TierIO | None = None
     remote: RemoteTier | None = None
-    remote_io: DiskIO | None = None
+    remote_io: TierIO | None = None
     pusher: RemoteIO | None = None
     try:
         slab = CpuSlab(num_slots, chunk_bytes, config.cpu.pin_memory)
         transfer = make_transfer_engine(config.device, layout, slab, config.blocks_per_chunk)
         if disk is not None:
-            disk_io = DiskIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
+            disk_io = TierIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
         settings = config.remote
         if settings is not None and namespace is not None:
             with needs("remote", "the remote tier (StoreConfig.remote, vLLM's remote_url)"):
-                from tierkv.tiers.remote import RemoteTier
-                from tierkv.transfer.remote_io import RemoteIO
+                from tierkv.tiers.remote.tier import RemoteTier
+                from tierkv.tiers.remote.pushes import RemoteIO
 
             part = remote_part if remote_part is not None else library_part(config)
             remote = RemoteTier(settings, namespace, part, chunk_bytes, lazy=True,
                                 role="loads and pushes")
-            remote_io = DiskIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
+            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
             if settings.push != "read_only":
                 pusher = RemoteIO(remote, settings.queue_bytes)
         executor = JobExecutor(transfer, disk_io, remote_io=remote_io, pusher=pusher,

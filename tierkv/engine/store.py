@@ -59,6 +59,7 @@ from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk
 from tierkv.core.figures import values
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine.adapter_stats import AdapterStats
+from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, config_info,
                                    remote_figures, usage_figures)
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
@@ -72,9 +73,9 @@ from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, Rem
 from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.disk_budget import DiskBudget
-from tierkv.tiers.disk_files import empty_namespace_warning, part_dir_name
+from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.disk.budget import DiskBudget
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.transfer.layout import KVLayout
 
 __all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
@@ -175,29 +176,24 @@ class TierKVStore:
 
     def _open_budget(self, root: Path, num_slots: int) -> None:
         """The index over this store's share of the disk cap, which every namespace under
-        ``root`` shares (:mod:`tierkv.tiers.disk_budget`), warm with the chunks on disk."""
+        ``root`` shares (:mod:`tierkv.tiers.disk.budget`), warm with the chunks on disk."""
         assert self.disk is not None
         cfg, namespace = self.config, self.namespace
-        records = sorted(self.disk.scan(), key=lambda record: record.seq)
+        found_on_disk = FoundOnDisk()
+        found_on_disk.scan(self.disk)
+        keys = found_on_disk.oldest_first()
         self._budget = DiskBudget(root, namespace.fingerprint(),
-                                  part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
+                                  StoreLayout.part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
                                   self.chunk_bytes + DISK_OVERHEAD_BYTES,
                                   check_seconds=cfg.disk.budget_check_seconds)
-        capacity = self._budget.plan(len(records))
+        capacity = self._budget.plan(len(keys))
         self.index = build_index(cfg, num_slots, capacity, disk_tier=True)
-        found = self.index.add_on_disk(record.key for record in records)
-        if found < len(records):  # the oldest over the share, deleted with the next spill
-            log.warning("tierkv: deleting %d of the %d chunk(s) found on disk at start: they "
-                        "are over this store's share (%d chunks) of disk.max_bytes=%d, one "
-                        "cap for every namespace under %s", len(records) - found,
-                        len(records), capacity, cfg.disk.max_bytes, root)
         line = self._budget.start_line()
         if line:
             unclaimed = any(holding.deletable for holding in self._budget.others)
             log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
-        warning = empty_namespace_warning(root, namespace, found)
-        if warning:
-            log.warning("tierkv: %s", warning)
+        rebuild_index(self.index, keys, capacity, root=root, namespace=namespace,
+                      cap=f"disk.max_bytes={cfg.disk.max_bytes}", log=log)
 
     def _rebalance(self) -> None:
         """Plan this store's share of the disk cap again when it is due (see

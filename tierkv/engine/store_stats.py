@@ -16,9 +16,9 @@ from tierkv.core.index import IndexStats
 from tierkv.core.jobs import JobId
 
 if TYPE_CHECKING:
-    from tierkv.tiers.remote import RemoteStatistics
-    from tierkv.transfer.remote_io import RemoteIOStatistics
-    from tierkv.transfer.remote_lookup import RemoteLookupStatistics
+    from tierkv.tiers.remote.tier import RemoteStatistics
+    from tierkv.tiers.remote.pushes import RemoteIOStatistics
+    from tierkv.tiers.remote.lookup import RemoteLookupStatistics
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ __all__ = ["RemoteAsker", "lookup_tiers"]
 
 class RemoteAsker(Protocol):
     """What the adapter needs of a remote tier's lookups
-    (:class:`tierkv.transfer.remote_lookup.RemoteLookup`): the prefix of ``keys`` whose
+    (:class:`tierkv.tiers.remote.lookup.RemoteLookup`): the prefix of ``keys`` whose
     every rank's value exists, or None ("not yet")."""
 
     def ask(self, keys: Sequence[bytes]) -> list[bytes] | None: ...

@@ -12,6 +12,9 @@
   every part of such a count holds is usable too, loaded from those parts (never deleted
   here: they are another engine's). It closes what it opened: the scheduler process never
   keeps LMDB open, and never forks with it open.
+  It scans through :class:`tierkv.engine.disk_start.FoundOnDisk`, and the scheduler
+  registers the keys with :func:`tierkv.engine.disk_start.rebuild_index`, as the library
+  store does.
 - :class:`OtherParts`: a worker's lazily opened, read-only, unclaimed view of the parts
   another part count wrote (:mod:`tierkv.transfer.parts` reads them).
 - :func:`claim_env`: a worker makes itself its environment's one writer for its lifetime
@@ -28,17 +31,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.config import DiskTierConfig, StoreConfig
+from tierkv.engine.disk_start import FoundOnDisk
 from tierkv.errors import BrokenError, ConfigError, DamagedError
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.disk_files import OWNER_FILE, part_dir_name
+from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.disk.files import OWNER_FILE
+from tierkv.tiers.disk.layout import StoreLayout
 
 __all__ = ["OWNER_FILE", "acquire_tier", "claim_env", "open_follower", "rebuild_keys",
            "release_tier", "unclaim_env", "write_chunks"]
@@ -51,7 +55,7 @@ _CLAIMED: set[Path] = set()  # environments a worker of this process writes
 
 
 def env_path(root: Path, namespace: Namespace, part: Part, replica: int = 0) -> Path:
-    return Path(root) / f"ns-{namespace.fingerprint()}" / part_dir_name(part, replica)
+    return StoreLayout(root).part_dir(namespace.fingerprint(), part, replica)
 
 
 def acquire_tier(root: Path, namespace: Namespace, part: Part, config: DiskTierConfig,
@@ -146,11 +150,10 @@ def open_follower(namespace: Namespace, config: StoreConfig, payload_bytes: int,
 
 def _scan_parts(root: Path, namespace: Namespace, count: int, config: DiskTierConfig,
                 payload_bytes: int, replica: int, own: bool,
-                tiers: list[DiskTier]) -> tuple[Counter[bytes], dict[bytes, int]] | None:
+                tiers: list[DiskTier]) -> FoundOnDisk | None:
     """How many parts of ``count`` hold each key, and each key's newest sequence; None when
     (another count's) parts are not all there."""
-    holders: Counter[bytes] = Counter()
-    seqs: dict[bytes, int] = {}
+    found = FoundOnDisk()
     for index in range(count):
         part = Part(index, count)
         tier = None
@@ -163,7 +166,7 @@ def _scan_parts(root: Path, namespace: Namespace, count: int, config: DiskTierCo
                 tier = DiskTier(root, namespace, part, config, payload_bytes, read_only=True,
                                 replica=replica)
             tiers.append(tier)
-            records = list(tier.scan())
+            found.scan(tier)
         except (DamagedError, BrokenError, ConfigError) as exc:
             if own and not isinstance(exc, DamagedError):
                 raise
@@ -174,10 +177,7 @@ def _scan_parts(root: Path, namespace: Namespace, count: int, config: DiskTierCo
             if not own:
                 return None
             continue
-        holders.update(record.key for record in records)
-        for record in records:
-            seqs[record.key] = max(seqs.get(record.key, 0), record.seq)
-    return holders, seqs
+    return found
 
 
 def rebuild_keys(root: Path, namespace: Namespace, own_count: int, config: DiskTierConfig,
@@ -196,7 +196,7 @@ def rebuild_keys(root: Path, namespace: Namespace, own_count: int, config: DiskT
         scanned = _scan_parts(root, namespace, own_count, config, payload_bytes, replica,
                               True, own_tiers)
         assert scanned is not None
-        holders, seqs = scanned
+        holders, seqs = scanned.holders, scanned.seqs
         whole = [key for key, count in holders.items() if count == own_count]
         partial = [key for key, count in holders.items() if count != own_count]
         elsewhere: dict[bytes, int] = {}
@@ -207,12 +207,11 @@ def rebuild_keys(root: Path, namespace: Namespace, own_count: int, config: DiskT
                                 False, other_tiers)
             if found is None:
                 continue
-            for key, held in found[0].items():
+            for key, held in found.holders.items():
                 if held == count and key not in elsewhere and holders.get(key) != own_count:
                     elsewhere[key] = count
-                    seqs[key] = max(seqs.get(key, 0), found[1][key])
-        whole.sort(key=seqs.__getitem__)
-        usable = sorted([*whole, *elsewhere], key=seqs.__getitem__)
+                    seqs[key] = max(seqs.get(key, 0), found.seqs[key])
+        usable = scanned.oldest_first([*whole, *elsewhere])
         dropped = usable[: max(len(usable) - capacity, 0)]  # the oldest go first
         keep = usable[len(dropped):]
         excess = [key for key in dropped if key not in elsewhere]  # another's: not deleted

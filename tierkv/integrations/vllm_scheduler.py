@@ -31,10 +31,10 @@ from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter
 from tierkv.integrations.vllm_keys import chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace, Part
-from tierkv.tiers.disk_files import part_dir_name
+from tierkv.tiers.disk.layout import StoreLayout
 
 if TYPE_CHECKING:
-    from tierkv.tiers.disk_budget import DiskBudget
+    from tierkv.tiers.disk.budget import DiskBudget
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -159,8 +159,8 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ start
     def _rebuild_from_disk(self) -> None:
+        from tierkv.engine.disk_start import rebuild_index
         from tierkv.integrations.vllm_disk import rebuild_keys
-        from tierkv.tiers.disk_files import empty_namespace_warning
 
         assert self.settings.disk_path is not None
         root = Path(self.settings.disk_path)
@@ -173,16 +173,13 @@ class SchedulerSide:
         self.found_on_disk_elsewhere = len(self._disk_parts)
         capacity = self._open_budgets(root, [Part(index, own) for index in range(own)],
                                       len(keys))
-        if capacity != self.index.disk_capacity:
-            self.index.set_disk_capacity(capacity)
-        self.found_on_disk = self.index.add_on_disk(keys)  # over the share: deleted next
+        self.found_on_disk = rebuild_index(  # over the share: deleted next
+            self.index, keys, capacity, root=root, namespace=self.namespace,
+            cap=f"disk_bytes={self.settings.disk_bytes}", log=log)
         log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s (%d of "
                  "them as parts of another TP size)", self.found_on_disk, self.fingerprint[:8],
                  self.settings.disk_path, time.perf_counter() - started,
                  self.found_on_disk_elsewhere)
-        warning = empty_namespace_warning(root, self.namespace, self.found_on_disk)
-        if warning:
-            log.warning("tierkv: %s", warning)
 
     def _open_budgets(self, root: Path, parts: Sequence[Part], held: int) -> int:
         """This engine's share of ``disk_bytes``, one cap for every namespace under the disk
@@ -190,12 +187,12 @@ class SchedulerSide:
         rank's in its own share file, as library stores publish theirs. Namespaces no engine
         claims give room first (least recently written first). Returns the capacity in
         chunks (the smallest rank share)."""
-        from tierkv.tiers.disk_budget import DiskBudget
+        from tierkv.tiers.disk.budget import DiskBudget
 
         # A whole chunk (every part) per unit: each part's budget plans the engine's chunks,
         # blind to its sibling parts, and publishes its part's share.
         unit = (self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES) * len(parts)
-        names = tuple(part_dir_name(part, self.replica) for part in parts)
+        names = tuple(StoreLayout.part_dir_name(part, self.replica) for part in parts)
         self._budgets = [DiskBudget(root, self.fingerprint, name, self.settings.disk_bytes, unit,
                                     check_seconds=self.config.disk.budget_check_seconds,
                                     clock=self._clock, parts=len(parts), siblings=names)

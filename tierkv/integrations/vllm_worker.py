@@ -37,7 +37,7 @@ from tierkv.integrations.vllm_disk import (OtherParts, open_claimed, open_follow
                                            release_claimed, write_chunks)
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.cpu import CpuSlab
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk.tier import DiskTier
 from tierkv.transfer.layout import KVLayout
 from tierkv.transfer.parts import HeadLayout, PartReader
 
@@ -197,7 +197,7 @@ class WorkerSide:
 
             def remote_source(count: int) -> Any:
                 if count not in tiers:
-                    from tierkv.tiers.remote import RemoteTier
+                    from tierkv.tiers.remote.tier import RemoteTier
 
                     tiers[count] = RemoteTier(settings, namespace, Part(0, count),
                                               model_bytes // count, lazy=True,

@@ -1,1 +1,3 @@
-"""Tiers hold bytes: the pinned CPU slab and the LMDB disk tier."""
+"""Tiers hold bytes: ``cpu.py`` (the pinned CPU slab, one module), ``disk/`` (the disk
+tier: LMDB index over slab files), ``remote/`` (Redis / Valkey). ``base.py`` is the
+interface below the CPU tier; ``lmdb_tuning.py`` and ``malloc_tuning.py`` are shared."""

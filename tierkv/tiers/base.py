@@ -2,7 +2,7 @@
 
 A lower tier holds chunk payloads of one namespace and part (:class:`tierkv.keys.Part`)
 under 32-byte keys. The CPU slab is its only gateway to the GPU: payloads come from slots
-and go into slots. The I/O threads that drive it (:class:`tierkv.transfer.disk_io.DiskIO`)
+and go into slots. The I/O threads that drive it (:class:`tierkv.transfer.tier_io.TierIO`)
 and the operator tools (:mod:`tierkv.tools`) use nothing but this interface.
 
 Primitives and their contracts (every implementation):
@@ -42,11 +42,26 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# A tool's check as it goes: (chunks, bytes) so far and the total when known (what
+# ``tierkv verify`` prints on stderr).
+Progress = Callable[[int, int, int | None], None]
+
 
 class ReadStatus(enum.Enum):
     OK = "ok"
     MISSING = "missing"
     CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class ChunkCheck:
+    """One value read and checked (a tier's ``verify_chunk``): ``MISSING`` (gone), ``OK`` or ``CORRUPT`` with what is
+    wrong, whether the bad value was deleted, and the value bytes read."""
+
+    status: ReadStatus
+    problem: str | None = None
+    deleted: bool = False
+    bytes_read: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,1 @@
-"""Moving bytes: transfer engines, DiskIO, the JobExecutor over them and the JobLedger."""
+"""Moving bytes: transfer engines, TierIO, the JobExecutor over them and the JobLedger."""

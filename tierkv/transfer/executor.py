@@ -6,7 +6,7 @@ Primitives:
   ``from_remote`` ones, then) CPU->GPU copy of the chunks that landed; missing or corrupt
   ones are failed keys of the same job, so the engine recomputes them and never sees a
   false hit. Returns at once.
-- Pushes to the remote tier (``pusher``, a :class:`~tierkv.transfer.remote_io.RemoteIO`):
+- Pushes to the remote tier (``pusher``, a :class:`~tierkv.tiers.remote.pushes.RemoteIO`):
   as a store job's chunks land in their slots (``push_on="on_store"``) or as a spill job's
   land on disk (``"on_evict"``), ``poll_finished`` queues a copy of each slot before it
   reports the job, so the slot is free to reuse once the job is reported.
@@ -34,9 +34,9 @@ from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobKind, JobSpec, Lo
                               StoreSpec, failed_set)
 from tierkv.errors import BrokenError, ClosedError, TierKVError, UsageError
 from tierkv.transfer.base import TransferEngine
-from tierkv.transfer.disk_io import DiskIO, ReadOutcome
+from tierkv.transfer.tier_io import TierIO, ReadOutcome
 from tierkv.transfer.ledger import JobLedger
-from tierkv.transfer.remote_io import RemoteIO
+from tierkv.tiers.remote.pushes import RemoteIO
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class _ChainedLoad:
 
 
 class JobExecutor:
-    def __init__(self, transfer: TransferEngine, disk_io: DiskIO | None = None, *,
-                 remote_io: DiskIO | None = None, pusher: RemoteIO | None = None,
+    def __init__(self, transfer: TransferEngine, disk_io: TierIO | None = None, *,
+                 remote_io: TierIO | None = None, pusher: RemoteIO | None = None,
                  push_on: str = "on_store") -> None:
         self.transfer = transfer
         self.disk_io = disk_io

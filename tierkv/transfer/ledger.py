@@ -1,6 +1,6 @@
 """JobLedger: the job ids one worker-side component was given, and which of them finished.
 
-Both transfer engines, DiskIO and the JobExecutor keep one (why: docs/design.md).
+Both transfer engines, TierIO and the JobExecutor keep one (why: docs/design.md).
 
 Primitives and their contracts (not thread-safe: the owner holds its lock around calls):
 - ``add(job_id, record)``: a submitted job and the owner's record of it. An id is taken

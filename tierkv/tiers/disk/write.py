@@ -1,7 +1,7 @@
 """The disk tier's write path, one shard at a time, in the order the crash contract
 (``docs/on-disk-format.md``) names.
 
-Primitives and contracts (:class:`ShardWrites`, one per :class:`~tierkv.tiers.disk.DiskTier`;
+Primitives and contracts (:class:`ShardWrites`, one per :class:`~tierkv.tiers.disk.tier.DiskTier`;
 every method runs inside the shard's :meth:`LmdbEnv.run`):
 
 - ``put_shard(lm, env, items, deletes)``: slots from the slab's allocator (free ones
@@ -34,9 +34,9 @@ import lmdb
 
 from tierkv.config import DiskTierConfig
 from tierkv.errors import BrokenError
-from tierkv.tiers.disk_env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv
-from tierkv.tiers.disk_format import IndexEntry, pack_index, seal, unpack_index
-from tierkv.tiers.disk_slab import NO_SPACE, SlabFile
+from tierkv.tiers.disk.env import META_NEXT_SEQ, SHARDS, FilesDamaged, LmdbEnv
+from tierkv.tiers.disk.format import IndexEntry, pack_index, seal, unpack_index
+from tierkv.tiers.disk.slab import NO_SPACE, SlabFile
 from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")

@@ -16,7 +16,7 @@ Primitives and contracts:
   off (one attempt; the deadline bounds it) and its connections keeping deadlines. redis-py
   pauses 0.25 s and refreshes the topology on a ``CLUSTERDOWN`` reply to one command: that
   reply is turned into :class:`ClusterDown`, an error redis-py passes straight up.
-- :func:`cause_of` ``(exc)``: one of :data:`~tierkv.tiers.remote_health.CAUSES`
+- :func:`cause_of` ``(exc)``: one of :data:`~tierkv.tiers.remote.health.CAUSES`
   (``"timeout"``, ``"auth refused"``, ``"cluster down"``, ...); ``HINTS`` there says for
   each what to check.
 - :func:`scrub` ``(config, text)``: the text with the password (from the URL or the
@@ -56,14 +56,14 @@ from redis.retry import Retry
 
 from tierkv.config import RemoteTierConfig
 from tierkv.errors import BrokenError
-from tierkv.tiers.remote_health import HINTS as HINTS  # the tools' messages use it
+from tierkv.tiers.remote.health import HINTS as HINTS  # the tools' messages use it
 
 _local = threading.local()
 
 
 class RemoteError(BrokenError):
     """A remote call failed (``skipped``: refused at once by an open breaker); ``cause`` is
-    one of :data:`~tierkv.tiers.remote_health.CAUSES`, ``node`` the node blamed, if one."""
+    one of :data:`~tierkv.tiers.remote.health.CAUSES`, ``node`` the node blamed, if one."""
 
     def __init__(self, message: str, cause: str, node: str | None = None,
                  skipped: bool = False) -> None:
@@ -276,7 +276,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def cause_of(exc: BaseException) -> str:
-    """Why a call failed: one of :data:`~tierkv.tiers.remote_health.CAUSES`."""
+    """Why a call failed: one of :data:`~tierkv.tiers.remote.health.CAUSES`."""
     for error in _chain(exc):
         text = str(error)
         if isinstance(error, AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH")):

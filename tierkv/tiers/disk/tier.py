@@ -26,7 +26,7 @@ LMDB serializes write transactions, reads run concurrently):
   that names them). ``trace`` (tests): called with each ordering event.
 - ``scan(batch)`` reads the index sub-db in short txns of ``batch`` keys (restart warm
   without reading payloads); ``verify`` reads every entry's slot and checks it (both walk
-  each shard's index through :mod:`tierkv.tiers.disk_walk`).
+  each shard's index through :mod:`tierkv.tiers.disk.walk`).
 - ``claim()`` makes this process the one writer of the part's environments
   (``exclusive=True`` does it at open, before anything is judged or moved): a second
   claim, from any process, is refused with a :class:`ConfigError` naming the holder.
@@ -38,7 +38,7 @@ LMDB serializes write transactions, reads run concurrently):
 - No read transaction outlives a call. Nothing is ever unpickled or evaluated.
 
 The environment underneath (which files are trusted, damage and rebuilds, a map another
-process grew, stale readers) is kept by :class:`tierkv.tiers.disk_env.LmdbEnv`; see its
+process grew, stale readers) is kept by :class:`tierkv.tiers.disk.env.LmdbEnv`; see its
 docstring. Opening a tier tunes glibc malloc once per process (:func:`tune_malloc`, opt
 out with ``disk.tune_malloc=False`` or ``TIERKV_MALLOPT=0``).
 """
@@ -63,11 +63,11 @@ from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
-from tierkv.tiers.disk_env import SHARDS, LmdbEnv, shard_of
-from tierkv.tiers.disk_files import NamespaceInfo, list_namespaces
-from tierkv.tiers.disk_format import HEADER_BLOCK, binding_of, check_slot, unpack_index
-from tierkv.tiers.disk_walk import scan_shard, verify_shard
-from tierkv.tiers.disk_write import ShardWrites
+from tierkv.tiers.disk.env import SHARDS, LmdbEnv, shard_of
+from tierkv.tiers.disk.files import NamespaceInfo, list_namespaces
+from tierkv.tiers.disk.format import HEADER_BLOCK, binding_of, check_slot, unpack_index
+from tierkv.tiers.disk.walk import scan_shard, verify_shard
+from tierkv.tiers.disk.write import ShardWrites
 from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
                                       slab_slots_for)
 from tierkv.tiers.malloc_tuning import tune_malloc

@@ -1,19 +1,21 @@
-"""``tierkv inspect URL``, ``tierkv verify [--repair] URL`` and ``tierkv rm URL`` over a
-remote tier (Redis / Valkey, standalone or Cluster): ``tierkv.tools`` hands them every store
-argument that starts with ``redis://`` or ``rediss://`` (``tierkv ping URL`` is
-:mod:`tierkv.remote_ping`).
+"""The remote tier's tools' view: what ``tierkv inspect URL``, ``tierkv verify [--repair] URL``
+and ``tierkv rm URL`` find and change in a remote tier (Redis / Valkey, standalone or
+Cluster). :mod:`tierkv.tools` hands them every store argument that starts with ``redis://``
+or ``rediss://`` and prints (``tierkv ping URL`` is :mod:`tierkv.tiers.remote.ping`).
 
 - :func:`inspect_remote` counts chunks and value bytes per namespace fingerprint and part
   (``0of2``; keys of tierkv format 4, one per rank, as ``rank <r>, format 4``: never read,
   ``tierkv rm`` deletes them) under ``--key-prefix`` (``SCAN`` on every primary, ``STRLEN`` in pipelines), and the keys
   of another type than a string (a list under a chunk's name); nothing is read or changed.
 - :func:`verify_remote` checks every value (of the namespaces whose fingerprint starts with
-  ``only``) against the fingerprint, part and key its Redis key names
-  (``tierkv.tiers.remote_format.check_value``). Sizes are checked before values are read:
-  ``STRLEN`` and the 80-byte header of each key (pipelined), a namespace's chunk size is
-  the payload length most of its headers give, and a value of another length, or a key of
-  another type, is bad unread. ``repair`` deletes a bad value by what it was (its type,
-  length or digest: ``DELETE_BAD``), never by sending it back. ``progress`` is called
+  ``only``) against the fingerprint, part and key its Redis key names. Sizes are checked
+  before values are read: ``STRLEN`` and the 80-byte header of each key (pipelined), a
+  namespace's chunk size is the payload length most of its headers give, and a value of
+  another length, or a key of another type, is bad unread. The values of the right size
+  are read and checked by the tier itself (:meth:`RemoteTier.verify_chunk`, one tier per
+  namespace and part count: the load's read and checks), never by a loop of the tool's
+  own. ``repair`` deletes a bad value by what it was (its type, length or digest:
+  ``DELETE_BAD``), never by sending it back. ``progress`` is called
   after each value (chunks and value bytes so far; the total is not known). Exit codes as
   for a disk store: 0 clean, 1 bad values found (also when repaired), 2 error.
 - :func:`remove_remote` finds the one namespace whose fingerprint starts with a prefix
@@ -22,7 +24,7 @@ argument that starts with ``redis://`` or ``rediss://`` (``tierkv ping URL`` is
   an engine running with that namespace keeps writing it, so stop it first.
 - Every network operation runs under a deadline of ``--timeout`` seconds; a node that is
   down, stalled or refuses the password ends the command with one line (exit 2) naming the
-  node, the cause and what to do (:class:`~tierkv.tiers.remote_client.RemoteError`).
+  node, the cause and what to do (:class:`~tierkv.tiers.remote.client.RemoteError`).
 - Long scans of inspect and rm print ``... N keys scanned`` to stderr every
   ``PROGRESS_EVERY`` keys; the password is never printed. ``--json`` prints one JSON
   document instead of the lines (inspect, verify, rm).
@@ -30,9 +32,6 @@ argument that starts with ``redis://`` or ``rediss://`` (``tierkv ping URL`` is
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import re
 import struct
 import sys
@@ -44,16 +43,14 @@ from typing import Any, TypeVar
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import ConfigError
 from tierkv.extras import needs
-from tierkv.keys import FORMAT_VERSION, parse_part
-from tierkv.tiers.remote_format import (DELETE_BAD, HEADER_BYTES, MAGIC, check_value,
+from tierkv.keys import FORMAT_VERSION, Part, parse_part
+from tierkv.tiers.base import Progress, ReadStatus
+from tierkv.tiers.remote.format import (DELETE_BAD, HEADER_BYTES, MAGIC,
                                         parse_old_key,
                                         parse_redis_key, value_bytes)
-from tierkv.units import format_bytes
 
 PROGRESS_EVERY = 10_000
 BATCH = 500  # keys per pipeline
-# (chunks, bytes) so far and the total when known: what ``tierkv verify`` prints on stderr
-Progress = Callable[[int, int, int | None], None]
 _HEX = re.compile(r"[0-9a-f]*")
 _T = TypeVar("_T")
 WRONG_TYPE = "the key holds another type than a string"
@@ -74,9 +71,9 @@ def is_remote(store: str) -> bool:
 
 
 def _client_module() -> Any:
-    """:mod:`tierkv.tiers.remote_client` (redis-py: the 'remote' extra), on first use."""
+    """:mod:`tierkv.tiers.remote.client` (redis-py: the 'remote' extra), on first use."""
     with needs("remote", "tierkv inspect / verify / rm / ping of a redis:// store"):
-        from tierkv.tiers import remote_client
+        from tierkv.tiers.remote import client as remote_client
     return remote_client
 
 
@@ -254,6 +251,7 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
     """Check every value (of the namespaces whose fingerprint starts with ``only``); see the
     module docstring."""
     session = Session(config)
+    tiers = _Tiers(config)
     outcome = RemoteVerify()
     try:
         entries = _entries(session, only or "", report_every=None)
@@ -275,7 +273,8 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
             assert part is not None
             payload = chunk.get(f"{fingerprint}/{part.count}")
             good = None if payload is None else value_bytes(payload)
-            value, problem, digest = None, None, ""
+            problem: str | None = None
+            repaired = False  # the tier read it, and deleted it if bad under repair
             if size is None:
                 problem = WRONG_TYPE
             elif good is None:
@@ -283,31 +282,56 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
             elif size != good:
                 problem = f"value of {size} bytes; this namespace's values have {good} " \
                           f"(a payload of {payload})"
-            else:
-                value = session.run(f"reading {name.decode(errors='replace')}",
-                                    lambda: session.client.getrange(name, 0, good))
-                if not value:
+            else:  # the right size: the tier reads and checks it (and repairs it)
+                assert payload is not None
+                check = tiers.of(fingerprint, part.count, payload).verify_chunk(
+                    key, part, repair=repair)
+                if check.status is ReadStatus.MISSING:
                     continue  # gone meanwhile
-                outcome.checked_bytes += len(value)
-                problem = check_value(fingerprint, part, key, value, payload or 0,
-                                      memoryview(bytearray(payload or 0)))
-                digest = hashlib.sha1(value).hexdigest() if problem else ""
+                outcome.checked_bytes += check.bytes_read
+                problem, repaired = check.problem, True
+                outcome.deleted += check.deleted
             outcome.checked += 1
             if progress is not None:
                 progress(outcome.checked, outcome.checked_bytes, None)
             if problem is not None:
                 outcome.bad.append((fingerprint, label, key, problem))
-                if delete_bad is not None:
+                if delete_bad is not None and not repaired:  # bad unread: by type or size
                     outcome.deleted += int(session.run(
                         "deleting a bad value",
-                        lambda: delete_bad(keys=[name], args=[good or 0, digest])))
+                        lambda: delete_bad(keys=[name], args=[good or 0, ""])))
     finally:
+        tiers.close()
         session.close()
     if only and not outcome.checked:
         raise ConfigError(f"no namespace in {safe_url(config.url)} (prefix "
                           f"{config.key_prefix!r}) starts with {only!r} (--namespace); tierkv "
                           f"inspect {safe_url(config.url)} lists them")
     return outcome
+
+
+class _Tiers:
+    """The tier of each (fingerprint, part count, payload length) :func:`verify_remote`
+    reads through, opened at its first value, on the tool's settings (``--timeout``)."""
+
+    def __init__(self, config: RemoteTierConfig) -> None:
+        self.config = config
+        self._open: dict[tuple[str, int, int], Any] = {}
+
+    def of(self, fingerprint: str, count: int, payload: int) -> Any:
+        found = self._open.get((fingerprint, count, payload))
+        if found is None:
+            with needs("remote", "tierkv verify of a redis:// store"):
+                from tierkv.tiers.remote.tier import RemoteTier
+            found = RemoteTier(self.config, fingerprint, Part(0, count), payload,
+                               role="tierkv verify")
+            self._open[(fingerprint, count, payload)] = found
+        return found
+
+    def close(self) -> None:
+        for tier in self._open.values():
+            tier.close()
+        self._open.clear()
 
 
 @dataclass
@@ -358,103 +382,3 @@ def remove_remote(config: RemoteTierConfig, prefix: str, delete: bool = False) -
     finally:
         session.close()
     return removal
-
-
-def _config(args: argparse.Namespace) -> RemoteTierConfig:
-    return RemoteTierConfig(url=str(args.store), key_prefix=args.key_prefix,
-                            timeout_seconds=args.timeout)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--key-prefix", default="tierkv:",
-                        help="remote store: the key prefix (remote.key_prefix)")
-    parser.add_argument("--timeout", type=float, default=5.0,
-                        help="remote store: seconds per network operation")
-
-
-def _other_type(count: int) -> str:
-    return f", {count} key(s) of another type" if count else ""
-
-
-def run_inspect(args: argparse.Namespace) -> int:
-    report = inspect_remote(_config(args))
-    if args.json:
-        print(json.dumps([{"fingerprint": fingerprint, "part": label, "chunks": chunks,
-                           "value_bytes": report.value_bytes[(fingerprint, label)],
-                           "wrong_type": report.wrong_type[(fingerprint, label)]}
-                          for (fingerprint, label), chunks in sorted(report.chunks.items())]))
-        return 0
-    store = safe_url(str(args.store))
-    print(f"remote store {store} (prefix {args.key_prefix!r}): "
-          f"{len({fp for fp, _ in report.chunks})} namespace(s)")
-    for (fingerprint, label), chunks in sorted(report.chunks.items()):
-        old = (f" (never read by this tierkv; tierkv rm {store} --namespace {fingerprint} "
-               f"--yes deletes it)" if label.endswith(OLD_FORMAT) else "")
-        print(f"  namespace {fingerprint} {'' if old else 'part '}{label}: {chunks} chunks, "
-              f"{format_bytes(report.value_bytes[(fingerprint, label)], 2)}"
-              f"{_other_type(report.wrong_type[(fingerprint, label)])}{old}")
-    total = sum(report.value_bytes.values())
-    others = sum(report.wrong_type.values())
-    print(f"inspected {sum(report.chunks.values())} chunks ({format_bytes(total, 2)})"
-          + (f"; {others} key(s) of another type: tierkv verify --repair deletes them"
-             if others else ""))
-    return 0
-
-
-def run_verify(args: argparse.Namespace, progress: Progress | None = None) -> int:
-    outcome = verify_remote(_config(args), repair=args.repair, only=args.namespace,
-                            progress=progress)
-    store = safe_url(str(args.store))
-    if getattr(args, "json", False):
-        print(json.dumps({"store": store, "checked": outcome.checked,
-                          "checked_bytes": outcome.checked_bytes, "clean": not outcome.bad,
-                          "bad": [{"fingerprint": fingerprint, "part": label, "key": key.hex(),
-                                   "problem": problem}
-                                  for fingerprint, label, key, problem in outcome.bad],
-                          "repair": args.repair, "deleted": outcome.deleted}))
-        return 1 if outcome.bad else 0
-    for fingerprint, label, key, problem in outcome.bad:
-        print(f"  bad chunk namespace {fingerprint[:8]} "
-              f"{'' if label.endswith(OLD_FORMAT) else 'part '}{label} {key.hex()}: {problem}")
-    what = f"verified {outcome.checked} chunks in {store}"
-    if not outcome.bad:
-        print(f"{what}: clean")
-        return 0
-    tail = f"deleted {outcome.deleted}" if args.repair else "run with --repair to delete them"
-    print(f"{what}: {len(outcome.bad)} bad, {tail}")
-    return 1
-
-
-def run_rm(args: argparse.Namespace) -> int:
-    """``tierkv rm URL --namespace PREFIX [--dry-run] [--yes]``: exit codes as for a disk store."""
-    delete = args.yes and not args.dry_run
-    removal = remove_remote(_config(args), args.namespace, delete=delete)
-    total = sum(removal.chunks.values())
-    store = safe_url(str(args.store))
-    code = 0 if delete or args.dry_run else 1
-    if getattr(args, "json", False):
-        print(json.dumps({"store": store, "prefix": args.key_prefix,
-                          "fingerprint": removal.fingerprint, "keys": total,
-                          "keys_per_part": {label: count for label, count
-                                            in sorted(removal.chunks.items())},
-                          "value_bytes": removal.value_bytes, "wrong_type": removal.wrong_type,
-                          "deleted": removal.deleted, "dry_run": bool(args.dry_run)}))
-        return code
-    ranks = ", ".join(f"{'' if label.endswith(OLD_FORMAT) else 'part '}{label}: {count}"
-                      for label, count in sorted(removal.chunks.items()))
-    print(f"namespace {removal.fingerprint} in {store} (prefix {args.key_prefix!r}): "
-          f"{total} chunks ({ranks}), {format_bytes(removal.value_bytes, 2)}"
-          f"{_other_type(removal.wrong_type)}")
-    if delete:
-        print(f"removed namespace {removal.fingerprint[:8]} from {store}: {removal.deleted} "
-              f"chunks, {format_bytes(removal.value_bytes, 2)} freed")
-    elif args.dry_run:
-        print(f"dry run: would delete {total} keys; nothing deleted")
-    else:
-        print(f"not deleted: add --yes to delete its {total} keys")
-    return code
-
-
-__all__ = ["Progress", "RemoteRemoval", "RemoteReport", "RemoteVerify", "Session",
-           "add_arguments", "inspect_remote", "is_remote", "remove_remote", "run_inspect",
-           "run_rm", "run_verify", "verify_remote"]

@@ -26,9 +26,9 @@ Primitives and contracts:
   ``<IQQQQ`` (slab, slot, payload length, seq, checksum): where a chunk is and what its
   slot must hold; a restart rebuilds from it without reading payloads.
 
-The environment's layout and sizing are :mod:`tierkv.tiers.disk_env` and
+The environment's layout and sizing are :mod:`tierkv.tiers.disk.env` and
 :mod:`tierkv.tiers.lmdb_tuning` (malloc: :mod:`tierkv.tiers.malloc_tuning`); files and
-directories :mod:`tierkv.tiers.disk_files`.
+directories :mod:`tierkv.tiers.disk.files`.
 """
 
 from __future__ import annotations

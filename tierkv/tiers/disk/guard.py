@@ -2,7 +2,7 @@
 
 :class:`Guard` gives ordinary calls a shared section (``enter``/``leave``: one plain lock
 each way, the read path's cost) and gives what swaps or resizes the environment underneath
-them an exclusive one (``exclusive()``: no call in flight). :class:`~tierkv.tiers.disk_env.
+them an exclusive one (``exclusive()``: no call in flight). :class:`~tierkv.tiers.disk.env.
 LmdbEnv` runs every call in the shared section and deals with damage, a map another
 process grew and a full reader table in the exclusive one.
 """

@@ -9,8 +9,8 @@
   that fails is read again from the index, so a chunk rewritten or deleted meanwhile is
   checked anew or not at all, never reported bad.
 
-:class:`~tierkv.tiers.disk.DiskTier` calls them for ``scan`` and ``verify``; every txn runs
-through :meth:`LmdbEnv.run <tierkv.tiers.disk_env.LmdbEnv.run>`.
+:class:`~tierkv.tiers.disk.tier.DiskTier` calls them for ``scan`` and ``verify``; every txn runs
+through :meth:`LmdbEnv.run <tierkv.tiers.disk.env.LmdbEnv.run>`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 import lmdb
 
 from tierkv.tiers.base import ChunkRecord
-from tierkv.tiers.disk_env import LmdbEnv
-from tierkv.tiers.disk_format import unpack_index
+from tierkv.tiers.disk.env import LmdbEnv
+from tierkv.tiers.disk.format import unpack_index
 
 __all__ = ["SlotCheck", "rows_after", "scan_shard", "verify_shard"]
 

@@ -9,7 +9,7 @@ Primitives and contracts:
   named a rank instead (``:<rank>``): :func:`parse_old_key` finds those, for the tools.
 - A value is a fixed 80-byte header, then the raw payload: magic ``b"TKRV"``, format
   version, header length, the namespace fingerprint, the part (index, count), the chunk
-  key, the payload length and an xxh3 checksum (:func:`tierkv.tiers.disk_format.checksum`
+  key, the payload length and an xxh3 checksum (:func:`tierkv.tiers.disk.format.checksum`
   with sequence 0: over the fingerprint, part, key, header fields and payload).
 - :func:`pack_value` builds one; :func:`check_value` accepts only a value this build would
   have written for that namespace, part, key and payload size, and copies its payload into
@@ -31,7 +31,7 @@ import struct
 from typing import Any
 
 from tierkv.keys import Part, as_part, parse_part
-from tierkv.tiers.disk_format import binding_of, checksum, copy_bytes
+from tierkv.tiers.disk.format import binding_of, checksum, copy_bytes
 
 MAGIC = b"TKRV"
 REMOTE_FORMAT = 2  # 1: tierkv format 4, one value per rank (u32 rank at offset 24)

@@ -1,6 +1,6 @@
 """The remote tier: chunk payloads of one namespace and part on Redis / Valkey (Cluster).
 
-Keys and values are :mod:`tierkv.tiers.remote_format` (``docs/remote.md``). Primitives and
+Keys and values are :mod:`tierkv.tiers.remote.format` (``docs/remote.md``). Primitives and
 contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 
 - ``put_many(items, deletes)``: one pipeline (at most one round trip per node): the
@@ -23,17 +23,20 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
   read; ``OK`` only for a value that passes every check; ``MISSING`` when it is gone
   (evicted, expired, deleted by another engine); ``CORRUPT`` otherwise, a key of another
   type (a list) included, and the bad value is deleted by what it was
-  (:data:`~tierkv.tiers.remote_format.DELETE_BAD`, never by sending it back).
+  (:data:`~tierkv.tiers.remote.format.DELETE_BAD`, never by sending it back).
 - ``scan()`` lists this namespace and part's chunks on every primary (``SCAN MATCH``, one
-  deadline per page); ``verify(repair)`` reads each one.
+  deadline per page); ``verify(repair)`` reads each one through ``verify_chunk(key, part,
+  repair)``: the read and checks of a load, uncounted, with what is wrong (the tools'
+  ``tierkv verify URL`` reads every value through it too). A tier opened for a tool may be
+  given the namespace's fingerprint alone (the tools know only the keys' names).
 - **Deadlines.** Every call (a lookup, a read and the delete of what it found bad, a push
   batch, a delete, a scan page) ends within ``remote.timeout_seconds`` as a whole, plus its
   bytes at ``remote.min_mib_per_second`` (``deadline_seconds``), whatever redis-py retries or
-  refreshes inside (:func:`~tierkv.tiers.remote_client.deadline`); a node that sends
+  refreshes inside (:func:`~tierkv.tiers.remote.client.deadline`); a node that sends
   nothing for ``timeout_seconds`` fails the call at once.
   A failure raises :class:`RemoteError` (a :class:`BrokenError`) naming the tier, the
   address (never the password), the cause and what to check.
-- **Breakers** (:class:`~tierkv.tiers.remote_health.NodeHealth`): one per node, one for the
+- **Breakers** (:class:`~tierkv.tiers.remote.health.NodeHealth`): one per node, one for the
   cluster as a whole. A node that timed out or refused a connection is skipped at once
   (no network) for ``remote.breaker_seconds``; keys of healthy nodes go on being served.
   Other failures open a breaker after ``remote.breaker_failures`` in a row. A probe after
@@ -63,13 +66,14 @@ from tierkv.checks import check_int
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
-from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
+from tierkv.tiers.base import (ChunkCheck, ChunkRecord, LowerTier, PutResult, ReadStatus,
+                               VerifyReport)
 from tierkv.tiers.malloc_tuning import tune_malloc
-from tierkv.tiers.remote_client import (DeadlinePassed, RemoteError, cause_of, connect,
+from tierkv.tiers.remote.client import (DeadlinePassed, RemoteError, cause_of, connect,
                                         deadline, is_wrong_type, node_name, scan_names, scrub)
-from tierkv.tiers.remote_format import (DELETE_BAD, check_name, check_value, pack_value,
+from tierkv.tiers.remote.format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
-from tierkv.tiers.remote_health import HINTS, TIER, WRITES, NodeHealth, who
+from tierkv.tiers.remote.health import HINTS, TIER, WRITES, NodeHealth, who
 from tierkv.units import MiB
 
 logger = logging.getLogger("tierkv.remote")
@@ -116,7 +120,7 @@ class RemoteTier(LowerTier):
     write_lanes = 1
     transient_failures = True
 
-    def __init__(self, config: RemoteTierConfig, namespace: Namespace, part: Part | int,
+    def __init__(self, config: RemoteTierConfig, namespace: Namespace | str, part: Part | int,
                  payload_bytes: int, clock: Callable[[], float] = time.monotonic,
                  *, lazy: bool = False, role: str = "") -> None:
         if not isinstance(config, RemoteTierConfig):
@@ -131,7 +135,7 @@ class RemoteTier(LowerTier):
         self.part = part
         self.payload_bytes = payload_bytes
         self.read_only = False
-        self.fingerprint = namespace.fingerprint()
+        self.fingerprint = namespace if isinstance(namespace, str) else namespace.fingerprint()
         self.url = safe_url(config.url.split(",")[0])
         self._name = f"remote tier {self.url} (namespace {self.fingerprint[:8]}, part {part.name}" \
             f"{', ' + role if role else ''})"
@@ -453,7 +457,7 @@ class RemoteTier(LowerTier):
         return None if problem is None else (check_name(problem), problem)
 
     def _read(self, key: bytes, out: memoryview, kind: str, delete: bool = True,
-              part: Part | None = None) -> tuple[ReadStatus, str | None]:
+              part: Part | None = None) -> ChunkCheck:
         """Read, check and (``delete``) delete a bad value of ``key``, all within one
         deadline. Loads count in reads, hits, misses and the checks failed; verify's
         reads do not."""
@@ -466,19 +470,20 @@ class RemoteTier(LowerTier):
                               num_bytes=self._value_bytes)
             if value is None:
                 self._count(reads=counted, misses=counted)
-                return ReadStatus.MISSING, None
-            if value is not _WRONG_TYPE:
-                self._count(bytes_read=len(value))
+                return ChunkCheck(ReadStatus.MISSING)
+            read = 0 if value is _WRONG_TYPE else len(value)
+            self._count(bytes_read=read)
             verdict = self._judge(key, value, out, part)
             if verdict is None:
                 self._count(reads=counted, hits=counted)
-                return ReadStatus.OK, None
+                return ChunkCheck(ReadStatus.OK, bytes_read=read)
             check, problem = verdict
             with self._lock:
                 self._counts.update(reads=counted, misses=counted, corrupt=counted)
                 self._bad[check] += counted
             if not delete:
-                return ReadStatus.CORRUPT, problem
+                return ChunkCheck(ReadStatus.CORRUPT, problem, bytes_read=read)
+            deleted = False
             digest = hashlib.sha1(value).hexdigest() if check in ("header", "checksum") else ""
             try:
                 deleted = self._run("deleting a bad chunk", "delete", lambda: self._delete_bad(
@@ -488,7 +493,7 @@ class RemoteTier(LowerTier):
                 outcome = f"not deleted ({exc})"
         logger.warning("%s: corrupt chunk %s (%s); %s", self._name, short_key(key), problem,
                        outcome)
-        return ReadStatus.CORRUPT, problem
+        return ChunkCheck(ReadStatus.CORRUPT, problem, bool(deleted), read)
 
     def _out_view(self, key: bytes, out: Any) -> memoryview:
         """``out`` as a flat writable byte view of at least ``payload_bytes`` (any element
@@ -502,12 +507,12 @@ class RemoteTier(LowerTier):
         return view
 
     def read_into(self, key: bytes, out: Any) -> ReadStatus:
-        return self._read(key, self._out_view(key, out), "load")[0]
+        return self._read(key, self._out_view(key, out), "load").status
 
     def read_part_into(self, key: bytes, part: Part, out: Any) -> ReadStatus:
         """``read_into`` of ``part`` of the chunk (another part of this tier's part count,
         whose values are this tier's ``payload_bytes``): the same checks, bound to that part."""
-        return self._read(key, self._out_view(key, out), "load", part=as_part(part))[0]
+        return self._read(key, self._out_view(key, out), "load", part=as_part(part)).status
 
     def _names(self, batch: int) -> Iterator[bytes]:
         pattern = b"%s%s:{*}:%s" % (self._prefix, self.fingerprint.encode(),
@@ -529,7 +534,7 @@ class RemoteTier(LowerTier):
         checked = 0
         scratch = memoryview(bytearray(self.payload_bytes))
         for record in list(self.scan(batch)):
-            status = self._read(record.key, scratch, "verify", delete=repair)[0]
+            status = self.verify_chunk(record.key, repair=repair, out=scratch).status
             if status is ReadStatus.MISSING:
                 continue  # gone meanwhile: nothing to judge
             checked += 1
@@ -538,6 +543,16 @@ class RemoteTier(LowerTier):
             if status is ReadStatus.CORRUPT:
                 bad.append(record.key)
         return VerifyReport(checked, tuple(bad), len(bad) if repair else 0)
+
+    def verify_chunk(self, key: bytes, part: Part | None = None, repair: bool = False,
+                     out: memoryview | None = None) -> ChunkCheck:
+        """Read and check ``key``'s value (of ``part``, another part of this tier's count,
+        if given) as a load does, within one deadline, uncounted in the loads' figures.
+        ``repair`` deletes a bad value by what it was (``DELETE_BAD``); ``out``: where the
+        payload goes."""
+        scratch = memoryview(bytearray(self.payload_bytes)) if out is None else out
+        return self._read(key, scratch, "verify", delete=repair,
+                          part=None if part is None else as_part(part))
 
     # -- life cycle ------------------------------------------------------------------------
 

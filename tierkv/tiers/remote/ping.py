@@ -1,4 +1,5 @@
-"""``tierkv ping URL``: can engines use this remote tier, and is it set up as a cache?
+"""What ``tierkv ping URL`` finds: can engines use this remote tier, and is it set up as a
+cache? (:mod:`tierkv.tools` prints it.)
 
 :func:`ping_remote` connects as an engine would (the URL's password, else the one in
 ``$TIERKV_REMOTE_PASSWORD``; never printed) and reports, each operation under a deadline
@@ -21,18 +22,15 @@ Exit codes: 0 usable and set up as a cache, 1 usable or partly usable with probl
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv import remote_tools
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import TierKVError
-from tierkv.tiers.remote_format import parse_redis_key
-from tierkv.units import format_bytes
+from tierkv.tiers.remote.format import parse_redis_key
+from tierkv.tiers.remote.tools import Session
 
 SLOTS = 16384
 CACHE_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
@@ -94,7 +92,7 @@ def _field(info: Any, name: str) -> str | None:
     return None
 
 
-def _ping_node(session: remote_tools.Session, name: str, role: str, target: Any) -> NodePing:
+def _ping_node(session: Session, name: str, role: str, target: Any) -> NodePing:
     """One node's figures; a failure is the node's problem, not the command's."""
     ping = NodePing(name, role)
     try:
@@ -114,7 +112,7 @@ def _ping_node(session: remote_tools.Session, name: str, role: str, target: Any)
 
 
 def ping_remote(config: RemoteTierConfig) -> Ping:
-    session = remote_tools.Session(config, "ping changes nothing")
+    session = Session(config, "ping changes nothing")
     rc = session.rc
     client, cluster = session.client, session.cluster
     result = Ping(safe_url(config.url), config.key_prefix, cluster,
@@ -161,7 +159,7 @@ def ping_remote(config: RemoteTierConfig) -> Ping:
     return result
 
 
-def _count_chunks(session: remote_tools.Session, result: Ping) -> None:
+def _count_chunks(session: Session, result: Ping) -> None:
     """This prefix's chunks and bytes on every primary that answers."""
     rc, prefix = session.rc, session.config.key_prefix.encode()
     answering = {node.node for node in result.nodes if node.problem is None}
@@ -193,44 +191,3 @@ def _count_chunks(session: remote_tools.Session, result: Ping) -> None:
         namespaces.update(parsed[0] for key in keys
                           if (parsed := parse_redis_key(prefix, key)) is not None)
     result.namespaces = len(namespaces)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", metavar="URL",
-                        help="the remote tier's redis:// or rediss:// URL (remote.url)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead")
-    remote_tools.add_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    if not remote_tools.is_remote(args.store):
-        raise TierKVError(f"tierkv ping takes a redis:// or rediss:// URL, got "
-                          f"{safe_url(str(args.store))!r}")
-    result = ping_remote(RemoteTierConfig(url=str(args.store), key_prefix=args.key_prefix,
-                                          timeout_seconds=args.timeout))
-    code = 1 if result.problems else 0
-    if args.json:
-        print(json.dumps(asdict(result)))
-        return code
-    kind = "cluster" if result.cluster else "plain server"
-    print(f"remote store {result.store} ({kind}, prefix {result.prefix!r}): password "
-          f"{result.password}")
-    for node in result.nodes:
-        if node.problem is not None:
-            print(f"  node {node.node} {node.role}: DOWN: {node.problem}")
-            continue
-        memory = "" if node.used_memory is None else \
-            f", {format_bytes(node.used_memory, 1)} used of " + \
-            (format_bytes(node.maxmemory, 1) if node.maxmemory else "no maxmemory")
-        print(f"  node {node.node} {node.role}: {node.latency_ms:.2f} ms, {node.slots} slots"
-              f"{memory}, maxmemory-policy {node.policy}")
-    state = f" (cluster_state {result.cluster_state})" if result.cluster_state else ""
-    print(f"  slots: {result.slots_covered} of {SLOTS} covered{state}")
-    missing = f" (not counted: {', '.join(result.not_counted)})" if result.not_counted else ""
-    print(f"  prefix {result.prefix!r}: {result.chunks} chunks, "
-          f"{format_bytes(result.value_bytes, 2)} in {result.namespaces} namespace(s){missing}")
-    for problem in result.problems:
-        print(f"  problem: {problem}")
-    print(f"pinged {len(result.nodes)} node(s): "
-          + (f"{len(result.problems)} problem(s)" if result.problems else "ready for tierkv"))
-    return code

@@ -2,15 +2,15 @@
 
 :class:`LmdbEnv` owns ``root/ns-<fingerprint>/part-<p>of<P>/shard-<s>``: one LMDB environment
 (the index: sub-dbs ``meta`` and ``index``), the shard's slab file of payloads
-(:class:`~tierkv.tiers.disk_slab.SlabFile`, ``slab``), the writer claim and the checks
+(:class:`~tierkv.tiers.disk.slab.SlabFile`, ``slab``), the writer claim and the checks
 around them. A part's chunks are spread
 over :data:`SHARDS` such environments by :func:`shard_of` (each has its own writer lock, so
-their commits run in parallel). :class:`~tierkv.tiers.disk.DiskTier` does its reads and
+their commits run in parallel). :class:`~tierkv.tiers.disk.tier.DiskTier` does its reads and
 writes through :meth:`LmdbEnv.run`.
 
 Primitives and contracts:
 
-- Opening trusts only this user's private files (:mod:`tierkv.tiers.disk_files`; an
+- Opening trusts only this user's private files (:mod:`tierkv.tiers.disk.files`; an
   untrusted root is a ``ConfigError``): an untrusted namespace, part or shard directory is moved
   aside (``.foreign-<time>``) and made anew; ``namespace.json`` is rewritten when it is
   not exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
@@ -18,7 +18,7 @@ Primitives and contracts:
   environment is never read nor deleted, but moved aside (``.foreign-<time>``) and an
   empty one opened when this handle may repair (below); else :class:`NamespaceMismatchError`.
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
-  (:class:`~tierkv.tiers.disk_guard.Guard`: one plain lock on entry and on exit). Before
+  (:class:`~tierkv.tiers.disk.guard.Guard`: one plain lock on entry and on exit). Before
   it, a fork check (:class:`UsageError` in a child), a closed check (:class:`ClosedError`)
   and a size check of ``data.mdb`` (it never shrinks; smaller means truncated under us,
   which would SIGBUS). What stops ``work`` is dealt with in the exclusive section and the
@@ -55,13 +55,14 @@ import msgpack
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
                            NamespaceMismatchError, TierKVError, UsageError, short_key)
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
-from tierkv.tiers.disk_files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
+from tierkv.tiers.disk.files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
                                      list_namespaces, make_private_dir, move_aside,
-                                     namespace_record, part_dir_name, prepare_root,
+                                     namespace_record, prepare_root,
                                      read_private_file, write_private_file)
-from tierkv.tiers.disk_guard import Guard
-from tierkv.tiers.disk_readahead import random_access
-from tierkv.tiers.disk_slab import SLAB_NAME, SlabFile
+from tierkv.tiers.disk.guard import Guard
+from tierkv.tiers.disk.layout import StoreLayout
+from tierkv.tiers.disk.readahead import random_access
+from tierkv.tiers.disk.slab import SLAB_NAME, SlabFile
 from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")
@@ -116,9 +117,10 @@ class LmdbEnv:
         self.read_only = read_only
         self.repair = repair and not read_only
         self.fingerprint = namespace.fingerprint()
-        self.namespace_dir = self.root / f"ns-{self.fingerprint}"
-        self.rank_dir = self.namespace_dir / part_dir_name(part, replica)
-        self.path = self.rank_dir / f"shard-{shard}"
+        layout = StoreLayout(self.root)
+        self.namespace_dir = layout.namespace_dir(self.fingerprint)
+        self.rank_dir = layout.part_dir(self.fingerprint, part, replica)
+        self.path = layout.shard_dir(self.fingerprint, part, shard, replica)
         self._name = name
         self._sync_always = sync_always
         self._clock = clock
@@ -455,7 +457,7 @@ class LmdbEnv:
     def random_access(self, data_fd: int | None = None) -> AbstractContextManager[None]:
         """Within: no read-ahead on the map (``MADV_RANDOM``), so walking the index (or the
         meta records, at open) reads the pages it touches, not megabytes around each. Loads
-        need read-ahead, so it is back on after (:mod:`tierkv.tiers.disk_readahead`). A
+        need read-ahead, so it is back on after (:mod:`tierkv.tiers.disk.readahead`). A
         no-op where the map cannot be found (not Linux). ``data_fd``: of the environment
         being opened."""
         return random_access(self._data_fd if data_fd is None else data_fd)

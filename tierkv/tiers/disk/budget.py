@@ -45,9 +45,9 @@ from pathlib import Path
 
 from tierkv.checks import is_int
 from tierkv.errors import BrokenError, ConfigError
-from tierkv.tiers.disk_files import (OWNER_FILE, OwnerLock, Trust, check_dir, parse_part_dir,
-                                     read_private_file,
+from tierkv.tiers.disk.files import (OWNER_FILE, OwnerLock, Trust, check_dir, read_private_file,
                                      write_private_file)
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")
@@ -57,18 +57,13 @@ _MAX_SHARE_BYTES = 4096
 
 
 # ------------------------------------------------------------------------------ claims
-def is_part_dir(name: str) -> bool:
-    """A part's directory (``part-<p>of<P>``), or an older format's rank's (``rank-<r>``)."""
-    return parse_part_dir(name) is not None or (name.startswith("rank-") and name[5:].isdigit())
-
-
 def environments(ns_dir: Path) -> list[Path]:
     """Where an engine holds its claim under ``ns_dir``: each ``part-<p>of<P>/shard-<s>``
     (older formats: ``rank-<r>/shard-<s>``, and ``rank-<r>`` itself where it is format 2's
     one environment per rank)."""
     found: list[Path] = []
-    for rank_dir in sorted([*ns_dir.glob("part-*"), *ns_dir.glob("rank-*")]):
-        if not is_part_dir(rank_dir.name) or rank_dir.is_symlink() or not rank_dir.is_dir():
+    for rank_dir in sorted([*StoreLayout.part_dirs(ns_dir), *StoreLayout.old_rank_dirs(ns_dir)]):
+        if not StoreLayout.is_part_dir(rank_dir.name) or rank_dir.is_symlink() or not rank_dir.is_dir():
             continue
         found += _rank_environments(rank_dir)
     return found
@@ -77,8 +72,8 @@ def environments(ns_dir: Path) -> list[Path]:
 def _rank_environments(rank_dir: Path) -> list[Path]:
     found = [rank_dir] if any((rank_dir / name).exists()
                               for name in ("data.mdb", OWNER_FILE)) else []
-    return found + [shard for shard in sorted(rank_dir.glob("shard-*")) if shard.name[6:].isdigit()
-                    and not shard.is_symlink() and shard.is_dir()]
+    return found + [shard for shard in StoreLayout.shard_dirs(rank_dir)
+                    if not shard.is_symlink() and shard.is_dir()]
 
 
 def claimant(env_dir: Path) -> str | None:
@@ -204,7 +199,7 @@ def survey(root: Path, own: tuple[str, str | frozenset[str]] | None = None) -> l
     holdings: list[Holding] = []
     if own is not None and isinstance(own[1], str):
         own = (own[0], frozenset((own[1],)))
-    for ns_dir in sorted(Path(root).glob("ns-*")):
+    for ns_dir in StoreLayout(root).namespace_dirs():
         try:
             if ns_dir.is_symlink() or check_dir(ns_dir, fix=False) is not Trust.OK:
                 continue
@@ -215,7 +210,7 @@ def survey(root: Path, own: tuple[str, str | frozenset[str]] | None = None) -> l
 
 
 def _holding(ns_dir: Path, own: tuple[str, str | frozenset[str]] | None) -> Holding:
-    fingerprint = ns_dir.name[3:]
+    fingerprint = StoreLayout.fingerprint_of(ns_dir)
     holding = Holding(fingerprint, ns_dir, _model_of(ns_dir))
     rest = 0  # moved-aside ranks and leftovers (namespace.json only names the namespace)
     for entry in sorted(ns_dir.iterdir()):
@@ -224,14 +219,14 @@ def _holding(ns_dir: Path, own: tuple[str, str | frozenset[str]] | None) -> Hold
             continue
         if entry.is_symlink() or not entry.is_dir():
             continue
-        if not is_part_dir(entry.name):
+        if not StoreLayout.is_part_dir(entry.name):
             rest += tree_bytes(entry)
             continue
         if own is not None and own[0] == fingerprint and entry.name in own[1]:
             continue
         rank_bytes = tree_bytes(entry)
         holding.file_bytes += rank_bytes
-        for data in [*entry.glob("shard-*/data.mdb"), *entry.glob("shard-*/slab-*.kv")]:
+        for data in StoreLayout.data_files(entry):
             with suppress(OSError):
                 holding.last_used = max(holding.last_used, data.stat().st_mtime)
         who = next((found for env in _rank_environments(entry)
@@ -282,7 +277,7 @@ class DiskBudget:
         self.cap_bytes, self.unit_bytes = cap_bytes, unit_bytes
         self.check_seconds = check_seconds
         self._clock, self._wall_clock = clock, wall_clock
-        self._rank_dir = self.root / f"ns-{fingerprint}" / part_dir
+        self._rank_dir = StoreLayout(self.root).namespace_dir(fingerprint) / part_dir
         self._checked = -float("inf")
         self._seen: int | None = -1  # the root's mtime when last planned (see due())
         self._published: int | None = None

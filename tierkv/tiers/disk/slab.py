@@ -1,6 +1,6 @@
 """One shard's slab file: the chunk payloads of the disk tier, in fixed slots.
 
-``rank-<r>/shard-<s>/slab-0.kv`` is an array of slots of ``slot_bytes_for(payload_bytes)``
+``part-<p>of<P>/shard-<s>/slab-0.kv`` is an array of slots of ``slot_bytes_for(payload_bytes)``
 bytes (``docs/on-disk-format.md``): a 4 KiB header block (the value's prefix and header),
 then the payload, padded to 4 KiB. The LMDB index beside it says which key is in which
 slot; this module only moves bytes and keeps the slot allocator.
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.tiers.disk_format import ALIGN, HEADER_BLOCK, copy_bytes, slot_bytes_for
+from tierkv.tiers.disk.format import ALIGN, HEADER_BLOCK, copy_bytes, slot_bytes_for
 
 SLAB_NAME = "slab-0.kv"  # slab number 0; the index names the slab so more can follow
 GROW_STEP_BYTES = 256 << 20  # a slab grows by at most this much at a time (fallocate)

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.keys import FORMAT_VERSION, Namespace, Part, parse_part
+from tierkv.keys import FORMAT_VERSION, Namespace, Part
+from tierkv.tiers.disk.layout import StoreLayout
 
 logger = logging.getLogger("tierkv.disk")
 
@@ -257,30 +258,13 @@ class OwnerLock:
 
 @dataclass(frozen=True)
 class NamespaceInfo:
-    """One ``ns-<fingerprint>`` directory as ``namespace.json`` describes it."""
+    """One namespace directory as ``namespace.json`` describes it."""
 
     fingerprint: str
     path: Path
     description: dict[str, Any]
     format_version: int
     parts: tuple[tuple[Part, int], ...] = ()  # (part, replica) of each part directory
-
-
-def part_dir_name(part: Part, replica: int = 0) -> str:
-    """``part-<p>of<P>`` (``-dp<d>`` for data-parallel engine ``d > 0``, which keeps its own)."""
-    return f"part-{part.name}" + (f"-dp{replica}" if replica else "")
-
-
-def parse_part_dir(name: str) -> tuple[Part, int] | None:
-    """(part, replica) of a :func:`part_dir_name`; None for any other name."""
-    if not name.startswith("part-"):
-        return None
-    body, sep, replica = name[5:].partition("-dp")
-    part = parse_part(body)
-    if part is None or (sep and (not replica.isdigit() or str(int(replica)) != replica
-                                 or int(replica) == 0)):
-        return None
-    return part, int(replica) if sep else 0
 
 
 def namespace_record(fingerprint: str, description: dict[str, Any],
@@ -300,7 +284,7 @@ def list_namespaces(root: Path) -> list[NamespaceInfo]:
     """Namespaces under ``root`` from their ``namespace.json`` (unreadable ones are skipped:
     missing, too big, not JSON, nested too deep, or not the shape tierkv writes)."""
     infos: list[NamespaceInfo] = []
-    for ns_dir in sorted(Path(root).glob("ns-*")):
+    for ns_dir in StoreLayout(root).namespace_dirs():
         if check_dir(ns_dir, fix=False) is not Trust.OK:
             continue
         try:
@@ -316,8 +300,8 @@ def list_namespaces(root: Path) -> list[NamespaceInfo]:
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             logger.warning("disk tier: skipping %s: unreadable namespace.json (%s)", ns_dir, exc)
             continue
-        parts = sorted(found for found in (parse_part_dir(entry.name)
-                                           for entry in ns_dir.glob("part-*")) if found)
+        parts = sorted(found for found in (StoreLayout.parse_part_dir(entry.name)
+                                           for entry in StoreLayout.part_dirs(ns_dir)) if found)
         infos.append(NamespaceInfo(fingerprint, ns_dir, description, version, tuple(parts)))
     return infos
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.keys import Part
-from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.remote.tier import RemoteTier
 
 logger = logging.getLogger("tierkv.remote")
 

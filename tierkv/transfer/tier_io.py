@@ -1,4 +1,9 @@
-"""Worker-side threads that move chunks between the CPU slab and the disk tier.
+"""Worker-side threads that move chunks between the CPU slab and a lower tier (the disk tier;
+the remote tier's reads run on a TierIO of their own, ``section="remote"``).
+
+It stays in ``transfer/`` (not in a tier's package): it runs job specs and completions
+(``core.jobs``) over the CPU slab with the transfer layer's :class:`JobLedger`, and tiers
+may not import the transfer layer.
 
 Primitives and contracts:
 - ``submit_spill(spec)`` returns at once. A job's keys are split by the tier's write lanes
@@ -47,7 +52,10 @@ from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.base import LowerTier, ReadStatus
 from tierkv.transfer.ledger import JobLedger
 
-logger = logging.getLogger("tierkv.disk_io")
+logger = logging.getLogger("tierkv.tier_io")
+
+# The setting a broken tier's message sends the operator to, per config section.
+SETTING = {"disk": "disk.path", "remote": "remote.url"}
 PIECE_BYTES = 1 << 20  # a read job's pieces are at least this big: a hand-off costs too
 
 
@@ -73,7 +81,7 @@ class ReadOutcome:
 
 
 @dataclass(frozen=True)
-class DiskIOStatistics:
+class TierIOStatistics:
     spill_jobs: int
     write_txns: int
     read_jobs: int
@@ -104,12 +112,15 @@ class _ReadJob:
     error: str | None = None
 
 
-class DiskIO:
-    """The threads over a lower tier (the disk tier); see the module docstring."""
+class TierIO:
+    """The threads over a lower tier (``section``: the config section that names it, in
+    messages and thread names); see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
                  reader_threads: int = 4, section: str = "disk") -> None:
         self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
+        self._tier_name = f"{section} tier"
+        self._setting = SETTING.get(section, f"the {section} settings")
         for name, value in (("write_batch_bytes", write_batch_bytes),
                             ("reader_threads", reader_threads)):
             check_int(f"{self._io}: {section}.{name}", value, low=1)
@@ -150,10 +161,11 @@ class DiskIO:
     # -- caller side -----------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._closed:
-            raise ClosedError(f"{self._io}: used after shutdown(); create a new DiskIO")
+            raise ClosedError(f"{self._io}: used after shutdown(); create a new TierIO")
         if self._broken is not None:
-            raise BrokenError(f"{self._io}: the disk tier failed underneath ({self._broken}); "
-                              f"check disk.path, then restart the store") from self._broken
+            raise BrokenError(f"{self._io}: the {self._tier_name} failed underneath "
+                              f"({self._broken}); check {self._setting}, then restart the "
+                              f"store") from self._broken
 
     def _check_chunk(self, key: bytes, slot: int) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
@@ -234,9 +246,9 @@ class DiskIO:
             for thread in self._threads:
                 thread.join()
 
-    def statistics(self) -> DiskIOStatistics:
+    def statistics(self) -> TierIOStatistics:
         with self._cond:
-            return DiskIOStatistics(**self._counts)
+            return TierIOStatistics(**self._counts)
 
     # -- writer threads --------------------------------------------------------------------
     def _take_spills(self, lane: int) -> list[_Part] | None:
@@ -267,7 +279,7 @@ class DiskIO:
             try:
                 landed, full, error = self._run_parts(batch)
             except Exception as exc:  # never die silently: fail the batch
-                logger.exception("disk io: spill batch failed")
+                logger.exception("%s: spill batch failed", self._io)
                 self._mark_broken(exc)
                 landed, full, error = set(), set(), exc
             with self._cond:
@@ -306,7 +318,8 @@ class DiskIO:
             with self._cond:
                 if self._broken is None:
                     self._broken = exc
-                    logger.error("disk io: disk tier failed: %s", exc)
+                    logger.error("%s: %s failed: %s (check %s)", self._io, self._tier_name, exc,
+                                 self._setting)
 
     def _run_parts(self, batch: list[_Part]) -> tuple[set[Key], set[Key], BaseException | None]:
         """Write one lane's batch: (keys landed, keys the tier had no room for, the error
@@ -326,7 +339,7 @@ class DiskIO:
             try:
                 result = self.tier.put_many(items, deletes=deletes)
             except Exception as exc:  # this and later transactions of the batch did not land
-                logger.error("disk io: spill job(s) %s failed: %s",
+                logger.error("%s: spill job(s) %s failed: %s", self._io,
                              [job.spec.job_id for job, _, _ in batch], exc)
                 self._mark_broken(exc)
                 return landed, full, exc
@@ -365,7 +378,7 @@ class DiskIO:
                 try:
                     job.on_done(outcome)
                 except Exception:
-                    logger.exception("disk io: on_done of read job %s raised", job.job_id)
+                    logger.exception("%s: on_done of read job %s raised", self._io, job.job_id)
                     with self._cond:
                         self._counts["callback_errors"] += 1
             finally:

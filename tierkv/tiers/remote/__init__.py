@@ -1,0 +1,4 @@
+"""The remote tier (Redis / Valkey, standalone or Cluster): ``tier.py`` (:class:`RemoteTier`),
+its values (``format.py``), client and health, its I/O (``pushes.py``: write-behind;
+``lookup.py``: the scheduler side's questions) and its tools' view (``tools.py``).
+Import from the modules."""
