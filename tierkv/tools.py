@@ -76,9 +76,14 @@ class ProgressLine:
 
 
 # ------------------------------------------------------------------------------ CLI
-def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+def add_store_argument(parser: argparse.ArgumentParser) -> None:
+    """The store a command works on: inspect, verify and rm take either tier's."""
     parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
                                       "a remote store's redis:// or rediss:// URL")
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
     add_remote_arguments(parser)
 
@@ -136,8 +141,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
-                                      "a remote store's redis:// or rediss:// URL")
+    add_store_argument(parser)
     add_remote_arguments(parser)
     parser.add_argument("--repair", action="store_true",
                         help="delete bad chunks; move damaged environments aside")
@@ -189,8 +193,7 @@ def _run_verify_disk(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def add_rm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", help="store root (the disk tier's disk.path / disk_path), or "
-                                      "a remote store's redis:// or rediss:// URL")
+    add_store_argument(parser)
     parser.add_argument("--namespace", metavar="PREFIX", required=True,
                         help="the namespace to delete: its fingerprint or a prefix of it that "
                              "no other namespace starts with (tierkv inspect lists them)")
