@@ -19,6 +19,7 @@ from tierkv.core.jobs import JobId, LoadSpec, StoreSpec
 from tierkv.errors import BrokenError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cpu import CpuTransferEngine
+from tierkv.transfer.executor import JobExecutor
 from tierkv.transfer.factory import make_transfer_engine
 from tests.integration.test_transfer_contract import chunk, drain, load, store
 from tierkv.testing import LayoutKV
@@ -130,6 +131,28 @@ def test_shutdown_runs_every_queued_job_in_order(kv: KV) -> None:
     engine.shutdown()  # returns only once both jobs ran
     assert engine.num_in_flight == 0 and gate.seen == [1, 2]
     assert torch.equal(kv.chunk((4, 5, 6, 7)), kv.chunk((0, 1, 2, 3)))  # the load ran second
+
+
+def test_the_executor_names_the_jobs_in_flight_that_touch_given_blocks(kv: KV) -> None:
+    gate = Gate(hold={1})
+    executor = JobExecutor(make_engine(kv, gate))
+    try:
+        first, second = store(1, chunk(1, 0, (0, 1, 2, 3))), load(2, chunk(1, 0, (4, 5, 6, 7)))
+        executor.submit(first)
+        executor.submit(second)
+        assert gate.entered.wait(5)
+        assert executor.jobs_touching(frozenset({3})) == [1]
+        assert executor.jobs_touching({5, 9}) == [2]  # a load writes its blocks
+        assert executor.jobs_touching({8, 9}) == []
+        assert executor.jobs_touching(None) == [1, 2]
+        gate.release.set()
+        executor.wait([JobId(1), JobId(2)])
+        jobs = executor.poll_finished_jobs()
+        assert [(c.job_id, spec) for c, spec in jobs] == [(1, first), (2, second)]  # its spec
+        assert executor.jobs_touching(None) == []  # polled: done with
+    finally:
+        gate.release.set()
+        executor.shutdown()
 
 
 class _Fatal(BaseException):

@@ -168,9 +168,8 @@ class TierKVStore:
         self._durations = {kind: Durations() for kind in JobKind}
         self._lookups = AdapterStats()  # of its figures, queried_tokens and hit_tokens_<tier>
         self._ready: list[Completion] = []
-        # Blocks each store or load job in flight reads or writes (fence()), and what the
-        # last lookup of keys starting with a key promised (load() counts the shortfall).
-        self._blocks_of: dict[JobId, frozenset[int]] = {}
+        # What the last lookup of keys starting with a key promised (load() counts the
+        # shortfall). fence() asks the executor which jobs touch given blocks.
         self._promised: dict[bytes, int] = {}
         self._shortfall = ShortfallCounts()
 
@@ -265,7 +264,6 @@ class TierKVStore:
         blocks = dict(zip(keys, per_chunk))
         chunks = tuple(ChunkCopy(key, slot, blocks[key]) for key, slot in plan.chunks)
         self.executor.submit(StoreSpec.of(plan.job_id, chunks))
-        self._blocks_of[plan.job_id] = frozenset(b for chunk in chunks for b in chunk.block_ids)
         if self.config.store_mode == "copied":
             self.executor.transfer.make_compute_wait([plan.job_id])
         return plan.job_id
@@ -307,7 +305,6 @@ class TierKVStore:
             for position, (key, slot, from_disk) in enumerate(plan.chunks)
         )
         self.executor.submit(LoadSpec(plan.job_id, chunks))
-        self._blocks_of[plan.job_id] = frozenset(b for chunk in chunks for b in chunk.block_ids)
         return LoadHandle(plan.job_id, len(chunks), sum(c.from_disk for c in chunks),
                           len(plan.from_remote))
 
@@ -326,8 +323,7 @@ class TierKVStore:
         when the copy thread or the device died."""
         self._check_open()
         wanted = None if block_ids is None else block_set(block_ids)
-        jobs = [job_id for job_id, blocks in self._blocks_of.items()
-                if wanted is None or not blocks.isdisjoint(wanted)]
+        jobs = self.executor.jobs_touching(wanted)
         if jobs:
             self.executor.wait(jobs)
         self._pump()
@@ -526,7 +522,6 @@ class TierKVStore:
         for completion in self.executor.poll_finished():
             kind = completion.kind
             self.index.complete(completion)
-            self._blocks_of.pop(completion.job_id, None)
             if kind is JobKind.LOAD:
                 self._shortfall.failed += len(completion.failed_keys)
             totals = self._bytes[kind]

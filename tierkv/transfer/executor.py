@@ -10,14 +10,18 @@ Primitives:
   as a store job's chunks land in their slots (``push_on="on_store"``) or as a spill job's
   land on disk (``"on_evict"``), ``poll_finished`` queues a copy of each slot before it
   reports the job, so the slot is free to reuse once the job is reported.
-- ``poll_finished()``: every finished job exactly once (plain :class:`Completion`s).
+- ``poll_finished()``: every finished job exactly once (plain :class:`Completion`s);
+  ``poll_finished_jobs()``: the same, each with its job's spec (the worker's slot tracking
+  reads what a finished job did from it).
 - ``wait(job_ids)``: blocks until those jobs finished; a job already polled has finished.
   Job ids follow :mod:`tierkv.transfer.ledger` (reuse raises :class:`TransferError`, a
   wait before its submit :class:`UnknownJobError`); a job id's record is what to wait on
   (the transfer engine, the disk threads, a chained load, or nothing: a spill refused by
   a broken disk tier has its failed completion ready) and what to push when it lands.
 - ``in_flight_ids()``: jobs submitted and not yet polled; ``submitted(job_id)``: the job
-  was submitted (in flight, or finished: the ledger's memory of finished ids).
+  was submitted (in flight, or finished: the ledger's memory of finished ids);
+  ``jobs_touching(block_ids)``: the store and load jobs not yet polled that read or write
+  any of those GPU blocks (the library store's ``fence()``).
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 Called from one thread (the worker's); reader threads only run chained loads' steps.
 """
@@ -26,9 +30,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec,
                               StoreSpec, failed_set)
@@ -45,12 +49,18 @@ class _Waiter(Protocol):
     def wait(self, job_ids: Iterable[JobId]) -> None: ...
 
 
-class _Live(NamedTuple):
-    """The executor's record of a job in flight: what to wait on (None: its completion is
-    ready), and the ``(key, slot)`` of the chunks to push once they land (jobs that push)."""
+class _Live:
+    """The executor's record of a job in flight: its spec, what to wait on (None: its
+    completion is ready), whether its chunks are pushed once they land, and the GPU blocks
+    it reads or writes (``jobs_touching``: worked out on its first call, then kept)."""
 
-    waiter: _Waiter | None
-    push: tuple[tuple[bytes, int], ...] = ()
+    __slots__ = ("spec", "waiter", "push", "blocks")
+
+    def __init__(self, spec: JobSpec, waiter: _Waiter | None, push: bool) -> None:
+        self.spec = spec
+        self.waiter = waiter
+        self.push = push
+        self.blocks: frozenset[int] | None = None
 
 
 class _ChainedLoad:
@@ -92,11 +102,8 @@ class JobExecutor:
         if self._closed:
             raise ClosedError("worker: job submitted after shutdown")
         self._ledger.check_new(spec.job_id)  # a reused id raises before anything runs
-        push: tuple[tuple[bytes, int], ...] = ()
-        if self.pusher is not None and type(spec) is self._push_kind:
-            push = tuple(zip(spec.keys, spec.slots)) if isinstance(spec, StoreSpec) \
-                else tuple(getattr(spec, "writes"))
-        self._ledger.add(spec.job_id, _Live(self._start(spec), push))
+        push = self.pusher is not None and type(spec) is self._push_kind
+        self._ledger.add(spec.job_id, _Live(spec, self._start(spec), push))
 
     def _start(self, spec: JobSpec) -> _Waiter | None:
         """Start ``spec``; what to wait on for it (None: its completion is ready)."""
@@ -198,6 +205,10 @@ class JobExecutor:
             corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing)
 
     def poll_finished(self) -> list[Completion]:
+        return [completion for completion, _ in self.poll_finished_jobs()]
+
+    def poll_finished_jobs(self) -> list[tuple[Completion, JobSpec | None]]:
+        """``poll_finished()``, each completion with its job's spec."""
         with self._lock:
             finished, self._direct = self._direct, []
         ledger = self._ledger
@@ -208,17 +219,23 @@ class JobExecutor:
             finished.append(completion)
         if self.disk_io is not None:
             finished.extend(self.disk_io.poll_finished())
+        jobs: list[tuple[Completion, JobSpec | None]] = []
         for completion in finished:
             live = ledger.record(completion.job_id)
             ledger.finish(completion.job_id)
-            if live is not None and live.push:
-                self._push(completion, live.push)
-        return finished
+            if live is None:
+                jobs.append((completion, None))
+                continue
+            if live.push:
+                self._push(completion, live.spec)
+            jobs.append((completion, live.spec))
+        return jobs
 
-    def _push(self, completion: Completion, chunks: tuple[tuple[bytes, int], ...]) -> None:
+    def _push(self, completion: Completion, spec: JobSpec) -> None:
         """Queue copies of the landed chunks of a job that pushes (see the docstring)."""
-        if self.pusher is None:
+        if self.pusher is None or isinstance(spec, LoadSpec):
             return
+        chunks = tuple(zip(spec.keys, spec.slots)) if isinstance(spec, StoreSpec) else spec.writes
         failed = failed_set(completion, tuple(key for key, _ in chunks))
         slab, size = self.transfer.slab, self.pusher.tier.payload_bytes
         for key, slot in chunks:
@@ -232,6 +249,25 @@ class JobExecutor:
 
     def in_flight_ids(self) -> list[JobId]:
         return self._ledger.live_ids()
+
+    def jobs_touching(self, block_ids: Set[int] | None) -> list[JobId]:
+        """The store and load jobs not yet polled that read or write any of ``block_ids``
+        (None: every one of them); spills touch no GPU block."""
+        jobs = []
+        for job_id, live in self._ledger.live_items():
+            spec = live.spec
+            if isinstance(spec, SpillSpec):
+                continue
+            if block_ids is None:
+                jobs.append(job_id)
+                continue
+            blocks = live.blocks
+            if blocks is None:
+                blocks = live.blocks = frozenset(spec.block_ids) if isinstance(spec, StoreSpec) \
+                    else frozenset(b for chunk in spec.chunks for b in chunk.block_ids)
+            if not blocks.isdisjoint(block_ids):
+                jobs.append(job_id)
+        return jobs
 
     def submitted(self, job_id: JobId) -> bool:
         return job_id in self._ledger

@@ -9,7 +9,8 @@ Primitives and their contracts (not thread-safe: the owner holds its lock around
 - ``finish(job_id)``: the job finished (the owner decides when: threads when the job ran,
   CUDA and the executor when a poll saw it). Remembered compactly: every id below a floor
   (dense ids), plus at most ``remember`` finished ids above it, the oldest forgotten first.
-- ``job_id in ledger``: live or remembered; ``is_finished(job_id)``; ``live_ids()``.
+- ``job_id in ledger``: live or remembered; ``is_finished(job_id)``; ``live_ids()``;
+  ``live_items()``: each live id with its record.
 - ``pending(job_ids)``: the live records among ``job_ids``, finished ones skipped. An id
   never submitted raises :class:`UnknownJobError`: a wait before its submit is the race
   tierkv exists to prevent (a flush waiting on a store that was never started).
@@ -82,6 +83,9 @@ class JobLedger(Generic[RecordT]):
 
     def live_ids(self) -> list[JobId]:
         return list(self._live)
+
+    def live_items(self) -> list[tuple[JobId, RecordT]]:
+        return list(self._live.items())
 
     def pending(self, job_ids: Iterable[JobId]) -> dict[JobId, RecordT]:
         live, pending = self._live, {}
