@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.core.jobs import JobId, JobKind, SlotId, SpillSpec, StoreSpec
+from tierkv.core.jobs import Completion, JobId, JobKind, SlotId, SpillSpec, StoreSpec
 from tierkv.engine.requests import StepPlan
-from tierkv.engine.worker import WorkerAdapter
+from tierkv.engine.worker import SlotResidency, WorkerAdapter
 from tierkv.keys import chunk_keys
 
 from .adapter_stack import BLOCK, BPC, build_stack, slow_stores
@@ -180,3 +180,23 @@ def test_a_rank_that_writes_no_disk_reports_its_spills_done_and_counts_nothing(t
     assert "bytes_cpu_to_disk" not in worker.statistics()
     assert worker.statistics()["bytes_gpu_to_cpu"] == stack.slab.slot_bytes
     stack.close()
+
+
+def test_a_job_that_failed_as_a_whole_changes_the_slots_by_its_spec() -> None:
+    # A failed completion that names no keys failed as a whole: its spec (the executor's
+    # record, handed over with the completion) says which chunks did not land.
+    residency, key, other = SlotResidency(), b"\x01" * 32, b"\x02" * 32
+    residency.finished(Completion(JobId(1), JobKind.STORE, ok=True),
+                       StoreSpec(JobId(1), (key,), (SlotId(0),), (0, 1)))
+    assert residency.unspilled() == [(key, 0)]
+    residency.finished(Completion(JobId(2), JobKind.STORE, ok=False),
+                       StoreSpec(JobId(2), (other,), (SlotId(0),), (2, 3)))
+    assert residency.unspilled() == []  # slot 0 holds nothing valid now
+    residency.finished(Completion(JobId(3), JobKind.STORE, ok=True),
+                       StoreSpec(JobId(3), (key,), (SlotId(1),), (0, 1)))
+    residency.finished(Completion(JobId(4), JobKind.SPILL, ok=False),
+                       SpillSpec(JobId(4), ((key, SlotId(1)),)))
+    assert residency.unspilled() == [(key, 1)]  # the spill wrote nothing
+    residency.finished(Completion(JobId(5), JobKind.SPILL, ok=True),
+                       SpillSpec(JobId(5), ((key, SlotId(1)),)))
+    assert residency.unspilled() == []

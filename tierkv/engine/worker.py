@@ -18,7 +18,8 @@ Per step, in the engine's order (why: docs/design.md, "Worker order and when sto
 
 What the worker's slots hold (``track_slots=True``, with a disk tier): the worker keeps,
 per CPU slot, the key whose bytes the slot holds and whether that chunk is on disk
-(spilled, or promoted from disk, and not deleted since), from the jobs it ran.
+(spilled, or promoted from disk, and not deleted since), from the jobs it ran (each
+finished job's spec comes with its completion from the executor's record).
 ``unspilled_chunks()`` lists the slots holding valid bytes not known to be on disk: a
 worker in another process than the scheduler's index (vLLM's workers) writes them to disk
 at shutdown, so a restart is warm even for chunks the scheduler never got to spill.
@@ -35,8 +36,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tierkv.core.jobs import (NO_BLOCK, Completion, JobId, JobKind, JobSpec, SpillSpec,
-                              StoreSpec, failed_set)
+from tierkv.core.jobs import (NO_BLOCK, Completion, JobId, JobKind, JobSpec, LoadSpec,
+                              SpillSpec, StoreSpec, failed_set)
 from tierkv.engine.metrics import PATH_NAMES, Durations
 from tierkv.engine.requests import StepPlan, WorkerReport
 from tierkv.transfer.executor import JobExecutor
@@ -51,29 +52,10 @@ class SlotResidency:
         self._holding: dict[int, bytes] = {}  # slot -> key
         self._held: dict[bytes, int] = {}  # key -> slot
         self._unspilled: set[bytes] = set()
-        # The jobs in flight that rewrite slots or their disk copies: what each does.
-        self._specs: dict[JobId, JobSpec] = {}
 
-    def expect(self, plan: StepPlan) -> None:
-        """The plan's jobs will run: remember what those that touch slots do."""
-        specs = self._specs
-        for store in plan.stores:
-            specs[store.job_id] = store
-        for load in plan.loads:
-            if load.spec is not None and any(c.from_disk or c.from_remote
-                                             for c in load.spec.chunks):
-                specs[load.spec.job_id] = load.spec
-        for spill in plan.spills:
-            specs[spill.job_id] = spill
-
-    def finished(self, completion: Completion, ran: bool = True) -> None:
-        """A job finished (``ran`` False: it was skipped, and changed nothing)."""
-        spec = self._specs.pop(completion.job_id, None)
-        if spec is not None and ran:
-            self._apply(spec, completion)
-
-    def _apply(self, spec: JobSpec, completion: Completion) -> None:
-        """What a finished job did to the slots."""
+    def finished(self, completion: Completion, spec: JobSpec) -> None:
+        """What a job the executor ran did to the slots (``spec``: the executor's record
+        of it; a spill the worker skipped never ran, and changed nothing)."""
         if isinstance(spec, SpillSpec):
             for key in spec.deletes:  # deletes run before the job's writes
                 if key in self._held:
@@ -152,8 +134,6 @@ class WorkerAdapter:
 
     # ------------------------------------------------------------------ steps
     def handle_preemptions(self, plan: StepPlan) -> None:
-        if self._residency is not None and self._handled is not plan:
-            self._residency.expect(plan)
         flush = set(plan.jobs_to_flush)
         submitted = self.executor.submitted
         for spec in plan.stores:
@@ -208,16 +188,17 @@ class WorkerAdapter:
     def poll(self) -> WorkerReport:
         if self._idle and self.executor.in_flight_ids():
             time.sleep(IDLE_YIELD_SECONDS)  # let the copy and disk threads run (see above)
-        completions = self.executor.poll_finished()
-        for completion in completions:
+        jobs = self.executor.poll_finished_jobs()
+        completions = [completion for completion, _ in jobs]
+        residency = self._residency
+        for completion, spec in jobs:
             self._account(completion)
+            if residency is not None and spec is not None:
+                residency.finished(completion, spec)
             load = self._loads.pop(completion.job_id, None)
             if load is not None:
                 self._finish_load(load, completion)
         if self._skipped:  # nothing moved: not accounted
-            if self._residency is not None:
-                for skipped in self._skipped:
-                    self._residency.finished(skipped, ran=False)
             completions, self._skipped = [*completions, *self._skipped], []
         finished, self._finished_loads = self._finished_loads, []
         failed, self._failed_blocks = self._failed_blocks, []
@@ -242,8 +223,6 @@ class WorkerAdapter:
         self._durations.setdefault(name, Durations()).observe(completion.seconds)
         if not completion.ok:
             counts[f"failed_jobs_{name}"] = counts.get(f"failed_jobs_{name}", 0) + 1
-        if self._residency is not None:
-            self._residency.finished(completion)
 
     def statistics(self) -> dict[str, float]:
         return dict(self._counts)
