@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 
 from tierkv.core.figures import counter, figures, gauge, values
+from tierkv.core.jobs import Completion, JobId, JobKind
 from tierkv.core.stats import Counters, IndexStats
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.metrics import GAUGE_KEYS, LOOKUP_FIGURES, METRICS, is_gauge
+from tierkv.engine.store_stats import PathCounts
 
 INDEX_COUNTERS = {
     "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
@@ -139,3 +141,22 @@ def test_every_metric_reads_its_declared_figures_as_their_kind() -> None:
     for metric, key in read:
         assert metric.kind == declared[key].kind, (metric.name, key)
         assert declared[key].reported, key  # a metric reads what the reports carry
+
+
+def test_the_per_path_figures_keep_their_names_and_count_one_job_each() -> None:
+    # PathCounts is the store's and the worker's one accounting: bytes_<path>, ... flat.
+    paths = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk")
+    names = {f"{what}_{path}" for what in ("bytes", "seconds", "failed_jobs") for path in paths}
+    assert set(values(PathCounts())) == names
+    assert all(figure.kind == "counter" and figure.help for figure in figures(PathCounts))
+    read = {key for metric in METRICS if metric.label == "path" for _, key in metric.keys}
+    assert names <= read
+    counts = PathCounts()
+    counts.add(Completion(JobId(1), JobKind.STORE, True, num_bytes=4096, seconds=0.5))
+    counts.add(Completion(JobId(2), JobKind.STORE, False, num_bytes=0, seconds=0.25))
+    counts.add(Completion(JobId(3), JobKind.SPILL, True, num_bytes=1024, seconds=1.0))
+    assert {name: value for name, value in values(counts).items() if value} == {
+        "bytes_gpu_to_cpu": 4096, "seconds_gpu_to_cpu": 0.75, "failed_jobs_gpu_to_cpu": 1,
+        "bytes_cpu_to_disk": 1024, "seconds_cpu_to_disk": 1.0}
+    assert counts.path(JobKind.STORE).num_bytes == 4096
+    assert counts.path(JobKind.LOAD).seconds == 0.0
