@@ -3,6 +3,7 @@
 - :class:`LoadHandle` what ``load()`` started.
 - :class:`PathCounts` bytes, seconds and failed jobs per path (``bytes_gpu_to_cpu``, ...),
   counted by ``add(completion)``: the store's and the worker's one accounting.
+- :class:`CompletionCounts` the vLLM scheduler side's ``bytes_completed``.
 - :class:`StoreStats` ``statistics()``: the index's counters, bytes and seconds per path
   (:class:`PathStats`), the remote tier's (:class:`RemoteStats`) and the load shortfall
   by cause (:class:`LoadShortfall`, a snapshot of the store's :class:`ShortfallCounts`).
@@ -74,6 +75,15 @@ class PathCounts:
         if kind is JobKind.LOAD:
             return PathStats(self.bytes_cpu_to_gpu, self.seconds_cpu_to_gpu)
         return PathStats(self.bytes_cpu_to_disk, self.seconds_cpu_to_disk)
+
+
+@dataclass
+class CompletionCounts:
+    """The vLLM scheduler side's own figure (the index's and the adapter's are on their
+    records; the workers count :class:`PathCounts`)."""
+
+    bytes_completed: int = counter("Bytes moved by the jobs the workers reported finished, "
+                                   "every path")
 
 
 @dataclass
