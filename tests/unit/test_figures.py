@@ -12,8 +12,12 @@ from tierkv.core.figures import counter, figures, gauge, values
 from tierkv.core.jobs import Completion, JobId, JobKind
 from tierkv.core.stats import Counters, IndexStats
 from tierkv.engine.adapter_stats import AdapterStats
-from tierkv.engine.metrics import GAUGE_KEYS, LOOKUP_FIGURES, METRICS, is_gauge
+from tierkv.engine.metrics import (GAUGE_KEYS, LOOKUP_FIGURES, METRICS, PUSH_RESULTS, is_gauge,
+                                   remote_figures)
 from tierkv.engine.store_stats import PathCounts
+from tierkv.tiers.remote.lookup import LookupCounts, RemoteLookupStatistics
+from tierkv.tiers.remote.pushes import PushCounts, RemoteIOStatistics
+from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
 
 INDEX_COUNTERS = {
     "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
@@ -160,3 +164,35 @@ def test_the_per_path_figures_keep_their_names_and_count_one_job_each() -> None:
         "bytes_cpu_to_disk": 1024, "seconds_cpu_to_disk": 1.0}
     assert counts.path(JobKind.STORE).num_bytes == 4096
     assert counts.path(JobKind.LOAD).seconds == 0.0
+
+
+def test_the_remote_pushes_and_lookups_are_declared_on_records() -> None:
+    # remote_figures lists the pushes' reported counters: tierkv:remote_pushes{result=...}.
+    assert PUSH_RESULTS == ("pushed", "failed", "dropped", "abandoned")
+    counts = PushCounts()
+    counts.pushed += 3
+    counts.dropped += 1
+    pushes = RemoteIOStatistics.of(counts, queue_bytes_now=7)
+    assert remote_figures([], pushes)["remote_pushes_pushed"] == 3
+    assert {key for key in remote_figures([], pushes) if key.startswith("remote_pushes_")} == \
+        {f"remote_pushes_{result}" for result in PUSH_RESULTS}
+    assert {f.name for f in figures(RemoteIOStatistics) if f.kind == "gauge"} == {"queue_bytes_now"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pushes.pushed = 4
+    assert [f.name for f in figures(RemoteLookupStatistics)] == [
+        "asks", "not_yet", "requests", "keys_asked", "keys_found", "errors", "seconds"]
+    assert RemoteLookupStatistics.of(LookupCounts(asks=2)).asks == 2
+
+
+def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
+    assert [f.name for f in figures(TierCounts)] == [
+        "puts", "already", "bytes_written", "reads", "hits", "misses", "corrupt", "errors",
+        "skipped", "bytes_read", "calls"]
+    counts = TierCounts()
+    counts.calls += 2
+    counts.skipped += 1
+    tier = RemoteStatistics.of(counts, breaker_opens=0, cluster=False, causes=(("timeout", 3),),
+                               bad_values=(), breakers=(("n1", 1),))
+    got = remote_figures([tier, tier])
+    assert (got["remote_calls_ok"], got["remote_calls_skipped"]) == (4, 2)
+    assert (got["remote_calls_timeout"], got["remote_breaker_open/n1"]) == (6, 1)

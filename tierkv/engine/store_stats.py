@@ -19,7 +19,7 @@ from tierkv.core.index import IndexStats
 from tierkv.core.jobs import Completion, JobId, JobKind
 
 if TYPE_CHECKING:
-    from tierkv.tiers.remote.tier import RemoteStatistics
+    from tierkv.tiers.remote.stats import RemoteStatistics
     from tierkv.tiers.remote.pushes import RemoteIOStatistics
     from tierkv.tiers.remote.lookup import RemoteLookupStatistics
 
