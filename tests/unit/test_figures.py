@@ -18,6 +18,7 @@ from tierkv.engine.store_stats import PathCounts
 from tierkv.tiers.remote.lookup import LookupCounts, RemoteLookupStatistics
 from tierkv.tiers.remote.pushes import PushCounts, RemoteIOStatistics
 from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
+from tierkv.transfer.tier_io import TierIOCounts, TierIOStatistics
 
 INDEX_COUNTERS = {
     "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
@@ -196,3 +197,9 @@ def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
     got = remote_figures([tier, tier])
     assert (got["remote_calls_ok"], got["remote_calls_skipped"]) == (4, 2)
     assert (got["remote_calls_timeout"], got["remote_breaker_open/n1"]) == (6, 1)
+
+
+def test_the_disk_io_counters_are_declared_on_a_record() -> None:
+    assert [f.name for f in figures(TierIOStatistics)] == [
+        "spill_jobs", "write_txns", "read_jobs", "callback_errors"]
+    assert TierIOStatistics.of(TierIOCounts(read_jobs=3)).read_jobs == 3
