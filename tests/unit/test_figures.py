@@ -15,6 +15,7 @@ from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.metrics import (GAUGE_KEYS, LOOKUP_FIGURES, METRICS, PUSH_RESULTS, is_gauge,
                                    remote_figures)
 from tierkv.engine.store_stats import PathCounts
+from tierkv.tiers.disk.tier import DiskCounts, DiskStatistics
 from tierkv.tiers.remote.lookup import LookupCounts, RemoteLookupStatistics
 from tierkv.tiers.remote.pushes import PushCounts, RemoteIOStatistics
 from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
@@ -203,3 +204,15 @@ def test_the_disk_io_counters_are_declared_on_a_record() -> None:
     assert [f.name for f in figures(TierIOStatistics)] == [
         "spill_jobs", "write_txns", "read_jobs", "callback_errors"]
     assert TierIOStatistics.of(TierIOCounts(read_jobs=3)).read_jobs == 3
+
+
+def test_the_disk_tiers_counters_are_declared_on_records() -> None:
+    # DiskStatistics: the tier's counts, its environments' (summed over shards) and gauges.
+    assert {f.name for f in figures(DiskStatistics) if f.kind == "counter"} == {
+        "bytes_written", "bytes_read", "puts", "reads", "hits", "misses", "corrupt", "full",
+        "syncs", "write_txns", "rebuilds", "stale_readers", "map_adopted"}
+    assert {f.name for f in figures(DiskStatistics) if f.kind == "gauge"} == {"chunks",
+                                                                               "map_size"}
+    stats = DiskStatistics.of(DiskCounts(puts=2), chunks=2, map_size=1 << 20, rebuilds=1,
+                              stale_readers=0, map_adopted=0)
+    assert (stats.puts, stats.rebuilds, stats.chunks) == (2, 1, 2)
