@@ -403,7 +403,7 @@ def test_close_mode_syncs_only_at_close(tmp_path: Path) -> None:
     clock.now = 100.0
     assert not tier.sync_if_due() and tier.statistics().syncs == 0
     tier.close()
-    assert tier._counts["syncs"] == 1
+    assert tier._counts.syncs == 1
 
 
 def test_index_map_is_small_and_never_fills_before_the_slabs(tmp_path: Path) -> None:

@@ -9,9 +9,17 @@ import dataclasses
 import pytest
 
 from tierkv.core.figures import counter, figures, gauge, values
+from tierkv.core.jobs import Completion, JobId, JobKind
 from tierkv.core.stats import Counters, IndexStats
 from tierkv.engine.adapter_stats import AdapterStats
-from tierkv.engine.metrics import GAUGE_KEYS, LOOKUP_FIGURES, METRICS, is_gauge
+from tierkv.engine.metrics import (GAUGE_KEYS, LOOKUP_FIGURES, METRICS, PUSH_RESULTS, is_gauge,
+                                   remote_figures)
+from tierkv.engine.store_stats import PathCounts
+from tierkv.tiers.disk.tier import DiskCounts, DiskStatistics
+from tierkv.tiers.remote.lookup import LookupCounts, RemoteLookupStatistics
+from tierkv.tiers.remote.pushes import PushCounts, RemoteIOStatistics
+from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
+from tierkv.transfer.tier_io import TierIOCounts, TierIOStatistics
 
 INDEX_COUNTERS = {
     "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
@@ -139,3 +147,72 @@ def test_every_metric_reads_its_declared_figures_as_their_kind() -> None:
     for metric, key in read:
         assert metric.kind == declared[key].kind, (metric.name, key)
         assert declared[key].reported, key  # a metric reads what the reports carry
+
+
+def test_the_per_path_figures_keep_their_names_and_count_one_job_each() -> None:
+    # PathCounts is the store's and the worker's one accounting: bytes_<path>, ... flat.
+    paths = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk")
+    names = {f"{what}_{path}" for what in ("bytes", "seconds", "failed_jobs") for path in paths}
+    assert set(values(PathCounts())) == names
+    assert all(figure.kind == "counter" and figure.help for figure in figures(PathCounts))
+    read = {key for metric in METRICS if metric.label == "path" for _, key in metric.keys}
+    assert names <= read
+    counts = PathCounts()
+    counts.add(Completion(JobId(1), JobKind.STORE, True, num_bytes=4096, seconds=0.5))
+    counts.add(Completion(JobId(2), JobKind.STORE, False, num_bytes=0, seconds=0.25))
+    counts.add(Completion(JobId(3), JobKind.SPILL, True, num_bytes=1024, seconds=1.0))
+    assert {name: value for name, value in values(counts).items() if value} == {
+        "bytes_gpu_to_cpu": 4096, "seconds_gpu_to_cpu": 0.75, "failed_jobs_gpu_to_cpu": 1,
+        "bytes_cpu_to_disk": 1024, "seconds_cpu_to_disk": 1.0}
+    assert counts.path(JobKind.STORE).num_bytes == 4096
+    assert counts.path(JobKind.LOAD).seconds == 0.0
+
+
+def test_the_remote_pushes_and_lookups_are_declared_on_records() -> None:
+    # remote_figures lists the pushes' reported counters: tierkv:remote_pushes{result=...}.
+    assert PUSH_RESULTS == ("pushed", "failed", "dropped", "abandoned")
+    counts = PushCounts()
+    counts.pushed += 3
+    counts.dropped += 1
+    pushes = RemoteIOStatistics.of(counts, queue_bytes_now=7)
+    assert remote_figures([], pushes)["remote_pushes_pushed"] == 3
+    assert {key for key in remote_figures([], pushes) if key.startswith("remote_pushes_")} == \
+        {f"remote_pushes_{result}" for result in PUSH_RESULTS}
+    assert {f.name for f in figures(RemoteIOStatistics) if f.kind == "gauge"} == {"queue_bytes_now"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pushes.pushed = 4
+    assert [f.name for f in figures(RemoteLookupStatistics)] == [
+        "asks", "not_yet", "requests", "keys_asked", "keys_found", "errors", "seconds"]
+    assert RemoteLookupStatistics.of(LookupCounts(asks=2)).asks == 2
+
+
+def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
+    assert [f.name for f in figures(TierCounts)] == [
+        "puts", "already", "bytes_written", "reads", "hits", "misses", "corrupt", "errors",
+        "skipped", "bytes_read", "calls"]
+    counts = TierCounts()
+    counts.calls += 2
+    counts.skipped += 1
+    tier = RemoteStatistics.of(counts, breaker_opens=0, cluster=False, causes=(("timeout", 3),),
+                               bad_values=(), breakers=(("n1", 1),))
+    got = remote_figures([tier, tier])
+    assert (got["remote_calls_ok"], got["remote_calls_skipped"]) == (4, 2)
+    assert (got["remote_calls_timeout"], got["remote_breaker_open/n1"]) == (6, 1)
+
+
+def test_the_disk_io_counters_are_declared_on_a_record() -> None:
+    assert [f.name for f in figures(TierIOStatistics)] == [
+        "spill_jobs", "write_txns", "read_jobs", "callback_errors"]
+    assert TierIOStatistics.of(TierIOCounts(read_jobs=3)).read_jobs == 3
+
+
+def test_the_disk_tiers_counters_are_declared_on_records() -> None:
+    # DiskStatistics: the tier's counts, its environments' (summed over shards) and gauges.
+    assert {f.name for f in figures(DiskStatistics) if f.kind == "counter"} == {
+        "bytes_written", "bytes_read", "puts", "reads", "hits", "misses", "corrupt", "full",
+        "syncs", "write_txns", "rebuilds", "stale_readers", "map_adopted"}
+    assert {f.name for f in figures(DiskStatistics) if f.kind == "gauge"} == {"chunks",
+                                                                               "map_size"}
+    stats = DiskStatistics.of(DiskCounts(puts=2), chunks=2, map_size=1 << 20, rebuilds=1,
+                              stale_readers=0, map_adopted=0)
+    assert (stats.puts, stats.rebuilds, stats.chunks) == (2, 1, 2)

@@ -15,11 +15,12 @@ the key being its label value (``remote_breaker_open/10.0.0.5:7000``: one per no
 :func:`remote_figures` makes the remote tier's figures from its statistics, and
 :func:`config_info` the labels of ``tierkv:config_info`` (the effective settings, no secret).
 
-The figures of the index and the engine adapter are declared once, as fields of their
-records (:class:`~tierkv.core.stats.IndexStats`, :class:`~tierkv.engine.adapter_stats.
-AdapterStats`; :mod:`tierkv.core.figures`): a metric that reads one of them takes its kind
-and help text from that declaration, and :func:`values` (re-exported here for the
-integrations) reads a record's figures by name.
+The figures of the index, the engine adapter, the paths and the remote tier are declared
+once, as fields of their records (:class:`~tierkv.core.stats.IndexStats`,
+:class:`~tierkv.engine.adapter_stats.AdapterStats`, :class:`~tierkv.engine.store_stats.
+PathCounts`, the remote tier's; :mod:`tierkv.core.figures`): a metric that reads one of
+them takes its kind and help text from that declaration, and :func:`values` (re-exported
+here for the integrations) reads a record's figures by name.
 
 Counters are exposed with ``_total`` (``tierkv:hit_tokens_total{tier="disk"}``); byte figures
 are bytes and times are seconds, as Prometheus conventions ask.
@@ -38,6 +39,7 @@ from tierkv.core.jobs import JobKind
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.extras import needs
 from tierkv.tiers.remote.health import CAUSES
+from tierkv.tiers.remote.pushes import PushCounts
 
 PREFIX = "tierkv:"
 Kind = Literal["counter", "gauge", "histogram"]
@@ -65,7 +67,7 @@ class Metric:
 
 # The remote tier's calls by result, its pushes by fate, its values by the check they failed.
 REMOTE_RESULTS = ("ok", "skipped", *(cause.replace(" ", "_") for cause in CAUSES))
-PUSH_RESULTS = ("pushed", "failed", "dropped", "abandoned")
+PUSH_RESULTS = tuple(figure.name for figure in figures(PushCounts) if figure.reported)
 VALUE_CHECKS = ("size", "type", "header", "checksum")
 BREAKER_OPEN = "remote_breaker_open/"  # + node: a dynamic gauge
 CONFIG_INFO = "config_info"
@@ -175,7 +177,7 @@ def metric_keys(metric: Metric, figures: Mapping[str, Any]) -> tuple[tuple[str, 
 def remote_figures(tiers: Sequence[Any], pushes: Any = None,
                    breakers: bool = True) -> dict[str, float]:
     """The remote tier's figures from the statistics of its tiers
-    (:class:`~tierkv.tiers.remote.tier.RemoteStatistics`: an engine's lookups and its loads and
+    (:class:`~tierkv.tiers.remote.stats.RemoteStatistics`: an engine's lookups and its loads and
     pushes have a tier each) and its pushes (:class:`~tierkv.tiers.remote.pushes.
     RemoteIOStatistics`): counters summed, a node's breaker open if any tier's is
     (``breakers=False``: none of those gauges)."""
@@ -196,8 +198,8 @@ def remote_figures(tiers: Sequence[Any], pushes: Any = None,
             key = BREAKER_OPEN + node
             out[key] = max(out.get(key, 0), state)
     if pushes is not None:
-        for result in PUSH_RESULTS:
-            out[f"remote_pushes_{result}"] = getattr(pushes, result)
+        out.update((f"remote_pushes_{result}", count)
+                   for result, count in values(pushes, "counter").items())
     return out
 
 

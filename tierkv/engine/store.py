@@ -68,8 +68,8 @@ from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
 from tierkv.engine.store_namespace import build_namespace as build_namespace
 from tierkv.engine.store_namespace import check_namespace
-from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathStats, RemoteStats,
-                                       ShortfallCounts, StoreStats)
+from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathCounts, PathStats,
+                                       RemoteStats, ShortfallCounts, StoreStats)
 from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError
 from tierkv.keys import Namespace
@@ -163,8 +163,7 @@ class TierKVStore:
             self._closed = True
             self._close_parts()
             raise
-        self._bytes = {kind: [0, 0.0] for kind in JobKind}
-        self._failed_jobs = dict.fromkeys(JobKind, 0)
+        self._paths = PathCounts()
         self._durations = {kind: Durations() for kind in JobKind}
         self._lookups = AdapterStats()  # of its figures, queried_tokens and hit_tokens_<tier>
         self._ready: list[Completion] = []
@@ -382,10 +381,6 @@ class TierKVStore:
 
         Never blocks on jobs and never changes anything; works after ``close()``. Raises
         :class:`UsageError` from another thread or a forked child."""
-        def path(kind: JobKind) -> PathStats:
-            num_bytes, seconds = self._bytes[kind]
-            return PathStats(int(num_bytes), float(seconds))
-
         remote = None
         if self._remote is not None and self._stack.remote is not None:
             pusher = self.executor.pusher
@@ -394,9 +389,9 @@ class TierKVStore:
                                  self._remote.statistics())
         return StoreStats(
             index=self.index.statistics(),
-            gpu_to_cpu=path(JobKind.STORE),
-            cpu_to_gpu=path(JobKind.LOAD),
-            cpu_to_disk=path(JobKind.SPILL),
+            gpu_to_cpu=self._paths.path(JobKind.STORE),
+            cpu_to_gpu=self._paths.path(JobKind.LOAD),
+            cpu_to_disk=self._paths.path(JobKind.SPILL),
             chunk_bytes=self.chunk_bytes,
             remote=remote,
             load_shortfall=LoadShortfall.of(self._shortfall),
@@ -412,9 +407,8 @@ class TierKVStore:
         out: dict[str, float | Durations] = values(index)
         out.update((name, value) for name, value in values(self._lookups).items()
                    if name in LOOKUP_FIGURES)
+        out.update(values(self._paths))
         for kind, name in PATH_NAMES.items():
-            out[f"bytes_{name}"], out[f"seconds_{name}"] = self._bytes[kind]
-            out[f"failed_jobs_{name}"] = self._failed_jobs[kind]
             out[f"durations_{name}"] = self._durations[kind]
         out.update(usage_figures(index, self.chunk_bytes))
         if self._remote is not None and self._stack.remote is not None:
@@ -524,12 +518,8 @@ class TierKVStore:
             self.index.complete(completion)
             if kind is JobKind.LOAD:
                 self._shortfall.failed += len(completion.failed_keys)
-            totals = self._bytes[kind]
-            totals[0] += completion.num_bytes
-            totals[1] += completion.seconds
+            self._paths.add(completion)
             self._durations[kind].observe(completion.seconds)
-            if not completion.ok:
-                self._failed_jobs[kind] += 1
             if kind is not JobKind.SPILL:
                 self._ready.append(completion)
             if completion.error and not completion.ok:

@@ -1,6 +1,9 @@
 """What :class:`~tierkv.engine.store.TierKVStore` reports: plain frozen dataclasses.
 
 - :class:`LoadHandle` what ``load()`` started.
+- :class:`PathCounts` bytes, seconds and failed jobs per path (``bytes_gpu_to_cpu``, ...),
+  counted by ``add(completion)``: the store's and the worker's one accounting.
+- :class:`CompletionCounts` the vLLM scheduler side's ``bytes_completed``.
 - :class:`StoreStats` ``statistics()``: the index's counters, bytes and seconds per path
   (:class:`PathStats`), the remote tier's (:class:`RemoteStats`) and the load shortfall
   by cause (:class:`LoadShortfall`, a snapshot of the store's :class:`ShortfallCounts`).
@@ -13,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from tierkv.core.figures import Snapshot, counter
 from tierkv.core.index import IndexStats
-from tierkv.core.jobs import JobId
+from tierkv.core.jobs import Completion, JobId, JobKind
 
 if TYPE_CHECKING:
-    from tierkv.tiers.remote.tier import RemoteStatistics
+    from tierkv.tiers.remote.stats import RemoteStatistics
     from tierkv.tiers.remote.pushes import RemoteIOStatistics
     from tierkv.tiers.remote.lookup import RemoteLookupStatistics
 
@@ -30,6 +33,57 @@ class LoadHandle:
     num_chunks: int  # chunks the job loads (a prefix of the keys asked for)
     num_from_disk: int
     num_from_remote: int = 0
+
+
+@dataclass
+class PathCounts:
+    """Bytes, seconds and failed jobs of finished jobs, per path (a job's kind: a store
+    moves GPU -> CPU, a load CPU -> GPU, a spill CPU -> disk): figures ``bytes_<path>``,
+    ``seconds_<path>`` and ``failed_jobs_<path>``, counted once per job by :meth:`add`."""
+
+    bytes_gpu_to_cpu: int = counter("Bytes moved by finished stores (GPU -> CPU)")
+    seconds_gpu_to_cpu: float = counter("Seconds spent in finished stores (GPU -> CPU)")
+    failed_jobs_gpu_to_cpu: int = counter("Stores that failed (GPU -> CPU)")
+    bytes_cpu_to_gpu: int = counter("Bytes moved by finished loads (CPU -> GPU; disk -> "
+                                    "CPU reads of promoted chunks included)")
+    seconds_cpu_to_gpu: float = counter("Seconds spent in finished loads (CPU -> GPU)")
+    failed_jobs_cpu_to_gpu: int = counter("Loads that failed (their chunks are misses)")
+    bytes_cpu_to_disk: int = counter("Bytes moved by finished spills (CPU -> disk)")
+    seconds_cpu_to_disk: float = counter("Seconds spent in finished spills (CPU -> disk)")
+    failed_jobs_cpu_to_disk: int = counter("Spills that failed (CPU -> disk)")
+
+    def add(self, completion: Completion) -> None:
+        """Count one finished job on its path."""
+        kind, failed = completion.kind, not completion.ok
+        if kind is JobKind.STORE:
+            self.bytes_gpu_to_cpu += completion.num_bytes
+            self.seconds_gpu_to_cpu += completion.seconds
+            self.failed_jobs_gpu_to_cpu += failed
+        elif kind is JobKind.LOAD:
+            self.bytes_cpu_to_gpu += completion.num_bytes
+            self.seconds_cpu_to_gpu += completion.seconds
+            self.failed_jobs_cpu_to_gpu += failed
+        else:
+            self.bytes_cpu_to_disk += completion.num_bytes
+            self.seconds_cpu_to_disk += completion.seconds
+            self.failed_jobs_cpu_to_disk += failed
+
+    def path(self, kind: JobKind) -> PathStats:
+        """The bytes and seconds of ``kind``'s path."""
+        if kind is JobKind.STORE:
+            return PathStats(self.bytes_gpu_to_cpu, self.seconds_gpu_to_cpu)
+        if kind is JobKind.LOAD:
+            return PathStats(self.bytes_cpu_to_gpu, self.seconds_cpu_to_gpu)
+        return PathStats(self.bytes_cpu_to_disk, self.seconds_cpu_to_disk)
+
+
+@dataclass
+class CompletionCounts:
+    """The vLLM scheduler side's own figure (the index's and the adapter's are on their
+    records; the workers count :class:`PathCounts`)."""
+
+    bytes_completed: int = counter("Bytes moved by the jobs the workers reported finished, "
+                                   "every path")
 
 
 @dataclass

@@ -36,10 +36,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tierkv.core.figures import values
 from tierkv.core.jobs import (NO_BLOCK, Completion, JobId, JobKind, JobSpec, LoadSpec,
                               SpillSpec, StoreSpec, failed_set)
 from tierkv.engine.metrics import PATH_NAMES, Durations
 from tierkv.engine.requests import StepPlan, WorkerReport
+from tierkv.engine.store_stats import PathCounts
 from tierkv.transfer.executor import JobExecutor
 
 IDLE_YIELD_SECONDS = 0.0005
@@ -122,7 +124,7 @@ class WorkerAdapter:
         self.writes_disk = writes_disk
         self._skipped: list[Completion] = []
         self._residency = SlotResidency() if track_slots else None
-        self._counts: dict[str, float] = {}
+        self._paths = PathCounts()
         self._durations: dict[str, Durations] = {}
         self._pending: list[StoreSpec] = []  # stores planned but not yet submitted
         self._loads: dict[JobId, _LoadInFlight] = {}
@@ -217,15 +219,14 @@ class WorkerAdapter:
             self._failed_loads.append(load.req_id)
 
     def _account(self, completion: Completion) -> None:
-        name, counts = PATH_NAMES[completion.kind], self._counts
-        counts[f"bytes_{name}"] = counts.get(f"bytes_{name}", 0) + completion.num_bytes
-        counts[f"seconds_{name}"] = counts.get(f"seconds_{name}", 0.0) + completion.seconds
+        self._paths.add(completion)
+        name = PATH_NAMES[completion.kind]
         self._durations.setdefault(name, Durations()).observe(completion.seconds)
-        if not completion.ok:
-            counts[f"failed_jobs_{name}"] = counts.get(f"failed_jobs_{name}", 0) + 1
 
     def statistics(self) -> dict[str, float]:
-        return dict(self._counts)
+        """Bytes, seconds and failed jobs per path (:class:`PathCounts`), the figures that
+        moved (a path with no job, no failure: absent)."""
+        return {name: value for name, value in values(self._paths).items() if value}
 
     def take_durations(self) -> dict[str, list[float]]:
         """Seconds of each job finished since the last call, by figure key (``durations_<path>``)."""

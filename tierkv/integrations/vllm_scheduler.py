@@ -27,6 +27,7 @@ from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
 from tierkv.engine.metrics import remote_figures, since_last, usage_figures, values
 from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
+from tierkv.engine.store_stats import CompletionCounts
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
 from tierkv.integrations.vllm_keys import chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
@@ -136,7 +137,7 @@ class SchedulerSide:
         self._step = 0
         self._epoch = b""  # b"": keys as the warm-up and other servers derive them
         self.resets = 0
-        self._counts = {"bytes_completed": 0}
+        self._counts = CompletionCounts()
         self._reported: dict[str, int] = {}
         self._last_report = -float("inf")
         self.stats_interval = STATS_INTERVAL_SECONDS
@@ -405,7 +406,7 @@ class SchedulerSide:
             return
         done = self.adapter.complete(WorkerReport(rank=-1, completions=tuple(meta.completions)))
         for completion in done:
-            self._counts["bytes_completed"] += completion.num_bytes
+            self._counts.bytes_completed += completion.num_bytes
             if not completion.ok and completion.error:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
 
@@ -447,7 +448,7 @@ class SchedulerSide:
         out = {_INDEX_RENAMED.get(name, name): value
                for name, value in values(index, "counter").items()}
         out.update(values(adapter))
-        out.update(self._counts)
+        out.update(values(self._counts))
         if self.remote is not None:
             lookups = self.remote.statistics()
             out["remote_lookup_requests"] = lookups.requests

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.checks import check_int
+from tierkv.core.figures import Snapshot, counter
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
 from tierkv.keys import KEY_BYTES
@@ -80,12 +81,19 @@ class ReadOutcome:
         return not (self.missing_keys or self.corrupt_keys)
 
 
-@dataclass(frozen=True)
-class TierIOStatistics:
-    spill_jobs: int
-    write_txns: int
-    read_jobs: int
-    callback_errors: int
+@dataclass
+class TierIOCounts:
+    """The disk I/O threads' running counts (:class:`TierIOStatistics` is their snapshot)."""
+
+    spill_jobs: int = counter("Spill jobs written")
+    write_txns: int = counter("Write transactions committed")
+    read_jobs: int = counter("Read jobs done")
+    callback_errors: int = counter("Completion callbacks that raised (logged)")
+
+
+@dataclass(unsafe_hash=True)
+class TierIOStatistics(Snapshot, TierIOCounts):
+    """``statistics()``: a read-only snapshot of :class:`TierIOCounts`."""
 
 
 @dataclass(eq=False)
@@ -141,7 +149,7 @@ class TierIO:
         self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
         self._finished: list[Completion] = []
         self._ledger: JobLedger[None] = JobLedger(self._io)  # spill and read jobs
-        self._counts = {"spill_jobs": 0, "write_txns": 0, "read_jobs": 0, "callback_errors": 0}
+        self._counts = TierIOCounts()
         self._broken: BaseException | None = None
         self._closed = False  # shutdown(): the threads stop once their queues are empty
         self._sync_every = tier.sync_every_seconds
@@ -248,7 +256,7 @@ class TierIO:
 
     def statistics(self) -> TierIOStatistics:
         with self._cond:
-            return TierIOStatistics(**self._counts)
+            return TierIOStatistics.of(self._counts)
 
     # -- writer threads --------------------------------------------------------------------
     def _take_spills(self, lane: int) -> list[_Part] | None:
@@ -292,7 +300,7 @@ class TierIO:
                     completion = self._completion(self._order.popleft())
                     self._finished.append(completion)
                     self._ledger.finish(completion.job_id)
-                    self._counts["spill_jobs"] += 1
+                    self._counts.spill_jobs += 1
                 self._committed = True
                 self._cond.notify_all()
 
@@ -344,7 +352,7 @@ class TierIO:
                 self._mark_broken(exc)
                 return landed, full, exc
             with self._cond:
-                self._counts["write_txns"] += 1
+                self._counts.write_txns += 1
             landed.update(result.written)
             full.update(result.full)
         return landed, full, None
@@ -380,11 +388,11 @@ class TierIO:
                 except Exception:
                     logger.exception("%s: on_done of read job %s raised", self._io, job.job_id)
                     with self._cond:
-                        self._counts["callback_errors"] += 1
+                        self._counts.callback_errors += 1
             finally:
                 with self._cond:
                     self._ledger.finish(job.job_id)
-                    self._counts["read_jobs"] += 1
+                    self._counts.read_jobs += 1
                     self._cond.notify_all()
 
     def _read_piece(self, job: _ReadJob, first: int, end: int) -> None:

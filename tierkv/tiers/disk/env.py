@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +55,7 @@ import msgpack
 
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
                            NamespaceMismatchError, TierKVError, UsageError, short_key)
+from tierkv.core.figures import counter
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk.files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
                                      list_namespaces, make_private_dir, move_aside,
@@ -85,6 +87,16 @@ _T = TypeVar("_T")
 
 def _action(action: str, key: bytes | None) -> str:
     return action if key is None else f"{action} {short_key(key)}"
+
+
+@dataclass
+class EnvCounts:
+    """What an environment counts (:class:`~tierkv.tiers.disk.tier.DiskStatistics` sums
+    them over the shards)."""
+
+    rebuilds: int = counter("Damaged or misplaced environments moved aside, started empty")
+    stale_readers: int = counter("Reader slots of dead processes cleared")
+    map_adopted: int = counter("Times a map grown by another process was adopted")
 
 
 class FilesDamaged(Exception):
@@ -143,7 +155,7 @@ class LmdbEnv:
         self._data_floor = 0  # data.mdb never shrinks; smaller means truncated under us
         self._size_lock = threading.Lock()
         self._counts_lock = threading.Lock()
-        self._counts = dict.fromkeys(("rebuilds", "stale_readers", "map_adopted"), 0)
+        self._counts = EnvCounts()
         self._last_reader_check = clock()
         self.closed = False
         if exclusive and read_only:
@@ -411,7 +423,8 @@ class LmdbEnv:
         self.generation += 1
         self.replacements += 1
         self.last_damage = str(exc)
-        self._count(rebuilds=1)
+        with self._counts_lock:
+            self._counts.rebuilds += 1
         if why == "foreign":
             logger.warning("%s: %s; moved it to %s (kept, never read) and started empty",
                            self._name, exc, aside.name)
@@ -430,7 +443,8 @@ class LmdbEnv:
                 self._env.set_mapsize(0)  # adopt the size another process grew the map to
                 self.map_size = int(self._env.info()["map_size"])
                 self.generation += 1
-                self._count(map_adopted=1)
+                with self._counts_lock:
+                    self._counts.map_adopted += 1
                 logger.info("%s: adopted a map grown by another process (%s)", self._name,
                             format_bytes(self.map_size))
             elif isinstance(problem, lmdb.ReadersFullError):
@@ -444,7 +458,8 @@ class LmdbEnv:
         self._last_reader_check = self._clock()
         cleared = int(env.reader_check())
         if cleared:
-            self._count(stale_readers=cleared)
+            with self._counts_lock:
+                self._counts.stale_readers += cleared
             logger.warning("%s: cleared %d reader slot(s) of dead processes (they pinned old "
                            "pages)", self._name, cleared)
         return cleared
@@ -519,14 +534,10 @@ class LmdbEnv:
         return BrokenError(f"{self._name}: no environment ({action}): it could not be rebuilt "
                            f"after damage; restart the store")
 
-    def _count(self, **deltas: int) -> None:
+    def counts(self) -> EnvCounts:
+        """A copy of the environment's counts."""
         with self._counts_lock:
-            for name, delta in deltas.items():
-                self._counts[name] += delta
-
-    def counts(self) -> dict[str, int]:
-        with self._counts_lock:
-            return dict(self._counts)
+            return replace(self._counts)
 
     # -- life cycle ------------------------------------------------------------------------
 

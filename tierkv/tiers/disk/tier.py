@@ -60,10 +60,11 @@ import lmdb
 
 from tierkv.checks import check_int
 from tierkv.config import DiskTierConfig
+from tierkv.core.figures import Snapshot, counter, gauge, values
 from tierkv.errors import ConfigError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
-from tierkv.tiers.disk.env import SHARDS, LmdbEnv, shard_of
+from tierkv.tiers.disk.env import SHARDS, EnvCounts, LmdbEnv, shard_of
 from tierkv.tiers.disk.files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk.format import HEADER_BLOCK, binding_of, check_slot, unpack_index
 from tierkv.tiers.disk.walk import scan_shard, verify_shard
@@ -82,26 +83,30 @@ __all__ = [
 logger = logging.getLogger("tierkv.disk")
 
 
-@dataclass(frozen=True)
-class DiskStatistics:
-    """Counters since open, over all shards; ``chunks`` and ``map_size`` (all shards' maps)
-    are current."""
+@dataclass
+class DiskCounts:
+    """The disk tier's running counts (:class:`DiskStatistics` is their snapshot)."""
 
-    chunks: int
-    bytes_written: int
-    bytes_read: int
-    puts: int
-    reads: int
-    hits: int
-    misses: int
-    corrupt: int
-    full: int
-    syncs: int
-    map_size: int
-    write_txns: int = 0
-    rebuilds: int = 0  # damaged or misplaced environments moved aside, started empty
-    stale_readers: int = 0  # reader slots of dead processes cleared
-    map_adopted: int = 0  # times a map grown by another process was adopted
+    bytes_written: int = counter("Value bytes written")
+    bytes_read: int = counter("Value bytes read (good ones)")
+    puts: int = counter("Chunks written")
+    reads: int = counter("Chunks asked for")
+    hits: int = counter("Chunks read and found good")
+    misses: int = counter("Chunks asked for and absent (or corrupt)")
+    corrupt: int = counter("Chunks that failed their checks on read")
+    full: int = counter("Chunks not written: the disk was full")
+    syncs: int = counter("Syncs of every shard to the device")
+    write_txns: int = counter("Write transactions committed")
+
+
+@dataclass(kw_only=True, unsafe_hash=True)
+class DiskStatistics(Snapshot, DiskCounts, EnvCounts):
+    """Counters since open, over all shards (the tier's :class:`DiskCounts` and the
+    environments' :class:`~tierkv.tiers.disk.env.EnvCounts`); ``chunks`` and ``map_size``
+    (all shards' maps) are current."""
+
+    chunks: int = gauge("Chunks on disk")
+    map_size: int = gauge("Bytes of all shards' maps")
 
 
 def written_at(seq: int) -> float:
@@ -148,9 +153,7 @@ class DiskTier(LowerTier):
             f", data-parallel engine {replica})" if replica else ")")
         self._binding = binding_of(self.fingerprint, part)
         self._stats_lock = threading.Lock()
-        self._counts = dict.fromkeys(
-            ("bytes_written", "bytes_read", "puts", "reads", "hits", "misses", "corrupt",
-             "full", "syncs", "write_txns"), 0)
+        self._counts = DiskCounts()
         self._unsynced_bytes = 0
         self._last_sync = clock()
         if config.tune_malloc:
@@ -243,11 +246,6 @@ class DiskTier(LowerTier):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _count(self, **deltas: int) -> None:
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                self._counts[name] += delta
-
     def _check_key(self, key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
             raise ConfigError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
@@ -319,8 +317,12 @@ class DiskTier(LowerTier):
             deleted, why_full = deleted + gone, why_full or why
         written = tuple(key for key, _ in views if key in landed)
         num_bytes = len(written) * self.payload_bytes
-        self._count(bytes_written=num_bytes, puts=len(written), full=len(full),
-                    write_txns=len(puts.keys() | drops.keys()))
+        with self._stats_lock:
+            counts = self._counts
+            counts.bytes_written += num_bytes
+            counts.puts += len(written)
+            counts.full += len(full)
+            counts.write_txns += len(puts.keys() | drops.keys())
         message = None
         if full:
             what, hint = {
@@ -379,7 +381,7 @@ class DiskTier(LowerTier):
         for lm in self._shards:
             lm.run("syncing", partial(self._writes.sync_shard, lm))
         with self._stats_lock:
-            self._counts["syncs"] += 1
+            self._counts.syncs += 1
             self._unsynced_bytes -= unsynced
             self._last_sync = started
 
@@ -431,7 +433,11 @@ class DiskTier(LowerTier):
             if raw is None:
                 break
             if problem is None:
-                self._count(reads=1, hits=1, bytes_read=self.payload_bytes)
+                with self._stats_lock:
+                    counts = self._counts
+                    counts.reads += 1
+                    counts.hits += 1
+                    counts.bytes_read += self.payload_bytes
                 return ReadStatus.OK
             if self.read_only and lm.run("reading chunk", partial(still, raw=raw), key):
                 break
@@ -440,10 +446,13 @@ class DiskTier(LowerTier):
                 break
         else:
             raw = None
+        with self._stats_lock:
+            counts = self._counts
+            counts.reads += 1
+            counts.misses += 1
+            counts.corrupt += raw is not None
         if raw is None:
-            self._count(reads=1, misses=1)
             return ReadStatus.MISSING
-        self._count(reads=1, misses=1, corrupt=1)
         logger.warning("%s: corrupt chunk %s (%s)%s", self._name, short_key(key), problem,
                        "" if self.read_only else "; deleted it")
         return ReadStatus.CORRUPT
@@ -504,12 +513,11 @@ class DiskTier(LowerTier):
                 return int(txn.stat(lm.index)["entries"])
 
         chunks = sum(lm.run("counting chunks", partial(count, lm)) for lm in self._shards)
+        shards = [lm.counts() for lm in self._shards]
         with self._stats_lock:
-            counts = dict(self._counts)
-        for lm in self._shards:
-            for name, value in lm.counts().items():
-                counts[name] = counts.get(name, 0) + value
-        return DiskStatistics(chunks=chunks, map_size=self.map_size, **counts)
+            return DiskStatistics.of(self._counts, chunks=chunks, map_size=self.map_size,
+                                     **{name: sum(getattr(counts, name) for counts in shards)
+                                        for name in values(EnvCounts())})
 
     def close(self) -> None:
         """Sync and close; idempotent."""
@@ -518,7 +526,8 @@ class DiskTier(LowerTier):
         finally:
             self._writes.close()  # after the shards: no batch is in flight any more
         if any(synced):
-            self._count(syncs=1)
+            with self._stats_lock:
+                self._counts.syncs += 1
 
     def __enter__(self) -> DiskTier:
         return self

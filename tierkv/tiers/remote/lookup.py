@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tierkv.core.figures import Snapshot, counter
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.keys import Part
 from tierkv.tiers.remote.tier import RemoteTier
@@ -38,15 +39,22 @@ from tierkv.tiers.remote.tier import RemoteTier
 logger = logging.getLogger("tierkv.remote")
 
 
-@dataclass(frozen=True)
-class RemoteLookupStatistics:
-    asks: int  # calls of ask()
-    not_yet: int  # asks answered None (the deadline passed)
-    requests: int  # pipelines sent (each at most one round trip per node)
-    keys_asked: int
-    keys_found: int
-    errors: int  # requests the tier failed (their keys count as absent)
-    seconds: float  # spent in requests
+@dataclass
+class LookupCounts:
+    """The lookup's running counts (:class:`RemoteLookupStatistics` is their snapshot)."""
+
+    asks: int = counter("Calls of ask()")
+    not_yet: int = counter("Asks answered None (the deadline passed)")
+    requests: int = counter("Pipelines sent (each at most one round trip per node)")
+    keys_asked: int = counter("Keys asked of the remote tier")
+    keys_found: int = counter("Keys the remote tier had")
+    errors: int = counter("Requests the tier failed (their keys count as absent)")
+    seconds: float = counter("Seconds spent in requests")
+
+
+@dataclass(unsafe_hash=True)
+class RemoteLookupStatistics(Snapshot, LookupCounts):
+    """``statistics()``: a read-only snapshot of :class:`LookupCounts`."""
 
 
 class RemoteLookup:
@@ -69,8 +77,7 @@ class RemoteLookup:
         self._wanted: dict[bytes, None] = {}  # asked, not sent yet
         self._sent: set[bytes] = set()  # in the request in flight
         self._closed = False
-        self._counts: dict[str, float] = dict.fromkeys(
-            ("asks", "not_yet", "requests", "keys_asked", "keys_found", "errors", "seconds"), 0)
+        self._counts = LookupCounts()
         self._connected = threading.Event()
         self._thread = threading.Thread(target=self._main, name="tierkv-remote-lookup",
                                         daemon=True)
@@ -82,7 +89,7 @@ class RemoteLookup:
         with self._cond:
             if self._closed:
                 raise ClosedError("remote lookup: used after shutdown()")
-            self._counts["asks"] += 1
+            self._counts.asks += 1
             found, unknown = self._known(keys)
             if unknown is None:
                 return found
@@ -99,7 +106,7 @@ class RemoteLookup:
                 self._cond.wait(left)
             if unknown is None:
                 return found
-            self._counts["not_yet"] += 1
+            self._counts.not_yet += 1
             return None
 
     def _known(self, keys: Sequence[bytes]) -> tuple[list[bytes], int | None]:
@@ -156,11 +163,11 @@ class RemoteLookup:
                 while len(self._count_of) > self._max_answers:
                     del self._count_of[next(iter(self._count_of))]
                 counts = self._counts
-                counts["requests"] += 1
-                counts["keys_asked"] += len(keys)
-                counts["keys_found"] += sum(exists)
-                counts["errors"] += failed
-                counts["seconds"] += time.perf_counter() - started
+                counts.requests += 1
+                counts.keys_asked += len(keys)
+                counts.keys_found += sum(exists)
+                counts.errors += failed
+                counts.seconds += time.perf_counter() - started
                 self._sent = set()
                 self._cond.notify_all()
 
@@ -171,9 +178,7 @@ class RemoteLookup:
 
     def statistics(self) -> RemoteLookupStatistics:
         with self._cond:
-            counts = dict(self._counts)
-        seconds = counts.pop("seconds")
-        return RemoteLookupStatistics(**{k: int(v) for k, v in counts.items()}, seconds=seconds)
+            return RemoteLookupStatistics.of(self._counts)
 
     def shutdown(self) -> None:
         """Stop the thread (a request in flight ends within the tier's timeout) and close

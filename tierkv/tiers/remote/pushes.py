@@ -27,21 +27,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierkv.checks import check_int
+from tierkv.core.figures import Snapshot, counter, gauge
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.tiers.base import LowerTier
 
 logger = logging.getLogger("tierkv.remote")
 
 
-@dataclass(frozen=True)
-class RemoteIOStatistics:
-    queued: int  # pushes accepted
-    pushed: int  # chunks sent (already stored by another engine included)
-    dropped: int  # pushes skipped: the queue was full
-    failed: int  # chunks the tier did not store (a failed or skipped call, a refusal)
-    bytes_pushed: int
-    queue_bytes_now: int
-    abandoned: int = 0  # chunks still queued at shutdown, never sent
+@dataclass
+class PushCounts:
+    """The pushes' running counts (:class:`RemoteIOStatistics` is their snapshot). The
+    reported ones are the pushes by fate (``tierkv:remote_pushes{result=...}``); ``queued``
+    (their sum, and those still queued) and ``bytes_pushed`` (the tier's ``bytes_written``
+    counts them) are kept, not reported."""
+
+    queued: int = counter("Pushes accepted", reported=False)
+    pushed: int = counter("Chunks sent (already stored by another engine included)")
+    failed: int = counter("Chunks the tier did not store (a failed or skipped call, a "
+                          "refusal)")
+    dropped: int = counter("Pushes skipped: the queue was full")
+    abandoned: int = counter("Chunks still queued at shutdown, never sent")
+    bytes_pushed: int = counter("Payload bytes of the chunks sent", reported=False)
+
+
+@dataclass(kw_only=True, unsafe_hash=True)
+class RemoteIOStatistics(Snapshot, PushCounts):
+    """``statistics()``: a read-only snapshot of :class:`PushCounts` and the queue's bytes."""
+
+    queue_bytes_now: int = gauge("Payload bytes queued now")
 
 
 class RemoteIO:
@@ -58,8 +71,7 @@ class RemoteIO:
         self._queued_bytes = 0
         self._in_flight = 0
         self._closed = False
-        self._counts = dict.fromkeys(("queued", "pushed", "dropped", "failed",
-                                      "bytes_pushed", "abandoned"), 0)
+        self._counts = PushCounts()
         self._thread = threading.Thread(target=self._main, name="tierkv-remote-push",
                                         daemon=True)
         self._thread.start()
@@ -71,11 +83,11 @@ class RemoteIO:
             if self._closed:
                 raise ClosedError("remote io: used after shutdown(); create a new RemoteIO")
             if self._queued_bytes + size > self.queue_bytes:
-                self._counts["dropped"] += 1
+                self._counts.dropped += 1
                 return False
             self._queue.append((bytes(key), bytes(memoryview(payload).cast("B"))))
             self._queued_bytes += size
-            self._counts["queued"] += 1
+            self._counts.queued += 1
             self._cond.notify_all()
         return True
 
@@ -96,9 +108,10 @@ class RemoteIO:
             except Exception:
                 logger.exception("remote io: a batch of %d push(es) failed", len(items))
             with self._cond:
-                self._counts["pushed"] += written
-                self._counts["failed"] += len(items) - written
-                self._counts["bytes_pushed"] += written * self.tier.payload_bytes
+                counts = self._counts
+                counts.pushed += written
+                counts.failed += len(items) - written
+                counts.bytes_pushed += written * self.tier.payload_bytes
                 self._queued_bytes -= size
                 self._in_flight = 0
                 self._cond.notify_all()
@@ -127,7 +140,7 @@ class RemoteIO:
                            "seconds %.1f s per batch); dropped", len(self._queue), call)
         with self._cond:
             self._closed = True
-            self._counts["abandoned"] += len(self._queue)
+            self._counts.abandoned += len(self._queue)
             self._queued_bytes -= sum(len(payload) for _, payload in self._queue)
             self._queue.clear()
             self._cond.notify_all()
@@ -135,4 +148,4 @@ class RemoteIO:
 
     def statistics(self) -> RemoteIOStatistics:
         with self._cond:
-            return RemoteIOStatistics(**self._counts, queue_bytes_now=self._queued_bytes)
+            return RemoteIOStatistics.of(self._counts, queue_bytes_now=self._queued_bytes)

@@ -57,7 +57,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
@@ -74,34 +73,12 @@ from tierkv.tiers.remote.client import (DeadlinePassed, RemoteError, cause_of, c
 from tierkv.tiers.remote.format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
 from tierkv.tiers.remote.health import HINTS, TIER, WRITES, NodeHealth, who
+from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
 from tierkv.units import MiB
 
 logger = logging.getLogger("tierkv.remote")
 _T = TypeVar("_T")
 _WRONG_TYPE = object()  # a read found a key of another type
-
-
-@dataclass(frozen=True)
-class RemoteStatistics:
-    """Counters since open."""
-
-    puts: int
-    already: int  # values another engine had stored (SET NX left them)
-    bytes_written: int
-    reads: int
-    hits: int
-    misses: int
-    corrupt: int
-    errors: int  # calls that failed
-    skipped: int  # calls refused at once by an open breaker
-    breaker_opens: int
-    cluster: bool
-    bytes_read: int = 0  # value bytes read (good or bad)
-    calls: int = 0  # calls that succeeded
-    causes: tuple[tuple[str, int], ...] = ()  # failed calls by cause
-    bad_values: tuple[tuple[str, int], ...] = ()  # value checks failed, by check
-    breakers: tuple[tuple[str, int], ...] = ()  # per node: 1 open (or probing), 0 closed
-
 
 
 # Pushes ask the server which values it holds before sending them while at least this share
@@ -143,7 +120,7 @@ class RemoteTier(LowerTier):
         self._value_bytes = value_bytes(payload_bytes)
         self._lock = threading.Lock()  # the counters
         self._connecting = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = TierCounts()
         self._causes: Counter[str] = Counter()
         self._bad: Counter[str] = Counter()
         self._held_share = HELD_SHARE_START  # decayed share of pushed values found held
@@ -216,7 +193,8 @@ class RemoteTier(LowerTier):
 
     def _skip(self, what: str, node: str, kind: str, chunks: int) -> RemoteError:
         self._health.skipped(node, kind, chunks)
-        self._count(skipped=1)
+        with self._lock:
+            self._counts.skipped += 1
         where, cause = self._health.blocked_cause(node)
         return RemoteError(f"{self._name}: {what} skipped: {who(where)} failed ({cause}) and its "
                            f"circuit breaker is open; it is probed again after "
@@ -262,14 +240,15 @@ class RemoteTier(LowerTier):
             return answer
         if call is not None:
             self._health.answered(call.answered, whole=True)
-        self._count(calls=1)
+        with self._lock:
+            self._counts.calls += 1
         return answer
 
     def _failed(self, cause: str, call: Any, late: bool = False) -> str | None:
         """Count a failed call and tell the breakers; the node blamed, if one. A call
         whose deadline had passed before it could start (``late``) blames no one."""
         with self._lock:
-            self._counts["errors"] += 1
+            self._counts.errors += 1
             self._causes[cause] += 1
         if call is not None:
             self._health.answered(call.answered - set(call.failed), whole=False)
@@ -284,12 +263,6 @@ class RemoteTier(LowerTier):
     def _pipeline(self) -> Any:
         return self._client.pipeline() if self.cluster else \
             self._client.pipeline(transaction=False)
-
-    def _count(self, **deltas: int) -> None:
-        counts = self._counts
-        with self._lock:
-            for name, delta in deltas.items():
-                counts[name] += delta
 
     def _key(self, key: bytes, part: Part | None = None) -> bytes:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
@@ -365,7 +338,11 @@ class RemoteTier(LowerTier):
             with self._lock:
                 self._held_share += HELD_SHARE_WEIGHT * (already / len(keep) - self._held_share)
         num_bytes = (len(written) - already) * self.payload_bytes
-        self._count(puts=len(written) - already, already=already, bytes_written=num_bytes)
+        with self._lock:
+            counts = self._counts
+            counts.puts += len(written) - already
+            counts.already += already
+            counts.bytes_written += num_bytes
         if full:
             return PutResult(written, full, deleted, num_bytes,
                              f"{self._name}: the server refused {len(full)} value(s): out of "
@@ -469,17 +446,25 @@ class RemoteTier(LowerTier):
             value = self._run("reading chunk", kind, lambda: self._get(name), key, node,
                               num_bytes=self._value_bytes)
             if value is None:
-                self._count(reads=counted, misses=counted)
+                with self._lock:
+                    self._counts.reads += counted
+                    self._counts.misses += counted
                 return ChunkCheck(ReadStatus.MISSING)
             read = 0 if value is _WRONG_TYPE else len(value)
-            self._count(bytes_read=read)
+            with self._lock:
+                self._counts.bytes_read += read
             verdict = self._judge(key, value, out, part)
             if verdict is None:
-                self._count(reads=counted, hits=counted)
+                with self._lock:
+                    self._counts.reads += counted
+                    self._counts.hits += counted
                 return ChunkCheck(ReadStatus.OK, bytes_read=read)
             check, problem = verdict
             with self._lock:
-                self._counts.update(reads=counted, misses=counted, corrupt=counted)
+                counts = self._counts
+                counts.reads += counted
+                counts.misses += counted
+                counts.corrupt += counted
                 self._bad[check] += counted
             if not delete:
                 return ChunkCheck(ReadStatus.CORRUPT, problem, bytes_read=read)
@@ -568,14 +553,8 @@ class RemoteTier(LowerTier):
 
     def statistics(self) -> RemoteStatistics:
         with self._lock:
-            counts = self._counts
-            return RemoteStatistics(
-                puts=counts["puts"], already=counts["already"],
-                bytes_written=counts["bytes_written"], reads=counts["reads"],
-                hits=counts["hits"], misses=counts["misses"], corrupt=counts["corrupt"],
-                errors=counts["errors"], skipped=counts["skipped"],
-                breaker_opens=self._health.opens, cluster=self.cluster,
-                bytes_read=counts["bytes_read"], calls=counts["calls"],
+            return RemoteStatistics.of(
+                self._counts, breaker_opens=self._health.opens, cluster=self.cluster,
                 causes=tuple(sorted(self._causes.items())),
                 bad_values=tuple(sorted(self._bad.items())),
                 breakers=tuple(self._health.open_nodes().items()))
