@@ -25,6 +25,12 @@ from typing import Any
 import redis
 
 HOST = "127.0.0.1"
+PORT_TRIES = 5  # a node whose port was taken between free_port() and its bind moves on
+
+
+class PortTaken(RuntimeError):
+    """A node's port (or its cluster bus port, +10000) was taken before it bound: other
+    processes on the machine (the real-engine suite runs beside this one) open ports too."""
 
 
 def free_port() -> int:
@@ -85,15 +91,26 @@ class RedisCluster:
              "--logfile", str(node_dir / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
-        while _cli(port, "PING").strip() != "PONG":
+        while not self._pongs(port):
             if self.procs[port].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not start (see "
-                                   f"{node_dir / 'redis.log'})")
+                log = node_dir / "redis.log"
+                said = log.read_text(errors="replace") if log.exists() else ""
+                error = PortTaken if "Address already in use" in said else RuntimeError
+                raise error(f"redis-server on port {port} did not start (see {log})")
             time.sleep(0.02)
+
+    @staticmethod
+    def _pongs(port: int) -> bool:
+        """Whether a server on ``port`` answers PING (another process's listener that never
+        answers: no, after a second)."""
+        try:
+            return _cli(port, "PING", timeout=1).strip() == "PONG"
+        except subprocess.TimeoutExpired:
+            return False
 
     def stop_node(self, port: int, sig: int = signal.SIGTERM) -> None:
         proc = self.procs.pop(port, None)
-        if proc is None:
+        if proc is None or proc.poll() is not None:  # never started, or exited already
             return
         os.kill(proc.pid, sig)
         try:
@@ -112,8 +129,8 @@ class RedisCluster:
 
     def __enter__(self) -> RedisCluster:
         try:
-            for port in self.ports:
-                self.start_node(port)
+            for i in range(len(self.ports)):
+                self._start_on_a_free_port(i)
             done = subprocess.run(
                 ["redis-cli", "--cluster", "create", *(f"{HOST}:{p}" for p in self.ports),
                  "--cluster-replicas", "0", "--cluster-yes"],
@@ -126,6 +143,18 @@ class RedisCluster:
             self.close()
             raise
         return self
+
+    def _start_on_a_free_port(self, i: int) -> None:
+        """Node ``i``, on another free port each time its port was taken before it bound."""
+        for attempt in range(PORT_TRIES):
+            try:
+                self.start_node(self.ports[i])
+                return
+            except PortTaken:
+                self.stop_node(self.ports[i])
+                if attempt == PORT_TRIES - 1:
+                    raise
+                self.ports[i] = free_port()
 
     def node_id(self, port: int) -> str:
         """The cluster node id of the master on ``port``."""
