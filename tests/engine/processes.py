@@ -29,6 +29,12 @@ from tierkv.integrations import vllm_runner as runner
 from tests.engine.engines import kv_transfer_config
 
 STARTUP_SECONDS = 300.0  # a cold start on a loaded 2-core machine
+PORT_TRIES = 3  # a server whose port was taken before it bound starts again on another
+
+
+class PortTaken(AssertionError):
+    """The server's port was taken between free_port() and its bind: make test runs the
+    integration suite (Redis nodes, clients) beside this one."""
 
 
 def free_port() -> int:
@@ -57,22 +63,29 @@ class Server:
 
     def __init__(self, model: Path, log: Path, tierkv: Mapping[str, Any], *,
                  kv_cache_bytes: int = 256 << 20, args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
         self.model = str(model)
-        self.port = free_port()
         self.log = log
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
-            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--kv-transfer-config", json.dumps(kv_transfer_config(**tierkv)), *args]
         self._log_file = log.open("ab")
-        self.process = subprocess.Popen(command, stdout=self._log_file,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        env=cpu_environment(**dict(env or {})))
-        self._wait_ready()
+        for attempt in range(PORT_TRIES):
+            self.port = port if port is not None and attempt == 0 else free_port()
+            command = [
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                self.model, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len",
+                "2048", "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
+                "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--kv-transfer-config", json.dumps(kv_transfer_config(**tierkv)), *args]
+            self.process = subprocess.Popen(command, stdout=self._log_file,
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=cpu_environment(**dict(env or {})))
+            try:
+                self._wait_ready()
+                return
+            except PortTaken:
+                _wait_group_gone(self.process.pid, 30.0)
+                if attempt == PORT_TRIES - 1:
+                    raise
 
     def _url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -81,8 +94,10 @@ class Server:
         deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"the server exited with {self.process.returncode} at "
-                                     f"start:\n{self.tail()}")
+                tail = self.tail()
+                error = PortTaken if "address already in use" in tail.lower() else AssertionError
+                raise error(f"the server exited with {self.process.returncode} at "
+                            f"start:\n{tail}")
             try:
                 with urllib.request.urlopen(self._url("/health"), timeout=5) as response:
                     if response.status == 200:

@@ -11,6 +11,7 @@ by SIGTERM with the default shutdown timeout, the second by SIGKILL, the third d
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -88,3 +89,19 @@ def test_a_server_restarts_warm_after_sigterm_and_sigkill(
             assert hit.tokens == ref.tokens, "wrong tokens after a SIGKILL restart"
             assert hit.cached_tokens == prompt_chunks(tokens) * TOKENS_PER_CHUNK
         assert server.stop(signal.SIGTERM) < 60  # a graceful drain, within its timeout
+
+
+def test_a_server_whose_port_was_taken_starts_on_another(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    # make test runs the integration suite beside this one: a port found free can be
+    # taken (a Redis node, a client's socket) before the server binds it. The server
+    # exited at start ("address already in use") and failed the test; it moves on now.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = int(squatter.getsockname()[1])
+        with Server(models["llama"], tmp_path / "server.log", {"cpu_bytes": 64 << 20},
+                    port=taken) as server:
+            assert server.port != taken
+            assert "address already in use" in server.log.read_text(errors="replace").lower()
+            assert len(server.complete(prompt(64, seed=3)).tokens) == 4
