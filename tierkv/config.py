@@ -201,9 +201,24 @@ class StoreConfig:
     # blocks before it writes them. The vLLM connector fences by itself: not read there.
     store_mode: str = setting("copied", choices=STORE_MODES,
                               help="when TierKVStore.store() returns")
+    # The weights that computed the KV: their fingerprint is part of the namespace, so KV of
+    # other weights (a checkpoint saved over the old one) is never served
+    # (tierkv.model_identity; docs/configuration.md, "Model fingerprint").
+    model_path: Path | None = setting(None, kind="path",
+                                      help="the model's directory or weight file; None: "
+                                           "model_id alone names the weights")
+    model_fingerprint: str = setting("auto", kind="str",
+                                     help="'auto' (config, weight files' sizes, mtimes and "
+                                          "sampled bytes), 'content' (every byte, cached), "
+                                          "or the operator's own name of the weights")
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if not self.model_fingerprint or "\0" in self.model_fingerprint:
+            raise ConfigError(f"model_fingerprint must be 'auto', 'content' or a non-empty "
+                              f"name of the weights, got {self.model_fingerprint!r}")
+        if self.model_path is not None and not isinstance(self.model_path, Path):
+            object.__setattr__(self, "model_path", Path(self.model_path))
         for name, cls in (("cpu", CpuTierConfig), ("disk", DiskTierConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__} (a dict in from_dict), "

@@ -150,8 +150,9 @@ class Namespace:
     part ``p`` of ``P`` holds ``chunk_bytes / P`` of them. ``num_kv_heads`` is the model's
     KV heads (0: not recorded, the library's namespaces, whose ``kv_layout`` names one
     rank's tensors). ``rank_layout`` is ``"heads"`` (ranks hold slices of the KV heads) or
-    ``"mla"`` (every rank holds the same latent: one part). No TP size: see
-    :class:`Part`."""
+    ``"mla"`` (every rank holds the same latent: one part). ``model_fingerprint`` names
+    the weights and config that computed the KV (:mod:`tierkv.model_identity`). No TP
+    size: see :class:`Part`."""
 
     model_id: str
     dtype: str
@@ -167,13 +168,17 @@ class Namespace:
     blocks_per_chunk: int = 1
     chunk_bytes: int = 0  # payload bytes of one chunk, every part; 0: not recorded
     num_kv_heads: int = 0  # the model's KV heads; 0: not recorded
+    # The weights and config that computed the KV (tierkv.model_identity): "auto:...",
+    # "content:...", "hub:<commit>", "name:<operator's string>"; "": not recorded.
+    model_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         for name in ("page_bytes", "tokens_per_chunk", "num_layers",
                      "format_version", "blocks_per_chunk"):
             value = getattr(self, name)
             check_int(f"namespace: {name}", value, low=1)
-        for name in ("model_id", "dtype", "kv_layout", "rank_layout", "hash_scheme", "extra"):
+        for name in ("model_id", "dtype", "kv_layout", "rank_layout", "hash_scheme", "extra",
+                     "model_fingerprint"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"namespace: {name} must be a str, got {getattr(self, name)!r}")
         if not self.model_id:

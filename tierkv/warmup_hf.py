@@ -36,6 +36,7 @@ _DESCRIBE_OPTIONS = {
     "num_kv_heads": "--model (its KV heads)", "rank_layout": "--model (MLA or not)",
     "hash_scheme": "--hash-algo / --hash-seed / --hash-block-size", "extra": "--vllm-version",
     "format_version": "the tierkv version",
+    "model_fingerprint": "--model (its weights and config) / --model-fingerprint",
 }
 MAX_WARNINGS = 10
 
@@ -233,6 +234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--store", type=Path, required=True, help="store root: the connector's disk_path")
     add("--model-id", help="vLLM's --model string, when it is not --model (e.g. a HF repo id)")
     add("--revision", help="vLLM's --revision, if it serves one")
+    add("--model-fingerprint", default="auto",
+        help="the connector's model_fingerprint: auto, content, or the name of the weights "
+             "given to the server too (default: %(default)s)")
     add("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto",
         help="where the HF forward runs (default: %(default)s)")
@@ -290,7 +294,7 @@ async def _run(args: argparse.Namespace) -> int:
     with needs("warmup", "tierkv warmup"):
         from tqdm import tqdm
 
-    from tierkv.integrations.vllm_warmup import VllmTarget
+    from tierkv.integrations.vllm_warmup import VllmTarget, warmup_model_fingerprint
     from tierkv.warmup import ChunkWriter, WarmupReport, finish_report, warm_sequence
 
     model = HfModel(args.model, args.tokenizer or args.model, args.dtype, args.device)
@@ -302,7 +306,9 @@ async def _run(args: argparse.Namespace) -> int:
         hash_block_size=args.hash_block_size, kv_cache_layout=args.kv_cache_layout,
         hash_algo=args.hash_algo, hash_seed=None if seed == "unset" else seed,
         tensor_parallel_size=args.tensor_parallel_size, disk_bytes=args.disk_bytes,
-        vllm_version=args.vllm_version or _installed_vllm())
+        vllm_version=args.vllm_version or _installed_vllm(),
+        model_fingerprint=warmup_model_fingerprint(args.model, args.model_id, args.revision,
+                                                   args.model_fingerprint, args.store))
     tpc, where = target.chunk_tokens, str(args.prompts)
     if not args.prompts.is_file():
         raise ConfigError(f"warmup: --prompts {args.prompts} is not a file")
@@ -329,7 +335,8 @@ async def _run(args: argparse.Namespace) -> int:
     report = WarmupReport(fingerprint=namespace.fingerprint(), prompts=num_prompts,
                           prompts_short=len(short))
     print(f"namespace {report.fingerprint[:8]} ({target.model_id}, {target.dtype}, "
-          f"{tpc} tokens per chunk, {target.chunk_bytes} bytes per chunk and rank) in {args.store}")
+          f"{tpc} tokens per chunk, {target.chunk_bytes} bytes per chunk and rank, model "
+          f"fingerprint {namespace.model_fingerprint}) in {args.store}")
 
     def produce(prefix: list[int]) -> list[tuple[Any, ...]]:
         keys, values = model.kv(prefix)

@@ -2,20 +2,45 @@
 chunk bytes mean.
 
 - :func:`build_namespace` makes it from the KV layout, the model id, the tokens per block
-  and the config.
+  and the config (:func:`weights_fingerprint`: ``model_path`` and ``model_fingerprint``).
 - :func:`check_namespace` refuses a namespace the caller gave that does not describe
   these tensors and this config (:class:`ConfigError` naming the field and both values).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tierkv.checks import check_int
 from tierkv.config import StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace
+from tierkv.model_identity import is_mode, model_fingerprint
+from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.transfer.layout import KVLayout
 
-__all__ = ["build_namespace", "check_namespace"]
+__all__ = ["build_namespace", "check_namespace", "weights_fingerprint"]
+
+
+def content_cache_dir(disk_path: Path | str | None) -> Path | None:
+    """Where ``model_fingerprint: content`` keeps its hashes: under the disk tier's root."""
+    return None if disk_path is None else StoreLayout(disk_path).model_hashes_dir()
+
+
+def weights_fingerprint(config: StoreConfig) -> str:
+    """The model fingerprint of ``config``: computed from ``model_path`` (``auto`` or
+    ``content``), or the operator's own name; ``""`` when neither says what the weights are."""
+    mode = config.model_fingerprint
+    if config.model_path is None:
+        return "" if is_mode(mode) else f"name:{mode}"
+    found = model_fingerprint(config.model_path, mode,
+                              cache_dir=content_cache_dir(config.disk.path))
+    if found is None:
+        raise ConfigError(f"store: model_path={str(config.model_path)!r} cannot be read for "
+                          f"the model fingerprint; give the model's directory or weight "
+                          f"file, or model_path=None with model_fingerprint set to a name "
+                          f"of the weights")
+    return found
 
 
 def build_namespace(
@@ -38,6 +63,7 @@ def build_namespace(
         layer_names=layout.layer_names,
         blocks_per_chunk=config.blocks_per_chunk,
         chunk_bytes=layout.chunk_bytes(config.blocks_per_chunk) * parts,
+        model_fingerprint=weights_fingerprint(config),
     )
 
 
@@ -52,8 +78,10 @@ def check_namespace(namespace: Namespace, layout: KVLayout, config: StoreConfig)
         raise ConfigError(f"store: namespace tokens_per_chunk={namespace.tokens_per_chunk} "
                           f"is not a multiple of blocks_per_chunk={bpc}")
     own = build_namespace(layout, namespace.model_id, namespace.tokens_per_chunk // bpc, config)
-    for name in ("dtype", "kv_layout", "page_bytes", "num_layers", "layer_names",
-                 "blocks_per_chunk", "chunk_bytes"):
+    checked = ("dtype", "kv_layout", "page_bytes", "num_layers", "layer_names",
+               "blocks_per_chunk", "chunk_bytes") + (("model_fingerprint",)
+                                                     if own.model_fingerprint else ())
+    for name in checked:
         if getattr(namespace, name) != getattr(own, name):
             raise ConfigError(
                 f"store: the namespace says {name}={getattr(namespace, name)!r}, the KV "

@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from tierkv.engine.store_namespace import content_cache_dir  # noqa: E402
 from tierkv.errors import ConfigError, NamespaceMismatchError, UsageError  # noqa: E402
 from tierkv.integrations.vllm_config import (  # noqa: E402
     ConnectorSettings,
@@ -54,6 +55,7 @@ from tierkv.integrations.vllm_config import (  # noqa: E402
     check_hash_stability,
     check_prefill_after_hits,
     data_parallel_index,
+    engine_model_fingerprint,
     parse_settings,
 )
 from tierkv.integrations.vllm_logging import follow_vllm_logging  # noqa: E402
@@ -111,7 +113,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.geometry = build_geometry(vllm_config, kv_cache_config, self.settings)
         check_prefill_after_hits(vllm_config, self.geometry, on_cpu=current_platform.is_cpu())
         check_hash_stability(vllm_config.cache_config.prefix_caching_hash_algo, self.settings)
-        self.namespace = build_namespace(vllm_config, self.geometry, vllm.__version__)
+        self.namespace = build_namespace(
+            vllm_config, self.geometry, vllm.__version__,
+            model_fingerprint=engine_model_fingerprint(
+                vllm_config, self.settings.model_fingerprint,
+                content_cache_dir(self.settings.disk_path)))
         self._fingerprint = self.namespace.fingerprint()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

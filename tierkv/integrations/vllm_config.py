@@ -41,6 +41,7 @@ from tierkv.integrations.vllm_versions import UnsupportedVersionError as Unsuppo
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
 from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
+from tierkv import model_identity
 from tierkv.settings import INVALID, declared, derived, setting
 
 log = logging.getLogger("tierkv.vllm")
@@ -89,6 +90,8 @@ class ConnectorSettings:
     flush_on_shutdown: bool = setting(True, help="write unspilled CPU chunks to disk at "
                                                  "shutdown")
     eviction_policy: str = derived(CpuTierConfig, "eviction_policy")
+    # The weights' fingerprint in the namespace (tierkv.model_identity): of vLLM's model.
+    model_fingerprint: str = derived(StoreConfig, "model_fingerprint")
     # The shared remote tier: extra config "remote_url", and optionally "remote", a mapping
     # of RemoteTierConfig's other settings (key_prefix, push, timeout_seconds, ...).
     remote: RemoteTierConfig | None = None
@@ -135,6 +138,9 @@ def parse_settings(raw: Mapping[str, Any] | None) -> ConnectorSettings:
         elif spec.kind == "number":
             accepted = float(accepted)
         out[key] = accepted
+    if not out.get("model_fingerprint", "auto"):
+        raise _bad("model_fingerprint", "", "must be 'auto', 'content' or a non-empty name "
+                                            "of the weights")
     return ConnectorSettings(**out)
 
 
@@ -381,11 +387,42 @@ def check_hash_stability(algorithm: str, settings: ConnectorSettings,
     )
 
 
+def engine_model_fingerprint(vllm_config: Any, mode: str = "auto",
+                             cache_dir: Path | None = None) -> str:
+    """The fingerprint of the weights and config this engine loads
+    (:mod:`tierkv.model_identity`): its model directory, file or hub snapshot (``mode``:
+    ``auto``, ``content`` or the operator's own name), a separate ``hf_config_path``, and
+    the ``hf_overrides`` laid over the config. A model it cannot find is warned about and
+    named by its id alone (``unresolved``), as before fingerprints."""
+    model = vllm_config.model_config
+    load = getattr(vllm_config, "load_config", None)
+    hub_cache = getattr(load, "download_dir", None)
+    found = model_identity.model_fingerprint(
+        model.model, mode, revision=getattr(model, "revision", None), cache_dir=cache_dir,
+        hub_cache=hub_cache)
+    if found is None:
+        log.warning("tierkv: the model %r is neither a local path nor in the hub cache, so "
+                    "its weights cannot be fingerprinted; chunks are named by the model id "
+                    "and revision alone. Set kv_connector_extra_config model_fingerprint "
+                    "to a name of these weights that changes when they do", str(model.model))
+        found = "unresolved"
+    config_path = getattr(model, "hf_config_path", None)
+    if config_path:
+        found += "+config:" + (model_identity.model_fingerprint(config_path, "auto",
+                                                                hub_cache=hub_cache)
+                               or f"unresolved:{config_path}")
+    return found + model_identity.overrides_fingerprint(getattr(model, "hf_overrides", None))
+
+
 def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
-                    environ: Mapping[str, str] | None = None) -> Namespace:
+                    environ: Mapping[str, str] | None = None,
+                    model_fingerprint: str | None = None) -> Namespace:
     """The namespace of this engine's chunks; equal on every role and restart that can
     share them. Pages in NHD order are the same bytes under LBNHC and BLNHC (and HND under
-    LBHNC and BLHNC), so those layouts share a namespace."""
+    LBHNC and BLHNC), so those layouts share a namespace. ``model_fingerprint``: what
+    :func:`engine_model_fingerprint` gave (computed here when None)."""
+    if model_fingerprint is None:
+        model_fingerprint = engine_model_fingerprint(vllm_config)
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     revision = getattr(model, "revision", None)
@@ -422,6 +459,7 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
         blocks_per_chunk=geometry.blocks_per_chunk,
         chunk_bytes=geometry.model_chunk_bytes,
         num_kv_heads=geometry.model_heads,
+        model_fingerprint=model_fingerprint,
     )
 
 

@@ -23,12 +23,22 @@ from collections.abc import Sequence
 KEY_DOMAIN = b"tierkv/vllm/chunk-key/v1\x00"
 _GROUP0 = KEY_DOMAIN + bytes(4)
 EPOCH_DOMAIN = b"tierkv/vllm/epoch-key/v1\x00"
+ADAPTER_DOMAIN = b"tierkv/vllm/adapter-key/v1\x00"
 
 
 def chunk_key(last_block_hash: bytes, group_id: int = 0) -> bytes:
     """The tierkv key of a chunk whose last block has ``last_block_hash``."""
     prefix = _GROUP0 if group_id == 0 else KEY_DOMAIN + group_id.to_bytes(4, "big")
     return hashlib.sha256(prefix + bytes(last_block_hash)).digest()
+
+
+def adapter_key(key: bytes, adapter: str) -> bytes:
+    """``key`` of a request under a LoRA adapter whose content fingerprint is ``adapter``
+    (itself without one, ``""``): vLLM's block hashes carry an adapter's name and path, not
+    its content, so an adapter saved over another under the same name keys other chunks."""
+    if not adapter:
+        return key
+    return hashlib.sha256(ADAPTER_DOMAIN + adapter.encode() + b"\x00" + key).digest()
 
 
 def epoch_key(key: bytes, epoch: bytes) -> bytes:

@@ -29,9 +29,10 @@ from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerRepor
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.engine.store_stats import CompletionCounts
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
-from tierkv.integrations.vllm_keys import chunk_key, epoch_key
+from tierkv.integrations.vllm_keys import adapter_key, chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace, Part
+from tierkv.model_identity import model_fingerprint
 from tierkv.tiers.disk.layout import StoreLayout
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ log = logging.getLogger("tierkv.vllm")
 
 STATS_INTERVAL_SECONDS = 1.0
 MAX_POLICY_WARNINGS = 64  # distinct bad request load policies warned about, at most
+MAX_ADAPTERS = 4096  # LoRA adapters' fingerprints kept (the oldest goes first)
 BUDGET_POLL_SECONDS = 1.0  # how often a step may stat the disk root for budget changes
 # The index's chunk loads by tier are reported as hits (hit_tokens_<tier> beside them).
 _INDEX_RENAMED = {f"loads_{tier}": f"hit_chunks_{tier}" for tier in ("cpu", "disk", "remote")}
@@ -65,6 +67,7 @@ class _Tracked:
     keys: list[bytes] = field(default_factory=list)
     sources: list[bytes] = field(default_factory=list)
     epoch: bytes = b""  # the cache epoch its keys are derived in (see reset_cache)
+    adapter: str = ""  # its LoRA adapter's fingerprint ("" without one; see adapter_of)
     load_policy: str | None = None  # its own, from kv_transfer_params (request_load_policy)
 
 
@@ -129,6 +132,7 @@ class SchedulerSide:
         self._windowed = geometry.window_kept is not None
         self._tracked: dict[str, _Tracked] = {}
         self._warned: set[str] = set()  # request load policies warned about (once each)
+        self._adapters: dict[tuple[int, str], str] = {}  # LoRA (id, path) -> fingerprint
         self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
         self._sources: dict[str, tuple[int, int, int]] = {}  # (cpu, disk, remote) tokens of the last load
         self._record_events = record_events
@@ -242,7 +246,7 @@ class SchedulerSide:
         for index in range(len(keys), len(hashes) // hpc):
             source = hashes[(index + 1) * hpc - 1]
             sources.append(source)
-            keys.append(epoch_key(chunk_key(source), tracked.epoch))
+            keys.append(epoch_key(adapter_key(chunk_key(source), tracked.adapter), tracked.epoch))
             if self._record_events and keys[-1] not in self._event_meta:
                 self._event_meta[keys[-1]] = self._chunk_event(request, index)
         released = 0
@@ -277,14 +281,38 @@ class SchedulerSide:
     def _tracked_for(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.request is not request:
-            policy = request_load_policy(request, self._warned)
-            tracked = self._tracked[request.request_id] = _Tracked(request, epoch=self._epoch,
-                                                                   load_policy=policy)
+            tracked = self._track(request)
         return tracked
 
     def on_new_request(self, request: Any) -> None:
-        self._tracked[request.request_id] = _Tracked(
-            request, epoch=self._epoch, load_policy=request_load_policy(request, self._warned))
+        self._track(request)
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._tracked[request.request_id] = _Tracked(
+            request, epoch=self._epoch, load_policy=request_load_policy(request, self._warned),
+            adapter=self.adapter_of(request))
+        return tracked
+
+    def adapter_of(self, request: Any) -> str:
+        """The fingerprint of a request's LoRA adapter (:mod:`tierkv.model_identity`, ``auto``,
+        of its ``lora_path``), computed once per adapter id and path; ``""`` without one. An
+        adapter that cannot be read gets a fresh random value per request: its chunks are
+        never served from a lower tier (who knows what weights computed them)."""
+        lora = getattr(request, "lora_request", None)
+        if not lora:
+            return ""
+        ident = (int(getattr(lora, "lora_int_id", 0) or 0), str(getattr(lora, "lora_path", "")))
+        found = self._adapters.get(ident)
+        if found is None:
+            found = model_fingerprint(ident[1], "auto") if ident[1] else None
+            if found is None:
+                log.warning("tierkv: LoRA adapter %r (path %r) cannot be fingerprinted; its "
+                            "requests are never served from tierkv's tiers",
+                            getattr(lora, "lora_name", ""), ident[1])
+            if len(self._adapters) >= MAX_ADAPTERS:
+                self._adapters.pop(next(iter(self._adapters)))
+            found = self._adapters[ident] = found or ""
+        return found or "unknown:" + os.urandom(16).hex()
 
     def reset_cache(self, is_running: Callable[[Any], bool]) -> bool:
         """Serve nothing stored before now (vLLM's ``reset_prefix_cache`` after a weight

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from tierkv import model_identity
 from tierkv.checks import check_int
 from tierkv.config import DiskTierConfig, disk_chunk_capacity
+from tierkv.engine.store_namespace import content_cache_dir
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HASHES, PAGE_ORDER,
                                              STABLE_HASHES, ConnectorSettings, Geometry,
@@ -35,6 +37,34 @@ from tierkv.keys import Namespace, Part
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM 0.33 kv_cache_utils, PYTHONHASHSEED unset
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def warmup_model_fingerprint(model_dir: Path, model_id: str | None, revision: str | None,
+                             mode: str = "auto", store: Path | None = None) -> str:
+    """The model fingerprint the connector computes for a vLLM that serves ``model_id``
+    (its ``--model``; None: ``model_dir``), from the weights the warm-up reads in
+    ``model_dir``: a hub id's commit (``model_dir`` a snapshot of the hub cache, or the
+    cache's snapshot of ``model_id``), else the directory's own fingerprint."""
+    if not model_identity.is_mode(mode):
+        return f"name:{mode}"
+    if model_id and not Path(model_id).expanduser().exists():  # vLLM serves a hub id
+        commit = model_identity.snapshot_commit(model_dir)
+        if commit is None:
+            snapshot = model_identity.resolve_hub_snapshot(model_id, revision)
+            commit = None if snapshot is None else snapshot.name
+        if commit is None:
+            raise ConfigError(
+                f"warmup: vLLM serves the hub model {model_id!r} (--model-id), whose chunks "
+                f"are named by the commit its snapshot resolves to, and no snapshot of it is "
+                f"in this machine's hub cache; pass --model with the snapshot directory "
+                f"(.../snapshots/<commit>), or set model_fingerprint to a name on both sides "
+                f"(--model-fingerprint)")
+        return f"hub:{commit}"
+    source = Path(model_id).expanduser() if model_id else model_dir
+    found = model_identity.model_fingerprint(source, mode, cache_dir=content_cache_dir(store))
+    if found is None:
+        raise ConfigError(f"warmup: the model at {source} cannot be read for its fingerprint")
+    return found
 
 
 def vllm_hash_function(algorithm: str) -> Callable[[Any], bytes]:
@@ -109,6 +139,9 @@ class VllmTarget:
     disk_bytes: int = ConnectorSettings.disk_bytes
     revision: str | None = None
     vllm_version: str = field(default_factory=target_vllm_version)  # the installed vLLM's
+    # The weights' fingerprint (tierkv.model_identity); None: of model_id, as the connector
+    # computes it for vLLM's --model.
+    model_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         for name, option in (("num_layers", "--model"), ("num_kv_heads", "--model"),
@@ -195,7 +228,8 @@ class VllmTarget:
             model_config=SimpleNamespace(model=self.model_id, revision=self.revision, quantization=None),
             cache_config=SimpleNamespace(prefix_caching_hash_algo=self.hash_algo, cache_dtype="auto"),
             num_hash_lookahead_tokens=0)
-        return build_namespace(vllm_config, self.geometry(), self.vllm_version, self._environ())
+        return build_namespace(vllm_config, self.geometry(), self.vllm_version, self._environ(),
+                               model_fingerprint=self.model_fingerprint)
 
     def disk_config(self, store_dir: Path) -> DiskTierConfig:
         """The per-rank disk tier config the connector opens the store with."""

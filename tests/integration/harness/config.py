@@ -259,6 +259,7 @@ def make_request(
     max_tokens: int,
     block_hasher: Callable[[Request], list[Any]],
     cache_salt: str | None = None,
+    lora_request: Any = None,
 ) -> Request:
     return Request(
         request_id=request_id,
@@ -267,4 +268,5 @@ def make_request(
         pooling_params=None,
         cache_salt=cache_salt,
         block_hasher=block_hasher,
+        lora_request=lora_request,
     )

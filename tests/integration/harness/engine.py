@@ -64,6 +64,7 @@ class RequestSpec:
     prompt_token_ids: list[int]
     max_tokens: int
     cache_salt: str | None = None
+    lora_request: Any = None  # a vllm.lora.request.LoRARequest: its name and path are hashed
 
 
 @dataclass
@@ -200,7 +201,8 @@ class HarnessEngine:
 
     def add_request(self, spec: RequestSpec) -> Request:
         request = make_request(
-            spec.request_id, spec.prompt_token_ids, spec.max_tokens, self.harness.block_hasher, spec.cache_salt
+            spec.request_id, spec.prompt_token_ids, spec.max_tokens, self.harness.block_hasher, spec.cache_salt,
+            spec.lora_request,
         )
         self.requests[spec.request_id] = request
         self.specs[spec.request_id] = spec

@@ -7,6 +7,7 @@ spells and parses its names (``docs/on-disk-format.md``, "Layout").
             part-<p>of<P>[-dp<d>]/           one part of its chunks (data-parallel engine d > 0)
                 shard-<s>/                   one shard's environment: data.mdb, slab-0.kv
             rank-<r>/[shard-<s>/]            an older format's rank (never read; rm deletes it)
+    <root>/model-hashes/                     model_fingerprint "content": weights' hashes
 
 Primitives and contracts:
 
@@ -36,6 +37,7 @@ _PART = "part-"
 _OLD_RANK = "rank-"
 _SHARD = "shard-"
 _REPLICA = "-dp"
+_MODEL_HASHES = "model-hashes"
 
 
 class StoreLayout:
@@ -53,6 +55,10 @@ class StoreLayout:
 
     def shard_dir(self, fingerprint: str, part: Part, shard: int, replica: int = 0) -> Path:
         return self.part_dir(fingerprint, part, replica) / self.shard_name(shard)
+
+    def model_hashes_dir(self) -> Path:
+        """Where ``model_fingerprint: content`` caches whole-content hashes of weights."""
+        return self.root / _MODEL_HASHES
 
     def namespace_dirs(self) -> list[Path]:
         """Every ``ns-*`` entry of the root, sorted (not judged: links and files included)."""
