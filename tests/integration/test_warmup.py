@@ -201,7 +201,8 @@ def test_tensor_parallel_ranks_get_their_heads() -> None:
 # ------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
 def test_warmed_prompts_hit_in_vllm_with_hf_bytes(layout: str, tiny_model: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = Path(shutil.copytree(tiny_model, tmp_path / "model"))
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     store = tmp_path / "store"
@@ -219,9 +220,13 @@ def test_warmed_prompts_hit_in_vllm_with_hf_bytes(layout: str, tiny_model: Path,
     expected_kv = reference_kv(model_dir, sequences)
     cfg = harness_lib.HarnessConfig(enable_prefix_caching=False, kv_cache_layout=layout, num_gpu_blocks=48,
                                     max_num_batched_tokens=64, kv_transfer_config=tierkv_transfer_config(store))
+    # vLLM serves the directory the warm-up read, config included (the harness would write
+    # a config of its own there: another model, whose fingerprint differs).
+    monkeypatch.setattr(harness_lib, "write_tiny_llama", lambda directory, _: directory)
     harness = harness_lib.build_harness(cfg, model_dir=model_dir, check=False)
     connector: Any = harness.scheduler_connector
     assert connector.namespace.fingerprint() == warmed.fingerprint
+    assert connector.namespace.model_fingerprint.startswith("auto:")
     assert connector._scheduler.found_on_disk == NUM_CHUNKS
 
     external: dict[str, int] = {}
@@ -345,7 +350,9 @@ BAD_INPUTS = {
     "other-namespace": ([ok], ("--tokens-per-chunk", "48"),
                         ["holds namespace", "tokens_per_chunk is 32 there, 48 here", "--tokens-per-chunk",
                          "--allow-new-namespace"]),
-    "other-model-id": ([ok], ("--model-id", "org/other"), ["model_id is", "--model-id"]),
+    # A hub id vLLM serves is named by its snapshot's commit, which this hub cache lacks.
+    "other-model-id": ([ok], ("--model-id", "org/other"), ["hub model 'org/other'", "--model-id",
+                                                           "snapshots/<commit>"]),
     "unstable-hash": ([ok], ("--hash-algo", "xxhash", "--hash-seed", "unset"), ["--hash-seed", "PYTHONHASHSEED"]),
 }
 
