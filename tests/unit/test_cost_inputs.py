@@ -1,9 +1,10 @@
 """What the cost model (tierkv.core.costs) takes in: only real timing samples, counted when
-dropped (issue 41, item 3)."""
+dropped, and priors checked as settings (issue 41, items 3 and 4)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobKind
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
+from tierkv.errors import ConfigError
 
 # -- timing samples ---------------------------------------------------------------------------
 
@@ -155,3 +157,48 @@ def test_no_sequence_of_samples_leaves_a_line_non_finite_or_moves_a_decision(
     assert taken == [(True, True) if is_good else False for is_good, _, _ in steps]
     bad_seen = sum(1 for is_good, _, _ in steps if not is_good)
     assert model.counts.cost_samples_dropped == bad_seen
+
+
+# -- cost_priors ------------------------------------------------------------------------------
+
+PRIORS = [f.name for f in fields(CostPriors)]
+RATES = [name for name in PRIORS if name.endswith("_bytes_per_second")]
+BAD_PRIORS = [-1.0, math.nan, math.inf, -math.inf, 1e300, "fast", None, True]
+
+
+@pytest.mark.parametrize("bad", BAD_PRIORS, ids=repr)
+@pytest.mark.parametrize("name", PRIORS)
+def test_a_bad_prior_is_a_config_error_that_names_it(name: str, bad: object) -> None:
+    """A NaN latency was accepted (and declined every hit on its tier), a str or None met
+    the model as a raw TypeError: each is refused when the priors are made, naming the
+    setting, the value and what it takes."""
+    with pytest.raises(ConfigError) as info:
+        CostPriors(**{name: bad})
+    message = str(info.value)
+    assert message.startswith(f"cost_priors.{name} must be a number within [")
+    assert message.endswith(f", got {bad!r}")
+
+
+@pytest.mark.parametrize("name", RATES)
+def test_a_zero_rate_is_a_config_error_not_a_division_by_zero(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"cost_priors\.{name} must be a number within "
+                                          rf"\[1, 1e\+15\], got 0"):
+        CostPriors(**{name: 0})
+    CostPriors(**{name: 1})  # 1 byte a second: slow, but a rate
+
+
+@pytest.mark.parametrize("name", [name for name in PRIORS if name not in RATES])
+def test_a_prior_of_zero_seconds_is_one(name: str) -> None:
+    """A fixed cost or a token's compute of 0 seconds is an assumption, not an error."""
+    model = CostModel(CostPriors(**{name: 0}))
+    assert all(math.isfinite(value) for line in lines(model) for value in line)
+
+
+@pytest.mark.parametrize("bad", [{"disk_bytes_per_second": 1e9}, "fast", None, 1.0],
+                         ids=repr)
+def test_cost_priors_that_are_no_cost_priors_are_a_config_error(bad: object) -> None:
+    """A dict (a JSON config's priors) met the model as a raw AttributeError."""
+    with pytest.raises(ConfigError, match=r"adapter\.cost_priors must be a CostPriors"):
+        AdapterConfig(16, 2, cost_priors=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"cost_priors must be a CostPriors"):
+        CostModel(bad)  # type: ignore[arg-type]

@@ -15,8 +15,8 @@
 Times are the engine's: a load's time runs from the step that planned it to the step that
 saw it complete, so it includes the scheduler steps an asynchronous load costs; a same-step
 CPU load costs its copy. Before enough has been measured the priors decide (documented in
-docs/configuration.md with the figures that chose them). No clock, no threads: the adapter
-feeds samples and asks.
+docs/configuration.md with the figures that chose them; declared and checked as settings,
+``cost_priors.<name>``). No clock, no threads: the adapter feeds samples and asks.
 
 A sample is taken only when it is one (:func:`valid_sample`: a count in [1,
 MAX_SAMPLE_COUNT], seconds in [0, MAX_SAMPLE_SECONDS]); any other (infinite, NaN, negative,
@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
+from typing import Any
 
 from tierkv.core.figures import counter
 from tierkv.errors import ConfigError
+from tierkv.settings import check_settings, setting
 
 TIERS = ("cpu", "disk", "remote")
 DEFAULT_CHUNK_BYTES = 2 << 20  # for the priors, where the engine's chunk size is not given
@@ -49,9 +51,11 @@ DECLINE_MARGIN = 0.1
 # What a timing sample may be: a step's tokens or a load's chunks up to 2^32 (no step or
 # load comes near it; its square, 1.8e19, is far from a float's overflow at 1.8e308, and so
 # are the decayed sums of squares the fit keeps), and seconds up to an hour (longer is a
-# clock that jumped or a process that was stopped, not a step or a load).
+# clock that jumped or a process that was stopped, not a step or a load). The priors'
+# seconds are bounded alike.
 MAX_SAMPLE_COUNT = 1 << 32
 MAX_SAMPLE_SECONDS = 3600.0
+MAX_BYTES_PER_SECOND = 1e15  # a prior's rate: 1 PB/s, beyond any tier
 
 
 def valid_sample(count: object, seconds: object) -> bool:
@@ -159,21 +163,38 @@ class DecayedLine:
         return intercept + slope * x
 
 
+def _seconds(default: float, help: str) -> Any:
+    """A prior's seconds: finite, in [0, MAX_SAMPLE_SECONDS]."""
+    return setting(default, kind="number", low=0.0, high=MAX_SAMPLE_SECONDS, unit="seconds",
+                   help=help)
+
+
+def _rate(default: float, help: str) -> Any:
+    """A prior's bytes per second: finite, in [1, MAX_BYTES_PER_SECOND] (never 0)."""
+    return setting(default, kind="number", low=1.0, high=MAX_BYTES_PER_SECOND,
+                   unit="bytes/second", help=help)
+
+
 @dataclass(frozen=True)
 class CostPriors:
     """What the model assumes before it has measured: per tier a load's fixed seconds and
     its bytes per second, and the engine's seconds per step and per prefill token. They are
     optimistic about loads (a tier is measured only by loads taken from it) and favour
-    loading long hits; docs/configuration.md, "Cost-aware loads", has the figures."""
+    loading long hits; docs/configuration.md, "Cost-aware loads", has the figures. Each is a
+    setting (``cost_priors.<name>``), checked when made."""
 
-    cpu_load_seconds: float = 0.001  # a same-step copy, or one more step when asynchronous
-    cpu_bytes_per_second: float = 10e9
-    disk_load_seconds: float = 0.005
-    disk_bytes_per_second: float = 2e9
-    remote_load_seconds: float = 0.005
-    remote_bytes_per_second: float = 1e9
-    step_seconds: float = 0.005  # a step's fixed cost
-    seconds_per_token: float = 0.000025  # prefill: 40k tokens/s
+    cpu_load_seconds: float = _seconds(0.001, "a CPU-tier load's fixed cost: a same-step "
+                                              "copy, or one more step when asynchronous")
+    cpu_bytes_per_second: float = _rate(10e9, "a CPU-tier load's speed")
+    disk_load_seconds: float = _seconds(0.005, "a disk-tier load's fixed cost")
+    disk_bytes_per_second: float = _rate(2e9, "a disk-tier load's speed")
+    remote_load_seconds: float = _seconds(0.005, "a remote-tier load's fixed cost")
+    remote_bytes_per_second: float = _rate(1e9, "a remote-tier load's speed")
+    step_seconds: float = _seconds(0.005, "an engine step's fixed cost")
+    seconds_per_token: float = _seconds(0.000025, "a prefill token's compute (40k tokens/s)")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "cost_priors")
 
     def load_prior(self, tier: str, chunk_bytes: int) -> tuple[float, float]:
         """(seconds a load, seconds a chunk) of ``tier``."""
@@ -183,6 +204,15 @@ class CostPriors:
     def compute_prior(self) -> tuple[float, float]:
         """(seconds a step, seconds a token)."""
         return self.step_seconds, self.seconds_per_token
+
+
+def check_priors(priors: object, where: str = "cost_priors") -> CostPriors:
+    """``priors`` if it is a :class:`CostPriors` (whose fields it checked when made); else a
+    ConfigError naming ``where``."""
+    if not isinstance(priors, CostPriors):
+        names = ", ".join(f.name for f in fields(CostPriors))
+        raise ConfigError(f"{where} must be a CostPriors ({names}), got {priors!r:.80}")
+    return priors
 
 
 class CostModel:
@@ -197,7 +227,7 @@ class CostModel:
                               f"{load_bias!r}")
         if chunk_bytes <= 0:
             raise ConfigError(f"cost model: chunk_bytes must be > 0, got {chunk_bytes!r}")
-        self.priors = priors
+        self.priors = check_priors(priors)
         self.counts = CostCounts() if counts is None else counts
         self.load_bias = load_bias
         self._decay = decay
@@ -311,6 +341,6 @@ class CostModel:
         return best, best_cost, load_seconds
 
 
-__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "MAX_SAMPLE_COUNT", "MAX_SAMPLE_SECONDS",
-           "SPIKE_FACTOR", "TIERS", "CostCounts", "CostModel", "CostPriors", "DecayedLine",
-           "valid_sample"]
+__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "MAX_BYTES_PER_SECOND", "MAX_SAMPLE_COUNT",
+           "MAX_SAMPLE_SECONDS", "SPIKE_FACTOR", "TIERS", "CostCounts", "CostModel",
+           "CostPriors", "DecayedLine", "check_priors", "valid_sample"]
