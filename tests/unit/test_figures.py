@@ -35,6 +35,7 @@ ADAPTER_REPORTED = {
     "hit_tokens_remote", "remote_not_yet", "queried_tokens", "stores_without_pages",
     "sync_loads", "load_probes", "load_lines_restarted", "remote_lookups_skipped",
     "lookups_recompute", "declined_tokens_cpu", "declined_tokens_disk", "declined_tokens_remote",
+    "cost_samples_dropped",
     *(f"load_seconds_{what}_{tier}" for what in ("estimated", "measured")
       for tier in ("cpu", "disk", "remote")),
 }

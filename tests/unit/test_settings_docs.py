@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
+from tierkv.core.costs import CostPriors
 from tierkv.engine.adapter import AdapterConfig
 from tierkv.integrations.vllm_config import ConnectorSettings
 from tierkv.settings import declared
@@ -58,7 +59,7 @@ def connector_default(value: Any, unit: str) -> str:
 EXPLAINED = {("ConnectorSettings", "tokens_per_chunk"): "128, rounded up to a multiple"}
 LIBRARY = [(StoreConfig, "`StoreConfig`"), (CpuTierConfig, "`CpuTierConfig`"),
            (DiskTierConfig, "`DiskTierConfig`"), (AdapterConfig, "`AdapterConfig`"),
-           (RemoteTierConfig, "`RemoteTierConfig`")]
+           (RemoteTierConfig, "`RemoteTierConfig`"), (CostPriors, "`CostPriors`")]
 
 
 @pytest.mark.parametrize(("cls", "heading"), LIBRARY, ids=[cls.__name__ for cls, _ in LIBRARY])

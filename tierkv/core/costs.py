@@ -15,16 +15,27 @@
 Times are the engine's: a load's time runs from the step that planned it to the step that
 saw it complete, so it includes the scheduler steps an asynchronous load costs; a same-step
 CPU load costs its copy. Before enough has been measured the priors decide (documented in
-docs/configuration.md with the figures that chose them). No clock, no threads: the adapter
-feeds samples and asks.
+docs/configuration.md with the figures that chose them; declared and checked as settings,
+``cost_priors.<name>``). No clock, no threads: the adapter feeds samples and asks.
+
+A sample is taken only when it is one (:func:`valid_sample`: a count in [1,
+MAX_SAMPLE_COUNT], seconds in [0, MAX_SAMPLE_SECONDS]); any other (infinite, NaN, negative,
+a count whose square overflows a float) is dropped and counted (:class:`CostCounts`), and
+a fit that would still come out non-finite keeps the line before it: one bad sample never
+decides a load.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from numbers import Integral, Real
+from typing import Any
 
+from tierkv.core.figures import counter
 from tierkv.errors import ConfigError
+from tierkv.settings import check_settings, setting
 
 TIERS = ("cpu", "disk", "remote")
 DEFAULT_CHUNK_BYTES = 2 << 20  # for the priors, where the engine's chunk size is not given
@@ -37,6 +48,40 @@ SPIKE_FACTOR = 4.0
 # of one step's timing (a loaded machine flipped a 7-chunk restart hit on a 1 ms estimated
 # gain), and a load at parity leaves the engine's compute to other requests.
 DECLINE_MARGIN = 0.1
+# What a timing sample may be: a step's tokens or a load's chunks up to 2^32 (no step or
+# load comes near it; its square, 1.8e19, is far from a float's overflow at 1.8e308, and so
+# are the decayed sums of squares the fit keeps), and seconds up to an hour (longer is a
+# clock that jumped or a process that was stopped, not a step or a load). The priors'
+# seconds are bounded alike.
+MAX_SAMPLE_COUNT = 1 << 32
+MAX_SAMPLE_SECONDS = 3600.0
+MAX_BYTES_PER_SECOND = 1e15  # a prior's rate: 1 PB/s, beyond any tier
+
+
+def valid_sample(count: object, seconds: object) -> bool:
+    """Whether ``(count, seconds)`` is a timing sample the model takes: ``count`` an int
+    (numpy's too; not a bool) in [1, MAX_SAMPLE_COUNT], ``seconds`` a real number (not a
+    bool) in [0, MAX_SAMPLE_SECONDS] (NaN and infinities are not)."""
+    if type(count) is int and type(seconds) is float:  # the engine's samples: checked fast
+        return 1 <= count <= MAX_SAMPLE_COUNT and 0.0 <= seconds <= MAX_SAMPLE_SECONDS
+    if isinstance(count, bool) or isinstance(seconds, bool) \
+            or not isinstance(count, Integral) or not isinstance(seconds, Real):
+        return False
+    try:
+        value = float(seconds)
+    except (OverflowError, ValueError):  # a Fraction beyond a float
+        return False
+    return 1 <= int(count) <= MAX_SAMPLE_COUNT and 0.0 <= value <= MAX_SAMPLE_SECONDS
+
+
+@dataclass
+class CostCounts:
+    """The cost model's counters (:mod:`tierkv.core.figures`); the engine adapter's
+    statistics (``AdapterStats``) are these and its own."""
+
+    cost_samples_dropped: int = counter("Timing samples the cost model dropped: a step's or "
+                                        "a load's time not finite, negative or over an hour, "
+                                        "or a count of tokens or chunks not in [1, 2^32]")
 
 
 class DecayedLine:
@@ -48,14 +93,17 @@ class DecayedLine:
     the slope (its speed); samples over several x set both."""
 
     __slots__ = ("_decay", "_prior", "_lambda_a", "_lambda_b", "_floor", "_w", "_x", "_y",
-                 "_xx", "_xy", "_line", "samples")
+                 "_xx", "_xy", "_line", "_last", "samples")
 
     def __init__(self, prior: tuple[float, float], x_scale: float, decay: float = 0.9,
                  prior_weight: float = 0.5) -> None:
         if not 0.0 < decay < 1.0:
             raise ConfigError(f"cost model: decay must be within (0, 1), got {decay!r}")
-        if not x_scale > 0:
-            raise ConfigError(f"cost model: x_scale must be > 0, got {x_scale!r}")
+        if not 0 < x_scale <= MAX_SAMPLE_COUNT:
+            raise ConfigError(f"cost model: x_scale must be within (0, {MAX_SAMPLE_COUNT}], "
+                              f"got {x_scale!r}")
+        if not all(math.isfinite(value) for value in prior):
+            raise ConfigError(f"cost model: a prior line must be finite, got {prior!r}")
         self._decay = decay
         self._prior = prior
         self._lambda_a = prior_weight
@@ -63,9 +111,14 @@ class DecayedLine:
         self._floor = 0.01  # the prior fades like a sample, down to this share of its weight
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self._line: tuple[float, float] | None = None  # cached fit, until the next sample
+        self._last = (max(prior[0], 0.0), max(prior[1], 0.0))  # the last finite fit
         self.samples = 0
 
-    def observe(self, x: float, y: float) -> None:
+    def observe(self, x: float, y: float) -> bool:
+        """Learn ``y`` at ``x``; False (and nothing learned) unless x is in [0,
+        MAX_SAMPLE_COUNT] and y in [0, MAX_SAMPLE_SECONDS] (NaN fails every comparison)."""
+        if not (0.0 <= x <= MAX_SAMPLE_COUNT and 0.0 <= y <= MAX_SAMPLE_SECONDS):
+            return False
         decay = self._decay
         if self._floor < 1.0:  # the prior's pull fades with the samples (kept above 1%)
             self._lambda_a *= decay
@@ -78,11 +131,16 @@ class DecayedLine:
         self._xy = self._xy * decay + x * y
         self._line = None
         self.samples += 1
+        return True
 
     def line(self) -> tuple[float, float]:
-        """``(intercept, slope)``, both at least 0 (a fit that says otherwise is noise)."""
+        """``(intercept, slope)``, both at least 0 (a fit that says otherwise is noise), and
+        finite: a fit that is not keeps the line before it."""
         if self._line is None:
-            self._line = self._fit()
+            line = self._fit()
+            if math.isfinite(line[0]) and math.isfinite(line[1]):
+                self._last = line
+            self._line = self._last
         return self._line
 
     def _fit(self) -> tuple[float, float]:
@@ -92,6 +150,8 @@ class DecayedLine:
         m00, m01, m11 = self._w + la, self._x, self._xx + lb
         r0, r1 = self._y + la * a0, self._xy + lb * b0
         det = m00 * m11 - m01 * m01
+        if not det > 0:  # positive in exact arithmetic (the priors' penalties)
+            return math.nan, math.nan
         intercept = (r0 * m11 - m01 * r1) / det
         slope = (m00 * r1 - m01 * r0) / det
         if slope < 0:  # refit with the slope at 0
@@ -103,21 +163,38 @@ class DecayedLine:
         return intercept + slope * x
 
 
+def _seconds(default: float, help: str) -> Any:
+    """A prior's seconds: finite, in [0, MAX_SAMPLE_SECONDS]."""
+    return setting(default, kind="number", low=0.0, high=MAX_SAMPLE_SECONDS, unit="seconds",
+                   help=help)
+
+
+def _rate(default: float, help: str) -> Any:
+    """A prior's bytes per second: finite, in [1, MAX_BYTES_PER_SECOND] (never 0)."""
+    return setting(default, kind="number", low=1.0, high=MAX_BYTES_PER_SECOND,
+                   unit="bytes/second", help=help)
+
+
 @dataclass(frozen=True)
 class CostPriors:
     """What the model assumes before it has measured: per tier a load's fixed seconds and
     its bytes per second, and the engine's seconds per step and per prefill token. They are
     optimistic about loads (a tier is measured only by loads taken from it) and favour
-    loading long hits; docs/configuration.md, "Cost-aware loads", has the figures."""
+    loading long hits; docs/configuration.md, "Cost-aware loads", has the figures. Each is a
+    setting (``cost_priors.<name>``), checked when made."""
 
-    cpu_load_seconds: float = 0.001  # a same-step copy, or one more step when asynchronous
-    cpu_bytes_per_second: float = 10e9
-    disk_load_seconds: float = 0.005
-    disk_bytes_per_second: float = 2e9
-    remote_load_seconds: float = 0.005
-    remote_bytes_per_second: float = 1e9
-    step_seconds: float = 0.005  # a step's fixed cost
-    seconds_per_token: float = 0.000025  # prefill: 40k tokens/s
+    cpu_load_seconds: float = _seconds(0.001, "a CPU-tier load's fixed cost: a same-step "
+                                              "copy, or one more step when asynchronous")
+    cpu_bytes_per_second: float = _rate(10e9, "a CPU-tier load's speed")
+    disk_load_seconds: float = _seconds(0.005, "a disk-tier load's fixed cost")
+    disk_bytes_per_second: float = _rate(2e9, "a disk-tier load's speed")
+    remote_load_seconds: float = _seconds(0.005, "a remote-tier load's fixed cost")
+    remote_bytes_per_second: float = _rate(1e9, "a remote-tier load's speed")
+    step_seconds: float = _seconds(0.005, "an engine step's fixed cost")
+    seconds_per_token: float = _seconds(0.000025, "a prefill token's compute (40k tokens/s)")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "cost_priors")
 
     def load_prior(self, tier: str, chunk_bytes: int) -> tuple[float, float]:
         """(seconds a load, seconds a chunk) of ``tier``."""
@@ -129,16 +206,29 @@ class CostPriors:
         return self.step_seconds, self.seconds_per_token
 
 
+def check_priors(priors: object, where: str = "cost_priors") -> CostPriors:
+    """``priors`` if it is a :class:`CostPriors` (whose fields it checked when made); else a
+    ConfigError naming ``where``."""
+    if not isinstance(priors, CostPriors):
+        names = ", ".join(f.name for f in fields(CostPriors))
+        raise ConfigError(f"{where} must be a CostPriors ({names}), got {priors!r:.80}")
+    return priors
+
+
 class CostModel:
-    """Load lines per tier and the engine's compute line; see the module docstring."""
+    """Load lines per tier and the engine's compute line; see the module docstring.
+    ``counts``: where dropped samples are counted (the adapter's statistics)."""
 
     def __init__(self, priors: CostPriors = CostPriors(), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 decay: float = 0.9, load_bias: float = 1.0) -> None:
-        if not load_bias > 0:
-            raise ConfigError(f"cost model: load_bias must be > 0, got {load_bias!r}")
+                 decay: float = 0.9, load_bias: float = 1.0,
+                 counts: CostCounts | None = None) -> None:
+        if not 0 < load_bias < math.inf:
+            raise ConfigError(f"cost model: load_bias must be > 0 and finite, got "
+                              f"{load_bias!r}")
         if chunk_bytes <= 0:
             raise ConfigError(f"cost model: chunk_bytes must be > 0, got {chunk_bytes!r}")
-        self.priors = priors
+        self.priors = check_priors(priors)
+        self.counts = CostCounts() if counts is None else counts
         self.load_bias = load_bias
         self._decay = decay
         self._load_priors = {tier: priors.load_prior(tier, chunk_bytes) for tier in TIERS}
@@ -146,25 +236,37 @@ class CostModel:
         self.compute = DecayedLine(priors.compute_prior(), 1024.0, decay)
         self.widest_step = 0  # the most tokens a measured step computed
 
-    def observe_load(self, tier: str, num_chunks: int, seconds: float) -> None:
+    def observe_load(self, tier: str, num_chunks: int, seconds: float,
+                     restart: bool = False) -> bool:
         """A load of ``num_chunks`` from ``tier`` took ``seconds``; the line learns at most
         SPIKE_FACTOR times its estimate (but from the tier's first load, which it takes as
-        it comes: the priors are a guess, a measurement is not)."""
-        if num_chunks > 0 and seconds >= 0:
-            line, x = self.loads[tier], float(num_chunks)
-            if line.samples:  # the prior's estimate as a floor: a line near 0 stays a guide
-                intercept, slope = self._load_priors[tier]
-                seconds = min(seconds, SPIKE_FACTOR * max(line.predict(x), intercept + slope * x))
-            line.observe(x, seconds)
+        it comes: the priors are a guess, a measurement is not). ``restart``: the line
+        starts again from its prior and this load (:meth:`forget_loads`). False: not a
+        sample (:func:`valid_sample`), dropped and counted, the line as it was."""
+        if not valid_sample(num_chunks, seconds):
+            self.counts.cost_samples_dropped += 1
+            return False
+        if restart:
+            self.forget_loads(tier)
+        line, x, y = self.loads[tier], float(num_chunks), float(seconds)
+        if line.samples:  # the prior's estimate as a floor: a line near 0 stays a guide
+            intercept, slope = self._load_priors[tier]
+            y = min(y, SPIKE_FACTOR * max(line.predict(x), intercept + slope * x))
+        return line.observe(x, y)
 
     def forget_loads(self, tier: str) -> None:
         """``tier``'s line starts again from its prior (what it measured no longer holds)."""
         self.loads[tier] = DecayedLine(self._load_priors[tier], 16.0, self._decay)
 
-    def observe_compute(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0 and seconds >= 0:
-            self.compute.observe(float(num_tokens), seconds)
-            self.widest_step = max(self.widest_step, num_tokens)
+    def observe_compute(self, num_tokens: int, seconds: float) -> bool:
+        """A step computed ``num_tokens`` in ``seconds``. False: not a sample
+        (:func:`valid_sample`), dropped and counted, the line as it was."""
+        if not valid_sample(num_tokens, seconds):
+            self.counts.cost_samples_dropped += 1
+            return False
+        self.compute.observe(float(num_tokens), float(seconds))
+        self.widest_step = max(self.widest_step, int(num_tokens))
+        return True
 
     def compute_measured(self, tokens_per_chunk: int) -> bool:
         """Whether a step of at least a chunk's tokens was measured: before that the compute
@@ -239,5 +341,6 @@ class CostModel:
         return best, best_cost, load_seconds
 
 
-__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "SPIKE_FACTOR", "TIERS", "CostModel",
-           "CostPriors", "DecayedLine"]
+__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "MAX_BYTES_PER_SECOND", "MAX_SAMPLE_COUNT",
+           "MAX_SAMPLE_SECONDS", "SPIKE_FACTOR", "TIERS", "CostCounts", "CostModel",
+           "CostPriors", "DecayedLine", "check_priors", "valid_sample"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierkv.core.costs import DEFAULT_CHUNK_BYTES, CostPriors
+from tierkv.core.costs import DEFAULT_CHUNK_BYTES, CostPriors, check_priors
 from tierkv.settings import check_settings, required, setting
 
 __all__ = ["LOAD_POLICIES", "REQUEST_LOAD_POLICIES", "AdapterConfig"]
@@ -54,7 +54,8 @@ class AdapterConfig:
     # Cost-aware loads: "always" loads every hit; "cost" loads the prefix of a hit whose
     # estimated load time plus the compute time of the rest is least (tierkv.core.costs:
     # measured per tier and from the engine's steps, priors until then). load_bias scales
-    # the load estimates (above 1 favours recompute).
+    # the load estimates (above 1 favours recompute). cost_priors: a CostPriors, whose
+    # fields are settings too (cost_priors.<name>, checked when it is made).
     load_policy: str = setting("always", choices=LOAD_POLICIES,
                                help="'always' loads every hit; 'cost' declines what is "
                                     "faster to compute")
@@ -76,6 +77,7 @@ class AdapterConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, "adapter")
+        check_priors(self.cost_priors, "adapter.cost_priors")
 
     @property
     def tokens_per_chunk(self) -> int:

@@ -1,5 +1,6 @@
 """AdapterStats: the engine adapter's counters (plain data; ``EngineAdapter.stats``), each
-declared once as a figure (:mod:`tierkv.core.figures`).
+declared once as a figure (:mod:`tierkv.core.figures`): its own, and the cost model's
+(:class:`tierkv.core.costs.CostCounts`, which the model counts in this record).
 
 :mod:`tierkv.engine.adapter` re-exports it.
 """
@@ -8,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierkv.core.costs import CostCounts
 from tierkv.core.figures import counter
 
 __all__ = ["AdapterStats"]
 
 
 @dataclass
-class AdapterStats:
+class AdapterStats(CostCounts):
     lookups: int = counter("Requests looked up")
     hit_tokens: int = counter("Tokens found, all tiers (reported as hit_tokens_<tier>)",
                               reported=False)

@@ -40,7 +40,8 @@ class CostPolicy:
         self._tpc = config.tokens_per_chunk
         # The model (under either policy: a request may ask for "cost" itself; an "always"
         # engine estimates and measures only those requests' loads).
-        self.costs = CostModel(config.cost_priors, config.chunk_bytes, load_bias=config.load_bias)
+        self.costs = CostModel(config.cost_priors, config.chunk_bytes, load_bias=config.load_bias,
+                               counts=stats)
         self.last_load = dict.fromkeys(TIERS, -float("inf"))  # a load taken, by tier
         self.declining: dict[str, float | None] = dict.fromkeys(TIERS)  # since when declined
         self.declined = dict.fromkeys(TIERS, 0)  # requests declined (or not asked) since
@@ -161,14 +162,17 @@ class CostPolicy:
         load, whose step also ran the forward pass; else the steps it spanned) and count
         the estimate next to it. A probe that took less than half its estimate says the
         loads the tier's line was fitted to no longer hold (a spike, a node that
-        recovered): the line starts again from the priors and this load."""
+        recovered): the line starts again from the priors and this load. A time that is no
+        sample (infinite, negative, over an hour: CostModel.observe_load) teaches nothing
+        and is left out of the estimated and measured sums."""
         planned_at, tier, chunks, estimate, probe, sync = started
         seconds = completion.seconds if sync else self._clock() - planned_at
-        if probe and seconds < estimate / 2:
-            self.costs.forget_loads(tier)
-            self._stats.load_lines_restarted += 1
-        self.costs.observe_load(tier, chunks, seconds)
+        restart = probe and seconds < estimate / 2
+        if not self.costs.observe_load(tier, chunks, seconds, restart=restart):
+            return  # not a sample (the model counted it): neither learned nor summed
         stats = self._stats
+        if restart:
+            stats.load_lines_restarted += 1
         setattr(stats, f"load_seconds_estimated_{tier}",
                 getattr(stats, f"load_seconds_estimated_{tier}") + estimate)
         setattr(stats, f"load_seconds_measured_{tier}",
