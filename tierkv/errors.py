@@ -56,6 +56,14 @@ class NamespaceMismatchError(TierKVError):
     """Persistent data was written under another namespace (model, layout, format)."""
 
 
+class MisplacedError(DamagedError, NamespaceMismatchError):
+    """An environment holds another namespace's or part's chunks (a directory copied,
+    swapped or restored to the wrong place) and this handle may not move it aside
+    (read-only, or another process claims it). It is a :class:`DamagedError` too, so
+    whatever skips a damaged part (the vLLM start-up scan, the readers of another TP size's
+    parts) skips a misplaced one the same way, with a warning, never a crash."""
+
+
 def short_key(key: bytes) -> str:
     """The first 8 hex digits of a key, as messages print it."""
     return key[:4].hex()

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tierkv.config import DiskTierConfig, StoreConfig
@@ -234,17 +235,31 @@ def rebuild_keys(root: Path, namespace: Namespace, own_count: int, config: DiskT
             tier.close()
 
 
+@dataclass
+class OtherPartsCounts:
+    """What a worker's :class:`OtherParts` counts."""
+
+    opened: int = 0  # parts of another part count opened for reading
+    # Parts of another part count not read: damaged, misplaced or untrusted (warned about
+    # once each, never reopened).
+    skipped: int = 0
+
+
 class OtherParts:
     """The parts of other part counts on disk, as one worker reads them: each part's
     environment opened read-only and unclaimed at its first read, kept open after (another
     engine writes it; this one never claims, writes or repairs it). ``read_part_into``
-    answers ``MISSING`` for a part whose environment is not there."""
+    answers ``MISSING`` for a part whose environment is not there, and for one that cannot
+    be read (damaged, misplaced: another part's or namespace's directory in its place, or
+    untrusted): that one is warned about once, counted in ``counts().skipped`` and
+    remembered, never reopened by later reads."""
 
     def __init__(self, root: Path, namespace: Namespace, config: DiskTierConfig,
                  model_chunk_bytes: int, replica: int = 0) -> None:
         self.root, self.namespace, self.config = Path(root), namespace, config
         self.model_chunk_bytes, self.replica = model_chunk_bytes, replica
         self._tiers: dict[Part, DiskTier | None] = {}
+        self._counts = OtherPartsCounts()
         self._lock = threading.Lock()
 
     def _tier(self, part: Part) -> DiskTier | None:
@@ -256,11 +271,18 @@ class OtherParts:
                 tier = DiskTier(self.root, self.namespace, part, self.config,
                                 self.model_chunk_bytes // part.count, read_only=True,
                                 replica=self.replica)
-            except (ConfigError, DamagedError, BrokenError) as exc:
-                log.warning("tierkv: part %s on disk cannot be read: %s", part.name, exc)
+                self._counts.opened += 1
+            except (ConfigError, DamagedError, BrokenError) as exc:  # MisplacedError too
+                log.warning("tierkv: part %s on disk cannot be read, its chunks are misses "
+                            "until a restart: %s", part.name, exc)
+                self._counts.skipped += 1
                 tier = None
             self._tiers[part] = tier
             return tier
+
+    def counts(self) -> OtherPartsCounts:
+        with self._lock:
+            return replace(self._counts)
 
     def read_part_into(self, key: bytes, part: Part, out: memoryview) -> ReadStatus:
         tier = self._tier(part)

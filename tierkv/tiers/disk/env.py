@@ -16,7 +16,8 @@ Primitives and contracts:
   not exactly this namespace's. ``read_only=True`` creates, writes, moves and chmods nothing.
 - The meta record (namespace, fingerprint, part, shard, format version) must match: another
   environment is never read nor deleted, but moved aside (``.foreign-<time>``) and an
-  empty one opened when this handle may repair (below); else :class:`NamespaceMismatchError`.
+  empty one opened when this handle may repair (below); else :class:`MisplacedError` (a
+  :class:`NamespaceMismatchError` and a :class:`DamagedError`: skipped as damage is).
 - ``run(action, work)`` calls ``work(env)`` in a shared section of a readers/writer guard
   (:class:`~tierkv.tiers.disk.guard.Guard`: one plain lock on entry and on exit). Before
   it, a fork check (:class:`UsageError` in a child), a closed check (:class:`ClosedError`)
@@ -54,7 +55,8 @@ import lmdb
 import msgpack
 
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
-                           NamespaceMismatchError, TierKVError, UsageError, short_key)
+                           MisplacedError, NamespaceMismatchError, TierKVError, UsageError,
+                           short_key)
 from tierkv.core.figures import counter
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk.files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
@@ -388,12 +390,13 @@ class LmdbEnv:
     def _repair(self, exc: BaseException, during: str = "") -> None:
         """Move the damaged (``broken``) or misplaced (``foreign``: a NamespaceMismatchError)
         environment aside and open an empty one, the claim held; where this handle may not
-        repair, raise ``exc`` if misplaced, else :class:`DamagedError` (``during``: what met it)."""
+        repair, raise :class:`MisplacedError` if misplaced, else :class:`DamagedError`
+        (``during``: what met it); both are damage to whoever skips damaged parts."""
         why = "foreign" if isinstance(exc, NamespaceMismatchError) else "broken"
         refused = self._why_not_repaired()
         if refused is not None:
-            if why == "foreign":
-                raise exc
+            if why == "foreign":  # skipped like damage by whoever skips damaged parts
+                raise MisplacedError(f"{exc}; not moved aside here: {refused}") from exc
             raise DamagedError(f"{self._name}: environment at {self.path} is damaged ({exc})"
                                f"{during}; not repaired here: {refused}") from exc
         self._close_env()

@@ -11,6 +11,8 @@ every method runs inside the shard's :meth:`LmdbEnv.run`):
   are given back only after it committed. Returns (written, full, deleted, why full).
 - ``delete_shard(lm, env, keys, expect=None)``: one index txn; ``expect`` deletes only an
   entry still equal to it (a reader's compare-and-delete).
+- Every index txn that finds the map full clears the stale readers (reader slots of dead
+  processes, which pin old pages) and runs again before the map is reported full.
 - Payloads are written in pieces of :data:`PIECE_BYTES` by :data:`WRITE_THREADS` threads
   shared by the shards (started at the first batch with more than one piece, stopped by
   ``close()``); the index txn waits for every piece.
@@ -269,7 +271,22 @@ class ShardWrites:
                    entries: list[tuple[bytes, IndexEntry]], deletes: Sequence[bytes],
                    expect: bytes | None = None) -> tuple[list[int], int]:
         """One index txn: (slots its deletes and overwrites freed, entries deleted).
-        ``expect``: delete the one key of ``deletes`` only if its entry is still that."""
+        ``expect``: delete the one key of ``deletes`` only if its entry is still that.
+
+        A full map is first taken for stale readers: a reader killed inside its txn (a
+        ``tierkv inspect`` under ``kill -9``) pins its snapshot, and no page freed after
+        it is reused. They are cleared and the txn run again; only a map still full (or
+        one no dead reader held) raises ``MapFullError``, which callers report as full."""
+        try:
+            return self._index_txn_once(lm, env, entries, deletes, expect)
+        except lmdb.MapFullError:
+            if not lm.clear_stale_readers(env):
+                raise
+        return self._index_txn_once(lm, env, entries, deletes, expect)
+
+    def _index_txn_once(self, lm: LmdbEnv, env: lmdb.Environment,
+                        entries: list[tuple[bytes, IndexEntry]], deletes: Sequence[bytes],
+                        expect: bytes | None) -> tuple[list[int], int]:
         freed: list[int] = []
         dropped: list[int] = []  # slots no entry names any more (deleted or replaced)
         deleted = 0
