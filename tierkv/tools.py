@@ -107,11 +107,12 @@ def run_inspect(args: argparse.Namespace) -> int:
             print(f"  another tierkv format: this tierkv (format {FORMAT_VERSION}) never reads "
                   f"it; delete it when no older tierkv uses it: tierkv rm {args.store} "
                   f"--namespace {report.fingerprint} --yes")
-        for name in ("model_id", "dtype", "kv_layout", "page_bytes", "tokens_per_chunk",
-                     "blocks_per_chunk", "num_layers", "num_kv_heads", "tp_size", "rank_layout",
-                     "hash_scheme", "extra"):
+        for name in ("model_id", "model_fingerprint", "dtype", "kv_layout", "page_bytes",
+                     "tokens_per_chunk", "blocks_per_chunk", "num_layers", "num_kv_heads",
+                     "tp_size", "rank_layout", "hash_scheme", "extra"):
             if name in desc:
-                print(f"  {name + ':':18s}{desc[name]}")
+                print(f"  {name + ':':18s} {desc[name]}" if len(name) >= 17 else
+                      f"  {name + ':':18s}{desc[name]}")
         names = desc.get("layer_names")
         if isinstance(names, list) and names:
             shown = ", ".join(map(str, names[:2])) + (f", ... {names[-1]}" if len(names) > 2 else "")

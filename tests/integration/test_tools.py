@@ -29,7 +29,8 @@ from tierkv.units import format_bytes
 
 PAYLOAD = 4096
 NS = Namespace(model_id="tiny", dtype="float16", kv_layout="NHD", page_bytes=512, tokens_per_chunk=16)
-OTHER = Namespace(model_id="tiny", dtype="bfloat16", kv_layout="NHD", page_bytes=512, tokens_per_chunk=16)
+OTHER = Namespace(model_id="tiny", dtype="bfloat16", kv_layout="NHD", page_bytes=512, tokens_per_chunk=16,
+                  model_fingerprint="auto:0123456789abcdef0123456789abcdef")
 
 
 def key_of(index: int) -> bytes:
@@ -87,6 +88,7 @@ def test_inspect_reports_namespaces_chunks_bytes_and_ends(store: Path, capsys: p
     assert f"oldest {key_of(0).hex()[:8]} (written {today}" in out
     assert f"newest {key_of(29).hex()[:8]} (written {today}" in out
     assert "dtype:            bfloat16" in out
+    assert "model_fingerprint: auto:0123456789abcdef0123456789abcdef" in out  # per namespace
     assert main(["inspect", str(store), "--json"]) == 0
     reports = {item["fingerprint"]: item for item in json.loads(capsys.readouterr().out)}
     rank = reports[NS.fingerprint()]["ranks"][0]
