@@ -19,6 +19,10 @@ from tierkv.engine.store import TierKVStore
 from tierkv.errors import ConfigError
 from tierkv.keys import chunk_keys
 
+# The rows of docs/on-disk-format.md's table ("What a namespace and a key bind") these
+# tests flip, through the library API, the connector, and tests/engine/test_weights.py.
+ROWS = ("weights", "config", "lora")
+
 # ------------------------------------------------------------------ the library API
 TOKENS_PER_BLOCK, BPC = 16, 2
 
