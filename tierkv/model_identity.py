@@ -26,11 +26,13 @@ Pure Python over ``os`` and ``hashlib`` (and ``xxhash`` for ``content``): no tor
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,13 +118,38 @@ class ContentCache:
         self.path = None if folder is None else Path(folder) / CACHE_FILE
         self.entries: dict[str, str] = {}
         self.hashed = 0  # files hashed (not found in the cache)
-        if self.path is not None:
-            try:
-                loaded = json.loads(self.path.read_text())
-                if isinstance(loaded, dict):
-                    self.entries = {str(k): str(v) for k, v in loaded.items()}
-            except (OSError, ValueError):
-                pass
+        self._load()
+
+    def _load(self) -> None:
+        if self.path is None:
+            return
+        try:
+            loaded = json.loads(self.path.read_text())
+            if isinstance(loaded, dict):
+                self.entries = {str(k): str(v) for k, v in loaded.items()}
+        except (OSError, ValueError):
+            pass
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the cache's lock (an ``flock``) while hashing: the ranks of one engine that
+        start together hash each file once, the others then find it in the cache."""
+        if self.path is None:
+            yield
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.path.with_name(f".{CACHE_FILE}.lock"), os.O_RDWR | os.O_CREAT,
+                         0o600)
+        except OSError:  # no lock, no harm: each hashes on its own
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._load()  # what another process saved while this one waited
+            yield
+        finally:
+            os.close(fd)
 
     @staticmethod
     def key(path: Path) -> str:
@@ -182,9 +209,11 @@ def path_fingerprint(path: Path, mode: str = "auto", cache_dir: Path | None = No
     if not path.is_dir() and not path.is_file():
         raise FileNotFoundError(f"no model directory or file at {path}")
     config, weights = directory_files(path) if path.is_dir() else ([], [path])
-    cache = ContentCache(cache_dir) if mode == "content" else None
-    fingerprint = _files_fingerprint(config, weights, mode, cache)
-    if cache is not None:
+    if mode != "content":
+        return _files_fingerprint(config, weights, mode, None)
+    cache = ContentCache(cache_dir)
+    with cache.locked():
+        fingerprint = _files_fingerprint(config, weights, mode, cache)
         cache.save()
     return fingerprint
 

@@ -160,3 +160,29 @@ def test_config_overrides_are_fingerprinted_and_stable() -> None:
     assert overrides_fingerprint({"a": 1, "b": 2}) == overrides_fingerprint({"b": 2, "a": 1})
     assert overrides_fingerprint(test_config_overrides_are_fingerprinted_and_stable) == \
         overrides_fingerprint(test_config_overrides_are_fingerprinted_and_stable)  # no address
+
+
+def test_processes_that_start_together_hash_each_file_once(tmp_path: Path) -> None:
+    """The ranks of one engine fingerprint the same weights at once under ``content``: the
+    first hashes them under the cache's lock, the others wait and find them in the cache."""
+    import multiprocessing
+
+    model, cache = checkpoint(tmp_path / "m"), tmp_path / "cache"
+    context = multiprocessing.get_context("fork")
+    with context.Pool(3) as pool:
+        hashed = pool.starmap(_hash_count, [(model, cache)] * 3)
+    assert sorted(hashed) == [0, 0, 2]  # two weight files, hashed by one process
+
+
+def _hash_count(model: Path, cache: Path) -> int:
+    """Files this process hashed while it fingerprinted ``model`` under ``content``."""
+    counted = []
+    real = model_identity._content
+
+    def counting(path: Path) -> bytes:
+        counted.append(path)
+        return real(path)
+
+    model_identity._content = counting  # a forked child's own module
+    path_fingerprint(model, "content", cache)
+    return len(counted)
