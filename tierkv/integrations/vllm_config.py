@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from tierkv import model_identity
 from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
 from tierkv.config import (CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig,
                            cpu_slot_count, disk_chunk_capacity, has_password, redact)
@@ -41,7 +42,6 @@ from tierkv.integrations.vllm_versions import UnsupportedVersionError as Unsuppo
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
 from tierkv.integrations.vllm_versions import vllm_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
-from tierkv import model_identity
 from tierkv.settings import INVALID, declared, derived, setting
 
 log = logging.getLogger("tierkv.vllm")
