@@ -108,8 +108,11 @@ class DiskTierConfig:
                                               help="spills pause this long after a full disk")
     # A load's chunks are read in parallel (docs/benchmarks/disk.md).
     reader_threads: int = setting(4, low=1, help="threads reading chunks from disk")
-    # Payloads are written with O_DIRECT where the filesystem takes it (docs/benchmarks/disk.md).
-    direct_io: bool = setting(True, help="write payloads with O_DIRECT")
+    # Payloads are written and read with O_DIRECT where the filesystem takes it, reads in
+    # pieces many at a time (docs/benchmarks/disk.md, "O_DIRECT reads").
+    direct_io: bool = setting(True, help="write and read payloads with O_DIRECT")
+    read_bytes_in_flight: int = setting(32 * MiB, unit="bytes",
+                                        help="payload bytes read at once (O_DIRECT pieces)")
     # max_bytes is one cap for every namespace under path: a store recomputes its share this
     # often (and when it is full), docs/operations.md "One cap per disk path".
     budget_check_seconds: float = setting(10.0, above=0, unit="seconds",

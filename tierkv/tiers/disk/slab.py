@@ -32,6 +32,7 @@ Primitives and contracts:
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -43,10 +44,29 @@ from typing import Any
 import numpy as np
 
 from tierkv.tiers.disk.format import ALIGN, HEADER_BLOCK, copy_bytes, slot_bytes_for
+from tierkv.tiers.disk.reads import ReadPool
+
+logger = logging.getLogger("tierkv.disk")
 
 SLAB_NAME = "slab-0.kv"  # slab number 0; the index names the slab so more can follow
 GROW_STEP_BYTES = 256 << 20  # a slab grows by at most this much at a time (fallocate)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+_REFUSED: set[int] = set()  # filesystems (st_dev) whose refusal of O_DIRECT was logged
+
+
+def refused_direct(path: Path, what: str) -> None:
+    """Log once per filesystem that it refused ``O_DIRECT`` (``what``: at open or on a
+    read): its reads are buffered."""
+    try:
+        device = os.stat(path.parent).st_dev
+    except OSError:
+        device = -1
+    if device not in _REFUSED:
+        _REFUSED.add(device)
+        logger.info("disk tier: the filesystem of %s refused O_DIRECT (%s); its slab "
+                    "reads are buffered", path.parent, what)
 
 
 def _address(view: Any) -> int:
@@ -67,12 +87,16 @@ class SlabFile:
         flags |= os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT
         self._fd = os.open(self.path, flags, 0o600)
         self._direct_fd: int | None = None
-        if direct_io and not read_only and hasattr(os, "O_DIRECT"):
+        self._direct_read_fd: int | None = None
+        if direct_io and hasattr(os, "O_DIRECT"):
+            mode = os.O_RDONLY if read_only else os.O_RDWR
             try:
-                self._direct_fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-                                          | os.O_DIRECT)
-            except OSError:  # a filesystem without O_DIRECT (older tmpfs): buffered writes
-                self._direct_fd = None
+                self._direct_read_fd = os.open(self.path, mode | os.O_NOFOLLOW | os.O_CLOEXEC
+                                               | os.O_DIRECT)
+            except OSError:  # a filesystem without O_DIRECT (older tmpfs): buffered I/O
+                refused_direct(self.path, "open")
+            if not read_only:
+                self._direct_fd = self._direct_read_fd
         self._local = threading.local()
         self._lock = threading.Lock()
         self.slots = os.fstat(self._fd).st_size // self.slot_bytes  # slots the file holds
@@ -164,13 +188,54 @@ class SlabFile:
         if written != wanted:  # a short write: the filesystem is full
             raise OSError(errno.ENOSPC, f"short write ({written} of {wanted} bytes)")
 
-    def read(self, slot: int, out: memoryview) -> tuple[memoryview, int]:
+    def read(self, slot: int, out: memoryview, pool: ReadPool | None = None
+             ) -> tuple[memoryview, int]:
         """(this thread's header block, bytes read) of ``slot``, its payload read into
         ``out[:payload_bytes]``; fewer bytes than a slot's header and payload mean the slot
-        is past the file's end."""
+        is past the file's end. With ``O_DIRECT`` (and ``out`` page-aligned) straight into
+        ``out``, its pieces on ``pool`` (:mod:`tierkv.tiers.disk.reads`); else buffered."""
         block, _ = self._buffers()
-        count = os.preadv(self._fd, [block, out[: self.payload_bytes]], slot * self.slot_bytes)
-        return block, count
+        offset = slot * self.slot_bytes
+        fd = self._direct_read_fd
+        if fd is not None and _address(out) % ALIGN == 0:
+            try:
+                return block, self._read_direct(fd, offset, block, out, pool)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_read_fd = None  # refused here after all: buffered from now on
+                refused_direct(self.path, "read")
+        return block, os.preadv(self._fd, [block, out[: self.payload_bytes]], offset)
+
+    def _read_direct(self, fd: int, offset: int, block: memoryview, out: memoryview,
+                     pool: ReadPool | None) -> int:
+        """The payload's whole 4 KiB blocks straight into ``out``, in pieces on ``pool``
+        (the first piece with the header block, on this thread), and a tail that is no
+        whole block through this thread's bounce buffer."""
+        size = self.payload_bytes
+        whole = size - size % ALIGN
+        piece = ReadPool.piece_for(size) if pool is not None else max(whole, ALIGN)
+        first = min(piece, whole)
+        start = offset + HEADER_BLOCK
+
+        def read_at(begin: int, end: int) -> int:
+            return os.preadv(fd, [out[begin:end]], start + begin)
+
+        rest = [(min(piece, whole - begin), partial(read_at, begin, min(begin + piece, whole)))
+                for begin in range(first, whole, piece)]
+        futures = pool.submit(rest) if pool is not None else []
+        try:
+            count = os.preadv(fd, [block, out[:first]], offset)
+        finally:
+            results = ReadPool.gather(futures) if futures else [call() for _, call in rest]
+        count += sum(results)
+        if size > whole:  # the tail: a padded block, whose first bytes are the payload's
+            _, bounce = self._buffers()
+            got = os.preadv(fd, [bounce[:ALIGN]], start + whole)
+            taken = max(0, min(got, size - whole))
+            copy_bytes(out[whole : whole + taken], bounce[:taken])
+            count += taken
+        return count
 
     def sync(self) -> None:
         os.fdatasync(self._fd)
@@ -253,7 +318,7 @@ class SlabFile:
         if self.closed:
             return
         self.closed = True
-        for fd in (self._direct_fd, self._fd):
+        for fd in (self._direct_read_fd, self._fd):
             if fd is not None:
                 os.close(fd)
-        self._direct_fd = None
+        self._direct_fd = self._direct_read_fd = None

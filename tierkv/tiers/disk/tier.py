@@ -67,6 +67,7 @@ from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, Ver
 from tierkv.tiers.disk.env import SHARDS, EnvCounts, LmdbEnv, shard_of
 from tierkv.tiers.disk.files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk.format import HEADER_BLOCK, binding_of, check_slot, unpack_index
+from tierkv.tiers.disk.reads import ReadPool
 from tierkv.tiers.disk.walk import scan_shard, verify_shard
 from tierkv.tiers.disk.write import ShardWrites
 from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
@@ -154,6 +155,7 @@ class DiskTier(LowerTier):
         self._binding = binding_of(self.fingerprint, part)
         self._stats_lock = threading.Lock()
         self._counts = DiskCounts()
+        self._reads = ReadPool(config.read_bytes_in_flight)  # O_DIRECT pieces in flight
         self._unsynced_bytes = 0
         self._last_sync = clock()
         if config.tune_malloc:
@@ -403,7 +405,7 @@ class DiskTier(LowerTier):
                     f"{self.payload_bytes}")
         if lm.slab is None:
             return "slab file missing"
-        head, count = lm.slab.read(entry.slot, out)
+        head, count = lm.slab.read(entry.slot, out, self._reads)
         if count < HEADER_BLOCK + self.payload_bytes:
             return f"slot {entry.slot} is past the slab's end (truncated)"
         return check_slot(self._binding, key, head, entry, self.payload_bytes, out)
@@ -525,6 +527,7 @@ class DiskTier(LowerTier):
             synced = [lm.close(sync=True) for lm in self._shards]
         finally:
             self._writes.close()  # after the shards: no batch is in flight any more
+            self._reads.close()
         if any(synced):
             with self._stats_lock:
                 self._counts.syncs += 1
