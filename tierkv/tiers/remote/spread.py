@@ -4,6 +4,9 @@ Primitives and contracts:
 
 - :func:`by_node` ``(positions, node_of)``: ``positions`` grouped by the node that holds
   each (``node_of(position)``), in the order nodes first appear.
+- :func:`served` ``(groups, outcomes)``: the groups whose part returned, with what it
+  returned; when none did, the first :class:`RemoteError` (one not ``skipped`` first) is
+  raised; another exception is raised at once.
 - :class:`Spread` ``(name)``: ``run(parts)`` runs each of ``parts`` (callables) and returns
   what each returned or the exception it raised, in order: the first on the calling thread,
   the others at the same time on threads of the spread's own (named ``name``, made on
@@ -26,7 +29,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from tierkv.tiers.remote.client import Call, current
+from tierkv.tiers.remote.client import Call, RemoteError, current
 
 _N = TypeVar("_N", bound=Hashable)
 _T = TypeVar("_T")
@@ -39,6 +42,23 @@ def by_node(positions: Iterable[int], node_of: Callable[[int], _N]) -> dict[_N, 
     for position in positions:
         groups.setdefault(node_of(position), []).append(position)
     return groups
+
+
+def served(groups: Sequence[list[int]],
+           outcomes: Sequence[_T | BaseException]) -> list[tuple[list[int], _T]]:
+    """See the module docstring."""
+    shares: list[tuple[list[int], _T]] = []
+    errors: list[RemoteError] = []
+    for group, outcome in zip(groups, outcomes):
+        if isinstance(outcome, RemoteError):
+            errors.append(outcome)
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            shares.append((group, outcome))
+    if errors and not shares:
+        raise next((error for error in errors if not error.skipped), errors[0])
+    return shares
 
 
 class Spread:
