@@ -348,16 +348,20 @@ def seed_urls(config: RemoteTierConfig) -> list[str]:
 
 
 def seed_node(url: str) -> str:
-    """``host:port`` of a seed URL, as its connections name the node."""
+    """``host:port`` of a seed URL, as its connections name the node (a bad port: the
+    address as written; the connect then says what is wrong)."""
     parts = urlsplit(url)
-    return f"{parts.hostname or '127.0.0.1'}:{parts.port or 6379}"
+    try:
+        return f"{parts.hostname or '127.0.0.1'}:{parts.port or 6379}"
+    except ValueError:
+        return parts.netloc.rpartition("@")[2]
 
 
 def _at(url: str, seed: str) -> str:
     """``url`` (its scheme, user, password and options) pointed at ``seed``'s address."""
-    parts = urlsplit(url)
+    parts, address = urlsplit(url), urlsplit(seed).netloc.rpartition("@")[2]
     user, at, _ = parts.netloc.rpartition("@")
-    return urlunsplit(parts._replace(netloc=f"{user}{at}{urlsplit(seed).netloc.rpartition('@')[2]}"))
+    return urlunsplit(parts._replace(netloc=f"{user}{at}{address}"))
 
 
 def connect(config: RemoteTierConfig, name: str, read_bytes: int = 1 << 16,
@@ -388,7 +392,8 @@ def connect(config: RemoteTierConfig, name: str, read_bytes: int = 1 << 16,
                     **({"startup_nodes": seeds_left} if seeds_left else {}))
                 return client, True
             except RedisClusterException as exc:
-                if "cluster mode is not enabled" not in str(exc).lower() or len(configured) > 1:
+                if "cluster mode is not enabled" not in str(exc).lower() or \
+                        len(configured) > 1:
                     raise
             client = redis.Redis.from_url(urls[0], **options, retry=NO_RETRY)
             client.ping()
