@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
@@ -116,30 +118,101 @@ def test_a_stalled_master_costs_one_deadline_then_its_chunks_fail_at_once(
     assert dict(stats.breakers)[f"{HOST}:{port}"] == 1
 
 
-def test_a_push_batch_and_a_lookup_with_a_stalled_master_end_within_the_deadline(
+def test_a_push_batch_and_a_lookup_with_a_stalled_master_serve_the_other_masters(
         cluster: RedisCluster) -> None:
+    """A batch over every master is sent node by node at once, each under the call's one
+    deadline: the stalled master fails its own chunks only (they failed the whole batch,
+    and a lookup answered nothing, before), the first time as when its breaker is open."""
     first = [key_of(i, 41) for i in range(16)]
     second = [key_of(i, 42) for i in range(16)]
     port = cluster.ports[2]
+    node = f"{HOST}:{port}"
     stalled = on_node(cluster, port, first + second)
-    with open_tier(cluster) as tier:
-        tier.exists_many(first)  # connected before the stop
+    assert stalled & set(first) and set(first) - stalled
+    with open_tier(cluster) as pushes, open_tier(cluster) as lookups:
+        pushes.exists_many(first)  # both connected before the stop
+        lookups.exists_many(first)
         with stopped(cluster, port):
             started = time.perf_counter()
-            with pytest.raises(RemoteError) as info:
-                tier.put_many([(key, payload_of(key)) for key in first])
+            result = pushes.put_many([(key, payload_of(key)) for key in first])
             assert time.perf_counter() - started < TIMEOUT + SLACK  # a batch took 7-40 s
-            assert (info.value.cause, info.value.node) == ("timeout", f"{HOST}:{port}")
-            assert "remote.timeout_seconds" in str(info.value)
-            # The next batch skips the stalled node's chunks and stores the others.
-            result = tier.put_many([(key, payload_of(key)) for key in second])
+            assert set(result.written) == set(first) - stalled
+            stats = pushes.statistics()
+            assert (stats.errors, dict(stats.causes)) == (1, {"timeout": 1})
+            assert dict(stats.breakers)[node] == 1
+            # The next batch skips the stalled node's chunks at once and stores the others.
+            result = pushes.put_many([(key, payload_of(key)) for key in second])
             assert set(result.written) == set(second) - stalled
+            assert pushes.statistics().errors == 1
+            # A lookup over every master: the healthy ones answer, within the deadline.
             started = time.perf_counter()
-            assert tier.exists_many(second) == [key not in stalled for key in second]
+            found = lookups.exists_many(first + second)
+            assert time.perf_counter() - started < TIMEOUT + SLACK
+            assert found == [key not in stalled for key in first + second]
+            stats = lookups.statistics()
+            assert (stats.errors, dict(stats.causes)) == (1, {"timeout": 1})
+            started = time.perf_counter()
+            assert pushes.exists_many(second) == [key not in stalled for key in second]
             assert time.perf_counter() - started < SLACK  # no wait: its chunks are skipped
-    for key in set(second) - stalled:
+    for key in (set(first) | set(second)) - stalled:
         with open_tier(cluster) as reader:
             assert read(reader, key) == (ReadStatus.OK, payload_of(key))
+
+
+def test_a_first_connect_to_a_node_that_never_answers_costs_one_deadline() -> None:
+    """The tier of an engine's loads connects on first use. Its seed node accepts
+    connections and never answers: the first chunk's read fails within the deadline
+    (timeout), its node's breaker opens, and the load's other chunks (read by four threads
+    at once, as an engine's readers do), a push and a lookup are skipped at once. Before,
+    each call connected again: five deadlines, one per remote.breaker_failures."""
+    with socket.create_server((HOST, 0), backlog=64) as silent:  # never accepts, never answers
+        port = silent.getsockname()[1]
+        config = RemoteTierConfig(url=f"redis://{HOST}:{port}", timeout_seconds=TIMEOUT)
+        keys = [key_of(i, 45) for i in range(8)]
+        with RemoteTier(config, NS, 0, PAYLOAD, lazy=True, role="loads and pushes") as tier, \
+                ThreadPoolExecutor(4) as readers:
+            started = time.monotonic()
+            outcomes = list(readers.map(lambda key: outcome(tier, key), keys))
+            took = time.monotonic() - started
+            with pytest.raises(RemoteError) as pushed:
+                tier.put_many([(keys[0], payload_of(keys[0]))])
+            with pytest.raises(RemoteError) as looked:
+                tier.exists_many(keys)
+            stats = tier.statistics()
+    assert sorted(outcomes) == ["skipped"] * 7 + ["timeout"]
+    assert took < TIMEOUT + SLACK, took  # 5 deadlines before
+    assert pushed.value.skipped and looked.value.skipped
+    assert (stats.errors, dict(stats.causes), stats.breaker_opens) == (1, {"timeout": 1}, 1)
+    assert dict(stats.breakers)[f"{HOST}:{port}"] == 1
+
+
+@pytest.mark.parametrize("seeds", ["another master", "every master"])
+def test_a_first_connect_with_a_master_stalled_serves_the_others(cluster: RedisCluster,
+                                                                 seeds: str) -> None:
+    """The master of slot 0 (to which redis-py sent its COMMAND while connecting) stalls
+    before the tier's first call: the other masters' chunks are served, its own fail.
+    Before, every connect failed on it, and so did every chunk. remote.url names another
+    master, or every master: a connect that asked the stalled one first fails (one
+    deadline, its breaker opens) and the next leaves it out."""
+    keys = [key_of(i, 46) for i in range(24)]
+    with open_tier(cluster) as writer:
+        writer.put_many([(key, payload_of(key)) for key in keys])
+    port = cluster.ports[0]
+    assert 0 in cluster.slots_of(port)
+    stalled = on_node(cluster, port, keys)
+    url = ",".join(f"redis://{HOST}:{each}" for each in cluster.ports) \
+        if seeds == "every master" else f"redis://{HOST}:{cluster.ports[1]}"
+    config = RemoteTierConfig(url=url, timeout_seconds=TIMEOUT)
+    with RemoteTier(config, NS, 0, PAYLOAD, lazy=True) as tier, stopped(cluster, port):
+        outcomes = {key: outcome(tier, key) for key in keys}
+        if {outcomes[key] for key in keys if key not in stalled} != {"ok"}:
+            assert seeds == "every master"  # the connect asked the stalled seed first
+            assert tier.statistics().causes == (("timeout", 1),)
+            outcomes = {key: outcome(tier, key) for key in keys}
+        stats = tier.statistics()
+    assert {outcomes[key] for key in keys if key not in stalled} == {"ok"}
+    assert {outcomes[key] for key in stalled} <= {"timeout", "skipped"}
+    assert stats.errors <= 2 and set(dict(stats.causes)) == {"timeout"}
 
 
 def test_the_cluster_down_fails_fast_and_opens_the_breaker(cluster: RedisCluster) -> None:
@@ -166,10 +239,13 @@ def test_the_cluster_down_fails_fast_and_opens_the_breaker(cluster: RedisCluster
     assert dict(stats.breakers)["cluster"] == 1
 
 
-def test_the_engine_with_a_stalled_master(cluster: RedisCluster) -> None:
+@pytest.mark.parametrize("which", [1, 0], ids=["another master", "the seed"])
+def test_the_engine_with_a_stalled_master(cluster: RedisCluster, which: int) -> None:
     """Loads of chunks noted before the stop return within the deadline, as counted
     misses, and the engine's step (a lookup and a store) never waits on the node (the
-    lookup waits its default 10 ms deadline, then says "not yet")."""
+    lookup waits its default 10 ms deadline, then says "not yet"). The stalled master may
+    be remote.url's one seed: the engine's loads connected at its start, so they know the
+    other masters (they connected on the first load, and failed every chunk)."""
     settings = dict(timeout_seconds=TIMEOUT, mark_seconds=600.0,
                     lookup_deadline_seconds=RemoteTierConfig.lookup_deadline_seconds)
     source = caches(11)
@@ -179,7 +255,7 @@ def test_the_engine_with_a_stalled_master(cluster: RedisCluster) -> None:
             store_all(engine_a, keys)
         push(engine_a)
         fingerprint = engine_a.namespace.fingerprint()
-    port = cluster.ports[1]
+    port = cluster.ports[which]
     slots = set(cluster.slots_of(port))
     stalled = {key for keys in conversations for key in keys
                if key_slot(redis_key(b"tierkv:", fingerprint, 0, key)) in slots}

@@ -57,7 +57,7 @@ def test_other_causes_open_after_breaker_failures_in_a_row(
 def test_the_cluster_and_writes_open_for_their_own_causes(
         health: tuple[NodeHealth, Clock]) -> None:
     nodes, _ = health
-    nodes.failed(TIER, "timeout")  # a slow connect: counted, not at once
+    nodes.failed(TIER, "timeout")  # no node blamed: counted, not at once
     assert nodes.usable(TIER) and nodes.usable(NODE)
     nodes.failed(WRITES, "out of memory")
     assert not nodes.usable(WRITES) and nodes.usable(NODE)  # reads go on

@@ -183,6 +183,10 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
             part = remote_part if remote_part is not None else library_part(config)
             remote = RemoteTier(settings, namespace, part, chunk_bytes, lazy=True,
                                 role="loads and pushes")
+            # Connected now, within remote.timeout_seconds (a server down now is a miss
+            # later, never a failed start): a node that stalls later fails its own chunks
+            # only, the cluster's nodes being known; on first use, a stalled seed failed all.
+            remote.warm_up()
             remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
             if settings.push != "read_only":
                 pusher = RemoteIO(remote, settings.queue_bytes)

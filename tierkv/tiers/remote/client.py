@@ -11,8 +11,10 @@ Primitives and contracts:
   Nested deadlines keep the earlier end. It yields a :class:`Call`: which nodes answered
   and which failed, and how (``timeout``, ``connection refused``, ``connection lost``),
   so a breaker can blame the node that failed, not the call's other nodes.
-- :func:`connect` ``(config, name)``: a client of ``config.url`` and whether it is a
-  cluster (detected; more seed nodes after commas make it one), with redis-py's own retries
+- :func:`connect` ``(config, name, seeds=None)``: a client of ``config.url`` (of its seed
+  URLs :func:`seed_urls`, only ``seeds`` when given: the tier leaves out a seed whose breaker
+  is open, named by :func:`seed_node`) and whether it is a cluster (detected; more seed
+  nodes after commas make it one), with redis-py's own retries
   off (one attempt; the deadline bounds it) and its connections keeping deadlines. redis-py
   pauses 0.25 s and refreshes the topology on a ``CLUSTERDOWN`` reply to one command: that
   reply is turned into :class:`ClusterDown`, an error redis-py passes straight up.
@@ -38,10 +40,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -266,6 +268,23 @@ def _deadline_parser(parser_class: type) -> type:
     return type(f"Deadline{parser_class.__name__}", (_DeadlineParser, parser_class), {})
 
 
+class _Cluster(RedisCluster):
+    """redis-py's cluster client, but the ``COMMAND`` it sends while it is made (its
+    commands table) goes to a node that answered the connect (``CLUSTER SLOTS``), not to
+    the first slot's master, which may be the one stalled: a stalled master then failed
+    every connect, so every chunk's load, the healthy masters' included."""
+
+    def command(self, **kwargs: Any) -> Any:
+        call = current()
+        if call is not None and "target_nodes" not in kwargs:
+            node = next((node for node in self.get_nodes()  # type: ignore[no-untyped-call]
+                         if node.name in call.answered), None)
+            if node is not None:
+                self.set_default_node(node)  # type: ignore[no-untyped-call]
+                kwargs["target_nodes"] = node
+        return super().command(**kwargs)
+
+
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     current_exc: BaseException | None = exc
@@ -323,32 +342,58 @@ def scrub(config: RemoteTierConfig, text: object) -> str:
 NO_RETRY = Retry(NoBackoff(), 0)  # redis-py's own retries: none (the deadline bounds a call)
 
 
-def connect(config: RemoteTierConfig, name: str,
-            read_bytes: int = 1 << 16) -> tuple[Any, bool]:
+def seed_urls(config: RemoteTierConfig) -> list[str]:
+    """The seed nodes' URLs of ``remote.url`` (comma separated)."""
+    return [url.strip() for url in config.url.split(",") if url.strip()]
+
+
+def seed_node(url: str) -> str:
+    """``host:port`` of a seed URL, as its connections name the node (a bad port: the
+    address as written; the connect then says what is wrong)."""
+    parts = urlsplit(url)
+    try:
+        return f"{parts.hostname or '127.0.0.1'}:{parts.port or 6379}"
+    except ValueError:
+        return parts.netloc.rpartition("@")[2]
+
+
+def _at(url: str, seed: str) -> str:
+    """``url`` (its scheme, user, password and options) pointed at ``seed``'s address."""
+    parts, address = urlsplit(url), urlsplit(seed).netloc.rpartition("@")[2]
+    user, at, _ = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user}{at}{address}"))
+
+
+def connect(config: RemoteTierConfig, name: str, read_bytes: int = 1 << 16,
+            seeds: Sequence[str] | None = None) -> tuple[Any, bool]:
     """A client of ``config.url`` and whether it is a cluster. A failure is a
     :class:`RemoteError` that starts with ``name``, says why (:func:`cause_of`) and what
     to check; it never shows the password. Runs under a :func:`deadline` of
-    ``timeout_seconds`` unless one is in force. ``read_bytes``: each connection's receive
+    ``timeout_seconds`` unless one is in force; the nodes that failed are in its
+    :class:`Call`. ``seeds``: the seed URLs to ask (default: all); the first URL's scheme,
+    credentials and options apply to each. ``read_bytes``: each connection's receive
     buffer (a 2 MiB reply: 32 reads of 64 KiB, or 2 of 1 MiB, which read 1.2-1.3x as
     fast here; docs/benchmarks/remote.md)."""
-    urls = [url.strip() for url in config.url.split(",") if url.strip()]
+    configured = seed_urls(config)
+    urls = [_at(configured[0], url) for url in (configured if seeds is None else seeds)]
     options: dict[str, Any] = dict(
         socket_timeout=config.timeout_seconds, socket_connect_timeout=config.timeout_seconds,
         socket_read_size=read_bytes,
         connection_class=_SSLConnection if urls[0].startswith("rediss://") else _Connection)
     if urlsplit(urls[0]).password is None and os.environ.get(config.password_env):
         options["password"] = os.environ[config.password_env]
-    seeds = [ClusterNode(urlsplit(url).hostname or "127.0.0.1",  # type: ignore[no-untyped-call]
-                         urlsplit(url).port or 6379) for url in urls[1:]]
+    seeds_left = [ClusterNode(urlsplit(url).hostname or "127.0.0.1",  # type: ignore[no-untyped-call]
+                              urlsplit(url).port or 6379) for url in urls[1:]]
     try:
         with deadline(config.timeout_seconds):
             try:
-                client: Any = RedisCluster.from_url(
+                client: Any = _Cluster.from_url(
                     urls[0], **options, retry=NO_RETRY,
-                    **({"startup_nodes": seeds} if seeds else {}))
+                    **({"startup_nodes": seeds_left} if seeds_left else {}))
                 return client, True
             except RedisClusterException as exc:
-                if "cluster mode is not enabled" not in str(exc).lower() or seeds:
+                if "cluster mode is not enabled" not in str(exc).lower() or \
+                        len(configured) > 1:
                     raise
             client = redis.Redis.from_url(urls[0], **options, retry=NO_RETRY)
             client.ping()

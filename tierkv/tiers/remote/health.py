@@ -5,7 +5,8 @@ Primitives and contracts (thread-safe; time from the injected ``clock``):
 - :data:`CAUSES`: why a remote call fails (``timeout``, ``auth refused``, ``cluster down``,
   ...; metric label values with underscores); :data:`HINTS`: what to check for each.
 - A *node* is ``host:port``; :data:`TIER` (``"cluster"``) stands for failures no one node
-  caused (the cluster says it is down, the password is refused, a connect failed), and
+  caused (the cluster says it is down, the password is refused, a connect failed with no
+  seed node to blame: a seed that timed out or refused is blamed itself), and
   :data:`WRITES` for a server that refuses writes (out of memory): pushes only.
 - ``usable(node) -> bool``: False while the node's breaker or the tier's is open; the
   caller skips the call (no network) and counts it with ``skipped(node, kind, chunks)``.
@@ -14,8 +15,8 @@ Primitives and contracts (thread-safe; time from the injected ``clock``):
 - ``failed(node, cause)``: a failed call. A node that timed out or refused the connection,
   the cluster down, a refused password, a server that refuses connections and a full
   server open the breaker at once (a stalled node costs one deadline, not one per call);
-  other causes (a slow connect, a lost connection, an ACL refusal) open it after
-  ``breaker_failures`` in a row.
+  other causes (a timeout no node is blamed for, a lost connection, an ACL refusal) open
+  it after ``breaker_failures`` in a row.
 - ``answered(nodes, whole)``: those nodes answered; their breakers close, and the tier's
   when the whole call succeeded.
 - Log lines, once per change of state: a WARNING when a node (or the tier) starts failing,
@@ -57,7 +58,7 @@ TIER = "cluster"
 WRITES = "writes"  # the servers' refusal to store more (out of memory): pushes only
 # Causes that open a breaker at once: a node stalled or dead; the cluster down, a refused
 # password or a server that refuses connections (the cluster's); a full server (writes').
-# Others open it after breaker_failures calls in a row (a slow connect, a lost connection).
+# Others open it after breaker_failures calls in a row (a lost connection, a timeout of no node).
 AT_ONCE = {TIER: frozenset(("cluster down", "auth refused", "connection refused")),
            WRITES: frozenset(("out of memory",))}
 NODE_AT_ONCE = frozenset(("timeout", "connection refused"))

@@ -17,7 +17,9 @@ Primitives and contracts:
 - The thread connects at once; the constructor waits for that (at most the tier's
   ``timeout_seconds``), so the first lookup pays a round trip, not a cluster discovery.
 - A lookup that fails (a timeout, a node down, the breaker open) answers "absent" for those
-  keys, counted in ``errors`` (never a silent zero: the tier logs and its breaker warns).
+  keys, counted in ``errors`` (never a silent zero: the tier logs and its breaker warns);
+  a node that fails or is skipped does so for its own keys only (the tier asks each node
+  at once and counts that node's failure), the others' are answered.
 - One thread sends the questions; questions asked while one is in flight go out together
   in the next. ``statistics()``; ``shutdown()`` (idempotent; it closes the tier, which the
   lookup owns).

@@ -7,9 +7,10 @@ Primitives and contracts:
   and counted as ``dropped``). It never waits on the network, whatever the server does. The
   copy is what lets the caller reuse the slot at once.
 - One thread sends what is queued in batches of up to ``batch`` chunks (one
-  ``put_many``: one pipeline of ``SET NX``). The chunks of a batch the tier did not store
-  (its call failed, a breaker skipped their node, the server refused them for want of
-  memory) are counted as ``failed`` and dropped: the remote tier is a cache.
+  ``put_many``: one pipeline of ``SET NX`` per node, the nodes at once). The chunks of a
+  batch the tier did not store (their node failed or stalled, a breaker skipped it, the
+  server refused them for want of memory) are counted as ``failed`` and dropped: the
+  remote tier is a cache; the other nodes' chunks are stored.
 - ``flush(timeout=None)`` waits until everything pushed so far was sent or dropped
   (True) or the timeout passed (False). ``shutdown(timeout)`` returns within ``timeout``
   seconds: it flushes while a batch in flight can still end in time (a batch's call ends

@@ -3,19 +3,15 @@
 Keys and values are :mod:`tierkv.tiers.remote.format` (``docs/remote.md``). Primitives and
 contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 
-- ``put_many(items, deletes)``: one pipeline (at most one round trip per node): the
-  deletes, then ``SET NX`` of each value (``EX`` when ``remote.ttl_seconds``). A value
-  the server holds already (another engine's, or one this engine pushed before) is left
-  as it is and counts as written (``already``). While a good share of the values pushed
-  turn out held (:data:`HELD_SHARE_ASK`), a pipeline of ``EXISTS`` goes first and the held
-  values are neither packed nor sent: a round trip instead of the values.
-  Keys a server refused for want of memory are ``full`` (no room) and further pushes are
-  skipped for ``remote.breaker_seconds``.
-- ``exists_many(keys)``: which keys have a value, in one pipeline of ``EXISTS``.
-  ``exists_on_parts(keys, parts)``: which chunks have a value for every part, in one
-  pipeline of one ``EXISTS`` per chunk (its parts share a hash slot): one round trip per
-  node, for the scheduler side's lookups (``exists_under(keys, part_sets)``: the same for
-  several candidate part counts, one ``EXISTS`` per chunk and part count, one pipeline).
+- ``put_many(items, deletes)``: one pipeline per node: the deletes, then ``SET NX`` of
+  each value (``EX`` when ``remote.ttl_seconds``). A value the server holds already is
+  left as it is and counts as written (``already``). While a good share of the values
+  pushed turn out held (:data:`HELD_SHARE_ASK`), a pipeline of ``EXISTS`` goes first and
+  the held values are not sent. Values a full server refused are ``full`` and further
+  pushes are skipped for ``remote.breaker_seconds``.
+- ``exists_many(keys)``, ``exists_on_parts(keys, parts)`` (every part of each chunk: one
+  ``EXISTS`` of its parts' keys, one hash slot), ``exists_under(keys, part_sets)`` (the
+  same per candidate part count): one pipeline per node, for the scheduler's lookups.
 - ``read_part_into(key, part, out)``: ``read_into`` of another part of the namespace (a
   reader at another tensor-parallel size reads the parts another engine wrote).
 - ``read_into(key, out)``: one ``GETRANGE`` of at most a good value's length plus one
@@ -30,12 +26,15 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
   ``tierkv verify URL`` reads every value through it too). A tier opened for a tool may be
   given the namespace's fingerprint alone (the tools know only the keys' names).
 - **Deadlines.** Every call (a lookup, a read and the delete of what it found bad, a push
-  batch, a delete, a scan page) ends within ``remote.timeout_seconds`` as a whole, plus its
-  bytes at ``remote.min_mib_per_second`` (``deadline_seconds``), whatever redis-py retries or
-  refreshes inside (:func:`~tierkv.tiers.remote.client.deadline`); a node that sends
-  nothing for ``timeout_seconds`` fails the call at once.
-  A failure raises :class:`RemoteError` (a :class:`BrokenError`) naming the tier, the
-  address (never the password), the cause and what to check.
+  batch, a delete, a scan page), the connect it may start included, ends within
+  ``remote.timeout_seconds`` as a whole, plus its bytes at ``remote.min_mib_per_second``
+  (``deadline_seconds``), whatever redis-py does inside
+  (:func:`~tierkv.tiers.remote.client.deadline`). A call over several nodes sends each
+  node's share at once under that one deadline (:mod:`~tierkv.tiers.remote.spread`): a
+  node that fails or is skipped fails its own keys only (not written; absent), and the
+  call raises only when every node's share failed: a :class:`RemoteError` (a
+  :class:`BrokenError`) naming the tier, the address (never the password), the node,
+  the cause and what to check.
 - **Breakers** (:class:`~tierkv.tiers.remote.health.NodeHealth`): one per node, one for the
   cluster as a whole. A node that timed out or refused a connection is skipped at once
   (no network) for ``remote.breaker_seconds``; keys of healthy nodes go on being served.
@@ -50,6 +49,7 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any, TypeVar
 
+from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from tierkv.checks import check_int
@@ -69,10 +70,12 @@ from tierkv.tiers.base import (ChunkCheck, ChunkRecord, LowerTier, PutResult, Re
                                VerifyReport)
 from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.tiers.remote.client import (DeadlinePassed, RemoteError, cause_of, connect,
-                                        deadline, is_wrong_type, node_name, scan_names, scrub)
+                                        deadline, is_wrong_type, node_name, scan_names, scrub,
+                                        seed_node, seed_urls)
 from tierkv.tiers.remote.format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
 from tierkv.tiers.remote.health import HINTS, TIER, WRITES, NodeHealth, who
+from tierkv.tiers.remote.spread import Spread, by_node, served
 from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
 from tierkv.units import MiB
 
@@ -118,8 +121,7 @@ class RemoteTier(LowerTier):
             f"{', ' + role if role else ''})"
         self._prefix = config.key_prefix.encode()
         self._value_bytes = value_bytes(payload_bytes)
-        self._lock = threading.Lock()  # the counters
-        self._connecting = threading.Lock()
+        self._lock, self._connecting = threading.Lock(), threading.Lock()  # counters; connect
         self._counts = TierCounts()
         self._causes: Counter[str] = Counter()
         self._bad: Counter[str] = Counter()
@@ -127,6 +129,7 @@ class RemoteTier(LowerTier):
         self._health = NodeHealth(self._name, config.breaker_failures, config.breaker_seconds,
                                   config.timeout_seconds + 0.5, clock, logger)
         self._client: Any = None
+        self._spread = Spread("tierkv-remote-nodes")  # a call's nodes at once
         self._delete_bad: Any = None
         self._node: str | None = None  # a plain server's host:port
         self.cluster = False
@@ -145,21 +148,27 @@ class RemoteTier(LowerTier):
         return self.deadline_seconds(num_bytes) + 0.1
 
     def warm_up(self) -> bool:
-        """Connect now if not yet (a lookup thread does it at start, so the first lookup
-        does not pay for it); False, counted as a failed call, when the server is down."""
+        """Connect now if not yet (engines do at start: the first lookup or load pays no
+        discovery); False, counted as a failed call, when the server is down."""
         try:
             self._run("connecting", "connect", lambda: None)
             return True
         except BrokenError:
             return False
 
-    def _connect(self) -> Any:
-        """The client, connected now if it was not (a failure is a RemoteError). Its own
-        lock: ``statistics()`` never waits on a connect."""
+    def _connect(self, kind: str) -> Any:
+        """The client, connected now if it was not (a failure is a RemoteError blaming the
+        seeds that failed: a stalled seed costs one deadline, then its breaker leaves it
+        out; none left, skipped at once). ``statistics()`` never waits on a connect."""
         with self._connecting:
             if self._client is None:
-                client, self.cluster = connect(  # a value in a few reads of the socket
-                    self.config, self._name, min(max(self._value_bytes, 1 << 16), 1 << 20))
+                seeds = [url for url in seed_urls(self.config)
+                         if self._health.usable(seed_node(url))]
+                if not seeds:
+                    raise self._skip("connecting", seed_node(seed_urls(self.config)[0]),
+                                     kind, 0)
+                client, self.cluster = connect(self.config, self._name, min(max(  # a value
+                    self._value_bytes, 1 << 16), 1 << 20), seeds)  # in a few socket reads
                 self._delete_bad = client.register_script(DELETE_BAD)
                 self._node = None if self.cluster else node_name(client, False, None)
                 self._client = client
@@ -174,22 +183,10 @@ class RemoteTier(LowerTier):
     def _node_of(self, name: bytes) -> str:
         if not self.cluster:
             return self._node or TIER
-        try:
-            return str(self._client.nodes_manager.get_node_from_slot(
-                self._client.keyslot(name)).name)
-        except (RedisError, RedisClusterException):
+        try:  # the slots' primaries as the client knows them (no lock: 4x as fast)
+            return str(self._client.nodes_manager.slots_cache[key_slot(name)][0].name)
+        except (KeyError, IndexError):
             return TIER
-
-    def _usable(self, names: Sequence[bytes], kind: str) -> list[int]:
-        """Positions of ``names`` whose node is usable now; the others are counted as
-        skipped (all of them when no breaker is open: no node looked up)."""
-        if self._client is None or not self._health.any_open():
-            return list(range(len(names)))
-        nodes = [self._node_of(name) for name in names]
-        usable = {node: self._health.usable(node) for node in set(nodes)}
-        for node, count in Counter(node for node in nodes if not usable[node]).items():
-            self._health.skipped(node, kind, count)
-        return [position for position, node in enumerate(nodes) if usable[node]]
 
     def _skip(self, what: str, node: str, kind: str, chunks: int) -> RemoteError:
         self._health.skipped(node, kind, chunks)
@@ -204,27 +201,29 @@ class RemoteTier(LowerTier):
     def _run(self, action: str, kind: str, work: Callable[[], _T], key: bytes | None = None,
              node: str | None = None, chunks: int = 1, own_deadline: bool = True,
              refused: Callable[[_T], BaseException | None] | None = None,
-             num_bytes: int = 0) -> _T:
+             num_bytes: int = 0, tier_gate: bool = True) -> _T:
         """``work()`` as one call: skipped at once when the cluster's breaker (or
         ``node``'s) is open, under the deadline of a call that moves ``num_bytes`` (unless
         ``own_deadline`` is False: its parts keep their own), its failure counted, blamed
         on the node that failed and raised as a :class:`RemoteError`. ``refused(answer)``:
         an error the servers answered for part of it (the call counts as failed with its
-        cause; the answer is returned)."""
+        cause; the answer is returned). ``tier_gate`` False: the caller asked the cluster's
+        breaker already."""
         self._check_open()
         what = action if key is None else f"{action} {short_key(key)}"
-        for gate in (TIER, node):
+        for gate in (TIER if tier_gate else None, node):
             if gate is not None and not self._health.usable(gate):
                 raise self._skip(what, gate, kind, chunks)
         with deadline(self.deadline_seconds(num_bytes)) if own_deadline else nullcontext() \
                 as call:
             try:
                 if self._client is None:
-                    self._connect()
+                    self._connect(kind)
                 answer = work()
-            except RemoteError as exc:  # could not connect: the cluster's failure (a slow
-                # connect counts toward breaker_failures; refused or auth opens at once)
-                self._failed(exc.cause, None)
+            except RemoteError as exc:  # could not connect: the seed nodes that failed are
+                # blamed (a timeout or a refusal opens theirs at once), else the cluster
+                if not exc.skipped:
+                    self._failed(exc.cause, call)
                 raise
             except (RedisError, RedisClusterException, OSError) as exc:
                 cause = cause_of(exc)
@@ -270,6 +269,28 @@ class RemoteTier(LowerTier):
                               f"got {key!r:.40}")
         return redis_key(self._prefix, self.fingerprint, part or self.part, bytes(key))
 
+    def _by_node(self, action: str, kind: str, names: Sequence[bytes],
+                 work: Callable[[list[int]], _T], num_bytes: Callable[[list[int]], int] =
+                 lambda group: 0, refused: Callable[[_T], BaseException | None] | None = None
+                 ) -> list[tuple[list[int], _T]]:
+        """``work(positions)`` for each node's share of ``names``, all at once under one
+        deadline (connecting, if needed, within it), each share a call of its own: skipped
+        on its node's open breaker, failed, blamed and counted alone, so a stalled node
+        fails its own keys only (:mod:`~tierkv.tiers.remote.spread`). The shares served,
+        with what ``work`` returned; the first failure raised when none was."""
+        self._check_open()
+        with deadline(self.deadline_seconds(num_bytes(list(range(len(names)))))):
+            if self._client is None:
+                self._run("connecting", kind, lambda: None)
+            elif not self._health.usable(TIER):
+                raise self._skip(action, TIER, kind, len(names))
+            groups = by_node(range(len(names)), lambda position: self._node_of(names[position]))
+            outcomes = self._spread.run([functools.partial(
+                self._run, action, kind, functools.partial(work, group), node=node,
+                chunks=len(group), refused=refused, num_bytes=num_bytes(group), tier_gate=False)
+                for node, group in groups.items()])
+        return served(list(groups.values()), outcomes)
+
     # -- writes ----------------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[bytes, Any]],
@@ -287,56 +308,62 @@ class RemoteTier(LowerTier):
             return PutResult(())
         if names and not self._health.usable(WRITES):
             raise self._skip("writing chunks", WRITES, "push", len(names))
-        keep = self._usable(names, "push")
-        if not keep and not drops:
-            raise self._skip("writing chunks", self._node_of(names[0]), "push", 0)
         ttl = None if self.config.ttl_seconds is None else \
             max(1, int(round(self.config.ttl_seconds)))
-        present: list[int] = []
         dropped = set(drops)
         ask_first = self._held_share >= HELD_SHARE_ASK
+        count = len(names)  # positions from count on are the deletes
 
-        def work() -> list[Any]:
+        def work(group: list[int]) -> tuple[set[int], list[Any], dict[int, Any]]:
+            """(positions held already, the deletes' answers, each value's answer)"""
+            writes = [position for position in group if position < count]
+            gone = [drops[position - count] for position in group if position >= count]
             held: set[int] = set()
             # a key also in ``deletes`` is deleted first: what the server holds is no answer
-            asked = [position for position in keep if names[position] not in dropped]
+            asked = [position for position in writes if names[position] not in dropped]
             if ask_first and asked:  # see HELD_SHARE_ASK
                 pipe = self._pipeline()
                 for position in asked:
                     pipe.exists(names[position])
                 held = {position for position, answer in zip(asked, pipe.execute()) if answer}
-                present[:] = sorted(held)
+            sent = [position for position in writes if position not in held]
             pipe = self._pipeline()
-            for name in drops:
+            for name in gone:
                 pipe.delete(name)
-            for position in keep:
-                if position not in held:
-                    pipe.set(names[position], pack_value(
-                        self.fingerprint, self.part, bytes(items[position][0]),
-                        items[position][1]), nx=True, ex=ttl)
-            answers = list(pipe.execute(raise_on_error=False)) if drops or len(held) < \
-                len(keep) else []
+            for position in sent:
+                pipe.set(names[position], pack_value(
+                    self.fingerprint, self.part, bytes(items[position][0]),
+                    items[position][1]), nx=True, ex=ttl)
+            answers = list(pipe.execute(raise_on_error=False)) if gone or sent else []
             for answer in answers:  # a refusal (out of memory) is an answer; others fail
                 if isinstance(answer, Exception) and cause_of(answer) != "out of memory":
                     raise answer
-            return answers
+            return held, answers[:len(gone)], dict(zip(sent, answers[len(gone):]))
 
-        answers = self._run("writing chunks", "push", work, chunks=len(keep),
-                            refused=lambda got: next(
-                                (a for a in got if isinstance(a, Exception)), None),
-                            num_bytes=len(keep) * self._value_bytes)
-        deleted = sum(int(answer or 0) for answer in answers[:len(drops)])
-        held = set(present)
-        sent = [position for position in keep if position not in held]
-        answer_of: dict[int, Any] = dict(zip(sent, answers[len(drops):]))
-        full = tuple(bytes(items[position][0]) for position in sent
+        shares = self._by_node(
+            "writing chunks", "push", names + drops, work,
+            lambda group: sum(position < count for position in group) * self._value_bytes,
+            refused=lambda got: next((answer for answer in (*got[1], *got[2].values())
+                                      if isinstance(answer, Exception)), None))
+        held: set[int] = set()
+        answer_of: dict[int, Any] = {}
+        stored: list[int] = []
+        deleted = 0
+        for group, (group_held, deleted_answers, answers) in shares:
+            held |= group_held
+            answer_of.update(answers)
+            stored += [position for position in group if position < count]
+            deleted += sum(int(answer or 0) for answer in deleted_answers
+                           if not isinstance(answer, Exception))
+        full = tuple(bytes(items[position][0]) for position in sorted(answer_of)
                      if isinstance(answer_of[position], Exception))
-        written = tuple(bytes(items[position][0]) for position in keep
+        written = tuple(bytes(items[position][0]) for position in sorted(stored)
                         if not isinstance(answer_of.get(position), Exception))
-        already = len(held) + sum(1 for position in sent if answer_of[position] is None)
-        if keep:
+        already = len(held) + sum(1 for answer in answer_of.values() if answer is None)
+        if stored:
             with self._lock:
-                self._held_share += HELD_SHARE_WEIGHT * (already / len(keep) - self._held_share)
+                self._held_share += HELD_SHARE_WEIGHT * (already / len(stored) -
+                                                         self._held_share)
         num_bytes = (len(written) - already) * self.payload_bytes
         with self._lock:
             counts = self._counts
@@ -347,22 +374,22 @@ class RemoteTier(LowerTier):
             return PutResult(written, full, deleted, num_bytes,
                              f"{self._name}: the server refused {len(full)} value(s): out of "
                              f"memory; {HINTS['out of memory']}")
-        if sent:
+        if answer_of:
             self._health.answered((WRITES,), whole=False)
         return PutResult(written, (), deleted, num_bytes)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         names = [self._key(key) for key in keys]
-        keep = self._usable(names, "delete")
 
-        def work() -> int:
+        def work(group: list[int]) -> int:
             pipe = self._pipeline()
-            for position in keep:
+            for position in group:
                 pipe.delete(names[position])
             return sum(int(answer or 0) for answer in pipe.execute())
 
-        return self._run("deleting chunks", "delete", work) if keep else 0
+        return sum(deleted for _, deleted in self._by_node("deleting chunks", "delete", names,
+                                                           work)) if names else 0
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -392,19 +419,18 @@ class RemoteTier(LowerTier):
             return [[False] * len(part_sets) for _ in keys]
         names = [[[redis_key(self._prefix, self.fingerprint, part, bytes(key)) for part in parts]
                   for parts in sets] for key in keys]
-        keep = self._usable([chunk[0][0] for chunk in names], "lookup")
-        if not keep:
-            raise self._skip("looking up chunks", self._node_of(names[0][0][0]), "lookup", 0)
 
-        def work() -> list[list[bool]]:
+        def work(group: list[int]) -> list[list[bool]]:
             pipe = self._pipeline()
-            for position in keep:
+            for position in group:
                 for parts in names[position]:
                     pipe.exists(*parts)
             answers = iter(pipe.execute())
-            return [[int(next(answers)) == len(parts) for parts in sets] for _ in keep]
+            return [[int(next(answers)) == len(parts) for parts in sets] for _ in group]
 
-        found = dict(zip(keep, self._run("looking up chunks", "lookup", work)))
+        found = {position: answer for group, answers in self._by_node(
+            "looking up chunks", "lookup", [chunk[0][0] for chunk in names], work)
+            for position, answer in zip(group, answers)}
         return [found.get(position, [False] * len(sets)) for position in range(len(keys))]
 
     def _get(self, name: bytes) -> Any:
@@ -562,6 +588,7 @@ class RemoteTier(LowerTier):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._spread.close()
             if self._client is not None:
                 self._client.close()
 
