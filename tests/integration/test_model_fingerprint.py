@@ -21,7 +21,7 @@ from tierkv.keys import chunk_keys
 
 # The rows of docs/on-disk-format.md's table ("What a namespace and a key bind") these
 # tests flip, through the library API, the connector, and tests/engine/test_weights.py.
-ROWS = ("weights", "config", "lora")
+ROWS = ("weights", "config", "lora", "draft-model")
 
 # ------------------------------------------------------------------ the library API
 TOKENS_PER_BLOCK, BPC = 16, 2
@@ -190,6 +190,28 @@ def test_vllm_hf_overrides_are_part_of_the_fingerprint(tmp_path: Path) -> None:
         engine_model_fingerprint(vllm_config).split("+overrides:")[1]
     assert "+overrides:" not in plain
     assert engine_model_fingerprint(vllm_config, "registry:v3").startswith("name:registry:v3")
+
+
+def test_vllm_a_speculative_drafters_weights_are_part_of_the_fingerprint(
+        tmp_path: Path) -> None:
+    """A drafter's attention layers are stored with the chunk (its KV, its weights): the
+    harness cannot run a drafter, so this flips the draft model the namespace reads on
+    the real VllmConfig."""
+    from types import SimpleNamespace
+
+    from tierkv.integrations.vllm_config import engine_model_fingerprint
+
+    cfg = _config(tmp_path / "kv")
+    vllm_config = harness_lib.build_vllm_config(cfg, harness_lib.write_tiny_llama(
+        tmp_path / "model", cfg))
+    plain = engine_model_fingerprint(vllm_config)
+    draft = write_checkpoint(tmp_path / "draft", seed=0)
+    vllm_config.speculative_config = SimpleNamespace(
+        draft_model_config=SimpleNamespace(model=str(draft), revision=None))
+    one = engine_model_fingerprint(vllm_config)
+    write_checkpoint(draft, seed=1)  # another drafter saved over it
+    other = engine_model_fingerprint(vllm_config)
+    assert "+draft:auto:" in one and len({plain, one, other}) == 3
 
 
 def _assert_misses(first: Run, result: Any, second: Run) -> None:

@@ -391,8 +391,9 @@ def engine_model_fingerprint(vllm_config: Any, mode: str = "auto",
                              cache_dir: Path | None = None) -> str:
     """The fingerprint of the weights and config this engine loads
     (:mod:`tierkv.model_identity`): its model directory, file or hub snapshot (``mode``:
-    ``auto``, ``content`` or the operator's own name), a separate ``hf_config_path``, and
-    the ``hf_overrides`` laid over the config. A model it cannot find is warned about and
+    ``auto``, ``content`` or the operator's own name), a speculative drafter's weights (its
+    layers' KV is stored too), a separate ``hf_config_path``, and the ``hf_overrides``
+    laid over the config. A model it cannot find is warned about and
     named by its id alone (``unresolved``), as before fingerprints."""
     model = vllm_config.model_config
     load = getattr(vllm_config, "load_config", None)
@@ -406,6 +407,13 @@ def engine_model_fingerprint(vllm_config: Any, mode: str = "auto",
                     "and revision alone. Set kv_connector_extra_config model_fingerprint "
                     "to a name of these weights that changes when they do", str(model.model))
         found = "unresolved"
+    # A drafter's attention layers are stored with the chunk: its weights compute them.
+    draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config",
+                    None)
+    if draft is not None and getattr(draft, "model", None) not in (None, model.model):
+        found += "+draft:" + (model_identity.model_fingerprint(
+            draft.model, mode, revision=getattr(draft, "revision", None), cache_dir=cache_dir,
+            hub_cache=hub_cache) or f"unresolved:{draft.model}")
     config_path = getattr(model, "hf_config_path", None)
     if config_path:
         found += "+config:" + (model_identity.model_fingerprint(config_path, "auto",
