@@ -50,10 +50,18 @@ installed, built the way ``SecondaryTierFactory`` builds it (its default thread 
 ``FileMapper`` file layout, its O_DIRECT probe) over a page-aligned mmap slab shaped
 ``(chunks, chunk_bytes)`` like the ``SharedOffloadRegion`` view vLLM hands it; jobs are the
 ``TransferJob`` its tiering manager submits, and completion is ``drain_jobs()`` then
-``get_finished_jobs()`` (every job must report success). Its C io (``vllm.fs_io_C``) links
-CUDA torch (libtorch_cuda, libnvrtc); where it does not import (a CPU-only torch) the tier
-runs its own Python io path (``os.write`` / ``os.readv`` per block), and the header says
-which ran. vLLM never fsyncs; to end durable the benchmark adds, inside the timed part,
+``get_finished_jobs()`` (every job must report success). Its C io (``vllm.fs_io_C``:
+``O_DIRECT``, 16 threads) links CUDA torch (libtorch_cuda, libnvrtc) without calling it on
+this path: where those libraries are missing (a CPU-only torch), the script builds empty
+stand-ins with gcc and runs itself again with them on ``LD_LIBRARY_PATH`` (``--vllm-io c``,
+the default), so vLLM runs its C io; ``--vllm-io python`` leaves that out, and the tier
+then runs its own Python io path (``os.write`` / ``os.readv`` per block). The header says
+which ran.
+
+``probe: O_DIRECT, 32 in flight`` reads the very slab files the TierIO loads read, whole,
+with ``O_DIRECT`` in 1 MiB pieces on 32 threads: the device's cold-read speed, which the
+loads are compared against (target: at least 0.8x). Loads report their CPU seconds per GiB
+too (target: at most 1.2x vLLM's). vLLM never fsyncs; to end durable the benchmark adds, inside the timed part,
 ``syncfs()`` of the filesystem (``--vllm-sync syncfs``, the default: one journal commit) or
 an fsync of every file and directory it wrote (``--vllm-sync fsync``). Without vLLM
 installed (or with ``--no-vllm``) its rows are left out.
@@ -114,6 +122,7 @@ from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec  # noqa: E402
 from tierkv.keys import Namespace, Part  # noqa: E402
 from tierkv.tiers.cpu import CpuSlab  # noqa: E402
+from tierkv.tiers.disk.format import slot_bytes_for  # noqa: E402
 from tierkv.tiers.disk.layout import StoreLayout  # noqa: E402
 from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus, shard_of, tune_malloc  # noqa: E402
 from tierkv.transfer.tier_io import TierIO, ReadOutcome  # noqa: E402
@@ -124,6 +133,8 @@ ALIGN = 4096  # O_DIRECT (vLLM's fs tier) needs block-aligned sizes and buffers
 POISON = 0xA5
 REPO = Path(__file__).resolve().parents[1]
 
+PROBE = "probe: O_DIRECT, 32 in flight"  # the device's own cold-read speed, same files
+PROBE_THREADS, PROBE_PIECE = 32, 1 << 20
 # (label, numerator row, denominator row, target or None); rows missing from a run are skipped
 RATIOS: list[tuple[str, str, str, float | None]] = [
     ("tierkv one job / vLLM fs one job", "tierkv TierIO one job", "vLLM fs one job", 1.0),
@@ -133,6 +144,8 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
      1.0),
     ("cold: tierkv many / vLLM fs many", "load: tierkv TierIO many jobs",
      "load: vLLM fs many jobs", 1.0),
+    ("cold: tierkv one / device probe", "load: tierkv TierIO one job", PROBE, 0.8),
+    ("cold: tierkv many / device probe", "load: tierkv TierIO many jobs", PROBE, 0.8),
     ("tierkv periodic / dd write", "tierkv periodic + sync", "dd conv=fdatasync", 0.7),
     ("tierkv periodic / file-per-chunk", "tierkv periodic + sync", "file per chunk + fsync",
      3.0),
@@ -158,7 +171,7 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
      None),
     ("cold: vLLM fs one / dd", "load: vLLM fs one job", "dd of=/dev/null", None),
 ]
-TARGET_RATIOS = 5  # the first rows of RATIOS are the issue's targets, summarised at the end
+TARGET_RATIOS = 7  # the first rows of RATIOS are the issue's targets, summarised at the end
 RATIOS += [
     ("reused slots: tierkv one / vLLM one", "tierkv one job, slots reused", "vLLM fs one job",
      None),
@@ -178,6 +191,10 @@ RATIOS += [
 CPU_RATIOS: list[tuple[str, str, str, float]] = [
     ("CPU/GiB tierkv one / vLLM fs one", "tierkv TierIO one job", "vLLM fs one job", 2.0),
     ("CPU/GiB tierkv many / vLLM fs many", "tierkv TierIO many jobs", "vLLM fs many jobs", 2.0),
+    ("CPU/GiB load: tierkv one / vLLM one", "load: tierkv TierIO one job",
+     "load: vLLM fs one job", 1.2),
+    ("CPU/GiB load: tierkv many / vLLM many", "load: tierkv TierIO many jobs",
+     "load: vLLM fs many jobs", 1.2),
 ]
 
 
@@ -220,6 +237,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-always", action="store_true", help="skip sync_mode='always'")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-load section")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fs tier rows")
+    parser.add_argument("--vllm-io", choices=("c", "python"), default="c",
+                        help="vLLM fs tier's io: its C io (vllm.fs_io_C, CUDA libraries it "
+                             "links stubbed where missing) or its Python io")
     parser.add_argument("--vllm-sync", choices=("syncfs", "fsync"), default="syncfs",
                         help="how the vLLM fs rows are made durable at the end of a round")
     parser.add_argument("--parts", action="store_true",
@@ -808,6 +828,37 @@ class Bench:
         self.verify(self.vdest.array, None, "vLLM fs load")
         return seconds
 
+    def read_probe(self) -> float:
+        """The device's cold-read speed over the same bytes: every slab file of the store
+        the TierIO loads read, read whole with ``O_DIRECT`` in 1 MiB pieces, 32 in flight
+        (no index, no checks: what the device gives a reader that keeps it busy)."""
+        self.drop_caches()
+        from concurrent.futures import ThreadPoolExecutor
+
+        files = sorted((self.dir / "tierkv-one").rglob("slab-0.kv"))
+        fds = [os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files]
+        # The slots the chunks fill (a shard's are its first ones), not the file's
+        # preallocated tail: the bytes the loads read, and their headers.
+        used = [sum(1 for key in self.keys if shard_of(key) == shard) * slot_bytes_for(
+            self.chunk_bytes) for shard in range(SHARDS)]
+        local = threading.local()
+
+        def read(fd: int, offset: int) -> int:
+            if not hasattr(local, "buffer"):
+                local.buffer = memoryview(mmap.mmap(-1, PROBE_PIECE))
+            return os.preadv(fd, [local.buffer], offset)
+
+        pieces = [(fd, offset) for fd, end in zip(fds, used)
+                  for offset in range(0, end, PROBE_PIECE)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(PROBE_THREADS) as pool:
+            total = sum(pool.map(lambda piece: read(*piece), pieces))
+        seconds = time.perf_counter() - start
+        for fd in fds:
+            os.close(fd)
+        assert total >= self.total, (total, self.total)
+        return seconds
+
     def read_bare_lmdb_shards(self) -> float:
         """The load ceiling of the sharded layout: the bare shards written by
         ``write_bare_lmdb_shards`` read by one thread each, every value copied into its slot
@@ -891,6 +942,7 @@ class Bench:
                 reads["parts: TP 2 own parts"] = self.read_own_parts
                 reads["parts: TP 2 from 1 part"] = self.read_tp2_from_one
                 reads["parts: TP 1 from 2 parts"] = self.read_tp1_from_two
+            reads[PROBE] = self.read_probe
             reads[f"bare lmdb x{SHARDS} threads read"] = self.read_bare_lmdb_shards
             reads[f"bare slab x{SHARDS} threads read"] = self.read_bare_slabs
             reads["file per chunk"] = self.read_files
@@ -929,7 +981,7 @@ def run_size(args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None,
           f"{args.rounds} rounds + 1 warm-up, dir {args.dir} ({fs_type})")
     writes, reads = bench.methods()
     results: dict[str, list[float]] = {name: [] for name in [*writes, *reads]}
-    cpu: dict[str, list[float]] = {name: [] for name in writes}
+    cpu: dict[str, list[float]] = {name: [] for name in [*writes, *reads]}
     try:
         # Writes first, then loads: a page-cache drop between writes would hand some writers
         # freshly reclaimed memory and others the pages their own deleted output freed.
@@ -960,7 +1012,9 @@ def run_size(args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None,
     if reads:
         print("cold loads" + ("" if bench.can_drop else " (page cache NOT dropped: warm)") +
               " (all but dd verified byte-exact and by checksum):")
-        medians.update({name: summarize(name, results[name], bench.total) for name in reads})
+        medians.update({name: summarize(name, results[name], bench.total, cpu[name])
+                        for name in reads})
+        medians.update({f"cpu: {name}": statistics.median(cpu[name]) / gib for name in reads})
     print("ratios (of medians):")
     for label, top, bottom, target in RATIOS:
         if top in medians and bottom in medians:
@@ -976,8 +1030,34 @@ def run_size(args: argparse.Namespace, chunk_mib: float, vllm: VllmFs | None,
     return medians
 
 
+STUB_LIBS = ("libnvrtc.so.13", "libc10_cuda.so", "libtorch_cuda.so")
+
+
+def with_cuda_stubs(args: argparse.Namespace) -> None:
+    """vLLM's C io (``vllm.fs_io_C``) links CUDA libraries it never calls on this path; on
+    a machine without them, build empty stand-ins (gcc) and run again with them on
+    ``LD_LIBRARY_PATH``, so that vLLM's fs tier runs its C io, not its slower Python io."""
+    if args.no_vllm or os.environ.get("TIERKV_BENCH_STUBS") or args.vllm_io != "c":
+        return
+    found = subprocess.run([sys.executable, "-c", "import torch, vllm.fs_io_C"],
+                           capture_output=True, text=True)
+    if found.returncode == 0 or shutil.which("gcc") is None:
+        return
+    stubs = args.dir / "cuda-stubs"
+    stubs.mkdir(parents=True, exist_ok=True)
+    source = stubs / "stub.c"
+    source.write_text("void tierkv_bench_cuda_stub(void) {}\n")
+    for name in STUB_LIBS:
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stubs / name), str(source)],
+                       check=True)
+    environ = dict(os.environ, TIERKV_BENCH_STUBS=str(stubs),
+                   LD_LIBRARY_PATH=f"{stubs}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    os.execve(sys.executable, [sys.executable, *sys.argv], environ)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with_cuda_stubs(args)
     args.dir.mkdir(parents=True, exist_ok=True)
     tuned = tune_malloc(int(args.batch_mib * MiB))  # what opening a DiskTier does; once
     fs_type = subprocess.run(["stat", "-f", "-c", "%T", str(args.dir)], capture_output=True,
