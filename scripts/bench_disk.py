@@ -237,6 +237,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-always", action="store_true", help="skip sync_mode='always'")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-load section")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fs tier rows")
+    parser.add_argument("--read-mib-in-flight", type=float,
+                        default=DiskTierConfig.read_bytes_in_flight / MiB,
+                        help="the tier's disk.read_bytes_in_flight, in MiB")
     parser.add_argument("--vllm-io", choices=("c", "python"), default="c",
                         help="vLLM fs tier's io: its C io (vllm.fs_io_C, CUDA libraries it "
                              "links stubbed where missing) or its Python io")
@@ -416,7 +419,8 @@ class Bench:
 
     def tier(self, root: Path, sync_mode: str = "periodic") -> DiskTier:
         config = DiskTierConfig(path=root, max_bytes=self.total * 2, sync_mode=sync_mode,
-                                write_batch_bytes=self.batch_bytes)
+                                write_batch_bytes=self.batch_bytes,
+                                read_bytes_in_flight=int(self.args.read_mib_in_flight * MiB))
         return DiskTier(root, self.namespace, 0, config, self.chunk_bytes)
 
     def drop_caches(self) -> None:
