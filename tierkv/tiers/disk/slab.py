@@ -13,10 +13,11 @@ Primitives and contracts:
   With ``direct_io`` (and a filesystem that takes ``O_DIRECT``) it bypasses the page
   cache: from ``payload`` itself when it is 4 KiB aligned in address and length, else
   from a per-thread aligned bounce buffer (one copy). Safe from several threads.
-- ``read(slot, head, out)``: one ``preadv`` of a slot's header block into ``head`` and its
-  payload into ``out``; returns the bytes read (short past the file's end). Buffered reads
-  (the page cache's read-ahead made them faster here than ``O_DIRECT``: see
-  ``docs/benchmarks/disk.md``).
+- ``read(slot, out, pool)``: a slot's header block into this thread's buffer and its
+  payload into ``out``; returns the bytes read (short past the file's end). With
+  ``direct_io`` and ``out`` page-aligned: ``O_DIRECT``, the payload's pieces on ``pool``
+  (:mod:`tierkv.tiers.disk.reads`); else (or where the filesystem refuses ``O_DIRECT``,
+  said once per filesystem) one buffered ``preadv``.
 - ``sync()``: ``fdatasync`` (payloads and the file's size).
 - The allocator (one process writes a shard: the claim): ``allocate(count, limit)`` gives
   free slots first, then grows the file in steps (``posix_fallocate``; doubling, at most

@@ -17,8 +17,10 @@ LMDB serializes write transactions, reads run concurrently):
   keys may be written in parallel (another shard). A slab at its size limit, a full
   filesystem (ENOSPC, EDQUOT, a short write) or a full index map is ``PutResult.full``; the
   disk cap is soft here (the scheduler side accounts for it).
-- ``read_into(key, out)``: the index entry in one short read txn, then one ``pread`` of the
-  slot, its payload straight into ``out``; the slot's header must name the entry's sequence
+- ``read_into(key, out)``: the index entry in one short read txn, then the slot read
+  (``O_DIRECT`` pieces on the tier's :class:`~tierkv.tiers.disk.reads.ReadPool` when
+  ``out`` is page-aligned, else one buffered ``preadv``), its payload straight into
+  ``out``; the slot's header must name the entry's sequence
   and checksum and the payload match the checksum bound to key, namespace and part. A bad
   slot whose entry is still the one read is deleted and counted (an entry changed meanwhile
   is read again).
