@@ -79,6 +79,9 @@ class FakeParts:
 
     def read_part_into(self, key: bytes, part: Part, out: memoryview) -> ReadStatus:
         self.reads.append(part)
+        # A whole value lands in a page-aligned buffer, as a rank's own chunks do (the disk
+        # tier reads it with O_DIRECT only then).
+        assert torch.frombuffer(out, dtype=torch.uint8).data_ptr() % 4096 == 0
         if part not in self.slots:
             return ReadStatus.MISSING
         if part in self.corrupt:

@@ -25,6 +25,7 @@ size reads whole values and re-slices heads in memory. Primitives:
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,9 +147,12 @@ class PartReader:
         self._local = threading.local()
 
     def _staging(self, size: int) -> torch.Tensor:
+        """This thread's staging buffer of ``size`` bytes: an anonymous map, page-aligned,
+        so a whole value is read as the rank's own chunks are (``O_DIRECT`` into it)."""
         buffer: torch.Tensor | None = getattr(self._local, "buffer", None)
         if buffer is None or buffer.numel() < size:
-            buffer = torch.empty(size, dtype=torch.uint8)
+            self._local.map = mmap.mmap(-1, max(size, 1))
+            buffer = torch.frombuffer(self._local.map, dtype=torch.uint8)
             self._local.buffer = buffer
         return buffer[:size]
 
