@@ -183,8 +183,9 @@ class TierKVStore:
         self._budget = DiskBudget(root, namespace.fingerprint(),
                                   StoreLayout.part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
                                   self.chunk_bytes + DISK_OVERHEAD_BYTES,
-                                  check_seconds=cfg.disk.budget_check_seconds)
-        capacity = self._budget.plan(len(keys))
+                                  check_seconds=cfg.disk.budget_check_seconds,
+                                  min_step=num_slots)
+        capacity = self._budget.plan(len(keys))  # its chunks back, and a step of room more
         self.index = build_index(cfg, num_slots, capacity, disk_tier=True)
         line = self._budget.start_line()
         if line:
@@ -201,10 +202,7 @@ class TierKVStore:
         full = index.disk_used >= index.disk_capacity
         if not budget.due(full):
             return
-        # Room for a few more chunks than it holds: unclaimed namespaces go one by one, as
-        # the store fills, not all at once.
-        headroom = max(1, budget.entitlement // budget.unit_bytes // 8)
-        capacity = budget.plan(index.disk_used + headroom)
+        capacity = budget.plan(index.disk_used)  # and a step of room more (DiskBudget.step)
         if capacity != index.disk_capacity:
             index.set_disk_capacity(capacity)
 
