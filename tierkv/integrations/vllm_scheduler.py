@@ -220,7 +220,7 @@ class SchedulerSide:
         self._budget_polled = now
         if not any(budget.due(full) for budget in self._budgets):
             return
-        capacity = min(budget.plan(index.disk_used) for budget in self._budgets)
+        capacity = min(budget.plan(index.disk_used, wait=False) for budget in self._budgets)
         if capacity != index.disk_capacity:
             index.set_disk_capacity(capacity)
 

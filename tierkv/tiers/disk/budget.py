@@ -371,29 +371,43 @@ class DiskBudget:
         total = allocated_bytes(ns_dir / "namespace.json")
         for name in self._own_dirs:
             total += allocated_bytes(ns_dir / name, skip=frozenset((SLAB_NAME,)))
+        if not (self._rank_dir / SHARE_FILE).exists():  # this plan writes it: a block
+            with suppress(OSError):
+                total += os.statvfs(self.root).f_frsize
         return total + INDEX_GROWTH_BYTES * SHARDS * len(self._own_dirs)
 
     @contextmanager
-    def _planning(self) -> Iterator[None]:
+    def _planning(self, wait: bool) -> Iterator[bool]:
         """One plan at a time under the root (every process): an exclusive ``flock`` on
-        :data:`PLAN_LOCK`, so two stores never give themselves the same free room."""
-        fd = None
+        :data:`PLAN_LOCK`, so two stores never give themselves the same free room. Yields
+        whether this one may plan: without ``wait``, not while another plans (or deletes a
+        namespace): a store's call never waits on another's."""
+        fd, mine = None, True
         with suppress(OSError):
             fd = os.open(self.root / PLAN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                          | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                mine = False
         try:
-            yield
+            yield mine
         finally:
             if fd is not None:
                 os.close(fd)
 
-    def plan(self, held_chunks: int, wanted_chunks: int | None = None) -> int:
+    def plan(self, held_chunks: int, wanted_chunks: int | None = None, *,
+             wait: bool = True) -> int:
         """The store's capacity in chunks now, holding ``held_chunks`` and wanting
         ``wanted_chunks`` (default: a :meth:`step` more); see the module docstring.
         Unclaimed namespaces are deleted, least recently used first, only while the root is
-        full and the store is below its entitlement. Published in its rank's share file."""
-        with self._planning():
+        full and the store is below its entitlement. Published in its rank's share file.
+        Without ``wait``, while another store plans, the capacity stays as it was and the
+        plan is due again at the next call."""
+        with self._planning(wait) as mine:
+            if not mine:
+                self._seen = None
+                return self.capacity
             self._checked = self._clock()
             self._seen = self._stamp()  # before the survey: what changes meanwhile is seen next
             others = survey(self.root, (self.fingerprint, self._own_dirs))

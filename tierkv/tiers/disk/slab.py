@@ -64,7 +64,7 @@ def _fallocate() -> Callable[..., int] | None:
         return None
     call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
     call.restype = ctypes.c_int
-    return call  # type: ignore[no-any-return]
+    return call
 
 
 _FALLOCATE = _fallocate()
