@@ -24,7 +24,9 @@ CAP = 160 * (CHUNK_BYTES + 8192)  # 5,280 KiB: a 160-chunk cap
 
 
 def allocated(root: Path) -> int:
-    """Disk space every file under ``root`` takes."""
+    """Disk space every file under ``root`` (or ``root`` itself, a file) takes."""
+    if root.is_file():
+        return root.stat().st_blocks * 512
     total = 0
     for folder, _, files in os.walk(root):
         for name in files:
@@ -74,3 +76,34 @@ def test_the_files_under_the_path_never_take_more_than_the_cap(tmp_path: Path) -
     assert allocated(tmp_path) <= CAP
     # and the cap is used, not wasted: the index files are counted, little else is lost
     assert held * (CHUNK_BYTES + 8192) >= 0.85 * CAP, held
+
+
+def test_a_slab_grows_by_the_slots_it_writes_and_gives_freed_ones_back(tmp_path: Path) -> None:
+    """The slab file's disk space is its used slots': no step ahead, and a freed slot's space
+    given back at once (a hole), before it is handed out again."""
+    import hashlib
+
+    from tierkv.keys import Namespace, Part
+    from tierkv.tiers.disk.format import slot_bytes_for
+    from tierkv.tiers.disk.tier import DiskTier
+
+    namespace = Namespace(model_id="slab", dtype="float16", kv_layout="test", page_bytes=4096,
+                          tokens_per_chunk=16, chunk_bytes=CHUNK_BYTES)
+    slot = slot_bytes_for(CHUNK_BYTES)
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(40)]
+    payload = bytes(range(256)) * (CHUNK_BYTES // 256)
+    with DiskTier(tmp_path, namespace, Part(0, 1), DiskTierConfig(path=tmp_path, max_bytes=CAP),
+                  CHUNK_BYTES) as tier:
+        slabs = [shard / "slab-0.kv" for shard in tier.shard_paths]
+
+        def slab_bytes() -> int:
+            return sum(allocated(path) for path in slabs)
+
+        assert tier.put_many([(key, payload) for key in keys]).written == tuple(keys)
+        # (a fragmented file's extent tree takes a block or so of the filesystem's too)
+        assert 40 * slot <= slab_bytes() < 41 * slot  # the slots written, no step ahead
+        assert tier.delete_many(keys[::2]) == 20
+        assert 20 * slot <= slab_bytes() < 21 * slot  # the freed ones given back
+        assert tier.put_many([(key, payload) for key in keys[::2][:5]]).written
+        assert 25 * slot <= slab_bytes() < 26 * slot  # holes reused first
+        assert max(path.stat().st_size for path in slabs) <= 40 * slot
