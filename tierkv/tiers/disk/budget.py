@@ -60,7 +60,6 @@ logger = logging.getLogger("tierkv.disk")
 
 SHARE_FILE = "tierkv-share.json"
 _MAX_SHARE_BYTES = 4096
-PLAN_LOCK = ".tierkv-budget.lock"  # under the root: one plan at a time (flock)
 # What a shard's index files may grow between two plans (LMDB pages: copy-on-write and the
 # free list); measured: under 16 KiB a plan apart in tests/integration/test_disk_budget.py.
 INDEX_GROWTH_BYTES = 16 << 10
@@ -378,14 +377,14 @@ class DiskBudget:
 
     @contextmanager
     def _planning(self, wait: bool) -> Iterator[bool]:
-        """One plan at a time under the root (every process): an exclusive ``flock`` on
-        :data:`PLAN_LOCK`, so two stores never give themselves the same free room. Yields
-        whether this one may plan: without ``wait``, not while another plans (or deletes a
-        namespace): a store's call never waits on another's."""
+        """One plan at a time under the root (every process): an exclusive ``flock`` on the
+        root directory itself (no file of its own there), so two stores never give
+        themselves the same free room. Yields whether this one may plan: without ``wait``,
+        not while another plans (or deletes a namespace): a store's call never waits on
+        another's."""
         fd, mine = None, True
         with suppress(OSError):
-            fd = os.open(self.root / PLAN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
-                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
