@@ -43,6 +43,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "reader_threads": [0, -1, 2.0, "4", True, None],
         "tune_malloc": ["no", 0, None],
         "direct_io": ["yes", 1, None],
+        "read_bytes_in_flight": [0, -1, "lots", 1.5, None],
         "budget_check_seconds": [0, -1, NAN, "10", None, True],
     },
     "remote": {
@@ -71,6 +72,8 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "tp_size": [0, -1, 1.5, "2", True, None, 1 << 16],
         "remote": ["redis://h:6379", 3, {"url": "redis://h"}],
         "store_mode": ["sync", "", "COPIED", None, 1, True],
+        "model_path": [123, "", "/tmp/a\0b", ["/models/m"]],
+        "model_fingerprint": ["", None, 1, "a\0b", True],
     },
 }
 CLASSES = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "remote": RemoteTierConfig,

@@ -189,7 +189,8 @@ def test_a_reader_killed_inside_its_transaction_does_not_fill_the_map(
     assert stats.spills_failed == 0 and stats.disk_no_room == 0, stats
     assert stats.dirty_dropped == 0 and stats.spills_ok - before == stored, stats
     assert disk.full == 0 and disk.stale_readers == SHARDS, disk  # one dead slot a shard
-    assert disk.chunks == stats.on_disk == capacity
+    # full to its share of the cap, which also holds the shards' index files
+    assert disk.chunks == stats.on_disk == stats.disk_capacity > capacity * 0.85
 
 
 def _run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

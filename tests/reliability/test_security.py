@@ -374,7 +374,8 @@ CHANGES: dict[str, Any] = {"model_id": "m2", "dtype": "float16", "kv_layout": "H
                            "num_kv_heads": 4, "rank_layout": "mla", "hash_scheme": "other",
                            "format_version": FORMAT_VERSION + 1, "extra": "quant:fp8",
                            "layer_names": tuple(f"model.layers.{i}" for i in range(32)),
-                           "blocks_per_chunk": 16, "chunk_bytes": 1 << 20}
+                           "blocks_per_chunk": 16, "chunk_bytes": 1 << 20,
+                           "model_fingerprint": "auto:0123456789abcdef0123456789abcdef"}
 
 
 def test_every_namespace_field_changes_the_directory() -> None:
