@@ -335,6 +335,20 @@ class SchedulerSide:
                     "served by this server; they age out of its tiers", self.resets)
         return True
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34 asks it as a request enters a waiting queue: with
+        ``--max-num-inflight-kv-loads`` a request that may load starts its (asynchronous)
+        load while the running batch is full. Asked before any lookup, so it must be cheap:
+        the request's first chunk is on a tier (or a remote tier may hold it) and its load
+        policy loads. A false positive (vLLM's own prefix cache covers that chunk) costs the
+        request a place in vLLM's queue of such loads, no more."""
+        view = self._view(self._tracked_for(request))
+        if (view.load_policy or self.adapter.config.load_policy) == "recompute":
+            return False
+        if view.num_tokens <= self.geometry.tokens_per_chunk or not view.chunk_keys:
+            return False  # no whole chunk before the last token: nothing can load
+        return self.remote is not None or self.index.contains(view.chunk_keys[0])
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         view = self._view(self._tracked_for(request))
         tokens = self.adapter.lookup(view, num_computed_tokens)
@@ -396,7 +410,9 @@ class SchedulerSide:
             new_block_ids[new.req_id] = self._block_ids(new.block_ids)
             replaced.add(new.req_id)
         cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
+        # vLLM 0.32/0.33's v1 runner resumes a request here with its whole table; its v2
+        # runner and vLLM 0.34 (no such field) re-send it in scheduled_new_reqs instead.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
             if req_id in resumed:
                 replaced.add(req_id)
