@@ -57,8 +57,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(params=["v2", "v1"])
 def model_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if request.param == "v2" else "0")
-    return str(request.param)
+    return harness_lib.use_model_runner(str(request.param), monkeypatch)
 
 
 def tierkv_config(**extra: Any) -> KVTransferConfig:
@@ -196,7 +195,7 @@ def test_chat_with_the_arc_eviction_policy(disk: bool, tmp_path: Path) -> None:
 
 
 def test_chat_with_vllm_prefix_cache_and_the_v1_runner(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    harness_lib.use_model_runner("v1", monkeypatch)
     cfg = HarnessConfig(num_gpu_blocks=16, max_num_batched_tokens=48,
                         kv_transfer_config=tierkv_config())
     run = Run(cfg)
@@ -586,14 +585,15 @@ def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_config.check_vllm_version("0.33.0")
     vllm_config.check_vllm_version("0.33.7rc1")
     vllm_config.check_vllm_version("0.32.0")
-    for version in ("0.31.1", "0.34.0", "1.0.0", "dev"):
+    vllm_config.check_vllm_version("0.34.0")
+    for version in ("0.31.1", "0.35.0", "1.0.0", "dev"):
         with pytest.raises(vllm_config.UnsupportedVersionError,
-                           match=r"targets vLLM 0\.32\.x and 0\.33\.x"):
+                           match=r"targets vLLM 0\.32\.x, 0\.33\.x and 0\.34\.x"):
             vllm_config.check_vllm_version(version)
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with pytest.raises(tierkv_vllm.UnsupportedVersionError, match="vLLM 0.34.0 is not supported"):
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(tierkv_vllm.UnsupportedVersionError, match="vLLM 0.35.0 is not supported"):
         harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, kv_transfer_config=tierkv_config()))
 
 
