@@ -1,4 +1,4 @@
-"""tierkv's vLLM connector under the real vLLM 0.33 Scheduler, on CPU.
+"""tierkv's vLLM connector under vLLM's real Scheduler (0.33 in .venv, 0.34 in .venv-034), on CPU.
 
 Every run goes through ``vllm_harness``: vLLM's own Scheduler (sync or async scheduling)
 and connector factory, the worker role registered on KV views built with vLLM's

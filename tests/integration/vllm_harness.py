@@ -1,4 +1,4 @@
-"""Drive the real vLLM 0.33.0 Scheduler on CPU with a fake model runner.
+"""Drive vLLM's real Scheduler (0.33 or 0.34) on CPU with a fake model runner.
 
 This is a test helper, not a test module. It builds vLLM's own objects (ModelConfig from a tiny
 local Llama config, VllmConfig, KVCacheConfig, Scheduler or AsyncScheduler, connectors through
@@ -9,7 +9,8 @@ Primitives and their contracts:
     HarnessConfig / build_harness(cfg)  the knobs and the wired objects (no downloads, no GPU).
     make_request(...)                   a vLLM Request hashed by vLLM's own block hasher.
     FakeModelRunner.execute_model(so)   calls the worker connector in the model runner's order
-                                        (v1 or v2 runner, as the scheduler was built for), writes
+                                        (v1 runner, or v2 through vLLM's own
+                                        worker/gpu/kv_connector.py wrapper), writes
                                         KV, samples one token per request that finished its
                                         prefill, returns a ModelRunnerOutput.
     check_kv(runner, so)                raises KVMismatchError if a slot below a scheduled
