@@ -10,6 +10,9 @@ and settings to the same bytes as 0.33 did. The values below were recorded under
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,29 @@ from tierkv.integrations.vllm_config import build_namespace
 from tierkv.integrations.vllm_versions import RELEASES, chunks_minor, vllm_minor
 
 from . import vllm_harness as harness_lib
-from .test_vllm_connector import Run, tierkv_config
+from .test_vllm_connector import CHAT, TPC, Run, _Resend, assert_clean, tierkv_config
+
+ROOT = Path(__file__).resolve().parents[2]
+# The venv `make test` builds for the other minor that shares chunks (Makefile).
+OTHER_VENV = {"0.33": ROOT / ".venv-034", "0.34": ROOT / ".venv"}
+# The first server, in the other venv: a two-turn chat written to disk_path; prints the
+# token sequences it computed and the chunks it stored.
+FIRST_SERVER = """
+import json, sys
+from pathlib import Path
+from tests.integration import vllm_harness as harness_lib
+from tests.integration.test_vllm_connector import CHAT, Run, assert_clean
+from tests.integration.test_vllm_block_hashes import restart_config
+import vllm
+run = Run(restart_config(sys.argv[1]), model_dir=Path(sys.argv[2]))
+result = run.run(harness_lib.MultiTurnWorkload(**{**CHAT, "num_turns": 2}))
+assert_clean(result, run.cfg.vocab_size)
+stored = run.side.index.statistics()
+run.shutdown()
+print(json.dumps({"vllm": vllm.__version__, "stored": stored.stores_planned - stored.stores_failed,
+                  "sequences": {req: list(spec.prompt_token_ids) + result.outputs[req]
+                                for req, spec in result.prompts.items()}}))
+"""
 
 # The last block hash of a 70-token prompt (tokens 7..76, 16-token blocks: 4 hashes, each
 # chained to the one before), by hash algorithm and extra keys, under vLLM 0.33.0.
@@ -75,3 +100,37 @@ def test_033_and_034_share_a_namespace_032_does_not(tmp_path: Path) -> None:
     assert fingerprint["0.33.0"] == fingerprint["0.33.4"] == fingerprint["0.34.0"] \
         == fingerprint["0.34.1+cu129"] != fingerprint["0.32.0"]
     run.shutdown()
+
+
+def restart_config(disk_path: str) -> harness_lib.HarnessConfig:
+    return harness_lib.HarnessConfig(
+        enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+        kv_transfer_config=tierkv_config(disk_path=disk_path, disk_bytes=64 << 20))
+
+
+def test_a_server_upgraded_between_033_and_034_restarts_warm(tmp_path: Path) -> None:
+    """The first server runs under the other minor (its venv, in a process of its own), the
+    second here over the same disk path: it finds every chunk and serves each sequence's
+    chunks from disk, with exact KV."""
+    minor = vllm_minor(vllm.__version__)
+    python = OTHER_VENV[minor] / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{python.parent.parent.name} is not built (make test builds it)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    disk, model = tmp_path / "disk", tmp_path / "model"  # one model path: the namespace keeps it
+    done = subprocess.run([str(python), "-c", FIRST_SERVER, str(disk), str(model)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=False, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = json.loads(done.stdout.strip().splitlines()[-1])
+    assert vllm_minor(first["vllm"]) != minor and first["stored"] > 0
+    second = Run(restart_config(str(disk)), model_dir=model)
+    assert second.side.found_on_disk == first["stored"]
+    again = second.run(_Resend(first["sequences"]))
+    assert_clean(again, second.cfg.vocab_size)
+    expected = {f"again-{req}": (len(tokens) - 1) // TPC * TPC
+                for req, tokens in first["sequences"].items()}
+    assert second.external == expected
+    stats = second.side.statistics()
+    assert stats["hit_tokens_disk"] > 0
+    assert stats["hit_tokens_disk"] + stats["hit_tokens_cpu"] == sum(expected.values())
+    second.shutdown()
