@@ -27,13 +27,15 @@ MAX_SEQS = 2
 INFLIGHT_CHAT = {**CHAT, "num_conversations": 6}
 
 
-def inflight_run(limit: int | None, async_scheduling: bool) -> tuple[Run, list[int], dict[str, bool]]:
-    """A chat whose hits all load asynchronously (sync_load_bytes 0); returns the run, the
-    running batch's size at each load vLLM admitted, and may_load_async's answers."""
+def inflight_run(limit: int | None, async_scheduling: bool, **extra: Any
+                 ) -> tuple[Run, list[int], dict[str, bool]]:
+    """A chat whose hits all load asynchronously (sync_load_bytes 0, unless ``extra`` says
+    otherwise); returns the run, the running batch's size at each load vLLM admitted, and
+    may_load_async's answers."""
     cfg = HarnessConfig(async_scheduling=async_scheduling, enable_prefix_caching=False,
                         num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=MAX_SEQS,
                         max_num_inflight_kv_loads=limit,
-                        kv_transfer_config=tierkv_config(sync_load_bytes=0))
+                        kv_transfer_config=tierkv_config(**{"sync_load_bytes": 0, **extra}))
     run = Run(cfg)
     scheduler, connector = run.harness.scheduler, run.connector
     running_at_load: list[int] = []
@@ -90,4 +92,20 @@ def test_a_speculators_deferred_finalize_keeps_every_hit(async_scheduling: bool,
     assert {req: run.external.get(req, 0) for req in expected} == expected
     stats = run.side.statistics()
     assert stats["loads_failed"] == stats["stores_failed"] == 0
+    run.shutdown()
+
+
+@pytest.mark.skipif(not harness_lib.VLLM_RELEASE.inflight_kv_loads,
+                    reason="vLLM before 0.34 has no --max-num-inflight-kv-loads")
+def test_same_step_hits_wait_for_a_running_slot_in_the_plain_queue() -> None:
+    """A hit all in the CPU tier loads in the step that schedules its request (same-step
+    loads on): may_load_async says False, so it never holds back vLLM's queue of
+    asynchronous loads, and it still hits every chunk."""
+    run, running_at_load, answers = inflight_run(4, False, sync_load_bytes=64 << 20)
+    result = run.run(MultiTurnWorkload(**INFLIGHT_CHAT))
+    assert_clean(result, run.cfg.vocab_size)
+    expected = expected_chat_hits(result, INFLIGHT_CHAT["user_turn_len"])
+    assert {req: run.external.get(req, 0) for req in expected} == expected
+    assert set(answers) == set(result.prompts) and not any(answers.values())
+    assert run.side.statistics()["sync_loads"] == len(expected)
     run.shutdown()

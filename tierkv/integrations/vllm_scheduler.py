@@ -337,17 +337,25 @@ class SchedulerSide:
 
     def may_load_async(self, request: Any) -> bool:
         """vLLM 0.34 asks it as a request enters a waiting queue: with
-        ``--max-num-inflight-kv-loads`` a request that may load starts its (asynchronous)
-        load while the running batch is full. Asked before any lookup, so it must be cheap:
-        the request's first chunk is on a tier (or a remote tier may hold it) and its load
-        policy loads. A false positive (vLLM's own prefix cache covers that chunk) costs the
-        request a place in vLLM's queue of such loads, no more."""
+        ``--max-num-inflight-kv-loads`` a request that may load asynchronously starts its
+        load while the running batch is full. Cheap (the index's lookup of its chunks, no
+        remote call): True when its hit would load asynchronously (a chunk on disk only,
+        or promoting, or more than a step's same-step budget), or a remote tier may hold
+        it. A hit all in the CPU tier loads in the step that schedules the request (a
+        same-step load needs a running slot anyway): False, so that it never holds back
+        vLLM's queue of asynchronous loads. vLLM's own prefix cache may cover a hit: a
+        false positive, which costs the request a place in that queue."""
         view = self._view(self._tracked_for(request))
         if (view.load_policy or self.adapter.config.load_policy) == "recompute":
             return False
-        if view.num_tokens <= self.geometry.tokens_per_chunk or not view.chunk_keys:
+        keys = view.chunk_keys[:(view.num_tokens - 1) // self.geometry.tokens_per_chunk]
+        if not keys:
             return False  # no whole chunk before the last token: nothing can load
-        return self.remote is not None or self.index.contains(view.chunk_keys[0])
+        if self.remote is not None:
+            return True
+        found = self.index.lookup(keys)
+        return found.pending or found.num_on_cpu < found.num_hits \
+            or found.num_hits > self.adapter.config.sync_load_chunks
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         view = self._view(self._tracked_for(request))
