@@ -1026,10 +1026,14 @@ def random_settings(rng: Any, tokens_per_chunk: int, chunk_bytes: int, disk_path
 
 
 def random_engine_knobs(rng: Any) -> dict[str, Any]:
-    """The harness knobs a randomized run draws besides the model and the pool."""
-    return dict(async_scheduling=rng.random() < 0.5, enable_prefix_caching=rng.random() < 0.5,
-                kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
-                max_num_batched_tokens=rng.choice([32, 48, 64]), max_num_seqs=rng.choice([4, 8]))
+    """The harness knobs a randomized run draws besides the model and the pool (under vLLM
+    0.34 also --max-num-inflight-kv-loads: loads that start while the batch is full)."""
+    knobs = dict(async_scheduling=rng.random() < 0.5, enable_prefix_caching=rng.random() < 0.5,
+                 kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
+                 max_num_batched_tokens=rng.choice([32, 48, 64]), max_num_seqs=rng.choice([4, 8]))
+    if harness_lib.VLLM_RELEASE.inflight_kv_loads:  # no new draw: each seed's workload stays
+        knobs["max_num_inflight_kv_loads"] = {32: None, 48: 1, 64: 4}[knobs["max_num_batched_tokens"]]
+    return knobs
 
 
 def run_random_chat(run: Run, rng: Any, seed: int) -> dict[str, int]:
