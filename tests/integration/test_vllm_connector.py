@@ -1,4 +1,4 @@
-"""tierkv's vLLM connector under the real vLLM 0.33 Scheduler, on CPU.
+"""tierkv's vLLM connector under vLLM's real Scheduler (0.33 in .venv, 0.34 in .venv-034), on CPU.
 
 Every run goes through ``vllm_harness``: vLLM's own Scheduler (sync or async scheduling)
 and connector factory, the worker role registered on KV views built with vLLM's
@@ -57,8 +57,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(params=["v2", "v1"])
 def model_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if request.param == "v2" else "0")
-    return str(request.param)
+    return harness_lib.use_model_runner(str(request.param), monkeypatch)
 
 
 def tierkv_config(**extra: Any) -> KVTransferConfig:
@@ -196,7 +195,7 @@ def test_chat_with_the_arc_eviction_policy(disk: bool, tmp_path: Path) -> None:
 
 
 def test_chat_with_vllm_prefix_cache_and_the_v1_runner(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    harness_lib.use_model_runner("v1", monkeypatch)
     cfg = HarnessConfig(num_gpu_blocks=16, max_num_batched_tokens=48,
                         kv_transfer_config=tierkv_config())
     run = Run(cfg)
@@ -586,14 +585,15 @@ def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_config.check_vllm_version("0.33.0")
     vllm_config.check_vllm_version("0.33.7rc1")
     vllm_config.check_vllm_version("0.32.0")
-    for version in ("0.31.1", "0.34.0", "1.0.0", "dev"):
+    vllm_config.check_vllm_version("0.34.0")
+    for version in ("0.31.1", "0.35.0", "1.0.0", "dev"):
         with pytest.raises(vllm_config.UnsupportedVersionError,
-                           match=r"targets vLLM 0\.32\.x and 0\.33\.x"):
+                           match=r"targets vLLM 0\.32\.x, 0\.33\.x and 0\.34\.x"):
             vllm_config.check_vllm_version(version)
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with pytest.raises(tierkv_vllm.UnsupportedVersionError, match="vLLM 0.34.0 is not supported"):
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(tierkv_vllm.UnsupportedVersionError, match="vLLM 0.35.0 is not supported"):
         harness_lib.build_harness(HarnessConfig(num_gpu_blocks=8, kv_transfer_config=tierkv_config()))
 
 
@@ -1032,10 +1032,14 @@ def random_settings(rng: Any, tokens_per_chunk: int, chunk_bytes: int, disk_path
 
 
 def random_engine_knobs(rng: Any) -> dict[str, Any]:
-    """The harness knobs a randomized run draws besides the model and the pool."""
-    return dict(async_scheduling=rng.random() < 0.5, enable_prefix_caching=rng.random() < 0.5,
-                kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
-                max_num_batched_tokens=rng.choice([32, 48, 64]), max_num_seqs=rng.choice([4, 8]))
+    """The harness knobs a randomized run draws besides the model and the pool (under vLLM
+    0.34 also --max-num-inflight-kv-loads: loads that start while the batch is full)."""
+    knobs = dict(async_scheduling=rng.random() < 0.5, enable_prefix_caching=rng.random() < 0.5,
+                 kv_cache_layout=rng.choice(["LBNHC", "LBHNC", "BLNHC", "BLHNC"]),
+                 max_num_batched_tokens=rng.choice([32, 48, 64]), max_num_seqs=rng.choice([4, 8]))
+    if harness_lib.VLLM_RELEASE.inflight_kv_loads:  # no new draw: each seed's workload stays
+        knobs["max_num_inflight_kv_loads"] = {32: None, 48: 1, 64: 4}[knobs["max_num_batched_tokens"]]
+    return knobs
 
 
 def run_random_chat(run: Run, rng: Any, seed: int) -> dict[str, int]:

@@ -29,8 +29,7 @@ RequestSpec = harness_lib.RequestSpec
 def model_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """vLLM 0.33 picks the V2 model runner by default; the V1 runner orders connector calls and
     resends resumed requests differently, so both are exercised."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if request.param == "v2" else "0")
-    yield request.param
+    yield harness_lib.use_model_runner(str(request.param), monkeypatch)
 
 
 def _assert_clean(result: harness_lib.RunResult, vocab_size: int) -> None:
@@ -56,7 +55,8 @@ def test_multi_turn_without_connector_passes_check_kv_every_step(
     harness, result = harness_lib.run_workload(cfg, workload)
 
     _assert_clean(result, cfg.vocab_size)
-    assert harness.scheduler.use_v2_model_runner == (model_runner == "v2")
+    # vLLM 0.34 has only the v2 runner (and no use_v2_model_runner)
+    assert getattr(harness.scheduler, "use_v2_model_runner", True) == (model_runner == "v2")
     assert harness.vllm_config.max_concurrent_batches == (2 if async_scheduling else 1)
     assert len(result.outputs) == 4 * 3
     # Chunked prefill happened, and later turns started on prefix-cache hits, so check_kv read

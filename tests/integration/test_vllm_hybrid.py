@@ -116,7 +116,7 @@ def test_chat_turns_of_a_hybrid_model_hit_every_chunk_of_the_previous_turn(
 @pytest.mark.parametrize("model_runner", ["v1", "v2"])
 def test_preemptions_of_a_hybrid_model(model_runner: str, async_scheduling: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if model_runner == "v2" else "0")
+    harness_lib.use_model_runner(model_runner, monkeypatch)
     cfg = hybrid(async_scheduling=async_scheduling, num_gpu_blocks=40, max_num_batched_tokens=48,
                  max_num_seqs=8, kv_transfer_config=tierkv_config())
     run = Run(cfg)

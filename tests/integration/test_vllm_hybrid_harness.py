@@ -40,8 +40,7 @@ SW_LAYERS = (1, 3)  # of 4: layers 0 and 2 full attention
 def model_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The V2 model runner (vLLM 0.33's default) re-admits a preempted request as new, the V1
     runner resumes it with every group's whole block table."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if request.param == "v2" else "0")
-    yield request.param
+    yield harness_lib.use_model_runner(str(request.param), monkeypatch)
 
 
 def _cfg(window: int = 32, **overrides: Any) -> HarnessConfig:

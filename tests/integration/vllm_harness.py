@@ -1,4 +1,4 @@
-"""Drive the real vLLM 0.33.0 Scheduler on CPU with a fake model runner.
+"""Drive vLLM's real Scheduler (0.33 or 0.34) on CPU with a fake model runner.
 
 This is a test helper, not a test module. It builds vLLM's own objects (ModelConfig from a tiny
 local Llama config, VllmConfig, KVCacheConfig, Scheduler or AsyncScheduler, connectors through
@@ -9,7 +9,8 @@ Primitives and their contracts:
     HarnessConfig / build_harness(cfg)  the knobs and the wired objects (no downloads, no GPU).
     make_request(...)                   a vLLM Request hashed by vLLM's own block hasher.
     FakeModelRunner.execute_model(so)   calls the worker connector in the model runner's order
-                                        (v1 or v2 runner, as the scheduler was built for), writes
+                                        (v1 runner, or v2 through vLLM's own
+                                        worker/gpu/kv_connector.py wrapper), writes
                                         KV, samples one token per request that finished its
                                         prefill, returns a ModelRunnerOutput.
     check_kv(runner, so)                raises KVMismatchError if a slot below a scheduled
@@ -50,6 +51,8 @@ from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
+import pytest
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
@@ -90,6 +93,8 @@ from .harness.offloading import (
 from .harness.recording import RecordingConnector, RecordingMetadata, recording_transfer_config
 from .harness.runner import FakeModelRunner, check_kv
 from .harness.runner_state import NULL_BLOCK_ID, FakeAttentionMetadata, _ScheduledRequest
+from tierkv.integrations.vllm_versions import release_of
+
 from .harness.values import (
     HarnessError,
     KVMismatch,
@@ -139,8 +144,20 @@ __all__ = [
     "run_workload",
     "sample_token",
     "stand_in_worker",
+    "use_model_runner",
     "write_tiny_llama",
 ]
+
+VLLM_RELEASE = release_of(vllm.__version__)  # the installed release's row of RELEASES
+
+
+def use_model_runner(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Build later VllmConfigs for vLLM's "v1" or "v2" model runner; skips "v1" on a
+    release without it (vLLM 0.34: RELEASES' model_runner_v1)."""
+    if name == "v1" and not VLLM_RELEASE.model_runner_v1:
+        pytest.skip(f"vLLM {vllm.__version__} has no v1 model runner")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if name == "v2" else "0")
+    return name
 
 
 _MODEL_DIRS: dict[tuple[Any, ...], Path] = {}

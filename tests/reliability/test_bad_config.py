@@ -174,8 +174,9 @@ def test_from_dict_needs_a_mapping(raw: Any) -> None:
 
 # -- vLLM version check -------------------------------------------------------------------
 
-SUPPORTED = ["0.33.0", "0.33.1", "0.33.2rc1", "0.33.0+cu124", "0.32.0", "0.32.0+cpu", "0.32.9"]
-UNSUPPORTED = ["0.31.9", "0.34.0", "1.33.0", "0.3.3", "0.33", "33", "v0.33.0", "unknown", ""]
+SUPPORTED = ["0.33.0", "0.33.1", "0.33.2rc1", "0.33.0+cu124", "0.32.0", "0.32.0+cpu", "0.32.9",
+             "0.34.0", "0.34.1rc2"]
+UNSUPPORTED = ["0.31.9", "0.35.0", "1.33.0", "0.3.3", "0.33", "33", "v0.33.0", "unknown", ""]
 
 
 @pytest.mark.parametrize("version", SUPPORTED)
@@ -196,7 +197,7 @@ def test_unsupported_vllm_version_gives_a_clear_message(version: str) -> None:
         check_vllm_version(version)
     message = str(raised.value)
     assert f"vLLM {version} is not supported" in message
-    assert "0.32.x and 0.33.x" in message and "pip install" in message
+    assert "0.32.x, 0.33.x and 0.34.x" in message and "pip install" in message
     assert isinstance(raised.value, TierKVError)
 
 
@@ -204,15 +205,15 @@ def test_importing_the_connector_under_another_vllm_fails_with_the_message(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The connector module checks the version it reads from ``vllm.__version__`` as it is
     imported (before it touches vLLM's connector API): a stand-in vllm module reporting
-    0.34.0 makes the import fail with UnsupportedVersionError, not an AttributeError or
+    0.35.0 makes the import fail with UnsupportedVersionError, not an AttributeError or
     ImportError from deep inside vLLM."""
     from tierkv.integrations.vllm_config import UnsupportedVersionError
 
     fake = types.ModuleType("vllm")
-    fake.__version__ = "0.34.0"  # type: ignore[attr-defined]
+    fake.__version__ = "0.35.0"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.delitem(sys.modules, "tierkv.integrations.vllm", raising=False)
-    with pytest.raises(UnsupportedVersionError, match=r"vLLM 0\.34\.0 is not supported"):
+    with pytest.raises(UnsupportedVersionError, match=r"vLLM 0\.35\.0 is not supported"):
         importlib.import_module("tierkv.integrations.vllm")
     assert "tierkv.integrations.vllm" not in sys.modules
 

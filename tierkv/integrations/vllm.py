@@ -1,4 +1,4 @@
-"""tierkv as a vLLM 0.33 KV connector: GPU -> pinned CPU slab (LRU) -> LMDB disk, and back.
+"""tierkv as a vLLM KV connector (vLLM 0.32 to 0.34): GPU -> CPU slab -> LMDB disk, and back.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierKVConnector",
         "kv_connector_module_path": "tierkv.integrations.vllm", "kv_role": "kv_both",
@@ -251,6 +251,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Any) -> None:
         self._scheduler_side().on_new_request(request)
+
+    def may_load_async(self, request: Any) -> bool:
+        # vLLM 0.34 (--max-num-inflight-kv-loads); earlier releases never call it.
+        return self._scheduler_side().may_load_async(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)

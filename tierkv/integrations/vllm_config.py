@@ -40,7 +40,7 @@ from tierkv.integrations.vllm_geometry import Geometry as Geometry
 from tierkv.integrations.vllm_geometry import KVGroup as KVGroup
 from tierkv.integrations.vllm_versions import UnsupportedVersionError as UnsupportedVersionError
 from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
-from tierkv.integrations.vllm_versions import vllm_minor
+from tierkv.integrations.vllm_versions import chunks_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.settings import INVALID, declared, derived, setting
 
@@ -462,7 +462,7 @@ def build_namespace(vllm_config: Any, geometry: Geometry, vllm_version: str,
         rank_layout="mla" if mla else "heads",
         hash_scheme=hash_scheme,
         format_version=FORMAT_VERSION,
-        extra=f"vllm-{vllm_minor(vllm_version)}" + (f"/quant:{quantization}" if quantization else ""),
+        extra=f"vllm-{chunks_minor(vllm_version)}" + (f"/quant:{quantization}" if quantization else ""),
         layer_names=layers,
         blocks_per_chunk=geometry.blocks_per_chunk,
         chunk_bytes=geometry.model_chunk_bytes,

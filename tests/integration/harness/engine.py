@@ -219,7 +219,7 @@ class HarnessEngine:
             index=len(self.records) + 1,
             num_scheduled_tokens=dict(so.num_scheduled_tokens),
             new_req_ids=[new.req_id for new in so.scheduled_new_reqs],
-            resumed_req_ids=set(so.scheduled_cached_reqs.resumed_req_ids),
+            resumed_req_ids=set(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ())),
             preempted_req_ids=set(so.preempted_req_ids or ()),
             finished_req_ids=set(so.finished_req_ids),
             has_sync_kv_loads=so.has_sync_kv_loads,

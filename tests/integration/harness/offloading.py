@@ -55,7 +55,8 @@ class StandInOffloadingWorker(OffloadingWorker):
         self._finished: list[TransferResult] = []
         self.stats = StandInStats()
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    # The GPU side: vLLM 0.33 passes a GPULoadStoreSpec, 0.34 the blocks' DevicePointers.
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, CPULoadStoreSpec)
         size = self._transfer(src_spec, dst_spec, to_cpu=True)
         self.stats.stores += 1
@@ -64,7 +65,7 @@ class StandInOffloadingWorker(OffloadingWorker):
         return True
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False
     ) -> bool:
         assert isinstance(src_spec, CPULoadStoreSpec)
         size = self._transfer(dst_spec, src_spec, to_cpu=False)
@@ -73,20 +74,39 @@ class StandInOffloadingWorker(OffloadingWorker):
         self._finished.append(TransferResult(job_id, True, size, 0.0))
         return True
 
-    def _transfer(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, to_cpu: bool) -> int:
+    def _gpu_groups(self, gpu_side: Any) -> list[tuple[int, list[int]]]:
+        """Per KV cache group: the logical index of its first GPU block, and the block ids."""
+        if isinstance(gpu_side, GPULoadStoreSpec):  # vLLM 0.33
+            ids, offset, groups = gpu_side.block_ids.tolist(), 0, []
+            for size, index in zip(gpu_side.group_sizes, gpu_side.block_indices):
+                groups.append((index, ids[offset : offset + size]))
+                offset += size
+            return groups
+        # vLLM 0.34: DevicePointers, a (pointer, size) per block and data ref of each group in
+        # turn; the "device" is this process's memory, so a pointer gives its block back.
+        offset, groups = 0, []
+        for group, (size, refs, index) in enumerate(zip(
+                gpu_side.group_block_counts, gpu_side.group_data_ref_counts, gpu_side.block_indices)):
+            tensor = self._gpu[self._refs[group][0].tensor_idx] if size else None
+            ptrs = gpu_side.ptrs[offset : offset + size].tolist()
+            row = tensor.stride(0) * tensor.element_size() if tensor is not None else 1
+            groups.append((index, [(ptr - tensor.data_ptr()) // row for ptr in ptrs] if tensor is not None else []))
+            offset += size * refs
+        return groups
+
+    def _transfer(self, gpu_side: Any, cpu_spec: CPULoadStoreSpec, to_cpu: bool) -> int:
         # Same addressing as vLLM's CPUOffloadingWorker: per group, block_indices[g] is the
         # logical index of the group's first GPU block; the chunk side skips that many
         # sub-blocks modulo blocks_per_chunk.
         per_chunk = self._blocks_per_chunk
-        gpu_ids = gpu_spec.block_ids.tolist()
         chunk_ids = cpu_spec.block_ids.tolist()
-        gpu_offset = chunk_offset = num_bytes = 0
-        for group, (group_size, block_index) in enumerate(zip(gpu_spec.group_sizes, gpu_spec.block_indices)):
+        chunk_offset = num_bytes = 0
+        for group, (block_index, group_gpu) in enumerate(self._gpu_groups(gpu_side)):
+            group_size = len(group_gpu)
             if group_size == 0:
                 continue
             skip = block_index % per_chunk
             num_chunks = -(-(group_size + skip) // per_chunk)
-            group_gpu = gpu_ids[gpu_offset : gpu_offset + group_size]
             group_chunks = chunk_ids[chunk_offset : chunk_offset + num_chunks]
             for index, gpu_block in enumerate(group_gpu):
                 logical = skip + index
@@ -103,7 +123,6 @@ class StandInOffloadingWorker(OffloadingWorker):
                         cpu_row.copy_(gpu_row)
                     else:
                         gpu_row.copy_(cpu_row)
-            gpu_offset += group_size
             chunk_offset += num_chunks
         return num_bytes
 

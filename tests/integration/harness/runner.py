@@ -4,6 +4,7 @@ call order around a fake forward (see ``vllm_harness``)."""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from collections.abc import Iterable, Iterator, Sequence
 from copy import deepcopy
 from typing import Any
@@ -45,16 +46,20 @@ from .values import (
 class FakeModelRunner:
     """Allocates KV like vLLM's model runner and plays its connector protocol around a fake forward.
 
-    Worker order per step (v1 runner: gpu_model_runner.execute_model + the
-    kv_connector_model_runner_mixin; v2 runner: worker/gpu/model_runner + worker/gpu/kv_connector):
-        v1: handle_preemptions, update states (zero new blocks, CoW copies)
-        v2: update states (zero new blocks, CoW copies), handle_preemptions
-        then: bind_connector_metadata, start_load_kv if has_sync_kv_loads, forward (per layer:
-        wait_for_layer_load, check, write, save_kv_layer), finish_forward (v2 only),
-        start_load_kv if not yet called, wait_for_save, get_transfer_results (which calls
-        get_finished unless overridden), get_block_ids_with_load_errors,
-        get_kv_connector_stats, get_kv_connector_kv_cache_events, build_connector_worker_meta,
-        clear_connector_metadata.
+    Worker order per step. The v2 runner (worker/gpu/model_runner.py; the only one in vLLM
+    0.34) is driven through vLLM's own wrapper, worker/gpu/kv_connector.py's
+    ActiveKVConnector, as that runner calls it: update states (zero new blocks, CoW copies),
+    pre_forward (handle_preemptions, bind_connector_metadata, start_load_kv if
+    has_sync_kv_loads), the forward (per layer: wait_for_layer_load, check, write,
+    save_kv_layer), finish_forward, post_forward (start_load_kv if not yet called,
+    wait_for_save unless defer_kv_finalize, get_transfer_results, ...,
+    clear_connector_metadata), finalize_step with defer_kv_finalize (a speculator's
+    step); no_forward on an empty step. The v1 runner (gpu_model_runner.execute_model + the
+    kv_connector_model_runner_mixin, vLLM 0.32/0.33) is played here: handle_preemptions,
+    update states, bind_connector_metadata, start_load_kv if has_sync_kv_loads, forward,
+    start_load_kv if not yet called, wait_for_save, get_transfer_results,
+    get_block_ids_with_load_errors, get_kv_connector_stats,
+    get_kv_connector_kv_cache_events, build_connector_worker_meta, clear_connector_metadata.
     """
 
     def __init__(
@@ -81,7 +86,9 @@ class FakeModelRunner:
         # (vLLM caches blocks at allocation) reads that block's KV from this very forward;
         # the default check-before-write flags it. Off by default.
         self.write_before_check = False
-        self.use_v2_model_runner = vllm_config.use_v2_model_runner
+        # vLLM 0.34 has only the v2 runner (no VllmConfig.use_v2_model_runner).
+        self.use_v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", True))
+        self.mrv2: Any = None  # vLLM's ActiveKVConnector around the connector (v2 runner)
         self.block_size = cfg.block_size
         self.kernel_block_size = cfg.kernel_block_size or cfg.block_size
         if cfg.block_size % self.kernel_block_size or (
@@ -127,7 +134,12 @@ class FakeModelRunner:
         self.num_checked_slots = 0
         self._pending_mismatches: list[KVMismatch] = []
         self._aggregator: KVOutputAggregator | None = None
-        if connector is not None:
+        if connector is not None and self.use_v2_model_runner:
+            from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+            with self._as_worker_process():  # it registers the KV caches itself
+                self.mrv2 = ActiveKVConnector(vllm_config, self.kv_caches)
+        elif connector is not None:
             connector.register_kv_caches(self.kv_caches)
             connector.set_host_xfer_buffer_ops(copy_kv_blocks)
 
@@ -156,12 +168,15 @@ class FakeModelRunner:
                 )
             )
         cached = so.scheduled_cached_reqs
+        # vLLM 0.34 has neither field: a resumed request comes back in scheduled_new_reqs.
+        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
+        all_token_ids = getattr(cached, "all_token_ids", None) or {}
         for index, req_id in enumerate(cached.req_ids):
-            resumed = req_id in cached.resumed_req_ids
+            resumed = req_id in resumed_ids
             old = self.requests.get(req_id)
             if old is None and not resumed:
                 raise HarnessError(f"request {req_id}: cached but unknown to the runner")
-            provided = cached.all_token_ids.get(req_id)
+            provided = all_token_ids.get(req_id)
             old_tokens = old.token_ids if old else None
             if provided is not None:
                 tokens = _reconcile(req_id, old_tokens, provided, replace=resumed)
@@ -396,23 +411,22 @@ class FakeModelRunner:
         self._raise_unexplained_mismatches(output.kv_connector_output)
         return output
 
-    def _pre_forward(self, so: SchedulerOutput, load_kwargs: dict[str, Any]) -> bool:
-        """Returns whether start_load_kv already ran."""
+    def _pre_forward(self, so: SchedulerOutput) -> bool:
+        """The v1 runner's connector calls before the forward; returns whether start_load_kv
+        already ran."""
         connector = self.connector
         assert connector is not None and so.kv_connector_metadata is not None
-        if self.use_v2_model_runner:
-            connector.handle_preemptions(so.kv_connector_metadata)
         connector.bind_connector_metadata(so.kv_connector_metadata)
         if so.has_sync_kv_loads:
-            connector.start_load_kv(get_forward_context(), **load_kwargs)
+            connector.start_load_kv(get_forward_context())
             return True
         return False
 
-    def _post_forward(self, so: SchedulerOutput, load_started: bool, load_kwargs: dict[str, Any]) -> KVConnectorOutput:
+    def _post_forward(self, so: SchedulerOutput, load_started: bool) -> KVConnectorOutput:
         connector = self.connector
         assert connector is not None
         if not load_started:
-            connector.start_load_kv(get_forward_context(), **load_kwargs)
+            connector.start_load_kv(get_forward_context())
         connector.wait_for_save()  # type: ignore[no-untyped-call]
         results = connector.get_transfer_results(so.finished_req_ids)
         output = KVConnectorOutput(
@@ -430,11 +444,12 @@ class FakeModelRunner:
     def _no_forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.connector is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if self.mrv2 is not None:
+            output: ModelRunnerOutput = self.mrv2.no_forward(so)
+            return output
         with set_forward_context(None, self.vllm_config):
-            load_started = self._pre_forward(so, {})
-            if self.use_v2_model_runner:
-                self.connector.finish_forward()
-            kv_output = self._post_forward(so, load_started, {})
+            load_started = self._pre_forward(so)
+            kv_output = self._post_forward(so, load_started)
         return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
 
     def _forward(self, so: SchedulerOutput, planned: list[_ScheduledRequest]) -> ModelRunnerOutput:
@@ -454,17 +469,16 @@ class FakeModelRunner:
             name: FakeAttentionMetadata(slot_mappings[self.group_of_layer[index]])
             for index, name in enumerate(self.layer_names)
         }
-        load_kwargs: dict[str, Any] = {}
-        if self.use_v2_model_runner:
-            load_kwargs = {
-                "scheduler_output": so,
-                "request_state_indices": torch.arange(len(planned), dtype=torch.int32),
-                "request_ids": [item.request_id for item in planned],
-                "num_tokens": so.total_num_scheduled_tokens,
-            }
         kv_output: KVConnectorOutput | None = None
+        load_started = False
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=so.total_num_scheduled_tokens):
-            load_started = self._pre_forward(so, load_kwargs) if connector is not None else False
+            if self.mrv2 is not None:  # what the wrapper reads of the v2 runner's InputBatch
+                self.mrv2.pre_forward(so, SimpleNamespace(
+                    idx_mapping=torch.arange(len(planned), dtype=torch.int32),
+                    req_ids=[item.request_id for item in planned],
+                    num_tokens=so.total_num_scheduled_tokens))
+            elif connector is not None:
+                load_started = self._pre_forward(so)
             for layer_index, layer in enumerate(self.layer_names):
                 hooks = connector is not None and connector.has_connector_metadata()
                 if hooks:
@@ -478,10 +492,14 @@ class FakeModelRunner:
                 if hooks:
                     assert connector is not None
                     connector.save_kv_layer(layer, self.kv_caches[layer], attn_metadata[layer])
-            if connector is not None:
-                if self.use_v2_model_runner:  # the v1 runner never calls finish_forward
-                    connector.finish_forward()
-                kv_output = self._post_forward(so, load_started, load_kwargs)
+            if connector is not None and self.mrv2 is None:
+                kv_output = self._post_forward(so, load_started)
+        if self.mrv2 is not None:  # outside the forward context, as the v2 runner calls it
+            self.mrv2.finish_forward()
+            defer = self.cfg.defer_kv_finalize
+            kv_output = self.mrv2.post_forward(set(so.finished_req_ids), defer_finalize=defer)
+            if defer:  # after the speculator's drafts
+                self.mrv2.finalize_step()
         return self._sample(planned, kv_output)
 
     def _sample(self, planned: list[_ScheduledRequest], kv_output: KVConnectorOutput | None) -> ModelRunnerOutput:
@@ -498,12 +516,11 @@ class FakeModelRunner:
             token = sample_token(fingerprints[end - 1], self.cfg.vocab_size)
             state.token_ids.append(token)
             sampled.append([token])
+        # vLLM 0.34 dropped req_id_to_index (the order of req_ids is the index).
+        index = {"req_id_to_index": {req_id: i for i, req_id in enumerate(req_ids)}} \
+            if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {}
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_output,
-        )
+            req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output, **index)
 
     def _raise_unexplained_mismatches(self, kv_output: KVConnectorOutput | None) -> None:
         mismatches = self._pending_mismatches
