@@ -20,7 +20,9 @@ TTFT here is the wall time of one ``LLM.generate()`` of one token-id prompt with
                  directory the ``miss`` engine wrote; before each prompt the page cache of
                  the disk tier's files (slabs and LMDB index) is dropped (``--cold``:
                  ``posix_fadvise(DONTNEED)`` on them, or ``/proc/sys/vm/drop_caches``), and
-                 ``mincore`` shows what the hit read in.
+                 ``read_bytes`` of ``/proc/self/io`` counts what the hit read from the
+                 device (``O_DIRECT`` reads bypass the page cache, so ``mincore`` would
+                 not see them).
 - ``disk_warm``  the same fresh engine on prompts of its own, after the disk files were read
                  whole (page cache warm): the disk tier's path without the device.
 - ``remote``     a tierkv hit from the remote tier: a fresh engine with no disk tier over
@@ -218,6 +220,15 @@ def resident_bytes(path: Path) -> tuple[int, int]:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
+
+
+def device_read_bytes() -> int:
+    """Bytes this process (every thread) had the storage layer read: ``read_bytes`` of
+    ``/proc/self/io``, which counts ``O_DIRECT`` reads as well as page-cache fills."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise OSError("no read_bytes in /proc/self/io")
 
 
 def page_cache(root: Path) -> int:
@@ -545,12 +556,13 @@ class Bench:
         geometry = engine.connector.geometry
         for policy in one.order(self.args.policies, length):
             resident = before() if before is not None else None
+            device = device_read_bytes()
             expected = {"always": hit, "recompute": 0}.get(policy)
             one.measure(engine, row_of(tier, policy), length, expected,
                         "remote" if tier == "slow" else tier,  # the counter of its hits
                         one.tokens(policy, length), load_policy=policy)
             if resident is not None and policy == "always":
-                self.figures.cold_reads.append((resident, page_cache(self.disk) - resident,
+                self.figures.cold_reads.append((resident, device_read_bytes() - device,
                                                 hit // geometry.tokens_per_chunk
                                                 * geometry.chunk_bytes))
 
@@ -722,7 +734,7 @@ def checks(figures: Figures, markdown: bool = False) -> list[str]:
         brought = sum(b for _, b, _ in figures.cold_reads)
         needed = sum(n for _, _, n in figures.cold_reads)
         out.append(f"{'' if not markdown else chr(10)}cold disk hits: {brought / 2**20:.0f} MiB "
-                   f"came into the page cache for {needed / 2**20:.0f} MiB of chunks loaded "
+                   f"read from the device for {needed / 2**20:.0f} MiB of chunks loaded "
                    f"({brought / max(needed, 1):.2f}x); disk pages resident before each hit: "
                    f"median {resident / 2**20:.1f} MiB (index pages this engine mapped stay)")
     return out
@@ -789,7 +801,7 @@ def to_json(figures: Figures) -> dict[str, Any]:
                        "max_logprob_difference": figures.deviation[row],
                        "crossover": figures.crossover(row) if row in HITS else None}
                  for row in figures.rows},
-        "cold_disk_reads": [{"resident_before": r, "brought_in": b, "loaded_bytes": n}
+        "cold_disk_reads": [{"resident_before": r, "device_read": b, "loaded_bytes": n}
                             for r, b, n in figures.cold_reads],
         "errors": figures.errors,
     }
@@ -801,7 +813,7 @@ def from_json(model: str, data: dict[str, Any]) -> Figures:
     figures = Figures(model, data["lengths"], list(rows))
     figures.block_size, figures.tokens_per_chunk = data["block_size"], data["tokens_per_chunk"]
     figures.errors = list(data["errors"])
-    figures.cold_reads = [(r["resident_before"], r["brought_in"], r["loaded_bytes"])
+    figures.cold_reads = [(r["resident_before"], r["device_read"], r["loaded_bytes"])
                           for r in data["cold_disk_reads"]]
     for row, values in rows.items():
         figures.labels[row] = values["label"]

@@ -85,15 +85,19 @@ def test_disk_hits_after_an_engine_restart(model: str, models: dict[str, Path],
 
 
 def test_mla_on_vllms_cpu_backend_is_refused(models: dict[str, Path]) -> None:
-    """vLLM's CPU backend (no AMX here) runs MLA with chunked prefill and prefix caching
-    forced off: its MLA prefill cannot attend to KV it did not compute in the same pass.
-    Before tierkv refused it, a tierkv hit there gave other greedy tokens than a recompute
-    (the engine read wrong KV); now the engine does not start with the connector, and
-    the error says why (docs/vllm.md quotes it)."""
+    """vLLM's reference CPU MLA backend (CPU_MLA: what a CPU without AMX runs) runs MLA
+    with chunked prefill and prefix caching forced off: its MLA prefill cannot attend to KV
+    it did not compute in the same pass. Before tierkv refused it, a tierkv hit there gave
+    other greedy tokens than a recompute (the engine read wrong KV); now the engine does not
+    start with the connector, and the error says why (docs/vllm.md quotes it). The backend
+    is asked for by name: on a CPU with AMX vLLM would pick AMX_MLA, which keeps both on
+    (and takes no float32 weights: the engine failed in vLLM's kernel, not at tierkv's
+    refusal, on such a machine)."""
     from tierkv.errors import ConfigError
 
     with pytest.raises(Exception) as raised:
-        Engine(models["deepseek_v2"], tierkv={"cpu_bytes": 64 << 20})
+        Engine(models["deepseek_v2"], tierkv={"cpu_bytes": 64 << 20},
+               attention_backend="CPU_MLA")
     error = raised.value
     while not isinstance(error, ConfigError) and error.__cause__ is not None:
         error = error.__cause__
