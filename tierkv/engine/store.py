@@ -58,6 +58,7 @@ import torch
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.core.figures import values
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
+from tierkv.engine import store_exit
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, config_info,
@@ -113,7 +114,7 @@ class TierKVStore:
     ) -> None:
         self._pid = os.getpid()
         self._busy = threading.Lock()
-        self._closed = False
+        self._closed = True  # until it is open: the finalizer leaves a failed start alone
         self.config = config or StoreConfig()
         if not isinstance(self.config, StoreConfig):
             raise ConfigError(f"store: config must be a StoreConfig, got a "
@@ -171,6 +172,8 @@ class TierKVStore:
         # shortfall). fence() asks the executor which jobs touch given blocks.
         self._promised: dict[bytes, int] = {}
         self._shortfall = ShortfallCounts()
+        self._closed = False
+        store_exit.track(self)  # flushed at interpreter exit if never closed
 
     def _open_budget(self, root: Path, num_slots: int) -> None:
         """The index over this store's share of the disk cap, which every namespace under
@@ -446,6 +449,7 @@ class TierKVStore:
             log.warning("tierkv: close could not flush the CPU tier to disk: %s", exc)
         finally:
             self._closed = True
+            store_exit.forget(self)
             self._close_parts()
 
     def _close_parts(self) -> None:
@@ -459,6 +463,17 @@ class TierKVStore:
                 if self._budget is not None:
                     index = getattr(self, "index", None)  # None: construction failed
                     self._budget.release(index.disk_used if index is not None else 0)
+
+    def __del__(self) -> None:
+        """A store collected without ``close()`` warns (ResourceWarning and a log line) and
+        is closed here, its CPU tier flushed (:mod:`tierkv.engine.store_exit`)."""
+        if not getattr(self, "_closed", True):
+            store_exit.collected_unclosed(self)
+
+    def _describe(self) -> str:
+        disk = self.config.disk.path
+        where = f"disk tier {disk}" if disk is not None else "no disk tier"
+        return f"TierKVStore of namespace {self.namespace.fingerprint()[:8]} ({where})"
 
     def __enter__(self) -> TierKVStore:
         """The store itself; leaving the ``with`` block calls ``close()``."""
