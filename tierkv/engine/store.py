@@ -398,6 +398,8 @@ class TierKVStore:
             chunk_bytes=self.chunk_bytes,
             remote=remote,
             load_shortfall=LoadShortfall.of(self._shortfall),
+            disk_to_cpu=self._paths.read_path("disk"),
+            remote_to_cpu=self._paths.read_path("remote"),
         )
 
     def figures(self) -> dict[str, float | Durations]:
