@@ -179,6 +179,21 @@ def test_a_vllm_scrape_shows_the_chat_workloads_hits_and_queries(async_schedulin
     run.shutdown()
 
 
+def test_config_info_shows_the_tokens_per_chunk_in_use() -> None:
+    """Regression: config_info showed tokens_per_chunk="None" where 128 was in use."""
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                        kv_transfer_config=tierkv_config(tokens_per_chunk=None))
+    run = Run(cfg)
+    registry = CollectorRegistry()
+    _TestProm.build(run.harness.vllm_config, registry)
+    info = [dict(labels) for (name, labels), _ in scrape(registry).items()
+            if name == PREFIX + "config_info"]
+    in_use = run.side.geometry.tokens_per_chunk
+    run.shutdown()
+    assert in_use == 128 and len(info) == 1
+    assert info[0]["tokens_per_chunk"] == str(in_use)
+
+
 def test_payloads_merge_counters_durations_and_gauges() -> None:
     a = TierKVConnectorStats(data={"hit_tokens_cpu": 32, "queried_tokens": 96,
                                    "durations_gpu_to_cpu": [0.001], "cpu_used_bytes": 10})

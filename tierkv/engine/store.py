@@ -63,6 +63,7 @@ from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, config_info,
                                    remote_figures, usage_figures)
+from tierkv.engine.start_line import short_id, start_line
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
@@ -174,6 +175,8 @@ class TierKVStore:
         self._shortfall = ShortfallCounts()
         self._closed = False
         store_exit.track(self)  # flushed at interpreter exit if never closed
+        log.info("%s", start_line("store", cfg, namespace, num_slots=num_slots,
+                                  chunk_bytes=self.chunk_bytes))
 
     def _open_budget(self, root: Path, num_slots: int) -> None:
         """The index over this store's share of the disk cap, which every namespace under
@@ -475,7 +478,7 @@ class TierKVStore:
     def _describe(self) -> str:
         disk = self.config.disk.path
         where = f"disk tier {disk}" if disk is not None else "no disk tier"
-        return f"TierKVStore of namespace {self.namespace.fingerprint()[:8]} ({where})"
+        return f"TierKVStore of namespace {short_id(self.namespace)} ({where})"
 
     def __enter__(self) -> TierKVStore:
         """The store itself; leaving the ``with`` block calls ``close()``."""

@@ -30,6 +30,7 @@ import torch
 
 from tierkv.engine.metrics import remote_figures, since_last
 from tierkv.engine.stack import WorkerStack, build_worker
+from tierkv.engine.start_line import start_line
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
@@ -170,10 +171,9 @@ class WorkerSide:
         self.worker = WorkerAdapter(self._stack.executor, self.rank,
                                     track_slots=self.disk is not None and writer,
                                     writes_disk=writer)
-        log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
-                 geometry.num_slots, chunk_bytes,
-                 (f", disk tier at {self.disk.path}" if self.disk is not None else "") +
-                 (f", remote tier {self._stack.remote.url}" if self._stack.remote else ""))
+        log.debug("tierkv: rank %d registered %r", self.rank, layout)
+        log.info("%s", start_line(f"rank {self.rank}", config, self.namespace,
+                                  num_slots=geometry.num_slots, chunk_bytes=chunk_bytes))
 
     def _wire_other_parts(self, config: Any) -> None:
         """Let the disk and remote readers load chunks another part count wrote (another
