@@ -660,7 +660,7 @@ def test_one_capacity_formula_for_the_connector_and_the_library_store(tmp_path: 
     disk_bytes = 37 * (2 * 256 + DISK_OVERHEAD_BYTES) + 5
     config = StoreConfig(blocks_per_chunk=2, cpu=CpuTierConfig(max_bytes=4096, pin_memory="never"),
                          disk=DiskTierConfig(path=tmp_path, max_bytes=disk_bytes), device="cpu")
-    with TierKVStore(kv, model_id="m", config=config) as store:
+    with TierKVStore(kv, model_id="m", tokens_per_block=4, config=config) as store:
         assert store.index.disk_capacity == disk_chunk_capacity(disk_bytes, 512) == 37
     assert disk_chunk_capacity(disk_bytes, 512, ranks=2) == 18
 

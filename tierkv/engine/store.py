@@ -100,7 +100,9 @@ class TierKVStore:
     ``fence(block_ids)`` waits for every job on blocks about to be reused.
 
     Construction raises :class:`ConfigError` for bad settings or tensors (naming the
-    setting, the value and the limit), and for a disk environment another process holds;
+    setting, the value and the limit), for a ``tokens_per_block`` that no dim of the pages
+    (``tensor[b]``) holds (flat pages are not checked), and for a disk environment another
+    process holds;
     it never leaves threads, memory or claims behind when it raises.
     """
 

@@ -54,6 +54,19 @@ def page_order_of(view: torch.Tensor) -> str | None:
     return "NHD" if view.stride(2) > view.stride(1) else "HND"
 
 
+def check_block_tokens(name: str, view: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """The tokens a logical ``[B, H, N, C]`` view holds per vLLM block (``N`` times the
+    kernel blocks a block is split into) must be the block size the keys are cut by: keys
+    over blocks of another size would cover the wrong tokens."""
+    rows, tokens = int(view.shape[0]), int(view.shape[2])
+    split = rows // num_blocks if rows % num_blocks == 0 else 1
+    if tokens * split != block_size:
+        raise ConfigError(
+            f"tierkv vLLM connector: layer {name!r} holds {tokens * split} tokens per block "
+            f"(view {tuple(view.shape)}, N={tokens} x {split} kernel block(s)), the KV cache "
+            f"config's block size is {block_size}; its keys would cover the wrong tokens")
+
+
 def regroup_layer(name: str, view: torch.Tensor, num_blocks: int, page_order: str) -> torch.Tensor:
     """A ``[num_blocks, ...]`` tensor whose ``tensor[b]`` is the page of vLLM block ``b``."""
     if view.dim() != 4:
@@ -136,6 +149,8 @@ class WorkerSide:
                 raise ConfigError(f"tierkv vLLM connector: layer {name!r} of the KV cache group "
                                   f"was not registered (got {sorted(kv_caches)[:4]}...)")
             order = page_order_of(view) if view.dim() == 4 else None
+            if view.dim() == 4:
+                check_block_tokens(name, view, self.num_blocks, geometry.block_size)
             if order is not None and order != geometry.page_order:
                 raise ConfigError(
                     f"tierkv vLLM connector: layer {name!r} has {order} pages but the KV cache "
