@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
+from tierkv.config_env import from_environment
 from tierkv.core.figures import values
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine import store_exit
@@ -118,7 +119,8 @@ class TierKVStore:
         self._pid = os.getpid()
         self._busy = threading.Lock()
         self._closed = True  # until it is open: the finalizer leaves a failed start alone
-        self.config = config or StoreConfig()
+        # No config: the defaults, TIERKV_CONFIG's YAML file and the TIERKV_* variables.
+        self.config = config if config is not None else from_environment()
         if not isinstance(self.config, StoreConfig):
             raise ConfigError(f"store: config must be a StoreConfig, got a "
                               f"{type(self.config).__name__} (StoreConfig.from_dict reads a dict)")
