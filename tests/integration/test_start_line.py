@@ -35,3 +35,10 @@ def test_a_store_without_disk_says_so(caplog: pytest.LogCaptureFixture) -> None:
             pass
     line = next(r.getMessage() for r in caplog.records if " open, namespace " in r.getMessage())
     assert "no disk tier" in line and "remote" not in line
+
+
+def test_config_info_shows_the_tokens_per_chunk_in_use() -> None:
+    with open_store(None, make_kv(), cpu_chunks=2) as store:
+        info = store.config_info()
+    assert info["tokens_per_chunk"] == str(BPC * TOKENS_PER_BLOCK)
+    assert info["namespace"] == store.namespace.fingerprint()

@@ -438,7 +438,8 @@ class TierKVStore:
         from tierkv import __version__
 
         return config_info(self.config, version=__version__,
-                           namespace=self.namespace.fingerprint())
+                           namespace=self.namespace.fingerprint(),
+                           tokens_per_chunk=str(self.tokens_per_chunk))
 
     @one_caller
     def close(self) -> None:
