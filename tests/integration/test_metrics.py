@@ -90,6 +90,39 @@ class _TestProm:
         return Prom(vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
 
 
+def test_each_byte_moved_is_counted_on_one_path(tmp_path: Path) -> None:
+    """Regression: a load from disk added its disk read to transfer_bytes{path="cpu_to_gpu"},
+    so rates built from it ran up to 2x high. Here 4 of 8 loaded chunks come from disk: each
+    path counts what crossed it, and the paths add up to the bytes moved."""
+    kv = [torch.randn(32, 2, 4, 2, 8) for _ in range(2)]
+    config = StoreConfig(blocks_per_chunk=2, device="cpu", cpu=CpuTierConfig(max_bytes=4 << 20),
+                         disk=DiskTierConfig(path=str(tmp_path), max_bytes=64 << 20))
+    keys = [bytes([index]) * 32 for index in range(1, 9)]
+    registry = CollectorRegistry()
+    with TierKVStore(kv, model_id="m", tokens_per_block=4, config=config) as store:
+        chunk = store.chunk_bytes
+        store.wait([store.store(keys[:4], list(range(8)))])
+        store.flush()
+    with TierKVStore(kv, model_id="m", tokens_per_block=4, config=config) as store:  # warm
+        register_store_metrics(store, registry, labels={"engine": "a"})
+        store.wait([store.store(keys[4:], list(range(8)))])
+        handle = store.load(keys, list(range(16, 32)))
+        store.wait([handle.job_id])
+        assert (handle.num_chunks, handle.num_from_disk) == (8, 4)
+        stats = store.statistics()
+        samples = scrape(registry)
+    moved = {"cpu_to_gpu": 8 * chunk, "gpu_to_cpu": 4 * chunk, "disk_to_cpu": 4 * chunk,
+             "cpu_to_disk": stats.index.spills_ok * chunk, "remote_to_cpu": 0}
+    for path, num_bytes in moved.items():
+        assert value(samples, "transfer_bytes_total", engine="a", path=path) == num_bytes, path
+    assert (stats.gpu_to_cpu.num_bytes, stats.disk_to_cpu.num_bytes, stats.cpu_to_gpu.num_bytes,
+            stats.cpu_to_disk.num_bytes) == (moved["gpu_to_cpu"], moved["disk_to_cpu"],
+                                             moved["cpu_to_gpu"], moved["cpu_to_disk"])
+    assert sum(value(samples, "transfer_bytes_total", engine="a", path=path)
+               for path in moved) == sum(moved.values())
+    assert stats.disk_to_cpu.seconds > 0 and stats.cpu_to_gpu.seconds > 0
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_vllm_scrape_shows_the_chat_workloads_hits_and_queries(async_scheduling: bool) -> None:
     cfg = HarnessConfig(async_scheduling=async_scheduling, enable_prefix_caching=False,
@@ -144,6 +177,21 @@ def test_a_vllm_scrape_shows_the_chat_workloads_hits_and_queries(async_schedulin
     assert all(len(repr(number).split(".")[-1]) <= 3 for number in line.values()
                if isinstance(number, float))
     run.shutdown()
+
+
+def test_config_info_shows_the_tokens_per_chunk_in_use() -> None:
+    """Regression: config_info showed tokens_per_chunk="None" where 128 was in use."""
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                        kv_transfer_config=tierkv_config(tokens_per_chunk=None))
+    run = Run(cfg)
+    registry = CollectorRegistry()
+    _TestProm.build(run.harness.vllm_config, registry)
+    info = [dict(labels) for (name, labels), _ in scrape(registry).items()
+            if name == PREFIX + "config_info"]
+    in_use = run.side.geometry.tokens_per_chunk
+    run.shutdown()
+    assert in_use == 128 and len(info) == 1
+    assert info[0]["tokens_per_chunk"] == str(in_use)
 
 
 def test_payloads_merge_counters_durations_and_gauges() -> None:

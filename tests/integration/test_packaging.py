@@ -116,9 +116,10 @@ def test_the_readme_names_the_torch_and_vllm_pair_ci_installs() -> None:
     for name in ("runtime.txt", "vllm.txt", "vllm-034.txt", "engine-vllm.txt"):
         pins[name] = {}
         for line in (ROOT / "requirements" / name).read_text().splitlines():
-            if "==" in line and not line.startswith("#"):
+            line = line.split(";")[0].split("#")[0]  # no marker, no comment
+            if "==" in line:
                 package, version = line.split("==")
-                pins[name][package.strip()] = version.split()[0]
+                pins[name][package.strip()] = version.split()[0].split("+")[0]
     torch = pins["runtime.txt"]["torch"]
     assert f"`make test` runs torch {torch} (CPU)" in readme
     assert f"pip install torch=={torch}" in readme

@@ -140,6 +140,10 @@ def test_engine_b_in_another_process_loads_every_chunk_engine_a_stored(
         assert stats.index.loads_remote == conversations * chunks
         assert stats.remote is not None and stats.remote.tier.hits == conversations * chunks
         assert (stats.index.remote_missing, stats.index.remote_corrupt) == (0, 0)
+        # Each byte on one path: the remote read, then the copy to the GPU.
+        moved = conversations * chunks * engine_b.chunk_bytes
+        assert (stats.remote_to_cpu.num_bytes, stats.cpu_to_gpu.num_bytes) == (moved, moved)
+        assert stats.disk_to_cpu.num_bytes == 0
         # What B loaded is its own now: served from B's CPU tier, and its disk after close.
         assert engine_b.lookup(chunk_keys(conversation(0, chunks), TPC)) == chunks
     cluster.flushall()  # the remote copies gone: B's disk still has them

@@ -660,7 +660,7 @@ def test_one_capacity_formula_for_the_connector_and_the_library_store(tmp_path: 
     disk_bytes = 37 * (2 * 256 + DISK_OVERHEAD_BYTES) + 5
     config = StoreConfig(blocks_per_chunk=2, cpu=CpuTierConfig(max_bytes=4096, pin_memory="never"),
                          disk=DiskTierConfig(path=tmp_path, max_bytes=disk_bytes), device="cpu")
-    with TierKVStore(kv, model_id="m", config=config) as store:
+    with TierKVStore(kv, model_id="m", tokens_per_block=4, config=config) as store:
         budget = store._budget
         assert budget is not None and budget.unit_bytes == 512 + DISK_OVERHEAD_BYTES
         # all it may take (issue 41: it takes room a step at a time, and the cap counts its

@@ -54,6 +54,12 @@ def test_info_lines_and_the_namespace_warning_show_under_vllm_logging(tmp_path: 
     warning = re.search(PREFIX + r"tierkv: 0 chunks found .*tokens_per_chunk is 32 there, 64 "
                                  r"here", other)
     assert warning and warning["level"] == "WARNING", other[-3000:]
+    # Each rank's store says what it opened, in binary units (it said "1024 CPU slots of
+    # 262144 bytes" and no disk cap).
+    opened = re.search(PREFIX + r"tierkv: rank 0 open, namespace [0-9a-f]{8}: CPU [\d.]+ "
+                                r"[KMG]iB \(\d+ chunks\), disk at \S+ capped at [\d.]+ [KMG]iB; "
+                                r"32 tokens a chunk of [\d.]+ [KMG]iB", first)
+    assert opened and opened["level"] == "INFO", first[-3000:]
     # One copy of each line: tierkv's records do not also reach the root logger.
     assert len(re.findall(r"0 chunks found", other)) == 1
 

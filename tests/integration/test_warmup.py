@@ -95,9 +95,12 @@ def write_prompts(path: Path, prompts: list[dict[str, Any]] | list[str]) -> Path
 
 
 def warmup_args(model: Path, prompts: Path, store: Path, *extra: str) -> list[str]:
+    # The harness's vLLM: a checkout with .venv-engine beside it would warm for that one.
+    import vllm
+
     return ["warmup", "--model", str(model), "--prompts", str(prompts), "--store", str(store),
             "--tokens-per-chunk", str(TPC), "--disk-bytes", "64MiB", "--device", "cpu",
-            "--no-progress", *extra]
+            "--no-progress", "--vllm-version", vllm.__version__, *extra]
 
 
 def tierkv_transfer_config(store: Path) -> KVTransferConfig:
@@ -278,6 +281,49 @@ def test_warmed_prompts_hit_in_vllm_with_hf_bytes(layout: str, tiny_model: Path,
 
 
 # ------------------------------------------------------------------------------ custom engines
+def test_the_warmup_writes_for_the_engine_venvs_vllm_and_a_server_of_another_says_what_to_do(
+        tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: a warm-up from `make demo`'s venv (vLLM 0.33) keyed its chunks for 0.33,
+    the CPU server of .venv-engine (0.32) never hit them, and neither said which vLLM each
+    used nor what to run instead."""
+    import logging
+    import re
+
+    import vllm
+
+    engine_vllm = tmp_path / ".venv-engine" / "lib" / "python3.11" / "site-packages" / "vllm"
+    engine_vllm.mkdir(parents=True)
+    (engine_vllm / "_version.py").write_text("__version__ = version = '0.32.0'\n")
+    monkeypatch.chdir(tmp_path)  # the engine venv beside the working directory
+    model_dir = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[1:2])
+    store = tmp_path / "store"
+    args = warmup_args(model_dir, prompts, store)
+    at = args.index("--vllm-version")
+    del args[at:at + 2]  # the default
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"writing namespace [0-9a-f]{8} for vLLM 0\.32 \(0\.32\.0, from the "
+                     r"engine venv \S*\.venv-engine", out), out
+    (warmed,) = list_namespaces(store)
+    assert warmed.description["extra"] == "vllm-0.32" and warmed.fingerprint[:8] in out
+    # A server of this venv's vLLM over that store names the differing dimension and the fix.
+    cfg = harness_lib.HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                                    max_num_batched_tokens=64,
+                                    kv_transfer_config=tierkv_transfer_config(store))
+    monkeypatch.setattr(harness_lib, "write_tiny_llama", lambda directory, _: directory)
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        harness = harness_lib.build_harness(cfg, model_dir=model_dir, check=False)
+    minor = ".".join(vllm.__version__.split(".")[:2])
+    line = next(r.getMessage() for r in caplog.records if "0 chunks found" in r.getMessage())
+    assert (f"extra is 'vllm-0.32' there, 'vllm-{minor}' here (the vLLM minor version: vLLM "
+            f"{minor} never reads chunks written for vLLM 0.32; warm up for the serving vLLM "
+            f"with `tierkv warmup --vllm-version <its version>`") in line, line
+    harness.worker_connector.shutdown()  # type: ignore[union-attr]
+    harness.scheduler.shutdown()
+
+
 def test_warmup_tokens_for_a_custom_engine(tmp_path: Path) -> None:
     """Warm a library store through a caller's KV producer; TierKVStore then loads it."""
     blocks_per_chunk, block = 2, 16

@@ -357,10 +357,10 @@ def test_a_namespace_that_does_not_describe_the_tensors_is_refused(tmp_path: Pat
     kv = {"a": torch.zeros((8, 4, 64), dtype=torch.uint8), "b": torch.zeros((8, 4, 64), dtype=torch.uint8)}
     config = support.store_config(tmp_path)
     config = dataclasses.replace(config, blocks_per_chunk=2)
-    swapped = build_namespace(KVLayout.from_tensors({"b": kv["b"], "a": kv["a"]}), "m", 16, config)
+    swapped = build_namespace(KVLayout.from_tensors({"b": kv["b"], "a": kv["a"]}), "m", 4, config)
     with pytest.raises(ConfigError, match="layer_names"):
         TierKVStore(kv, namespace=swapped, config=config)
-    own = dataclasses.replace(build_namespace(KVLayout.from_tensors(kv), "m", 16, config),
+    own = dataclasses.replace(build_namespace(KVLayout.from_tensors(kv), "m", 4, config),
                               extra="tenant-7")  # the caller's fields are the caller's
     TierKVStore(kv, namespace=own, config=config).close()
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from tierkv.core.figures import counter, figures, gauge, values
-from tierkv.core.jobs import Completion, JobId, JobKind
+from tierkv.core.jobs import Completion, JobId, JobKind, TierRead
 from tierkv.core.stats import Counters, IndexStats
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.metrics import (GAUGE_KEYS, LOOKUP_FIGURES, METRICS, PUSH_RESULTS, is_gauge,
@@ -154,6 +154,7 @@ def test_the_per_path_figures_keep_their_names_and_count_one_job_each() -> None:
     # PathCounts is the store's and the worker's one accounting: bytes_<path>, ... flat.
     paths = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk")
     names = {f"{what}_{path}" for what in ("bytes", "seconds", "failed_jobs") for path in paths}
+    names |= {f"{what}_{tier}_to_cpu" for what in ("bytes", "seconds") for tier in ("disk", "remote")}
     assert set(values(PathCounts())) == names
     assert all(figure.kind == "counter" and figure.help for figure in figures(PathCounts))
     read = {key for metric in METRICS if metric.label == "path" for _, key in metric.keys}
@@ -167,6 +168,15 @@ def test_the_per_path_figures_keep_their_names_and_count_one_job_each() -> None:
         "bytes_cpu_to_disk": 1024, "seconds_cpu_to_disk": 1.0}
     assert counts.path(JobKind.STORE).num_bytes == 4096
     assert counts.path(JobKind.LOAD).seconds == 0.0
+    # A load's reads count on their own paths; its copy (the job less its slowest read) on
+    # cpu_to_gpu: each byte and second once.
+    counts = PathCounts()
+    counts.add(Completion(JobId(4), JobKind.LOAD, True, num_bytes=300, seconds=2.5,
+                          reads=(TierRead("disk", 100, 2.0), TierRead("remote", 200, 1.0))))
+    assert {name: value for name, value in values(counts).items() if value} == {
+        "bytes_cpu_to_gpu": 300, "seconds_cpu_to_gpu": 0.5, "bytes_disk_to_cpu": 100,
+        "seconds_disk_to_cpu": 2.0, "bytes_remote_to_cpu": 200, "seconds_remote_to_cpu": 1.0}
+    assert counts.read_path("remote").num_bytes == 200
 
 
 def test_the_remote_pushes_and_lookups_are_declared_on_records() -> None:

@@ -117,7 +117,7 @@ def test_imports_flow_one_way() -> None:
     # config sits above core: it names core's eviction policies (and their default)
     layers = {"errors": 0, "checks": 0, "units": 0, "settings": 0, "keys": 0, "extras": 0,
               "model_identity": 0,
-              "core": 1, "config": 1.5, "tiers": 2, "transfer": 3, "engine": 4,
+              "core": 1, "config": 1.5, "config_env": 1.5, "tiers": 2, "transfer": 3, "engine": 4,
               "integrations": 5}
 
     def layer(module: str) -> float | None:

@@ -106,9 +106,21 @@ class SpillSpec(NamedTuple):
 JobSpec = StoreSpec | LoadSpec | SpillSpec
 
 
+class TierRead(NamedTuple):
+    """What a load read from a lower tier (``tier``: ``"disk"`` or ``"remote"``) into CPU
+    slots before its copy to the GPU: a path of its own (``disk_to_cpu``,
+    ``remote_to_cpu``), never counted in the copy's bytes."""
+
+    tier: str
+    num_bytes: int
+    seconds: float
+
+
 class Completion(NamedTuple):
     """A finished job. ``kind`` is its spec's kind (its creator copies it from the spec);
-    ``num_bytes``: the bytes that reached their destination. ``failed_keys`` did not land;
+    ``num_bytes``: the bytes that reached its destination (a load: the GPU; what it read
+    from disk or the remote tier first is in ``reads``, each path counted once);
+    ``seconds``: the whole job (a load: its reads, then its copy). ``failed_keys`` did not land;
     ``corrupt_keys`` (loads) failed their checks on disk and were deleted there;
     ``full_keys`` (spills) found the disk full; ``missing_keys`` (loads) were not on disk
     at all (gone behind the index's back)."""
@@ -123,6 +135,7 @@ class Completion(NamedTuple):
     full_keys: tuple[Key, ...] = ()
     error: str | None = None
     missing_keys: tuple[Key, ...] = ()
+    reads: tuple[TierRead, ...] = ()
 
 
 def failed_set(completion: Completion, keys: tuple[Key, ...]) -> set[Key]:
@@ -191,4 +204,5 @@ def merge_completions(parts: list[Completion]) -> Completion:
         full_keys=_union([p.full_keys for p in parts]),
         error="; ".join(errors) if errors else None,
         missing_keys=_union([p.missing_keys for p in parts]),
+        reads=tuple(read for p in parts for read in p.reads),
     )

@@ -46,6 +46,9 @@ Kind = Literal["counter", "gauge", "histogram"]
 # A job's path by its kind: figure keys bytes_<path>, seconds_<path>, durations_<path>, ...
 PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
 PATHS = tuple(PATH_NAMES.values())
+# Bytes and seconds move on these: the jobs' paths and a load's reads into CPU slots (a
+# byte is counted on one path only).
+TRANSFER_PATHS = (*PATHS, "disk_to_cpu", "remote_to_cpu")
 TIERS = ("cpu", "disk", "remote")
 # What a lookup counts (AdapterStats' figures; TierKVStore.figures() reports these only).
 LOOKUP_FIGURES = ("queried_tokens", *(f"hit_tokens_{tier}" for tier in TIERS))
@@ -92,10 +95,11 @@ METRICS: tuple[Metric, ...] = (
     _figure(AdapterStats, "queried_tokens"),
     Metric("hit_tokens", "counter", "Tokens found in tierkv, by the tier that held them",
            "tier", _each("hit_tokens_{}", TIERS)),
-    Metric("transfer_bytes", "counter", "Bytes moved by finished jobs, by path", "path",
-           _each("bytes_{}", PATHS)),
-    Metric("transfer_seconds", "counter", "Seconds spent in finished jobs, by path", "path",
-           _each("seconds_{}", PATHS)),
+    Metric("transfer_bytes", "counter", "Bytes moved by finished jobs, by path (each byte "
+           "on one path: a load from disk counts disk_to_cpu, then cpu_to_gpu)", "path",
+           _each("bytes_{}", TRANSFER_PATHS)),
+    Metric("transfer_seconds", "counter", "Seconds spent moving bytes, by path", "path",
+           _each("seconds_{}", TRANSFER_PATHS)),
     Metric("transfer_duration_seconds", "histogram", "Seconds per finished job, by path", "path",
            _each("durations_{}", PATHS)),
     Metric("failed_jobs", "counter", "Jobs that failed (their chunks are misses), by path",

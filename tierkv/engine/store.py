@@ -56,12 +56,15 @@ from typing import Any
 import torch
 
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
+from tierkv.config_env import from_environment
 from tierkv.core.figures import values
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
+from tierkv.engine import store_exit
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, config_info,
                                    remote_figures, usage_figures)
+from tierkv.engine.start_line import short_id, start_line
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
@@ -98,7 +101,9 @@ class TierKVStore:
     ``fence(block_ids)`` waits for every job on blocks about to be reused.
 
     Construction raises :class:`ConfigError` for bad settings or tensors (naming the
-    setting, the value and the limit), and for a disk environment another process holds;
+    setting, the value and the limit), for a ``tokens_per_block`` that no dim of the pages
+    (``tensor[b]``) holds (flat pages are not checked), and for a disk environment another
+    process holds;
     it never leaves threads, memory or claims behind when it raises.
     """
 
@@ -113,8 +118,9 @@ class TierKVStore:
     ) -> None:
         self._pid = os.getpid()
         self._busy = threading.Lock()
-        self._closed = False
-        self.config = config or StoreConfig()
+        self._closed = True  # until it is open: the finalizer leaves a failed start alone
+        # No config: the defaults, TIERKV_CONFIG's YAML file and the TIERKV_* variables.
+        self.config = config if config is not None else from_environment()
         if not isinstance(self.config, StoreConfig):
             raise ConfigError(f"store: config must be a StoreConfig, got a "
                               f"{type(self.config).__name__} (StoreConfig.from_dict reads a dict)")
@@ -171,6 +177,10 @@ class TierKVStore:
         # shortfall). fence() asks the executor which jobs touch given blocks.
         self._promised: dict[bytes, int] = {}
         self._shortfall = ShortfallCounts()
+        self._closed = False
+        store_exit.track(self)  # flushed at interpreter exit if never closed
+        log.info("%s", start_line("store", cfg, namespace, num_slots=num_slots,
+                                  chunk_bytes=self.chunk_bytes))
 
     def _open_budget(self, root: Path, num_slots: int) -> None:
         """The index over this store's share of the disk cap, which every namespace under
@@ -401,6 +411,8 @@ class TierKVStore:
             chunk_bytes=self.chunk_bytes,
             remote=remote,
             load_shortfall=LoadShortfall.of(self._shortfall),
+            disk_to_cpu=self._paths.read_path("disk"),
+            remote_to_cpu=self._paths.read_path("remote"),
         )
 
     def figures(self) -> dict[str, float | Durations]:
@@ -432,7 +444,8 @@ class TierKVStore:
         from tierkv import __version__
 
         return config_info(self.config, version=__version__,
-                           namespace=self.namespace.fingerprint())
+                           namespace=self.namespace.fingerprint(),
+                           tokens_per_chunk=str(self.tokens_per_chunk))
 
     @one_caller
     def close(self) -> None:
@@ -452,6 +465,7 @@ class TierKVStore:
             log.warning("tierkv: close could not flush the CPU tier to disk: %s", exc)
         finally:
             self._closed = True
+            store_exit.forget(self)
             self._close_parts()
 
     def _close_parts(self) -> None:
@@ -465,6 +479,17 @@ class TierKVStore:
                 if self._budget is not None:
                     index = getattr(self, "index", None)  # None: construction failed
                     self._budget.release(index.disk_used if index is not None else 0)
+
+    def __del__(self) -> None:
+        """A store collected without ``close()`` warns (ResourceWarning and a log line) and
+        is closed here, its CPU tier flushed (:mod:`tierkv.engine.store_exit`)."""
+        if not getattr(self, "_closed", True):
+            store_exit.collected_unclosed(self)
+
+    def _describe(self) -> str:
+        disk = self.config.disk.path
+        where = f"disk tier {disk}" if disk is not None else "no disk tier"
+        return f"TierKVStore of namespace {short_id(self.namespace)} ({where})"
 
     def __enter__(self) -> TierKVStore:
         """The store itself; leaving the ``with`` block calls ``close()``."""

@@ -52,6 +52,7 @@ def build_namespace(
     know where heads are in them), so ranks of two TP sizes stay apart here; sharing across
     TP sizes is the vLLM connector's (docs/on-disk-format.md, "Parts")."""
     check_int("store: tokens_per_block", tokens_per_block, low=1)
+    layout.check_tokens_per_block(tokens_per_block)  # keys must cover a block's tokens
     parts = config.tp_size  # the namespace's sizes are every part's (every rank's) together
     return Namespace(
         model_id=model_id,

@@ -167,6 +167,25 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    # vLLM asks these of the class while it builds VllmConfig, before the model loads (the
+    # first with CUDA graphs on, vLLM's default on GPUs; the second with sleep mode on): the
+    # settings are checked there, so a typo in a key fails in seconds, not after loading.
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        parse_settings(extra_config)
+        return False  # no layer-by-layer work inside the forward pass
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        parse_settings(getattr(kv_transfer_config, "kv_connector_extra_config", None))
+        return True  # as vLLM's default: tierkv pins no KV cache memory
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        parse_settings(getattr(transfer, "kv_connector_extra_config", None))
+        return None  # any layout docs/vllm.md lists
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()

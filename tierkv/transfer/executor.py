@@ -35,6 +35,7 @@ from functools import partial
 from typing import Protocol
 
 from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec,
+                              TierRead,
                               StoreSpec, failed_set)
 from tierkv.errors import BrokenError, ClosedError, TierKVError, UsageError
 from tierkv.transfer.base import TransferEngine
@@ -74,7 +75,7 @@ class _ChainedLoad:
         self.failed: tuple[bytes, ...] = ()
         self.corrupt: tuple[bytes, ...] = ()
         self.missing: tuple[bytes, ...] = ()  # not on disk at all (not a tier failure)
-        self.read_bytes = 0
+        self.reads: tuple[TierRead, ...] = ()  # what each lower tier read, for its path
         self.read_seconds = 0.0
 
     def wait(self, job_ids: Iterable[JobId]) -> None:
@@ -145,10 +146,12 @@ class JobExecutor:
                                  f"{'disk.path' if name == 'disk' else 'remote'})")
         chained = _ChainedLoad(tuple(c.key for c in spec.chunks), self.transfer)
         outcomes: list[tuple[tuple[ChunkCopy, ...], ReadOutcome]] = []
+        tiers: list[str] = []
 
-        def on_done(chunks: tuple[ChunkCopy, ...], outcome: ReadOutcome) -> None:
+        def on_done(name: str, chunks: tuple[ChunkCopy, ...], outcome: ReadOutcome) -> None:
             with self._lock:
                 outcomes.append((chunks, outcome))
+                tiers.append(name)
                 if len(outcomes) < len(reads):
                     return
             bad: set[bytes] = set()
@@ -167,7 +170,8 @@ class JobExecutor:
                 chained.failed = tuple(k for k in chained.keys if k in bad)
                 chained.corrupt = tuple(corrupt)
                 chained.missing = tuple(missing)
-                chained.read_bytes = sum(read.num_bytes for _, read in outcomes)
+                chained.reads = tuple(TierRead(tier, read.num_bytes, read.seconds)
+                                      for tier, (_, read) in zip(tiers, outcomes))
                 chained.read_seconds = max(read.seconds for _, read in outcomes)
                 chained.submitted_copy = bool(landed)
                 if not landed:
@@ -181,12 +185,12 @@ class JobExecutor:
         for io, name, chunks in reads:
             assert io is not None
             try:
-                io.submit_read(spec.job_id, chunks, partial(on_done, chunks))
+                io.submit_read(spec.job_id, chunks, partial(on_done, name, chunks))
             except (BrokenError, ClosedError) as exc:  # a broken tier: those chunks miss
                 keys = tuple(c.key for c in chunks)
                 log.warning("worker: %s tier unusable, load job %s reads nothing from it: %s",
                             name, spec.job_id, exc)
-                on_done(chunks, ReadOutcome(spec.job_id, (), keys, (), 0, 0.0,
+                on_done(name, chunks, ReadOutcome(spec.job_id, (), keys, (), 0, 0.0,
                                             failed_keys=keys, error=str(exc)))
         return chained
 
@@ -200,9 +204,10 @@ class JobExecutor:
         if chained.corrupt and not error:
             error = f"{len(chained.corrupt)} chunk(s) failed their checks where they were read"
         return Completion(
-            job_id, JobKind.LOAD, not failed, (copy.num_bytes if copy else 0) + chained.read_bytes,
+            job_id, JobKind.LOAD, not failed, copy.num_bytes if copy else 0,
             (copy.seconds if copy else 0.0) + chained.read_seconds, failed_keys=failed,
-            corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing)
+            corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing,
+            reads=chained.reads)
 
     def poll_finished(self) -> list[Completion]:
         return [completion for completion, _ in self.poll_finished_jobs()]

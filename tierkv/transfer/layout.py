@@ -38,6 +38,8 @@ Primitives (device-agnostic torch ops; none synchronizes anything):
   rows): one op per copy group; a scatter leaves a load's ``skip_blocks`` untouched.
 - ``row_index(plan, block_ids)``: a group's page rows, for engines with own copy loops.
 - ``dtype_name`` and ``describe()``: canonical strings for the store's namespace.
+- ``check_tokens_per_block(n)``: a page of two or more dims must have a dim of ``n`` (its
+  tokens); flat pages name no token dim and are not checked.
 """
 
 from __future__ import annotations
@@ -275,6 +277,22 @@ class KVLayout:
     def chunk_bytes(self, blocks_per_chunk: int) -> int:
         check_int("kv layout: blocks_per_chunk", blocks_per_chunk, low=1)
         return blocks_per_chunk * sum(info.page_bytes for info in self._layers)
+
+    def check_tokens_per_block(self, tokens_per_block: int) -> None:
+        """Refuse a ``tokens_per_block`` that no dim of a layer's page can hold: keys of
+        ``tokens_per_block`` tokens over blocks of another count would cover the wrong
+        tokens. A page of two or more dims has its tokens on one dim; a flat page names
+        none and is not checked."""
+        check_int("store: tokens_per_block", tokens_per_block, low=1)
+        for info in self._layers:
+            page = info.shape[1:]
+            if sum(size > 1 for size in page) < 2 or tokens_per_block in page:
+                continue
+            raise ConfigError(
+                f"kv layout: tokens_per_block={tokens_per_block} is no dim of layer "
+                f"{info.name!r}'s pages {list(page)} (tensor[b]); pass the number of tokens "
+                f"one block holds (its dim in the page), or register flat pages "
+                f"(tensor.view(num_blocks, -1)) if the tokens are on no dim of their own")
 
     @property
     def dtype_name(self) -> str:

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import pwd
+import re
 import secrets
 import stat
 import time
@@ -321,13 +322,45 @@ def closest_namespace(root: Path, namespace: Namespace) -> tuple[NamespaceInfo, 
     return closest, differences(closest)
 
 
+# What each namespace field is, in words, for the lines that say how two namespaces differ.
+DIMENSIONS = {
+    "model_id": "the model", "dtype": "the KV dtype", "kv_layout": "the KV page layout",
+    "page_bytes": "bytes per page", "tokens_per_chunk": "tokens per chunk",
+    "num_layers": "layers", "rank_layout": "MLA or per-head parts",
+    "hash_scheme": "the token hashing (vLLM's hash algorithm, PYTHONHASHSEED, hash block size)",
+    "format_version": "tierkv's value format", "extra": "the caller's extra",
+    "layer_names": "the layers' names and order", "blocks_per_chunk": "engine blocks per chunk",
+    "chunk_bytes": "bytes per chunk", "num_kv_heads": "KV heads",
+    "model_fingerprint": "the weights and config",
+}
+_VLLM_EXTRA = re.compile(r"^vllm-(\d+\.\d+)")
+
+
+def _dimension(name: str, there: Any, here: Any) -> str:
+    """What field ``name`` is, and for the vLLM minor version how to match it."""
+    minors = [_VLLM_EXTRA.match(value) if isinstance(value, str) else None
+              for value in (there, here)]
+    if name == "extra" and minors[0] and minors[1] and minors[0][1] != minors[1][1]:
+        return (f"the vLLM minor version: vLLM {minors[1][1]} never reads chunks written for "
+                f"vLLM {minors[0][1]}; warm up for the serving vLLM with `tierkv warmup "
+                f"--vllm-version <its version>` (the default from the engine's venv), or "
+                f"serve with vLLM {minors[0][1]}")
+    return DIMENSIONS.get(name, name)
+
+
 def describe_differences(info: NamespaceInfo, names: list[str], namespace: Namespace,
                          hints: dict[str, str] | None = None) -> str:
-    """``model_id is 'a' there, 'b' here (hint); ...`` for the settings ``names``."""
+    """``model_id is 'a' there, 'b' here (the model; hint); ...`` for the settings
+    ``names``: each value, what the setting is (:data:`DIMENSIONS`) and, given ``hints``,
+    the option that sets it."""
     ours = namespace.describe()
-    return "; ".join(
-        f"{name} is {info.description.get(name)!r} there, {ours[name]!r} here"
-        + (f" ({hints[name]})" if hints and name in hints else "") for name in names)
+    out = []
+    for name in names:
+        there = info.description.get(name)
+        notes = [_dimension(name, there, ours[name])] + (
+            [hints[name]] if hints and name in hints else [])
+        out.append(f"{name} is {there!r} there, {ours[name]!r} here ({'; '.join(notes)})")
+    return "; ".join(out)
 
 
 def empty_namespace_warning(root: Path, namespace: Namespace, found: int) -> str | None:
