@@ -32,4 +32,25 @@ def needs(extra: str, what: str) -> Iterator[None]:
             raise
         raise MissingExtraError(
             f"{what} needs the {extra!r} extra (module {missing!r} is not installed): "
-            f"pip install '{DISTRIBUTION}[{extra}]'") from exc
+            f"{install_hint(extra)}") from exc
+
+
+def install_hint(extra: str) -> str:
+    """How to install ``extra`` where tierkv came from: a checkout (``pip install
+    '/path/to/checkout[remote]'``; no release of it need exist) or an index
+    (``pip install 'tierkv-cache[remote]'``), and the extra's modules by name."""
+    import json
+    from importlib import metadata
+    from urllib.parse import unquote, urlsplit
+
+    source = DISTRIBUTION
+    try:
+        direct = json.loads(metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
+                            or "{}")
+    except (metadata.PackageNotFoundError, ValueError, OSError):
+        direct = {}
+    url = direct.get("url", "") if isinstance(direct, dict) else ""
+    if url.startswith("file://") and "dir_info" in direct:  # installed from a checkout
+        source = unquote(urlsplit(url).path)
+    return (f"pip install '{source}[{extra}]' (or its modules: pip install "
+            f"{' '.join(EXTRAS[extra])})")
