@@ -97,6 +97,7 @@ import argparse
 import cProfile
 import ctypes
 import io
+import json
 import mmap
 import os
 import pstats
@@ -247,6 +248,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="how the vLLM fs rows are made durable at the end of a round")
     parser.add_argument("--parts", action="store_true",
                         help="also cold loads across TP sizes (one value per writer part)")
+    parser.add_argument("--out-json", type=Path, default=None,
+                        help="write every median (MiB/s, CPU s/GiB) per chunk size here")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="a PNG of the cold loads and durable writes per chunk size")
     parser.add_argument("--profile", action="store_true",
                         help="also cProfile one tierkv periodic write per chunk size")
     args = parser.parse_args(argv)
@@ -1059,6 +1064,49 @@ def with_cuda_stubs(args: argparse.Namespace) -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], environ)
 
 
+PLOTTED = {  # rows of each panel: (row, label, style)
+    "cold loads (page cache dropped)": [
+        ("load: tierkv TierIO one job", "tierkv, one request", "C0-o"),
+        ("load: tierkv TierIO many jobs", "tierkv, many requests", "C0--o"),
+        ("load: vLLM fs one job", "vLLM fs, one request", "C1-s"),
+        ("load: vLLM fs many jobs", "vLLM fs, many requests", "C1--s"),
+        (PROBE, "device probe (O_DIRECT, 32 in flight)", "k:^"),
+        ("dd of=/dev/null", "dd (buffered, sequential)", "C7:v")],
+    "durable writes": [
+        ("tierkv TierIO one job", "tierkv, one request", "C0-o"),
+        ("tierkv TierIO many jobs", "tierkv, many requests", "C0--o"),
+        ("vLLM fs one job", "vLLM fs, one request", "C1-s"),
+        ("vLLM fs many jobs", "vLLM fs, many requests", "C1--s"),
+        ("dd conv=fdatasync", "dd conv=fdatasync", "C7:v")],
+}
+
+
+def plot(by_size: dict[float, dict[str, float]], path: Path, vllm_io: str) -> None:
+    """Median MiB/s against the chunk size, a panel for loads and one for writes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(by_size)
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for axis, (title, rows) in zip(axes, PLOTTED.items()):
+        for row, label, style in rows:
+            if all(row in by_size[size] for size in sizes):
+                axis.plot(sizes, [by_size[size][row] for size in sizes], style, label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes, [f"{size:g}" for size in sizes])
+        axis.set_xlabel("chunk size (MiB)")
+        axis.set_ylabel("MiB/s (median)")
+        axis.set_title(title)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(f"disk tier against vLLM's fs tier ({vllm_io})", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with_cuda_stubs(args)
@@ -1080,6 +1128,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vLLM fs tier: vllm {vllm.version} FileSystemTierManager, {vllm.io_path}, "
               f"O_DIRECT {'works' if o_direct else 'refused (buffered)'} in {args.dir}")
     by_size = {size: run_size(args, size, vllm, fs_type) for size in args.chunk_sizes}
+    if args.out_json is not None:
+        args.out_json.write_text(json.dumps({f"{size:g}": medians
+                                             for size, medians in by_size.items()}, indent=1))
+    if args.plot is not None:
+        plot(by_size, args.plot, vllm.io_path if vllm is not None else "vLLM left out")
     print("\ntargets (ratios of medians) by chunk size, ! = missed:")
     print(f"  {'':<34} " + " ".join(f"{f'{s:g} MiB':>9}" for s in by_size) + "   target")
     for label, top, bottom, target in RATIOS[:TARGET_RATIOS]:

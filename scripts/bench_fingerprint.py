@@ -18,11 +18,14 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierkv.model_identity import path_fingerprint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
+
+from tierkv.model_identity import path_fingerprint  # noqa: E402
 
 BLOCK = 64 << 20
 

@@ -4,6 +4,7 @@ script finishes and prints its verdict line."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +40,10 @@ CASES = {
                       "verdict: remote faults"),
     "demo-cluster": (["demo_cluster.py", "--conversations", "6", "--turns", "3", "--layers", "2"],
                      "demo-cluster done"),
-    "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1", "--parts"],
-             "parts: TP 1 from 2 / TP 1 own"),
+    "disk": (["bench_disk.py", "--chunks", "8", "--chunk-mib", "0.25", "--repeats", "1", "--parts",
+              "--plot", "disk.png", "--out-json", "disk.json"], "parts: TP 1 from 2 / TP 1 own"),
+    "fingerprint": (["bench_fingerprint.py", "--sizes-gib", "0.01", "--shard-gib", "0.004",
+                     "--repeats", "1", "--content"], "| 0.01 GiB | 4 |"),
     "vllm": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1"], "tierkv-cpu+disk/arc"),
     "vllm-scan": (["bench_vllm.py", "--conversations", "2", "--turns", "2", "--runs", "1", "--configs",
                    "gpu-only,tierkv-cpu", "--scan-prompts", "1", "--scan-len", "128"], "tierkv-cpu/arc"),
@@ -50,12 +53,16 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_benchmark_script_runs(name: str, tmp_path: Path) -> None:
     argv, expected = CASES[name]
-    if name in ("disk", "restart"):
+    if name in ("disk", "restart", "fingerprint"):
         argv = [*argv, "--dir", str(tmp_path)]
     done = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:]], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert expected in done.stdout, done.stdout[-2000:]
+    if name == "disk":  # the plot and the figures it was drawn from
+        assert (tmp_path / "disk.png").read_bytes()[:4] == b"\x89PNG"
+        medians = json.loads((tmp_path / "disk.json").read_text())["0.25"]
+        assert medians["load: tierkv TierIO one job"] > 0 and "probe: O_DIRECT, 32 in flight" in medians
 
 
 @pytest.mark.parametrize("script", sorted(path.name for path in SCRIPTS.glob("*.py")))
