@@ -57,7 +57,8 @@ def test_the_wheel_names_the_distribution_its_licence_and_extras(wheel: Path) ->
     assert meta["Name"] == tierkv.DISTRIBUTION == "tierkv-cache"
     assert meta["Version"] == tierkv.__version__
     assert wheel.name.startswith(f"tierkv_cache-{tierkv.__version__}-py3-none-any")
-    assert set(meta.get_all("Provides-Extra") or ()) == {"vllm", "warmup", "remote", "metrics"}
+    assert set(meta.get_all("Provides-Extra") or ()) == {"vllm", "warmup", "remote", "metrics",
+                                                         "config"}
     requires = meta.get_all("Requires-Dist") or []
     # The core installs no extra's packages: the warm-up's and the remote tier's are optional.
     core = [line for line in requires if "extra ==" not in line]
