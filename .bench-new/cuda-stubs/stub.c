@@ -1,0 +1,1 @@
+void tierkv_bench_cuda_stub(void) {}
