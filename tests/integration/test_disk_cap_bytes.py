@@ -107,3 +107,46 @@ def test_a_slab_grows_by_the_slots_it_writes_and_gives_freed_ones_back(tmp_path:
         assert tier.put_many([(key, payload) for key in keys[::2][:5]]).written
         assert 25 * slot <= slab_bytes() < 26 * slot  # holes reused first
         assert max(path.stat().st_size for path in slabs) <= 40 * slot
+
+
+def test_a_slot_handed_out_while_the_allocator_is_seeded_is_never_punched(
+        tmp_path: Path) -> None:
+    """Seeding the allocator punches the free slots the index does not name. Done after
+    the free list was published, another thread of the process could take one of them,
+    write a chunk into it and commit it, and the punch then zeroed a committed chunk (a
+    SIGKILL round of tests/reliability/test_crash.py lost one so). Now the punch runs
+    before any free slot can be handed out, and a second seeding of the same slab is a
+    no-op (it would free slots written but not yet in the index)."""
+    from tierkv.tiers.disk.format import HEADER_BLOCK
+    from tierkv.tiers.disk.slab import SlabFile
+
+    slab = SlabFile(tmp_path / "slab-0.kv", 8192, read_only=False, direct_io=False)
+    slab.allocate(4, 64)  # the file holds 4 slots: none in the index, all free once seeded
+    data = bytes(range(256)) * 32
+    written: list[int] = []
+
+    def other_thread() -> None:  # takes a free slot and writes a chunk into it
+        (slot,), _ = slab.allocate(1, 64)
+        slab.write(slot, b"head", memoryview(data))
+        written.append(slot)
+
+    real_punch = slab._punch
+    started: list[threading.Thread] = []
+
+    def punch_after_the_other_thread(slots: object) -> None:
+        if not started:  # while seeding: let the other thread run first, if it can
+            thread = threading.Thread(target=other_thread)
+            started.append(thread)
+            thread.start()
+            thread.join(timeout=5)  # it cannot while the allocator's lock is held
+        real_punch(slots)  # type: ignore[arg-type]
+
+    slab._punch = punch_after_the_other_thread  # type: ignore[method-assign]
+    slab.adopt_used([])
+    started[0].join()
+    slab.adopt_used([])  # a second seeding (another thread's) changes nothing
+    (slot,) = written
+    with open(tmp_path / "slab-0.kv", "rb") as handle:
+        handle.seek(slot * slab.slot_bytes + HEADER_BLOCK)
+        assert handle.read(len(data)) == data  # not a hole
+    slab.close()

@@ -284,13 +284,16 @@ class SlabFile:
         allocated)."""
         taken = set(used)
         with self._lock:
+            if self.mapped:  # another thread seeded it first: slots it handed out since
+                return  # may be written but not yet in the index (never free them)
             self.slots = self.size() // self.slot_bytes  # another writer may have grown it
             self._high = max(self.slots, max(taken, default=-1) + 1)
-            free = [slot for slot in range(min(self._high, self.slots)) if slot not in taken]
+            # Punched before any is handed out: a punch after a write would zero it.
+            self._punch(slot for slot in range(min(self._high, self.slots))
+                        if slot not in taken)
             self._free = sorted((slot for slot in range(self._high) if slot not in taken),
                                 reverse=True)  # pop() gives the lowest first
             self.mapped = True
-        self._punch(free)
 
     def allocate(self, count: int, limit: int) -> tuple[list[int], str | None]:
         """Up to ``count`` slots (free ones first, then new ones past the used end, growing
