@@ -1,1 +1,0 @@
-void tierkv_bench_cuda_stub(void) {}
