@@ -28,10 +28,17 @@ def chunk_bytes() -> int:
     return LAYERS * BPC * torch.zeros(PAGE_SHAPE, dtype=torch.float16).numel() * 2
 
 
+# Room for a store's index files and claims (230 KiB fresh, 290 KiB after some writes
+# here), which the disk cap counts too (issue 41): a cap of a few chunks holds none without.
+INDEX_FILES = 320 << 10
+
+
 def open_store(tmp_path: Path | None, kv: list[torch.Tensor], cpu_chunks: int = 4, disk_chunks: int = 64,
-               model_id: str = "m", eviction_policy: str | None = None,
+               model_id: str = "m", eviction_policy: str | None = None, files_bytes: int = 0,
                **disk_kw) -> TierKVStore:  # type: ignore[no-untyped-def]
-    disk = DiskTierConfig(path=tmp_path / "store", max_bytes=disk_chunks * (chunk_bytes() + 8192), **disk_kw) \
+    """``files_bytes``: room for the index files beside ``disk_chunks`` chunks."""
+    cap = disk_chunks * (chunk_bytes() + 8192) + files_bytes
+    disk = DiskTierConfig(path=tmp_path / "store", max_bytes=cap, **disk_kw) \
         if tmp_path is not None else DiskTierConfig()
     cpu_kw = {} if eviction_policy is None else {"eviction_policy": eviction_policy}
     config = StoreConfig(blocks_per_chunk=BPC, cpu=CpuTierConfig(max_bytes=cpu_chunks * chunk_bytes(), **cpu_kw),
@@ -143,8 +150,12 @@ def test_full_disk_skips_stores_counts_and_reads_go_on(tmp_path: Path) -> None:
     keys = keys_for(4, 8)
     fill(kv, list(range(16)), 4)
     want = snapshot(kv, list(range(16)))
-    # The disk holds 3 chunks, the CPU tier 2: most chunks cannot be kept anywhere.
-    with open_store(tmp_path, kv, cpu_chunks=2, disk_chunks=3, write_through=True) as store:
+    # The disk holds 3 chunks, the CPU tier 2: most chunks cannot be kept anywhere. The cap
+    # counts the store's index files too (issue 41): a store elsewhere measures them.
+    with open_store(tmp_path / "probe", kv) as probe:
+        files = probe._budget.fixed_bytes  # type: ignore[union-attr]
+    with open_store(tmp_path, kv, cpu_chunks=2, disk_chunks=3, write_through=True,
+                    files_bytes=files) as store:
         for i in range(8):
             store_and_wait(store, keys[i : i + 1], [2 * i, 2 * i + 1])
         store.flush()

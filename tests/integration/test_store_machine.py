@@ -22,7 +22,7 @@ from tests.profiles import thorough
 from tierkv.core.policy import policy_names
 from tierkv.engine.store import TierKVStore
 
-from .test_store import BPC, NUM_BLOCKS, PAGE_SHAPE, keys_for, make_kv, open_store
+from .test_store import BPC, INDEX_FILES, NUM_BLOCKS, PAGE_SHAPE, keys_for, make_kv, open_store
 
 KEYS = keys_for(7, 10)  # a chain; rules use single chunks and short runs of it
 
@@ -47,7 +47,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _open(self) -> None:
         self.store = open_store(self.dir, self.kv, cpu_chunks=self.cpu_chunks, disk_chunks=self.disk_chunks,
-                                eviction_policy=self.policy)
+                                eviction_policy=self.policy, files_bytes=INDEX_FILES)
         assert self.store.index.eviction_policy == self.policy
 
     @precondition(lambda self: self.store is None)

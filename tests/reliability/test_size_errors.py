@@ -70,5 +70,11 @@ def test_a_disk_cap_below_one_chunk_is_an_error_not_a_warning(tmp_path: Path, ca
     message = str(error.value)
     assert f"disk.max_bytes={cap} holds no chunk" in message
     assert f"at least {CHUNK_BYTES + 8192}" in message and "disk.path=None" in message
-    with open_store(tmp_path, max_bytes=CHUNK_BYTES + 8192) as store:
+    with pytest.raises(ConfigError) as error:  # the cap counts the index files too (issue 41)
+        open_store(tmp_path, max_bytes=CHUNK_BYTES + 8192)
+    message = str(error.value)
+    assert f"disk.max_bytes={CHUNK_BYTES + 8192} holds no chunk beside this store's index " \
+           f"files" in message and "disk.path=None" in message
+    least = int(message.split("at least ")[1].split(",")[0])
+    with open_store(tmp_path, max_bytes=least) as store:  # the least it names holds one
         assert store.index.disk_capacity == 1

@@ -193,8 +193,16 @@ class TierKVStore:
         self._budget = DiskBudget(root, namespace.fingerprint(),
                                   StoreLayout.part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
                                   self.chunk_bytes + DISK_OVERHEAD_BYTES,
-                                  check_seconds=cfg.disk.budget_check_seconds)
-        capacity = self._budget.plan(len(keys))
+                                  check_seconds=cfg.disk.budget_check_seconds,
+                                  min_step=num_slots)
+        capacity = self._budget.plan(len(keys))  # its chunks back, and a step of room more
+        files, unit = self._budget.fixed_bytes, self._budget.unit_bytes
+        if cfg.disk.max_bytes - files < unit:  # the cap counts the index files too
+            raise ConfigError(
+                f"disk tier: disk.max_bytes={cfg.disk.max_bytes} holds no chunk beside this "
+                f"store's index files and claims ({files} bytes under {root}); raise "
+                f"disk.max_bytes to at least {files + unit}, or set disk.path=None for no "
+                f"disk tier")
         self.index = build_index(cfg, num_slots, capacity, disk_tier=True)
         line = self._budget.start_line()
         if line:
@@ -211,10 +219,8 @@ class TierKVStore:
         full = index.disk_used >= index.disk_capacity
         if not budget.due(full):
             return
-        # Room for a few more chunks than it holds: unclaimed namespaces go one by one, as
-        # the store fills, not all at once.
-        headroom = max(1, budget.entitlement // budget.unit_bytes // 8)
-        capacity = budget.plan(index.disk_used + headroom)
+        # and a step of room more (DiskBudget.step); never waits on another store's plan
+        capacity = budget.plan(index.disk_used, wait=False)
         if capacity != index.disk_capacity:
             index.set_disk_capacity(capacity)
 

@@ -200,22 +200,16 @@ class SchedulerSide:
         names = tuple(StoreLayout.part_dir_name(part, self.replica) for part in parts)
         self._budgets = [DiskBudget(root, self.fingerprint, name, self.settings.disk_bytes, unit,
                                     check_seconds=self.config.disk.budget_check_seconds,
-                                    clock=self._clock, parts=len(parts), siblings=names)
+                                    clock=self._clock, parts=len(parts), siblings=names,
+                                    min_step=self.geometry.num_slots)
                          for name in names]
-        capacity = min(budget.plan(held + self._budget_headroom(budget))
-                       for budget in self._budgets)
+        capacity = min(budget.plan(held) for budget in self._budgets)  # and a step more
         line = self._budgets[0].start_line()
         if line:
             unclaimed = any(holding.deletable for holding in self._budgets[0].others)
             log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
         self._budget_polled = self._clock()
         return capacity
-
-    @staticmethod
-    def _budget_headroom(budget: DiskBudget) -> int:
-        """Room for a few more chunks than held: unclaimed namespaces go one by one as the
-        disk fills, not all at once."""
-        return max(1, int(budget.entitlement // budget.unit_bytes // 8))
 
     def _rebalance_disk(self) -> None:
         """Plan this engine's share again when the disk is full and unclaimed namespaces
@@ -230,8 +224,7 @@ class SchedulerSide:
         self._budget_polled = now
         if not any(budget.due(full) for budget in self._budgets):
             return
-        capacity = min(budget.plan(index.disk_used + self._budget_headroom(budget))
-                       for budget in self._budgets)
+        capacity = min(budget.plan(index.disk_used, wait=False) for budget in self._budgets)
         if capacity != index.disk_capacity:
             index.set_disk_capacity(capacity)
 

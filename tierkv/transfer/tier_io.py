@@ -8,8 +8,12 @@ may not import the transfer layer.
 Primitives and contracts:
 - ``submit_spill(spec)`` returns at once. A job's keys are split by the tier's write lanes
   (``tier.lane_of``: the disk tier's shards); one writer thread per lane (the only one that
-  writes that lane) runs its parts of the jobs in submission order: each part's deletes,
-  then its writes (bytes from ``slab.memoryview(slot)``). Consecutive queued parts share one
+  writes that lane) runs its parts of the jobs in submission order, writes from
+  ``slab.memoryview(slot)``. A job's deletes, every lane's, are committed before any write
+  of it or of a later job (``tier.delete_many``, by the first writer thread to reach the
+  job), so the room an eviction frees exists before the spill that needed it takes it: the
+  disk tier's files never hold a job's new chunks beside the ones it evicts for them
+  (``docs/on-disk-format.md``, "How close to the cap"). Consecutive queued parts share one
   write transaction up to ``write_batch_bytes``; a part bigger than that runs alone over
   several transactions. A job is reported only after the commit of its last transaction in
   every lane, and jobs are reported in submission order. A key the map could not take is in
@@ -104,6 +108,7 @@ class _SpillJob:
     full: set[Key] = field(default_factory=set)
     start: float = 0.0  # when its first part began
     error: BaseException | None = None
+    number: int = 0  # submission order
 
 
 _Part = tuple[_SpillJob, tuple[tuple[Key, int], ...], tuple[Key, ...]]  # writes, deletes
@@ -146,6 +151,9 @@ class TierIO:
         self._lanes = tier.write_lanes
         self._spills: list[deque[_Part]] = [deque() for _ in range(self._lanes)]
         self._order: deque[_SpillJob] = deque()  # jobs not yet reported, in submission order
+        self._undeleted: deque[_SpillJob] = deque()  # jobs whose deletes have not run, in order
+        self._delete_lock = threading.Lock()  # one thread runs deletes at a time, in order
+        self._submitted = 0
         self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
         self._finished: list[Completion] = []
         self._ledger: JobLedger[None] = JobLedger(self._io)  # spill and read jobs
@@ -200,6 +208,10 @@ class TierIO:
             self._check_usable()
             self._ledger.add(spec.job_id, None)
             self._order.append(job)
+            self._submitted += 1
+            job.number = self._submitted
+            if spec.deletes:
+                self._undeleted.append(job)
             for lane in lanes:
                 self._spills[lane].append(
                     (job, tuple(writes.get(lane, ())), tuple(deletes.get(lane, ()))))
@@ -342,10 +354,15 @@ class TierIO:
                       tuple(d for _, _, part in batch for d in part))]
         landed: set[Key] = set()
         full: set[Key] = set()
-        for writes, deletes in plans:
+        error = self._run_deletes(max(job.number for job, _, _ in batch))
+        if error is not None:
+            return landed, full, error
+        for writes, _ in plans:
+            if not writes:
+                continue
             items = [(key, self.slab.memoryview(slot)[: self._payload]) for key, slot in writes]
             try:
-                result = self.tier.put_many(items, deletes=deletes)
+                result = self.tier.put_many(items)
             except Exception as exc:  # this and later transactions of the batch did not land
                 logger.error("%s: spill job(s) %s failed: %s", self._io,
                              [job.spec.job_id for job, _, _ in batch], exc)
@@ -356,6 +373,26 @@ class TierIO:
             landed.update(result.written)
             full.update(result.full)
         return landed, full, None
+
+    def _run_deletes(self, number: int) -> BaseException | None:
+        """Commit the deletes of every job up to submission ``number`` not yet run, in order
+        (each job's keys of every lane); the error that stopped them, if any."""
+        with self._delete_lock:
+            while True:
+                with self._cond:
+                    if not self._undeleted or self._undeleted[0].number > number:
+                        return None
+                    job = self._undeleted[0]
+                try:
+                    self.tier.delete_many(job.spec.deletes)
+                except Exception as exc:  # the tier failed: the writes of this batch too
+                    logger.error("%s: deletes of spill job %s failed: %s", self._io,
+                                 job.spec.job_id, exc)
+                    self._mark_broken(exc)
+                    return exc
+                finally:
+                    with self._cond:
+                        self._undeleted.popleft()
 
     def _completion(self, job: _SpillJob) -> Completion:
         keys = [key for key, _ in job.spec.writes]

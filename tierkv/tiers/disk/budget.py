@@ -1,33 +1,37 @@
 """One cap per disk path: every namespace under a store root (``disk.path``) shares
-``disk.max_bytes`` (docs/operations.md, "One cap per disk path").
+``disk.max_bytes`` (docs/operations.md, "One cap per disk path"), which bounds the bytes the
+files under the root take on disk (allocated blocks, ``st_blocks``).
 
-Who holds what under the root (:func:`survey`), per ``ns-<fingerprint>/part-<p>of<P>``, in the
-cap's units (chunks x (chunk + overhead), what a store's index enforces):
+Room is shared by what each namespace USES, not by what it may take. Who uses what under
+the root (:func:`survey`), per ``ns-<fingerprint>/part-<p>of<P>``:
 
-- a rank a running store claims (``tierkv-owner.lock``, :func:`claimant`) holds what it
-  reserved in its ``tierkv-share.json`` (its disk capacity);
-- a rank whose store stopped holds what that store left there, as it wrote at close (or,
-  after a crash, the last it reserved);
-- a rank without a share file (a warm-up's, the vLLM connector's, an older tierkv's)
-  holds the bytes of its files.
+- every rank uses the bytes its files take on disk (measured at each plan);
+- a rank a running store claims (``tierkv-owner.lock``, :func:`claimant`) that publishes a
+  ``tierkv-share.json`` also holds what that store reserved (its capacity, what it uses and
+  a bounded step more) and, up to a fair share, what it wants (it is full and wants to
+  grow): that much room is left to it by the others;
+- a rank no running store plans for (stopped, a warm-up's, the vLLM connector's workers
+  without a share, an older tierkv's) holds only the bytes of its files.
 
-:class:`DiskBudget` is one store's share: running stores that publish a share split the cap
-equally (an entitlement of ``cap // n``), and a store's capacity is its entitlement or what
-the others' reservations and the unclaimed namespaces leave, whichever is less. When a store
-wants more than it has, room is taken first from namespaces no engine has claimed, least
-recently used (last written) first: each is claimed as an engine would claim it (so no engine
-starts on it meanwhile; refused while anyone holds it), renamed out of the root and deleted.
-Then the store's own eviction does the rest. Stores recompute their share at their next
-call whenever the root directory changed (a store started, stopped or moved its share, which
-it signals by making and removing a file there; a namespace came or went), every
-``disk.budget_check_seconds``, and whenever they are full: a store that starts beside a
-running one gets its share once the running one has shrunk to its own (it never takes room
-another has reserved). Safe with several stores and tools on one root: every decision reads
-the files anew, deletions take the claims first, and tools that read (inspect, verify) only
-see a namespace disappear.
+:class:`DiskBudget` is one store's share, planned under a lock on the root (one plan at a
+time, so two stores never give themselves the same free room): with ``n`` running stores a
+store's entitlement is ``cap // n``; its capacity is what it wants (what it holds and a
+step more) as far as the others' holdings leave room, and never less than what it holds or
+its entitlement, whichever is less (a store that restarts keeps its chunks; one over its
+entitlement shrinks to it only while another store wants the room). A namespace no engine
+claims is deleted only when the root is full: what every namespace uses leaves no room for
+one more chunk of a store that holds less than its entitlement and wants more; then the
+least recently used (last written) first, each claimed as an engine would claim it (so no
+engine starts on it meanwhile; refused while anyone holds it), renamed out of the root and
+deleted. Then the store's own eviction does the rest. Stores plan again at their next call
+whenever the root directory changed (a store started, stopped or moved its share, which it
+signals by making and removing a file there; a namespace came or went), every
+``disk.budget_check_seconds``, and whenever they are full below their entitlement. Safe
+with several stores and tools on one root: every decision reads the files anew, deletions
+take the claims first, and tools that read (inspect, verify) only see a namespace disappear.
 
 Also here, shared with ``tierkv rm``: :func:`environments`, :func:`claimant`,
-:func:`claim_namespace`, :func:`tree_bytes` and :func:`delete_tree`.
+:func:`claim_namespace`, :func:`tree_bytes`, :func:`allocated_bytes` and :func:`delete_tree`.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,13 +51,18 @@ from tierkv.checks import is_int
 from tierkv.errors import BrokenError, ConfigError
 from tierkv.tiers.disk.files import (OWNER_FILE, OwnerLock, Trust, check_dir, read_private_file,
                                      write_private_file)
+from tierkv.tiers.disk.env import SHARDS
 from tierkv.tiers.disk.layout import StoreLayout
+from tierkv.tiers.disk.slab import SLAB_NAME
 from tierkv.units import format_bytes
 
 logger = logging.getLogger("tierkv.disk")
 
 SHARE_FILE = "tierkv-share.json"
 _MAX_SHARE_BYTES = 4096
+# What a shard's index files may grow between two plans (LMDB pages: copy-on-write and the
+# free list); measured: under 16 KiB a plan apart in tests/integration/test_disk_budget.py.
+INDEX_GROWTH_BYTES = 16 << 10
 
 
 # ------------------------------------------------------------------------------ claims
@@ -123,11 +132,27 @@ def claim_namespace(ns_dir: Path, what: str,
 
 def tree_bytes(path: Path) -> int:
     """Bytes of every file under ``path`` (links are counted as links, never followed)."""
+    return _walk_bytes(path, lambda info: info.st_size)
+
+
+def allocated_bytes(path: Path, skip: frozenset[str] = frozenset()) -> int:
+    """Disk space every file under ``path`` takes (``st_blocks * 512``: what the cap
+    bounds; a sparse file's holes take none), files named in ``skip`` left out."""
+    if path.is_file() and not path.is_symlink():
+        with suppress(OSError):
+            return os.lstat(path).st_blocks * 512
+        return 0
+    return _walk_bytes(path, lambda info: info.st_blocks * 512, skip)
+
+
+def _walk_bytes(path: Path, size: Callable[[os.stat_result], int],
+                skip: frozenset[str] = frozenset()) -> int:
     total = 0
     for folder, _, files in os.walk(path):
         for name in files:
-            with suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
+            if name not in skip:
+                with suppress(OSError):
+                    total += size(os.lstat(os.path.join(folder, name)))
     return total
 
 
@@ -148,6 +173,16 @@ def delete_tree(root: Path, ns_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ survey
+@dataclass(frozen=True)
+class Share:
+    """What a store published for its rank (``tierkv-share.json``), in bytes of the cap."""
+
+    reserved: int  # its capacity (what it holds, a step more, its index files)
+    wanted: int  # what it would take now, up to its entitlement
+    running: bool
+    parts: int = 1  # the engine's parts, each publishing its part's share
+
+
 @dataclass
 class Holding:
     """One namespace under the root (other than the surveying store's own rank)."""
@@ -155,31 +190,41 @@ class Holding:
     fingerprint: str
     path: Path
     model_id: str
-    file_bytes: int = 0  # every file under it (the surveying store's own rank left out)
+    file_bytes: int = 0  # disk space of every file under it (own ranks left out)
     last_used: float = 0.0  # the newest write of its data files (seconds since the epoch)
     claimed_by: list[str] = field(default_factory=list)  # holders of its ranks' claims
     engines: int = 0  # claimed ranks that publish a share (running stores)
-    held: int = 0  # what counts against the cap (see the module docstring)
+    used: int = 0  # disk space its files take (what deleting it frees)
+    shares: list[tuple[Share, int]] = field(default_factory=list)  # running ranks': (share, used)
 
     @property
     def deletable(self) -> bool:
         return not self.claimed_by
 
+    def held(self, entitlement: int) -> int:
+        """What counts against the cap for another store whose entitlement is
+        ``entitlement``: the bytes its files take, and for a running store's rank the room it
+        reserved and, up to ``entitlement``, the room it wants."""
+        running = sum(used for _, used in self.shares)
+        return self.used - running + sum(
+            max(share.reserved, min(share.wanted, entitlement // share.parts), used)
+            for share, used in self.shares)
 
-def _share_of(rank_dir: Path) -> tuple[int, bool] | None:
-    """What the store of ``rank_dir`` reserved (or left, when it stopped) and whether it
-    said it runs, when it says so."""
+
+def _share_of(rank_dir: Path) -> Share | None:
+    """What the store of ``rank_dir`` published, when it says so."""
     raw = read_private_file(rank_dir / SHARE_FILE, _MAX_SHARE_BYTES)
     if raw is None or len(raw) > _MAX_SHARE_BYTES:
         return None
     try:
         record = json.loads(raw.decode())
         reserved, running = record["reserved_bytes"], record.get("running", True)
+        wanted, parts = record.get("wanted_bytes", reserved), record.get("parts", 1)
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None
-    if not is_int(reserved, low=0):
+    if not is_int(reserved, low=0) or not is_int(wanted, low=0) or not is_int(parts, low=1):
         return None
-    return reserved, running is True
+    return Share(reserved, wanted, running is True, parts)
 
 
 def _model_of(ns_dir: Path) -> str:
@@ -215,17 +260,18 @@ def _holding(ns_dir: Path, own: tuple[str, str | frozenset[str]] | None) -> Hold
     rest = 0  # moved-aside ranks and leftovers (namespace.json only names the namespace)
     for entry in sorted(ns_dir.iterdir()):
         if entry.name == "namespace.json":
-            holding.file_bytes += entry.lstat().st_size
+            holding.file_bytes += allocated_bytes(entry)
             continue
         if entry.is_symlink() or not entry.is_dir():
             continue
         if not StoreLayout.is_part_dir(entry.name):
-            rest += tree_bytes(entry)
+            rest += allocated_bytes(entry)
             continue
         if own is not None and own[0] == fingerprint and entry.name in own[1]:
             continue
-        rank_bytes = tree_bytes(entry)
+        rank_bytes = allocated_bytes(entry)
         holding.file_bytes += rank_bytes
+        holding.used += rank_bytes
         for data in StoreLayout.data_files(entry):
             with suppress(OSError):
                 holding.last_used = max(holding.last_used, data.stat().st_mtime)
@@ -234,11 +280,13 @@ def _holding(ns_dir: Path, own: tuple[str, str | frozenset[str]] | None) -> Hold
         share = _share_of(entry)
         if who is not None:
             holding.claimed_by.append(who)
-            holding.engines += share is not None and share[1]  # a running store's share
-        holding.held += rank_bytes if share is None else share[0]
+            if share is not None and share.running:  # a running store's share
+                holding.engines += 1
+                holding.shares.append((share, rank_bytes))
     holding.file_bytes += rest
-    if not holding.claimed_by and (own is None or own[0] != fingerprint):
-        holding.held += rest  # part of what deleting it frees
+    holding.used += rest  # on disk too (the store's own namespace.json is its own count)
+    if own is None or own[0] != fingerprint:
+        holding.used = holding.file_bytes
     return holding
 
 
@@ -257,6 +305,9 @@ class DiskBudget:
     (``fingerprint``, ``part_dir``), which the store claims; :meth:`plan` publishes the
     share there, :meth:`release` withdraws it.
 
+    ``min_step``: the chunks the store may spill between two plans (its CPU slots), the
+    least room it asks for beyond what it holds (:meth:`step`).
+
     An engine that writes ``parts`` parts of each chunk (the vLLM connector at TP > 1) has
     one budget per part, each over ``unit_bytes`` of a whole chunk (every part) and blind
     to its ``siblings`` (the engine's other part directories): they plan the same capacity
@@ -267,7 +318,7 @@ class DiskBudget:
 
     def __init__(self, root: Path, fingerprint: str, part_dir: str, cap_bytes: int,
                  unit_bytes: int, *, check_seconds: float, parts: int = 1,
-                 siblings: tuple[str, ...] = (),
+                 siblings: tuple[str, ...] = (), min_step: int = 1,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.root = Path(root)
@@ -276,12 +327,14 @@ class DiskBudget:
         self._own_dirs = frozenset((part_dir, *siblings))
         self.cap_bytes, self.unit_bytes = cap_bytes, unit_bytes
         self.check_seconds = check_seconds
+        self.min_step = max(min_step, 1)
         self._clock, self._wall_clock = clock, wall_clock
         self._rank_dir = StoreLayout(self.root).namespace_dir(fingerprint) / part_dir
         self._checked = -float("inf")
         self._seen: int | None = -1  # the root's mtime when last planned (see due())
-        self._published: int | None = None
+        self._published: Share | None = None
         self.capacity = 0  # chunks, as last planned
+        self.fixed_bytes = 0  # bytes of its files other than slots, as last planned
         self.entitlement = cap_bytes  # bytes: cap // running stores, as last planned
         self.deletable = 0  # namespaces no engine claims, as last surveyed
         self.deleted: list[str] = []  # fingerprints of the namespaces this budget deleted
@@ -298,34 +351,84 @@ class DiskBudget:
     def due(self, full: bool) -> bool:
         """Whether to plan again: the root changed (a store started, stopped or moved its
         share; a namespace came or went: one ``stat``), ``check_seconds`` passed, or the
-        store is ``full`` while unclaimed namespaces could give room."""
+        store is ``full`` below its entitlement (more room may be there, or be freed)."""
         return self._stamp() != self._seen or self._clock() - self._checked >= self.check_seconds \
-            or (full and self.deletable > 0 and self.capacity * self.unit_bytes < self.entitlement)
+            or (full and self.capacity * self.unit_bytes + self.fixed_bytes < self.entitlement)
 
-    def plan(self, wanted_chunks: int) -> int:
-        """The store's capacity in chunks now, having deleted least recently used unclaimed
-        namespaces, one by one, while it has room for fewer than ``wanted_chunks`` and less
-        than its entitlement; published in its rank's share file."""
-        self._checked = self._clock()
-        self._seen = self._stamp()  # before the survey: what changes meanwhile is seen next
-        others = survey(self.root, (self.fingerprint, self._own_dirs))
-        engines = 1 + sum(holding.engines for holding in others)
-        entitlement = self.cap_bytes // engines
-        wanted = min(wanted_chunks * self.unit_bytes, entitlement)
-        deletable = sorted((h for h in others if h.deletable and h.fingerprint != self.fingerprint),
-                           key=lambda holding: holding.last_used)
+    def step(self) -> int:
+        """The chunks a store wants beyond what it holds: an eighth of its entitlement, and
+        at least ``min_step`` (what it may spill between two plans: its CPU slots), so it
+        reserves room in steps as it fills, not all it may take."""
+        return max(self.min_step, self.entitlement // self.unit_bytes // 8)
 
-        def allowed() -> int:
-            return min(entitlement, self.cap_bytes - sum(h.held for h in others))
+    def _own_fixed(self) -> int:
+        """The disk space of this store's files other than its slabs' slots (its index
+        files, claims, share file and its namespace's ``namespace.json``), measured, and
+        :data:`INDEX_GROWTH_BYTES` per shard for what the index may grow before the next
+        plan."""
+        ns_dir = self._rank_dir.parent
+        total = allocated_bytes(ns_dir / "namespace.json")
+        for name in self._own_dirs:
+            total += allocated_bytes(ns_dir / name, skip=frozenset((SLAB_NAME,)))
+        if not (self._rank_dir / SHARE_FILE).exists():  # this plan writes it: a block
+            with suppress(OSError):
+                total += os.statvfs(self.root).f_frsize
+        return total + INDEX_GROWTH_BYTES * SHARDS * len(self._own_dirs)
 
-        while allowed() < wanted and deletable:
-            victim = deletable.pop(0)
-            if self._delete(victim):
-                others.remove(victim)
-        self.others, self.entitlement = others, entitlement
-        self.deletable = len(deletable)
-        self.capacity = max(allowed(), 0) // self.unit_bytes
-        self._publish(self.capacity * self.unit_bytes // self.parts)
+    @contextmanager
+    def _planning(self, wait: bool) -> Iterator[bool]:
+        """One plan at a time under the root (every process): an exclusive ``flock`` on the
+        root directory itself (no file of its own there), so two stores never give
+        themselves the same free room. Yields whether this one may plan: without ``wait``,
+        not while another plans (or deletes a namespace): a store's call never waits on
+        another's."""
+        fd, mine = None, True
+        with suppress(OSError):
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                mine = False
+        try:
+            yield mine
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def plan(self, held_chunks: int, wanted_chunks: int | None = None, *,
+             wait: bool = True) -> int:
+        """The store's capacity in chunks now, holding ``held_chunks`` and wanting
+        ``wanted_chunks`` (default: a :meth:`step` more); see the module docstring.
+        Unclaimed namespaces are deleted, least recently used first, only while the root is
+        full and the store is below its entitlement. Published in its rank's share file.
+        Without ``wait``, while another store plans, the capacity stays as it was and the
+        plan is due again at the next call."""
+        with self._planning(wait) as mine:
+            if not mine:
+                self._seen = None
+                return self.capacity
+            self._checked = self._clock()
+            self._seen = self._stamp()  # before the survey: what changes meanwhile is seen next
+            others = survey(self.root, (self.fingerprint, self._own_dirs))
+            engines = 1 + sum(holding.engines for holding in others)
+            entitlement = self.cap_bytes // engines
+            fixed, unit = self._own_fixed(), self.unit_bytes
+            own = max(held_chunks, 0) * unit + fixed
+            wanted = held_chunks + self.step() if wanted_chunks is None else wanted_chunks
+            want = max(wanted * unit + fixed, own)
+            deletable = sorted((h for h in others if h.deletable and h.fingerprint != self.fingerprint),
+                               key=lambda holding: holding.last_used)
+            while deletable and own + unit <= min(want, entitlement) and \
+                    sum(h.used for h in others) + own + unit > self.cap_bytes:
+                victim = deletable.pop(0)  # the root is full: the least recently used goes
+                if self._delete(victim):
+                    others.remove(victim)
+            room = self.cap_bytes - sum(h.held(entitlement) for h in others)
+            reserved = max(min(own, entitlement), min(want, room))
+            self.others, self.entitlement, self.fixed_bytes = others, entitlement, fixed
+            self.deletable = len(deletable)
+            self.capacity = max(reserved - fixed, 0) // unit
+            self._publish(self.capacity * unit + fixed, min(want, max(entitlement, own)))
         return self.capacity
 
     def _delete(self, victim: Holding) -> bool:
@@ -356,15 +459,18 @@ class DiskBudget:
             format_bytes(self.cap_bytes))
         return True
 
-    def _publish(self, reserved: int, running: bool = True) -> None:
-        """Write the share file when the reservation changed, and tell the other stores."""
-        if reserved == self._published:
+    def _publish(self, reserved: int, wanted: int, running: bool = True) -> None:
+        """Write the share file when it changed (each part's ``1 / parts``), and tell the
+        other stores."""
+        share = Share(reserved // self.parts, wanted // self.parts, running, self.parts)
+        if share == self._published:
             return
-        record = {"pid": os.getpid(), "reserved_bytes": reserved, "running": running}
+        record = {"pid": os.getpid(), "reserved_bytes": share.reserved,
+                  "wanted_bytes": share.wanted, "running": running, "parts": self.parts}
         with suppress(OSError):
             write_private_file(self._rank_dir / SHARE_FILE,
                                (json.dumps(record) + "\n").encode())
-            self._published = reserved
+            self._published = share
         self._signal()
 
     def _signal(self) -> None:
@@ -376,10 +482,11 @@ class DiskBudget:
             os.unlink(name)
 
     def release(self, held_chunks: int) -> None:
-        """The store closes (its claim goes with it): its share becomes what it leaves on
-        disk, ``held_chunks``."""
+        """The store closes (its claim goes with it): it plans for nothing any more, and
+        counts with the bytes its files take, like any namespace no store runs on."""
         self._published = None
-        self._publish(max(held_chunks, 0) * self.unit_bytes // self.parts, running=False)
+        held = max(held_chunks, 0) * self.unit_bytes + self.fixed_bytes
+        self._publish(held, held, running=False)
 
     def start_line(self) -> str | None:
         """The start-up line: the other namespaces under the root, their sizes, ages and

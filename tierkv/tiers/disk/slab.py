@@ -20,11 +20,14 @@ Primitives and contracts:
   said once per filesystem) one buffered ``preadv``.
 - ``sync()``: ``fdatasync`` (payloads and the file's size).
 - The allocator (one process writes a shard: the claim): ``allocate(count, limit)`` gives
-  free slots first, then grows the file in steps (``posix_fallocate``; doubling, at most
-  :data:`GROW_STEP_BYTES` at a time, never past ``limit`` slots). It returns what it could
-  and why it stopped: ``"limit"`` or ``"space"`` (ENOSPC, EDQUOT). ``release(slots)`` gives
-  slots back; ``adopt_used(slots)`` seeds it from the index (a slot no index entry names
-  is free: nothing else is persisted, so nothing can disagree with the index).
+  free slots first, then grows the file by exactly the slots it hands out
+  (``posix_fallocate`` of their range, never past ``limit`` slots). It returns what it
+  could and why it stopped: ``"limit"`` or ``"space"`` (ENOSPC, EDQUOT). ``release(slots)``
+  gives slots back and their disk space with them (``fallocate(PUNCH_HOLE)``: a free slot
+  is a hole, so the file's allocated bytes are its used slots'; a write into a hole
+  allocates it again); ``adopt_used(slots)`` seeds it from the index (a slot no index entry
+  names is free, and is punched: nothing else is persisted, so nothing can disagree with
+  the index). The disk cap counts allocated bytes (``docs/on-disk-format.md``).
 - A slot freed may be written again at once: every read checks the slot's header against
   the index entry (sequence and key-bound checksum), so an index entry that names a
   reused slot (a crash brought it back) never serves another write's bytes.
@@ -32,6 +35,7 @@ Primitives and contracts:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -50,8 +54,35 @@ from tierkv.tiers.disk.reads import ReadPool
 logger = logging.getLogger("tierkv.disk")
 
 SLAB_NAME = "slab-0.kv"  # slab number 0; the index names the slab so more can follow
-GROW_STEP_BYTES = 256 << 20  # a slab grows by at most this much at a time (fallocate)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
+
+
+def _fallocate() -> Callable[..., int] | None:
+    """libc's ``fallocate(2)`` (Python's ``os`` has only ``posix_fallocate``), or None."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    call.restype = ctypes.c_int
+    return call
+
+
+_FALLOCATE = _fallocate()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give back the disk space of ``length`` bytes at ``offset`` (the file keeps its size;
+    they read as zeros); False where the filesystem cannot (EOPNOTSUPP: the space stays)."""
+    if _FALLOCATE is None:
+        return False
+    if _FALLOCATE(fd, _PUNCH_HOLE, offset, length) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(code, f"fallocate(PUNCH_HOLE) failed: {os.strerror(code)}")
 
 
 _REFUSED: set[int] = set()  # filesystems (st_dev) whose refusal of O_DIRECT was logged
@@ -104,6 +135,7 @@ class SlabFile:
         self._free: list[int] = []
         self._high = 0  # slots below this are used or in _free
         self.mapped = False  # adopt_used() has run
+        self._holes = True  # free slots are punched (False: the filesystem cannot)
         self.next_seq: int | None = None  # the writer's next sequence (set by the tier)
         self.closed = False
 
@@ -247,18 +279,25 @@ class SlabFile:
     # -- slots -------------------------------------------------------------------------
 
     def adopt_used(self, used: Iterable[int]) -> None:
-        """Seed the allocator: ``used`` slots (from the index) are taken, the rest free."""
+        """Seed the allocator: ``used`` slots (from the index) are taken, the rest free (and
+        punched: an older tierkv, or a crash between a commit and its punch, left them
+        allocated)."""
         taken = set(used)
         with self._lock:
+            if self.mapped:  # another thread seeded it first: slots it handed out since
+                return  # may be written but not yet in the index (never free them)
             self.slots = self.size() // self.slot_bytes  # another writer may have grown it
             self._high = max(self.slots, max(taken, default=-1) + 1)
+            # Punched before any is handed out: a punch after a write would zero it.
+            self._punch(slot for slot in range(min(self._high, self.slots))
+                        if slot not in taken)
             self._free = sorted((slot for slot in range(self._high) if slot not in taken),
                                 reverse=True)  # pop() gives the lowest first
             self.mapped = True
 
     def allocate(self, count: int, limit: int) -> tuple[list[int], str | None]:
         """Up to ``count`` slots (free ones first, then new ones past the used end, growing
-        the file); the reason for a shortfall: ``"limit"`` or ``"space"``."""
+        the file by exactly those); the reason for a shortfall: ``"limit"`` or ``"space"``."""
         with self._lock:
             slots = [self._free.pop() for _ in range(min(count, len(self._free)))]
             want = count - len(slots)
@@ -268,32 +307,54 @@ class SlabFile:
             fresh = min(want, room)
             why: str | None = None if fresh == want else "limit"
             if fresh and self._high + fresh > self.slots:
-                grown = self._grow(self._high + fresh, limit)
+                grown = self._grow(self._high + fresh)
                 if grown < self._high + fresh:
                     fresh, why = max(0, grown - self._high), "space"
             slots += range(self._high, self._high + fresh)
             self._high += fresh
             return slots, why
 
-    def _grow(self, needed: int, limit: int) -> int:
-        """Make the file hold at least ``needed`` slots (a step more where it can); returns
-        the slots it holds after."""
-        step = max(1, min(self.slots, GROW_STEP_BYTES // self.slot_bytes))
-        for target in (min(limit, max(needed, self.slots + step)), needed):
-            try:
-                os.posix_fallocate(self._fd, 0, target * self.slot_bytes)
-            except OSError as exc:
-                if exc.errno not in NO_SPACE:
-                    raise
-                continue
-            self.slots = target
-            return target
-        return self.slots
+    def _grow(self, needed: int) -> int:
+        """Make the file hold ``needed`` slots, allocating only the new ones (the cap counts
+        allocated bytes: no step ahead); returns the slots it holds after."""
+        try:
+            os.posix_fallocate(self._fd, self.slots * self.slot_bytes,
+                               (needed - self.slots) * self.slot_bytes)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            return self.slots
+        self.slots = needed
+        return needed
 
     def release(self, slots: Iterable[int]) -> None:
+        """Free ``slots``: their disk space is given back first (a hole), then they may be
+        handed out again (never punched after: a new write could be in them)."""
+        slots = list(slots)
+        self._punch(slots)
         with self._lock:
             self._free.extend(slots)
             self._free.sort(reverse=True)
+
+    def _punch(self, slots: Iterable[int]) -> None:
+        """Punch a hole over ``slots`` (runs of neighbours in one call); where the filesystem
+        cannot, warn once and keep their space (the cap then counts free slots too)."""
+        if not self._holes or self.read_only:
+            return
+        run_start, run_end = -1, -1
+        for slot in [*sorted(set(slots)), -2]:
+            if slot == run_end:
+                run_end += 1
+                continue
+            if run_end > run_start and not punch_hole(
+                    self._fd, run_start * self.slot_bytes, (run_end - run_start) * self.slot_bytes):
+                self._holes = False
+                logger.warning("tierkv: the filesystem of %s cannot punch holes "
+                               "(fallocate PUNCH_HOLE): free slots keep their disk space until "
+                               "they are reused, and the files may pass disk.max_bytes",
+                               self.path)
+                return
+            run_start, run_end = slot, slot + 1
 
     def used_end(self) -> int:
         """One past the highest slot that is not free (0 when none is used)."""
