@@ -137,15 +137,16 @@ def test_a_stopped_rank_of_the_same_namespace_keeps_its_chunks_and_leaves_the_re
             second.poll()  # each holds a step of room, its CPU slots (issue 41: not half each)
             assert [first.index.disk_capacity, second.index.disk_capacity] == [8, 8]
             store_chunks(first, 1, 12)
-            store_chunks(second, 2, 8)
-            rank_1 = second.disk.path  # type: ignore[union-attr]
-        first.poll()  # rank 1 stopped with 8 chunks: rank 0 may use the rest
+            store_chunks(second, 2, 8)  # 7 or 8 of them fit beside rank 0's reservation
+            rank_1, stopped_with = second.disk.path, second.index.disk_used  # type: ignore[union-attr]
+            assert stopped_with >= 7
+        first.poll()  # rank 1 stopped with its chunks: rank 0 may use the rest
         fixed = first._budget.fixed_bytes  # type: ignore[union-attr]
         rest = (CAP - allocated(rank_1) - fixed) // UNIT
         assert first.index.disk_capacity == rest > 12
         store_chunks(first, 3, 16)
         assert first.index.disk_used == rest
-    assert held_chunks(tmp_path) == {"tp": 8 + rest}
+    assert held_chunks(tmp_path) == {"tp": stopped_with + rest}
     assert allocated(tmp_path) <= CAP
 
 
@@ -319,3 +320,24 @@ def test_a_store_with_a_smaller_cap_keeps_its_chunks_when_it_restarts(tmp_path: 
     finally:
         running.close()
     assert held_chunks(tmp_path) == {"small": 8, "large": 16}
+
+
+def test_write_through_spills_past_the_planned_step_evict_nothing_under_the_cap(
+        tmp_path: Path) -> None:
+    """Regression (issue 41, the SIGKILL rounds of tests/reliability/test_crash.py): a store
+    planned again only once the chunks on disk filled its capacity (what it held at start
+    and a step more). Chunks written through to disk, three at a time, then came to a
+    capacity their spills would pass: the spills evicted the oldest chunks on disk for room
+    the cap still had. The plan is due once what is on disk and what is to be written fill
+    the capacity."""
+    with open_store(tmp_path, "restarts") as store:
+        store_chunks(store, 1, 8)
+    with open_store(tmp_path, "restarts", check_seconds=1e9) as store:  # plans when full
+        assert store.index.disk_capacity < 8 + 12 <= whole_cap(store)
+        new = keys_of(2, 12)
+        for batch in range(0, 12, 3):
+            store.wait([store.store(new[batch : batch + 3], list(range(6)))])
+            store.flush()
+        assert store.lookup(keys_of(1, 8)) == 8  # the first chunks are still on disk
+        assert store.index.disk_used == 20
+    assert held_chunks(tmp_path) == {"restarts": 20}

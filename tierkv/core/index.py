@@ -104,6 +104,14 @@ class BlockIndex(Spills, Invariants):
         """Chunks on disk or being written there (what the disk capacity bounds)."""
         return self._disk_used
 
+    @property
+    def disk_wanted(self) -> int:
+        """Chunks the disk would hold once every chunk not on disk yet is written there:
+        :attr:`disk_used` and the dirty CPU chunks. A disk budget plans again once this
+        fills the capacity: once :attr:`disk_used` does is too late, the spills have evicted
+        chunks on disk for room the cap still had (issue 41)."""
+        return self._disk_used + (self._cpu.count(DIRTY) if self._has_disk else 0)
+
     def set_disk_capacity(self, num_chunks: int) -> int:
         """Make the disk capacity ``num_chunks`` (a budget shared with other stores moved).
         When the disk holds more, its least recently used chunks are evicted now (their

@@ -216,7 +216,9 @@ class TierKVStore:
         :meth:`DiskBudget.due`); a smaller share evicts at once, a larger one is room."""
         budget, index = self._budget, self.index
         assert budget is not None
-        full = index.disk_used >= index.disk_capacity
+        # Full once what is on disk and what is to be written fill it: a plan only at
+        # disk_used would come after the spills evicted for room the cap still had.
+        full = index.disk_wanted >= index.disk_capacity
         if not budget.due(full):
             return
         # and a step of room more (DiskBudget.step); never waits on another store's plan

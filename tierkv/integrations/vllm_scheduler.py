@@ -217,7 +217,7 @@ class SchedulerSide:
         ``budget_check_seconds`` (a ``stat`` of the disk path: at most once a second unless
         the disk is full)."""
         index = self.index
-        full = index.disk_used >= index.disk_capacity
+        full = index.disk_wanted >= index.disk_capacity  # on disk and to be written
         now = self._clock()
         if not full and now - self._budget_polled < BUDGET_POLL_SECONDS:
             return
