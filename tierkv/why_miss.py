@@ -9,7 +9,10 @@ disk tier read-only (index records, and the values of the chunks it would load, 
 a load checks them) and gives each chunk one verdict (:data:`VERDICTS`):
 
 - ``hit-disk``: every part of one part count holds it and its values pass their checks;
-- ``damaged``: it is there, and a value fails its header or checksum check;
+- ``hit-remote``: not on disk; the remote tier (``remote``, when given) holds every part
+  of one part count and its values pass their checks;
+- ``damaged``: it is there (on disk, else remote), and a value fails its header or
+  checksum check;
 - ``partial``: some parts of a part count hold it, not all (a chunk is served only whole);
 - ``other-dp``: another data-parallel engine's part directories hold it;
 - ``other-key``: the prompt's keys without one of its key inputs (``cache_salt``, the LoRA
@@ -23,7 +26,9 @@ a load checks them) and gives each chunk one verdict (:data:`VERDICTS`):
   here (another PYTHONHASHSEED, another tierkv format) are named with how they differ;
 - ``refused``: an engine with these settings never starts with tierkv (pipeline parallel).
 
-The CPU tier lives inside a running engine: it is not looked at. Nothing is written.
+The remote tier records no namespace's settings, only its fingerprint: a namespace found
+only there is named by its fingerprint; the disk's records describe the others. The CPU
+tier lives inside a running engine: it is not looked at. Nothing is written.
 """
 
 from __future__ import annotations
@@ -36,20 +41,23 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.checks import is_int
-from tierkv.config import DiskTierConfig
+from tierkv.config import DiskTierConfig, RemoteTierConfig
 from tierkv.errors import BrokenError, ConfigError, DamagedError, NamespaceMismatchError
 from tierkv.integrations.vllm_config import KNOWN_HASHES, STABLE_HASHES
 from tierkv.integrations.vllm_keys import adapter_key, chunk_keys_from_block_hashes
 from tierkv.integrations.vllm_warmup import MultiModalInput, VllmTarget, vllm_block_hashes
-from tierkv.keys import FORMAT_VERSION, Namespace, Part
+from tierkv.keys import FORMAT_VERSION, Namespace, Part, parse_part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.disk.files import NamespaceInfo, describe_differences, list_namespaces
 from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.remote.tools import Session
+from tierkv.tiers.remote.tools import _entries as entries
 from tierkv.units import MiB
 
-VERDICTS = ("hit-disk", "damaged", "partial", "other-dp", "other-key", "other-namespace",
-            "not-stored", "refused")
+VERDICTS = ("hit-disk", "hit-remote", "damaged", "partial", "other-dp", "other-key",
+            "other-namespace", "not-stored", "refused")
+HITS = ("hit-disk", "hit-remote")
 NOT_STORED = ("never stored, or evicted (the disk tier keeps no record of evictions; keys "
               "stored in a cache epoch after a reset_prefix_cache are other, random keys, "
               "never hit again)")
@@ -188,6 +196,52 @@ def complete_groups(dirs: Sequence[PartDir], key: bytes) -> list[list[PartDir]]:
             if len(parts) == count]
 
 
+@dataclass
+class RemoteHoldings:
+    """What the remote tier holds of the keys asked for: fingerprint -> part -> keys."""
+
+    config: RemoteTierConfig
+    keys: dict[str, dict[Part, set[bytes]]] = field(default_factory=dict)
+
+    def parts_holding(self, fingerprint: str, key: bytes) -> list[Part]:
+        return sorted(part for part, keys in self.keys.get(fingerprint, {}).items()
+                      if key in keys)
+
+    def complete(self, fingerprint: str, key: bytes) -> list[Part]:
+        """The parts of the first part count whose every part holds ``key`` ([]: none)."""
+        held = self.parts_holding(fingerprint, key)
+        for count in sorted({part.count for part in held}):
+            group = [part for part in held if part.count == count]
+            if len(group) == count:
+                return group
+        return []
+
+    def corrupt(self, fingerprint: str, parts: Sequence[Part], key: bytes,
+                payload: int) -> list[Part]:
+        """The parts whose value of ``key`` fails the checks of a load."""
+        from tierkv.tiers.remote.tier import RemoteTier
+
+        with RemoteTier(self.config, fingerprint, parts[0], payload,
+                        role="tierkv why-miss") as tier:
+            return [part for part in parts
+                    if tier.verify_chunk(key, part).status is ReadStatus.CORRUPT]
+
+
+def read_remote(config: RemoteTierConfig, wanted: AbstractSet[bytes]) -> RemoteHoldings:
+    """The ``wanted`` keys the remote tier holds (``SCAN`` of its prefix on every primary;
+    keys of an older tierkv format are left out: never read)."""
+    holdings = RemoteHoldings(config)
+    session = Session(config)
+    try:
+        for _, fingerprint, label, key in entries(session, report_every=None):
+            part = parse_part(label)
+            if part is not None and key in wanted:
+                holdings.keys.setdefault(fingerprint, {}).setdefault(part, set()).add(key)
+    finally:
+        session.close()
+    return holdings
+
+
 # ------------------------------------------------------------------------------ verdicts
 @dataclass
 class ChunkVerdict:
@@ -218,10 +272,10 @@ class WhyMiss:
                 if (count := sum(chunk.verdict == verdict for chunk in self.chunks))}
 
     def served(self) -> int:
-        """Chunks an engine would load: the prefix of ``hit-disk`` ones."""
+        """Chunks an engine would load: the prefix of hits."""
         count = 0
         for chunk in self.chunks:
-            if chunk.verdict != "hit-disk":
+            if chunk.verdict not in HITS:
                 break
             count += 1
         return count
@@ -231,7 +285,7 @@ class WhyMiss:
         return (f"why-miss: {len(self.chunks)} chunk(s) of {self.tokens} tokens in namespace "
                 f"{self.namespace[:8]} of {self.store}: {counts or 'none'}; a request loads "
                 f"the first {self.served()} ({self.served() * self.tokens_per_chunk} tokens) "
-                f"from disk (the CPU tier is a running engine's own: not looked at)")
+                f"from its lower tiers (the CPU tier is a running engine's own: not looked at)")
 
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "counts": self.counts(), "served_chunks": self.served(),
@@ -304,109 +358,177 @@ def _other_namespace(root: Path, info: NamespaceInfo, namespace: Namespace, ours
     return other
 
 
+Verdict = tuple[str, str, list[str]]  # (verdict, detail, dimensions)
+
+
+@dataclass
+class _Look:
+    """What :func:`explain` found, for the verdict of each chunk."""
+
+    namespace: Namespace
+    parts: int  # this engine's part count
+    data_parallel_index: int
+    own_dirs: list[PartDir]
+    variants: list[tuple[str, list[bytes]]]
+    others: list[_Other]
+    remote: RemoteHoldings | None
+    hints: dict[str, str]
+
+    @property
+    def short(self) -> str:
+        return self.namespace.fingerprint()[:8]
+
+    def on_disk(self, key: bytes) -> Verdict | None:
+        """A hit or a damaged value in this engine's own part directories."""
+        mine = [found for found in self.own_dirs if found.replica == self.data_parallel_index]
+        groups = complete_groups(mine, key)
+        if not groups:
+            return None
+        group = next((g for g in groups if len(g) == self.parts), groups[0])
+        bad = [found.name for found in group if key in found.corrupt]
+        if bad:
+            return ("damaged", f"{', '.join(bad)} of namespace {self.short} holds it, and its "
+                    f"value fails the checks of a load (header or checksum): the engine "
+                    f"recomputes it; tierkv verify reports it, --repair deletes it", ["damaged"])
+        shared = "" if len(group) == self.parts else (
+            f" (another TP size's parts: read whole or cut per head; this engine stores "
+            f"{self.parts} part(s))")
+        return ("hit-disk", f"on disk in namespace {self.short}, "
+                f"{', '.join(found.name for found in group)}{shared}", [])
+
+    def on_remote(self, key: bytes) -> Verdict | None:
+        fingerprint = self.namespace.fingerprint()
+        group = self.remote.complete(fingerprint, key) if self.remote else []
+        if not group or self.remote is None:
+            return None
+        payload = self.namespace.chunk_bytes // group[0].count
+        bad = self.remote.corrupt(fingerprint, group, key, payload)
+        names = ", ".join(f"part {part.name}" for part in bad or group)
+        if bad:
+            return ("damaged", f"not on disk; the remote tier's value of {names} (namespace "
+                    f"{self.short}) fails the checks of a load (header or checksum): the "
+                    f"engine recomputes it; tierkv verify --repair URL deletes it", ["damaged"])
+        return "hit-remote", f"not on disk; on the remote tier in namespace {self.short}, {names}", []
+
+    def partial(self, key: bytes) -> Verdict | None:
+        mine = [found for found in self.own_dirs if found.replica == self.data_parallel_index]
+        held = [found.part for found in mine if key in found.keys]
+        where = "on disk"
+        if not held and self.remote is not None:
+            held, where = self.remote.parts_holding(self.namespace.fingerprint(), key), "remote"
+        if not held:
+            return None
+        count = held[0].count
+        missing = sorted(set(range(count)) - {part.index for part in held if part.count == count})
+        return ("partial", f"part(s) {', '.join(part.name for part in held)} hold it ({where}), "
+                f"not part(s) {', '.join(f'{index}of{count}' for index in missing)}: a chunk is "
+                f"served only whole, every part of one part count (a TP part is missing: the "
+                f"writer's other ranks did not store it, or it was evicted there)", ["part"])
+
+    def other_replica(self, key: bytes) -> Verdict | None:
+        groups = complete_groups(self.own_dirs, key)  # other replicas' (ours: on_disk)
+        if not groups:
+            return None
+        return ("other-dp", f"stored by data-parallel engine {groups[0][0].replica} "
+                f"({', '.join(found.name for found in groups[0])}); an engine of "
+                f"data_parallel_index {self.data_parallel_index} reads only its own part "
+                f"directories", ["data_parallel_index"])
+
+    def holds(self, fingerprint: str, dirs: Sequence[PartDir], key: bytes | None) -> bool:
+        return key is not None and (any(key in found.keys for found in dirs) or bool(
+            self.remote and self.remote.parts_holding(fingerprint, key)))
+
+    def other_key(self, index: int) -> Verdict | None:
+        fingerprint = self.namespace.fingerprint()
+        name = next((name for name, found in self.variants if index < len(found)
+                     and self.holds(fingerprint, self.own_dirs, found[index])), None)
+        if name is None:
+            return None
+        return ("other-key", f"the prompt's keys without its {INPUT_WORDS[name]} are stored in "
+                f"namespace {self.short}: a request without it stored this chunk; the key "
+                f"binds it, so these keys miss", [name])
+
+    def other_namespace(self, index: int, key: bytes) -> Verdict | None:
+        holder = next((other for other in self.others if other.keys and self.holds(
+            other.info.fingerprint, other.dirs, other.keys[index])), None)
+        if holder is not None:
+            start, end = holder.spans[index] or (0, 0)
+            return ("other-namespace", f"stored under namespace {holder.info.fingerprint[:8]} "
+                    f"(its chunk of tokens [{start}, {end})), which differs: "
+                    f"{holder.describe(self.namespace, self.hints)}",
+                    holder.dimensions(self.namespace))
+        known = {other.info.fingerprint for other in self.others} | {self.namespace.fingerprint()}
+        remote_only = sorted(fp for fp in (self.remote.keys if self.remote else {})
+                             if fp not in known and self.holds(fp, (), key))
+        if remote_only:
+            return ("other-namespace", f"stored on the remote tier under namespace "
+                    f"{remote_only[0][:8]}, which no namespace record on disk describes (the "
+                    f"remote tier keeps fingerprints only; an engine of those settings wrote "
+                    f"it: tierkv inspect of its disk_path names them)", ["namespace"])
+        return None
+
+    def not_stored(self, own: bool) -> Verdict:
+        unknown = [other for other in self.others if other.why_not]
+        maybe = "".join(f"; namespace {other.info.fingerprint[:8]} may hold it, but "
+                        f"{other.why_not}; it differs: {other.describe(self.namespace, self.hints)}"
+                        for other in unknown)
+        where = f"namespace {self.short}" if own else "this store"
+        tiers = "on disk or on the remote tier" if self.remote else "on disk"
+        return ("not-stored", f"not {tiers} in {where}: {NOT_STORED}{maybe}",
+                [name for other in unknown for name in other.dimensions(self.namespace)])
+
+
 def explain(root: Path | str, target: VllmTarget, token_ids: Sequence[int],
             inputs: KeyInputs = KeyInputs(), *, data_parallel_index: int = 0,
-            pipeline_parallel_size: int = 1, hints: dict[str, str] | None = None) -> WhyMiss:
+            pipeline_parallel_size: int = 1, hints: dict[str, str] | None = None,
+            remote: RemoteTierConfig | None = None) -> WhyMiss:
     """Each chunk's verdict (see the module docstring) for an engine like ``target`` (of
-    data-parallel index ``data_parallel_index``) over the store at ``root``. ``hints``: the
-    option that sets each namespace field, for the lines."""
+    data-parallel index ``data_parallel_index``) over the store at ``root`` (and the remote
+    tier of ``remote``). ``hints``: the option that sets each namespace field, for the
+    lines."""
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"why-miss: --store {root} is not a directory (the connector's "
                           f"disk_path)")
-    namespace, hints = target.namespace(), hints or {}
+    namespace = target.namespace()
     fingerprint = namespace.fingerprint()
     ours = KeyScheme(target.hash_algo, target.hash_seed, target.hash_block, target.chunk_tokens)
     keys = ours.keys(token_ids, inputs)
     tpc = ours.tokens_per_chunk
     report = WhyMiss(str(root), fingerprint, len(token_ids), tpc)
 
-    def verdict(index: int, what: str, detail: str, dimensions: Sequence[str] = ()) -> None:
+    def verdict(index: int, found: Verdict) -> None:
         report.chunks.append(ChunkVerdict(index, index * tpc, (index + 1) * tpc,
-                                          keys[index].hex(), what, detail, list(dimensions)))
+                                          keys[index].hex(), *found))
 
     if pipeline_parallel_size > 1:
         for index in range(len(keys)):
-            verdict(index, "refused", f"pipeline_parallel_size={pipeline_parallel_size}: an "
-                    f"engine with pipeline parallelism never starts with tierkv (a stage "
-                    f"holds only its layers' KV; no layer split is stored)",
-                    ["pipeline_parallel_size"])
+            verdict(index, ("refused", f"pipeline_parallel_size={pipeline_parallel_size}: an "
+                            f"engine with pipeline parallelism never starts with tierkv (a "
+                            f"stage holds only its layers' KV; no layer split is stored)",
+                            ["pipeline_parallel_size"]))
         return report
     infos = list_namespaces(root)
     own = next((info for info in infos if info.fingerprint == fingerprint), None)
     variants = [(name, ours.keys(token_ids, without)) for name, without in inputs.without_each()]
+    wanted = set(keys).union(*(set(found) for _, found in variants))
     own_dirs: list[PartDir] = []
     if own is None:
         report.notes.append(f"namespace {fingerprint[:8]} (these settings') is not in {root}")
     else:
-        wanted = set(keys).union(*(set(found) for _, found in variants))
         own_dirs = scan_namespace(root, own, wanted, read=set(keys))
         report.notes += [f"{own.fingerprint[:8]} {found.name}: not read: {found.problem}"
                          for found in own_dirs if found.problem]
     others = [_other_namespace(root, info, namespace, ours, token_ids, inputs, len(keys))
               for info in infos if info.fingerprint != fingerprint]
-    parts = len(target.parts())
+    holdings = None
+    if remote is not None:
+        holdings = read_remote(remote, wanted.union(
+            *({key for key in other.keys if key} for other in others)))
+    look = _Look(namespace, len(target.parts()), data_parallel_index, own_dirs, variants,
+                 others, holdings, hints or {})
     for index, key in enumerate(keys):
-        mine = [found for found in own_dirs if found.replica == data_parallel_index]
-        groups = complete_groups(mine, key)
-        if groups:
-            group = next((g for g in groups if len(g) == parts), groups[0])
-            bad = [found.name for found in group if key in found.corrupt]
-            names = ", ".join(found.name for found in group)
-            if bad:
-                verdict(index, "damaged", f"{', '.join(bad)} of namespace {fingerprint[:8]} "
-                        f"holds it, and its value fails the checks of a load (header or "
-                        f"checksum): the engine recomputes it; tierkv verify reports it, "
-                        f"--repair deletes it", ["damaged"])
-            else:
-                shared = "" if len(group) == parts else (
-                    f" (another TP size's parts: read whole or cut per head; this engine "
-                    f"stores {parts} part(s))")
-                verdict(index, "hit-disk", f"on disk in namespace {fingerprint[:8]}, "
-                        f"{names}{shared}")
-            continue
-        holding = [found for found in mine if key in found.keys]
-        if holding:
-            count = holding[0].part.count
-            missing = sorted(set(range(count)) - {f.part.index for f in holding
-                                                  if f.part.count == count})
-            verdict(index, "partial", f"{', '.join(found.name for found in holding)} hold(s) "
-                    f"it, but not part(s) {', '.join(f'{p}of{count}' for p in missing)}: "
-                    f"a chunk is served only whole, every part of one part count (a TP "
-                    f"part is missing: the writer's other ranks did not store it, or it was "
-                    f"evicted there)", ["part"])
-            continue
-        elsewhere = complete_groups(own_dirs, key)  # other replicas' (not ours: above)
-        if elsewhere:
-            replica = elsewhere[0][0].replica
-            verdict(index, "other-dp", f"stored by data-parallel engine {replica} "
-                    f"({', '.join(found.name for found in elsewhere[0])}); an engine of "
-                    f"data_parallel_index {data_parallel_index} reads only its own part "
-                    f"directories", ["data_parallel_index"])
-            continue
-        hit_variant = next((name for name, found in variants if index < len(found)
-                            and any(found[index] in part_dir.keys for part_dir in own_dirs)),
-                           None)
-        if hit_variant is not None:
-            verdict(index, "other-key", f"the prompt's keys without its "
-                    f"{INPUT_WORDS[hit_variant]} are stored in namespace {fingerprint[:8]}: "
-                    f"a request without it stored this chunk; the key binds it, so these "
-                    f"keys miss", [hit_variant])
-            continue
-        holder = next((other for other in others if other.keys and other.keys[index]
-                       and any(other.keys[index] in found.keys for found in other.dirs)), None)
-        if holder is not None:
-            span = holder.spans[index]
-            verdict(index, "other-namespace", f"stored under namespace "
-                    f"{holder.info.fingerprint[:8]} (its chunk of tokens [{span[0] if span else '?'}, "
-                    f"{span[1] if span else '?'})), which differs: "
-                    f"{holder.describe(namespace, hints)}", holder.dimensions(namespace))
-            continue
-        unknown = [other for other in others if other.why_not]
-        maybe = "".join(f"; namespace {other.info.fingerprint[:8]} may hold it, but "
-                        f"{other.why_not}; it differs: {other.describe(namespace, hints)}"
-                        for other in unknown)
-        where = f"namespace {fingerprint[:8]}" if own else "this store"
-        verdict(index, "not-stored", f"not on disk in {where}: {NOT_STORED}{maybe}",
-                [name for other in unknown for name in other.dimensions(namespace)])
+        verdict(index, look.on_disk(key) or look.on_remote(key) or look.partial(key)
+                or look.other_replica(key) or look.other_key(index)
+                or look.other_namespace(index, key) or look.not_stored(own is not None))
     return report

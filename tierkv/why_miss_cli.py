@@ -2,8 +2,8 @@
 its key inputs) and its lines; :mod:`tierkv.why_miss` finds the verdicts.
 
 One line per chunk (index, token range, key, verdict, detail), notes, and a summary line;
-``--json`` prints one JSON document instead. Exit codes: 0 every chunk hits on disk, 1 at
-least one does not, 2 error.
+``--json`` prints one JSON document instead. Exit codes: 0 every chunk hits (on disk, or on
+the remote tier of ``--remote``), 1 at least one does not, 2 error.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
+from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.model_identity import model_fingerprint
+from tierkv.tools import add_remote_arguments
 from tierkv.warmup_hf import (DESCRIBE_OPTIONS, HfModel, Prompt, add_target_arguments,
                               build_target, parse_line)
 from tierkv.why_miss import KeyInputs, explain
@@ -47,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine's data-parallel index (default: %(default)s)")
     add("--pipeline-parallel-size", type=int, default=1,
         help="vLLM's --pipeline-parallel-size (default: %(default)s)")
+    add("--remote", metavar="URL",
+        help="the connector's remote tier (redis:// or rediss://): looked up where the disk "
+             "tier misses")
+    add_remote_arguments(parser)
     add("--json", action="store_true", help="print one JSON document instead of the lines")
 
 
@@ -105,15 +111,21 @@ def _run(args: argparse.Namespace) -> int:
     token_ids = model.tokenize(prompt, where)
     inputs = _inputs(args, args.salt or prompt.cache_salt)
     target, _, _ = build_target(args, model)
+    remote = None if args.remote is None else RemoteTierConfig(
+        url=str(args.remote), key_prefix=args.key_prefix, timeout_seconds=args.timeout)
     report = explain(args.store, target, token_ids, inputs,
                      data_parallel_index=args.data_parallel_index,
-                     pipeline_parallel_size=args.pipeline_parallel_size, hints=DESCRIBE_OPTIONS)
+                     pipeline_parallel_size=args.pipeline_parallel_size, hints=DESCRIBE_OPTIONS,
+                     remote=remote)
     code = 0 if report.chunks and report.served() == len(report.chunks) else 1
     if args.json:
         print(json.dumps(report.as_json()))
         return code
     for chunk in report.chunks:
         print(chunk.line())
+    if remote is not None:
+        print(f"note: the remote tier {safe_url(remote.url)} (prefix {remote.key_prefix!r}) "
+              f"was looked up where the disk tier misses")
     for note in report.notes:
         print(f"note: {note}")
     if not report.chunks:

@@ -348,3 +348,40 @@ def test_lora_and_multimodal_block_hashes_are_vllms(vllm_hasher: Any) -> None:
     plain = chunk_keys_from_block_hashes(vllm_block_hashes(tokens, 16), 2)
     imaged = chunk_keys_from_block_hashes(vllm_block_hashes(tokens, 16, multimodal=images), 2)
     assert plain[0] != imaged[0] and plain[2] != imaged[2]
+
+
+# ------------------------------------------------------------------------------ remote tier
+def test_the_remote_tier_where_the_disk_misses(model: Path, tmp_path: Path, redis_cluster: Any,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Chunk 0 on disk; 1 on the remote tier; 2 there, its value flipped; 3 on the remote
+    tier under a namespace no disk record describes (another model id)."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    from tierkv.config import RemoteTierConfig
+    from tierkv.tiers.remote.format import redis_key
+    from tierkv.tiers.remote.tier import RemoteTier
+
+    redis_cluster.flushall()
+    store = tmp_path / "kv"
+    target = target_of(model, store)
+    namespace, keys = target.namespace(), target.chunk_keys(TOKENS)
+    store_chunks(store, namespace, keys[:1], target.parts())
+    config = RemoteTierConfig(url=redis_cluster.url, timeout_seconds=5.0)
+    other = dataclasses.replace(namespace, model_id="another/model")
+    for where, chunk_keys in ((namespace, keys[1:3]), (other, keys[3:])):
+        with RemoteTier(config, where.fingerprint(), Part(0, 1), where.chunk_bytes) as tier:
+            tier.put_many([(key, os.urandom(where.chunk_bytes)) for key in chunk_keys])
+    raw = ClusterClient.from_url(redis_cluster.url)
+    name = redis_key(b"tierkv:", namespace.fingerprint(), Part(0, 1), keys[2])
+    value = bytearray(raw.get(name))
+    value[-10] ^= 0x5A
+    raw.set(name, bytes(value))
+    raw.close()
+    code, report = why_miss(model, store, "--remote", redis_cluster.url, capsys=capsys)
+    chunks = report["chunks"]
+    assert code == 1 and [c["verdict"] for c in chunks] == ["hit-disk", "hit-remote", "damaged",
+                                                            "other-namespace"]
+    assert "remote tier" in chunks[2]["detail"] and chunks[3]["dimensions"] == ["namespace"]
+    assert other.fingerprint()[:8] in chunks[3]["detail"] and report["served_chunks"] == 2
+    code, report = why_miss(model, store, capsys=capsys)  # without --remote: disk only
+    assert [c["verdict"] for c in report["chunks"]] == ["hit-disk"] + ["not-stored"] * 3
