@@ -408,7 +408,8 @@ class _Look:
             return ("damaged", f"not on disk; the remote tier's value of {names} (namespace "
                     f"{self.short}) fails the checks of a load (header or checksum): the "
                     f"engine recomputes it; tierkv verify --repair URL deletes it", ["damaged"])
-        return "hit-remote", f"not on disk; on the remote tier in namespace {self.short}, {names}", []
+        return ("hit-remote", f"not on disk; on the remote tier in namespace {self.short}, "
+                f"{names}", [])
 
     def partial(self, key: bytes) -> Verdict | None:
         mine = [found for found in self.own_dirs if found.replica == self.data_parallel_index]

@@ -235,8 +235,8 @@ def test_why_miss_names_the_dimension_of_every_row(row: str, model: Path, tmp_pa
 
 
 # ------------------------------------------------------------------------------ hits, misses
-def test_text_through_the_warmups_tokenizer_hits_on_disk(model: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_text_through_the_warmups_tokenizer_hits_on_disk(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoTokenizer
 
     text = ("the quick brown fox jumps over the lazy dog, " * 3)[:100]
@@ -299,8 +299,8 @@ def test_a_damaged_value_is_named_and_verify_agrees(model: Path, tmp_path: Path,
     assert keys[1].hex() in capsys.readouterr().out
 
 
-def test_token_ids_as_a_list_a_comma_list_or_a_prompt_line(model: Path, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_token_ids_as_a_list_a_comma_list_or_a_prompt_line(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = tmp_path / "kv"
     target = target_of(model, store)
     keys = target.chunk_keys(TOKENS, "tenant-b")
