@@ -61,6 +61,16 @@ COMMANDS: dict[str, Command] = {
         "must): its ns-<fingerprint> directory with every rank, shard and moved-aside "
         "leftover, or its keys in a redis:// store. Refused while a running engine claims "
         "it. Without --yes it only prints what it would delete; see docs/warmup.md."),
+    "why-miss": Command(
+        "tierkv.why_miss_cli", "add_arguments", "run",
+        "for each chunk of one prompt: where it hits, or why it misses; exit 0 all hit, 1 "
+        "some miss, 2 error",
+        "Given the server's settings (those of tierkv warmup) and a prompt (token ids, or "
+        "text through the warm-up's tokenizer), say for each chunk whether the disk tier "
+        "holds it, or why not: never stored or evicted, another namespace (naming the "
+        "settings that differ), another cache_salt, LoRA adapter or multimodal input, "
+        "another data-parallel engine's or a partial chunk, a damaged value. Read-only; see "
+        "docs/warmup.md."),
     "ping": Command(
         "tierkv.tools", "add_ping_arguments", "run_ping",
         "a remote store's nodes, slots, latency, password, chunks and eviction policy; exit 0 "

@@ -5,6 +5,8 @@ real vLLM engine runs on CPU: for ``tests/engine/``, ``scripts/bench_ttft.py`` a
 - :data:`MODELS` name -> :class:`TinyModel` (its Hugging Face config, and what it shows).
 - :func:`build_model` writes ``config.json`` and ``model.safetensors`` into a directory
   (once: an existing build of the same spec is kept) and returns the directory.
+- :func:`save_char_tokenizer` writes a character-level tokenizer (one token per character
+  of an alphabet, ``[UNK]`` = 0) beside a model, for prompts given as text.
 
 The weights are random, so the tokens mean nothing; what matters is that greedy outputs
 depend on every prompt token (``initializer_range`` is large enough that changing one early
@@ -92,4 +94,22 @@ def build_model(name: str, root: str | Path, *, seed: int = 0) -> Path:
     return folder
 
 
-__all__ = ["MODELS", "TinyModel", "build_model"]
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .,"
+
+
+def save_char_tokenizer(directory: str | Path, alphabet: str = ALPHABET) -> Path:
+    """Save a tokenizer that maps each character of ``alphabet`` to one token id (its
+    position + 1; anything else to ``[UNK]``, 0) into ``directory``; returns it."""
+    with needs("warmup", "building a tiny tokenizer"):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{char: index + 1 for index, char in enumerate(alphabet)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast: Any = PreTrainedTokenizerFast  # untyped
+    fast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(directory)
+    return Path(directory)
+
+
+__all__ = ["ALPHABET", "MODELS", "TinyModel", "build_model", "save_char_tokenizer"]

@@ -29,7 +29,7 @@ from tierkv.errors import ConfigError, TierKVError
 from tierkv.extras import needs
 from tierkv.units import format_bytes, parse_size
 
-_DESCRIBE_OPTIONS = {
+DESCRIBE_OPTIONS = {
     "model_id": "--model / --model-id / --revision", "dtype": "--dtype",
     "kv_layout": "--kv-cache-layout, the model's heads", "page_bytes": "--block-size, --dtype",
     "tokens_per_chunk": "--tokens-per-chunk", "num_layers": "--model",
@@ -209,7 +209,7 @@ def check_store(store: Path, namespace: Any, allow_new: bool) -> None:
     closest = closest_namespace(store, namespace)
     assert closest is not None
     info, names = closest
-    detail = describe_differences(info, names, namespace, _DESCRIBE_OPTIONS)
+    detail = describe_differences(info, names, namespace, DESCRIBE_OPTIONS)
     raise ConfigError(
         f"warmup: --store {store} holds namespace {info.fingerprint[:8]}, and this warm-up "
         f"would write namespace {fingerprint[:8]}: {detail}. An engine configured like the "
@@ -225,21 +225,32 @@ def _size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tierkv.integrations.vllm_config import KNOWN_HASHES, PAGE_ORDER
-
     add = parser.add_argument
     add("--model", type=Path, required=True, help="local HF model directory (the one vLLM serves)")
     add("--prompts", type=Path, required=True,
         help='JSONL file, one {"text": ...} or {"token_ids": [...]} per line')
     add("--store", type=Path, required=True, help="store root: the connector's disk_path")
+    add_target_arguments(parser)
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the HF forward runs (default: %(default)s)")
+    add("--allow-new-namespace", action="store_true",
+        help="write even if the store holds only other namespaces")
+    add("--verify", action="store_true", help="verify the namespace's chunks after writing")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """The settings of the vLLM server (and its connector) the chunks are for, beside
+    ``--model``: ``tierkv warmup`` and ``tierkv why-miss`` take them alike."""
+    from tierkv.integrations.vllm_config import KNOWN_HASHES, PAGE_ORDER
+
+    add = parser.add_argument
     add("--model-id", help="vLLM's --model string, when it is not --model (e.g. a HF repo id)")
     add("--revision", help="vLLM's --revision, if it serves one")
     add("--model-fingerprint", default="auto",
         help="the connector's model_fingerprint: auto, content, or the name of the weights "
              "given to the server too (default: %(default)s)")
     add("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="where the HF forward runs (default: %(default)s)")
     add("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
         help="vLLM's --dtype; auto: the model config's (default: %(default)s)")
     add("--block-size", type=int, default=16, help="vLLM's --block-size (default: %(default)s)")
@@ -260,10 +271,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "in the working directory or beside tierkv's checkout, where "
                                "the CPU server runs; else the installed vLLM's __version__; "
                                "else the newest supported)")
-    add("--allow-new-namespace", action="store_true",
-        help="write even if the store holds only other namespaces")
-    add("--verify", action="store_true", help="verify the namespace's chunks after writing")
-    add("--no-progress", action="store_true", help="no progress bar")
 
 
 def target_vllm(given: str | None, roots: list[Path] | None = None) -> tuple[str, str]:
@@ -295,6 +302,27 @@ def _warn(text: str) -> None:
     print(f"tierkv warmup: warning: {text}", file=sys.stderr)
 
 
+def build_target(args: argparse.Namespace, model: HfModel) -> tuple[Any, str, str]:
+    """The :class:`~tierkv.integrations.vllm_warmup.VllmTarget` the target arguments
+    (:func:`add_target_arguments`) and ``model``'s config describe, the vLLM version it
+    is for and where that version comes from."""
+    from tierkv.integrations.vllm_warmup import VllmTarget, warmup_model_fingerprint
+
+    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    vllm_version, vllm_source = target_vllm(args.vllm_version)
+    target = VllmTarget(
+        model_id=args.model_id or str(args.model), revision=args.revision,
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
+        dtype=model.dtype, block_size=args.block_size, tokens_per_chunk=args.tokens_per_chunk,
+        hash_block_size=args.hash_block_size, kv_cache_layout=args.kv_cache_layout,
+        hash_algo=args.hash_algo, hash_seed=None if seed == "unset" else seed,
+        tensor_parallel_size=args.tensor_parallel_size, disk_bytes=args.disk_bytes,
+        vllm_version=vllm_version,
+        model_fingerprint=warmup_model_fingerprint(args.model, args.model_id, args.revision,
+                                                   args.model_fingerprint, args.store))
+    return target, vllm_version, vllm_source
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_run(args))
@@ -312,22 +340,10 @@ async def _run(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
     from tierkv.integrations.vllm_versions import vllm_minor
-    from tierkv.integrations.vllm_warmup import VllmTarget, warmup_model_fingerprint
     from tierkv.warmup import ChunkWriter, WarmupReport, finish_report, warm_sequence
 
     model = HfModel(args.model, args.tokenizer or args.model, args.dtype, args.device)
-    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
-    vllm_version, vllm_source = target_vllm(args.vllm_version)
-    target = VllmTarget(
-        model_id=args.model_id or str(args.model), revision=args.revision,
-        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
-        dtype=model.dtype, block_size=args.block_size, tokens_per_chunk=args.tokens_per_chunk,
-        hash_block_size=args.hash_block_size, kv_cache_layout=args.kv_cache_layout,
-        hash_algo=args.hash_algo, hash_seed=None if seed == "unset" else seed,
-        tensor_parallel_size=args.tensor_parallel_size, disk_bytes=args.disk_bytes,
-        vllm_version=vllm_version,
-        model_fingerprint=warmup_model_fingerprint(args.model, args.model_id, args.revision,
-                                                   args.model_fingerprint, args.store))
+    target, vllm_version, vllm_source = build_target(args, model)
     tpc, where = target.chunk_tokens, str(args.prompts)
     if not args.prompts.is_file():
         raise ConfigError(f"warmup: --prompts {args.prompts} is not a file")

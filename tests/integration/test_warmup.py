@@ -38,10 +38,10 @@ from tierkv.tiers.disk.tier import list_namespaces
 from tierkv.tiers.disk.tools import inspect_store, verify_store
 from tierkv.transfer.layout import KVLayout
 from tierkv.integrations.vllm_warmup import VllmTarget, vllm_block_hashes
+from tierkv.tiny_models import ALPHABET, save_char_tokenizer
 from tierkv.warmup import gather_chunks, warmup_tokens
 
 TPC = 32  # tokens per chunk: 2 vLLM blocks of 16
-ALPHABET = "abcdefghijklmnopqrstuvwxyz .,"
 SALT = "tenant-a"
 
 
@@ -57,8 +57,7 @@ def one_torch_thread() -> Iterator[None]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama (2 layers, 4 query heads over 2 KV heads of 8, float16) and a char tokenizer
     whose shapes match the harness's KV cache config."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     directory = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -66,11 +65,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          max_position_embeddings=4096, dtype="float16")
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float16).save_pretrained(directory)
-    vocab = {"[UNK]": 0, **{char: index + 1 for index, char in enumerate(ALPHABET)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(directory)
-    return directory
+    return save_char_tokenizer(directory, ALPHABET)
 
 
 def _tokens(seed: int, count: int) -> list[int]:

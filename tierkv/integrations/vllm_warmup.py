@@ -97,19 +97,32 @@ def vllm_none_hash(algorithm: str, hash_seed: str | None) -> bytes:
     return vllm_hash_function(algorithm)(hash_seed)
 
 
+MultiModalInput = tuple[str, int, int]  # (identifier: vLLM's mm hash, offset, length)
+
+
 def vllm_block_hashes(token_ids: Sequence[int], hash_block_size: int, algorithm: str = "sha256",
-                      hash_seed: str | None = None, cache_salt: str | None = None) -> list[bytes]:
-    """The ``request.block_hashes`` vLLM 0.33 computes for a text-only request without LoRA:
-    block ``i`` hashes ``(parent, tuple(tokens of block i), extra_keys)`` where ``parent``
-    is the previous block's hash (NONE_HASH first) and ``extra_keys`` is
-    ``(("cache_salt", salt),)`` on the first block of a salted request, else None."""
+                      hash_seed: str | None = None, cache_salt: str | None = None,
+                      lora: tuple[str, str] | None = None,
+                      multimodal: Sequence[MultiModalInput] = ()) -> list[bytes]:
+    """The ``request.block_hashes`` vLLM 0.33 computes for a request without prompt
+    embeddings: block ``i`` hashes ``(parent, tuple(tokens of block i), extra_keys)`` where
+    ``parent`` is the previous block's hash (NONE_HASH first) and ``extra_keys`` is vLLM's
+    ``generate_block_hash_extra_keys``: ``("lora", name, path)`` of a LoRA request, then
+    ``("mm", identifier, offset - block start)`` of each multimodal input whose placeholder
+    tokens overlap the block (in offset order), then ``("cache_salt", salt)`` on the first
+    block of a salted request; None when there are none."""
     hash_fn = vllm_hash_function(algorithm)
     parent = vllm_none_hash(algorithm, hash_seed)
+    images = sorted(multimodal, key=lambda item: item[1])
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - hash_block_size + 1, hash_block_size):
-        extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
-        block = tuple(int(token) for token in token_ids[start : start + hash_block_size])
-        parent = hash_fn((parent, block, extra))
+        end = start + hash_block_size
+        keys: list[tuple[Any, ...]] = [("lora", *lora)] if lora else []
+        keys += [("mm", ident, offset - start) for ident, offset, length in images
+                 if offset < end and start < offset + length]
+        keys += [("cache_salt", cache_salt)] if start == 0 and cache_salt else []
+        block = tuple(int(token) for token in token_ids[start:end])
+        parent = hash_fn((parent, block, tuple(keys) if keys else None))
         hashes.append(parent)
     return hashes
 
