@@ -118,8 +118,9 @@ class SlabFile:
         flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         flags |= os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT
         self._fd = os.open(self.path, flags, 0o600)
-        self._direct_fd: int | None = None
-        self._direct_read_fd: int | None = None
+        self._direct_fd: int | None = None  # for writes: None once refused
+        self._direct_read_fd: int | None = None  # for reads: None once refused
+        self._direct_opened: int | None = None  # closed by close(), refused or not
         if direct_io and hasattr(os, "O_DIRECT"):
             mode = os.O_RDONLY if read_only else os.O_RDWR
             try:
@@ -127,6 +128,7 @@ class SlabFile:
                                                | os.O_DIRECT)
             except OSError:  # a filesystem without O_DIRECT (older tmpfs): buffered I/O
                 refused_direct(self.path, "open")
+            self._direct_opened = self._direct_read_fd
             if not read_only:
                 self._direct_fd = self._direct_read_fd
         self._local = threading.local()
@@ -380,7 +382,7 @@ class SlabFile:
         if self.closed:
             return
         self.closed = True
-        for fd in (self._direct_read_fd, self._fd):
+        for fd in (self._direct_opened, self._fd):
             if fd is not None:
                 os.close(fd)
-        self._direct_fd = self._direct_read_fd = None
+        self._direct_fd = self._direct_read_fd = self._direct_opened = None
