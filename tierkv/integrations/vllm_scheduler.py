@@ -508,7 +508,8 @@ class SchedulerSide:
             out["remote_lookup_errors"] = lookups.errors
             # The lookups' calls (the workers report their breakers: one view per node)
             out.update(remote_figures([self.remote.tier.statistics()], breakers=False))
-        out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size))
+        out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size,
+                                 self.geometry.tokens_per_chunk))
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
