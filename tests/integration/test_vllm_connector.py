@@ -756,6 +756,30 @@ def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_pa
     worker_stats = run.harness.worker_connector.get_kv_connector_stats()  # type: ignore[union-attr]
     assert worker_stats is None or isinstance(worker_stats, tierkv_vllm.TierKVConnectorStats)
     run.shutdown()  # closes the disk tier
+    if not disk:
+        return
+    # A restart sends what the disk holds as STORAGE events, as the first run sent them
+    # (hashes, parent, tokens), at most EVENT_BATCH_CHUNKS a step, and keeps stepping
+    # (has_pending_push_work) until they are out.
+    on_disk_now = {tuple(event.block_hashes): event for event in stored
+                   if (event.medium, tuple(event.block_hashes)) in held}
+    second = Run(cfg)
+    assert second.side.found_on_disk == len(on_disk_now) > 2
+    assert second.connector.has_pending_push_work()
+    take_side = second.side.take_events
+    second.side.take_events = lambda: take_side(max_chunks=2)  # type: ignore[method-assign]
+    batches = [list(second.connector.take_events()) for _ in range(len(on_disk_now))]
+    assert all(len(batch) <= 2 for batch in batches) and not batches[-1]
+    assert not second.connector.has_pending_push_work()
+    snapshot = [event for batch in batches for event in batch]
+    assert len(snapshot) == len(on_disk_now)
+    for event in snapshot:
+        assert isinstance(event, BlockStored) and event.medium == "STORAGE"
+        assert event.locality == "LOCAL"
+        before = on_disk_now[tuple(event.block_hashes)]
+        assert (event.parent_block_hash, event.token_ids, event.block_size) == (
+            before.parent_block_hash, before.token_ids, before.block_size)
+    second.shutdown()
 
 
 # failures and tensor parallelism -----------------------------------------------------------------
