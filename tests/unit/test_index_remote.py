@@ -464,3 +464,16 @@ def test_a_chunk_reported_missing_never_lands_even_in_an_ok_completion() -> None
     assert result.failed_keys == (a,) and result.ok_keys == (b,)
     assert index.entry(a) is None and index.statistics().remote_missing == 1
     index.check()
+
+
+# ---------------------------------------------------------------- event batches
+def test_events_come_in_batches_of_at_most_max_chunks_in_order() -> None:
+    index, _ = make(num_slots=8, disk_capacity=8)
+    assert index.add_on_disk([A, B, C, D, E]) == 5  # a start's snapshot
+    assert index.note_remote([bytes([9]) * 32]) == 1
+    assert index.events_pending()
+    assert index.take_events(max_chunks=2) == [("stored", "DISK", A), ("stored", "DISK", B)]
+    assert index.take_events(max_chunks=2) == [("stored", "DISK", C), ("stored", "DISK", D)]
+    assert index.take_events(max_chunks=2) == [("stored", "DISK", E),
+                                               ("stored", "REMOTE", bytes([9]) * 32)]
+    assert not index.events_pending() and index.take_events(max_chunks=2) == []

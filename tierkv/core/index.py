@@ -510,6 +510,12 @@ class BlockIndex(Spills, Invariants):
         events = self._events
         return events.take(self._entries, max_chunks) if events is not None else []
 
+    def cpu_only_keys(self) -> list[bytes]:
+        """Chunks READY in the CPU tier and not on disk: what a shutdown flush writes."""
+        ready = CpuState.READY
+        return [key for key, entry in self._entries.items()
+                if entry.cpu is ready and entry.disk is not _ON_DISK]
+
     def events_pending(self) -> bool:
         """Whether ``take_events`` may have events to give."""
         return self._events is not None and self._events.pending()

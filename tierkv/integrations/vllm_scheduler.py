@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
-from tierkv.core.state import CpuState, DiskState
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
 from tierkv.engine.metrics import remote_figures, since_last, usage_figures, values
 from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
@@ -543,11 +542,9 @@ class SchedulerSide:
         if self._event_blocks is not None:
             # The workers' shutdown flush writes what the CPU tier holds and the disk does
             # not: record those too (a record of a chunk that did not land goes at start).
-            entry_of = self.index.entry
-            self._event_blocks.update(
-                ((key, chunk) for key, chunk in self._event_meta.items()
-                 if (entry := entry_of(key)) is not None and entry.cpu is CpuState.READY
-                 and entry.disk is not DiskState.ON_DISK), ())
+            meta = self._event_meta
+            self._event_blocks.update(((key, meta[key]) for key in self.index.cpu_only_keys()
+                                       if key in meta), ())
             self._event_blocks.close()
         if self.remote is not None:
             self.remote.shutdown()
