@@ -45,8 +45,7 @@ class Events:
 
     def all(self) -> list[Any]:
         """Every event published so far, in order."""
-        context = zmq.Context.instance()
-        socket = context.socket(zmq.DEALER)
+        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(f"tcp://127.0.0.1:{self.replay_port}")
         try:

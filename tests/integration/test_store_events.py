@@ -6,7 +6,6 @@ cap evictions, damaged values, the remote tier, the snapshot of the disk at star
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,8 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from redis.cluster import RedisCluster as ClusterClient
 
-from tests.integration.test_remote_store import caches, config, conversation, loaded, store_all
+from tests.integration.test_remote_store import (caches, cluster, config,  # noqa: F401 (fixture)
+                                                 conversation, loaded, store_all)
 from tests.integration.test_remote_store import TPC as REMOTE_TPC
 from tests.integration.test_store import (BPC, TOKENS_PER_BLOCK, chunk_bytes, corrupt_one_value,
                                           keys_for, load_into, make_kv, store_and_wait)
@@ -146,12 +146,6 @@ def test_usage_agrees_with_the_index_the_scrape_and_tierkv_inspect(
     report = json.loads(capsys.readouterr().out)
     chunks = sum(rank["chunks"] for namespace in report for rank in namespace["ranks"])
     assert chunks * TPC == usage["disk"].used_tokens
-
-
-@pytest.fixture()
-def cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
-    redis_cluster.flushall()
-    yield redis_cluster
 
 
 def test_remote_events_say_what_this_engine_learned_of_the_remote_tier(
