@@ -469,7 +469,8 @@ class SchedulerSide:
         not planned yet, or stored chunks that write-through has yet to write to disk: the
         engine keeps stepping until they settle, so an idle server has its chunks on disk
         (a SIGTERM under ``vllm serve``'s default ``--shutdown-timeout 0`` kills the
-        workers before any shutdown flush)."""
+        workers before any shutdown flush); or KV events to send (a start's snapshot goes
+        out over the first, empty, steps)."""
         return (self.adapter.has_jobs_in_flight() or bool(self.adapter.num_requests())
                 or self.adapter.spills_wanted() or self.index.events_pending())
 
