@@ -688,8 +688,10 @@ def test_keys_derive_from_the_last_block_hash_of_each_chunk() -> None:
     assert chunk_keys_from_block_hashes(salted.block_hashes, 2)[0] != keys[0]
 
 
-@pytest.mark.parametrize("disk", [False, True], ids=["cpu", "cpu+disk"])
-def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("disk", "write_through"), [(False, True), (True, True), (True, False)],
+                         ids=["cpu", "cpu+disk", "cpu+disk-write-back"])
+def test_kv_events_and_stats(disk: bool, write_through: bool, monkeypatch: pytest.MonkeyPatch,
+                             tmp_path: Path) -> None:
     build = harness_lib.build_vllm_config
 
     def with_events(cfg: HarnessConfig, model_dir: Path) -> Any:
@@ -699,8 +701,8 @@ def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_pa
 
     monkeypatch.setattr(harness_lib, "build_vllm_config", with_events)
     # With a disk: a CPU tier of 6 chunks, so chunks leave it (and stay on disk).
-    extra = {"disk_path": str(tmp_path), "write_through": True, "cpu_bytes": 6 * 4096} \
-        if disk else {}
+    extra = {"disk_path": str(tmp_path), "write_through": write_through,
+             "cpu_bytes": 6 * 4096} if disk else {}
     cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
                         kv_transfer_config=tierkv_config(**extra))
     run = Run(cfg)
@@ -762,6 +764,34 @@ def test_kv_events_and_stats(disk: bool, monkeypatch: pytest.MonkeyPatch, tmp_pa
     worker_stats = run.harness.worker_connector.get_kv_connector_stats()  # type: ignore[union-attr]
     assert worker_stats is None or isinstance(worker_stats, tierkv_vllm.TierKVConnectorStats)
     run.shutdown()  # closes the disk tier
+    if not disk:
+        return
+    # A restart sends what the disk holds as STORAGE events, as the first run sent them
+    # (hashes, parent, tokens), at most EVENT_BATCH_CHUNKS a step, and keeps stepping
+    # (has_pending_push_work) until they are out: the chunks the first run's events put
+    # on disk, and under write-back those its workers' shutdown flush wrote.
+    known = {tuple(event.block_hashes): event for event in stored}
+    on_disk_now = {hashes for medium, hashes in held if medium == "STORAGE"}
+    second = Run(cfg)
+    assert second.side.found_on_disk > len(on_disk_now) if not write_through else \
+        second.side.found_on_disk == len(on_disk_now) > 2
+    assert second.connector.has_pending_push_work()
+    take_side = second.side.take_events
+    second.side.take_events = lambda: take_side(max_chunks=2)  # type: ignore[method-assign]
+    batches = [list(second.connector.take_events())
+               for _ in range((second.side.found_on_disk + 1) // 2 + 1)]
+    assert all(len(batch) <= 2 for batch in batches) and not batches[-1]
+    assert not second.connector.has_pending_push_work()
+    snapshot = [event for batch in batches for event in batch]
+    assert len(snapshot) == second.side.found_on_disk
+    assert on_disk_now <= {tuple(event.block_hashes) for event in snapshot}
+    for event in snapshot:
+        assert isinstance(event, BlockStored) and event.medium == "STORAGE"
+        assert event.locality == "LOCAL"
+        before = known[tuple(event.block_hashes)]
+        assert (event.parent_block_hash, event.token_ids, event.block_size) == (
+            before.parent_block_hash, before.token_ids, before.block_size)
+    second.shutdown()
 
 
 # failures and tensor parallelism -----------------------------------------------------------------

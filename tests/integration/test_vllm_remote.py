@@ -41,7 +41,8 @@ import torch
 pytest.importorskip("vllm", reason="the vLLM connector tests need vllm installed")
 
 from redis.cluster import RedisCluster as ClusterClient
-from vllm.config import KVTransferConfig
+from vllm.config import KVEventsConfig, KVTransferConfig
+from vllm.distributed.kv_events import BlockStored
 
 from tests.integration import vllm_harness as harness_lib
 from tests.integration.test_vllm_connector import Run, expected_chat_hits
@@ -222,7 +223,8 @@ def cluster_chunks(url: str) -> Counter[tuple[str, str]]:
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_two_engines_share_one_cluster(redis_cluster: RedisCluster, tmp_path: Path,
-                                       async_scheduling: bool) -> None:
+                                       async_scheduling: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     redis_cluster.flushall()
     model_dir = tmp_path / "tiny-llama"
     tokens = prompts(seed=1)
@@ -243,10 +245,27 @@ def test_two_engines_share_one_cluster(redis_cluster: RedisCluster, tmp_path: Pa
     assert on_cluster == {(writer["fingerprint"], "0of1"): expected_chunks}  # TP 1: one part
 
     cfg = harness_config(redis_cluster.url, async_scheduling)
+    build = harness_lib.build_vllm_config
+
+    def with_events(cfg: HarnessConfig, model_dir: Path) -> Any:
+        config = build(cfg, model_dir)
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        return config
+
+    monkeypatch.setattr(harness_lib, "build_vllm_config", with_events)  # B's KV events on
     reader = Engine(cfg, model_dir)  # empty CPU tier, no disk
     assert reader.fingerprint == writer["fingerprint"]
+    events: list[Any] = []
+    take = reader.connector.take_events
+    reader.connector.take_events = lambda: events.extend(take()) or []  # type: ignore[method-assign]
     workload = specs(tokens, tag="b")
     result = reader.run(harness_lib.StaticWorkload(workload))
+    # B learned of every chunk on the remote tier from its lookups: a STORAGE REMOTE event
+    # each, before the CPU events of their loads.
+    remote = [event for event in events if event.locality == "REMOTE"]
+    assert len(remote) == expected_chunks
+    assert all(isinstance(event, BlockStored) and event.medium == "STORAGE" for event in remote)
+    assert len({tuple(event.block_hashes) for event in remote}) == expected_chunks
     assert_served(result, cfg.vocab_size)
     # Every full chunk A stored is a remote hit in B, and nothing else is.
     ranks = {rank for _, rank in on_cluster}

@@ -387,6 +387,9 @@ class IndexMachine(RuleBasedStateMachine):
         if self.index is None:
             return
         for event, medium, key in self.index.take_events():
+            if medium == "REMOTE":  # what the engine learned of the remote tier: no state
+                assert event == "removed" or key in self.marks, "stored remote, never noted"
+                continue
             if event == "stored":
                 assert (medium, key) not in self.live, "stored twice without a removal"
                 self.live.add((medium, key))

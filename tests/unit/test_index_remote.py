@@ -23,6 +23,11 @@ class Clock:
         return self.now
 
 
+def local(events: list[tuple[str, str, bytes]]) -> list[tuple[str, str, bytes]]:
+    """The events of the index's own tiers (the remote tier's are checked on their own)."""
+    return [event for event in events if event[1] != "REMOTE"]
+
+
 def make(num_slots: int = 4, disk_capacity: int = 0,
          **kw: object) -> tuple[BlockIndex, Clock]:
     clock = Clock()
@@ -89,7 +94,10 @@ def test_noted_chunks_are_remote_hits() -> None:
     assert index.lookup([A, B, C]) == Lookup(2, False, 0, 2)
     assert index.lookup([B]) == Lookup(1, False, 0, 1)
     assert index.statistics().remote_marks == 2
-    assert index.take_events() == []  # a mark is no chunk of this index: no event
+    # A mark is no chunk of this index: no local event, but the remote tier holds them.
+    assert index.take_events() == [("stored", "REMOTE", A), ("stored", "REMOTE", B)]
+    assert index.note_remote([A, B]) == 2  # marked already: known, no event
+    assert index.take_events() == []
     # Lookups have no side effects: the marks are still there, nothing was planned.
     assert index.lookup([A, B]).num_remote == 2
     assert index.jobs_in_flight() == 0 and index.statistics().free_slots == 4
@@ -264,16 +272,16 @@ def test_a_remote_promotion_evicts_but_never_a_key_of_its_own_load() -> None:
     index, _ = make(num_slots=2, eviction_policy="lru")
     store(index, A)
     store(index, B)  # A is the least recently used
-    index.take_events()
+    local(index.take_events())
     assert index.note_remote([C]) == 1
     plan = index.prepare_load([C, A])  # C's slot: A is guarded, so B goes
     assert [k for k, _, _ in plan.chunks] == [C, A]
     assert index.entry(B) is None and index.entry(A) is not None
-    assert index.take_events() == [("removed", "CPU", B)]
+    assert local(index.take_events()) == [("removed", "CPU", B)]
     assert index.statistics().cpu_evictions == 1
     index.check()
     index.complete_load(ok(plan.job_id, JobKind.LOAD))
-    assert index.take_events() == [("stored", "CPU", C)]
+    assert local(index.take_events()) == [("stored", "CPU", C)]
     index.check()
 
 
@@ -284,7 +292,7 @@ def test_a_landed_remote_chunk_with_a_disk_tier_is_dirty_and_spilled() -> None:
     entry = index.entry(A)
     assert entry is not None
     assert (entry.cpu, entry.readers, entry.disk) == (CpuState.READY, 0, None)
-    assert index.take_events() == [("stored", "CPU", A)]
+    assert local(index.take_events()) == [("stored", "CPU", A)]
     assert index.lookup([A]) == Lookup(1, False, 1, 0)
     assert index.shortfall([B, C]) == 1  # dirty: not evictable at once
     spec = index.take_spills(flush=True)
@@ -300,7 +308,7 @@ def test_a_landed_remote_chunk_with_a_disk_tier_is_dirty_and_spilled() -> None:
     assert entry_of(index, A).cpu is None and entry_of(index, A).on_disk
     assert index.lookup([A]) == Lookup(1, False, 0, 0)
     # A left the CPU tier and stays on disk: an event for each tier.
-    assert index.take_events() == [("removed", "CPU", A), ("stored", "DISK", A),
+    assert local(index.take_events()) == [("removed", "CPU", A), ("stored", "DISK", A),
                                    ("stored", "CPU", B), ("stored", "CPU", C)]
     assert index.take_spills(flush=True) is not None  # B and C, not A again
     index.check()
@@ -321,15 +329,15 @@ def test_a_landed_remote_chunk_without_a_disk_is_clean_and_evictable() -> None:
     assert entry is not None and (entry.cpu, entry.disk) == (CpuState.READY, None)
     assert index.take_spills(flush=True) is None  # nowhere to write it: clean
     assert index.shortfall([B]) == 0
-    assert index.take_events() == [("stored", "CPU", A)]
+    assert local(index.take_events()) == [("stored", "CPU", A)]
     plan = index.prepare_store([B])  # evicts A at once
     assert [k for k, _ in plan.chunks] == [B]
     assert index.entry(A) is None
     assert index.statistics().cpu_evictions == 1
-    assert index.take_events() == [("removed", "CPU", A)]
+    assert local(index.take_events()) == [("removed", "CPU", A)]
     index.check()
     index.complete_store(ok(plan.job_id, JobKind.STORE))
-    assert index.take_events() == [("stored", "CPU", B)]
+    assert local(index.take_events()) == [("stored", "CPU", B)]
     index.check()
 
 
@@ -362,7 +370,10 @@ def test_a_failed_remote_chunk_is_forgotten_and_counted(how: str, counter: str) 
               for name in ("remote_missing", "remote_corrupt", "remote_failed")}
     assert counts == {name: int(name == counter) for name in counts}
     assert stats.corrupt == 0 and stats.disk_missing == 0  # the disk tier's, not these
-    assert index.take_events() == []  # never "stored": no "removed"
+    # Never "stored" locally: no local "removed"; a value found missing or damaged is gone
+    # from the remote tier, a failed call says nothing of it.
+    gone = [("removed", "REMOTE", A)] if how != "failed" else []
+    assert index.take_events() == [("stored", "REMOTE", A), *gone]
     assert index.lookup([A]) == Lookup(0, False, 0, 0)  # not a hit
     index.check()
 
@@ -410,7 +421,7 @@ def test_a_phantom_is_not_noted_again_until_mark_seconds_pass() -> None:
     assert again.from_remote == frozenset({A})
     index.complete_load(ok(again.job_id, JobKind.LOAD))
     assert index.lookup([A]) == Lookup(1, False, 1, 0)
-    assert index.take_events() == [("stored", "CPU", A), ("stored", "CPU", B)]
+    assert local(index.take_events()) == [("stored", "CPU", A), ("stored", "CPU", B)]
     index.check()
 
 
@@ -419,7 +430,7 @@ def test_mixed_job_from_every_tier_with_a_remote_phantom() -> None:
     store(index, A)
     assert index.add_on_disk([B]) == 1
     assert index.note_remote([C, D]) == 2
-    index.take_events()
+    local(index.take_events())
     plan = index.prepare_load([A, B, C, D])
     assert [(k, fd) for k, _, fd in plan.chunks] == [(A, False), (B, True), (C, False),
                                                      (D, False)]
@@ -435,7 +446,7 @@ def test_mixed_job_from_every_tier_with_a_remote_phantom() -> None:
     d = index.entry(D)
     assert d is not None and (d.cpu, d.disk) == (CpuState.READY, None)  # dirty
     # B was promoted from disk into the CPU tier too; C was never a chunk of this index.
-    assert index.take_events() == [("stored", "CPU", B), ("stored", "CPU", D)]
+    assert local(index.take_events()) == [("stored", "CPU", B), ("stored", "CPU", D)]
     spec = index.take_spills(flush=True)
     assert spec is not None and {k for k, _ in spec.writes} == {A, D}  # B: on disk
     index.check()
@@ -453,3 +464,16 @@ def test_a_chunk_reported_missing_never_lands_even_in_an_ok_completion() -> None
     assert result.failed_keys == (a,) and result.ok_keys == (b,)
     assert index.entry(a) is None and index.statistics().remote_missing == 1
     index.check()
+
+
+# ---------------------------------------------------------------- event batches
+def test_events_come_in_batches_of_at_most_max_chunks_in_order() -> None:
+    index, _ = make(num_slots=8, disk_capacity=8)
+    assert index.add_on_disk([A, B, C, D, E]) == 5  # a start's snapshot
+    assert index.note_remote([bytes([9]) * 32]) == 1
+    assert index.events_pending()
+    assert index.take_events(max_chunks=2) == [("stored", "DISK", A), ("stored", "DISK", B)]
+    assert index.take_events(max_chunks=2) == [("stored", "DISK", C), ("stored", "DISK", D)]
+    assert index.take_events(max_chunks=2) == [("stored", "DISK", E),
+                                               ("stored", "REMOTE", bytes([9]) * 32)]
+    assert not index.events_pending() and index.take_events(max_chunks=2) == []

@@ -156,8 +156,17 @@ class BlockIndex(Spills, Invariants):
     def note_remote(self, keys: Iterable[bytes]) -> int:
         """The remote tier has every rank's value of ``keys`` (docs/design.md, "The index's
         primitives"); keys the index holds, or whose remote load failed lately, are
-        skipped. Returns how many were noted."""
-        return self._marks.note(keys, self._entries)
+        skipped. Returns how many were noted. With events, a key noted that had no mark is
+        a ``stored`` event of medium ``REMOTE`` (core/events.py)."""
+        events = self._events
+        if events is None:
+            return self._marks.note(keys, self._entries)
+        keys = list(keys)
+        marks = self._remote
+        fresh = [key for key in dict.fromkeys(keys) if key not in marks]
+        noted = self._marks.note(keys, self._entries)
+        events.remote.extend((key, True) for key in fresh if key in marks)
+        return noted
 
     def shortfall(self, keys: Sequence[bytes], *, load: bool = False) -> int:
         """How many of ``keys`` would find neither a free slot nor a clean chunk to evict,
@@ -411,7 +420,9 @@ class BlockIndex(Spills, Invariants):
                 self._touched.append(key)
             return
         self._release_slot(entry)
-        del self._entries[key]  # never reported "stored": no "removed" either
+        del self._entries[key]  # never reported "stored" in a local tier: no "removed"
+        if (corrupt or missing) and self._events is not None:  # the remote tier lost it
+            self._events.remote.append((key, False))
         counters = self._counters
         if corrupt:
             counters.remote_corrupt += 1
@@ -500,10 +511,22 @@ class BlockIndex(Spills, Invariants):
             self._remove(victim.key)
         return slot
 
-    def take_events(self) -> list[tuple[str, str, bytes]]:
+    def take_events(self, max_chunks: int | None = None) -> list[tuple[str, str, bytes]]:
         """``("stored" | "removed", medium, key)`` for each tier a chunk entered or left since
-        the last call (empty unless ``record_events``): see core/events.py."""
-        return self._events.take(self._entries) if self._events is not None else []
+        the last call, of at most ``max_chunks`` chunks (empty unless ``record_events``):
+        see core/events.py."""
+        events = self._events
+        return events.take(self._entries, max_chunks) if events is not None else []
+
+    def cpu_only_keys(self) -> list[bytes]:
+        """Chunks READY in the CPU tier and not on disk: what a shutdown flush writes."""
+        ready = CpuState.READY
+        return [key for key, entry in self._entries.items()
+                if entry.cpu is ready and entry.disk is not _ON_DISK]
+
+    def events_pending(self) -> bool:
+        """Whether ``take_events`` may have events to give."""
+        return self._events is not None and self._events.pending()
 
     def _release_slot(self, entry: Entry) -> None:
         assert entry.slot is not None

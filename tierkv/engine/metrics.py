@@ -50,6 +50,7 @@ PATHS = tuple(PATH_NAMES.values())
 # byte is counted on one path only).
 TRANSFER_PATHS = (*PATHS, "disk_to_cpu", "remote_to_cpu")
 TIERS = ("cpu", "disk", "remote")
+USAGE_TIERS = ("cpu", "disk")  # the tiers with usage gauges (the remote tier is shared)
 # What a lookup counts (AdapterStats' figures; TierKVStore.figures() reports these only).
 LOOKUP_FIGURES = ("queried_tokens", *(f"hit_tokens_{tier}" for tier in TIERS))
 # Seconds per job: a 2 MiB chunk copies in ~0.1 ms on a GPU, a disk batch can take seconds.
@@ -130,6 +131,10 @@ METRICS: tuple[Metric, ...] = (
            (("cpu", "cpu_used_bytes"), ("disk", "disk_used_bytes"))),
     Metric("capacity_bytes", "gauge", "Bytes of KV a tier can hold (all ranks)", "tier",
            (("cpu", "cpu_capacity_bytes"), ("disk", "disk_capacity_bytes"))),
+    Metric("usage_tokens", "gauge", "Tokens of KV held, by tier", "tier",
+           _each("{}_used_tokens", USAGE_TIERS)),
+    Metric("capacity_tokens", "gauge", "Tokens of KV a tier can hold", "tier",
+           _each("{}_capacity_tokens", USAGE_TIERS)),
     Metric("remote_calls", "counter", "Calls to the remote tier by result: ok; skipped at "
            "once by an open circuit breaker (no network); or why they failed (timeout, "
            "connection_refused, auth_refused, cluster_down, out_of_memory, ...)", "result",
@@ -235,14 +240,33 @@ DURATION_KEYS = frozenset(key for metric in METRICS if metric.kind == "histogram
                           for _, key in metric.keys)
 
 
-def usage_figures(index: IndexStats, chunk_bytes: int) -> dict[str, int]:
-    """The usage gauges from the index's counts; ``chunk_bytes`` is one chunk on all ranks."""
-    return {
-        "cpu_used_bytes": (index.num_slots - index.free_slots) * chunk_bytes,
-        "cpu_capacity_bytes": index.num_slots * chunk_bytes,
-        "disk_used_bytes": index.on_disk * chunk_bytes,
-        "disk_capacity_bytes": index.disk_capacity * chunk_bytes,
-    }
+def usage_figures(index: IndexStats, chunk_bytes: int, tokens_per_chunk: int) -> dict[str, int]:
+    """The usage gauges from the index's counts, in bytes and in tokens: each local tier's
+    capacity and what it holds (``chunk_bytes`` is one chunk on all ranks). The CPU tier
+    holds its used slots (chunks being stored or promoted included), the disk its chunks
+    on disk (spills in flight not yet)."""
+    chunks = {"cpu_used": index.num_slots - index.free_slots, "cpu_capacity": index.num_slots,
+              "disk_used": index.on_disk, "disk_capacity": index.disk_capacity}
+    out = {f"{name}_bytes": count * chunk_bytes for name, count in chunks.items()}
+    out.update((f"{name}_tokens", count * tokens_per_chunk) for name, count in chunks.items())
+    return out
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier's capacity and use, in bytes of KV (all ranks) and in tokens."""
+
+    capacity_bytes: int
+    used_bytes: int
+    capacity_tokens: int
+    used_tokens: int
+
+
+def tier_usage(figures: Mapping[str, Any]) -> dict[str, TierUsage]:
+    """``{"cpu": ..., "disk": ...}`` from the usage gauges of :func:`usage_figures`."""
+    return {tier: TierUsage(*(int(figures[f"{tier}_{what}_{unit}"])
+                              for unit in ("bytes", "tokens") for what in ("capacity", "used")))
+            for tier in USAGE_TIERS}
 
 
 @dataclass
@@ -351,4 +375,4 @@ def register_store_metrics(store: FigureSource, registry: Any = None,
 __all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "LOOKUP_FIGURES",
            "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector", "config_info",
            "is_gauge", "metric_keys", "register_store_metrics", "remote_figures",
-           "since_last", "usage_figures", "values"]
+           "since_last", "tier_usage", "TierUsage", "usage_figures", "values"]

@@ -21,6 +21,8 @@ Primitives (each method's docstring says what it does, never does, and raises):
 - ``poll() -> list[Completion]``: finished store and load jobs, each once.
 - ``wait(job_ids)``; ``drain()``; ``flush()``; ``statistics()``; ``close()`` (idempotent;
   use after raises).
+- ``usage()``: each tier's capacity and use in bytes and tokens; ``take_events()`` (with
+  ``record_events=True``): which tiers chunks entered and left (docs/engine-adapter.md).
 
 **A block's lifetime** (docs/engine-adapter.md, "TierKVStore: a block's lifetime"): a
 store's source blocks must not be written, and a load's target blocks must not be read or
@@ -62,8 +64,8 @@ from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, St
 from tierkv.engine import store_exit
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
-from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, config_info,
-                                   remote_figures, usage_figures)
+from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, TierUsage,
+                                   config_info, remote_figures, tier_usage, usage_figures)
 from tierkv.engine.start_line import short_id, start_line
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
@@ -115,6 +117,7 @@ class TierKVStore:
         tokens_per_block: int = 16,
         config: StoreConfig | None = None,
         namespace: Namespace | None = None,
+        record_events: bool = False,
     ) -> None:
         self._pid = os.getpid()
         self._busy = threading.Lock()
@@ -162,9 +165,9 @@ class TierKVStore:
             self._remote = build_remote_lookup(cfg, namespace, [[library_part(cfg)]],
                                                self.chunk_bytes)
             if self.disk is None or cfg.disk.path is None:
-                self.index = build_index(cfg, num_slots, 0)
+                self.index = build_index(cfg, num_slots, 0, record_events=record_events)
             else:
-                self._open_budget(Path(cfg.disk.path), num_slots)
+                self._open_budget(Path(cfg.disk.path), num_slots, record_events)
         except BaseException:
             self._closed = True
             self._close_parts()
@@ -182,7 +185,7 @@ class TierKVStore:
         log.info("%s", start_line("store", cfg, namespace, num_slots=num_slots,
                                   chunk_bytes=self.chunk_bytes))
 
-    def _open_budget(self, root: Path, num_slots: int) -> None:
+    def _open_budget(self, root: Path, num_slots: int, record_events: bool) -> None:
         """The index over this store's share of the disk cap, which every namespace under
         ``root`` shares (:mod:`tierkv.tiers.disk.budget`), warm with the chunks on disk."""
         assert self.disk is not None
@@ -203,7 +206,8 @@ class TierKVStore:
                 f"store's index files and claims ({files} bytes under {root}); raise "
                 f"disk.max_bytes to at least {files + unit}, or set disk.path=None for no "
                 f"disk tier")
-        self.index = build_index(cfg, num_slots, capacity, disk_tier=True)
+        self.index = build_index(cfg, num_slots, capacity, disk_tier=True,
+                                 record_events=record_events)
         line = self._budget.start_line()
         if line:
             unclaimed = any(holding.deletable for holding in self._budget.others)
@@ -430,13 +434,32 @@ class TierKVStore:
         out.update(values(self._paths))
         for kind, name in PATH_NAMES.items():
             out[f"durations_{name}"] = self._durations[kind]
-        out.update(usage_figures(index, self.chunk_bytes))
+        out.update(usage_figures(index, self.chunk_bytes, self.tokens_per_chunk))
         if self._remote is not None and self._stack.remote is not None:
             pusher = self.executor.pusher
             out.update(remote_figures([self._stack.remote.statistics(),
                                        self._remote.tier.statistics()],
                                       pusher.statistics() if pusher is not None else None))
         return out
+
+    def usage(self) -> dict[str, TierUsage]:
+        """Each local tier's capacity and use now, in bytes and in tokens (``"cpu"``,
+        ``"disk"``; the gauges ``tierkv:capacity_tokens`` etc. read the same). Safe from
+        another thread like :meth:`figures`; never raises."""
+        return tier_usage(usage_figures(self.index.statistics(), self.chunk_bytes,
+                                        self.tokens_per_chunk))
+
+    @one_caller
+    def take_events(self, max_chunks: int | None = None) -> list[tuple[str, str, bytes]]:
+        """With ``record_events=True``: ``("stored" | "removed", medium, key)`` for each tier
+        a chunk entered or left since the last call, medium ``"CPU"``, ``"DISK"`` or
+        ``"REMOTE"``, of at most ``max_chunks`` chunks (the rest come next time). The first
+        calls after opening give the chunks found on disk (docs/engine-adapter.md, "KV
+        events"). Call it often: events wait here until taken. Raises :class:`UsageError`
+        from another thread or a forked child."""
+        if not self._closed:
+            self._pump()
+        return self.index.take_events(max_chunks)
 
     def config_info(self) -> dict[str, str]:
         """The labels of ``tierkv:config_info``: the effective settings, tierkv's version

@@ -83,8 +83,10 @@ __all__ = [
     "UnsupportedVersionError",
 ]
 
-# KV events: the index's tiers as vLLM 0.33 names media (vllm.distributed.kv_events).
-MEDIA = {"CPU": MEDIUM_CPU, "DISK": MEDIUM_STORAGE}
+# KV events: the index's tiers as vLLM names media and localities (vllm.distributed.kv_events,
+# vllm.v1.kv_offload.base.Locality): (medium, locality).
+MEDIA = {"CPU": (MEDIUM_CPU, "LOCAL"), "DISK": (MEDIUM_STORAGE, "LOCAL"),
+         "REMOTE": (MEDIUM_STORAGE, "REMOTE")}
 
 
 def spec_kind(kv_cache_config: Any) -> str | None:
@@ -316,9 +318,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """vLLM's KV events for chunks entering and leaving tierkv's tiers: medium "CPU" for
-        the CPU tier and "STORAGE" for the disk tier (vLLM 0.33's media), each chunk with its
-        blocks' hashes, its token ids and vLLM's block size."""
+        """vLLM's KV events for chunks entering and leaving tierkv's tiers (``MEDIA``: CPU
+        LOCAL, STORAGE LOCAL for the disk, STORAGE REMOTE for the remote tier), each chunk
+        with its blocks' hashes, its token ids and vLLM's block size; at most
+        ``EVENT_BATCH_CHUNKS`` chunks a step (a start's snapshot of the disk tier goes out
+        over the first steps)."""
         if self._scheduler is None or not self._events_enabled:
             return []
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
@@ -330,17 +334,17 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         events: list[KVCacheEvent] = []
         for kind, medium, chunk in self._scheduler.take_events():
             hashes = [convert(block_hash) for block_hash in chunk.block_hashes]
-            where = MEDIA[medium]
+            where, locality = MEDIA[medium]
             if kind == "stored":
                 parent = chunk.parent_block_hash
                 events.append(BlockStored(
                     block_hashes=hashes, parent_block_hash=None if parent is None
                     else convert(parent), token_ids=chunk.token_ids.tolist(),
                     block_size=block_size, lora_id=None, medium=where, lora_name=None,
-                    group_idx=0, kv_cache_spec_kind=self._spec_kind, locality="LOCAL"))
+                    group_idx=0, kv_cache_spec_kind=self._spec_kind, locality=locality))
             else:
                 events.append(BlockRemoved(block_hashes=hashes, medium=where, group_idx=0,
-                                           locality="LOCAL"))
+                                           locality=locality))
         return events
 
     def get_kv_connector_stats(self) -> TierKVConnectorStats | None:

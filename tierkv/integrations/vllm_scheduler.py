@@ -29,6 +29,7 @@ from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerRepor
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.engine.store_stats import CompletionCounts
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
+from tierkv.integrations.vllm_event_blocks import ChunkEvent, EventBlocks
 from tierkv.integrations.vllm_keys import adapter_key, chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.keys import Namespace, Part
@@ -46,16 +47,7 @@ MAX_ADAPTERS = 4096  # LoRA adapters' fingerprints kept (the oldest goes first)
 BUDGET_POLL_SECONDS = 1.0  # how often a step may stat the disk root for budget changes
 # The index's chunk loads by tier are reported as hits (hit_tokens_<tier> beside them).
 _INDEX_RENAMED = {f"loads_{tier}": f"hit_chunks_{tier}" for tier in ("cpu", "disk", "remote")}
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkEvent:
-    """What a chunk's KV events carry: vLLM's block hashes of its blocks, the hash of the
-    block before it, and its token ids (kept while any tier holds it; 8 bytes a token)."""
-
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
-    token_ids: array[int]
+EVENT_BATCH_CHUNKS = 512  # chunks' KV events per step at most (a start's snapshot: batches)
 
 
 @dataclass(eq=False, slots=True)
@@ -138,6 +130,7 @@ class SchedulerSide:
         self._record_events = record_events
         self._event_meta: dict[bytes, ChunkEvent] = {}  # key -> what its events say (events only)
         self._prune_later: list[list[bytes]] = []  # keys of finished requests (events only)
+        self._event_blocks: EventBlocks | None = None  # what disk chunks' events say (events only)
         self._step = 0
         self._epoch = b""  # b"": keys as the warm-up and other servers derive them
         self.resets = 0
@@ -181,6 +174,14 @@ class SchedulerSide:
         self.found_on_disk = rebuild_index(  # over the share: deleted next
             self.index, keys, capacity, root=root, namespace=self.namespace,
             cap=f"disk_bytes={self.settings.disk_bytes}", log=log)
+        if self._record_events:  # the chunks found give the snapshot's events
+            geometry = self.geometry
+            self._event_blocks = EventBlocks(
+                StoreLayout(root).event_blocks_dir(self.fingerprint, self.replica),
+                geometry.disk_capacity,
+                8 * geometry.tokens_per_chunk + 40 * (geometry.hashes_per_chunk + 1) + 64)
+            self._event_meta.update(self._event_blocks.read(
+                {key for key in keys if self.index.contains(key)}))
         log.info("tierkv: %d chunk(s) of namespace %s found on disk at %s in %.2f s (%d of "
                  "them as parts of another TP size)", self.found_on_disk, self.fingerprint[:8],
                  self.settings.disk_path, time.perf_counter() - started,
@@ -461,9 +462,10 @@ class SchedulerSide:
         not planned yet, or stored chunks that write-through has yet to write to disk: the
         engine keeps stepping until they settle, so an idle server has its chunks on disk
         (a SIGTERM under ``vllm serve``'s default ``--shutdown-timeout 0`` kills the
-        workers before any shutdown flush)."""
+        workers before any shutdown flush); or KV events to send (a start's snapshot goes
+        out over the first, empty, steps)."""
         return (self.adapter.has_jobs_in_flight() or bool(self.adapter.num_requests())
-                or self.adapter.spills_wanted())
+                or self.adapter.spills_wanted() or self.index.events_pending())
 
     # ------------------------------------------------------------------ events
     def _chunk_event(self, request: Any, index: int) -> ChunkEvent:
@@ -473,18 +475,28 @@ class SchedulerSide:
         return ChunkEvent(tuple(bytes(h) for h in hashes[index * hpc:(index + 1) * hpc]), parent,
                           array("l", request.all_token_ids[index * tpc:(index + 1) * tpc]))
 
-    def take_events(self) -> list[tuple[str, str, ChunkEvent]]:
-        """``("stored" | "removed", medium, chunk)`` since the last call, medium "CPU" or
-        "DISK". Chunks found on disk at start give none: their block hashes and tokens are
-        not stored."""
+    def take_events(self, max_chunks: int = EVENT_BATCH_CHUNKS) -> list[tuple[str, str, ChunkEvent]]:
+        """``("stored" | "removed", medium, chunk)`` since the last call, of at most
+        ``max_chunks`` chunks, medium "CPU", "DISK" or "REMOTE". The first calls after a
+        start send the chunks found on disk whose events were recorded before
+        (:mod:`.vllm_event_blocks`); the disk's events update that record."""
         meta, out = self._event_meta, []
         contains = self.index.contains
-        for kind, medium, key in self.index.take_events():
+        stored: list[tuple[bytes, ChunkEvent]] = []
+        removed: list[bytes] = []
+        for kind, medium, key in self.index.take_events(max_chunks):
             chunk = meta.get(key)
             if chunk is not None:
                 out.append((kind, medium, chunk))
+                if medium == "DISK":
+                    if kind == "stored":
+                        stored.append((key, chunk))
+                    else:
+                        removed.append(key)
                 if kind == "removed" and not contains(key):
                     del meta[key]
+        if self._event_blocks is not None and (stored or removed):
+            self._event_blocks.update(stored, removed)
         return out
 
     # ------------------------------------------------------------------ stats
@@ -501,7 +513,8 @@ class SchedulerSide:
             out["remote_lookup_errors"] = lookups.errors
             # The lookups' calls (the workers report their breakers: one view per node)
             out.update(remote_figures([self.remote.tier.statistics()], breakers=False))
-        out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size))
+        out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size,
+                                 self.geometry.tokens_per_chunk))
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
@@ -520,6 +533,13 @@ class SchedulerSide:
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        if self._event_blocks is not None:
+            # The workers' shutdown flush writes what the CPU tier holds and the disk does
+            # not: record those too (a record of a chunk that did not land goes at start).
+            meta = self._event_meta
+            self._event_blocks.update(((key, meta[key]) for key in self.index.cpu_only_keys()
+                                       if key in meta), ())
+            self._event_blocks.close()
         if self.remote is not None:
             self.remote.shutdown()
         budgets, self._budgets = self._budgets, []
@@ -530,4 +550,4 @@ class SchedulerSide:
                      "finish them and flush unspilled chunks to disk", self.adapter.jobs_in_flight())
 
 
-__all__ = ["SchedulerSide"]
+__all__ = ["ChunkEvent", "SchedulerSide"]

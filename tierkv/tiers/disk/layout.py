@@ -7,6 +7,7 @@ spells and parses its names (``docs/on-disk-format.md``, "Layout").
             part-<p>of<P>[-dp<d>]/           one part of its chunks (data-parallel engine d > 0)
                 shard-<s>/                   one shard's environment: data.mdb, slab-0.kv
             rank-<r>/[shard-<s>/]            an older format's rank (never read; rm deletes it)
+            kv-events[-dp<d>]/               the vLLM scheduler's KV-event blocks (LMDB)
     <root>/model-hashes/                     model_fingerprint "content": weights' hashes
 
 Primitives and contracts:
@@ -38,6 +39,7 @@ _OLD_RANK = "rank-"
 _SHARD = "shard-"
 _REPLICA = "-dp"
 _MODEL_HASHES = "model-hashes"
+_EVENT_BLOCKS = "kv-events"
 
 
 class StoreLayout:
@@ -55,6 +57,11 @@ class StoreLayout:
 
     def shard_dir(self, fingerprint: str, part: Part, shard: int, replica: int = 0) -> Path:
         return self.part_dir(fingerprint, part, replica) / self.shard_name(shard)
+
+    def event_blocks_dir(self, fingerprint: str, replica: int = 0) -> Path:
+        """Where a vLLM scheduler keeps its chunks' KV-event blocks (hashes and tokens)."""
+        suffix = f"{_REPLICA}{replica}" if replica else ""
+        return self.namespace_dir(fingerprint) / f"{_EVENT_BLOCKS}{suffix}"
 
     def model_hashes_dir(self) -> Path:
         """Where ``model_fingerprint: content`` caches whole-content hashes of weights."""
