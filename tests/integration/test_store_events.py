@@ -16,7 +16,8 @@ from redis.cluster import RedisCluster as ClusterClient
 from tests.integration.test_remote_store import (caches, cluster, config,  # noqa: F401 (fixture)
                                                  conversation, loaded, store_all)
 from tests.integration.test_remote_store import TPC as REMOTE_TPC
-from tests.integration.test_store import (BPC, TOKENS_PER_BLOCK, chunk_bytes, corrupt_one_value,
+from tests.integration.test_store import (BPC, INDEX_FILES, TOKENS_PER_BLOCK, chunk_bytes,
+                                          corrupt_one_value,
                                           keys_for, load_into, make_kv, store_and_wait)
 from tests.redis_cluster import RedisCluster
 from tierkv import chunk_keys
@@ -31,11 +32,13 @@ Event = tuple[str, str, bytes]
 
 
 def open_store(root: Path, cpu_chunks: int, disk_chunks: int) -> TierKVStore:
-    """A store that records events, ``disk_chunks`` of disk (each chunk with its overhead)."""
+    """A store that records events, ``disk_chunks`` of disk (each chunk with its overhead,
+    and room for the index files, which the cap counts)."""
     config = StoreConfig(blocks_per_chunk=BPC, device="cpu",
                          cpu=CpuTierConfig(max_bytes=cpu_chunks * chunk_bytes()),
                          disk=DiskTierConfig(path=root / "store",
-                                             max_bytes=disk_chunks * (chunk_bytes() + 8192)))
+                                             max_bytes=disk_chunks * (chunk_bytes() + 8192)
+                                             + INDEX_FILES))
     return TierKVStore(make_kv(), model_id="m", tokens_per_block=TOKENS_PER_BLOCK,
                        config=config, record_events=True)
 
