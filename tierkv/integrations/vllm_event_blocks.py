@@ -22,11 +22,14 @@ from array import array
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import lmdb
 import msgpack
 
 from tierkv.tiers.disk.files import FILE_MODE, make_private_dir
+
+if TYPE_CHECKING:  # imported where an environment opens: the connector's import stays light
+    import lmdb
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -59,6 +62,8 @@ class EventBlocks:
     """The environment at ``path``, sized for ``max_chunks`` records of ``record_bytes``."""
 
     def __init__(self, path: Path, max_chunks: int, record_bytes: int) -> None:
+        import lmdb
+
         self.path = path
         self._map_size = max(64 << 20, 2 * max_chunks * (record_bytes + RECORD_OVERHEAD))
         self._env: lmdb.Environment | None = None
@@ -74,6 +79,8 @@ class EventBlocks:
                 self._give_up(again)
 
     def _open(self) -> lmdb.Environment:
+        import lmdb
+
         make_private_dir(self.path)
         return lmdb.open(str(self.path), map_size=self._map_size, subdir=True, sync=False,
                          metasync=False, mode=FILE_MODE, max_dbs=0, lock=True)
@@ -87,6 +94,8 @@ class EventBlocks:
 
     def read(self, on_disk: Container[bytes]) -> dict[bytes, ChunkEvent]:
         """The records of the chunks in ``on_disk``; every other record is deleted."""
+        import lmdb
+
         env = self._env
         if env is None:
             return {}
@@ -112,6 +121,8 @@ class EventBlocks:
 
     def update(self, stored: Iterable[tuple[bytes, ChunkEvent]], removed: Iterable[bytes]) -> None:
         """Write the records of chunks now on disk, delete those of chunks no longer there."""
+        import lmdb
+
         env = self._env
         if env is None:
             return
