@@ -131,15 +131,17 @@ class EngineAdapter:
         self.stats.lookups += 1
         self._sync_budget += self._sync.pop(view.req_id, 0)  # asked again: the last answer is void
         state = self._requests.get(view.req_id)
-        if state is not None and state.reloads_refused:
-            return 0
+        if state is not None and (state.reloads_refused or state.load_job is not None):
+            return 0  # a load of it lost a chunk, or was cut at its deadline and still runs
         policy = view.load_policy or self.config.load_policy
-        if policy not in REQUEST_LOAD_POLICIES:
+        custom = self.policy.custom is not None and policy == self.config.load_policy
+        if policy not in REQUEST_LOAD_POLICIES and not custom:
             raise UsageError(f"engine adapter: request {view.req_id!r} asks for load_policy "
                              f"{policy!r}; a request may ask for one of "
                              f"{list(REQUEST_LOAD_POLICIES)} (or None: the adapter's)")
-        if policy == "recompute":
-            self.stats.lookups_recompute += 1
+        controls = view.controls
+        if policy == "recompute" or controls.skip_load:  # ask no tier
+            self.stats.lookups_recompute += policy == "recompute"
             return 0
         tpc = self._tpc
         start = num_local_tokens // tpc
@@ -147,14 +149,17 @@ class EngineAdapter:
         end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
         remote = self.remote
         skipped = remote is not None and policy == "cost" and self.policy.remote_declined()
-        if skipped:
+        if skipped or not controls.allows("remote"):
             remote = None  # every remote hit would be declined: not worth a round trip
         found, asking = lookup_tiers(self.index, remote, view.chunk_keys[start:end])
-        if asking and self._may_wait(self._pending_since, view.req_id):
+        if controls.load_tiers is not None and found.num_hits:
+            found = self.policy.in_tiers(view.chunk_keys[start:], found, controls.load_tiers)
+        wait = controls.deadline_seconds(self.config.load_deadline_ms)  # bounds "not yet"
+        if asking and self._may_wait(self._pending_since, view.req_id, wait):
             self.stats.not_yet += 1
             self.stats.remote_not_yet += 1
             return None
-        if found.pending and self._may_wait(self._pending_since, view.req_id):
+        if found.pending and self._may_wait(self._pending_since, view.req_id, wait):
             self.stats.not_yet += 1
             return None
         self._pending_since.pop(view.req_id, None)
@@ -164,9 +169,10 @@ class EngineAdapter:
             return None
         self._store_wait_since.pop(view.req_id, None)
         hits, on_cpu = found.num_hits, found.num_on_cpu
-        if hits and (policy == "cost" or self.config.load_policy == "cost"):
+        decide = policy == "cost" or custom
+        if hits and (decide or self.config.load_policy != "always"):
             hits, on_cpu, estimate = self.policy.choose_loads(
-                view.chunk_keys, start, found, num_local_tokens, decide=policy == "cost")
+                view.chunk_keys, start, found, num_local_tokens, decide=decide)
             if estimate is None:
                 self._estimates.pop(view.req_id, None)
             else:
@@ -203,11 +209,12 @@ class EngineAdapter:
             return False
         return self._may_wait(self._store_wait_since, view.req_id)
 
-    def _may_wait(self, since: dict[str, float], req_id: str) -> bool:
+    def _may_wait(self, since: dict[str, float], req_id: str, most: float | None = None) -> bool:
         """Whether ``req_id`` may hear "not yet" again: ``since`` holds when it first did,
-        and it may for ``promotion_wait_seconds`` from then."""
+        and it may for ``promotion_wait_seconds`` (or ``most``, when less) from then."""
         first = since.setdefault(req_id, self._clock())
-        return self._clock() - first < self.config.promotion_wait_seconds
+        wait = self.config.promotion_wait_seconds
+        return self._clock() - first < (wait if most is None else min(wait, most))
 
     def touch(self, view: RequestView, num_chunks: int, reuse: bool = True) -> None:
         """The engine used the first ``num_chunks`` chunks of ``view`` again (``reuse``: from
@@ -275,6 +282,7 @@ class EngineAdapter:
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._job_owners[plan.job_id] = [state]
+            state.load_job = plan.job_id
             self._loads_in_flight += 1
             state.jobs.add(plan.job_id)
             self.stats.loads_planned += len(chunks)
@@ -289,7 +297,8 @@ class EngineAdapter:
         if sync:
             del self._sync[view.req_id]
             self.stats.sync_loads += 1
-        self._pending_loads.append(LoadRequest(view.req_id, spec, lost, sync))
+        self._pending_loads.append(LoadRequest(view.req_id, spec, lost, sync, view.controls
+                                               .deadline_seconds(self.config.load_deadline_ms)))
 
     def take_load_sources(self, req_id: str) -> tuple[int, int, int]:
         """Tokens of the request's last planned load from the CPU, disk and remote tiers."""
@@ -301,7 +310,8 @@ class EngineAdapter:
 
     def request_finished(self, view: RequestView, aborted: bool = False) -> None:
         self._store_wait_since.pop(view.req_id, None)
-        self._finishing.update(view.chunk_keys)
+        if not view.controls.skip_store:  # its chunks are stored by the next plan
+            self._finishing.update(view.chunk_keys)
         state = self._requests.get(view.req_id)
         if state is None:
             return
@@ -396,7 +406,7 @@ class EngineAdapter:
         batch = self._store_batch()
         for req_id in finished:
             state = self._requests.get(req_id)
-            if state is None:
+            if state is None or state.view.controls.skip_store:
                 continue
             view = state.view
             if state.aborted:
@@ -443,6 +453,8 @@ class EngineAdapter:
             state.view = view
             if fence_running and view.num_released_blocks > state.released:
                 self._note_released(state, view.num_released_blocks)
+            if view.controls.skip_store:
+                continue
             mark = view.num_computed_tokens + scheduled.get(req_id, 0)
             if prompt_only and mark > view.num_prompt_tokens:
                 mark = view.num_prompt_tokens
@@ -517,9 +529,9 @@ class EngineAdapter:
             if merged is None:
                 continue
             is_load = merged.kind is JobKind.LOAD
-            if is_load and (not merged.ok or merged.failed_keys):
-                for owner in self._job_owners.get(merged.job_id, ()):
-                    owner.reloads_refused = True
+            for owner in self._job_owners.get(merged.job_id, ()) if is_load else ():
+                owner.load_job = None
+                owner.reloads_refused |= not merged.ok or bool(merged.failed_keys)
             if self._load_started:
                 started = self._load_started.pop(merged.job_id, None)
                 if started is not None and merged.ok and not merged.failed_keys:

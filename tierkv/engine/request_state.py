@@ -58,6 +58,9 @@ class RequestState:
     # A load of it lost a chunk: the engine recomputes it, and its next lookups hit nothing
     # (a chunk whose copy keeps failing is not loaded forever).
     reloads_refused: bool = False
+    # Its load in flight: a lookup while it runs (the load was cut at its deadline, and
+    # the engine asks again) hits nothing: its chunks are recomputed, never waited for.
+    load_job: JobId | None = None
     # Its last planned load's tokens by tier (cpu, disk, remote): take_load_sources.
     load_sources: tuple[int, int, int] | None = None
 
