@@ -13,7 +13,7 @@ It never blocks and never touches tensor bytes. Primitives:
   for is noted in the index (``note_remote``) and hits; no answer yet is "not yet",
   bounded the same way. Otherwise side-effect free on the index. A request whose load
   lost a chunk hits nothing from then on: the engine recomputes it (a chunk whose copy
-  keeps failing is never offered to it again).
+  keeps failing is never offered to it again). ``view.controls``: docs/engine-adapter.md.
 - ``update_state_after_alloc(view, block_ids, num_external_tokens)``: the engine gave the
   request its blocks (a list per KV cache group, or one group's flat list); plans the
   load of the promised chunks (sent with the next plan).
@@ -32,17 +32,16 @@ It never blocks and never touches tensor bytes. Primitives:
 - ``complete(report)``: a worker's report; a job counts once all ``world_size`` workers
   reported it.
 
-The store watermarks, the fence and why it is kept per request (the per-chunk cost of a
-step) are in docs/engine-adapter.md and docs/design.md. Per request state:
-:mod:`.request_state`; cost-aware loads: :mod:`.load_policy`; step timing:
-:mod:`.step_timing`; settings and counters: :mod:`.adapter_config`, :mod:`.adapter_stats`.
+The store watermarks, the fence and why it is kept per request: docs/engine-adapter.md,
+docs/design.md. Per request state: :mod:`.request_state`; cost-aware loads:
+:mod:`.load_policy`; step timing: :mod:`.step_timing`; settings and counters:
+:mod:`.adapter_config`, :mod:`.adapter_stats`.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from typing import NoReturn
 
 from tierkv.core.costs import CostModel
 from tierkv.core.index import BlockIndex
@@ -52,7 +51,7 @@ from tierkv.core.state import CpuState
 from tierkv.engine.adapter_config import LOAD_POLICIES, REQUEST_LOAD_POLICIES, AdapterConfig
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted
-from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group
+from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group, refuse_reuse
 from tierkv.engine.requests import (BlockIds, LoadRequest, RequestView, StepInput, StepPlan,
                                     WorkerReport)
 from tierkv.engine.step_timing import StepTimer
@@ -103,7 +102,7 @@ class EngineAdapter:
         self._finishing: set[bytes] = set()  # chunks of requests that finished since the plan
         self._finished_queue: list[str] = []
         # Requests that finished and whose state is not freed yet (last plan to come, or
-        # jobs in flight): their id may not come back as a new request (see _refuse_reuse).
+        # jobs in flight): their id may not come back as a new request (see refuse_reuse).
         self._departed: set[str] = set()
         self._pending_loads: list[LoadRequest] = []
         self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
@@ -188,9 +187,8 @@ class EngineAdapter:
         return tokens
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
-        """A custom engine's measured prefill: ``seconds`` to compute ``num_tokens`` (one
-        step). It teaches the cost model what recompute costs; the vLLM connector reports
-        every step itself (build_plan)."""
+        """A custom engine's measured prefill step (``num_tokens`` in ``seconds``): it teaches
+        the cost model what recompute costs (the vLLM connector reports each step itself)."""
         self.costs.observe_compute(num_tokens, seconds)
 
     def sync_load(self, req_id: str) -> bool:
@@ -232,7 +230,7 @@ class EngineAdapter:
     def update_state_after_alloc(self, view: RequestView, block_ids: BlockIds | Iterable[int],
                                  num_external_tokens: int, num_local_tokens: int) -> None:
         if view.req_id in self._departed:
-            self._refuse_reuse(view.req_id)
+            refuse_reuse(view.req_id)
         lists = per_group(block_ids, self._groups, view.req_id)
         state = self._requests.setdefault(view.req_id, RequestState(view, lists))
         state.view, state.block_ids = view, lists
@@ -336,7 +334,7 @@ class EngineAdapter:
         if self._departed:  # before any state changes: a refused step changes nothing
             for req_id in self._departed:
                 if req_id in step.requests or req_id in step.new_block_ids:
-                    self._refuse_reuse(req_id)
+                    refuse_reuse(req_id)
         new = {req_id: per_group(blocks, self._groups, req_id)  # refused: nothing changed
                for req_id, blocks in step.new_block_ids.items()}
         flush: dict[JobId, None] = {}
@@ -371,14 +369,6 @@ class EngineAdapter:
                 flush, fresh)
         stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         return self._finish_plan(step, stores, flush)
-
-    def _refuse_reuse(self, req_id: str) -> NoReturn:
-        raise UsageError(
-            f"engine adapter: request id {req_id!r} came back before the request that "
-            f"finished under it was let go (its last stores planned, none of its jobs in "
-            f"flight); request ids must be unique (the fence tells requests apart by id: a "
-            f"block of the old request handed to the new one would not be flushed). Nothing "
-            f"was changed.")
 
     @staticmethod
     def _flush_jobs(state: RequestState, flush: dict[JobId, None], fresh: set[JobId]) -> None:

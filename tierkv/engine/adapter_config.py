@@ -64,10 +64,12 @@ class AdapterConfig:
     # estimated load time plus the compute time of the rest is least (tierkv.core.costs:
     # measured per tier and from the engine's steps, priors until then). load_bias scales
     # the load estimates (above 1 favours recompute). cost_priors: a CostPriors, whose
-    # fields are settings too (cost_priors.<name>, checked when it is made).
-    load_policy: str = setting("always", choices=LOAD_POLICIES,
+    # fields are settings too (cost_priors.<name>, checked when it is made). "module:Class":
+    # the operator's own policy (tierkv.engine.load_policy.LoadPolicy), given the cost
+    # model's inputs; docs/engine-adapter.md, "Your own load policy".
+    load_policy: str = setting("always", kind="str",
                                help="'always' loads every hit; 'cost' declines what is "
-                                    "faster to compute")
+                                    "faster to compute; 'module:Class' your own policy")
     load_bias: float = setting(1.0, low=0.01, high=100.0,
                                help="scales the load estimates: above 1 favours recompute")
     cost_priors: CostPriors = field(default_factory=CostPriors)

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import cast
+from typing import NoReturn, cast
 
 from tierkv.core.jobs import NO_BLOCK, JobId
 from tierkv.engine.requests import BlockIds, RequestView
 from tierkv.errors import UsageError
 
-__all__ = ["GroupLists", "RequestState", "StoreBatch", "per_group"]
+__all__ = ["GroupLists", "RequestState", "StoreBatch", "per_group", "refuse_reuse"]
 
 GroupLists = tuple[list[int], ...]  # a request's block ids, one list per group
 
@@ -42,6 +42,16 @@ def per_group(block_ids: BlockIds | Iterable[int], groups: int, req_id: str) -> 
     raise UsageError(f"engine adapter: request {req_id!r} was given {what}, but "
                      f"AdapterConfig.groups is {groups}: pass one list of block ids per KV "
                      f"cache group (a flat list only with one group). Nothing was changed.")
+
+
+def refuse_reuse(req_id: str) -> NoReturn:
+    """The adapter's refusal of a request id that came back too soon (nothing changed)."""
+    raise UsageError(
+        f"engine adapter: request id {req_id!r} came back before the request that "
+        f"finished under it was let go (its last stores planned, none of its jobs in "
+        f"flight); request ids must be unique (the fence tells requests apart by id: a "
+        f"block of the old request handed to the new one would not be flushed). Nothing "
+        f"was changed.")
 
 
 @dataclass(slots=True)

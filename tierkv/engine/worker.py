@@ -128,6 +128,7 @@ class WorkerAdapter:
         self.executor = executor
         self._clock = clock
         self._timed = 0  # loads in flight with a deadline
+        self.loads_cut = 0  # loads cut at their deadline (their tokens recomputed)
         self.rank = rank
         # False: another rank writes the one disk copy every rank loads (MLA); this rank's
         # spill jobs are reported done at once, and write or delete nothing.
@@ -236,6 +237,7 @@ class WorkerAdapter:
             if not self.executor.cut(job_id):
                 continue  # its copy to the GPU is under way: it lands as usual
             load.cut = True
+            self.loads_cut += 1
             self._finished_loads.append(load.req_id)
             self._failed_blocks.extend(load.lost)
             for blocks in load.blocks_by_key.values():

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
-from tierkv.core.controls import NO_CONTROLS, RequestControls, request_controls
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
 from tierkv.engine.metrics import remote_figures, since_last, usage_figures, values
-from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
+from tierkv.engine.requests import (NO_BLOCK, NO_CONTROLS, RequestControls, RequestView, StepInput,
+                                    WorkerReport, request_controls)
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.engine.store_stats import CompletionCounts
 from tierkv.errors import ConfigError

@@ -24,8 +24,9 @@ Primitives:
   any of those GPU blocks (the library store's ``fence()``).
 - ``cut(job_id)``: a load past its deadline whose disk and remote reads are still running
   copies nothing to the GPU from then on (True); its reads finish into their slots and it
-  completes as usual, its chunks landed in the CPU tier. False: its GPU copy is submitted
-  (or it has no read): it lands as usual.
+  completes as usual, its chunks landed in the CPU tier; ``wait`` on it returns at once
+  (a fence need not wait: it touches no GPU block). False: its GPU copy is submitted (or
+  it has no read): it lands as usual.
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 Called from one thread (the worker's); reader threads only run chained loads' steps.
 """
@@ -85,6 +86,8 @@ class _ChainedLoad:
         self.cut = False  # cut at its deadline (JobExecutor.cut): nothing is copied
 
     def wait(self, job_ids: Iterable[JobId]) -> None:
+        if self.cut:  # it touches no GPU block: a fence need not wait for its reads
+            return
         self.read_done.wait()
         if self.submitted_copy:
             self.transfer.wait(job_ids)
