@@ -1,7 +1,8 @@
 """Per-request controls on the real engine, in one engine start: ``kv_transfer_params``
 with tierkv's ``skip_store``, ``skip_load`` and ``load_deadline_ms``, vLLM's own
 ``kv_load_tiers``, and a value tierkv does not understand (the request is served without
-the cache, and says why). Greedy tokens equal vLLM alone in every case.
+the cache, and says why), under the example of an operator's own load_policy. Greedy
+tokens equal vLLM alone in every case.
 
 The deadline's load reads from disk, and the disk answers no read until the test says so
 (no wall clock): the request is served by recomputing, and the chunks land in the CPU tier
@@ -18,7 +19,9 @@ from tests.engine.conftest import References
 from tests.engine.engines import Engine, prompt
 
 SETTINGS = {"cpu_bytes": 2 << 20,  # 4 chunks of the tiny llama (512 KiB each)
-            "load_policy": "always", "load_deadline_ms": 600_000.0,
+            # The operator's own policy (its example loads every local chunk, as "always").
+            "load_policy": "tierkv.engine.example_load_policy:LocalFirst",
+            "load_deadline_ms": 600_000.0,
             "eviction_policy": "lru"}  # the fillers below evict the prompt's chunks
 
 
@@ -43,6 +46,8 @@ def test_each_control_of_a_request(models: dict[str, Path], reference: Reference
             assert output.tokens == ref.tokens, what
             assert output.num_cached_tokens == cached, what
 
+        policy = engine.connector._scheduler_side().adapter.policy.custom
+        assert type(policy).__name__ == "LocalFirst"
         run({"tierkv": {"skip_store": True}}, 0, "skip_store")
         run(None, 0, "after skip_store: nothing was stored")
         run({"tierkv": {"skip_load": True}}, 0, "skip_load")
