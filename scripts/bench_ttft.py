@@ -35,6 +35,10 @@ TTFT here is the wall time of one ``LLM.generate()`` of one token-id prompt with
                  (``kv_transfer_params``), each on prompts of its own stored alike,
                  interleaved with the first in an order that rotates by round and length:
                  the three differ by the policy alone. The engines' own load_policy is cost.
+- ``TIER:deadline``  the same, the requests asking for load_policy "always" and
+                 ``load_deadline_ms`` (``--deadline-ms``; ``--policies ...,deadline``): what
+                 has not loaded by then is recomputed. Checked against the deadline plus
+                 the same engine's ``TIER:recompute`` (all the compute a cut load leaves).
 
 Each round opens the engines one after another (two in-process engines at once would
 share vLLM's process-wide connector), every row runs each length once per round on its own
@@ -89,14 +93,16 @@ cpu_environment(os.environ, in_process=True)  # before vLLM is imported
 
 ROWS = ("recompute", "miss", "prefix", "cpu", "cpu:cost", "cpu:recompute", "disk", "disk:cost",
         "disk:recompute", "disk_warm", "remote", "remote:cost", "remote:recompute", "slow",
-        "slow:cost", "slow:recompute")
+        "slow:cost", "slow:recompute", "cpu:deadline", "disk:deadline", "remote:deadline",
+        "slow:deadline")
 TIERS = ("cpu", "disk", "remote", "slow")
 HITS = ("cpu", "cpu:cost", "disk", "disk:cost", "disk_warm", "remote", "remote:cost", "slow",
         "slow:cost")  # the rows of tierkv hits
 # What each hit row's request asks of tierkv (kv_transfer_params): "always" (the row named
 # for the tier), "cost" and "recompute" (rows "TIER:cost", "TIER:recompute"): one engine
-# serves the three, interleaved, so they differ by the policy alone.
-POLICIES = ("always", "cost", "recompute")
+# serves the three, interleaved, so they differ by the policy alone. "deadline": "always"
+# with load_deadline_ms (--deadline-ms), rows "TIER:deadline" (only when asked for).
+POLICIES = ("always", "cost", "recompute", "deadline")
 
 
 def row_of(tier: str, policy: str) -> str:
@@ -142,12 +148,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated tierkv tiers to measure (cpu, disk, remote, slow: "
                              "a remote node behind a proxy held to --slow-mib-per-second)")
     parser.add_argument("--policies", type=parse_names(POLICIES, "--policies"),
-                        default=list(POLICIES),
+                        default=list(POLICIES[:3]),
                         help="the load_policy each tier engine's requests ask for, interleaved "
                              "in that engine, each on prompts of its own: always (every hit "
                              "loaded: the tier's speed), cost (rows 'TIER:cost': cost-aware "
                              "loads) and recompute (rows 'TIER:recompute': nothing loaded, "
-                             "the same engine's counterfactual)")
+                             "the same engine's counterfactual); deadline (rows "
+                             "'TIER:deadline': always, with --deadline-ms)")
+    parser.add_argument("--deadline-ms", type=float, default=200.0,
+                        help="the load_deadline_ms of the 'deadline' policy's requests")
     parser.add_argument("--slow-mib-per-second", type=float, default=8.0,
                         help="what the slow tier's proxy sends back, MiB/s, all connections")
     parser.add_argument("--cold", choices=("fadvise", "drop_caches", "none"), default="fadvise",
@@ -297,6 +306,7 @@ class Figures:
     cold_reads: list[tuple[int, int, int]] = field(default_factory=list)
     block_size: int = 0
     tokens_per_chunk: int = 0
+    deadline_ms: float = 0.0  # the "deadline" rows' load_deadline_ms
 
     def __post_init__(self) -> None:
         self.seconds = {row: {length: [] for length in self.lengths} for row in self.rows}
@@ -332,6 +342,7 @@ class Round:
 
         self.figures = figures
         self.number = number
+        self.deadline_ms = args.deadline_ms
         self.prompts = {length: prompt(length, next(seeds)) for length in args.lengths}
         # The hit rows of each policy but "always" (which reads ``prompts``) read their own.
         self.asking = {policy: {length: prompt(length, next(seeds)) for length in args.lengths}
@@ -367,7 +378,11 @@ class Round:
         gc.collect()
         steps = engine.steps
         start = time.perf_counter()
-        output = engine.one(tokens, max_tokens=1, load_policy=load_policy)
+        params = None
+        if load_policy == "deadline":
+            load_policy, params = "always", {"tierkv": {"load_deadline_ms": self.deadline_ms}}
+        output = engine.one(tokens, max_tokens=1, load_policy=load_policy,
+                            transfer_params=params)
         seconds = time.perf_counter() - start
         self.figures.seconds[row][length].append(seconds)
         self.figures.steps[row][length].append(engine.steps - steps)
@@ -456,6 +471,7 @@ class Bench:
             wanted.add("disk_warm")
         stack = "+".join(tier for tier in TIERS if tier in tiers)
         self.figures = Figures(model_name, args.lengths, [row for row in ROWS if row in wanted])
+        self.figures.deadline_ms = args.deadline_ms
         self.figures.labels = {
             "recompute": "recompute (no connector)",
             "miss": f"tierkv miss ({stack} on, nothing stored)",
@@ -476,6 +492,8 @@ class Bench:
             self.figures.labels[f"{tier}:recompute"] = \
                 self.figures.labels[tier].replace("tierkv hit", "tierkv, no load") \
                 + ", load_policy recompute"
+            self.figures.labels[f"{tier}:deadline"] = \
+                self.figures.labels[tier] + f", load_deadline_ms {args.deadline_ms:g}"
 
     def settings(self, **settings: Any) -> dict[str, Any]:
         out: dict[str, Any] = {"cpu_bytes": self.args.cpu_bytes, "load_policy": "cost",
@@ -558,8 +576,9 @@ class Bench:
             resident = before() if before is not None else None
             device = device_read_bytes()
             expected = {"always": hit, "recompute": 0}.get(policy)
-            one.measure(engine, row_of(tier, policy), length, expected,
-                        "remote" if tier == "slow" else tier,  # the counter of its hits
+            # The counter of its hits (a cut load counts its hit, and serves none of it).
+            counter = None if policy == "deadline" else "remote" if tier == "slow" else tier
+            one.measure(engine, row_of(tier, policy), length, expected, counter,
                         one.tokens(policy, length), load_policy=policy)
             if resident is not None and policy == "always":
                 self.figures.cold_reads.append((resident, device_read_bytes() - device,
@@ -647,6 +666,11 @@ COST_CHECK = ("load_policy cost against the better of load_policy always and rec
               "connector's fixed cost that no load policy avoids (the miss row)")
 
 
+DEADLINE_CHECK = ("load_deadline_ms against the deadline plus the compute of what was not "
+                  "loaded (the same engine's recompute requests: a cut load serves none of "
+                  "its chunks), per tier (median / (deadline + median), the worst length)")
+
+
 def tables(figures: Figures, markdown: bool) -> list[str]:
     """The TTFT table (ms, median [min-max]), the tokens vLLM reported cached, the ratios
     and the crossovers, as plain text or markdown."""
@@ -702,6 +726,18 @@ def tables(figures: Figures, markdown: bool) -> list[str]:
                 out.append(f"{'- ' if markdown else '  '}{tier}: at most {worst:.2f}x (at {at} "
                            f"tokens) the better of 'always' and {what}: {verdict} "
                            f"(target <= 1.10x)")
+    timed = [tier for tier in TIERS if f"{tier}:deadline" in rows and f"{tier}:recompute" in rows]
+    if timed:
+        out.append(f"\n{DEADLINE_CHECK[0].upper()}{DEADLINE_CHECK[1:]}:\n" if markdown
+                   else f"{DEADLINE_CHECK}:")
+        for tier in timed:
+            worst, at = max((figures.median(f"{tier}:deadline", n) /
+                             (figures.deadline_ms / 1e3 + figures.median(f"{tier}:recompute", n)),
+                             n) for n in lengths)
+            out.append(f"{'- ' if markdown else '  '}{tier}: at most {worst:.2f}x (at {at} "
+                       f"tokens) the deadline ({figures.deadline_ms:g} ms) plus the same "
+                       f"engine's recompute: {'met' if worst <= 1.10 else 'MISSED'} "
+                       f"(target <= 1.10x)")
     targets = [(row, base, limit) for row, base, limit in TARGETS
                if row in rows and base in rows]
     length = min(lengths, key=lambda n: abs(n - TARGET_LENGTH))
@@ -790,7 +826,7 @@ def plot(all_figures: list[Figures], path: Path, title: str) -> None:
 def to_json(figures: Figures) -> dict[str, Any]:
     return {
         "lengths": figures.lengths, "block_size": figures.block_size,
-        "tokens_per_chunk": figures.tokens_per_chunk,
+        "tokens_per_chunk": figures.tokens_per_chunk, "deadline_ms": figures.deadline_ms,
         "rows": {row: {"label": figures.labels[row],
                        "seconds": {str(n): figures.seconds[row][n] for n in figures.lengths},
                        "median_seconds": {str(n): figures.median(row, n) for n in figures.lengths},
@@ -812,6 +848,7 @@ def from_json(model: str, data: dict[str, Any]) -> Figures:
     rows = data["rows"]
     figures = Figures(model, data["lengths"], list(rows))
     figures.block_size, figures.tokens_per_chunk = data["block_size"], data["tokens_per_chunk"]
+    figures.deadline_ms = data.get("deadline_ms", 0.0)
     figures.errors = list(data["errors"])
     figures.cold_reads = [(r["resident_before"], r["device_read"], r["loaded_bytes"])
                           for r in data["cold_disk_reads"]]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tierkv.core.controls import NO_CONTROLS, RequestControls
 from tierkv.engine.adapter import EngineAdapter
 from tierkv.engine.requests import RequestView, StepInput, StepPlan
 from tierkv.engine.worker import WorkerAdapter
@@ -65,6 +66,7 @@ class Req:
     aborted: bool = False
     external: int = 0
     blocks_replaced: bool = True
+    controls: RequestControls = NO_CONTROLS  # what it asks of the cache
 
     def all_tokens(self) -> list[int]:
         return self.tokens + ([self.placeholder] if self.placeholder is not None else [])
@@ -103,9 +105,11 @@ class MiniEngine:
         self.key_prefix: dict[bytes, tuple[int, ...]] = {}  # chunk key -> its tokens
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+    def add_request(self, req_id: str, prompt: list[int], max_tokens: int,
+                    controls: RequestControls = NO_CONTROLS) -> None:
         self._arrivals += 1
-        self.requests[req_id] = Req(req_id, list(prompt), len(prompt), max_tokens, self._arrivals)
+        self.requests[req_id] = Req(req_id, list(prompt), len(prompt), max_tokens, self._arrivals,
+                                    controls=controls)
 
     def abort(self, req_id: str) -> None:
         req = self.requests.get(req_id)
@@ -121,7 +125,7 @@ class MiniEngine:
             if key not in self.key_prefix:
                 self.key_prefix[key] = tuple(req.tokens[: (position + 1) * self.tokens_per_chunk])
         return RequestView(req.req_id, keys, req.num_prompt, len(req.tokens) + (req.placeholder is not None),
-                           req.num_computed)
+                           req.num_computed, controls=req.controls)
 
     def idle(self) -> bool:
         """No request left to run and nothing left for the adapter to do."""

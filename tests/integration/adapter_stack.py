@@ -106,6 +106,9 @@ def build_stack(
     write_through: bool = False,
     key_lag_tokens: int = 0,
     worker_order=None,  # type: ignore[no-untyped-def]
+    adapter_config: AdapterConfig | None = None,
+    worker_clock: Callable[[], float] = time.monotonic,
+    disk_type: type[DiskTier] = DiskTier,
 ) -> Stack:
     kv = [torch.zeros((num_blocks, BLOCK, WIDTH), dtype=torch.int32) for _ in range(LAYERS)]
     layout = KVLayout.from_tensors(kv)
@@ -116,12 +119,12 @@ def build_stack(
     if disk_chunks:
         assert tmp_path is not None
         namespace = Namespace("adapter-test", "int32", "LBNHC", chunk_bytes // BPC // LAYERS, BLOCK * BPC, LAYERS)
-        disk = DiskTier(tmp_path / "disk", namespace, 0, DiskTierConfig(path=tmp_path / "disk", max_bytes=64 << 20),
+        disk = disk_type(tmp_path / "disk", namespace, 0, DiskTierConfig(path=tmp_path / "disk", max_bytes=64 << 20),
                         chunk_bytes)
         disk_io = TierIO(disk, slab, 1 << 20)
     index = BlockIndex(num_slots, disk_chunks, write_through=write_through, spill_ahead_fraction=0.25)
-    adapter = EngineAdapter(index, AdapterConfig(BLOCK, BPC))
-    worker = WorkerAdapter(JobExecutor(transfer, disk_io))
+    adapter = EngineAdapter(index, adapter_config or AdapterConfig(BLOCK, BPC))
+    worker = WorkerAdapter(JobExecutor(transfer, disk_io), clock=worker_clock)
     engine = MiniEngine(adapter, worker, kv, num_blocks=num_blocks, token_budget=token_budget,
                         async_scheduling=async_scheduling, key_lag_tokens=key_lag_tokens,
                         worker_order=worker_order)

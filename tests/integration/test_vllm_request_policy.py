@@ -34,3 +34,25 @@ def test_a_vllm_request_asks_for_its_policy_in_kv_transfer_params(
     for number in range(1000):  # a client's many values: a bounded set, bounded warnings
         assert request_load_policy(asks({"tierkv": {"load_policy": f"x{number}"}}), warned) is None
     assert len(warned) == 64 and len(caplog.records) == 64
+
+
+def test_a_request_whose_controls_are_not_understood_is_served_without_the_cache(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """kv_transfer_params tierkv does not understand: no load, no store (the request
+    computes as vLLM alone would), and a warning that names the parameter, once per text."""
+    from tierkv.integrations.vllm_scheduler import NO_CACHE, controls_of
+
+    def asks(params: object) -> SimpleNamespace:
+        return SimpleNamespace(request_id="req-8", kv_transfer_params=params)
+
+    warned: set[str] = set()
+    asked = controls_of(asks({"tierkv": {"skip_store": True}, "kv_load_tiers": ["cpu"]}), warned)
+    assert asked.skip_store and not asked.skip_load and asked.load_tiers == {"cpu"}
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="tierkv.vllm"):
+        for _ in range(2):
+            assert controls_of(asks({"kv_load_tiers": [{"medium": "gpu"}]}), warned) is NO_CACHE
+    assert NO_CACHE.skip_load and NO_CACHE.skip_store
+    [record] = caplog.records
+    assert "req-8 is served without tierkv's cache" in record.getMessage()
+    assert "kv_load_tiers must be a list" in record.getMessage()

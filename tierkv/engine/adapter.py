@@ -13,7 +13,7 @@ It never blocks and never touches tensor bytes. Primitives:
   for is noted in the index (``note_remote``) and hits; no answer yet is "not yet",
   bounded the same way. Otherwise side-effect free on the index. A request whose load
   lost a chunk hits nothing from then on: the engine recomputes it (a chunk whose copy
-  keeps failing is never offered to it again).
+  keeps failing is never offered to it again). ``view.controls``: docs/engine-adapter.md.
 - ``update_state_after_alloc(view, block_ids, num_external_tokens)``: the engine gave the
   request its blocks (a list per KV cache group, or one group's flat list); plans the
   load of the promised chunks (sent with the next plan).
@@ -32,17 +32,16 @@ It never blocks and never touches tensor bytes. Primitives:
 - ``complete(report)``: a worker's report; a job counts once all ``world_size`` workers
   reported it.
 
-The store watermarks, the fence and why it is kept per request (the per-chunk cost of a
-step) are in docs/engine-adapter.md and docs/design.md. Per request state:
-:mod:`.request_state`; cost-aware loads: :mod:`.load_policy`; step timing:
-:mod:`.step_timing`; settings and counters: :mod:`.adapter_config`, :mod:`.adapter_stats`.
+The store watermarks, the fence and why it is kept per request: docs/engine-adapter.md,
+docs/design.md. Per request state: :mod:`.request_state`; cost-aware loads:
+:mod:`.load_policy`; step timing: :mod:`.step_timing`; settings and counters:
+:mod:`.adapter_config`, :mod:`.adapter_stats`.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from typing import NoReturn
 
 from tierkv.core.costs import CostModel
 from tierkv.core.index import BlockIndex
@@ -52,7 +51,7 @@ from tierkv.core.state import CpuState
 from tierkv.engine.adapter_config import LOAD_POLICIES, REQUEST_LOAD_POLICIES, AdapterConfig
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted
-from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group
+from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group, refuse_reuse
 from tierkv.engine.requests import (BlockIds, LoadRequest, RequestView, StepInput, StepPlan,
                                     WorkerReport)
 from tierkv.engine.step_timing import StepTimer
@@ -103,7 +102,7 @@ class EngineAdapter:
         self._finishing: set[bytes] = set()  # chunks of requests that finished since the plan
         self._finished_queue: list[str] = []
         # Requests that finished and whose state is not freed yet (last plan to come, or
-        # jobs in flight): their id may not come back as a new request (see _refuse_reuse).
+        # jobs in flight): their id may not come back as a new request (see refuse_reuse).
         self._departed: set[str] = set()
         self._pending_loads: list[LoadRequest] = []
         self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
@@ -131,15 +130,17 @@ class EngineAdapter:
         self.stats.lookups += 1
         self._sync_budget += self._sync.pop(view.req_id, 0)  # asked again: the last answer is void
         state = self._requests.get(view.req_id)
-        if state is not None and state.reloads_refused:
-            return 0
+        if state is not None and (state.reloads_refused or state.load_job is not None):
+            return 0  # a load of it lost a chunk, or was cut at its deadline and still runs
         policy = view.load_policy or self.config.load_policy
-        if policy not in REQUEST_LOAD_POLICIES:
+        custom = self.policy.custom is not None and policy == self.config.load_policy
+        if policy not in REQUEST_LOAD_POLICIES and not custom:
             raise UsageError(f"engine adapter: request {view.req_id!r} asks for load_policy "
                              f"{policy!r}; a request may ask for one of "
                              f"{list(REQUEST_LOAD_POLICIES)} (or None: the adapter's)")
-        if policy == "recompute":
-            self.stats.lookups_recompute += 1
+        controls = view.controls
+        if policy == "recompute" or controls.skip_load:  # ask no tier
+            self.stats.lookups_recompute += policy == "recompute"
             return 0
         tpc = self._tpc
         start = num_local_tokens // tpc
@@ -147,14 +148,17 @@ class EngineAdapter:
         end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
         remote = self.remote
         skipped = remote is not None and policy == "cost" and self.policy.remote_declined()
-        if skipped:
+        if skipped or not controls.allows("remote"):
             remote = None  # every remote hit would be declined: not worth a round trip
         found, asking = lookup_tiers(self.index, remote, view.chunk_keys[start:end])
-        if asking and self._may_wait(self._pending_since, view.req_id):
+        if controls.load_tiers is not None and found.num_hits:
+            found = self.policy.in_tiers(view.chunk_keys[start:], found, controls.load_tiers)
+        wait = controls.deadline_seconds(self.config.load_deadline_ms)  # bounds "not yet"
+        if asking and self._may_wait(self._pending_since, view.req_id, wait):
             self.stats.not_yet += 1
             self.stats.remote_not_yet += 1
             return None
-        if found.pending and self._may_wait(self._pending_since, view.req_id):
+        if found.pending and self._may_wait(self._pending_since, view.req_id, wait):
             self.stats.not_yet += 1
             return None
         self._pending_since.pop(view.req_id, None)
@@ -164,9 +168,10 @@ class EngineAdapter:
             return None
         self._store_wait_since.pop(view.req_id, None)
         hits, on_cpu = found.num_hits, found.num_on_cpu
-        if hits and (policy == "cost" or self.config.load_policy == "cost"):
+        decide = policy == "cost" or custom
+        if hits and (decide or self.config.load_policy != "always"):
             hits, on_cpu, estimate = self.policy.choose_loads(
-                view.chunk_keys, start, found, num_local_tokens, decide=policy == "cost")
+                view.chunk_keys, start, found, num_local_tokens, decide=decide)
             if estimate is None:
                 self._estimates.pop(view.req_id, None)
             else:
@@ -182,9 +187,8 @@ class EngineAdapter:
         return tokens
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
-        """A custom engine's measured prefill: ``seconds`` to compute ``num_tokens`` (one
-        step). It teaches the cost model what recompute costs; the vLLM connector reports
-        every step itself (build_plan)."""
+        """A custom engine's measured prefill step (``num_tokens`` in ``seconds``): it teaches
+        the cost model what recompute costs (the vLLM connector reports each step itself)."""
         self.costs.observe_compute(num_tokens, seconds)
 
     def sync_load(self, req_id: str) -> bool:
@@ -203,11 +207,12 @@ class EngineAdapter:
             return False
         return self._may_wait(self._store_wait_since, view.req_id)
 
-    def _may_wait(self, since: dict[str, float], req_id: str) -> bool:
+    def _may_wait(self, since: dict[str, float], req_id: str, most: float | None = None) -> bool:
         """Whether ``req_id`` may hear "not yet" again: ``since`` holds when it first did,
-        and it may for ``promotion_wait_seconds`` from then."""
+        and it may for ``promotion_wait_seconds`` (or ``most``, when less) from then."""
         first = since.setdefault(req_id, self._clock())
-        return self._clock() - first < self.config.promotion_wait_seconds
+        wait = self.config.promotion_wait_seconds
+        return self._clock() - first < (wait if most is None else min(wait, most))
 
     def touch(self, view: RequestView, num_chunks: int, reuse: bool = True) -> None:
         """The engine used the first ``num_chunks`` chunks of ``view`` again (``reuse``: from
@@ -225,7 +230,7 @@ class EngineAdapter:
     def update_state_after_alloc(self, view: RequestView, block_ids: BlockIds | Iterable[int],
                                  num_external_tokens: int, num_local_tokens: int) -> None:
         if view.req_id in self._departed:
-            self._refuse_reuse(view.req_id)
+            refuse_reuse(view.req_id)
         lists = per_group(block_ids, self._groups, view.req_id)
         state = self._requests.setdefault(view.req_id, RequestState(view, lists))
         state.view, state.block_ids = view, lists
@@ -275,6 +280,7 @@ class EngineAdapter:
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._job_owners[plan.job_id] = [state]
+            state.load_job = plan.job_id
             self._loads_in_flight += 1
             state.jobs.add(plan.job_id)
             self.stats.loads_planned += len(chunks)
@@ -289,7 +295,8 @@ class EngineAdapter:
         if sync:
             del self._sync[view.req_id]
             self.stats.sync_loads += 1
-        self._pending_loads.append(LoadRequest(view.req_id, spec, lost, sync))
+        self._pending_loads.append(LoadRequest(view.req_id, spec, lost, sync, view.controls
+                                               .deadline_seconds(self.config.load_deadline_ms)))
 
     def take_load_sources(self, req_id: str) -> tuple[int, int, int]:
         """Tokens of the request's last planned load from the CPU, disk and remote tiers."""
@@ -301,7 +308,8 @@ class EngineAdapter:
 
     def request_finished(self, view: RequestView, aborted: bool = False) -> None:
         self._store_wait_since.pop(view.req_id, None)
-        self._finishing.update(view.chunk_keys)
+        if not view.controls.skip_store:  # its chunks are stored by the next plan
+            self._finishing.update(view.chunk_keys)
         state = self._requests.get(view.req_id)
         if state is None:
             return
@@ -326,7 +334,7 @@ class EngineAdapter:
         if self._departed:  # before any state changes: a refused step changes nothing
             for req_id in self._departed:
                 if req_id in step.requests or req_id in step.new_block_ids:
-                    self._refuse_reuse(req_id)
+                    refuse_reuse(req_id)
         new = {req_id: per_group(blocks, self._groups, req_id)  # refused: nothing changed
                for req_id, blocks in step.new_block_ids.items()}
         flush: dict[JobId, None] = {}
@@ -362,14 +370,6 @@ class EngineAdapter:
         stores = tuple(job for job in (finished_job, self._store_job(batch)) if job is not None)
         return self._finish_plan(step, stores, flush)
 
-    def _refuse_reuse(self, req_id: str) -> NoReturn:
-        raise UsageError(
-            f"engine adapter: request id {req_id!r} came back before the request that "
-            f"finished under it was let go (its last stores planned, none of its jobs in "
-            f"flight); request ids must be unique (the fence tells requests apart by id: a "
-            f"block of the old request handed to the new one would not be flushed). Nothing "
-            f"was changed.")
-
     @staticmethod
     def _flush_jobs(state: RequestState, flush: dict[JobId, None], fresh: set[JobId]) -> None:
         """The request's jobs in flight finish before the step (but this step's loads)."""
@@ -396,7 +396,7 @@ class EngineAdapter:
         batch = self._store_batch()
         for req_id in finished:
             state = self._requests.get(req_id)
-            if state is None:
+            if state is None or state.view.controls.skip_store:
                 continue
             view = state.view
             if state.aborted:
@@ -443,6 +443,8 @@ class EngineAdapter:
             state.view = view
             if fence_running and view.num_released_blocks > state.released:
                 self._note_released(state, view.num_released_blocks)
+            if view.controls.skip_store:
+                continue
             mark = view.num_computed_tokens + scheduled.get(req_id, 0)
             if prompt_only and mark > view.num_prompt_tokens:
                 mark = view.num_prompt_tokens
@@ -517,9 +519,9 @@ class EngineAdapter:
             if merged is None:
                 continue
             is_load = merged.kind is JobKind.LOAD
-            if is_load and (not merged.ok or merged.failed_keys):
-                for owner in self._job_owners.get(merged.job_id, ()):
-                    owner.reloads_refused = True
+            for owner in self._job_owners.get(merged.job_id, ()) if is_load else ():
+                owner.load_job = None
+                owner.reloads_refused |= not merged.ok or bool(merged.failed_keys)
             if self._load_started:
                 started = self._load_started.pop(merged.job_id, None)
                 if started is not None and merged.ok and not merged.failed_keys:

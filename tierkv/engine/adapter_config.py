@@ -6,17 +6,26 @@ use. :mod:`tierkv.engine.adapter` re-exports every name here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from tierkv.core.costs import DEFAULT_CHUNK_BYTES, CostPriors, check_priors
+from tierkv.errors import ConfigError
 from tierkv.settings import check_settings, required, setting
 
-__all__ = ["LOAD_POLICIES", "REQUEST_LOAD_POLICIES", "AdapterConfig"]
+__all__ = ["LOAD_POLICIES", "REQUEST_LOAD_POLICIES", "AdapterConfig", "is_policy_path"]
 
 LOAD_POLICIES = ("always", "cost")
 # What one request may ask for itself (RequestView.load_policy): an engine's policy, or
 # "recompute": load nothing, ask no tier (the counterfactual of a load, in the same engine).
 REQUEST_LOAD_POLICIES = (*LOAD_POLICIES, "recompute")
+
+_POLICY_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def is_policy_path(value: str) -> bool:
+    """Whether ``value`` names a class as ``module:Class`` (an operator's load policy)."""
+    return _POLICY_PATH.fullmatch(value) is not None
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,12 @@ class AdapterConfig:
     # estimated load time plus the compute time of the rest is least (tierkv.core.costs:
     # measured per tier and from the engine's steps, priors until then). load_bias scales
     # the load estimates (above 1 favours recompute). cost_priors: a CostPriors, whose
-    # fields are settings too (cost_priors.<name>, checked when it is made).
-    load_policy: str = setting("always", choices=LOAD_POLICIES,
+    # fields are settings too (cost_priors.<name>, checked when it is made). "module:Class":
+    # the operator's own policy (tierkv.engine.load_policy.LoadPolicy), given the cost
+    # model's inputs; docs/engine-adapter.md, "Your own load policy".
+    load_policy: str = setting("always", kind="str",
                                help="'always' loads every hit; 'cost' declines what is "
-                                    "faster to compute")
+                                    "faster to compute; 'module:Class' your own policy")
     load_bias: float = setting(1.0, low=0.01, high=100.0,
                                help="scales the load estimates: above 1 favours recompute")
     cost_priors: CostPriors = field(default_factory=CostPriors)
@@ -74,9 +85,19 @@ class AdapterConfig:
                                    help="a declined tier is tried again after this long")
     probe_requests: int = setting(8, low=0, help="or after this many declined requests "
                                                  "(0: never)")
+    # A load still reading when this many milliseconds have passed since it started is
+    # cut: what it copied is served, the rest recomputed (a request's own
+    # load_deadline_ms wins). None: a load is waited for (docs/engine-adapter.md,
+    # "Per-request controls").
+    load_deadline_ms: float | None = setting(None, kind="number", low=0, unit="ms",
+                                             help="a load's deadline; None: none")
 
     def __post_init__(self) -> None:
         check_settings(self, "adapter")
+        if self.load_policy not in LOAD_POLICIES and not is_policy_path(self.load_policy):
+            raise ConfigError(f"adapter.load_policy must be one of {list(LOAD_POLICIES)} or "
+                              f"'module:Class' (your own load policy), got "
+                              f"{self.load_policy!r:.80}")
         check_priors(self.cost_priors, "adapter.cost_priors")
 
     @property

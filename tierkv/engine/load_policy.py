@@ -5,11 +5,20 @@ plus the recompute of the rest is least; this module keeps what the adapter need
 that choice: per tier, when a load was last taken, since when and for how many requests
 its hits were declined, and when a declined tier is probed again (``probe_seconds``,
 ``probe_requests``). It also teaches the model each taken load's measured time.
+
+:class:`LoadPolicy` is the protocol of an operator's own policy (``load_policy:
+"module:Class"``, :func:`load_policy_class`): it gets what the built-in one decides on
+(the hit's runs by tier, the chunk size, the first chunk's new tokens, the cost model) and
+says how many chunks to load; the probes and measurements around it stay the built-in's.
+An example: :mod:`tierkv.engine.example_load_policy` (docs/engine-adapter.md).
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from tierkv.core.costs import TIERS, CostModel
 from tierkv.core.index import BlockIndex, Lookup
@@ -17,8 +26,12 @@ from tierkv.core.jobs import Completion
 from tierkv.core.state import CpuState
 from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.adapter_stats import AdapterStats
+from tierkv.errors import ConfigError
 
-__all__ = ["MAX_PROBE_REQUESTS", "CostPolicy", "Estimate", "LoadStarted"]
+log = logging.getLogger("tierkv.load_policy")
+
+__all__ = ["MAX_PROBE_REQUESTS", "CostPolicy", "Estimate", "LoadPolicy", "LoadStarted",
+           "load_policy_class"]
 
 MAX_PROBE_REQUESTS = 1 << 16  # probe_requests doubles up to this (probe_seconds still holds)
 
@@ -28,11 +41,54 @@ Estimate = tuple[str, int, float, bool]
 LoadStarted = tuple[float, str, int, float, bool, bool]
 
 
+@runtime_checkable
+class LoadPolicy(Protocol):
+    """An operator's load policy: ``load_policy: "module:Class"`` names a class whose
+    instances (made with no argument, once per engine) have this method."""
+
+    def choose(self, runs: Sequence[tuple[str, int]], tokens_per_chunk: int,
+               first_chunk_tokens: int, costs: CostModel) -> int:
+        """How many chunks of the hit to load, from its first. ``runs``: the hit's chunks
+        in prefix order as ``(tier, count)`` runs, tier ``"cpu"``, ``"disk"`` or
+        ``"remote"``; ``first_chunk_tokens``: the first chunk's tokens not in the engine's
+        own prefix hit; ``costs``: the cost model the built-in "cost" policy asks
+        (``costs.best_prefix(runs, tokens_per_chunk, first_chunk_tokens)[0]`` is its
+        choice; ``load_seconds``, ``compute_seconds``: its estimates). The rest of the hit
+        is recomputed; an answer outside ``[0, chunks of the hit]`` is clamped to it."""
+        ...
+
+
+def load_policy_class(path: str) -> LoadPolicy:
+    """An instance of the class ``path`` names (``"module:Class"``); a :class:`ConfigError`
+    naming the setting when it cannot be imported, made, or has no ``choose`` method."""
+    module_name, _, class_name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"load_policy {path!r}: cannot import {class_name} from "
+                          f"{module_name} ({type(exc).__name__}: {exc}); set load_policy to "
+                          f"'always', 'cost' or an importable 'module:Class'") from exc
+    if not callable(getattr(cls, "choose", None)):
+        raise ConfigError(f"load_policy {path!r}: {class_name} has no choose(runs, "
+                          f"tokens_per_chunk, first_chunk_tokens, costs) method (the "
+                          f"LoadPolicy protocol of tierkv.engine.load_policy)")
+    try:
+        policy = cls()
+    except Exception as exc:  # the operator's code: any failure is a setting that is wrong
+        raise ConfigError(f"load_policy {path!r}: {class_name}() failed ({type(exc).__name__}: "
+                          f"{exc}); a load policy is made with no argument") from exc
+    return policy  # type: ignore[no-any-return]
+
+
 class CostPolicy:
     """The adapter's cost-aware load decisions and the per-tier state behind them."""
 
     def __init__(self, index: BlockIndex, config: AdapterConfig, clock: Callable[[], float],
                  stats: AdapterStats) -> None:
+        # The operator's own policy (load_policy "module:Class"), or None: the cost model's.
+        self.custom: LoadPolicy | None = (load_policy_class(config.load_policy)
+                                          if ":" in config.load_policy else None)
+        self.custom_failures = 0  # its calls that raised (the model decided for them)
         self._index = index
         self._config = config
         self._clock = clock
@@ -69,6 +125,18 @@ class CostPolicy:
                 runs.append((tier, 1))
         return runs
 
+    def in_tiers(self, keys: Sequence[bytes], found: Lookup, tiers: frozenset[str]) -> Lookup:
+        """The hit ``found`` (of the first of ``keys``) up to its first chunk a load would
+        read from a tier not in ``tiers`` (a request's load_tiers)."""
+        hits = on_cpu = remote = 0
+        for tier, size in self.runs(keys[:found.num_hits], found):
+            if tier not in tiers:
+                return Lookup(hits, False, on_cpu, remote)
+            hits += size
+            on_cpu += size if tier == "cpu" else 0
+            remote += size if tier == "remote" else 0
+        return found
+
     def choose_loads(self, keys: Sequence[bytes], start: int, found: Lookup,
                      num_local_tokens: int, decide: bool) -> tuple[int, int, Estimate | None]:
         """The prefix of the hit to load: the whole hit (a request that asks for "always"
@@ -82,7 +150,7 @@ class CostPolicy:
         first_tokens = (start + 1) * tpc - num_local_tokens
         take = chosen = hits
         if decide:
-            take = chosen = costs.best_prefix(runs, tpc, first_chunk_tokens=first_tokens)[0]
+            take = chosen = self._choose(runs, first_tokens, hits)
             if take < hits:
                 take = self._maybe_probe(runs, take)
         probe = take != chosen
@@ -108,6 +176,20 @@ class CostPolicy:
                 self.probe_every[tier] = self._config.probe_requests
         slowest = "remote" if "remote" in taken else "disk" if "disk" in taken else "cpu"
         return take, taken.get("cpu", 0), (slowest, take, costs.load_seconds(taken), probe)
+
+    def _choose(self, runs: list[tuple[str, int]], first_tokens: int, hits: int) -> int:
+        """The chunks to load: the operator's policy's choice (clamped), or the model's."""
+        if self.custom is not None:
+            try:
+                return min(max(int(self.custom.choose(tuple(runs), self._tpc, first_tokens,
+                                                      self.costs)), 0), hits)
+            except Exception as exc:  # the operator's code: the model decides instead
+                if not self.custom_failures:
+                    log.warning("tierkv: load_policy %r failed (%s: %s); the cost model "
+                                "decides while it fails",
+                                self._config.load_policy, type(exc).__name__, exc)
+                self.custom_failures += 1
+        return self.costs.best_prefix(runs, self._tpc, first_chunk_tokens=first_tokens)[0]
 
     def remote_declined(self) -> bool:
         """load_policy "cost": the remote tier's hits are being declined, no load could pay

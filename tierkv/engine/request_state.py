@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import cast
+from typing import NoReturn, cast
 
 from tierkv.core.jobs import NO_BLOCK, JobId
 from tierkv.engine.requests import BlockIds, RequestView
 from tierkv.errors import UsageError
 
-__all__ = ["GroupLists", "RequestState", "StoreBatch", "per_group"]
+__all__ = ["GroupLists", "RequestState", "StoreBatch", "per_group", "refuse_reuse"]
 
 GroupLists = tuple[list[int], ...]  # a request's block ids, one list per group
 
@@ -44,6 +44,16 @@ def per_group(block_ids: BlockIds | Iterable[int], groups: int, req_id: str) -> 
                      f"cache group (a flat list only with one group). Nothing was changed.")
 
 
+def refuse_reuse(req_id: str) -> NoReturn:
+    """The adapter's refusal of a request id that came back too soon (nothing changed)."""
+    raise UsageError(
+        f"engine adapter: request id {req_id!r} came back before the request that "
+        f"finished under it was let go (its last stores planned, none of its jobs in "
+        f"flight); request ids must be unique (the fence tells requests apart by id: a "
+        f"block of the old request handed to the new one would not be flushed). Nothing "
+        f"was changed.")
+
+
 @dataclass(slots=True)
 class RequestState:
     """One request the adapter holds (from its blocks until its last job is done)."""
@@ -58,6 +68,9 @@ class RequestState:
     # A load of it lost a chunk: the engine recomputes it, and its next lookups hit nothing
     # (a chunk whose copy keeps failing is not loaded forever).
     reloads_refused: bool = False
+    # Its load in flight: a lookup while it runs (the load was cut at its deadline, and
+    # the engine asks again) hits nothing: its chunks are recomputed, never waited for.
+    load_job: JobId | None = None
     # Its last planned load's tokens by tier (cpu, disk, remote): take_load_sources.
     load_sources: tuple[int, int, int] | None = None
 

@@ -13,6 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+from tierkv.core.controls import NO_CONTROLS as NO_CONTROLS  # re-exported: views carry them
+from tierkv.core.controls import RequestControls as RequestControls
+from tierkv.core.controls import request_controls as request_controls
 from tierkv.core.jobs import NO_BLOCK as NO_BLOCK  # re-exported: block lists carry it
 from tierkv.core.jobs import Completion as Completion  # re-exported: reports carry them
 from tierkv.core.jobs import JobId, LoadSpec, SpillSpec, StoreSpec
@@ -39,6 +42,9 @@ class RequestView:
     # This request's own load policy ("always", "cost" or "recompute": load nothing, ask
     # no tier); None: the adapter's (AdapterConfig.load_policy).
     load_policy: str | None = None
+    # What the request asks of the cache (skip_load, skip_store, load_tiers,
+    # load_deadline_ms: tierkv.core.controls).
+    controls: RequestControls = NO_CONTROLS
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,9 @@ class LoadRequest:
     # Same-step load: the request computes in this very step, so the worker copies it before
     # the forward pass and reports no finished load for it (failed blocks still).
     sync: bool = False
+    # Seconds the worker waits for the load (from its start): then what has not been copied
+    # to the GPU is reported failed (recomputed) and never copied later. None: no deadline.
+    deadline_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,12 @@ Per step, in the engine's order (why: docs/design.md, "Worker order and when sto
    by this forward; on CUDA the copy stream waits on the compute stream).
 5. ``poll() -> WorkerReport``: finished jobs, finished loads by request, and the GPU block
    ids of chunks that failed to load with the requests they belong to (the engine
-   recomputes them).
+   recomputes them). A load with a deadline (``LoadRequest.deadline_seconds``, from its
+   start on the worker's ``clock``) whose disk or remote reads are still running then is
+   cut (``JobExecutor.cut``): its request is reported finished with every block of the
+   load failed, and no copy of it reaches those blocks later (they are recomputed, and
+   may be handed out again); its reads finish into their CPU slots, its job completes as
+   usual. A load whose copy to the GPU has started is waited for (a memory copy).
 
 What the worker's slots hold (``track_slots=True``, with a disk tier): the worker keeps,
 per CPU slot, the key whose bytes the slot holds and whether that chunk is on disk
@@ -34,6 +39,7 @@ and disk threads of the GIL (docs/design.md, "Threads and the GIL").
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierkv.core.figures import values
@@ -112,12 +118,17 @@ class _LoadInFlight:
     blocks_by_key: dict[bytes, tuple[int, ...]]
     lost: tuple[int, ...]
     sync: bool = False  # a same-step load: no finished load is reported for it
+    deadline: float | None = None  # on the worker's clock; None: none (or no longer)
+    cut: bool = False  # reported finished at its deadline (JobExecutor.cut)
 
 
 class WorkerAdapter:
     def __init__(self, executor: JobExecutor, rank: int = 0, track_slots: bool = False,
-                 writes_disk: bool = True) -> None:
+                 writes_disk: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.executor = executor
+        self._clock = clock
+        self._timed = 0  # loads in flight with a deadline
+        self.loads_cut = 0  # loads cut at their deadline (their tokens recomputed)
         self.rank = rank
         # False: another rank writes the one disk copy every rank loads (MLA); this rank's
         # spill jobs are reported done at once, and write or delete nothing.
@@ -160,8 +171,13 @@ class WorkerAdapter:
                     self._failed_loads.append(load.req_id)
                 continue
             blocks = {c.key: _written(c.block_ids[c.skip_blocks:]) for c in load.spec.chunks}
+            deadline = None  # a same-step load copies from the CPU tier: nothing to cut
+            if load.deadline_seconds is not None and not load.sync:
+                deadline = self._clock() + load.deadline_seconds
+                self._timed += 1
             self._loads[load.spec.job_id] = _LoadInFlight(load.req_id, blocks,
-                                                          load.failed_block_ids, load.sync)
+                                                          load.failed_block_ids, load.sync,
+                                                          deadline)
             self.executor.submit(load.spec)
             if load.sync:
                 sync.append(load.spec.job_id)
@@ -200,6 +216,8 @@ class WorkerAdapter:
             load = self._loads.pop(completion.job_id, None)
             if load is not None:
                 self._finish_load(load, completion)
+        if self._timed:
+            self._cut_late_loads()
         if self._skipped:  # nothing moved: not accounted
             completions, self._skipped = [*completions, *self._skipped], []
         finished, self._finished_loads = self._finished_loads, []
@@ -208,7 +226,29 @@ class WorkerAdapter:
         return WorkerReport(self.rank, tuple(completions), tuple(finished), tuple(failed),
                             tuple(failed_loads))
 
+    def _cut_late_loads(self) -> None:
+        """Cut the loads past their deadline (see the module docstring)."""
+        now = self._clock()
+        for job_id, load in self._loads.items():
+            if load.deadline is None or now < load.deadline:
+                continue
+            load.deadline = None
+            self._timed -= 1
+            if not self.executor.cut(job_id):
+                continue  # its copy to the GPU is under way: it lands as usual
+            load.cut = True
+            self.loads_cut += 1
+            self._finished_loads.append(load.req_id)
+            self._failed_blocks.extend(load.lost)
+            for blocks in load.blocks_by_key.values():
+                self._failed_blocks.extend(blocks)
+            self._failed_loads.append(load.req_id)
+
     def _finish_load(self, load: _LoadInFlight, completion: Completion) -> None:
+        if load.deadline is not None:
+            self._timed -= 1
+        if load.cut:  # reported at its deadline: its chunks reached no block
+            return
         failed_keys = failed_set(completion, tuple(load.blocks_by_key))
         if not load.sync:
             self._finished_loads.append(load.req_id)

@@ -85,6 +85,7 @@ class ConnectorSettings:
     # would take longer than computing it; "always" loads every hit.
     load_policy: str = derived(AdapterConfig, "load_policy", default=DEFAULT_LOAD_POLICY)
     load_bias: float = derived(AdapterConfig, "load_bias")
+    load_deadline_ms: float | None = derived(AdapterConfig, "load_deadline_ms")
     device: str = derived(StoreConfig, "device")
     pin_memory: str = derived(CpuTierConfig, "pin_memory")
     flush_on_shutdown: bool = setting(True, help="write unspilled CPU chunks to disk at "
@@ -542,5 +543,6 @@ def adapter_config(settings: ConnectorSettings, geometry: Geometry) -> AdapterCo
                           if geometry.num_groups == 1 else 0),
         load_policy=settings.load_policy,
         load_bias=settings.load_bias,
+        load_deadline_ms=settings.load_deadline_ms,
         chunk_bytes=geometry.chunk_bytes,
     )

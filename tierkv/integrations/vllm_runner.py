@@ -149,23 +149,27 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8,
-                 load_policy: str | None = None) -> list[Output]:
+                 load_policy: str | None = None,
+                 transfer_params: dict[str, Any] | None = None) -> list[Output]:
         """Greedy outputs of ``prompts``; ``load_policy``: what each request asks of tierkv
-        itself (``kv_transfer_params``: see vllm_scheduler.request_load_policy)."""
+        itself (``kv_transfer_params``: see vllm_scheduler.request_load_policy);
+        ``transfer_params``: each request's ``kv_transfer_params`` (the policy is added)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        extra = (None if load_policy is None
-                 else {"kv_transfer_params": {"tierkv": {"load_policy": load_policy}}})
+        transfer = dict(transfer_params or {})
+        if load_policy is not None:
+            transfer["tierkv"] = {**transfer.get("tierkv", {}), "load_policy": load_policy}
+        extra = {"kv_transfer_params": transfer} if transfer else None
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP_K,
                                 detokenize=False, ignore_eos=True, extra_args=extra)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(tokens))
                                      for tokens in prompts], params, use_tqdm=False)
         return [Output.of(output) for output in outputs]
 
-    def one(self, tokens: Sequence[int], max_tokens: int = 8,
-            load_policy: str | None = None) -> Output:
-        return self.generate([tokens], max_tokens, load_policy)[0]
+    def one(self, tokens: Sequence[int], max_tokens: int = 8, load_policy: str | None = None,
+            transfer_params: dict[str, Any] | None = None) -> Output:
+        return self.generate([tokens], max_tokens, load_policy, transfer_params)[0]
 
     # ------------------------------------------------------------------ inside
     @property

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
 from tierkv.engine.metrics import remote_figures, since_last, usage_figures, values
-from tierkv.engine.requests import NO_BLOCK, RequestView, StepInput, WorkerReport
+from tierkv.engine.requests import (NO_BLOCK, NO_CONTROLS, RequestControls, RequestView, StepInput,
+                                    WorkerReport, request_controls)
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.engine.store_stats import CompletionCounts
+from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
 from tierkv.integrations.vllm_event_blocks import ChunkEvent, EventBlocks
 from tierkv.integrations.vllm_keys import adapter_key, chunk_key, epoch_key
@@ -61,6 +63,7 @@ class _Tracked:
     epoch: bytes = b""  # the cache epoch its keys are derived in (see reset_cache)
     adapter: str = ""  # its LoRA adapter's fingerprint ("" without one; see adapter_of)
     load_policy: str | None = None  # its own, from kv_transfer_params (request_load_policy)
+    controls: RequestControls = NO_CONTROLS  # its own, from kv_transfer_params (of_request)
 
 
 def request_load_policy(request: Any, warned: set[str]) -> str | None:
@@ -84,6 +87,27 @@ def request_load_policy(request: Any, warned: set[str]) -> str | None:
                     "one of %s is understood, so the engine's load_policy applies",
                     request.request_id, text, list(REQUEST_LOAD_POLICIES))
     return None
+
+
+# A request whose kv_transfer_params tierkv does not understand: served without the cache.
+NO_CACHE = RequestControls(skip_load=True, skip_store=True)
+
+
+def controls_of(request: Any, warned: set[str]) -> RequestControls:
+    """The controls a request asks for in ``kv_transfer_params``
+    (:func:`tierkv.core.controls.request_controls`). A value tierkv does not understand
+    leaves the request without the cache (no load, no store: it computes as without
+    tierkv) and is warned about, naming the parameter and what it takes: the request
+    never fails, and never gets what it did not ask for."""
+    try:
+        return request_controls(getattr(request, "kv_transfer_params", None))
+    except ConfigError as exc:
+        text = str(exc)
+        if text not in warned and len(warned) < MAX_POLICY_WARNINGS:
+            warned.add(text)
+            log.warning("tierkv: request %s is served without tierkv's cache: %s",
+                        request.request_id, text)
+        return NO_CACHE
 
 
 class SchedulerSide:
@@ -248,7 +272,8 @@ class SchedulerSide:
             released = self.geometry.released_blocks(
                 request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0))
         return RequestView(request.request_id, keys, request.num_prompt_tokens, request.num_tokens,
-                           request.num_computed_tokens, released, tracked.load_policy)
+                           request.num_computed_tokens, released, tracked.load_policy,
+                           tracked.controls)
 
     def _block_ids(self, groups: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
         """vLLM's per-group block lists as the adapter takes them (AdapterConfig.groups):
@@ -284,6 +309,7 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked[request.request_id] = _Tracked(
             request, epoch=self._epoch, load_policy=request_load_policy(request, self._warned),
+            controls=controls_of(request, self._warned),
             adapter=self.adapter_of(request))
         return tracked
 
@@ -340,7 +366,8 @@ class SchedulerSide:
         vLLM's queue of asynchronous loads. vLLM's own prefix cache may cover a hit: a
         false positive, which costs the request a place in that queue."""
         view = self._view(self._tracked_for(request))
-        if (view.load_policy or self.adapter.config.load_policy) == "recompute":
+        if (view.load_policy or self.adapter.config.load_policy) == "recompute" \
+                or view.controls.skip_load:
             return False
         keys = view.chunk_keys[:(view.num_tokens - 1) // self.geometry.tokens_per_chunk]
         if not keys:

@@ -22,6 +22,11 @@ Primitives:
   was submitted (in flight, or finished: the ledger's memory of finished ids);
   ``jobs_touching(block_ids)``: the store and load jobs not yet polled that read or write
   any of those GPU blocks (the library store's ``fence()``).
+- ``cut(job_id)``: a load past its deadline whose disk and remote reads are still running
+  copies nothing to the GPU from then on (True); its reads finish into their slots and it
+  completes as usual, its chunks landed in the CPU tier; ``wait`` on it returns at once
+  (a fence need not wait: it touches no GPU block). False: its GPU copy is submitted (or
+  it has no read): it lands as usual.
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
 Called from one thread (the worker's); reader threads only run chained loads' steps.
 """
@@ -77,8 +82,12 @@ class _ChainedLoad:
         self.missing: tuple[bytes, ...] = ()  # not on disk at all (not a tier failure)
         self.reads: tuple[TierRead, ...] = ()  # what each lower tier read, for its path
         self.read_seconds = 0.0
+        self.decided = False  # its reads finished and its copy was decided (under the lock)
+        self.cut = False  # cut at its deadline (JobExecutor.cut): nothing is copied
 
     def wait(self, job_ids: Iterable[JobId]) -> None:
+        if self.cut:  # it touches no GPU block: a fence need not wait for its reads
+            return
         self.read_done.wait()
         if self.submitted_copy:
             self.transfer.wait(job_ids)
@@ -167,6 +176,9 @@ class JobExecutor:
                 missing += (k for k in read.missing_keys if k not in tier_failed)
             landed = tuple(c for c in spec.chunks if c.key not in bad)
             with self._lock:
+                chained.decided = True
+                if chained.cut:  # past its deadline: the slots hold the chunks, no copy
+                    landed = ()
                 chained.failed = tuple(k for k in chained.keys if k in bad)
                 chained.corrupt = tuple(corrupt)
                 chained.missing = tuple(missing)
@@ -208,6 +220,18 @@ class JobExecutor:
             (copy.seconds if copy else 0.0) + chained.read_seconds, failed_keys=failed,
             corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing,
             reads=chained.reads)
+
+    def cut(self, job_id: JobId) -> bool:
+        """See the module docstring: whether the load ``job_id`` copies nothing from now on."""
+        live = self._ledger.record(job_id)
+        chained = live.waiter if live is not None else None
+        if not isinstance(chained, _ChainedLoad):
+            return False
+        with self._lock:
+            if chained.decided:
+                return False
+            chained.cut = True
+            return True
 
     def poll_finished(self) -> list[Completion]:
         return [completion for completion, _ in self.poll_finished_jobs()]
