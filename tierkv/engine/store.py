@@ -455,8 +455,9 @@ class TierKVStore:
         a chunk entered or left since the last call, medium ``"CPU"``, ``"DISK"`` or
         ``"REMOTE"``, of at most ``max_chunks`` chunks (the rest come next time). The first
         calls after opening give the chunks found on disk (docs/engine-adapter.md, "KV
-        events"). Call it often: events wait here until taken. Raises :class:`UsageError`
-        from another thread or a forked child."""
+        events"). Call it often: events wait here until taken. It never waits on a tier
+        (it applies finished jobs first). Raises :class:`UsageError` from another thread or
+        a forked child."""
         if not self._closed:
             self._pump()
         return self.index.take_events(max_chunks)
