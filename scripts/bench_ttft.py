@@ -83,6 +83,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's tierkv and tests/redis_cluster.py
+sys.path.insert(0, str(REPO / "scripts"))  # bench_plots
+
+from bench_plots import pyplot  # noqa: E402
 from tierkv.integrations.vllm_runner import cpu_environment  # noqa: E402  (no vLLM import)
 
 cpu_environment(os.environ, in_process=True)  # before vLLM is imported
@@ -744,11 +747,7 @@ def plot(all_figures: list[Figures], path: Path, title: str) -> None:
     """Per model: every row (left, a log scale: the slow tier's loads are seconds), and the
     hits of the fast tiers against vLLM's prefix cache (right, its own linear scale). Median
     lines; the band is the interquartile range over the rounds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(len(all_figures), 2, figsize=(13, 6.5 * len(all_figures)),
                              squeeze=False)
     palette = plt.get_cmap("tab20").colors
@@ -873,6 +872,8 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Figures]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        pyplot()  # before minutes of measuring
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import warnings
