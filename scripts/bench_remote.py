@@ -473,8 +473,9 @@ PLOTTED = [Panel(title, "MiB/s (median)", [
 
 def plot(saved: dict[str, Any], path: Path) -> None:
     """Median MiB/s of each client against the chunk size, writes and reads."""
-    by_kib = {int(kib): {name: statistics.median(values) for name, values in f["runs"].items()}
-              for kib, f in saved["throughput"].items()}
+    by_kib: dict[float, dict[str, float]] = {
+        int(kib): {name: statistics.median(values) for name, values in f["runs"].items()}
+        for kib, f in saved["throughput"].items()}
     lines(path, by_kib, PLOTTED, xlabel="chunk size (KiB)",
           title=f"remote tier against redis-benchmark: {saved['header']}")
 

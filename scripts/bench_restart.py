@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_plots
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_plots, page_cache
 
 from bench_plots import Panel, lines, pyplot  # noqa: E402
+from page_cache import cold_method, drop_caches, drop_file_pages  # noqa: E402
 from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.keys import Namespace  # noqa: E402
 from tierkv.tiers.disk.tier import DiskTier  # noqa: E402
@@ -48,33 +49,14 @@ COLD = {"drop_caches": "page cache dropped (drop_caches)",
         "fadvise": "the tier's file pages dropped (posix_fadvise DONTNEED)"}
 
 
-def cold_method(wanted: str) -> str:
-    """``wanted``, or ``fadvise`` where ``drop_caches`` is not allowed here (not root, or a
-    container's read-only /proc/sys)."""
-    if wanted == "drop_caches":
-        try:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        except OSError as exc:
-            print(f"--cold drop_caches: not allowed here ({exc}); using fadvise")
-            return "fadvise"
-    return wanted
-
-
 def drop_page_cache(root: Path, method: str) -> None:
-    """Make the next open of the tier at ``root`` cold (``method``, see :func:`cold_method`);
-    no tier is open here, so none of its pages stays mapped."""
+    """Make the next open of the tier at ``root`` cold (``method``, see
+    :func:`page_cache.cold_method`); no tier is open here, so none of its pages stays
+    mapped."""
     if method == "drop_caches":
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return
-    for path in (path for path in root.rglob("*") if path.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_caches("3")
+    else:
+        drop_file_pages(path for path in root.rglob("*") if path.is_file())
 
 
 def restart(root: Path, config: DiskTierConfig, payload: int, readahead: bool
@@ -196,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_json is not None and args.from_json is None:
         args.out_json.write_text(json.dumps(saved, indent=1))
     if args.plot is not None:
-        lines(args.plot, {int(n): f["medians"] for n, f in saved["by_chunks"].items()}, PLOTTED,
+        by_chunks: dict[float, dict[str, float]] = {int(n): f["medians"]
+                                                    for n, f in saved["by_chunks"].items()}
+        lines(args.plot, by_chunks, PLOTTED,
               xlabel="chunks in the tier", tick=lambda n: f"{n / 1000:g}k",
               title=f"disk tier restart, chunks of {saved['chunk_kib']} KiB: {saved['header']}")
     return 0

@@ -83,9 +83,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's tierkv and tests/redis_cluster.py
-sys.path.insert(0, str(REPO / "scripts"))  # bench_plots
+sys.path.insert(0, str(REPO / "scripts"))  # bench_plots, page_cache
 
 from bench_plots import pyplot  # noqa: E402
+from page_cache import cold_method, drop_caches, drop_file_pages  # noqa: E402
 from tierkv.integrations.vllm_runner import cpu_environment  # noqa: E402  (no vLLM import)
 
 cpu_environment(os.environ, in_process=True)  # before vLLM is imported
@@ -243,16 +244,9 @@ def drop_page_cache(root: Path, method: str) -> None:
     """Drop the page cache of the disk tier's files under ``root`` (``method``). Pages an
     open LMDB environment has mapped (index pages) stay resident either way."""
     if method == "drop_caches":
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return
-    for path in disk_files(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_caches()
+    else:
+        drop_file_pages(disk_files(root))
 
 
 def fill_page_cache(root: Path) -> None:
@@ -261,20 +255,6 @@ def fill_page_cache(root: Path) -> None:
         with open(path, "rb", buffering=0) as handle:
             while handle.read(8 << 20):
                 pass
-
-
-def cold_method(wanted: str) -> str:
-    """``wanted``, or ``fadvise`` where ``drop_caches`` is not allowed here (not root, or a
-    container's read-only /proc/sys)."""
-    if wanted != "drop_caches":
-        return wanted
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return wanted
-    except OSError as exc:
-        print(f"--cold drop_caches: not allowed here ({exc}); using fadvise", file=sys.stderr)
-        return "fadvise"
 
 
 # -- measuring -------------------------------------------------------------------------------
