@@ -5,6 +5,7 @@ chunk counts). bench_ttft draws its own panels on :func:`pyplot`."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,17 +38,32 @@ class Panel:
     series: Sequence[tuple[str, str, str]]
 
 
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartile of the rounds (one round: its value twice)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4)
+    return low, high
+
+
 def lines(path: Path, by_x: Mapping[float, Mapping[str, float]], panels: Sequence[Panel], *,
-          xlabel: str, title: str, tick: Callable[[float], str] = "{:g}".format) -> None:
+          xlabel: str, title: str, tick: Callable[[float], str] = "{:g}".format,
+          rounds: Mapping[float, Mapping[str, Sequence[float]]] | None = None) -> None:
     """A PNG of ``panels`` side by side: each series' figure (``by_x[x][row]``) against x,
-    on a log-2 x axis with a tick at every x, the y axis from 0."""
+    on a log-2 x axis with a tick at every x, the y axis from 0; where ``rounds[x][row]``
+    holds the rounds a median was taken of, a band spans their interquartile range."""
     plt = pyplot()
     xs = sorted(by_x)
     figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False)
     for axis, panel in zip(axes[0], panels):
         for row, label, style in panel.series:
-            if all(row in by_x[x] for x in xs):
-                axis.plot(xs, [by_x[x][row] for x in xs], style, label=label)
+            if not all(row in by_x[x] for x in xs):
+                continue
+            line, = axis.plot(xs, [by_x[x][row] for x in xs], style, label=label)
+            if rounds is not None and all(row in rounds.get(x, {}) for x in xs):
+                bands = [quartiles(rounds[x][row]) for x in xs]
+                axis.fill_between(xs, [b[0] for b in bands], [b[1] for b in bands],
+                                  color=line.get_color(), alpha=0.12)
         axis.set_xscale("log", base=2)
         axis.set_xticks(xs, [tick(x) for x in xs])
         axis.minorticks_off()

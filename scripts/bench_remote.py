@@ -472,12 +472,15 @@ PLOTTED = [Panel(title, "MiB/s (median)", [
 
 
 def plot(saved: dict[str, Any], path: Path) -> None:
-    """Median MiB/s of each client against the chunk size, writes and reads."""
+    """Median MiB/s of each client against the chunk size, writes and reads, each with the
+    interquartile range of its rounds."""
     by_kib: dict[float, dict[str, float]] = {
         int(kib): {name: statistics.median(values) for name, values in f["runs"].items()}
         for kib, f in saved["throughput"].items()}
     lines(path, by_kib, PLOTTED, xlabel="chunk size (KiB)",
-          title=f"remote tier against redis-benchmark: {saved['header']}")
+          rounds={int(kib): f["runs"] for kib, f in saved["throughput"].items()},
+          title=f"remote tier against redis-benchmark: {saved['header']}; "
+                "band: interquartile range of the rounds")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     for n, f in saved["by_chunks"].items()}
         lines(args.plot, by_chunks, PLOTTED,
               xlabel="chunks in the tier", tick=lambda n: f"{n / 1000:g}k",
-              title=f"disk tier restart, chunks of {saved['chunk_kib']} KiB: {saved['header']}")
+              rounds={int(n): f["runs"] for n, f in saved["by_chunks"].items()},
+              title=f"disk tier restart, chunks of {saved['chunk_kib']} KiB: {saved['header']}; "
+                    "band: interquartile range of the rounds")
     return 0
 
 
