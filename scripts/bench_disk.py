@@ -118,6 +118,9 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_plots
+
+from bench_plots import Panel, lines, pyplot  # noqa: E402
 
 from tierkv.config import DiskTierConfig  # noqa: E402
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId, SpillSpec  # noqa: E402
@@ -1064,51 +1067,27 @@ def with_cuda_stubs(args: argparse.Namespace) -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], environ)
 
 
-PLOTTED = {  # rows of each panel: (row, label, style)
-    "cold loads (page cache dropped)": [
+PLOTTED = [
+    Panel("cold loads (page cache dropped)", "MiB/s (median)", [
         ("load: tierkv TierIO one job", "tierkv, one request", "C0-o"),
         ("load: tierkv TierIO many jobs", "tierkv, many requests", "C0--o"),
         ("load: vLLM fs one job", "vLLM fs, one request", "C1-s"),
         ("load: vLLM fs many jobs", "vLLM fs, many requests", "C1--s"),
         (PROBE, "device probe (O_DIRECT, 32 in flight)", "k:^"),
-        ("dd of=/dev/null", "dd (buffered, sequential)", "C7:v")],
-    "durable writes": [
+        ("dd of=/dev/null", "dd (buffered, sequential)", "C7:v")]),
+    Panel("durable writes", "MiB/s (median)", [
         ("tierkv TierIO one job", "tierkv, one request", "C0-o"),
         ("tierkv TierIO many jobs", "tierkv, many requests", "C0--o"),
         ("vLLM fs one job", "vLLM fs, one request", "C1-s"),
         ("vLLM fs many jobs", "vLLM fs, many requests", "C1--s"),
-        ("dd conv=fdatasync", "dd conv=fdatasync", "C7:v")],
-}
-
-
-def plot(by_size: dict[float, dict[str, float]], path: Path, vllm_io: str) -> None:
-    """Median MiB/s against the chunk size, a panel for loads and one for writes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = sorted(by_size)
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    for axis, (title, rows) in zip(axes, PLOTTED.items()):
-        for row, label, style in rows:
-            if all(row in by_size[size] for size in sizes):
-                axis.plot(sizes, [by_size[size][row] for size in sizes], style, label=label)
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(sizes, [f"{size:g}" for size in sizes])
-        axis.set_xlabel("chunk size (MiB)")
-        axis.set_ylabel("MiB/s (median)")
-        axis.set_title(title)
-        axis.set_ylim(bottom=0)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.suptitle(f"disk tier against vLLM's fs tier ({vllm_io})", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+        ("dd conv=fdatasync", "dd conv=fdatasync", "C7:v")]),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot is not None:
+        pyplot()  # before minutes of measuring
     with_cuda_stubs(args)
     args.dir.mkdir(parents=True, exist_ok=True)
     tuned = tune_malloc(int(args.batch_mib * MiB))  # what opening a DiskTier does; once
@@ -1131,8 +1110,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_json is not None:
         args.out_json.write_text(json.dumps({f"{size:g}": medians
                                              for size, medians in by_size.items()}, indent=1))
-    if args.plot is not None:
-        plot(by_size, args.plot, vllm.io_path if vllm is not None else "vLLM left out")
+    if args.plot is not None:  # median MiB/s against the chunk size
+        lines(args.plot, by_size, PLOTTED, xlabel="chunk size (MiB)",
+              title=f"disk tier against vLLM's fs tier "
+                    f"({vllm.io_path if vllm is not None else 'vLLM left out'})")
     print("\ntargets (ratios of medians) by chunk size, ! = missed:")
     print(f"  {'':<34} " + " ".join(f"{f'{s:g} MiB':>9}" for s in by_size) + "   target")
     for label, top, bottom, target in RATIOS[:TARGET_RATIOS]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import os
 import statistics
 import subprocess
@@ -56,12 +57,15 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_plots, bench_remote_share
 
+from bench_plots import Panel, lines, pyplot  # noqa: E402
+from bench_remote_share import share_round  # noqa: E402
 from redis.cluster import RedisCluster as ClusterClient  # noqa: E402
 
 from tests.redis_cluster import RedisCluster  # noqa: E402
-from tierkv.config import CpuTierConfig, RemoteTierConfig, StoreConfig  # noqa: E402
-from tierkv.keys import Namespace, Part, chunk_keys  # noqa: E402
+from tierkv.config import RemoteTierConfig  # noqa: E402
+from tierkv.keys import Namespace, Part  # noqa: E402
 from tierkv.tiers.base import ReadStatus  # noqa: E402
 from tierkv.tiers.remote.tier import RemoteTier, connect  # noqa: E402
 from tierkv.tiers.remote.format import HEADER_BYTES, redis_key  # noqa: E402
@@ -94,6 +98,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the one engine's CPU tier; A and B get half each")
     parser.add_argument("--share-splits", nargs="+", default=["alternate", "after"],
                         choices=["alternate", "after"], help="how the turns split over A and B")
+    parser.add_argument("--out-json", type=Path, default=None,
+                        help="write every run of every figure here")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="a PNG of MiB/s per chunk size against redis-benchmark and redis-py")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="measure nothing: print the report (and --plot) of an --out-json")
     return parser.parse_args(argv)
 
 
@@ -361,125 +371,15 @@ def remote_asks(cluster: RedisCluster, ranks: int, chunks: int, samples: int,
     return result
 
 
-# -- hit fraction of engines sharing the remote tier -----------------------------------------
-
-SHARE_BLOCK, SHARE_BPC, SHARE_HEADS, SHARE_HEAD_DIM = 16, 4, 4, 64
-SHARE_PAGE = (2, SHARE_HEADS, SHARE_BLOCK, SHARE_HEAD_DIM)  # as tierkv demo
-SHARE_BLOCKS = 512
-
-
-def share_prompts(seed: int, conversations: int, turns: int) -> list[tuple[int, int, list[int]]]:
-    """(turn, conversation, prompt tokens) of the ``tierkv demo`` workload, turn by turn
-    (:func:`tierkv.demo.chat_prompts`)."""
-    from tierkv.demo import chat_prompts
-
-    return list(chat_prompts(seed, conversations, turns, SHARE_BLOCK * SHARE_BPC))
-
-
-class ShareEngine:
-    """One engine of the hit-fraction measurement: a TierKVStore on CPU tensors (no disk
-    tier), optionally on the remote tier; ``step(prompt)`` loads what the tiers have (every
-    loaded byte checked), "computes" the rest, stores the prompt's chunks, and returns
-    (chunks asked, chunks served from a tier)."""
-
-    def __init__(self, layers: int, cpu_chunks: int, url: str | None, key_prefix: str) -> None:
-        import torch
-
-        from tierkv.engine.store import TierKVStore
-
-        self.kv = [torch.zeros((SHARE_BLOCKS, *SHARE_PAGE), dtype=torch.float16)
-                   for _ in range(layers)]
-        chunk_bytes = layers * SHARE_BPC * self.kv[0][0].numel() * 2
-        remote = None if url is None else RemoteTierConfig(url=url, key_prefix=key_prefix)
-        config = StoreConfig(blocks_per_chunk=SHARE_BPC,
-                             cpu=CpuTierConfig(max_bytes=cpu_chunks * chunk_bytes),
-                             device="cpu", remote=remote)
-        self.store = TierKVStore(self.kv, model_id="bench-share", tokens_per_block=SHARE_BLOCK,
-                                 config=config)
-        self.free = list(range(SHARE_BLOCKS))
-
-    def step(self, prompt: list[int]) -> tuple[int, int]:
-        from tierkv.demo import serve_prompt
-
-        served = serve_prompt(self.store, self.kv, chunk_keys(prompt, SHARE_BLOCK * SHARE_BPC),
-                              self.free, SHARE_PAGE)
-        if served.wrong:
-            raise SystemExit("bench_remote: wrong KV loaded")
-        return served.asked, served.landed
-
-    def not_yet(self) -> int:
-        remote = self.store.statistics().remote
-        return remote.lookups.not_yet if remote is not None else 0
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def owner(split: str, turn: int, conversation: int, turns: int) -> str:
-    """Which of A and B serves this turn of this conversation."""
-    if split == "alternate":
-        return "AB"[(turn + conversation) % 2]
-    return "A" if turn < turns // 2 else "B"
-
-
-def share_round(cluster: RedisCluster, args: argparse.Namespace,
-                round_number: int) -> dict[str, float]:
-    """Hit fractions of one round: the one engine once, then each split with and without
-    the remote tier (see the module docstring); fresh keys (a prefix per run)."""
-    prompts = share_prompts(round_number, args.share_conversations, args.share_turns)
-    seen: set[bytes] = set()
-    before = []  # per prompt: (chunks, chunks some earlier prompt had): what any cache can hit
-    for _, _, prompt in prompts:
-        keys = chunk_keys(prompt, SHARE_BLOCK * SHARE_BPC)
-        before.append((len(keys), sum(key in seen for key in keys)))
-        seen.update(keys)
-    result: dict[str, float] = {}
-    one: dict[str, list[tuple[int, int]]] = {}
-    for label in ("", " [no remote tier]"):
-        url = None if label else cluster.url
-        engine = ShareEngine(args.share_layers, args.share_cpu_chunks, url,
-                             f"share{round_number}one{len(one)}:")
-        try:
-            one[label] = [engine.step(prompt) for _, _, prompt in prompts]
-        finally:
-            engine.close()
-    for split in args.share_splits:
-        b_prompts = [i for i, (turn, conv, _) in enumerate(prompts)
-                     if owner(split, turn, conv, args.share_turns) == "B"]
-        result[f"{split}: bound (chunks seen before), B's prompts"] = \
-            sum(before[i][1] for i in b_prompts) / sum(before[i][0] for i in b_prompts)
-        for label, served in one.items():
-            result[f"{split}: one engine, on B's prompts{label}"] = \
-                sum(served[i][1] for i in b_prompts) / sum(served[i][0] for i in b_prompts)
-        for remote in (True, False):
-            url = cluster.url if remote else None
-            name = "A+B, shared remote tier" if remote else "A+B, no remote tier"
-            engines = {who: ShareEngine(args.share_layers, args.share_cpu_chunks // 2, url,
-                                        f"share{round_number}{split}{int(remote)}:")
-                       for who in "AB"}
-            try:
-                asked = hits = 0
-                for turn, conv, prompt in prompts:
-                    who = owner(split, turn, conv, args.share_turns)
-                    num, got = engines[who].step(prompt)
-                    if who == "B":
-                        asked, hits = asked + num, hits + got
-                result[f"{split}: {name}, B"] = hits / asked
-                if remote:
-                    result[f"{split}: lookups not yet (A+B)"] = sum(
-                        e.not_yet() for e in engines.values())
-            finally:
-                for e in engines.values():
-                    e.close()
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every round of every section on a cluster of its own: the figures :func:`report`
+    prints (every run of the rounds, not only their medians)."""
+    saved: dict[str, Any] = {"throughput": {}, "asks": {}, "share": {}}
     with tempfile.TemporaryDirectory() as scratch, \
             RedisCluster(Path(scratch), maxmemory="2gb") as cluster:
-        print(f"remote tier benchmark: 3-master Redis Cluster on 127.0.0.1 "
-              f"{cluster.ports}, {args.rounds} rounds, {args.total_mib} MiB per method and round")
+        saved["header"] = (f"3-master Redis Cluster on loopback, {args.rounds} rounds, "
+                           f"{args.total_mib} MiB per method and round")
+        print(f"remote tier benchmark: {saved['header']} (ports {cluster.ports})", flush=True)
         for kib in args.chunk_kib:
             chunk = kib * 1024
             num = max(args.batch, args.total_mib * MiB // chunk)
@@ -496,56 +396,108 @@ def main(argv: list[str] | None = None) -> int:
                                                   args.batch).items():
                     rows.setdefault(f"redis-py {name}", []).append(value)
                 cluster.flushall()
-            medians = {name: statistics.median(values) for name, values in rows.items()}
-            print(f"\n== chunk {kib} KiB ({num} chunks, pipelines of {args.batch}):")
-            for name, value in medians.items():
-                spread = ", ".join(f"{v:.0f}" for v in rows[name])
-                print(f"  {name:<24} {value:8.0f} MiB/s  ({spread})")
-            for op, bench in (("put", "SET"), ("get", "GET")):
-                if f"redis-benchmark {bench}" in medians:
-                    ratio = medians[f"tierkv {op}"] / medians[f"redis-benchmark {bench}"]
-                    print(f"  ratio tierkv {op} / redis-benchmark {bench}: {ratio:.2f}x")
-                    for label in ("", ", one node"):
-                        ratio = medians[f"redis-py {op}{label}"] / \
-                            medians[f"redis-benchmark {bench}"]
-                        print(f"  ratio redis-py {op}{label} / redis-benchmark {bench}: "
-                              f"{ratio:.2f}x")
-                ratio = medians[f"tierkv {op}"] / medians[f"redis-py {op}"]
-                print(f"  ratio tierkv {op} / redis-py {op}: {ratio:.2f}x")
-        print(f"\n== lookup of {args.ranks} ranks per chunk, {args.lookup_chunks} chunks:")
-        for name, value in lookups(cluster, args.ranks, args.lookup_chunks, args.rounds).items():
-            unit = "" if "nodes" in name else " us per chunk"
-            print(f"  {name:<40} {value:8.2f}{unit}")
+            saved["throughput"][str(kib)] = {"chunks": num, "runs": rows}
+            print(f"  ... chunk {kib} KiB measured", file=sys.stderr, flush=True)
+        saved["lookup"] = lookups(cluster, args.ranks, args.lookup_chunks, args.rounds)
         for ranks in args.ask_ranks:
-            print(f"\n== RemoteLookup.ask of {args.ask_chunks} candidate chunks, {ranks} rank(s) "
-                  f"each, {args.ask_samples} asks per method and round, medians of "
-                  f"{args.rounds} rounds:")
-            found = remote_asks(cluster, ranks, args.ask_chunks, args.ask_samples, args.rounds)
-            for name, value in found.items():
-                print(f"  {name:<56} {value:8.3f}")
-            ratio = found["redis-py sequential EXISTS: ms per ask (median)"] / \
-                found["RemoteLookup.ask: ms per ask (median)"]
-            print(f"  ratio sequential EXISTS / RemoteLookup.ask: {ratio:.1f}x")
+            saved["asks"][str(ranks)] = remote_asks(cluster, ranks, args.ask_chunks,
+                                                    args.ask_samples, args.rounds)
         cluster.flushall()
-        rows = {}
         for round_number in range(args.rounds):
             for name, value in share_round(cluster, args, round_number).items():
-                rows.setdefault(name, []).append(value)
+                saved["share"].setdefault(name, []).append(value)
             cluster.flushall()
-        print(f"\n== hit fraction of engine B, {args.share_conversations} conversations x "
-              f"{args.share_turns} turns, CPU tier {args.share_cpu_chunks} chunks for one "
-              f"engine, {args.share_cpu_chunks // 2} each for A and B, medians of "
-              f"{args.rounds} rounds (workload seed = round):")
+    return saved
+
+
+def report(saved: dict[str, Any], args: dict[str, Any]) -> None:
+    """Print the medians of ``saved`` (:func:`measure`) and their ratios; ``args``: the
+    options it was measured with."""
+    for kib, figures in saved["throughput"].items():
+        rows = figures["runs"]
         medians = {name: statistics.median(values) for name, values in rows.items()}
+        print(f"\n== chunk {kib} KiB ({figures['chunks']} chunks, pipelines of {args['batch']}):")
         for name, value in medians.items():
-            spread = ", ".join(f"{v:.3f}" for v in rows[name])
-            print(f"  {name:<68} {value:6.3f}  ({spread})")
-        for split in args.share_splits:
-            for name, label in (("A+B, shared remote tier", ""),
-                                ("A+B, no remote tier", " [no remote tier]")):
-                one = medians[f"{split}: one engine, on B's prompts{label}"]
-                print(f"  ratio {split}: {name}, B / one engine{label}: "
-                      f"{medians[f'{split}: {name}, B'] / one:.2f}x")
+            spread = ", ".join(f"{v:.0f}" for v in rows[name])
+            print(f"  {name:<24} {value:8.0f} MiB/s  ({spread})")
+        for op, bench in (("put", "SET"), ("get", "GET")):
+            if f"redis-benchmark {bench}" in medians:
+                ratio = medians[f"tierkv {op}"] / medians[f"redis-benchmark {bench}"]
+                print(f"  ratio tierkv {op} / redis-benchmark {bench}: {ratio:.2f}x")
+                for label in ("", ", one node"):
+                    ratio = medians[f"redis-py {op}{label}"] / \
+                        medians[f"redis-benchmark {bench}"]
+                    print(f"  ratio redis-py {op}{label} / redis-benchmark {bench}: "
+                          f"{ratio:.2f}x")
+            ratio = medians[f"tierkv {op}"] / medians[f"redis-py {op}"]
+            print(f"  ratio tierkv {op} / redis-py {op}: {ratio:.2f}x")
+    print(f"\n== lookup of {args['ranks']} ranks per chunk, {args['lookup_chunks']} chunks:")
+    for name, value in saved["lookup"].items():
+        unit = "" if "nodes" in name else " us per chunk"
+        print(f"  {name:<40} {value:8.2f}{unit}")
+    for ranks, found in saved["asks"].items():
+        print(f"\n== RemoteLookup.ask of {args['ask_chunks']} candidate chunks, {ranks} rank(s) "
+              f"each, {args['ask_samples']} asks per method and round, medians of "
+              f"{args['rounds']} rounds:")
+        for name, value in found.items():
+            print(f"  {name:<56} {value:8.3f}")
+        ratio = found["redis-py sequential EXISTS: ms per ask (median)"] / \
+            found["RemoteLookup.ask: ms per ask (median)"]
+        print(f"  ratio sequential EXISTS / RemoteLookup.ask: {ratio:.1f}x")
+    rows = saved["share"]
+    print(f"\n== hit fraction of engine B, {args['share_conversations']} conversations x "
+          f"{args['share_turns']} turns, CPU tier {args['share_cpu_chunks']} chunks for one "
+          f"engine, {args['share_cpu_chunks'] // 2} each for A and B, medians of "
+          f"{args['rounds']} rounds (workload seed = round):")
+    medians = {name: statistics.median(values) for name, values in rows.items()}
+    for name, value in medians.items():
+        spread = ", ".join(f"{v:.3f}" for v in rows[name])
+        print(f"  {name:<68} {value:6.3f}  ({spread})")
+    for split in args["share_splits"]:
+        for name, label in (("A+B, shared remote tier", ""),
+                            ("A+B, no remote tier", " [no remote tier]")):
+            one = medians[f"{split}: one engine, on B's prompts{label}"]
+            print(f"  ratio {split}: {name}, B / one engine{label}: "
+                  f"{medians[f'{split}: {name}, B'] / one:.2f}x")
+
+
+PLOTTED = [Panel(title, "MiB/s (median)", [
+    (f"redis-benchmark {bench}", f"redis-benchmark {bench}{depth} (C, one node)", "k:^"),
+    (f"redis-py {op}, one node", "redis-py alone, keys on one node", "C7--s"),
+    (f"redis-py {op}", "redis-py alone, keys spread (as the tier's)", "C1-s"),
+    (f"tierkv {op}", f"tierkv RemoteTier.{call}", "C0-o")])
+    for title, op, bench, depth, call in (
+        ("writes", "put", "SET", " pipelined", "put_many (pipelined)"),
+        ("reads", "get", "GET", "", "read_into (one GET each, verified)"))]
+
+
+def plot(saved: dict[str, Any], path: Path) -> None:
+    """Median MiB/s of each client against the chunk size, writes and reads, each with the
+    interquartile range of its rounds."""
+    by_kib: dict[float, dict[str, float]] = {
+        int(kib): {name: statistics.median(values) for name, values in f["runs"].items()}
+        for kib, f in saved["throughput"].items()}
+    lines(path, by_kib, PLOTTED, xlabel="chunk size (KiB)",
+          rounds={int(kib): f["runs"] for kib, f in saved["throughput"].items()},
+          title=f"remote tier against redis-benchmark: {saved['header']}; "
+                "band: interquartile range of the rounds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plot is not None:
+        pyplot()  # before minutes of measuring
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        print(f"remote tier benchmark: {saved['header']}")
+    else:
+        saved = measure(args)
+        saved["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report(saved, saved["args"])
+    if args.out_json is not None and args.from_json is None:
+        args.out_json.write_text(json.dumps(saved, indent=1))
+    if args.plot is not None:
+        plot(saved, args.plot)
     print("verdict: remote tier measured against redis-benchmark on a 3-master cluster")
     return 0
 

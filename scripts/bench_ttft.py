@@ -87,6 +87,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's tierkv and tests/redis_cluster.py
+sys.path.insert(0, str(REPO / "scripts"))  # bench_plots, page_cache
+
+from bench_plots import pyplot  # noqa: E402
+from page_cache import cold_method, drop_caches, drop_file_pages  # noqa: E402
 from tierkv.integrations.vllm_runner import cpu_environment  # noqa: E402  (no vLLM import)
 
 cpu_environment(os.environ, in_process=True)  # before vLLM is imported
@@ -249,16 +253,9 @@ def drop_page_cache(root: Path, method: str) -> None:
     """Drop the page cache of the disk tier's files under ``root`` (``method``). Pages an
     open LMDB environment has mapped (index pages) stay resident either way."""
     if method == "drop_caches":
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return
-    for path in disk_files(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_caches()
+    else:
+        drop_file_pages(disk_files(root))
 
 
 def fill_page_cache(root: Path) -> None:
@@ -267,20 +264,6 @@ def fill_page_cache(root: Path) -> None:
         with open(path, "rb", buffering=0) as handle:
             while handle.read(8 << 20):
                 pass
-
-
-def cold_method(wanted: str) -> str:
-    """``wanted``, or ``fadvise`` where ``drop_caches`` is not allowed here (not root, or a
-    container's read-only /proc/sys)."""
-    if wanted != "drop_caches":
-        return wanted
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return wanted
-    except OSError as exc:
-        print(f"--cold drop_caches: not allowed here ({exc}); using fadvise", file=sys.stderr)
-        return "fadvise"
 
 
 # -- measuring -------------------------------------------------------------------------------
@@ -780,11 +763,7 @@ def plot(all_figures: list[Figures], path: Path, title: str) -> None:
     """Per model: every row (left, a log scale: the slow tier's loads are seconds), and the
     hits of the fast tiers against vLLM's prefix cache (right, its own linear scale). Median
     lines; the band is the interquartile range over the rounds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(len(all_figures), 2, figsize=(13, 6.5 * len(all_figures)),
                              squeeze=False)
     palette = plt.get_cmap("tab20").colors
@@ -910,6 +889,8 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Figures]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        pyplot()  # before minutes of measuring
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import warnings
