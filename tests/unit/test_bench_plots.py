@@ -35,8 +35,8 @@ RESTART = {
     "chunk_kib": 16,
     "by_chunks": {str(n): {"medians": {"index MiB": n / 10_000, "cold tierkv: ms": n / 100,
                                        "cold tierkv: MiB read": 1.1 * n / 10_000,
-                                       "cold readahead on: ms": n / 200,
-                                       "cold readahead on: MiB read": 2 * n / 10_000,
+                                       "cold random access: ms": n / 200,
+                                       "cold random access: MiB read": 2 * n / 10_000,
                                        "warm: ms": n / 1000},
                            "runs": {}}
                   for n in (10_000, 20_000, 40_000)},

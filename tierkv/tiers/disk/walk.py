@@ -3,8 +3,9 @@
 - :func:`rows_after` lists up to ``batch`` (key, entry) rows after a key, in a txn the
   caller holds.
 - :func:`scan_shard` reads a shard's index whole, ``batch`` keys a txn, into
-  :class:`~tierkv.tiers.base.ChunkRecord` s (no payload is read), with the map's
-  read-ahead off; a shard rebuilt meanwhile is read again from its start.
+  :class:`~tierkv.tiers.base.ChunkRecord` s (no payload is read; the map's read-ahead
+  stays on: the map holds little but the index); a shard rebuilt meanwhile is read again
+  from its start.
 - :func:`verify_shard` checks every entry's slot, ``batch`` entries listed a txn; an entry
   that fails is read again from the index, so a chunk rewritten or deleted meanwhile is
   checked anew or not at all, never reported bad.
@@ -55,19 +56,22 @@ def scan_shard(lm: LmdbEnv, batch: int) -> list[ChunkRecord]:
         with env.begin(db=lm.index) as txn:
             return rows_after(txn, lm.index, last, batch)
 
-    with lm.random_access():  # a restart reads index pages, not read-ahead
-        while True:
-            rows = lm.run("scanning", rows_of)
-            if lm.replacements != replaced:  # rebuilt meanwhile: start over
-                records, replaced = [], lm.replacements
-                if last is not None:
-                    last = None
-                    continue
-            records += [ChunkRecord(key, entry.payload_len, entry.seq) for key, raw in rows
-                        if (entry := unpack_index(raw)) is not None]
-            if len(rows) < batch:
-                return records
-            last = rows[-1][0]
+    # With the map's read-ahead on: the map holds the index and little else since the
+    # payloads moved to slab files (format 4), and a scan reads all of it; MADV_RANDOM made
+    # a cold restart slower for 17-47% fewer bytes (docs/benchmarks/disk.md, "Restart per
+    # tier size").
+    while True:
+        rows = lm.run("scanning", rows_of)
+        if lm.replacements != replaced:  # rebuilt meanwhile: start over
+            records, replaced = [], lm.replacements
+            if last is not None:
+                last = None
+                continue
+        records += [ChunkRecord(key, entry.payload_len, entry.seq) for key, raw in rows
+                    if (entry := unpack_index(raw)) is not None]
+        if len(rows) < batch:
+            return records
+        last = rows[-1][0]
 
 
 def verify_shard(lm: LmdbEnv, batch: int, scratch: memoryview, progress: Callable[[int], None],

@@ -109,7 +109,7 @@ class ShardWrites:
         if slab is None:
             raise FilesDamaged("slab file missing")
         if not slab.mapped:
-            with lm.random_access(), env.begin(db=lm.index) as txn:
+            with env.begin(db=lm.index) as txn:  # all of the index: read-ahead helps
                 used = [entry.slot for _, raw in txn.cursor()
                         if (entry := unpack_index(raw)) is not None and entry.slab == 0]
                 seq_raw = txn.get(META_NEXT_SEQ, db=lm.meta)
