@@ -163,6 +163,9 @@ class RemoteTierConfig:
     mark_seconds: float = setting(10.0, above=0, unit="seconds",
                                   help="a chunk the server had counts as a remote hit this long")
     reader_threads: int = setting(4, low=1, help="remote reads of a load run in parallel")
+    usage_seconds: float = setting(30.0, low=0, unit="seconds",
+                                   help="how often the servers' memory (INFO memory) is "
+                                        "polled for the capacity gauges; 0: never")
     # Process-wide glibc malloc tuning for the value buffers (as disk.tune_malloc).
     tune_malloc: bool = setting(True, help="tune glibc malloc for the value buffers")
 

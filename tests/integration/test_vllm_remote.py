@@ -22,6 +22,7 @@ same chunks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -33,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -439,3 +441,59 @@ def test_a_dead_cluster_never_fails_a_request(redis_cluster: RedisCluster, tmp_p
           f"{max(engine.step_seconds) * 1000:.1f} ms, shutdown {shutdown_seconds:.2f} s, "
           f"not yet {stats['remote_not_yet']}, lookup errors {stats['remote_lookup_errors']}, "
           f"pushes {pushes}")
+
+
+# -- 4. the remote tier's capacity gauges --------------------------------------------------------
+
+
+def test_the_connector_reports_the_cluster_s_memory(redis_cluster: RedisCluster,
+                                                   tmp_path: Path) -> None:
+    """The scheduler side's lookup thread polls the cluster's INFO memory; the connector's
+    stats carry it as the remote usage gauges, which vLLM's metrics show as tier="remote"
+    (none before the first payload: a gauge not known is no sample, not 0)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.integration.test_remote_usage import clients, memory_sums
+    from tierkv.integrations.vllm_metrics import TierKVPromMetrics
+
+    redis_cluster.flushall()
+    cfg = harness_config(redis_cluster.url)
+    engine = Engine(cfg, tmp_path / "tiny-llama")
+    measure = clients(redis_cluster.ports)
+    try:
+        remote = engine.side.remote
+        assert remote is not None and remote.usage.wait_polls(1, 60.0)
+        engine.run(harness_lib.StaticWorkload(specs(prompts()[:1])))  # stats to report
+        assert engine.pusher().flush(60.0)  # the pushes landed: the servers' memory settled
+        remote.usage.poll(remote.tier)  # a fresh connection's first INFO counts less
+        used, maximum = memory_sums(measure)
+        stats = engine.connector.get_kv_connector_stats()
+        assert stats is not None
+        chunk = remote.stored_chunk_bytes
+        tokens = (maximum // chunk * TPC, used // chunk * TPC)
+        assert maximum == 3 * 256 << 20  # the fixture's maxmemory, 3 masters
+        assert (stats.data["remote_capacity_bytes"], stats.data["remote_used_bytes"]) == \
+            (maximum, used)
+        assert (stats.data["remote_capacity_tokens"], stats.data["remote_used_tokens"]) == tokens
+        registry = CollectorRegistry()
+        types: dict[type, Any] = {cls: functools.partial(cls, registry=registry)
+                                  for cls in (Gauge, Counter, Histogram)}
+        vllm = SimpleNamespace(kv_transfer_config=cfg.kv_transfer_config)
+        prom = TierKVPromMetrics(vllm, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+        def remote_gauges() -> dict[str, float]:
+            return {sample.name: sample.value for family in text_string_to_metric_families(
+                generate_latest(registry).decode()) for sample in family.samples
+                if sample.labels.get("tier") == "remote"
+                and sample.name.startswith(("tierkv:usage", "tierkv:capacity"))}
+
+        assert remote_gauges() == {}
+        prom.observe(stats.data, 0)
+        assert remote_gauges() == {"tierkv:capacity_bytes": maximum, "tierkv:usage_bytes": used,
+                                   "tierkv:capacity_tokens": tokens[0],
+                                   "tierkv:usage_tokens": tokens[1]}
+    finally:
+        for client in measure:
+            client.close()
+        engine.shutdown()

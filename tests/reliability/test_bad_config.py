@@ -61,6 +61,7 @@ BAD: dict[str, dict[str, list[Any]]] = {
         "lookup_chunks": [0, -1, 2.5, "64", True, None],
         "mark_seconds": [0, -1, NAN, "10", None],
         "reader_threads": [0, -1, 2.0, "4", True, None],
+        "usage_seconds": [-1, NAN, "30", None, True],
         "tune_malloc": ["no", 0, None],
     },
     "store": {

@@ -29,6 +29,7 @@ are bytes and times are seconds, as Prometheus conventions ask.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -40,6 +41,7 @@ from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.extras import needs
 from tierkv.tiers.remote.health import CAUSES
 from tierkv.tiers.remote.pushes import PushCounts
+from tierkv.tiers.remote.usage import ServerMemory
 
 PREFIX = "tierkv:"
 Kind = Literal["counter", "gauge", "histogram"]
@@ -50,7 +52,7 @@ PATHS = tuple(PATH_NAMES.values())
 # byte is counted on one path only).
 TRANSFER_PATHS = (*PATHS, "disk_to_cpu", "remote_to_cpu")
 TIERS = ("cpu", "disk", "remote")
-USAGE_TIERS = ("cpu", "disk")  # the tiers with usage gauges (the remote tier is shared)
+USAGE_TIERS = TIERS  # the tiers with usage gauges (the remote tier's: its whole servers')
 # What a lookup counts (AdapterStats' figures; TierKVStore.figures() reports these only).
 LOOKUP_FIGURES = ("queried_tokens", *(f"hit_tokens_{tier}" for tier in TIERS))
 # Seconds per job: a 2 MiB chunk copies in ~0.1 ms on a GPU, a disk batch can take seconds.
@@ -127,14 +129,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("load_seconds_measured", "counter", "Measured seconds of the loads taken (plan to "
            "completion; a same-step load's copy), by their slowest tier", "tier",
            _each("load_seconds_measured_{}", TIERS)),
-    Metric("usage_bytes", "gauge", "Bytes of KV held, by tier (all ranks)", "tier",
-           (("cpu", "cpu_used_bytes"), ("disk", "disk_used_bytes"))),
-    Metric("capacity_bytes", "gauge", "Bytes of KV a tier can hold (all ranks)", "tier",
-           (("cpu", "cpu_capacity_bytes"), ("disk", "disk_capacity_bytes"))),
-    Metric("usage_tokens", "gauge", "Tokens of KV held, by tier", "tier",
-           _each("{}_used_tokens", USAGE_TIERS)),
-    Metric("capacity_tokens", "gauge", "Tokens of KV a tier can hold", "tier",
-           _each("{}_capacity_tokens", USAGE_TIERS)),
+    Metric("usage_bytes", "gauge", "Bytes of KV held, by tier (all ranks; remote: the "
+           "servers' used_memory, shared, as last polled)", "tier",
+           _each("{}_used_bytes", USAGE_TIERS)),
+    Metric("capacity_bytes", "gauge", "Bytes of KV a tier can hold (all ranks; remote: the "
+           "servers' maxmemory, NaN when one has none)", "tier",
+           _each("{}_capacity_bytes", USAGE_TIERS)),
+    Metric("usage_tokens", "gauge", "Tokens of KV held, by tier (remote: the KV-equivalent "
+           "of the servers' used memory)", "tier", _each("{}_used_tokens", USAGE_TIERS)),
+    Metric("capacity_tokens", "gauge", "Tokens of KV a tier can hold (remote: NaN when "
+           "unbounded)", "tier", _each("{}_capacity_tokens", USAGE_TIERS)),
     Metric("remote_calls", "counter", "Calls to the remote tier by result: ok; skipped at "
            "once by an open circuit breaker (no network); or why they failed (timeout, "
            "connection_refused, auth_refused, cluster_down, out_of_memory, ...)", "result",
@@ -252,21 +256,44 @@ def usage_figures(index: IndexStats, chunk_bytes: int, tokens_per_chunk: int) ->
     return out
 
 
+def remote_usage_figures(memory: ServerMemory | None, stored_chunk_bytes: int,
+                         tokens_per_chunk: int) -> dict[str, float]:
+    """The remote tier's usage gauges from its servers' memory as last polled (none before
+    the first answer): bytes as the servers count them (every namespace's and other
+    data's), tokens as the whole chunks of ``stored_chunk_bytes`` (all parts, keys and
+    headers) they would hold; the capacity NaN when a primary has no ``maxmemory``."""
+    if memory is None:
+        return {}
+    out: dict[str, float] = {}
+    for name, size in (("used", memory.used_bytes), ("capacity", memory.max_bytes)):
+        out[f"remote_{name}_bytes"] = math.nan if size is None else size
+        out[f"remote_{name}_tokens"] = math.nan if size is None else \
+            size // stored_chunk_bytes * tokens_per_chunk
+    return out
+
+
 @dataclass(frozen=True)
 class TierUsage:
-    """One tier's capacity and use, in bytes of KV (all ranks) and in tokens."""
+    """One tier's capacity and use, in bytes of KV (all ranks) and in tokens. The remote
+    tier's are its servers' as last polled, shared with other engines; its capacity is
+    None when unbounded (a primary without ``maxmemory``)."""
 
-    capacity_bytes: int
+    capacity_bytes: int | None
     used_bytes: int
-    capacity_tokens: int
+    capacity_tokens: int | None
     used_tokens: int
 
 
 def tier_usage(figures: Mapping[str, Any]) -> dict[str, TierUsage]:
-    """``{"cpu": ..., "disk": ...}`` from the usage gauges of :func:`usage_figures`."""
-    return {tier: TierUsage(*(int(figures[f"{tier}_{what}_{unit}"])
-                              for unit in ("bytes", "tokens") for what in ("capacity", "used")))
-            for tier in USAGE_TIERS}
+    """``{"cpu": ..., "disk": ..., "remote": ...}`` from the usage gauges of
+    :func:`usage_figures` and :func:`remote_usage_figures` (the tiers that have them)."""
+    def number(key: str) -> int | None:
+        value = figures[key]
+        return None if math.isnan(value) else int(value)
+
+    return {tier: TierUsage(number(f"{tier}_capacity_bytes"), int(figures[f"{tier}_used_bytes"]),
+                            number(f"{tier}_capacity_tokens"), int(figures[f"{tier}_used_tokens"]))
+            for tier in USAGE_TIERS if f"{tier}_used_bytes" in figures}
 
 
 @dataclass
@@ -344,6 +371,8 @@ class StoreCollector:
                 family = HistogramMetricFamily(name, metric.help, labels=labelnames)
             for label_value, key in metric_keys(metric, figures):
                 labelvalues = values + ([label_value] if metric.label else [])
+                if metric.kind == "gauge" and key not in figures:
+                    continue  # not known (the remote tier's before its first poll)
                 value = figures.get(key, 0)
                 if isinstance(value, Durations):
                     family.add_metric(labelvalues, buckets=value.cumulative(),
@@ -375,4 +404,5 @@ def register_store_metrics(store: FigureSource, registry: Any = None,
 __all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "LOOKUP_FIGURES",
            "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector", "config_info",
            "is_gauge", "metric_keys", "register_store_metrics", "remote_figures",
+           "remote_usage_figures",
            "since_last", "tier_usage", "TierUsage", "usage_figures", "values"]

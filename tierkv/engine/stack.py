@@ -95,7 +95,8 @@ def build_remote_lookup(config: StoreConfig, namespace: Namespace,
     remote = config.remote
     tier = RemoteTier(remote, namespace, part_sets[0][0], chunk_bytes, lazy=True,
                       role="lookups")
-    return RemoteLookup(tier, part_sets, remote.lookup_deadline_seconds, remote.lookup_chunks)
+    return RemoteLookup(tier, part_sets, remote.lookup_deadline_seconds, remote.lookup_chunks,
+                        usage_seconds=remote.usage_seconds)
 
 
 @dataclass

@@ -60,12 +60,14 @@ import torch
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.config_env import from_environment
 from tierkv.core.figures import values
+from tierkv.core.index import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine import store_exit
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, TierUsage,
-                                   config_info, remote_figures, tier_usage, usage_figures)
+                                   config_info, remote_figures, remote_usage_figures,
+                                   tier_usage, usage_figures)
 from tierkv.engine.start_line import short_id, start_line
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
@@ -434,7 +436,7 @@ class TierKVStore:
         out.update(values(self._paths))
         for kind, name in PATH_NAMES.items():
             out[f"durations_{name}"] = self._durations[kind]
-        out.update(usage_figures(index, self.chunk_bytes, self.tokens_per_chunk))
+        out.update(self._usage_figures(index))
         if self._remote is not None and self._stack.remote is not None:
             pusher = self.executor.pusher
             out.update(remote_figures([self._stack.remote.statistics(),
@@ -443,11 +445,20 @@ class TierKVStore:
         return out
 
     def usage(self) -> dict[str, TierUsage]:
-        """Each local tier's capacity and use now, in bytes and in tokens (``"cpu"``,
-        ``"disk"``; the gauges ``tierkv:capacity_tokens`` etc. read the same). Safe from
-        another thread like :meth:`figures`; never raises."""
-        return tier_usage(usage_figures(self.index.statistics(), self.chunk_bytes,
-                                        self.tokens_per_chunk))
+        """Each tier's capacity and use in bytes and tokens, as ``tierkv:capacity_tokens``
+        etc.: ``"cpu"``, ``"disk"`` now; ``"remote"`` (once its servers answered) their
+        whole memory as last polled (``remote.usage_seconds``; no network call here),
+        capacity None if unbounded. Safe from another thread like :meth:`figures`; never raises."""
+        return tier_usage(self._usage_figures(self.index.statistics()))
+
+    def _usage_figures(self, index: IndexStats) -> dict[str, float]:
+        out: dict[str, float] = dict(usage_figures(index, self.chunk_bytes,
+                                                   self.tokens_per_chunk))
+        if self._remote is not None:
+            out.update(remote_usage_figures(self._remote.server_memory(),
+                                            self._remote.stored_chunk_bytes,
+                                            self.tokens_per_chunk))
+        return out
 
     @one_caller
     def take_events(self, max_chunks: int | None = None) -> list[tuple[str, str, bytes]]:

@@ -3,7 +3,8 @@ with the metric classes and labels vLLM hands to ``build_prom_metrics`` (``model
 ``engine``; vLLM merges the ranks' figures before they reach us, so there is no rank label),
 and fed from the connector's stats payloads (:class:`TierKVConnectorStats`) by ``observe``.
 A metric with a ``dynamic`` prefix (a remote node's breaker) is bound for each label value
-as its first figure arrives. ``tierkv:config_info`` is set once, from the connector's
+as its first figure arrives, and so is every gauge: a gauge not known yet (the remote
+tier's usage before its first poll, or without a remote tier) shows no sample, not 0. ``tierkv:config_info`` is set once, from the connector's
 settings in ``kv_connector_extra_config`` (the remote URL without its password). They
 appear on vLLM's ``/metrics`` as ``tierkv:*``."""
 
@@ -26,6 +27,7 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
         # (engine index, figure key) -> (kind, the metric with its labels bound)
         self._bound: dict[tuple[int, str], tuple[str, Any]] = {}
         self._dynamic: list[tuple[str, str, Any]] = []  # (prefix, kind, family)
+        self._gauges: dict[tuple[int, str], tuple[Any, list[object]]] = {}  # not bound yet
         self._engines = per_engine_labelvalues
         for metric in METRICS:
             extra = [metric.label] if metric.label else []
@@ -38,7 +40,10 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
             for engine, values in per_engine_labelvalues.items():
                 for label_value, key in metric.keys:
                     own = [label_value] if metric.label else []
-                    self._bound[(engine, key)] = (metric.kind, family.labels(*values, *own))
+                    if metric.kind == "gauge":
+                        self._gauges[(engine, key)] = (family, [*values, *own])
+                    else:
+                        self._bound[(engine, key)] = (metric.kind, family.labels(*values, *own))
         self._set_config_info(vllm_config, classes["gauge"], labelnames)
 
     def _set_config_info(self, vllm_config: Any, gauge: Any, labelnames: list[str]) -> None:
@@ -55,7 +60,12 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
             family.labels(*values, *info.values()).set(1)
 
     def _bind(self, engine_idx: int, key: str) -> tuple[str, Any] | None:
-        """A dynamic metric's figure, bound as it first arrives (None: not exported)."""
+        """A gauge's or dynamic metric's figure, bound as it first arrives (None: not
+        exported)."""
+        gauge = self._gauges.pop((engine_idx, key), None)
+        if gauge is not None:
+            bound = self._bound[(engine_idx, key)] = ("gauge", gauge[0].labels(*gauge[1]))
+            return bound
         values = self._engines.get(engine_idx)
         for prefix, kind, family in self._dynamic:
             if values is not None and key.startswith(prefix):

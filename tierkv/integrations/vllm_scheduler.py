@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
-from tierkv.engine.metrics import remote_figures, since_last, usage_figures, values
+from tierkv.engine.metrics import (remote_figures, remote_usage_figures, since_last,
+                                   usage_figures, values)
 from tierkv.engine.requests import (NO_BLOCK, NO_CONTROLS, RequestControls, RequestView, StepInput,
                                     WorkerReport, request_controls)
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
@@ -159,7 +160,7 @@ class SchedulerSide:
         self._epoch = b""  # b"": keys as the warm-up and other servers derive them
         self.resets = 0
         self._counts = CompletionCounts()
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, float] = {}
         self._last_report = -float("inf")
         self.stats_interval = STATS_INTERVAL_SECONDS
         self.found_on_disk = 0
@@ -527,7 +528,7 @@ class SchedulerSide:
         return out
 
     # ------------------------------------------------------------------ stats
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, float]:
         """Cumulative counters and the usage gauges, by figure key (tierkv.engine.metrics)."""
         index, adapter = self.index.statistics(), self.adapter.stats
         out = {_INDEX_RENAMED.get(name, name): value
@@ -542,6 +543,10 @@ class SchedulerSide:
             out.update(remote_figures([self.remote.tier.statistics()], breakers=False))
         out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size,
                                  self.geometry.tokens_per_chunk))
+        if self.remote is not None:  # the servers' memory as the lookups' thread last polled
+            out.update(remote_usage_figures(self.remote.server_memory(),
+                                            self.remote.stored_chunk_bytes,
+                                            self.geometry.tokens_per_chunk))
         return out
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:

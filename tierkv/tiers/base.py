@@ -40,7 +40,9 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+_Tier = TypeVar("_Tier", bound="LowerTier")
 
 # A tool's check as it goes: (chunks, bytes) so far and the total when known (what
 # ``tierkv verify`` prints on stderr).
@@ -128,18 +130,25 @@ class LowerTier(ABC):
                progress: Callable[[int], None] | None = None) -> VerifyReport:
         """``progress(values checked so far)`` is called as the check goes (per batch)."""
 
-    @abstractmethod
-    def sync(self) -> None: ...
+    def sync(self) -> None:
+        """Make what was written durable; by default nothing to do (a remote tier's
+        durability is its server's)."""
 
-    @abstractmethod
-    def sync_if_due(self) -> bool: ...
+    def sync_if_due(self) -> bool:
+        return False
 
     @property
-    @abstractmethod
-    def sync_every_seconds(self) -> float | None: ...
+    def sync_every_seconds(self) -> float | None:
+        return None
 
     @abstractmethod
     def statistics(self) -> Any: ...
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def __enter__(self: _Tier) -> _Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -55,7 +55,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import lmdb
@@ -533,13 +532,6 @@ class DiskTier(LowerTier):
         if any(synced):
             with self._stats_lock:
                 self._counts.syncs += 1
-
-    def __enter__(self) -> DiskTier:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._shards[0].closed else "open"

@@ -23,7 +23,8 @@ Primitives and contracts:
   each what to check.
 - :func:`scrub` ``(config, text)``: the text with the password (from the URL or the
   environment) masked; :func:`scan_names` every key matching a pattern on every primary,
-  one ``SCAN`` page per :func:`deadline` of ``page_seconds``.
+  one ``SCAN`` page per :func:`deadline` of ``page_seconds``; :func:`memory_of` a node's
+  ``INFO memory`` (``tierkv ping``, the capacity gauges), through :func:`node_client`.
 
 Why deadlines in the connections (docs/remote.md, "Deadlines"): redis-py's cluster client
 retries, refreshes its view of the cluster after each timeout and pauses on ``CLUSTERDOWN``,
@@ -42,6 +43,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -408,6 +410,29 @@ def connect(config: RemoteTierConfig, name: str, read_bytes: int = 1 << 16,
 def primaries(client: Any, cluster: bool) -> list[Any]:
     """The cluster's primaries (None for a plain server: the client itself)."""
     return list(client.get_primaries()) if cluster else [None]
+
+
+def node_client(client: Any, node: Any) -> Any:
+    """A client of one node of a cluster (``client`` itself for a plain server's None)."""
+    return client if node is None else (node.redis_connection or
+                                        client.get_redis_connection(node))
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """A node's ``INFO memory``: bytes in use, ``maxmemory`` (0: none) and its policy."""
+
+    used: int
+    maximum: int
+    policy: str | None
+
+
+def memory_of(target: Any) -> NodeMemory:
+    """``INFO memory`` of ``target`` (a node's client, :func:`node_client`), as redis-py
+    parses it; under the caller's deadline."""
+    memory = target.info("memory")
+    return NodeMemory(int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)),
+                      str(memory.get("maxmemory_policy", "")) or None)
 
 
 def node_name(client: Any, cluster: bool, node: Any) -> str:

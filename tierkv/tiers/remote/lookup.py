@@ -21,7 +21,12 @@ Primitives and contracts:
   a node that fails or is skipped does so for its own keys only (the tier asks each node
   at once and counts that node's failure), the others' are answered.
 - One thread sends the questions; questions asked while one is in flight go out together
-  in the next. ``statistics()``; ``shutdown()`` (idempotent; it closes the tier, which the
+  in the next. Between them, at most every ``usage_seconds`` (0: never), it polls the
+  servers' memory for the capacity gauges (:mod:`~tierkv.tiers.remote.usage`; the first
+  poll right after connecting): ``server_memory()`` reads the last answer, no network (a
+  call that finds a poll due wakes the thread for it); ``stored_chunk_bytes``: what one
+  chunk of this engine (all its parts, their keys and the format's header) takes there.
+  ``statistics()``; ``shutdown()`` (idempotent; it closes the tier, which the
   lookup owns).
 """
 
@@ -35,8 +40,10 @@ from dataclasses import dataclass
 
 from tierkv.core.figures import Snapshot, counter
 from tierkv.errors import ClosedError, TierKVError
-from tierkv.keys import Part
+from tierkv.keys import KEY_BYTES, Part
+from tierkv.tiers.remote.format import redis_key, value_bytes
 from tierkv.tiers.remote.tier import RemoteTier
+from tierkv.tiers.remote.usage import RemoteUsage, ServerMemory
 
 logger = logging.getLogger("tierkv.remote")
 
@@ -64,7 +71,8 @@ class RemoteLookup:
 
     def __init__(self, tier: RemoteTier, part_sets: Sequence[Sequence[Part]],
                  deadline_seconds: float, max_keys: int = 64, answer_seconds: float = 0.05,
-                 max_answers: int = 1 << 16, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_answers: int = 1 << 16, clock: Callable[[], float] = time.monotonic,
+                 usage_seconds: float = 0.0) -> None:
         self.tier = tier
         self._part_sets = [list(parts) for parts in part_sets]
         self.counts = tuple(parts[0].count for parts in self._part_sets)
@@ -80,6 +88,11 @@ class RemoteLookup:
         self._sent: set[bytes] = set()  # in the request in flight
         self._closed = False
         self._counts = LookupCounts()
+        self.usage = RemoteUsage(usage_seconds, clock)
+        parts = self._part_sets[0]
+        self.stored_chunk_bytes = parts[0].count * (value_bytes(tier.payload_bytes) + len(
+            redis_key(tier.config.key_prefix.encode(), tier.fingerprint, parts[0],
+                      bytes(KEY_BYTES))))
         self._connected = threading.Event()
         self._thread = threading.Thread(target=self._main, name="tierkv-remote-lookup",
                                         daemon=True)
@@ -129,49 +142,66 @@ class RemoteLookup:
             self.tier.warm_up()  # a server down now is a miss later, never a failed start
         finally:
             self._connected.set()
+        usage = self.usage
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._wanted or self._closed)
+                self._cond.wait_for(lambda: self._wanted or self._closed or usage.due(),
+                                    usage.seconds_to_due())
                 if self._closed:
                     return
                 keys = list(self._wanted)
                 self._wanted.clear()
                 self._sent = set(keys)
-            started = time.perf_counter()
-            part_counts: list[int] = [0] * len(keys)
-            try:
-                found = self.tier.exists_under(keys, self._part_sets)
-                part_counts = [next((count for count, there in zip(self.counts, answer) if there), 0)
-                          for answer in found]
-                exists = [count > 0 for count in part_counts]
-                failed = False
-            except TierKVError as exc:  # counted and logged by the tier (and its breaker)
-                logger.debug("remote lookup: %d key(s) failed: %s", len(keys), exc)
-                exists, failed = [False] * len(keys), True
-            except Exception:
-                logger.exception("remote lookup: %d key(s) failed", len(keys))
-                exists, failed = [False] * len(keys), True
-            with self._cond:
-                now = self._clock()
-                answers = self._answers
-                for key, there, count in zip(keys, exists, part_counts):
-                    answers.pop(key, None)  # re-inserted: the newest
-                    answers[key] = (there, now)
-                    if there:
-                        self._count_of.pop(key, None)
-                        self._count_of[key] = count
-                while len(answers) > self._max_answers:
-                    del answers[next(iter(answers))]
-                while len(self._count_of) > self._max_answers:
-                    del self._count_of[next(iter(self._count_of))]
-                counts = self._counts
-                counts.requests += 1
-                counts.keys_asked += len(keys)
-                counts.keys_found += sum(exists)
-                counts.errors += failed
-                counts.seconds += time.perf_counter() - started
-                self._sent = set()
+            if keys:  # the lookups first: a poll may take a deadline
+                self._look_up(keys)
+            if usage.due():
+                usage.poll(self.tier)
+
+    def _look_up(self, keys: list[bytes]) -> None:
+        """One request for ``keys``; the answers noted, the askers woken."""
+        started = time.perf_counter()
+        part_counts: list[int] = [0] * len(keys)
+        try:
+            found = self.tier.exists_under(keys, self._part_sets)
+            part_counts = [next((count for count, there in zip(self.counts, answer) if there),
+                                0) for answer in found]
+            exists = [count > 0 for count in part_counts]
+            failed = False
+        except TierKVError as exc:  # counted and logged by the tier (and its breaker)
+            logger.debug("remote lookup: %d key(s) failed: %s", len(keys), exc)
+            exists, failed = [False] * len(keys), True
+        except Exception:
+            logger.exception("remote lookup: %d key(s) failed", len(keys))
+            exists, failed = [False] * len(keys), True
+        with self._cond:
+            now = self._clock()
+            answers = self._answers
+            for key, there, count in zip(keys, exists, part_counts):
+                answers.pop(key, None)  # re-inserted: the newest
+                answers[key] = (there, now)
+                if there:
+                    self._count_of.pop(key, None)
+                    self._count_of[key] = count
+            while len(answers) > self._max_answers:
+                del answers[next(iter(answers))]
+            while len(self._count_of) > self._max_answers:
+                del self._count_of[next(iter(self._count_of))]
+            counts = self._counts
+            counts.requests += 1
+            counts.keys_asked += len(keys)
+            counts.keys_found += sum(exists)
+            counts.errors += failed
+            counts.seconds += time.perf_counter() - started
+            self._sent = set()
+            self._cond.notify_all()
+
+    def server_memory(self) -> ServerMemory | None:
+        """The servers' memory as last polled (None: not yet); no network, never waits on
+        a poll (safe from a scrape's thread)."""
+        if self.usage.due():
+            with self._cond:  # held briefly only, never across a network call
                 self._cond.notify_all()
+        return self.usage.last()
 
     def count_of(self, key: bytes) -> int:
         """The part count ``key`` was last found under (0: never found)."""

@@ -102,10 +102,9 @@ def _ping_node(session: Session, name: str, role: str, target: Any) -> NodePing:
             session.run(f"PING {name}", target.ping)
             rounds.append((time.perf_counter() - started) * 1e3)
         ping.answers, ping.latency_ms = True, round(statistics.median(rounds), 3)
-        memory = session.run(f"INFO memory of {name}", lambda: target.info("memory"))
-        ping.used_memory = int(memory.get("used_memory", 0))
-        ping.maxmemory = int(memory.get("maxmemory", 0))
-        ping.policy = str(memory.get("maxmemory_policy", "")) or None
+        memory = session.run(f"INFO memory of {name}", lambda: session.rc.memory_of(target))
+        ping.used_memory, ping.maxmemory, ping.policy = \
+            memory.used, memory.maximum, memory.policy
     except session.rc.RemoteError as exc:
         ping.problem = f"{exc.cause}: {session.rc.HINTS[exc.cause]}"
     return ping
@@ -124,7 +123,7 @@ def ping_remote(config: RemoteTierConfig) -> Ping:
                 slots[nodes[0].name] = slots.get(nodes[0].name, 0) + 1
             result.slots_covered = sum(slots.values())
             targets = [(node.name, "primary" if node.server_type == "primary" else "replica",
-                        node.redis_connection or client.get_redis_connection(node))
+                        rc.node_client(client, node))
                        for node in client.get_nodes()]
         else:
             slots = {}

@@ -26,7 +26,7 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
   ``tierkv verify URL`` reads every value through it too). A tier opened for a tool may be
   given the namespace's fingerprint alone (the tools know only the keys' names).
 - **Deadlines.** Every call (a lookup, a read and the delete of what it found bad, a push
-  batch, a delete, a scan page), the connect it may start included, ends within
+  batch, a delete, a scan page, ``each_primary``'s ``INFO``), the connect it may start included, ends within
   ``remote.timeout_seconds`` as a whole, plus its bytes at ``remote.min_mib_per_second``
   (``deadline_seconds``), whatever redis-py does inside
   (:func:`~tierkv.tiers.remote.client.deadline`). A call over several nodes sends each
@@ -35,16 +35,13 @@ contracts: those of :class:`~tierkv.tiers.base.LowerTier`, and:
   call raises only when every node's share failed: a :class:`RemoteError` (a
   :class:`BrokenError`) naming the tier, the address (never the password), the node,
   the cause and what to check.
-- **Breakers** (:class:`~tierkv.tiers.remote.health.NodeHealth`): one per node, one for the
-  cluster as a whole. A node that timed out or refused a connection is skipped at once
-  (no network) for ``remote.breaker_seconds``; keys of healthy nodes go on being served.
-  Other failures open a breaker after ``remote.breaker_failures`` in a row. A probe after
-  that closes it; each change is logged once, with its cause, and the recovery with the
-  outage's length and what was skipped meanwhile.
+- **Breakers** (:class:`~tierkv.tiers.remote.health.NodeHealth` says when they open, probe
+  and log): one per node, one for the cluster as a whole. A node with an open breaker is
+  skipped at once (no network); keys of healthy nodes go on being served.
   ``lazy=True`` connects on the first call instead of at construction (an engine starts
   while the server is down, and uses it once it is up). ``role`` ends the tier's name in
   messages (``lookups``; ``loads and pushes``): an engine has one tier per role.
-- ``sync`` is a no-op (durability is the server's); nothing is ever unpickled or evaluated.
+- ``sync`` is the base's no-op (durability is the server's); nothing is ever unpickled or evaluated.
 """
 
 from __future__ import annotations
@@ -70,8 +67,8 @@ from tierkv.tiers.base import (ChunkCheck, ChunkRecord, LowerTier, PutResult, Re
                                VerifyReport)
 from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.tiers.remote.client import (DeadlinePassed, RemoteError, cause_of, connect,
-                                        deadline, is_wrong_type, node_name, scan_names, scrub,
-                                        seed_node, seed_urls)
+                                        deadline, is_wrong_type, node_client, node_name,
+                                        primaries, scan_names, scrub, seed_node, seed_urls)
 from tierkv.tiers.remote.format import (DELETE_BAD, check_name, check_value, pack_value,
                                         parse_redis_key, redis_key, value_bytes)
 from tierkv.tiers.remote.health import HINTS, TIER, WRITES, NodeHealth, who
@@ -85,10 +82,10 @@ _WRONG_TYPE = object()  # a read found a key of another type
 
 
 # Pushes ask the server which values it holds before sending them while at least this share
-# of the values pushed lately was held: a shared prefix many engines push, or a prefix this
-# engine recomputed rather than load from a slow node. The round trip it costs (a push of
-# 16 chunks of 64 KiB ran 0.82x -> 0.62x redis-py's speed with it on every batch) is then
-# paid only where it saves whole values. A decayed share over batches, from half.
+# of the values pushed lately was held (a shared prefix many engines push, or one recomputed
+# rather than loaded from a slow node): the round trip (a push of 16 chunks of 64 KiB ran
+# 0.82x -> 0.62x redis-py's speed with it on every batch) is paid only where it saves whole
+# values. A decayed share over batches, from half.
 HELD_SHARE_ASK = 0.25
 HELD_SHARE_WEIGHT = 0.25
 HELD_SHARE_START = 0.5
@@ -271,25 +268,42 @@ class RemoteTier(LowerTier):
 
     def _by_node(self, action: str, kind: str, names: Sequence[bytes],
                  work: Callable[[list[int]], _T], num_bytes: Callable[[list[int]], int] =
-                 lambda group: 0, refused: Callable[[_T], BaseException | None] | None = None
+                 lambda group: 0, refused: Callable[[_T], BaseException | None] | None = None,
+                 nodes: Callable[[], dict[str, list[int]]] | None = None
                  ) -> list[tuple[list[int], _T]]:
         """``work(positions)`` for each node's share of ``names``, all at once under one
         deadline (connecting, if needed, within it), each share a call of its own: skipped
         on its node's open breaker, failed, blamed and counted alone, so a stalled node
         fails its own keys only (:mod:`~tierkv.tiers.remote.spread`). The shares served,
-        with what ``work`` returned; the first failure raised when none was."""
+        with what ``work`` returned; the first failure raised when none was. ``nodes()``
+        (once connected) gives the shares instead of ``names``' nodes."""
         self._check_open()
         with deadline(self.deadline_seconds(num_bytes(list(range(len(names)))))):
             if self._client is None:
                 self._run("connecting", kind, lambda: None)
             elif not self._health.usable(TIER):
                 raise self._skip(action, TIER, kind, len(names))
-            groups = by_node(range(len(names)), lambda position: self._node_of(names[position]))
+            groups = nodes() if nodes is not None else \
+                by_node(range(len(names)), lambda position: self._node_of(names[position]))
             outcomes = self._spread.run([functools.partial(
                 self._run, action, kind, functools.partial(work, group), node=node,
                 chunks=len(group), refused=refused, num_bytes=num_bytes(group), tier_gate=False)
                 for node, group in groups.items()])
         return served(list(groups.values()), outcomes)
+
+    def each_primary(self, action: str, work: Callable[[Any], _T]) -> dict[str, _T | None]:
+        """``work(a node's client)`` on every primary, as :meth:`_by_node` runs its shares:
+        by node, what it returned or None (failed, skipped); all failed: RemoteError."""
+        pairs: list[tuple[str, Any]] = []
+
+        def shares() -> dict[str, list[int]]:
+            pairs[:] = [(node_name(self._client, self.cluster, node), node_client(
+                self._client, node)) for node in primaries(self._client, self.cluster)]
+            return {name: [position] for position, (name, _) in enumerate(pairs)}
+
+        answered = {pairs[group[0]][0]: answer for group, answer in self._by_node(
+            action, "lookup", (), lambda group: work(pairs[group[0]][1]), nodes=shares)}
+        return {name: answered.get(name) for name, _ in pairs}
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -567,16 +581,6 @@ class RemoteTier(LowerTier):
 
     # -- life cycle ------------------------------------------------------------------------
 
-    def sync(self) -> None:
-        """Nothing to do: what the server holds is as durable as its own settings make it."""
-
-    def sync_if_due(self) -> bool:
-        return False
-
-    @property
-    def sync_every_seconds(self) -> float | None:
-        return None
-
     def statistics(self) -> RemoteStatistics:
         with self._lock:
             return RemoteStatistics.of(
@@ -591,9 +595,3 @@ class RemoteTier(LowerTier):
             self._spread.close()
             if self._client is not None:
                 self._client.close()
-
-    def __enter__(self) -> RemoteTier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
