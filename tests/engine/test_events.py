@@ -27,6 +27,7 @@ from tests.engine.processes import Server, free_port, parse_metrics
 TOKENS_PER_CHUNK = 128  # the connector's default on vLLM's CPU backend
 CHUNK_BYTES = 4 * 2 * 2 * 64 * 4 * TOKENS_PER_CHUNK  # tiny llama: layers, K/V, heads, dim, fp32
 DISK_CHUNKS = 6
+INDEX_FILES = 320 << 10  # the rank's index files and claims, which the disk cap counts too
 PROMPTS = [prompt(300, seed=60), prompt(400, seed=61), prompt(520, seed=62)]  # 2 + 3 + 4 chunks
 SETTLE_SECONDS = 120.0
 
@@ -113,7 +114,7 @@ def test_a_router_sees_the_disk_tier_and_a_restarts_snapshot(
         models: dict[str, Path], tmp_path: Path) -> None:
     disk = tmp_path / "kv"
     settings = {"cpu_bytes": 64 << 20, "disk_path": str(disk), "load_policy": "always",
-                "disk_bytes": DISK_CHUNKS * (CHUNK_BYTES + 8192)}
+                "disk_bytes": DISK_CHUNKS * (CHUNK_BYTES + 8192) + INDEX_FILES}
     events = Events()
     with Server(models["llama"], tmp_path / "first.log", settings,
                 args=["--kv-events-config", events.config]) as server:
