@@ -47,3 +47,26 @@ def test_damaged_records_start_anew_with_a_warning(tmp_path: Path,
     blocks.update([(B, chunk(3))], [])
     assert blocks.read({B}) == {B: chunk(3)}
     blocks.close()
+
+
+def test_a_record_of_another_shape_is_dropped_not_trusted(tmp_path: Path) -> None:
+    """Regression: a record was unpacked without a check of its shape, so an integer where
+    a block hash belongs became that many zero bytes (``bytes(n)``), an extension type was
+    decoded, and a token id out of range raised OverflowError out of the start-up read."""
+    import lmdb
+    import msgpack
+
+    blocks = EventBlocks(tmp_path / "kv-events", 8, 512)
+    blocks.update([(A, chunk(0))], [])
+    blocks.close()
+    bad = [[[1 << 40], None, [1]], [[b"h"], None, [1 << 63]], [[b"h"], 7, [1]], [b"h"],
+           msgpack.ExtType(1, b"x")]
+    env = lmdb.open(str(tmp_path / "kv-events"), subdir=True)
+    with env.begin(write=True) as txn:
+        for number, record in enumerate(bad):
+            txn.put(bytes([9, number]) * 16, msgpack.packb(record, use_bin_type=True))
+    env.close()
+    blocks = EventBlocks(tmp_path / "kv-events", 8, 512)
+    keys = {A, *(bytes([9, number]) * 16 for number in range(len(bad)))}
+    assert blocks.read(keys) == {A: chunk(0)}
+    blocks.close()

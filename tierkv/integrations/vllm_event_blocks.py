@@ -53,9 +53,19 @@ def pack(chunk: ChunkEvent) -> bytes:
 
 
 def unpack(value: bytes) -> ChunkEvent:
-    hashes, parent, tokens = msgpack.unpackb(value, raw=False)
-    return ChunkEvent(tuple(bytes(h) for h in hashes), None if parent is None else bytes(parent),
-                      array("l", tokens))
+    """The record :func:`pack` wrote; ValueError for anything else (a damaged file)."""
+    record = msgpack.unpackb(value, raw=False, max_ext_len=0)
+    if not (isinstance(record, list) and len(record) == 3):
+        raise ValueError("not a KV-event block record")
+    hashes, parent, tokens = record
+    if not (isinstance(hashes, list) and all(isinstance(h, bytes) for h in hashes)
+            and (parent is None or isinstance(parent, bytes)) and isinstance(tokens, list)
+            and all(isinstance(token, int) for token in tokens)):
+        raise ValueError("not a KV-event block record")
+    try:
+        return ChunkEvent(tuple(hashes), parent, array("l", tokens))
+    except OverflowError as exc:
+        raise ValueError("not a KV-event block record") from exc
 
 
 class EventBlocks:
