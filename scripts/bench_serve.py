@@ -7,7 +7,8 @@ Arms: ``vllm`` (vLLM alone, its prefix cache on) and ``tierkv`` (the same server
 tierkv's connector: a CPU tier of ``--cpu-bytes`` and a disk tier, write-through on, the
 default ``load_policy`` "cost"). Workloads (``scripts/serve_load.py`` builds them):
 
-- ``chat``      multi-turn sessions sharing a few system prompts;
+- ``chat``      multi-turn sessions sharing a few system prompts, in waves: every
+                session's turn k, then turn k+1 (a user reads and types between turns);
 - ``agentic``   a long shared context and many short tool turns, run in waves: a session
                 pauses while the others work and comes back;
 - ``pressure``  long documents, each read twice; their KV is at least 4x the CPU tier
@@ -160,7 +161,7 @@ def run_arm(args: argparse.Namespace, name: str, arm: str, rnd: int,
     if name == "restart" and arm == "vllm":
         # vLLM alone keeps nothing across a restart: its replay is the sessions on a fresh
         # server (one start saved).
-        phases = phases[1:]
+        phases = [phase for phase in phases if phase[0][0].phase == "replay"]
     suffix = "" if concurrency is None else f"-c{concurrency}"
     folder = args.dir / f"r{rnd}-{name}-{arm}{suffix}"
     shutil.rmtree(folder, ignore_errors=True)
@@ -185,9 +186,11 @@ def run_arm(args: argparse.Namespace, name: str, arm: str, rnd: int,
     try:
         rss_start = server.rss_bytes()
         before = counters(server)
+        restarted = settings is None
         for phase in phases:
             label = phase[0][0].phase
-            if label == "replay":
+            if label == "replay" and not restarted:
+                restarted = True
                 if settings is not None:
                     wait_for_writes(Path(settings["disk_path"]))
                 server.stop(signal.SIGTERM)

@@ -65,31 +65,35 @@ def _tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randint(1, 4000) for _ in range(count)]
 
 
-def _chat(sizes: Sizes, rng: random.Random, phase: str) -> list[list[Turn]]:
+def _chat(sizes: Sizes, rng: random.Random, phase: str) -> list[list[list[Turn]]]:
+    """Waves: every session's turn k, then turn k+1 (a user reads and types between turns,
+    while the other sessions go on)."""
     systems = [_tokens(rng, sizes.system_tokens) for _ in range(sizes.system_prompts)]
-    sessions = []
-    for session in range(sizes.sessions):
-        history = list(systems[session % sizes.system_prompts])
-        turns = []
-        for turn in range(sizes.turns):
+    histories = [list(systems[s % sizes.system_prompts]) for s in range(sizes.sessions)]
+    waves = []
+    for turn in range(sizes.turns):
+        wave = []
+        for session, history in enumerate(histories):
             history += _tokens(rng, sizes.user_tokens)
-            turns.append(Turn(session, turn, phase, tuple(history)))
+            wave.append([Turn(session, turn, phase, tuple(history))])
             history += _tokens(rng, sizes.reply_tokens)
-        sessions.append(turns)
-    return sessions
+        waves.append(wave)
+    return waves
 
 
 def workload(name: str, sizes: Sizes, seed: int = 0) -> list[list[list[Turn]]]:
     """The phases of workload ``name``; a phase is a list of sessions, a session its turns
     in order. The client runs a phase's sessions concurrently and the phases one after
-    another; ``agentic`` runs its turns in waves (every session's turn k, then turn k+1:
-    a session pauses while the others work, and comes back)."""
+    another. ``chat`` and ``agentic`` run their turns in waves, a phase each (every
+    session's turn k, then turn k+1: a session pauses while the others work, and comes
+    back)."""
     rng = random.Random(f"{name}-{seed}")
     if name == "chat":
-        return [_chat(sizes, rng, "run")]
+        return _chat(sizes, rng, "run")
     if name == "restart":  # the same sessions before and after a restart
         cold = _chat(sizes, rng, "cold")
-        return [cold, [[Turn(t.session, t.turn, "replay", t.prompt) for t in s] for s in cold]]
+        return cold + [[[Turn(t.session, t.turn, "replay", t.prompt) for t in s] for s in wave]
+                       for wave in cold]
     if name == "agentic":
         context = _tokens(rng, sizes.context_tokens)
         histories = [context + _tokens(rng, sizes.user_tokens) for _ in range(sizes.sessions)]

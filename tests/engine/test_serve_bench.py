@@ -39,14 +39,18 @@ def test_bench_serve_restart_cohort_keeps_its_invariants(tmp_path: Path) -> None
     # Every reply of tierkv's replay was compared with vLLM alone's, none differed.
     assert data["checks"] == {"greedy_compared": 6, "greedy_differed": 0}
     runs = {run["arm"]: run for run in data["runs"]}
-    assert [phase["phase"] for phase in runs["tierkv"]["phases"]] == ["cold", "replay"]
-    assert [phase["phase"] for phase in runs["vllm"]["phases"]] == ["replay"]
-    replay = runs["tierkv"]["phases"][1]
-    assert all(not reply["error"] for reply in replay["replies"])
-    counters = replay["counters"]
-    # After the restart only the disk can serve: each session's first turn is at least two
-    # 128-token chunks of its system prompt and first user turn (364 tokens).
-    assert counters["hit_disk"] >= 3 * 2 * 128 and counters["declined_disk"] == 0
-    assert counters["hit_cpu"] == 0 and counters["hit_remote"] == 0
-    assert replay["summary"]["cached_tokens"] == counters["vllm_cached"]
+    # Waves: every session's turn 0, then turn 1.
+    assert [phase["phase"] for phase in runs["tierkv"]["phases"]] == ["cold"] * 2 + \
+        ["replay"] * 2
+    assert [phase["phase"] for phase in runs["vllm"]["phases"]] == ["replay"] * 2
+    replay = runs["tierkv"]["phases"][2:]
+    assert all(not reply["error"] for phase in replay for reply in phase["replies"])
+    counters = {key: sum(phase["counters"][key] for phase in replay)
+                for key in replay[0]["counters"]}
+    # After the restart only the disk can serve the first wave: the first turns of the
+    # sessions of two system prompts (300 tokens) are two 128-token chunks each that the
+    # fresh server's own cache cannot have.
+    assert counters["hit_disk"] >= 2 * 2 * 128 and counters["declined_disk"] == 0
+    assert counters["hit_remote"] == 0  # no remote tier (a disk load lands in the CPU tier)
+    assert sum(phase["summary"]["cached_tokens"] for phase in replay) == counters["vllm_cached"]
     assert counters["vllm_external_hits"] == counters["hit_disk"]

@@ -66,12 +66,15 @@ def test_workloads_repeat_and_reuse_as_claimed() -> None:
     for name in ("chat", "agentic", "pressure", "unique", "restart"):
         assert workload(name, sizes, seed=1) == workload(name, sizes, seed=1)
         assert workload(name, sizes, seed=1) != workload(name, sizes, seed=2)
-    chat = workload("chat", sizes)[0]
-    assert chat[0][0].prompt[:8] == chat[2][0].prompt[:8]  # a shared system prompt
-    assert chat[0][1].prompt[:len(chat[0][0].prompt)] == chat[0][0].prompt  # the history
+    first, second = workload("chat", sizes)  # waves: every session's turn 0, then 1
+    assert first[0][0].prompt[:8] == first[2][0].prompt[:8]  # a shared system prompt
+    assert second[0][0].prompt[:len(first[0][0].prompt)] == first[0][0].prompt  # history
     store, reread = workload("pressure", sizes)
     assert [s[0].prompt[:8] for s in store] == [s[0].prompt[:8] for s in reread]
-    cold, replay = workload("restart", sizes)
-    assert [t.prompt for s in cold for t in s] == [t.prompt for s in replay for t in s]
+    restart = workload("restart", sizes)
+    assert [t.phase for wave in restart for s in wave for t in s] == ["cold"] * 6 + \
+        ["replay"] * 6
+    assert [t.prompt for wave in restart[:2] for s in wave for t in s] == \
+        [t.prompt for wave in restart[2:] for s in wave for t in s]
     unique = workload("unique", sizes)[0]
     assert len({s[0].prompt for s in unique}) == 3
