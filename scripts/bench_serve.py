@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import (REPO, WORKLOADS, Reply, Server, Sizes, metric_sum,  # noqa: E402
-                        run_phase, settle, workload)
+                        metrics, rss_bytes, run_phase, settle, start_server, workload)
 
 ARMS = ("vllm", "tierkv")
 MEASURED = {"pressure": "reread", "restart": "replay"}  # other workloads: every phase
@@ -131,7 +131,7 @@ def summary(replies: list[Reply], seconds: float) -> dict[str, float]:
 
 
 def counters(server: Server) -> dict[str, float]:
-    samples = server.metrics()
+    samples = metrics(server)
     return {key: metric_sum(samples, name, label) for key, (name, label) in COUNTERS.items()}
 
 
@@ -176,7 +176,7 @@ def run_arm(args: argparse.Namespace, name: str, arm: str, rnd: int,
     model = args.model_path
 
     def start(log: str) -> Server:
-        server = Server(model, folder / log, settings, kv_cache_bytes=args.kv_cache_bytes)
+        server = start_server(model, folder / log, settings, kv_cache_bytes=args.kv_cache_bytes)
         warm_up(server, 7 + rnd)
         return server
 
@@ -184,7 +184,7 @@ def run_arm(args: argparse.Namespace, name: str, arm: str, rnd: int,
                            "settings": settings, "concurrency": concurrency or args.concurrency}
     server = start("server.log")
     try:
-        rss_start = server.rss_bytes()
+        rss_start = rss_bytes(server)
         before = counters(server)
         restarted = settings is None
         for phase in phases:
@@ -208,7 +208,7 @@ def run_arm(args: argparse.Namespace, name: str, arm: str, rnd: int,
                              "error": r.error} for r in replies]})
             before = after
         out["rss_start_mib"] = rss_start / 2**20
-        out["rss_end_mib"] = server.rss_bytes() / 2**20
+        out["rss_end_mib"] = rss_bytes(server) / 2**20
     finally:
         server.stop(signal.SIGTERM)
     return out

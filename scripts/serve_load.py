@@ -13,12 +13,8 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +22,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tierkv.integrations.vllm_runner import cpu_environment, kv_transfer_config  # noqa: E402
+from tests.engine.processes import Server, parse_metrics  # noqa: E402
 
-STARTUP_SECONDS = 300.0  # a cold start on a loaded 2-core machine
 REQUEST_SECONDS = 300.0
 WORKLOADS = ("chat", "agentic", "pressure", "unique", "restart")
 
@@ -119,112 +114,34 @@ def workload(name: str, sizes: Sizes, seed: int = 0) -> list[list[list[Turn]]]:
 
 # -- the server ------------------------------------------------------------------------------
 
-def free_port() -> int:
-    import socket
+def start_server(model: Path, log: Path, tierkv: Mapping[str, Any] | None, *,
+                 kv_cache_bytes: int) -> Server:
+    """vLLM's OpenAI server with its prefix cache on, as ``vllm serve`` has it; with
+    tierkv's connector when ``tierkv`` is given (tests/engine/processes.py starts it)."""
+    return Server(model, log, tierkv, kv_cache_bytes=kv_cache_bytes, prefix_caching=True)
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+
+def metrics(server: Server) -> dict[str, float]:
+    """The ``vllm:*`` and ``tierkv:*`` samples of the server's ``/metrics``."""
+    text = server.metrics()
+    return parse_metrics(text, "vllm:") | parse_metrics(text, "tierkv:")
 
 
-class Server:
-    """vLLM's OpenAI server (its prefix cache on, as ``vllm serve`` has it) on a loopback
-    port, in a session of its own; with tierkv's connector when ``tierkv`` is given."""
-
-    def __init__(self, model: Path, log: Path, tierkv: Mapping[str, Any] | None, *,
-                 kv_cache_bytes: int, max_model_len: int = 2048) -> None:
-        self.model = str(model)
-        self.log = log
-        self.port = free_port()
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                   self.model, "--skip-tokenizer-init", "--dtype", "float32",
-                   "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes",
-                   str(kv_cache_bytes), "--enforce-eager", "--enable-prompt-tokens-details",
-                   "--host", "127.0.0.1", "--port", str(self.port)]
-        if tierkv is not None:
-            command += ["--kv-transfer-config", json.dumps(kv_transfer_config(**tierkv))]
-        env = dict(os.environ)
-        cpu_environment(env, in_process=False)
-        with log.open("ab") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True, env=env)
-        self.started = time.monotonic()
-        self._wait_ready()
-        self.start_seconds = time.monotonic() - self.started
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode} at "
-                                   f"start; its log: {self.log}\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)  # polling a child's start
-        self.stop(signal.SIGKILL)
-        raise RuntimeError(f"no /health in {STARTUP_SECONDS:.0f} s; log {self.log}")
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def metrics(self) -> dict[str, float]:
-        """The samples of ``/metrics`` (``name{labels}`` -> value)."""
-        with urllib.request.urlopen(self.url("/metrics"), timeout=60) as response:
-            text = response.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                try:
-                    out[name] = float(value)
-                except ValueError:
-                    continue
-        return out
-
-    def rss_bytes(self) -> int:
-        """Resident bytes of every process of the server's group (API server, engine core,
-        workers)."""
-        total = 0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
+def rss_bytes(server: Server) -> int:
+    """Resident bytes of every process of the server's group (API server, engine core,
+    workers)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != server.process.pid:  # the process group
                 continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) != self.process.pid:  # pgrp
-                    continue
-                total += int((entry / "statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, IndexError, ValueError):
-                continue
-        return total
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120.0) -> None:
-        try:
-            os.killpg(self.process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the engine core and workers exit after it
-            try:
-                os.killpg(self.process.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.1)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            total += int((entry / "statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def metric_sum(samples: Mapping[str, float], name: str, label: str = "") -> float:
@@ -300,7 +217,7 @@ async def _phase(server: Server, sessions: Sequence[Sequence[Turn]], concurrency
         async def worker() -> None:
             while not queue.empty():
                 for turn in queue.get_nowait():
-                    replies.append(await _one(client, server.url("/v1/completions"),
+                    replies.append(await _one(client, f"http://127.0.0.1:{server.port}/v1/completions",
                                               server.model, turn, max_tokens))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -323,5 +240,5 @@ def settle(server: Server, seed: int) -> None:
     asyncio.run(_phase(server, [[Turn(-1, 0, "settle", tuple(_tokens(rng, 8)))]], 1, 1))
 
 
-__all__ = ["Reply", "Server", "Sizes", "Turn", "WORKLOADS", "metric_sum", "run_phase",
-           "settle", "workload"]
+__all__ = ["Reply", "Server", "Sizes", "Turn", "WORKLOADS", "metric_sum", "metrics", "rss_bytes",
+           "run_phase", "settle", "start_server", "workload"]
