@@ -213,12 +213,12 @@ async def _phase(server: Server, sessions: Sequence[Sequence[Turn]], concurrency
         queue.put_nowait(one)
     replies: list[Reply] = []
     timeout = aiohttp.ClientTimeout(total=REQUEST_SECONDS)
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
     async with aiohttp.ClientSession(timeout=timeout) as client:
         async def worker() -> None:
             while not queue.empty():
                 for turn in queue.get_nowait():
-                    replies.append(await _one(client, f"http://127.0.0.1:{server.port}/v1/completions",
-                                              server.model, turn, max_tokens))
+                    replies.append(await _one(client, url, server.model, turn, max_tokens))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return replies
