@@ -37,7 +37,7 @@ def test_bench_serve_restart_cohort_keeps_its_invariants(tmp_path: Path) -> None
     data = json.loads(out.read_text())
     assert data["failures"] == []
     # Every reply of tierkv's replay was compared with vLLM alone's, none differed.
-    assert data["checks"] == {"greedy_compared": 6, "greedy_differed": 0}
+    assert data["checks"] == {"greedy_compared": 6, "greedy_differed": 0, "notes": []}
     runs = {run["arm"]: run for run in data["runs"]}
     # Waves: every session's turn 0, then turn 1.
     assert [phase["phase"] for phase in runs["tierkv"]["phases"]] == ["cold"] * 2 + \

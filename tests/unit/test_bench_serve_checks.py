@@ -91,12 +91,10 @@ def test_a_preempted_reload_is_a_note_not_a_failure() -> None:
     assert len(failures) == 1 and "external hit tokens" in failures[0]
 
 
-def test_a_promised_chunk_refused_a_slot_is_a_note() -> None:
-    # vLLM counted the promised chunk at admission; tierkv loaded (and counted) one less.
-    roomless = run("tierkv", [1, 2], hit_disk=128.0, vllm_external_hits=256.0,
-                   no_room_loads=1.0)
-    failures, tally = bench_serve.checks([good()[0], roomless], slack_mib=64)
-    assert failures == [] and len(tally["notes"]) == 1
-    more = run("tierkv", [1, 2], hit_disk=128.0, vllm_external_hits=512.0, no_room_loads=1.0)
-    failures, _ = bench_serve.checks([good()[0], more], slack_mib=64)
-    assert len(failures) == 1 and "external hit tokens" in failures[0]
+
+def test_fewer_tierkv_hits_than_vllm_counted_fail_even_with_roomless_loads() -> None:
+    # Seen with write_through off (docs/benchmarks/serving.md): not explained, so not excused.
+    fewer = run("tierkv", [1, 2], hit_disk=128.0, vllm_external_hits=256.0, no_room_loads=1.0)
+    failures, tally = bench_serve.checks([good()[0], fewer], slack_mib=64)
+    assert len(failures) == 1 and "1 roomless chunk load(s)" in failures[0]
+    assert tally["notes"] == []
