@@ -19,7 +19,7 @@ import pytest
 from tests.engine.test_scripts import run_script
 
 
-# Three server starts: about a minute and a half on an idle 2-core machine, more beside
+# Three server starts: 104 s on the 2-core VM, up to 408 s beside
 # other work (pyproject's 300 s per test is too short for that).
 @pytest.mark.timeout(600)
 def test_bench_serve_restart_cohort_keeps_its_invariants(tmp_path: Path) -> None:
