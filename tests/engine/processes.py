@@ -59,11 +59,13 @@ class Completion:
 
 
 class Server:
-    """vLLM's OpenAI server on a free loopback port, with tierkv's connector."""
+    """vLLM's OpenAI server on a free loopback port, with tierkv's connector (none when
+    ``tierkv`` is None: vLLM alone); vLLM's prefix cache off unless ``prefix_caching``."""
 
-    def __init__(self, model: Path, log: Path, tierkv: Mapping[str, Any], *,
+    def __init__(self, model: Path, log: Path, tierkv: Mapping[str, Any] | None, *,
                  kv_cache_bytes: int = 256 << 20, args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+                 env: Mapping[str, str] | None = None, port: int | None = None,
+                 prefix_caching: bool = False) -> None:
         self.model = str(model)
         self.log = log
         self._log_file = log.open("ab")
@@ -73,9 +75,11 @@ class Server:
                 sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 self.model, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len",
                 "2048", "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
-                "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--kv-transfer-config", json.dumps(kv_transfer_config(**tierkv)), *args]
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port",
+                str(self.port), *args]
+            if tierkv is not None:
+                command += ["--kv-transfer-config", json.dumps(kv_transfer_config(**tierkv))]
             self.process = subprocess.Popen(command, stdout=self._log_file,
                                             stderr=subprocess.STDOUT, start_new_session=True,
                                             env=cpu_environment(**dict(env or {})))
