@@ -15,6 +15,8 @@ Primitives and their contracts (every implementation):
 - ``read_into(key, out)``: ``OK`` only for verified bytes of this namespace, part and key,
   copied into ``out[:payload_bytes]``; ``MISSING``; or ``CORRUPT`` (the value failed its
   checks; a writable tier deletes it). ``out``'s contents are unspecified unless ``OK``.
+  ``read_many_into(items)``: ``read_into`` of each ``(key, out)``, their statuses in order
+  (a tier may keep them all in flight: the disk tier does); the first exception stops it.
 - ``scan()``: every stored chunk as a :class:`ChunkRecord` (no payload read).
 - ``verify(repair)``: check every value; ``repair`` deletes bad ones (:class:`VerifyReport`).
 - ``sync()`` (the durability point), ``sync_if_due()`` (the tier's own schedule; the I/O
@@ -119,6 +121,9 @@ class LowerTier(ABC):
 
     @abstractmethod
     def read_into(self, key: bytes, out: Any) -> ReadStatus: ...
+
+    def read_many_into(self, items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
+        return [self.read_into(key, out) for key, out in items]
 
     @abstractmethod
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]: ...

@@ -433,10 +433,25 @@ class TierIO:
                     self._cond.notify_all()
 
     def _read_piece(self, job: _ReadJob, first: int, end: int) -> None:
-        """Read ``job.chunks[first:end]``; a failing disk tier leaves the rest unread, a
-        network tier goes on (a chunk on a node that failed fails at once, its breaker
-        open; the chunks of other nodes are read)."""
-        for position, chunk in enumerate(job.chunks[first:end], first):
+        """Read ``job.chunks[first:end]``: a disk tier's all in flight (``read_many_into``;
+        a failure leaves them unread), a network tier's one by one, going on past a failure
+        (a chunk on a node that failed fails at once, its breaker open; the chunks of other
+        nodes are read)."""
+        positions = list(range(first, min(end, len(job.chunks))))
+        if not self.tier.transient_failures:
+            whole = [p for p in positions if not job.chunks[p].parts]
+            try:
+                statuses = self.tier.read_many_into(
+                    [(job.chunks[p].key, self.slab.memoryview(job.chunks[p].slot))
+                     for p in whole])
+            except Exception as exc:
+                self._read_failed(job, exc)
+                return
+            for position, status in zip(whole, statuses):
+                job.status[position] = status
+            positions = [p for p in positions if job.chunks[p].parts]
+        for position in positions:
+            chunk = job.chunks[position]
             try:
                 if chunk.parts:
                     job.status[position] = (ReadStatus.MISSING if self.other_parts is None else
@@ -446,14 +461,19 @@ class TierIO:
                     job.status[position] = self.tier.read_into(chunk.key,
                                                                self.slab.memoryview(chunk.slot))
             except Exception as exc:
-                self._mark_broken(exc)
-                transient = isinstance(exc, BrokenError) and self.tier.transient_failures
-                logger.log(logging.DEBUG if transient else logging.ERROR,
-                           "%s: read job %s failed: %s", self._io, job.job_id, exc)
-                with self._cond:
-                    job.error = job.error or f"{type(exc).__name__}: {exc}"
-                if not transient:
+                if not self._read_failed(job, exc):
                     return
+
+    def _read_failed(self, job: _ReadJob, exc: Exception) -> bool:
+        """Note that a read of ``job`` raised ``exc``; True when the job's other reads go on
+        (a transient failure of a network tier)."""
+        self._mark_broken(exc)
+        transient = isinstance(exc, BrokenError) and self.tier.transient_failures
+        logger.log(logging.DEBUG if transient else logging.ERROR,
+                   "%s: read job %s failed: %s", self._io, job.job_id, exc)
+        with self._cond:
+            job.error = job.error or f"{type(exc).__name__}: {exc}"
+        return transient
 
     def _outcome(self, job: _ReadJob) -> ReadOutcome:
         keys = {status: tuple(chunk.key for chunk, got in zip(job.chunks, job.status)
