@@ -12,7 +12,9 @@ import mmap
 import os
 import random
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -246,3 +248,40 @@ def test_a_read_job_of_many_small_chunks_fills_the_bound_from_one_reader_thread(
         per_chunk = SMALL + 4096
         assert tier._reads.deepest == (bound // per_chunk) * per_chunk
         assert tier._reads.pieces == count
+
+
+def test_many_small_read_jobs_queued_are_read_in_one_call_up_to_the_bound(
+        tmp_path: Path) -> None:
+    """Jobs of one chunk each (many requests) queued while the reader is busy: it hands the
+    tier the ones that fit the bound in one read_many_into, not one call per job, and each
+    job still gets its own outcome with exact bytes (no clock: the first call waits on an
+    event the test sets once the rest are queued)."""
+    count, bound = 21, 1 << 20
+    slab = CpuSlab(num_slots=count, slot_bytes=SMALL, pin_memory="never")
+    with open_tier(tmp_path, SMALL, read_bytes_in_flight=bound) as tier:
+        tier.put_many([(key(i), value(i, SMALL)) for i in range(count)])
+        io = TierIO(tier, slab, write_batch_bytes=8 * SMALL, reader_threads=1)
+        calls: list[int] = []
+        entered, gate = threading.Event(), threading.Event()
+        original = tier.read_many_into
+
+        def read_many_into(items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
+            calls.append(len(items))
+            entered.set()
+            gate.wait()
+            return original(items)
+
+        tier.read_many_into = read_many_into  # type: ignore[method-assign]
+        outcomes: list[ReadOutcome] = []
+        io.submit_read(JobId(0), [ChunkCopy(key(0), SlotId(0), ())], outcomes.append)
+        assert entered.wait(timeout=60)  # the reader is inside its first call
+        for i in range(1, count):
+            io.submit_read(JobId(i), [ChunkCopy(key(i), SlotId(i), ())], outcomes.append)
+        gate.set()
+        io.wait([JobId(i) for i in range(count)], timeout=60)
+        io.shutdown()
+        assert calls == [1, 8, 8, 4]  # 8 chunks of 128 KiB fill the 1 MiB bound
+        assert sorted(o.job_id for o in outcomes) == list(range(count))
+        assert all(o.ok and o.num_bytes == SMALL for o in outcomes)
+        assert [bytes(slab.memoryview(i)) for i in range(count)] == \
+            [value(i, SMALL) for i in range(count)]

@@ -17,6 +17,8 @@ Primitives and their contracts (every implementation):
   checks; a writable tier deletes it). ``out``'s contents are unspecified unless ``OK``.
   ``read_many_into(items)``: ``read_into`` of each ``(key, out)``, their statuses in order
   (a tier may keep them all in flight: the disk tier does); the first exception stops it.
+  ``read_batch_bytes`` (0): the chunk bytes worth handing it in one call (the disk tier:
+  ``disk.read_bytes_in_flight``); an I/O layer's readers share it.
 - ``scan()``: every stored chunk as a :class:`ChunkRecord` (no payload read).
 - ``verify(repair)``: check every value; ``repair`` deletes bad ones (:class:`VerifyReport`).
 - ``sync()`` (the durability point), ``sync_if_due()`` (the tier's own schedule; the I/O
@@ -107,6 +109,7 @@ class LowerTier(ABC):
     sync_inline: bool = True
     write_lanes: int = 1
     transient_failures: bool = False
+    read_batch_bytes: int = 0
 
     @staticmethod
     def lane_of(key: bytes) -> int:

@@ -162,6 +162,7 @@ class DiskTier(LowerTier):
         self._stats_lock = threading.Lock()
         self._counts = DiskCounts()
         self._reads = ReadPool(config.read_bytes_in_flight)  # O_DIRECT pieces in flight
+        self.read_batch_bytes = config.read_bytes_in_flight
         self._unsynced_bytes = 0
         self._last_sync = clock()
         if config.tune_malloc:
@@ -444,7 +445,7 @@ class DiskTier(LowerTier):
         views = [(key, self._out_of(key, out)) for key, out in items]
         statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(views)
         again: list[int] = []
-        hits = misses = 0
+        hits = 0
         shards: dict[int, list[int]] = {}
         for position, (key, _) in enumerate(views):
             shards.setdefault(shard_of(key), []).append(position)
@@ -454,12 +455,11 @@ class DiskTier(LowerTier):
                 read_shard_batch, lm, batch, self._reads, self._entry_of, self._judge),
                 batch[0][0])
             for position, (raw, problem) in zip(positions, found):
-                if raw is not None and problem is None:
-                    statuses[position], hits = ReadStatus.OK, hits + 1
-                elif raw is None:
-                    misses += 1
-                else:
+                if problem is not None:
                     again.append(position)
+                elif raw is not None:
+                    statuses[position], hits = ReadStatus.OK, hits + 1
+        misses = len(views) - hits - len(again)
         with self._stats_lock:
             counts = self._counts
             counts.reads += hits + misses
