@@ -194,8 +194,9 @@ def test_one_reader_keeps_many_small_chunks_in_flight_up_to_the_bound(tmp_path: 
 @pytest.mark.parametrize("size", [SMALL, PAYLOAD])
 def test_reading_many_answers_each_chunk_as_read_into_would(tmp_path: Path, size: int) -> None:
     """Good, missing and damaged chunks in one call: each status is read_into's (a damaged
-    slot is CORRUPT and deleted, its neighbours OK), whether the payload is one call or
-    pieces, into aligned (O_DIRECT) and unaligned (buffered) buffers."""
+    slot is CORRUPT and deleted, its neighbours OK), small and large payloads (a chunk alone
+    in its shard is read in pieces), into aligned (O_DIRECT) and unaligned (buffered)
+    buffers."""
     victim = 3
     with open_tier(tmp_path, size) as tier:
         tier.put_many([(key(i), value(i, size)) for i in range(8)])

@@ -4,8 +4,8 @@ A cold load of small chunks waited on the device with few reads queued: a reader
 that reads one chunk at a time keeps one chunk's pieces in flight, whatever the bound
 (docs/benchmarks/disk.md, "O_DIRECT reads"). So :func:`read_shard_batch` starts the reads of
 every chunk of its batch (:meth:`~tierkv.tiers.disk.slab.SlabFile.start_read`: header block
-and payload on the tier's :class:`~tierkv.tiers.disk.reads.ReadPool`, a small payload in one
-call) and checks each chunk as its reads finish, oldest first. What it has started and not
+and payload in one call on the tier's :class:`~tierkv.tiers.disk.reads.ReadPool`; pieces
+only for a chunk read alone, since the other chunks fill the queue) and checks each chunk as its reads finish, oldest first. What it has started and not
 yet checked stays within the pool's bound (``disk.read_bytes_in_flight``): one reader alone
 fills the queue, and several share it.
 
@@ -82,8 +82,8 @@ def read_shard_batch(lm: LmdbEnv, batch: Sequence[tuple[bytes, memoryview]], poo
                 continue
             while window and (len(window) + 1) * cost > pool.limit:
                 finish_oldest()
-            window.append((position, entry,
-                           slab.start_read(entry.slot, out, heads[position], pool)))
+            window.append((position, entry, slab.start_read(
+                entry.slot, out, heads[position], pool, pieces=len(batch) == 1)))
             pool.note_started(len(window) * cost)
         while window:
             finish_oldest()

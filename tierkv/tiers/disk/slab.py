@@ -18,6 +18,10 @@ Primitives and contracts:
   ``direct_io`` and ``out`` page-aligned: ``O_DIRECT``, the payload's pieces on ``pool``
   (:mod:`tierkv.tiers.disk.reads`); else (or where the filesystem refuses ``O_DIRECT``,
   said once per filesystem) one buffered ``preadv``.
+- ``start_read(slot, out, head, pool, pieces=False)`` / ``finish_read(pending)``: the same
+  read started on ``pool`` and ended later, the header block into the caller's aligned
+  ``head`` (so one thread keeps many chunks in flight: :mod:`tierkv.tiers.disk.many`); one
+  call per chunk unless ``pieces``.
 - ``sync()``: ``fdatasync`` (payloads and the file's size).
 - The allocator (one process writes a shard: the claim): ``allocate(count, limit)`` gives
   free slots first, then grows the file by exactly the slots it hands out
@@ -51,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.tiers.disk.format import ALIGN, HEADER_BLOCK, copy_bytes, slot_bytes_for
-from tierkv.tiers.disk.reads import MAX_PIECE_BYTES, ReadPool
+from tierkv.tiers.disk.reads import ReadPool
 
 logger = logging.getLogger("tierkv.disk")
 
@@ -302,19 +306,19 @@ class SlabFile:
             results = ReadPool.gather(futures) if futures else [call() for _, call in rest]
         return count + sum(results) + self._read_tail(fd, offset, out)
 
-    def start_read(self, slot: int, out: memoryview, head: memoryview, pool: ReadPool
-                   ) -> PendingRead:
+    def start_read(self, slot: int, out: memoryview, head: memoryview, pool: ReadPool,
+                   pieces: bool = False) -> PendingRead:
         """Start reading ``slot`` (its header block into ``head``: 4 KiB, page-aligned, the
         caller's; its payload into ``out``) and return at once: with ``O_DIRECT`` every read
-        runs on ``pool``, a payload of at most :data:`~tierkv.tiers.disk.reads.
-        MAX_PIECE_BYTES` in one call (many chunks fill the queue, so no pieces), a larger one
-        in pieces; else one buffered ``preadv`` here. :meth:`finish_read` waits for it."""
+        runs on ``pool``, the header block and payload in one call (other chunks fill the
+        queue) or, with ``pieces`` (a chunk read alone), in pieces; else one buffered
+        ``preadv`` here. :meth:`finish_read` waits for it."""
         offset = slot * self.slot_bytes
         fd = self._direct_read_fd
         if fd is not None and _address(out) % ALIGN == 0:
             size = self.payload_bytes
-            piece = size if size <= MAX_PIECE_BYTES else ReadPool.piece_for(size)
-            calls = self._direct_calls(fd, offset, head, out, max(piece - piece % ALIGN, ALIGN))
+            piece = ReadPool.piece_for(size) if pieces else max(size - size % ALIGN, ALIGN)
+            calls = self._direct_calls(fd, offset, head, out, piece)
             return PendingRead(offset, head, out, fd, pool.submit(calls))
         return PendingRead(offset, head, out, None, [],
                            os.preadv(self._fd, [head, out[: self.payload_bytes]], offset))

@@ -438,10 +438,8 @@ class DiskTier(LowerTier):
         return self._bytes_of(out, f"the read buffer for chunk {short_key(key)}", writable=True)
 
     def read_many_into(self, items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
-        """:meth:`read_into` of each ``(key, out)``, many in flight: per shard the index
-        entries in one read txn and every slot read started before the first is checked
-        (:mod:`tierkv.tiers.disk.many`); a chunk that fails a check goes through
-        :meth:`read_into` (read again, deleted if still bad)."""
+        """:meth:`read_into` of each ``(key, out)``, all in flight (:mod:`tierkv.tiers.disk.
+        many`); a chunk that fails a check goes through :meth:`read_into` (again, deleted)."""
         views = [(key, self._out_of(key, out)) for key, out in items]
         statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(views)
         again: list[int] = []
