@@ -70,13 +70,13 @@ def test_each_control_of_a_request(models: dict[str, Path], reference: Reference
             engine.settle()
         worker = engine.worker()._worker
         disk, gate = worker._stack.disk, threading.Event()
-        read_into = disk.read_into
+        read_many_into = disk.read_many_into  # the I/O threads' reads
 
-        def gated(key: bytes, out: memoryview) -> Any:
+        def gated(items: Any) -> Any:
             gate.wait()
-            return read_into(key, out)
+            return read_many_into(items)
 
-        disk.read_into = gated
+        disk.read_many_into = gated
         try:
             output = engine.one(tokens, transfer_params={"tierkv": {"load_deadline_ms": 50}})
         finally:

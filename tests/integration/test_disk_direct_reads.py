@@ -1,5 +1,6 @@
 """Slab payloads are read with O_DIRECT straight into a page-aligned buffer, in pieces many
-at a time under a bound of bytes in flight (tierkv.tiers.disk.reads), and buffered where
+at a time under a bound of bytes in flight (tierkv.tiers.disk.reads), many chunks of one
+caller at once (tierkv.tiers.disk.many), and buffered where
 the filesystem refuses O_DIRECT or the buffer is not aligned: every path serves the exact
 bytes, and every read keeps the slot-header check (real LMDB and slab files)."""
 
@@ -11,16 +12,21 @@ import mmap
 import os
 import random
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tierkv.config import DiskTierConfig
+from tierkv.core.jobs import ChunkCopy, JobId, SlotId
 from tierkv.keys import Namespace
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.disk import slab as slab_module
 from tierkv.tiers.disk.reads import MIN_PIECE_BYTES, ReadPool
-from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.cpu import CpuSlab
+from tierkv.tiers.disk.tier import DiskTier, shard_of
+from tierkv.transfer.tier_io import ReadOutcome, TierIO
 
 # A payload with a tail that is no whole 4 KiB block, larger than one piece.
 PAYLOAD = 3 * MIN_PIECE_BYTES * 4 + 100
@@ -117,6 +123,10 @@ def test_a_filesystem_that_refuses_o_direct_is_read_buffered_and_said_once(
                     out = aligned(PAYLOAD)
                     assert tier.read_into(key(index), out) is ReadStatus.OK
                     assert bytes(out) == value(index, PAYLOAD)
+                outs = [aligned(PAYLOAD) for _ in range(3)]  # many in flight: the same
+                assert tier.read_many_into([(key(i), outs[i]) for i in range(3)]) == \
+                    [ReadStatus.OK] * 3
+                assert [bytes(out) for out in outs] == [value(i, PAYLOAD) for i in range(3)]
         refusals = [r for r in caplog.records if "refused O_DIRECT" in r.getMessage()]
         assert len(refusals) == 1
         monkeypatch.undo()
@@ -156,3 +166,123 @@ def test_the_pieces_in_flight_never_pass_the_bound() -> None:
     submitter.join(timeout=60)
     pool.close()
     assert results == [1] * 6 and most[0] == 3
+
+
+SMALL = 128 << 10  # a chunk no larger than a piece: read in one call, no pieces
+
+
+def test_one_reader_keeps_many_small_chunks_in_flight_up_to_the_bound(tmp_path: Path) -> None:
+    """read_many_into starts every chunk's read before it checks the first: what one caller
+    thread has started and not yet checked reaches the bytes-in-flight bound (a reader that
+    read one chunk at a time held one), each chunk is one call on the pool (no pieces, one
+    hand-off), and every byte served is exact."""
+    count, bound = 40, 1 << 20
+    with open_tier(tmp_path, SMALL, read_bytes_in_flight=bound) as tier:
+        tier.put_many([(key(i), value(i, SMALL)) for i in range(count)])
+        outs = [aligned(SMALL) for _ in range(count)]
+        pool = tier._reads
+        statuses = tier.read_many_into([(key(i), outs[i]) for i in range(count)])
+        assert statuses == [ReadStatus.OK] * count
+        assert [bytes(out) for out in outs] == [value(i, SMALL) for i in range(count)]
+        per_chunk = SMALL + 4096  # the payload and its header block
+        assert pool.deepest == (bound // per_chunk) * per_chunk  # filled, never past it
+        assert pool.pieces == count
+        stats = tier.statistics()
+        assert (stats.reads, stats.hits, stats.bytes_read) == (count, count, count * SMALL)
+
+
+@pytest.mark.parametrize("size", [SMALL, PAYLOAD])
+def test_reading_many_answers_each_chunk_as_read_into_would(tmp_path: Path, size: int) -> None:
+    """Good, missing and damaged chunks in one call: each status is read_into's (a damaged
+    slot is CORRUPT and deleted, its neighbours OK), small and large payloads (a chunk alone
+    in its shard is read in pieces), into aligned (O_DIRECT) and unaligned (buffered)
+    buffers."""
+    victim = 3
+    with open_tier(tmp_path, size) as tier:
+        tier.put_many([(key(i), value(i, size)) for i in range(8)])
+        lm = tier._shard(key(victim))
+        raw = lm.run("test", lambda env: env.begin(db=lm.index).get(key(victim)))
+        entry = tier._entry_of(lm, key(victim), raw)
+        assert not isinstance(entry, str) and lm.slab is not None
+        slab_path, offset = lm.slab.path, entry.slot * lm.slab.slot_bytes + 4096 + size - 7
+    with open(slab_path, "r+b") as handle:  # a byte of the payload's last block flipped
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with open_tier(tmp_path, size) as tier:
+        wanted = [*range(8), 99]  # 99 was never written
+        for make in (aligned, lambda n: memoryview(bytearray(n + 1))[1:]):
+            outs = [make(size) for _ in wanted]
+            statuses = tier.read_many_into([(key(i), out) for i, out in zip(wanted, outs)])
+            for i, status, out in zip(wanted, statuses, outs):
+                if i == 99 or (i == victim and make is not aligned):  # deleted by then
+                    assert status is ReadStatus.MISSING
+                elif i == victim:
+                    assert status is ReadStatus.CORRUPT
+                else:
+                    assert status is ReadStatus.OK and bytes(out) == value(i, size)
+        assert tier.statistics().corrupt == 1
+
+
+def test_a_read_job_of_many_small_chunks_fills_the_bound_from_one_reader_thread(
+        tmp_path: Path) -> None:
+    """TierIO's reader hands its share of a job to the disk tier in one call: one reader
+    thread alone keeps the bound's worth of small chunks in flight, one pool call each, and
+    lands every chunk's exact bytes in its CPU slot."""
+    count, bound = 20, 1 << 20
+    keys = [k for k in (key(i) for i in range(400)) if shard_of(k) == shard_of(key(0))][:count]
+    assert len(keys) == count
+    slab = CpuSlab(num_slots=count, slot_bytes=SMALL, pin_memory="never")
+    with open_tier(tmp_path, SMALL, read_bytes_in_flight=bound) as tier:
+        tier.put_many([(k, value(i, SMALL)) for i, k in enumerate(keys)])
+        io = TierIO(tier, slab, write_batch_bytes=8 * SMALL, reader_threads=1)
+        outcomes: list[ReadOutcome] = []
+        io.submit_read(JobId(1), [ChunkCopy(k, SlotId(i), ()) for i, k in enumerate(keys)],
+                       outcomes.append)
+        io.wait([JobId(1)], timeout=60)
+        io.shutdown()
+        (outcome,) = outcomes
+        assert outcome.ok and len(outcome.ok_keys) == count
+        assert [bytes(slab.memoryview(i)) for i in range(count)] == \
+            [value(i, SMALL) for i in range(count)]
+        per_chunk = SMALL + 4096
+        assert tier._reads.deepest == (bound // per_chunk) * per_chunk
+        assert tier._reads.pieces == count
+
+
+def test_many_small_read_jobs_queued_are_read_in_one_call_up_to_the_bound(
+        tmp_path: Path) -> None:
+    """Jobs of one chunk each (many requests) queued while the reader is busy: it hands the
+    tier the ones that fit the bound in one read_many_into, not one call per job, and each
+    job still gets its own outcome with exact bytes (no clock: the first call waits on an
+    event the test sets once the rest are queued)."""
+    count, bound = 21, 1 << 20
+    slab = CpuSlab(num_slots=count, slot_bytes=SMALL, pin_memory="never")
+    with open_tier(tmp_path, SMALL, read_bytes_in_flight=bound) as tier:
+        tier.put_many([(key(i), value(i, SMALL)) for i in range(count)])
+        io = TierIO(tier, slab, write_batch_bytes=8 * SMALL, reader_threads=1)
+        calls: list[int] = []
+        entered, gate = threading.Event(), threading.Event()
+        original = tier.read_many_into
+
+        def read_many_into(items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
+            calls.append(len(items))
+            entered.set()
+            gate.wait()
+            return original(items)
+
+        tier.read_many_into = read_many_into  # type: ignore[method-assign]
+        outcomes: list[ReadOutcome] = []
+        io.submit_read(JobId(0), [ChunkCopy(key(0), SlotId(0), ())], outcomes.append)
+        assert entered.wait(timeout=60)  # the reader is inside its first call
+        for i in range(1, count):
+            io.submit_read(JobId(i), [ChunkCopy(key(i), SlotId(i), ())], outcomes.append)
+        gate.set()
+        io.wait([JobId(i) for i in range(count)], timeout=60)
+        io.shutdown()
+        assert calls == [1, 8, 8, 4]  # 8 chunks of 128 KiB fill the 1 MiB bound
+        assert sorted(o.job_id for o in outcomes) == list(range(count))
+        assert all(o.ok and o.num_bytes == SMALL for o in outcomes)
+        assert [bytes(slab.memoryview(i)) for i in range(count)] == \
+            [value(i, SMALL) for i in range(count)]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -99,10 +100,10 @@ def test_one_read_job_is_split_across_reader_threads(tmp_path: Path) -> None:
             io.submit_spill(spill(1, [(i, i) for i in range(16)]))
             io.wait([JobId(1)])
             readers: set[str] = set()
-            original = tier.read_into
+            original = tier.read_many_into  # a reader's share of the job: one call
             gate = threading.Barrier(4, timeout=10)
 
-            def read_into(key: bytes, out: memoryview) -> ReadStatus:
+            def read_many_into(items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
                 reader = f"{threading.current_thread().name} {threading.get_ident()}"
                 if reader not in readers:
                     readers.add(reader)
@@ -110,9 +111,9 @@ def test_one_read_job_is_split_across_reader_threads(tmp_path: Path) -> None:
                         gate.wait()  # four threads inside at once, or this times out
                     except threading.BrokenBarrierError:
                         pass
-                return original(key, out)
+                return original(items)
 
-            tier.read_into = read_into  # type: ignore[method-assign]
+            tier.read_many_into = read_many_into  # type: ignore[method-assign]
             outcomes: list[ReadOutcome] = []
             chunks = [ChunkCopy(key_of(i), SlotId(20 + i), (), True) for i in range(16)]
             chunks.append(ChunkCopy(key_of(99), SlotId(39), (), True))
@@ -194,20 +195,20 @@ def test_small_chunks_are_not_split_into_pieces(tmp_path: Path) -> None:
                 slab.memoryview(i)[:] = payload_of(i)[:small]
             io.submit_spill(spill(1, [(i, i) for i in range(16)]))
             io.wait([JobId(1)])
-            readers: set[int] = set()
-            original = tier.read_into
+            readers: list[int] = []
+            original = tier.read_many_into
 
-            def read_into(key: bytes, out: memoryview) -> ReadStatus:
-                readers.add(threading.get_ident())
+            def read_many_into(items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
+                readers.append(threading.get_ident())
                 threading.Event().wait(0.005)  # slow enough that idle threads would join in
-                return original(key, out)
+                return original(items)
 
-            tier.read_into = read_into  # type: ignore[method-assign]
+            tier.read_many_into = read_many_into  # type: ignore[method-assign]
             outcomes: list[ReadOutcome] = []
             chunks = [ChunkCopy(key_of(i), SlotId(20 + i), (), True) for i in range(16)]
             io.submit_read(JobId(2), chunks, outcomes.append)
             io.wait([JobId(2)])
-            assert len(readers) == 1
+            assert len(readers) == 1  # one call, on one thread
             assert outcomes[0].ok_keys == tuple(key_of(i) for i in range(16))
             for i in range(16):
                 assert bytes(slab.memoryview(20 + i)) == payload_of(i)[:small]

@@ -6,7 +6,9 @@ wrong bytes, or a late copy into blocks handed to another request, fails at once
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.integration.adapter_stack import TPC_DEFAULT as TPC
 from tests.integration.adapter_stack import build_stack
@@ -29,6 +31,10 @@ class GatedDisk(DiskTier):
     def read_into(self, key: bytes, out: memoryview) -> ReadStatus:
         self.gate.wait()
         return super().read_into(key, out)
+
+    def read_many_into(self, items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
+        self.gate.wait()  # the I/O threads' reads: many chunks in one call
+        return super().read_many_into(items)
 
 
 class Clock:

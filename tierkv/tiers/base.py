@@ -15,6 +15,10 @@ Primitives and their contracts (every implementation):
 - ``read_into(key, out)``: ``OK`` only for verified bytes of this namespace, part and key,
   copied into ``out[:payload_bytes]``; ``MISSING``; or ``CORRUPT`` (the value failed its
   checks; a writable tier deletes it). ``out``'s contents are unspecified unless ``OK``.
+  ``read_many_into(items)``: ``read_into`` of each ``(key, out)``, their statuses in order
+  (a tier may keep them all in flight: the disk tier does); the first exception stops it.
+  ``read_batch_bytes`` (0): the chunk bytes worth handing it in one call (the disk tier:
+  ``disk.read_bytes_in_flight``); an I/O layer's readers share it.
 - ``scan()``: every stored chunk as a :class:`ChunkRecord` (no payload read).
 - ``verify(repair)``: check every value; ``repair`` deletes bad ones (:class:`VerifyReport`).
 - ``sync()`` (the durability point), ``sync_if_due()`` (the tier's own schedule; the I/O
@@ -107,6 +111,7 @@ class LowerTier(ABC):
     sync_inline: bool = True
     write_lanes: int = 1
     transient_failures: bool = False
+    read_batch_bytes: int = 0
 
     @staticmethod
     def lane_of(key: bytes) -> int:
@@ -121,6 +126,9 @@ class LowerTier(ABC):
 
     @abstractmethod
     def read_into(self, key: bytes, out: Any) -> ReadStatus: ...
+
+    def read_many_into(self, items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
+        return [self.read_into(key, out) for key, out in items]
 
     @abstractmethod
     def scan(self, batch: int = 1024) -> Iterator[ChunkRecord]: ...

@@ -23,6 +23,9 @@ Primitives and contracts:
   each ``chunk.key`` is read into slot ``chunk.slot``, then ``on_done(ReadOutcome)`` runs in
   the thread that read the job's last piece (chain the CPU -> GPU copy from there). Jobs may
   finish out of order. An exception from ``on_done`` is logged and the thread goes on.
+  A reader hands the tier a part and the small whole jobs queued after it, up to its
+  share of ``tier.read_batch_bytes``, in one ``read_many_into`` (the disk tier keeps them
+  all in flight); a network tier's chunks are read one by one.
 - ``poll_finished()`` spill completions in FIFO order, non-blocking.
 - ``wait(job_ids, timeout=None)`` blocks until those jobs completed (a read: with its
   ``on_done``); it does not consume them from ``poll_finished``. Spill and read ids share
@@ -406,37 +409,75 @@ class TierIO:
             error=None if error is None else f"{type(error).__name__}: {error}")
 
     # -- reader threads --------------------------------------------------------------------
-    def _reader_main(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._reads or self._closed)
-                if not self._reads:
-                    return
-                job, first, end = self._reads.popleft()
-            self._read_piece(job, first, end)
-            with self._cond:
-                job.pieces -= 1
-                if job.pieces:
-                    continue
-            try:
-                outcome = self._outcome(job)
-                try:
-                    job.on_done(outcome)
-                except Exception:
-                    logger.exception("%s: on_done of read job %s raised", self._io, job.job_id)
-                    with self._cond:
-                        self._counts.callback_errors += 1
-            finally:
-                with self._cond:
-                    self._ledger.finish(job.job_id)
-                    self._counts.read_jobs += 1
-                    self._cond.notify_all()
+    def _take_reads(self) -> list[tuple[_ReadJob, int, int]] | None:
+        """The next queued parts of read jobs (None: stop): the first, and the whole jobs
+        after it while their chunks fit this reader's share of the tier's
+        ``read_batch_bytes`` (many small jobs read at once, as one job's chunks are; a job
+        split between the readers stays split)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._reads or self._closed)
+            if not self._reads:
+                return None
+            taken = [self._reads.popleft()]
+            share = self.tier.read_batch_bytes // self._num_readers
+            job, first, end = taken[0]
+            size = (min(end, len(job.chunks)) - first) * self._payload
+            while self._reads and self._reads[0][0].pieces == 1 and \
+                    size + len(self._reads[0][0].chunks) * self._payload <= share:
+                size += len(self._reads[0][0].chunks) * self._payload
+                taken.append(self._reads.popleft())
+            return taken
 
-    def _read_piece(self, job: _ReadJob, first: int, end: int) -> None:
-        """Read ``job.chunks[first:end]``; a failing disk tier leaves the rest unread, a
-        network tier goes on (a chunk on a node that failed fails at once, its breaker
-        open; the chunks of other nodes are read)."""
-        for position, chunk in enumerate(job.chunks[first:end], first):
+    def _reader_main(self) -> None:
+        while (taken := self._take_reads()) is not None:
+            self._read_parts(taken)
+            for job, _, _ in taken:
+                with self._cond:
+                    job.pieces -= 1
+                    if job.pieces:
+                        continue
+                self._end_read(job)
+
+    def _end_read(self, job: _ReadJob) -> None:
+        try:
+            outcome = self._outcome(job)
+            try:
+                job.on_done(outcome)
+            except Exception:
+                logger.exception("%s: on_done of read job %s raised", self._io, job.job_id)
+                with self._cond:
+                    self._counts.callback_errors += 1
+        finally:
+            with self._cond:
+                self._ledger.finish(job.job_id)
+                self._counts.read_jobs += 1
+                self._cond.notify_all()
+
+    def _read_parts(self, taken: list[tuple[_ReadJob, int, int]]) -> None:
+        """Read ``job.chunks[first:end]`` of each taken part: a disk tier's all in flight
+        (one ``read_many_into``; a failure leaves them unread), a network tier's one by
+        one, going on past a failure (a chunk on a node that failed fails at once, its
+        breaker open; the chunks of other nodes are read)."""
+        chunks = [(job, p) for job, first, end in taken
+                  for p in range(first, min(end, len(job.chunks)))]
+        if not self.tier.transient_failures:
+            whole = [(job, p) for job, p in chunks if not job.chunks[p].parts]
+            try:
+                statuses = self.tier.read_many_into(
+                    [(job.chunks[p].key, self.slab.memoryview(job.chunks[p].slot))
+                     for job, p in whole])
+            except Exception as exc:
+                for job in dict.fromkeys(job for job, _, _ in taken):
+                    self._read_failed(job, exc)
+                return
+            for (job, position), status in zip(whole, statuses):
+                job.status[position] = status
+            chunks = [(job, p) for job, p in chunks if job.chunks[p].parts]
+        stopped: set[int] = set()
+        for job, position in chunks:
+            if id(job) in stopped:
+                continue
+            chunk = job.chunks[position]
             try:
                 if chunk.parts:
                     job.status[position] = (ReadStatus.MISSING if self.other_parts is None else
@@ -446,14 +487,19 @@ class TierIO:
                     job.status[position] = self.tier.read_into(chunk.key,
                                                                self.slab.memoryview(chunk.slot))
             except Exception as exc:
-                self._mark_broken(exc)
-                transient = isinstance(exc, BrokenError) and self.tier.transient_failures
-                logger.log(logging.DEBUG if transient else logging.ERROR,
-                           "%s: read job %s failed: %s", self._io, job.job_id, exc)
-                with self._cond:
-                    job.error = job.error or f"{type(exc).__name__}: {exc}"
-                if not transient:
-                    return
+                if not self._read_failed(job, exc):
+                    stopped.add(id(job))
+
+    def _read_failed(self, job: _ReadJob, exc: Exception) -> bool:
+        """Note that a read of ``job`` raised ``exc``; True when the job's other reads go on
+        (a transient failure of a network tier)."""
+        self._mark_broken(exc)
+        transient = isinstance(exc, BrokenError) and self.tier.transient_failures
+        logger.log(logging.DEBUG if transient else logging.ERROR,
+                   "%s: read job %s failed: %s", self._io, job.job_id, exc)
+        with self._cond:
+            job.error = job.error or f"{type(exc).__name__}: {exc}"
+        return transient
 
     def _outcome(self, job: _ReadJob) -> ReadOutcome:
         keys = {status: tuple(chunk.key for chunk, got in zip(job.chunks, job.status)

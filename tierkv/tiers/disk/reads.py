@@ -12,7 +12,9 @@ by itself, and many small ones share it.
   call)`` pairs on its threads, waiting while the bytes in flight would pass the bound (one
   piece larger than the bound runs alone); :meth:`~ReadPool.gather` returns the calls'
   results once every one has finished (the first error is raised after all have).
-  :meth:`~ReadPool.close` stops the threads.
+  :meth:`~ReadPool.close` stops the threads. A caller that keeps many chunks started
+  (:mod:`tierkv.tiers.disk.many`) holds them under the same bound and says how deep it went
+  (:meth:`~ReadPool.note_started`, :attr:`~ReadPool.deepest`).
 - :meth:`ReadPool.piece_for` the piece size of a payload: a quarter of it, 4 KiB aligned,
   within [:data:`MIN_PIECE_BYTES`, :data:`MAX_PIECE_BYTES`].
 """
@@ -43,6 +45,7 @@ class ReadPool:
         self._pid = os.getpid()
         self.pieces = 0  # pieces read on the pool
         self.waits = 0  # pieces that waited for room under the bound
+        self.deepest = 0  # most bytes one caller had started and not yet checked
 
     @staticmethod
     def piece_for(payload_bytes: int) -> int:
@@ -101,6 +104,11 @@ class ReadPool:
         if problem is not None and raise_first:
             raise problem
         return [future.result() for future in futures] if problem is None else []
+
+    def note_started(self, num_bytes: int) -> None:
+        """A caller has ``num_bytes`` started and not yet checked (:attr:`deepest`)."""
+        if num_bytes > self.deepest:
+            self.deepest = num_bytes
 
     def close(self) -> None:
         with self._cond:

@@ -18,6 +18,10 @@ Primitives and contracts:
   ``direct_io`` and ``out`` page-aligned: ``O_DIRECT``, the payload's pieces on ``pool``
   (:mod:`tierkv.tiers.disk.reads`); else (or where the filesystem refuses ``O_DIRECT``,
   said once per filesystem) one buffered ``preadv``.
+- ``start_read(slot, out, head, pool, pieces=False)`` / ``finish_read(pending)``: the same
+  read started on ``pool`` and ended later, the header block into the caller's aligned
+  ``head`` (so one thread keeps many chunks in flight: :mod:`tierkv.tiers.disk.many`); one
+  call per chunk unless ``pieces``.
 - ``sync()``: ``fdatasync`` (payloads and the file's size).
 - The allocator (one process writes a shard: the claim): ``allocate(count, limit)`` gives
   free slots first, then grows the file by exactly the slots it hands out
@@ -42,6 +46,8 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -99,6 +105,19 @@ def refused_direct(path: Path, what: str) -> None:
         _REFUSED.add(device)
         logger.info("disk tier: the filesystem of %s refused O_DIRECT (%s); its slab "
                     "reads are buffered", path.parent, what)
+
+
+@dataclass
+class PendingRead:
+    """A slot read :meth:`SlabFile.start_read` started (``fd`` None: it is done, buffered,
+    ``count`` bytes); :meth:`SlabFile.finish_read` ends it."""
+
+    offset: int
+    head: memoryview
+    out: memoryview
+    fd: int | None
+    futures: list[Future[int]]
+    count: int = 0
 
 
 def _address(view: Any) -> int:
@@ -242,35 +261,83 @@ class SlabFile:
                 refused_direct(self.path, "read")
         return block, os.preadv(self._fd, [block, out[: self.payload_bytes]], offset)
 
-    def _read_direct(self, fd: int, offset: int, block: memoryview, out: memoryview,
-                     pool: ReadPool | None) -> int:
-        """The payload's whole 4 KiB blocks straight into ``out``, in pieces on ``pool``
-        (the first piece with the header block, on this thread), and a tail that is no
-        whole block through this thread's bounce buffer."""
-        size = self.payload_bytes
-        whole = size - size % ALIGN
-        piece = ReadPool.piece_for(size) if pool is not None else max(whole, ALIGN)
+    def _direct_calls(self, fd: int, offset: int, head: memoryview, out: memoryview,
+                      piece: int) -> list[tuple[int, Callable[[], int]]]:
+        """The ``O_DIRECT`` reads of a slot as ``(bytes, call)``: the header block with the
+        payload's first ``piece`` bytes in one ``preadv``, then the rest of its whole 4 KiB
+        blocks in ``piece`` pieces (a tail that is no whole block: :meth:`_read_tail`)."""
+        whole = self.payload_bytes - self.payload_bytes % ALIGN
         first = min(piece, whole)
         start = offset + HEADER_BLOCK
 
         def read_at(begin: int, end: int) -> int:
             return os.preadv(fd, [out[begin:end]], start + begin)
 
-        rest = [(min(piece, whole - begin), partial(read_at, begin, min(begin + piece, whole)))
-                for begin in range(first, whole, piece)]
+        calls: list[tuple[int, Callable[[], int]]] = [
+            (HEADER_BLOCK + first, partial(os.preadv, fd, [head, out[:first]], offset))]
+        calls += [(min(piece, whole - begin), partial(read_at, begin, min(begin + piece, whole)))
+                  for begin in range(first, whole, piece)]
+        return calls
+
+    def _read_tail(self, fd: int, offset: int, out: memoryview) -> int:
+        """The payload's last bytes that are no whole 4 KiB block (a padded block, whose
+        first bytes are the payload's) through this thread's bounce buffer."""
+        size = self.payload_bytes
+        whole = size - size % ALIGN
+        if size == whole:
+            return 0
+        _, bounce = self._buffers()
+        got = os.preadv(fd, [bounce[:ALIGN]], offset + HEADER_BLOCK + whole)
+        taken = max(0, min(got, size - whole))
+        copy_bytes(out[whole : whole + taken], bounce[:taken])
+        return taken
+
+    def _read_direct(self, fd: int, offset: int, block: memoryview, out: memoryview,
+                     pool: ReadPool | None) -> int:
+        """The payload's whole 4 KiB blocks straight into ``out``, in pieces on ``pool``
+        (the first piece with the header block, on this thread), and the tail."""
+        whole = self.payload_bytes - self.payload_bytes % ALIGN
+        piece = ReadPool.piece_for(self.payload_bytes) if pool is not None else max(whole, ALIGN)
+        (_, first), *rest = self._direct_calls(fd, offset, block, out, piece)
         futures = pool.submit(rest) if pool is not None else []
         try:
-            count = os.preadv(fd, [block, out[:first]], offset)
+            count = first()
         finally:
             results = ReadPool.gather(futures) if futures else [call() for _, call in rest]
-        count += sum(results)
-        if size > whole:  # the tail: a padded block, whose first bytes are the payload's
-            _, bounce = self._buffers()
-            got = os.preadv(fd, [bounce[:ALIGN]], start + whole)
-            taken = max(0, min(got, size - whole))
-            copy_bytes(out[whole : whole + taken], bounce[:taken])
-            count += taken
-        return count
+        return count + sum(results) + self._read_tail(fd, offset, out)
+
+    def start_read(self, slot: int, out: memoryview, head: memoryview, pool: ReadPool,
+                   pieces: bool = False) -> PendingRead:
+        """Start reading ``slot`` (its header block into ``head``: 4 KiB, page-aligned, the
+        caller's; its payload into ``out``) and return at once: with ``O_DIRECT`` every read
+        runs on ``pool``, the header block and payload in one call (other chunks fill the
+        queue) or, with ``pieces`` (a chunk read alone), in pieces; else one buffered
+        ``preadv`` here. :meth:`finish_read` waits for it."""
+        offset = slot * self.slot_bytes
+        fd = self._direct_read_fd
+        if fd is not None and _address(out) % ALIGN == 0:
+            size = self.payload_bytes
+            piece = ReadPool.piece_for(size) if pieces else max(size - size % ALIGN, ALIGN)
+            calls = self._direct_calls(fd, offset, head, out, piece)
+            return PendingRead(offset, head, out, fd, pool.submit(calls))
+        return PendingRead(offset, head, out, None, [],
+                           os.preadv(self._fd, [head, out[: self.payload_bytes]], offset))
+
+    def finish_read(self, pending: PendingRead) -> int:
+        """The bytes :meth:`start_read` read, once all its reads finished (as :meth:`read`
+        counts them); a filesystem that refused ``O_DIRECT`` on them is read buffered."""
+        if pending.fd is None:
+            return pending.count
+        try:
+            count = sum(ReadPool.gather(pending.futures))
+            return count + self._read_tail(pending.fd, pending.offset, pending.out)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct_read_fd = None  # refused here after all: buffered from now on
+            refused_direct(self.path, "read")
+        return os.preadv(self._fd, [pending.head, pending.out[: self.payload_bytes]],
+                         pending.offset)
 
     def sync(self) -> None:
         os.fdatasync(self._fd)

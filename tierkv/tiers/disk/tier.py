@@ -23,7 +23,9 @@ LMDB serializes write transactions, reads run concurrently):
   ``out``; the slot's header must name the entry's sequence
   and checksum and the payload match the checksum bound to key, namespace and part. A bad
   slot whose entry is still the one read is deleted and counted (an entry changed meanwhile
-  is read again).
+  is read again). ``read_many_into(items)`` does the same for many chunks, all in flight:
+  per shard one read txn, every slot read started before the first is checked
+  (:mod:`tierkv.tiers.disk.many`).
 - ``sync()``: every slab's ``fdatasync``, then the index's (payloads before the index
   that names them). ``trace`` (tests): called with each ordering event.
 - ``scan(batch)`` reads the index sub-db in short txns of ``batch`` keys (restart warm
@@ -67,7 +69,9 @@ from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
 from tierkv.tiers.disk.env import SHARDS, EnvCounts, LmdbEnv, shard_of
 from tierkv.tiers.disk.files import NamespaceInfo, list_namespaces
-from tierkv.tiers.disk.format import HEADER_BLOCK, binding_of, check_slot, unpack_index
+from tierkv.tiers.disk.format import (HEADER_BLOCK, IndexEntry, binding_of, check_slot,
+                                      unpack_index)
+from tierkv.tiers.disk.many import read_shard_batch
 from tierkv.tiers.disk.reads import ReadPool
 from tierkv.tiers.disk.walk import scan_shard, verify_shard
 from tierkv.tiers.disk.write import ShardWrites
@@ -157,6 +161,7 @@ class DiskTier(LowerTier):
         self._stats_lock = threading.Lock()
         self._counts = DiskCounts()
         self._reads = ReadPool(config.read_bytes_in_flight)  # O_DIRECT pieces in flight
+        self.read_batch_bytes = config.read_bytes_in_flight
         self._unsynced_bytes = 0
         self._last_sync = clock()
         if config.tune_malloc:
@@ -390,10 +395,8 @@ class DiskTier(LowerTier):
 
     # -- reads -----------------------------------------------------------------------------
 
-    def _read_slot(self, lm: LmdbEnv, key: bytes, raw: bytes | None,
-                   out: memoryview) -> str | None:
-        """None when the slot the index entry ``raw`` names holds ``key``'s payload (now in
-        ``out``), else what is wrong."""
+    def _entry_of(self, lm: LmdbEnv, key: bytes, raw: bytes | None) -> IndexEntry | str:
+        """The index entry ``raw`` of ``key``, or what is wrong with it."""
         entry = unpack_index(raw)
         if entry is None:
             return "malformed index entry"
@@ -406,18 +409,67 @@ class DiskTier(LowerTier):
                     f"{self.payload_bytes}")
         if lm.slab is None:
             return "slab file missing"
-        head, count = lm.slab.read(entry.slot, out, self._reads)
+        return entry
+
+    def _judge(self, key: bytes, entry: IndexEntry, head: memoryview, count: int,
+               out: memoryview) -> str | None:
+        """None when the slot read holds ``key``'s payload ``entry`` names, else why not."""
         if count < HEADER_BLOCK + self.payload_bytes:
             return f"slot {entry.slot} is past the slab's end (truncated)"
         return check_slot(self._binding, key, head, entry, self.payload_bytes, out)
 
+    def _read_slot(self, lm: LmdbEnv, key: bytes, raw: bytes | None,
+                   out: memoryview) -> str | None:
+        """None when the slot ``raw`` names holds ``key``'s payload (now in ``out``)."""
+        entry = self._entry_of(lm, key, raw)
+        if isinstance(entry, str):
+            return entry
+        assert lm.slab is not None  # _entry_of said so
+        head, count = lm.slab.read(entry.slot, out, self._reads)
+        return self._judge(key, entry, head, count, out)
+
+    def _out_of(self, key: bytes, out: Any) -> memoryview:
+        """``out`` as a writable flat byte view of at least ``payload_bytes`` bytes."""
+        self._check_key(key)
+        if type(out) is memoryview and out.format == "B" and out.ndim == 1 and \
+                not out.readonly and out.c_contiguous and len(out) >= self.payload_bytes:
+            return out
+        return self._bytes_of(out, f"the read buffer for chunk {short_key(key)}", writable=True)
+
+    def read_many_into(self, items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
+        """:meth:`read_into` of each ``(key, out)``, all in flight (:mod:`tierkv.tiers.disk.
+        many`); a chunk that fails a check goes through :meth:`read_into` (again, deleted)."""
+        views = [(key, self._out_of(key, out)) for key, out in items]
+        statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(views)
+        again: list[int] = []
+        hits = 0
+        shards: dict[int, list[int]] = {}
+        for position, (key, _) in enumerate(views):
+            shards.setdefault(shard_of(key), []).append(position)
+        for shard, positions in shards.items():
+            lm, batch = self._shards[shard], [views[position] for position in positions]
+            found = lm.run("reading chunks", partial(
+                read_shard_batch, lm, batch, self._reads, self._entry_of, self._judge),
+                batch[0][0])
+            for position, (raw, problem) in zip(positions, found):
+                if problem is not None:
+                    again.append(position)
+                elif raw is not None:
+                    statuses[position], hits = ReadStatus.OK, hits + 1
+        misses = len(views) - hits - len(again)
+        with self._stats_lock:
+            counts = self._counts
+            counts.reads += hits + misses
+            counts.hits += hits
+            counts.misses += misses
+            counts.bytes_read += hits * self.payload_bytes
+        for position in again:
+            statuses[position] = self.read_into(*views[position])
+        return statuses
+
     def read_into(self, key: bytes, out: memoryview) -> ReadStatus:
         """Copy the verified payload of ``key`` into ``out[:payload_bytes]``."""
-        self._check_key(key)
-        if not (type(out) is memoryview and out.format == "B" and out.ndim == 1
-                and not out.readonly and out.c_contiguous and len(out) >= self.payload_bytes):
-            out = self._bytes_of(out, f"the read buffer for chunk {short_key(key)}",
-                                 writable=True)
+        out = self._out_of(key, out)
         lm = self._shard(key)
 
         def read(env: lmdb.Environment) -> tuple[bytes | None, str | None]:
