@@ -52,7 +52,7 @@ from tierkv.tiers.disk.files import NamespaceInfo, describe_differences, list_na
 from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.tiers.remote.tools import Session
-from tierkv.tiers.remote.tools import _entries as entries
+from tierkv.tiers.remote.tools import scan_entries as entries
 from tierkv.units import MiB
 
 VERDICTS = ("hit-disk", "hit-remote", "damaged", "partial", "other-dp", "other-key",

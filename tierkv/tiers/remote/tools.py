@@ -159,8 +159,8 @@ class Session:
 OLD_FORMAT = ", format 4"  # the label's end for a key of tierkv format 4 (one per rank)
 
 
-def _entries(session: Session, only: str = "", report_every: int | None = PROGRESS_EVERY
-             ) -> list[tuple[bytes, str, str, bytes]]:
+def scan_entries(session: Session, only: str = "", report_every: int | None = PROGRESS_EVERY
+                 ) -> list[tuple[bytes, str, str, bytes]]:
     """(redis key, fingerprint, part label, chunk key) of every tierkv key under the prefix
     whose fingerprint starts with ``only`` (a hex prefix also narrows the ``SCAN``
     pattern). The label is the part (``0of2``), or ``rank <r>, format 4`` for a key of
@@ -202,7 +202,7 @@ def inspect_remote(config: RemoteTierConfig) -> RemoteReport:
     session = Session(config)
     report = RemoteReport()
     try:
-        entries = _entries(session)
+        entries = scan_entries(session)
         sizes = _sizes(session, [name for name, _, _, _ in entries])
         for (_, fingerprint, rank, _), size in zip(entries, sizes):
             report.chunks[(fingerprint, rank)] += 1
@@ -254,7 +254,7 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
     tiers = _Tiers(config)
     outcome = RemoteVerify()
     try:
-        entries = _entries(session, only or "", report_every=None)
+        entries = scan_entries(session, only or "", report_every=None)
         names = [name for name, _, _, _ in entries]
         sizes = _sizes(session, names)
         headers = session.pipeline("reading headers", names,
@@ -355,7 +355,7 @@ def remove_remote(config: RemoteTierConfig, prefix: str, delete: bool = False) -
                           f"lists them")
     session = Session(config, "nothing was deleted")
     try:
-        entries = _entries(session, prefix)
+        entries = scan_entries(session, prefix)
         found = sorted({fingerprint for _, fingerprint, _, _ in entries})
         if not found:
             raise ConfigError(f"no namespace in {where} starts with {prefix!r} "
