@@ -965,7 +965,7 @@ def test_a_job_completes_once_every_tp_rank_reported_it() -> None:
     assert isinstance(both, tierkv_vllm.TierKVWorkerMetadata) and len(both.completions) == 1
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=both))  # rank 1
     assert side.adapter.jobs_in_flight() == 0
-    assert side.index.lookup(side._tracked["r"].keys).num_hits == 2
+    assert side.index.lookup(side.adapter.records["r"].engine.keys).num_hits == 2
 
 
 def test_a_block_vllm_hands_to_one_group_ahead_of_the_other_is_fenced_at_once() -> None:
@@ -1039,14 +1039,14 @@ def test_keys_follow_rewritten_block_hashes() -> None:
     request = SimpleNamespace(request_id="s", block_hashes=hashes, num_prompt_tokens=64, num_tokens=64,
                               num_computed_tokens=0)
     side.on_new_request(request)
-    view = side._view(side._tracked["s"])
+    view = side._view(side.adapter.records["s"].engine)
     assert list(view.chunk_keys) == [chunk_key(hashes[1]), chunk_key(hashes[3])]
     del hashes[3:]
     hashes.append(b"\xee" * 32)  # same length, new last hash
-    assert list(side._view(side._tracked["s"]).chunk_keys) == [chunk_key(hashes[1]), chunk_key(b"\xee" * 32)]
+    assert list(side._view(side.adapter.records["s"].engine).chunk_keys) == [chunk_key(hashes[1]), chunk_key(b"\xee" * 32)]
     assert list(view.chunk_keys)[1] == chunk_key(b"\xee" * 32)  # edited in place: the adapter sees it
     del hashes[1:]
-    assert side._view(side._tracked["s"]).chunk_keys == []
+    assert side._view(side.adapter.records["s"].engine).chunk_keys == []
 
 
 def tierkv_vllm_completion(job_id: Any) -> Any:  # a store job's

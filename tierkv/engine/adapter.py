@@ -77,48 +77,34 @@ class EngineAdapter:
         self.source_parts: Callable[[bytes, bool], int] | None = None
         self.config = config
         self._clock = clock
-        self._tpc = config.tokens_per_chunk
-        self._groups = config.groups
-        # Block lists that may lack pages (NO_BLOCK, released blocks): checked per chunk.
-        self._grouped = config.groups > 1 or config.frees_running_blocks
-        self._bpc = config.blocks_per_chunk  # block positions per chunk
-        self._prompt_only = config.offload_prompt_only
-        limit = config.max_chunks_per_request
-        self._max_chunks = limit if limit is not None else 1 << 62
         self._tracker = CompletionTracker(config.world_size)
         self.stats = AdapterStats()
-        # Everything tracked per request, from its blocks until its last job is done.
-        self._requests: dict[str, RequestState] = {}
+        # One record per request (request id -> RequestState), from its first lookup until
+        # its last job is done: everything kept of a request is on it. The engine's
+        # integration reads it (and keeps its own fields on it: RequestState.engine).
+        self.records: dict[str, RequestState] = {}
         # The requests whose chunks a job in flight moves (a step's store job is shared).
         self._job_owners: dict[JobId, list[RequestState]] = {}
-        self._loads_in_flight = 0  # of those jobs (a completion says its kind)
-        # GPU blocks of requests that left (finished, aborted) while jobs of theirs may be
-        # in flight: block -> request. Written once per request, not per chunk.
+        # The fence's blocks. GPU blocks of requests that left (finished, aborted) while
+        # jobs of theirs may be in flight: block -> request, written once per request.
         self._released: dict[int, str] = {}
-        # Lookups that heard "not yet" (a promotion, the remote tier; a store under way):
-        # request -> when it first did (the request may not be admitted yet).
-        self._pending_since: dict[str, float] = {}
-        self._store_wait_since: dict[str, float] = {}
-        self._finishing: set[bytes] = set()  # chunks of requests that finished since the plan
-        self._finished_queue: list[str] = []
-        # Requests that finished and whose state is not freed yet (last plan to come, or
-        # jobs in flight): their id may not come back as a new request (see refuse_reuse).
-        self._departed: set[str] = set()
-        self._pending_loads: list[LoadRequest] = []
         self._allocated: dict[int, str] = {}  # block -> request, allocated since the last plan
         # frees_running_blocks: blocks a running request released (view.num_released_blocks)
         # while a job of it was in flight -> the request; recorded once, when released.
-        self._fence_running = config.frees_running_blocks
         self._freed_running: dict[int, str] = {}
-        # This step's lookups' decisions (cleared by each plan): same-step loads (request ->
-        # chunks) and the chunks of the step's budget they took; the loads' estimates.
-        self._sync: dict[str, int] = {}
+        self._finishing: set[bytes] = set()  # chunks of requests that finished since the plan
+        self._finished: list[RequestState] = []  # finished since the plan: its last stores
+        # Records that finished and are not released yet (their last plan to come, or jobs
+        # in flight): their id may not come back as a new request (see refuse_reuse).
+        self._departed = 0
+        self._pending_loads: list[LoadRequest] = []
+        # Plans built so far: a lookup's decisions (RequestState.decided) last until the
+        # next plan; the step's budget of same-step load chunks they take from.
+        self._plans = 0
         self._sync_budget = config.sync_load_chunks
-        self._estimates: dict[str, Estimate] = {}
         # Cost-aware loads (load_policy "cost", or a request's own): the decisions, each
         # taken load's timing, and the compute line from the engine's steps.
         self.policy = CostPolicy(index, config, clock, self.stats)
-        self._load_started: dict[JobId, LoadStarted] = {}
         self._timer = StepTimer(self.policy.costs, clock)
 
     @property
@@ -128,21 +114,26 @@ class EngineAdapter:
     # ------------------------------------------------------------------ lookup
     def lookup(self, view: RequestView, num_local_tokens: int) -> int | None:
         self.stats.lookups += 1
-        self._sync_budget += self._sync.pop(view.req_id, 0)  # asked again: the last answer is void
-        state = self._requests.get(view.req_id)
-        if state is not None and (state.reloads_refused or state.load_job is not None):
-            return 0  # a load of it lost a chunk, or was cut at its deadline and still runs
+        state = self.records.get(view.req_id)
+        if state is not None:
+            if state.decided == self._plans:  # asked again: the last answer is void
+                self._sync_budget += state.sync_chunks
+                state.sync_chunks = 0
+            if state.reloads_refused or state.load_job is not None:
+                return 0  # a load of it lost a chunk, or was cut at its deadline and still runs
         policy = view.load_policy or self.config.load_policy
         custom = self.policy.custom is not None and policy == self.config.load_policy
         if policy not in REQUEST_LOAD_POLICIES and not custom:
             raise UsageError(f"engine adapter: request {view.req_id!r} asks for load_policy "
                              f"{policy!r}; a request may ask for one of "
                              f"{list(REQUEST_LOAD_POLICIES)} (or None: the adapter's)")
+        if state is None:  # its record, from now until its last job is done
+            state = self.records[view.req_id] = self._record(view)
         controls = view.controls
         if policy == "recompute" or controls.skip_load:  # ask no tier
             self.stats.lookups_recompute += policy == "recompute"
             return 0
-        tpc = self._tpc
+        tpc = self.config.tokens_per_chunk
         start = num_local_tokens // tpc
         # At least one token must be left to compute, and only whole chunks load.
         end = max(min((view.num_tokens - 1) // tpc, len(view.chunk_keys)), start)
@@ -154,37 +145,44 @@ class EngineAdapter:
         if controls.load_tiers is not None and found.num_hits:
             found = self.policy.in_tiers(view.chunk_keys[start:], found, controls.load_tiers)
         wait = controls.deadline_seconds(self.config.load_deadline_ms)  # bounds "not yet"
-        if asking and self._may_wait(self._pending_since, view.req_id, wait):
+        if (asking or found.pending) and self._may_wait(state, False, wait):
             self.stats.not_yet += 1
-            self.stats.remote_not_yet += 1
+            self.stats.remote_not_yet += asking
             return None
-        if found.pending and self._may_wait(self._pending_since, view.req_id, wait):
-            self.stats.not_yet += 1
-            return None
-        self._pending_since.pop(view.req_id, None)
+        state.not_yet_since = None
         stop = start + found.num_hits
-        if self.config.wait_for_stores and stop < end and self._stored_soon(view, stop):
+        if self.config.wait_for_stores and stop < end and self._stored_soon(state, view, stop):
             self.stats.waits_on_stores += 1
             return None
-        self._store_wait_since.pop(view.req_id, None)
+        state.store_wait_since = None
         hits, on_cpu = found.num_hits, found.num_on_cpu
         decide = policy == "cost" or custom
+        if state.decided != self._plans:  # the decisions of an earlier step are void
+            state.decided, state.sync_chunks, state.estimate = self._plans, 0, None
         if hits and (decide or self.config.load_policy != "always"):
-            hits, on_cpu, estimate = self.policy.choose_loads(
+            hits, on_cpu, state.estimate = self.policy.choose_loads(
                 view.chunk_keys, start, found, num_local_tokens, decide=decide)
-            if estimate is None:
-                self._estimates.pop(view.req_id, None)
-            else:
-                self._estimates[view.req_id] = estimate
             stop = start + hits
         tokens = max(stop * tpc - num_local_tokens, 0) if hits else 0
         if skipped:  # counted once per answer (a request may hear "not yet" many times)
             self.policy.remote_skipped()
         self.stats.hit_tokens += tokens
         if tokens and on_cpu == hits <= self._sync_budget:
-            self._sync[view.req_id] = hits
+            state.sync_chunks = hits
             self._sync_budget -= hits
         return tokens
+
+    def _record(self, view: RequestView) -> RequestState:
+        return RequestState(view, tuple([] for _ in range(self.config.groups)))
+
+    def request(self, req_id: str) -> RequestState:
+        """The record of ``req_id``, created (with an empty view until its first lookup)
+        when the engine names a request before its first lookup: the engine's integration
+        keeps its own fields of the request on it (``RequestState.engine``)."""
+        state = self.records.get(req_id)
+        if state is None:
+            state = self.records[req_id] = self._record(RequestView(req_id, (), 0, 0, 0))
+        return state
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         """A custom engine's measured prefill step (``num_tokens`` in ``seconds``): it teaches
@@ -196,21 +194,30 @@ class EngineAdapter:
         (the engine then schedules the request at once, and the worker copies its chunks
         before the forward pass): every chunk of it is in the CPU tier and the step's
         ``sync_load_chunks`` budget holds it. Else the load is asynchronous."""
-        return req_id in self._sync
+        state = self.records.get(req_id)
+        return state is not None and state.decided == self._plans and state.sync_chunks > 0
 
-    def _stored_soon(self, view: RequestView, chunk: int) -> bool:
+    def _stored_soon(self, state: RequestState, view: RequestView, chunk: int) -> bool:
         """Whether chunk ``chunk`` of ``view`` is being stored, or is a finished request's
         that the next plan stores (and the request may still wait for it)."""
         key = view.chunk_keys[chunk]
         entry = self.index.entry(key)
         if not (key in self._finishing if entry is None else entry.cpu is CpuState.STORING):
             return False
-        return self._may_wait(self._store_wait_since, view.req_id)
+        return self._may_wait(state, True)
 
-    def _may_wait(self, since: dict[str, float], req_id: str, most: float | None = None) -> bool:
-        """Whether ``req_id`` may hear "not yet" again: ``since`` holds when it first did,
-        and it may for ``promotion_wait_seconds`` (or ``most``, when less) from then."""
-        first = since.setdefault(req_id, self._clock())
+    def _may_wait(self, state: RequestState, on_store: bool, most: float | None = None) -> bool:
+        """Whether the request may hear "not yet" again (waiting on a promotion or the
+        remote tier, or ``on_store``): for ``promotion_wait_seconds`` (or ``most``, when
+        less) from when it first did."""
+        now = self._clock()
+        first = state.store_wait_since if on_store else state.not_yet_since
+        if first is None:
+            first = now
+            if on_store:
+                state.store_wait_since = now
+            else:
+                state.not_yet_since = now
         wait = self.config.promotion_wait_seconds
         return self._clock() - first < (wait if most is None else min(wait, most))
 
@@ -229,13 +236,15 @@ class EngineAdapter:
 
     def update_state_after_alloc(self, view: RequestView, block_ids: BlockIds | Iterable[int],
                                  num_external_tokens: int, num_local_tokens: int) -> None:
-        if view.req_id in self._departed:
+        state = self.records.get(view.req_id)
+        if state is not None and state.finished:
             refuse_reuse(view.req_id)
-        lists = per_group(block_ids, self._groups, view.req_id)
-        state = self._requests.setdefault(view.req_id, RequestState(view, lists))
+        lists = per_group(block_ids, self.config.groups, view.req_id)
+        if state is None:
+            state = self.records[view.req_id] = RequestState(view, lists)
         state.view, state.block_ids = view, lists
         first_new = num_local_tokens // self.config.tokens_per_block  # position past the hit
-        if self._released or self._fence_running:  # blocks a job may still read: fence them
+        if self._released or self.config.frees_running_blocks:  # blocks a job may still read
             self._allocated.update(dict.fromkeys(state.blocks(first_new), view.req_id))
         if num_external_tokens > 0:
             self._plan_load(state, num_local_tokens, num_external_tokens, first_new)
@@ -244,8 +253,8 @@ class EngineAdapter:
                    first_new: int) -> None:
         """The load of the promised chunks into the request's new blocks (from block
         position ``first_new``), sent with the next plan."""
-        view = state.view
-        tpc, bpc = self._tpc, self._bpc
+        view, config = state.view, self.config
+        tpc, bpc, sparse = config.tokens_per_chunk, config.blocks_per_chunk, config.sparse_blocks
         start, end = num_local_tokens // tpc, (num_local_tokens + num_external_tokens) // tpc
         plan = self.index.prepare_load(view.chunk_keys[start:end])
         skip_first = first_new - start * bpc
@@ -255,7 +264,7 @@ class EngineAdapter:
         for position, (key, slot, from_disk) in enumerate(plan.chunks):
             chunk = start + position
             skip = skip_first if position == 0 else 0
-            if not self._grouped:
+            if not sparse:
                 blocks = tuple(state.block_ids[0][chunk * bpc : (chunk + 1) * bpc])
             else:  # the local hit's pages (each group's leading ones) as NO_BLOCK: untouched
                 blocks = tuple(state.chunk_ids(chunk * bpc, (chunk + 1) * bpc, skip))
@@ -276,51 +285,53 @@ class EngineAdapter:
         if lost:
             state.reloads_refused = True
         spec = None
-        sync = view.req_id in self._sync
+        decided = state.decided == self._plans
+        sync = decided and state.sync_chunks > 0
         if plan.job_id is not None:
             spec = LoadSpec(plan.job_id, tuple(chunks))
             self._job_owners[plan.job_id] = [state]
             state.load_job = plan.job_id
-            self._loads_in_flight += 1
             state.jobs.add(plan.job_id)
             self.stats.loads_planned += len(chunks)
-            estimate = self._estimates.pop(view.req_id, None)
-            if estimate is not None:
-                self._load_started[plan.job_id] = (self._clock(), *estimate, sync)
+            estimate, state.estimate = state.estimate if decided else None, None
+            state.load_started = None if estimate is None else (self._clock(), *estimate, sync)
         state.load_sources = (cpu_tokens, disk_tokens, remote_tokens)
         self.stats.hit_tokens_cpu += cpu_tokens
         self.stats.hit_tokens_disk += disk_tokens
         self.stats.hit_tokens_remote += remote_tokens
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
         if sync:
-            del self._sync[view.req_id]
+            state.sync_chunks = 0
             self.stats.sync_loads += 1
         self._pending_loads.append(LoadRequest(view.req_id, spec, lost, sync, view.controls
-                                               .deadline_seconds(self.config.load_deadline_ms)))
+                                               .deadline_seconds(config.load_deadline_ms)))
 
     def take_load_sources(self, req_id: str) -> tuple[int, int, int]:
         """Tokens of the request's last planned load from the CPU, disk and remote tiers."""
-        state = self._requests.get(req_id)
+        state = self.records.get(req_id)
         if state is None or state.load_sources is None:
             return (0, 0, 0)
         sources, state.load_sources = state.load_sources, None
         return sources
 
     def request_finished(self, view: RequestView, aborted: bool = False) -> None:
-        self._store_wait_since.pop(view.req_id, None)
         if not view.controls.skip_store:  # its chunks are stored by the next plan
             self._finishing.update(view.chunk_keys)
-        state = self._requests.get(view.req_id)
-        if state is None:
+        state = self.records.get(view.req_id)
+        if state is None or state.finished:
+            return
+        if not state.jobs and not any(state.block_ids):  # nothing to store, nothing to fence
+            del self.records[view.req_id]
+            self.stats.requests_freed += 1
             return
         state.reloads_refused = False
-        state.load_sources = None
+        state.load_sources = state.engine = None
+        state.not_yet_since = state.store_wait_since = None
         state.view = view
-        state.finished = True
+        state.finished = state.last_plan_due = True
         state.aborted = aborted
-        self._pending_since.pop(view.req_id, None)
-        self._finished_queue.append(view.req_id)
-        self._departed.add(view.req_id)
+        self._finished.append(state)
+        self._departed += 1
         self._released.update(dict.fromkeys(state.blocks(), view.req_id))
 
     # ------------------------------------------------------------------ planning
@@ -331,20 +342,23 @@ class EngineAdapter:
         may still use, store the running requests' completed chunks (one job), then loads,
         spills and flushes."""
         self._timer.planned(sum(step.num_scheduled_tokens.values()))
+        records = self.records
         if self._departed:  # before any state changes: a refused step changes nothing
-            for req_id in self._departed:
-                if req_id in step.requests or req_id in step.new_block_ids:
+            for req_id in chain(step.requests, step.new_block_ids):
+                state = records.get(req_id)
+                if state is not None and state.finished:
                     refuse_reuse(req_id)
-        new = {req_id: per_group(blocks, self._groups, req_id)  # refused: nothing changed
+        groups = self.config.groups
+        new = {req_id: per_group(blocks, groups, req_id)  # refused: nothing changed
                for req_id, blocks in step.new_block_ids.items()}
         flush: dict[JobId, None] = {}
         # Loads planned since the last plan target blocks allocated since: never flushed
         # (a request preempted and re-admitted in one step has such a load).
-        fences = step.preempted or self._released or self._fence_running
+        fences = step.preempted or self._released or self.config.frees_running_blocks
         fresh = ({load.spec.job_id for load in self._pending_loads if load.spec is not None}
                  if self._pending_loads and fences else set())
         for req_id in step.preempted:
-            state = self._requests.get(req_id)
+            state = records.get(req_id)
             if state is not None:
                 self._flush_jobs(state, flush, fresh)
                 if not state.jobs & fresh:
@@ -353,13 +367,14 @@ class EngineAdapter:
         # Finished requests first: their last full chunk is stored now, in a job of its
         # own: its bytes are on the GPU already, so a fence may flush it before the forward
         # pass; the running requests' job needs this step's forward pass.
-        finished, self._finished_queue = self._finished_queue, []
+        finished, self._finished = self._finished, []
         finished_job = self._store_finished(finished) if finished else None
         allocated.pop(NO_BLOCK, None)
         if self._released:
             self._fence_departed(allocated, flush, fresh)
-        for req_id in finished:
-            self._maybe_free(req_id)
+        for state in finished:
+            state.last_plan_due = False
+            self._maybe_free(state)
         # One store job for every running request's new chunks (per-job costs paid once).
         batch = self._store_batch()
         self._add_running(step, batch, new)
@@ -380,34 +395,34 @@ class EngineAdapter:
         blocks handed out since the last plan (block -> request) that a departed request
         may still use."""
         allocated, self._allocated = self._allocated, {}
-        requests, released = self._requests, self._released
+        records, released = self.records, self._released
         for req_id, lists in new.items():
-            state = requests.get(req_id)
+            state = records.get(req_id)
             if state is not None:
                 state.take_blocks(lists, req_id in step.replaced_blocks)
             if released:
                 allocated.update(dict.fromkeys(chain.from_iterable(lists), req_id))
         return allocated
 
-    def _store_finished(self, finished: list[str]) -> StoreSpec | None:
+    def _store_finished(self, finished: list[RequestState]) -> StoreSpec | None:
         """The finished requests' last chunks: up to ``max(prompt, tokens - 1)`` (never the
         last sampled token's slot) and never past what was computed; aborted: what was
         computed. One job."""
         batch = self._store_batch()
-        for req_id in finished:
-            state = self._requests.get(req_id)
-            if state is None or state.view.controls.skip_store:
-                continue
+        config = self.config
+        for state in finished:
             view = state.view
+            if view.controls.skip_store:
+                continue
             if state.aborted:
                 mark = view.num_computed_tokens
             else:
                 mark = min(max(view.num_prompt_tokens, view.num_tokens - 1),
                            view.num_computed_tokens)
-            if self._prompt_only and mark > view.num_prompt_tokens:
+            if config.offload_prompt_only and mark > view.num_prompt_tokens:
                 mark = view.num_prompt_tokens
-            target = min(mark // self._tpc, len(view.chunk_keys),
-                         state.positions() // self._bpc, self._max_chunks)
+            target = min(mark // config.tokens_per_chunk, len(view.chunk_keys),
+                         state.positions() // config.blocks_per_chunk, config.chunk_limit)
             if target > state.stored_chunks:
                 batch.add(state, state.stored_chunks, target)
         return self._store_job(batch)
@@ -419,27 +434,28 @@ class EngineAdapter:
         for block, req_id in allocated.items():
             owner = self._released.get(block)
             if owner is not None and owner != req_id:
-                owner_state = self._requests.get(owner)
+                owner_state = self.records.get(owner)
                 if owner_state is not None:
                     self._flush_jobs(owner_state, flush, fresh)
 
     def _store_batch(self) -> StoreBatch:
-        return StoreBatch(self.config.blocks_per_chunk, self._groups, self._grouped,
+        config = self.config
+        return StoreBatch(config.blocks_per_chunk, config.groups, config.sparse_blocks,
                           self.index.contains)
 
     def _add_running(self, step: StepInput, batch: StoreBatch, new: dict[str, GroupLists]) -> None:
         """Each scheduled request's chunks completed up to its running watermark (this loop
         is the scheduler's hot path: most steps complete no chunk)."""
-        requests = self._requests
+        records, config = self.records, self.config
         scheduled = step.num_scheduled_tokens
-        tpc, bpc, max_chunks, prompt_only = self._tpc, self._bpc, self._max_chunks, self._prompt_only
-        fence_running = self._fence_running
+        tpc, bpc, max_chunks = config.tokens_per_chunk, config.blocks_per_chunk, config.chunk_limit
+        prompt_only, fence_running = config.offload_prompt_only, config.frees_running_blocks
         add = batch.add
         for req_id, view in step.requests.items():
-            state = requests.get(req_id)
+            state = records.get(req_id)
             if state is None:
-                lists = new.get(req_id) or tuple([] for _ in range(self._groups))
-                state = requests[req_id] = RequestState(view, lists)
+                lists = new.get(req_id) or tuple([] for _ in range(config.groups))
+                state = records[req_id] = RequestState(view, lists)
             state.view = view
             if fence_running and view.num_released_blocks > state.released:
                 self._note_released(state, view.num_released_blocks)
@@ -467,8 +483,7 @@ class EngineAdapter:
         """The plan: the loads planned since the last one, the stores, spills and flushes;
         this step's lookup decisions end here."""
         loads, self._pending_loads = tuple(self._pending_loads), []
-        self._sync.clear()  # a lookup whose request was not scheduled: its budget is back
-        self._estimates.clear()
+        self._plans += 1  # a lookup whose request was not scheduled: its budget is back
         self._sync_budget = self.config.sync_load_chunks
         self._finishing.clear()
         spill = self.index.take_spills()
@@ -518,16 +533,14 @@ class EngineAdapter:
             merged = self._tracker.report(part)
             if merged is None:
                 continue
-            is_load = merged.kind is JobKind.LOAD
-            for owner in self._job_owners.get(merged.job_id, ()) if is_load else ():
-                owner.load_job = None
-                owner.reloads_refused |= not merged.ok or bool(merged.failed_keys)
-            if self._load_started:
-                started = self._load_started.pop(merged.job_id, None)
-                if started is not None and merged.ok and not merged.failed_keys:
-                    self.policy.measured_load(merged, started)
+            if merged.kind is JobKind.LOAD:
+                for owner in self._job_owners.get(merged.job_id, ()):
+                    owner.load_job = None
+                    owner.reloads_refused |= not merged.ok or bool(merged.failed_keys)
+                    started, owner.load_started = owner.load_started, None
+                    if started is not None and merged.ok and not merged.failed_keys:
+                        self.policy.measured_load(merged, started)
             self.index.complete(merged)
-            self._loads_in_flight -= is_load
             self._untrack(merged.job_id)
             done.append(merged)
         return done
@@ -545,11 +558,11 @@ class EngineAdapter:
         """A block a running request released while a job of it was in flight, handed out
         this step (even to the same request: its next forward writes it): the request's
         jobs finish first. Each block is fenced once, when handed out."""
-        freed, requests = self._freed_running, self._requests
+        freed, records = self._freed_running, self.records
         for blocks in handed_out:
             for block in blocks:
                 owner = freed.pop(block, None)
-                state = requests.get(owner) if owner is not None else None
+                state = records.get(owner) if owner is not None else None
                 if state is not None:
                     self._flush_jobs(state, flush, fresh)
 
@@ -557,14 +570,16 @@ class EngineAdapter:
         for state in self._job_owners.pop(job_id, ()):
             state.jobs.discard(job_id)
             if state.finished:
-                self._maybe_free(state.view.req_id)
+                self._maybe_free(state)
 
-    def _maybe_free(self, req_id: str) -> None:
-        state = self._requests.get(req_id)
-        if state is None or not state.finished or state.jobs or req_id in self._finished_queue:
+    def _maybe_free(self, state: RequestState) -> None:
+        """Release a finished request's record once its last stores are planned and none of
+        its jobs is in flight (its id may then come back)."""
+        req_id = state.view.req_id
+        if state.jobs or state.last_plan_due or self.records.get(req_id) is not state:
             return
-        del self._requests[req_id]
-        self._departed.discard(req_id)
+        del self.records[req_id]
+        self._departed -= 1
         released = self._released
         for block in state.blocks():
             if released.get(block) == req_id:
@@ -575,20 +590,21 @@ class EngineAdapter:
     def has_pending_work(self) -> bool:
         """True while a finished request awaits its final plan or a job is in flight: the
         engine should keep stepping (empty steps are fine) until this turns False."""
-        return bool(self._finished_queue or self._job_owners or self._pending_loads)
+        return bool(self._finished or self._job_owners or self._pending_loads)
 
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(self.records)
 
     def jobs_in_flight(self) -> int:
         return len(self._job_owners)
 
     def loads_in_flight(self) -> int:
         """Loads planned and not yet finished, each once (a job's KV is on its way)."""
-        return self._loads_in_flight + sum(load.spec is None for load in self._pending_loads)
+        return sum(state.load_job is not None for state in self.records.values()) \
+            + sum(load.spec is None for load in self._pending_loads)
 
     def has_request(self, req_id: str) -> bool:
-        return req_id in self._requests
+        return req_id in self.records
 
     def spills_wanted(self) -> bool:
         """The index has chunks to write to disk now (write-through; see BlockIndex)."""

@@ -103,3 +103,14 @@ class AdapterConfig:
     @property
     def tokens_per_chunk(self) -> int:
         return self.tokens_per_block * self.blocks_per_chunk
+
+    @property
+    def sparse_blocks(self) -> bool:
+        """Block lists may lack pages (NO_BLOCK, released blocks): checked per chunk."""
+        return self.groups > 1 or self.frees_running_blocks
+
+    @property
+    def chunk_limit(self) -> int:
+        """Chunks stored per request at most (``max_chunks_per_request``; no limit: huge)."""
+        limit = self.max_chunks_per_request
+        return limit if limit is not None else 1 << 62

@@ -1,5 +1,6 @@
-"""RequestState: what the engine adapter tracks of one request; StoreBatch: a store job's
-chunks, gathered run by run from the requests' states.
+"""RequestState: the record of one request, everything the engine adapter (and the engine's
+integration) keeps of it, from its first lookup until its last job is done; StoreBatch: a
+store job's chunks, gathered run by run from the requests' records.
 
 A request's block ids are kept as the engine gives them: one list per KV cache group
 (``AdapterConfig.groups``), a block position's ids at the same index of each. A chunk's
@@ -11,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from tierkv.core.jobs import NO_BLOCK, JobId
 from tierkv.engine.requests import BlockIds, RequestView
 from tierkv.errors import UsageError
+
+if TYPE_CHECKING:
+    from tierkv.engine.load_policy import Estimate, LoadStarted
 
 __all__ = ["GroupLists", "RequestState", "StoreBatch", "per_group", "refuse_reuse"]
 
@@ -54,9 +58,10 @@ def refuse_reuse(req_id: str) -> NoReturn:
         f"was changed.")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RequestState:
-    """One request the adapter holds (from its blocks until its last job is done)."""
+    """One request's record (``EngineAdapter.records``): created at its first lookup (or when
+    the engine first names it), released once it finished and its last job is done."""
 
     view: RequestView
     block_ids: GroupLists  # one list per KV cache group (position p: index p of each)
@@ -64,6 +69,7 @@ class RequestState:
     jobs: set[JobId] = field(default_factory=set)  # its jobs in flight
     finished: bool = False
     aborted: bool = False
+    last_plan_due: bool = False  # finished; the next plan stores its last chunks
     released: int = 0  # block positions of view.num_released_blocks noted for the fence
     # A load of it lost a chunk: the engine recomputes it, and its next lookups hit nothing
     # (a chunk whose copy keeps failing is not loaded forever).
@@ -71,8 +77,21 @@ class RequestState:
     # Its load in flight: a lookup while it runs (the load was cut at its deadline, and
     # the engine asks again) hits nothing: its chunks are recomputed, never waited for.
     load_job: JobId | None = None
+    load_started: LoadStarted | None = None  # that load's timing (a cost-aware load's)
     # Its last planned load's tokens by tier (cpu, disk, remote): take_load_sources.
     load_sources: tuple[int, int, int] | None = None
+    # When its lookups first heard "not yet": waiting on a promotion or the remote tier,
+    # and on a store of the chunk after its hit (each bounded by promotion_wait_seconds).
+    not_yet_since: float | None = None
+    store_wait_since: float | None = None
+    # Its last lookup's decisions, valid until the plan numbered ``decided`` is built: the
+    # chunks of a same-step load (taken from the step's budget) and the load's estimate.
+    decided: int = -1
+    sync_chunks: int = 0
+    estimate: Estimate | None = None
+    # What the engine's integration keeps of the request while it runs (the vLLM
+    # connector: vLLM's request and its chunk keys); dropped when it finishes.
+    engine: Any = None
 
     def positions(self) -> int:
         """Block positions every group holds an id for (groups may grow unevenly)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
+from tierkv.engine.request_state import refuse_reuse
 from tierkv.engine.metrics import (remote_figures, remote_usage_figures, since_last,
                                    usage_figures, values)
 from tierkv.engine.requests import (NO_BLOCK, NO_CONTROLS, RequestControls, RequestView, StepInput,
@@ -55,8 +56,9 @@ EVENT_BATCH_CHUNKS = 512  # chunks' KV events per step at most (a start's snapsh
 
 @dataclass(eq=False, slots=True)
 class _Tracked:
-    """A live request: vLLM's object, its chunk keys so far (they grow with it) and the
-    block hash each key was derived from."""
+    """What the connector keeps of a live request, on the adapter's record of it
+    (``RequestState.engine``, dropped when it finishes): vLLM's object, its chunk keys so
+    far (they grow with it) and the block hash each key was derived from."""
 
     request: Any
     keys: list[bytes] = field(default_factory=list)
@@ -65,6 +67,7 @@ class _Tracked:
     adapter: str = ""  # its LoRA adapter's fingerprint ("" without one; see adapter_of)
     load_policy: str | None = None  # its own, from kv_transfer_params (request_load_policy)
     controls: RequestControls = NO_CONTROLS  # its own, from kv_transfer_params (of_request)
+    local_hit: int | None = None  # the block-aligned local hit its last lookup was given
 
 
 def request_load_policy(request: Any, warned: set[str]) -> str | None:
@@ -147,14 +150,11 @@ class SchedulerSide:
         self._hpc = geometry.hashes_per_chunk
         self._grouped = bool(geometry.groups)  # vLLM's block ids per group, null blocks
         self._windowed = geometry.window_kept is not None
-        self._tracked: dict[str, _Tracked] = {}
         self._warned: set[str] = set()  # request load policies warned about (once each)
         self._adapters: dict[tuple[int, str], str] = {}  # LoRA (id, path) -> fingerprint
-        self._local_hit: dict[str, int] = {}  # block-aligned local hit passed to the lookup
-        self._sources: dict[str, tuple[int, int, int]] = {}  # (cpu, disk, remote) tokens of the last load
         self._record_events = record_events
         self._event_meta: dict[bytes, ChunkEvent] = {}  # key -> what its events say (events only)
-        self._prune_later: list[list[bytes]] = []  # keys of finished requests (events only)
+        self._prune_later: list[bytes] = []  # chunks of finished requests (events only)
         self._event_blocks: EventBlocks | None = None  # what disk chunks' events say (events only)
         self._step = 0
         self._epoch = b""  # b"": keys as the warm-up and other servers derive them
@@ -299,20 +299,22 @@ class SchedulerSide:
         del tracked.sources[keep:]
 
     def _tracked_for(self, request: Any) -> _Tracked:
-        tracked = self._tracked.get(request.request_id)
+        """What the connector keeps of ``request``, on the adapter's record of it (made now
+        for a request vLLM names first). An id that comes back while the request that
+        finished under it still has jobs in flight is refused (request ids are unique)."""
+        record = self.adapter.request(request.request_id)
+        tracked: _Tracked | None = record.engine
         if tracked is None or tracked.request is not request:
-            tracked = self._track(request)
+            if record.finished:
+                refuse_reuse(request.request_id)
+            tracked = record.engine = _Tracked(
+                request, epoch=self._epoch,
+                load_policy=request_load_policy(request, self._warned),
+                controls=controls_of(request, self._warned), adapter=self.adapter_of(request))
         return tracked
 
     def on_new_request(self, request: Any) -> None:
-        self._track(request)
-
-    def _track(self, request: Any) -> _Tracked:
-        tracked = self._tracked[request.request_id] = _Tracked(
-            request, epoch=self._epoch, load_policy=request_load_policy(request, self._warned),
-            controls=controls_of(request, self._warned),
-            adapter=self.adapter_of(request))
-        return tracked
+        self._tracked_for(request)
 
     def adapter_of(self, request: Any) -> str:
         """The fingerprint of a request's LoRA adapter (:mod:`tierkv.model_identity`, ``auto``,
@@ -349,8 +351,9 @@ class SchedulerSide:
             return False
         self._epoch = os.urandom(16)
         self.resets += 1
-        for tracked in self._tracked.values():
-            if not is_running(tracked.request):
+        for record in self.adapter.records.values():
+            tracked: _Tracked | None = record.engine
+            if tracked is not None and not is_running(tracked.request):
                 tracked.epoch, tracked.keys, tracked.sources = self._epoch, [], []
         log.warning("tierkv: cache reset (%d so far): chunks stored before now are no longer "
                     "served by this server; they age out of its tiers", self.resets)
@@ -380,19 +383,19 @@ class SchedulerSide:
             or found.num_hits > self.adapter.config.sync_load_chunks
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        view = self._view(self._tracked_for(request))
-        tokens = self.adapter.lookup(view, num_computed_tokens)
+        tracked = self._tracked_for(request)
+        tokens = self.adapter.lookup(self._view(tracked), num_computed_tokens)
         if tokens is None:
             return None, False
-        self._local_hit[request.request_id] = num_computed_tokens
+        tracked.local_hit = num_computed_tokens
         # A same-step load: vLLM schedules the request now, the worker copies before the
         # forward; else vLLM parks it in WAITING_FOR_REMOTE_KVS until the load finishes.
         return tokens, tokens > 0 and not self.adapter.sync_load(request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        req_id = request.request_id
-        local = self._local_hit.pop(req_id, None)
-        view = self._view(self._tracked_for(request))
+        tracked = self._tracked_for(request)
+        local, tracked.local_hit = tracked.local_hit, None
+        view = self._view(tracked)
         if local is not None:
             self.adapter.count_queried(view, local)
         if local:  # chunks served by vLLM's GPU prefix cache are being reused: refresh them
@@ -403,10 +406,9 @@ class SchedulerSide:
             local = request.num_computed_tokens - num_external_tokens
         block_ids = self._block_ids(blocks.get_block_ids())
         self.adapter.update_state_after_alloc(view, block_ids, num_external_tokens, local)
-        self._sources[req_id] = self.adapter.take_load_sources(req_id)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        cpu, disk, remote = self._sources.pop(request.request_id, (0, 0, 0))
+        cpu, disk, remote = self.adapter.take_load_sources(request.request_id)
         if num_external_tokens <= 0:
             return {}
         cpu = min(cpu, num_external_tokens)
@@ -417,19 +419,15 @@ class SchedulerSide:
         return {name: tokens for name, tokens in sources.items() if tokens}
 
     def request_finished(self, request: Any, aborted: bool) -> None:
-        req_id = request.request_id
         tracked = self._tracked_for(request)
-        del self._tracked[req_id]
-        self._local_hit.pop(req_id, None)
-        self._sources.pop(req_id, None)
         view = self._view(tracked)
         # The request used all its chunks (loaded, stored, or hit in vLLM's own GPU cache).
         # Not a reuse: loads and GPU hits were counted as reuses when they happened, and
         # stores are not reuses.
         self.adapter.touch(view, len(view.chunk_keys), reuse=False)
-        self.adapter.request_finished(view, aborted=aborted)
+        self.adapter.request_finished(view, aborted=aborted)  # drops what the connector kept
         if self._record_events:
-            self._prune_later.append(tracked.keys)
+            self._prune_later += tracked.keys
 
     # ------------------------------------------------------------------ steps
     def build_meta(self, so: Any) -> TierKVMetadata:
@@ -448,7 +446,8 @@ class SchedulerSide:
                 replaced.add(req_id)
             if blocks is not None:
                 new_block_ids[req_id] = self._block_ids(blocks)
-        views = {req_id: self._view(self._tracked[req_id]) for req_id in so.num_scheduled_tokens}
+        records = self.adapter.records
+        views = {req_id: self._view(records[req_id].engine) for req_id in so.num_scheduled_tokens}
         step = StepInput(
             requests=views,
             num_scheduled_tokens=so.num_scheduled_tokens,
@@ -464,10 +463,9 @@ class SchedulerSide:
             for spill in plan.spills:  # written as this engine's own parts from now on
                 for key, _ in spill.writes:
                     self._disk_parts.pop(bytes(key), None)
-        for keys in prune:  # their last chunk is planned now: forget keys never stored
-            for key in keys:
-                if not self.index.contains(key):
-                    self._event_meta.pop(key, None)
+        for key in prune:  # their last chunk is planned now: forget keys never stored
+            if not self.index.contains(key):
+                self._event_meta.pop(key, None)
         return TierKVMetadata(plan, self.fingerprint, self._step)
 
     def update_connector_output(self, output: Any) -> None:
@@ -492,7 +490,7 @@ class SchedulerSide:
         (a SIGTERM under ``vllm serve``'s default ``--shutdown-timeout 0`` kills the
         workers before any shutdown flush); or KV events to send (a start's snapshot goes
         out over the first, empty, steps)."""
-        return (self.adapter.has_jobs_in_flight() or bool(self.adapter.num_requests())
+        return (self.adapter.has_jobs_in_flight() or self.adapter.has_pending_work()
                 or self.adapter.spills_wanted() or self.index.events_pending())
 
     # ------------------------------------------------------------------ events
