@@ -18,6 +18,8 @@ It never blocks and never touches tensor bytes. Primitives:
   request its blocks (a list per KV cache group, or one group's flat list); plans the
   load of the promised chunks (sent with the next plan).
   ``take_load_sources(req_id)``: the load's tokens by tier, ``(cpu, disk, remote)``.
+- ``records``: request id -> :class:`~.request_state.RequestState`, all kept of a request
+  (from its first lookup to its last job); else only tables keyed by job or block.
 - ``touch(view, num_chunks)``: the engine reused the first chunks from its own cache;
   they become the most recently used (tail first).
 - ``request_finished(view, aborted=False)``: the request's state survives; the next plan
@@ -33,7 +35,7 @@ It never blocks and never touches tensor bytes. Primitives:
   reported it.
 
 The store watermarks, the fence and why it is kept per request: docs/engine-adapter.md,
-docs/design.md. Per request state: :mod:`.request_state`; cost-aware loads:
+docs/design.md. The request records: :mod:`.request_state`; cost-aware loads:
 :mod:`.load_policy`; step timing: :mod:`.step_timing`; settings and counters:
 :mod:`.adapter_config`, :mod:`.adapter_stats`.
 """
@@ -45,8 +47,8 @@ from itertools import chain
 
 from tierkv.core.costs import CostModel
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import (NO_BLOCK, ChunkCopy, Completion, CompletionTracker, JobId, JobKind,
-                              LoadSpec, StoreSpec)
+from tierkv.core.jobs import (NO_BLOCK, Completion, CompletionTracker, JobId, JobKind, LoadSpec,
+                              StoreSpec)
 from tierkv.core.state import CpuState
 from tierkv.engine.adapter_config import LOAD_POLICIES, REQUEST_LOAD_POLICIES, AdapterConfig
 from tierkv.engine.adapter_stats import AdapterStats
@@ -257,29 +259,8 @@ class EngineAdapter:
         tpc, bpc, sparse = config.tokens_per_chunk, config.blocks_per_chunk, config.sparse_blocks
         start, end = num_local_tokens // tpc, (num_local_tokens + num_external_tokens) // tpc
         plan = self.index.prepare_load(view.chunk_keys[start:end])
-        skip_first = first_new - start * bpc
-        chunks = []
-        cpu_tokens = disk_tokens = remote_tokens = 0
-        from_remote = plan.from_remote
-        for position, (key, slot, from_disk) in enumerate(plan.chunks):
-            chunk = start + position
-            skip = skip_first if position == 0 else 0
-            if not sparse:
-                blocks = tuple(state.block_ids[0][chunk * bpc : (chunk + 1) * bpc])
-            else:  # the local hit's pages (each group's leading ones) as NO_BLOCK: untouched
-                blocks = tuple(state.chunk_ids(chunk * bpc, (chunk + 1) * bpc, skip))
-                skip = 0
-            remote = key in from_remote
-            parts = self.source_parts(key, remote) if (from_disk or remote) \
-                and self.source_parts is not None else 0
-            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip, remote, parts))
-            tokens = min(tpc, (chunk + 1) * tpc - num_local_tokens)  # only the first is partial
-            if from_disk:
-                disk_tokens += tokens
-            elif remote:
-                remote_tokens += tokens
-            else:
-                cpu_tokens += tokens
+        chunks, (cpu_tokens, disk_tokens, remote_tokens) = state.load_copies(
+            plan, start, first_new, num_local_tokens, tpc, bpc, sparse, self.source_parts)
         lost_from = max((start + len(plan.chunks)) * bpc, first_new)
         lost = tuple(block for block in state.blocks(lost_from, end * bpc) if block != NO_BLOCK)
         if lost:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
-from tierkv.core.jobs import NO_BLOCK, JobId
+from tierkv.core.jobs import NO_BLOCK, ChunkCopy, JobId
+from tierkv.core.plans import LoadPlan
 from tierkv.engine.requests import BlockIds, RequestView
 from tierkv.errors import UsageError
 
@@ -110,6 +111,36 @@ class RequestState:
         if not low and high is None:
             return chain.from_iterable(self.block_ids)
         return chain.from_iterable(ids[low:high] for ids in self.block_ids)
+
+    def load_copies(self, plan: LoadPlan, start: int, first_new: int, num_local_tokens: int,
+                    tpc: int, bpc: int, sparse: bool,
+                    source_parts: Callable[[bytes, bool], int] | None,
+                    ) -> tuple[list[ChunkCopy], tuple[int, int, int]]:
+        """The copies of ``plan`` (its chunks from chunk ``start`` on) into this request's
+        blocks from position ``first_new`` (``tpc``, ``bpc``: tokens and block positions per
+        chunk; ``sparse``: lists that may lack pages), and its tokens from the CPU, disk and
+        remote tiers (past ``num_local_tokens``). ``source_parts``: the part count a disk or
+        remote chunk is read from (0: this engine's own)."""
+        chunks = []
+        tokens_by_tier = [0, 0, 0]  # cpu, disk, remote
+        skip_first, from_remote = first_new - start * bpc, plan.from_remote
+        for position, (key, slot, from_disk) in enumerate(plan.chunks):
+            chunk = start + position
+            skip = skip_first if position == 0 else 0
+            if not sparse:
+                blocks = tuple(self.block_ids[0][chunk * bpc : (chunk + 1) * bpc])
+            else:  # the local hit's pages (each group's leading ones) as NO_BLOCK: untouched
+                blocks = tuple(self.chunk_ids(chunk * bpc, (chunk + 1) * bpc, skip))
+                skip = 0
+            remote = key in from_remote
+            parts = source_parts(key, remote) if (from_disk or remote) \
+                and source_parts is not None else 0
+            chunks.append(ChunkCopy(key, slot, blocks, from_disk, skip, remote, parts))
+            # Only the first chunk is partial (the local hit's tokens are not loaded).
+            tokens_by_tier[1 if from_disk else 2 if remote else 0] += \
+                min(tpc, (chunk + 1) * tpc - num_local_tokens)
+        cpu, disk, remote_tokens = tokens_by_tier
+        return chunks, (cpu, disk, remote_tokens)
 
     def chunk_ids(self, low: int, high: int, skip: int = 0) -> list[int]:
         """Block positions ``[low, high)`` of each group, group after group (a chunk's jobs
