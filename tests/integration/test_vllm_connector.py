@@ -968,6 +968,56 @@ def test_a_job_completes_once_every_tp_rank_reported_it() -> None:
     assert side.index.lookup(side.adapter.records["r"].engine.keys).num_hits == 2
 
 
+def test_a_request_lives_on_the_adapter_record_and_its_id_is_refused_until_released() -> None:
+    """The connector keeps what it needs of a request on the adapter's record (no table of
+    its own); an id that comes back while the finished request's store is in flight is
+    refused as vLLM names it, before anything changes, and taken once the record is gone."""
+    from types import SimpleNamespace
+
+    from tierkv.errors import UsageError
+    from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+    from tierkv.integrations.vllm_scheduler import SchedulerSide
+    from tierkv.keys import Namespace
+
+    geometry = Geometry(layer_names=("a",), block_size=16, hash_block_size=16, blocks_per_chunk=2,
+                        page_bytes=1024, num_heads=2, content_bytes=32, dtype="float16", layout="LBNHC",
+                        page_order="NHD", world_size=1, num_slots=8, disk_capacity=0)
+    namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=1024,
+                          tokens_per_chunk=32)
+    side = SchedulerSide(ConnectorSettings(), geometry, namespace)
+
+    def request() -> SimpleNamespace:
+        return SimpleNamespace(request_id="r", block_hashes=[bytes([i]) * 32 for i in range(4)],
+                               num_prompt_tokens=70, num_tokens=70, num_computed_tokens=0)
+
+    def step(scheduled: dict[str, int], new: list[Any]) -> Any:
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+        return side.build_meta(SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                                               num_scheduled_tokens=scheduled, preempted_req_ids=set()))
+
+    first = request()
+    side.on_new_request(first)
+    assert side.get_num_new_matched_tokens(first, 16) == (0, False)
+    record = side.adapter.records["r"]
+    assert record.engine.request is first and record.engine.local_hit == 16
+    (store,) = step({"r": 64}, [SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],))]).plan.stores
+    first.num_computed_tokens = 64
+    side.request_finished(first, aborted=True)
+    assert side.adapter.records["r"] is record and record.engine is None  # its store is in flight
+    tables = [value for value in vars(side).values() if isinstance(value, (dict, set))]
+    assert not any("r" in table for table in tables)  # nothing of the request outside its record
+    again = request()
+    with pytest.raises(UsageError, match="'r'.*unique"):
+        side.on_new_request(again)
+    assert side.adapter.records["r"] is record and record.engine is None  # nothing changed
+    done = tierkv_vllm.TierKVWorkerMetadata([tierkv_vllm_completion(store.job_id)])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=done))
+    step({}, [])
+    assert not side.adapter.has_request("r")  # released: the id is free again
+    side.on_new_request(again)
+    assert side.adapter.records["r"].engine.request is again
+
+
 def test_a_block_vllm_hands_to_one_group_ahead_of_the_other_is_fenced_at_once() -> None:
     """Two KV cache groups: vLLM's new blocks of a step may fill one group's table ahead of
     the other's. A block a finished request's store still reads, handed to one group,
