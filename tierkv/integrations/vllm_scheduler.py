@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
-from tierkv.engine.request_state import refuse_reuse
 from tierkv.engine.metrics import (remote_figures, remote_usage_figures, since_last,
                                    usage_figures, values)
+from tierkv.engine.request_state import refuse_reuse
 from tierkv.engine.requests import (NO_BLOCK, NO_CONTROLS, RequestControls, RequestView, StepInput,
                                     WorkerReport, request_controls)
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
