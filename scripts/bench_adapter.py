@@ -22,10 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
 
-from tierkv.core.index import BlockIndex, IndexStats  # noqa: E402
+from tierkv.core.index import BlockIndex  # noqa: E402
+from tierkv.core.stats import IndexStats  # noqa: E402
 from tierkv.core.jobs import Completion  # noqa: E402
 from tierkv.core.policy import DEFAULT_POLICY, policy_names  # noqa: E402
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter  # noqa: E402
+from tierkv.engine.adapter import EngineAdapter  # noqa: E402
+from tierkv.engine.adapter_config import AdapterConfig  # noqa: E402
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport  # noqa: E402
 from tierkv.keys import chunk_keys  # noqa: E402
 

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.profiles import thorough
-from tierkv.core.index import BlockIndex, Lookup
+from tierkv.core.index import BlockIndex
+from tierkv.core.plans import Lookup
 from tierkv.core.jobs import Completion, JobId, JobKind, SpillSpec
 from tierkv.core.policy import policy_names
 from tierkv.core.state import CpuState, DiskState

@@ -1,8 +1,7 @@
 """The block index's plain records: what its primitives answer (:class:`Lookup`,
 :class:`StorePlan`, :class:`StoreBatch`, :class:`LoadPlan`, :class:`LoadResult`), where a
 load reads a chunk from (:class:`Source`), its record of a job in flight (:class:`Job`),
-and the CPU eviction policy's two pools (``CLEAN``, ``DIRTY``). All are importable from
-tierkv.core.index too."""
+and the CPU eviction policy's two pools (``CLEAN``, ``DIRTY``)."""
 
 from __future__ import annotations
 

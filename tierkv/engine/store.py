@@ -60,7 +60,7 @@ import torch
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.config_env import from_environment
 from tierkv.core.figures import values
-from tierkv.core.index import IndexStats
+from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine import store_exit
 from tierkv.engine.adapter_stats import AdapterStats

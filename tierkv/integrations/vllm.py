@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import vllm
-from tierkv.integrations.vllm_config import check_vllm_version
+from tierkv.integrations.vllm_versions import check_vllm_version
 
 check_vllm_version(getattr(vllm, "__version__", "unknown"))
 
@@ -49,7 +49,6 @@ from tierkv.engine.store_namespace import content_cache_dir  # noqa: E402
 from tierkv.errors import ConfigError, NamespaceMismatchError, UsageError  # noqa: E402
 from tierkv.integrations.vllm_config import (  # noqa: E402
     ConnectorSettings,
-    UnsupportedVersionError,
     build_geometry,
     build_namespace,
     check_hash_stability,
@@ -65,6 +64,7 @@ from tierkv.integrations.vllm_messages import (  # noqa: E402
     TierKVWorkerMetadata,
 )
 from tierkv.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
+from tierkv.integrations.vllm_versions import UnsupportedVersionError  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
