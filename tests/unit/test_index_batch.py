@@ -18,7 +18,7 @@ from tests.profiles import thorough
 from tierkv.core.index import BlockIndex
 from tierkv.core.plans import CLEAN, DIRTY
 from tierkv.core.jobs import Completion, JobKind, SlotId
-from tierkv.core.policy import policy_names
+from tierkv.core.policies import POLICIES
 from tierkv.core.state import CpuState, Entry
 
 KEYS = [bytes([i]) * 8 for i in range(16)]
@@ -107,7 +107,7 @@ def snapshot(index: BlockIndex) -> object:
     )
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @thorough(500)
 @given(num_slots=st.integers(1, 8), disk_capacity=st.sampled_from([0, 3, 20]),
        history=history_ops, runs=runs_strategy)

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 from tierkv.core.jobs import Completion, SlotId, failed_set
-from tierkv.core.plans import CLEAN, DIRTY
-from tierkv.core.policy import DISK_POLICY, EvictionPolicy, make_policy, require
+from tierkv.core.plans import CLEAN, DIRTY, WRITING
+from tierkv.core.policies import DISK_POLICY, make_policy
+from tierkv.core.policy import EvictionPolicy, require
 from tierkv.core.state import CpuState, DiskState, Entry
 from tierkv.core.stats import Counters
 
@@ -36,7 +37,7 @@ class WriteBack:
                  capacity: int, write_through: bool, spill_ahead_fraction: float,
                  retry_after_full: float) -> None:
         self._entries = entries
-        self._cpu = cpu  # pools CLEAN, DIRTY
+        self._cpu = cpu  # pools CLEAN, DIRTY, WRITING
         self._counters = counters
         self._touched = touched
         self._clock = clock
@@ -55,7 +56,7 @@ class WriteBack:
 
     def __len__(self) -> int:
         """Chunks on disk (not counting those being written)."""
-        return len(self._order)
+        return self._order.count(0)
 
     # ------------------------------------------------------------------ asked by the index
     def wanted(self) -> bool:
@@ -113,7 +114,7 @@ class WriteBack:
         """Spill ``keys`` of ``pool``, in order, while the disk has room or makes it (LRU)."""
         writes: Writes = []
         entries = self._entries
-        hold = self._cpu.hold
+        move = self._cpu.move
         spilling = DiskState.SPILLING
         for key in keys:
             if self.used >= self.capacity and not self._evict_one():
@@ -121,7 +122,7 @@ class WriteBack:
                 break
             entry = entries[key]
             assert entry.slot is not None
-            hold(key, pool)
+            move(key, pool, WRITING)
             entry.disk = spilling
             self.used += 1
             writes.append((key, entry.slot))
@@ -150,13 +151,13 @@ class WriteBack:
                 if self._touched is not None:
                     self._touched.append(key)
                 counters.spills_ok += 1
-                cpu.place(key, CLEAN, oldest=True)
+                cpu.move(key, WRITING, CLEAN)
             else:
                 written_before = key in again
                 entry.disk = DiskState.EVICTED if written_before else None
                 self.used -= 1
                 counters.spills_failed += 1
-                cpu.place(key, CLEAN if written_before else DIRTY, oldest=True)
+                cpu.move(key, WRITING, CLEAN if written_before else DIRTY)
         self._order.insert(on_disk, 0)
         if self.used > self.capacity:  # the capacity shrank meanwhile
             self._evict_over()
@@ -170,7 +171,7 @@ class WriteBack:
 
     def use(self, key: bytes, reuse: bool) -> None:
         """A chunk on disk was used (``reuse``: a load of it): the most recent on disk."""
-        (self._order.access if reuse else self._order.refresh)(key)
+        self._order.touch(key, reuse)
 
     def lost(self, entry: Entry, *, corrupt: bool) -> None:
         """A load found ``entry``'s chunk damaged (``corrupt``: deleted there) or missing on
@@ -179,7 +180,7 @@ class WriteBack:
             self._counters.corrupt += 1
         else:
             self._counters.disk_missing += 1
-        self._drop(entry, evicted=False)
+        self._drop(entry)
         del self._entries[entry.key]
 
     def add(self, keys: Iterable[bytes]) -> int:
@@ -218,7 +219,7 @@ class WriteBack:
                 continue
             self._deletes.append(key)
             self._counters.disk_evictions += 1
-            self._drop(entry, evicted=True)
+            self._drop(entry)
             if entry.cpu is None:  # in no tier now
                 del self._entries[key]
             else:  # READY: written once in this stay, never again (it stays clean)
@@ -226,14 +227,11 @@ class WriteBack:
             return True
         return False
 
-    def _drop(self, entry: Entry, *, evicted: bool) -> None:
+    def _drop(self, entry: Entry) -> None:
         if self._touched is not None:
             self._touched.append(entry.key)
         if entry.disk is DiskState.ON_DISK:
-            if evicted:
-                self._order.evict(entry.key, 0)
-            else:
-                self._order.discard(entry.key, 0)
+            self._order.evict(entry.key, 0)  # LRU keeps no ghosts
             self.used -= 1
         entry.disk = None
 
@@ -249,11 +247,10 @@ class WriteBack:
             elif entry.disk is DiskState.ON_DISK:
                 listed[key] = 0
                 promoting += entry.cpu is CpuState.PROMOTING
-            require(self._order.pool_of(key) == listed.get(key), "disk order of", entry)
-        self._order.check(listed, ())
+        self._order.check(listed)
         require(spilling == self.spilling, f"{spilling} chunks spilling, counted {self.spilling}")
-        require(self.used == len(self._order) + spilling,
-                f"disk used {self.used} != {len(self._order)} on disk + {spilling}")
+        require(self.used == len(self) + spilling,
+                f"disk used {self.used} != {len(self)} on disk + {spilling}")
         # Over the capacity only by what could not be evicted when it shrank: chunks being
         # promoted (on disk) or spilled.
         require(self.used <= max(self.capacity, 0) + spilling + promoting,
