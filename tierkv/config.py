@@ -90,7 +90,7 @@ class CpuTierConfig:
 
 @dataclass(frozen=True)
 class DiskTierConfig:
-    """The LMDB disk tier. ``path=None`` turns the tier off."""
+    """The disk tier (slab files under an LMDB index). ``path=None`` turns the tier off."""
 
     path: Path | None = setting(None, kind="path", help="the disk tier's root; None: no disk tier")
     max_bytes: int = setting(64 * GiB, unit="bytes",

@@ -1,4 +1,4 @@
-"""tierkv as a vLLM KV connector (vLLM 0.32 to 0.34): GPU -> CPU slab -> LMDB disk, and back.
+"""tierkv as a vLLM KV connector (vLLM 0.32 to 0.34): GPU -> CPU slab -> disk -> remote, and back.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierKVConnector",
         "kv_connector_module_path": "tierkv.integrations.vllm", "kv_role": "kv_both",
