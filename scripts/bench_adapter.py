@@ -22,10 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
 
-from tierkv.core.index import BlockIndex, IndexStats  # noqa: E402
+from tierkv.core.index import BlockIndex  # noqa: E402
+from tierkv.core.stats import IndexStats  # noqa: E402
 from tierkv.core.jobs import Completion  # noqa: E402
-from tierkv.core.policy import DEFAULT_POLICY, policy_names  # noqa: E402
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter  # noqa: E402
+from tierkv.core.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
+from tierkv.engine.adapter import EngineAdapter  # noqa: E402
+from tierkv.engine.adapter_config import AdapterConfig  # noqa: E402
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport  # noqa: E402
 from tierkv.keys import chunk_keys  # noqa: E402
 
@@ -163,7 +165,7 @@ def main() -> None:
     parser.add_argument("--chunks-per-step", type=int, default=1,
                         help="chunks each request completes per step: 1 = decode-like steady "
                              "state, --chunks = the whole prompt in one prefill step")
-    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=tuple(POLICIES),
                         help="the CPU tier's eviction policy")
     parser.add_argument("--load-policy", default="always", choices=("always", "cost"),
                         help="cost: every lookup with hits also decides, from the cost model, "

@@ -27,9 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
 
-from tierkv.core.index import BlockIndex, IndexStats  # noqa: E402
+from tierkv.core.index import BlockIndex  # noqa: E402
+from tierkv.core.stats import IndexStats  # noqa: E402
 from tierkv.core.jobs import Completion, JobKind  # noqa: E402
-from tierkv.core.policy import DEFAULT_POLICY, policy_names  # noqa: E402
+from tierkv.core.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
 from tierkv.keys import chunk_keys  # noqa: E402
 
 
@@ -133,7 +134,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4096)
     parser.add_argument("--disk-chunks", type=int, default=32_768)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(),
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=tuple(POLICIES),
                         help="the CPU tier's eviction policy")
     parser.add_argument("--stats-entries", default="1000,1000000",
                         help="index sizes (READY chunks) to time statistics() at")

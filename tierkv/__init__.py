@@ -1,6 +1,7 @@
 """tierkv: a multi-tier KV-cache block store for LLM inference engines.
 
-GPU -> pinned CPU LRU tier -> LMDB disk tier, and back. Start with
+GPU -> pinned CPU tier (ARC eviction by default, ``cpu.eviction_policy``) -> disk tier
+(slab files under an LMDB index) -> remote tier (Redis / Valkey), and back. Start with
 :class:`tierkv.engine.store.TierKVStore` (also exported here, imported lazily so that
 ``import tierkv.core`` stays free of torch and lmdb).
 

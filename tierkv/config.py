@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from tierkv.core.policy import DEFAULT_POLICY, policy_names
+from tierkv.core.policies import DEFAULT_POLICY, POLICIES
 from tierkv.errors import ConfigError
 from tierkv.settings import check_settings, setting
 from tierkv.units import GiB, MiB
-
-EVICTION_POLICIES = policy_names()  # one module each under tierkv/core/policies/
 
 PUSH_POLICIES = ("on_store", "on_evict", "read_only")  # when chunks go to the remote tier
 # When TierKVStore.store() returns: once its source blocks are copied, or at once.
@@ -83,7 +81,7 @@ class CpuTierConfig:
                               help="pin the slab: 'auto' (when CUDA is present)")
     spill_ahead_fraction: float = setting(0.25, low=0.0, high=1.0,
                                           help="share of the slots kept clean early")
-    eviction_policy: str = setting(DEFAULT_POLICY, choices=EVICTION_POLICIES,
+    eviction_policy: str = setting(DEFAULT_POLICY, choices=tuple(POLICIES),
                                    help="the order chunks leave the CPU tier")
 
     def __post_init__(self) -> None:
@@ -92,7 +90,7 @@ class CpuTierConfig:
 
 @dataclass(frozen=True)
 class DiskTierConfig:
-    """The LMDB disk tier. ``path=None`` turns the tier off."""
+    """The disk tier (slab files under an LMDB index). ``path=None`` turns the tier off."""
 
     path: Path | None = setting(None, kind="path", help="the disk tier's root; None: no disk tier")
     max_bytes: int = setting(64 * GiB, unit="bytes",

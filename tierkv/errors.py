@@ -3,6 +3,11 @@
 Backpressure is a value ("no room" is counted, never raised); failure is an exception.
 Every message names the tier, the chunk key (short hex) where there is one, and the
 setting to change.
+
+A bad setting is a :class:`ConfigError`; a call made wrongly by a program (an argument of
+the wrong kind, size or range, a job completed twice, an unknown policy name given to the
+index) is a :class:`UsageError`, as is a call the object does not support at that moment
+(from a forked child, from two threads at once). Both change nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ class TierKVError(Exception):
 
 
 class ConfigError(TierKVError, ValueError):
-    """A setting has a bad value; the message names the setting and the value."""
+    """A setting has a bad value; the message names the setting and the value. Not for a
+    program's calls made wrongly: those are :class:`UsageError`."""
 
 
 class ClosedError(TierKVError):
@@ -30,8 +36,9 @@ class DamagedError(BrokenError):
 
 
 class UsageError(TierKVError):
-    """The store was used in a way it does not support (from a forked child, from two
-    threads at once); nothing was changed."""
+    """Misuse: a call made wrongly by a program (bad keys, block ids, buffers or job ids;
+    a job completed twice), or one the object does not support (from a forked child, from
+    two threads at once); nothing was changed."""
 
 
 class InvariantError(TierKVError):

@@ -31,7 +31,7 @@ from typing import Any, NewType
 import msgpack
 
 from tierkv.checks import check_int, is_int
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 
 ChunkKey = NewType("ChunkKey", bytes)
 
@@ -51,7 +51,7 @@ def _canonical(obj: Any) -> bytes:
 def chunk_key(parent: bytes, token_ids: Sequence[int], extra: Any = None) -> ChunkKey:
     """Key of one chunk: sha256(msgpack([parent, list(token_ids), extra]))."""
     if len(parent) != KEY_BYTES:
-        raise ConfigError(f"keys: parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+        raise UsageError(f"keys: parent key must be {KEY_BYTES} bytes, got {len(parent)}")
     payload = _canonical([bytes(parent), [int(t) for t in token_ids], extra])
     return ChunkKey(hashlib.sha256(payload).digest())
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tierkv.config import DiskTierConfig
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 from tierkv.keys import ROOT_KEY, Namespace, Part, chunk_keys
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.transfer.layout import KVLayout
@@ -72,10 +72,10 @@ def as_buffer(payload: Payload, chunk_bytes: int, what: str) -> memoryview:
         try:
             view = memoryview(payload).cast("B")
         except TypeError as exc:
-            raise ConfigError(f"warmup: {what} is a {type(payload).__name__}, not bytes, a numpy "
+            raise UsageError(f"warmup: {what} is a {type(payload).__name__}, not bytes, a numpy "
                               f"array or a torch tensor") from exc
     if len(view) != chunk_bytes:
-        raise ConfigError(f"warmup: {what} has {len(view)} bytes, a chunk here has {chunk_bytes}")
+        raise UsageError(f"warmup: {what} has {len(view)} bytes, a chunk here has {chunk_bytes}")
     return view
 
 
@@ -116,7 +116,7 @@ class ChunkWriter:
         if self.full_message is not None:
             return False
         if len(payloads) != len(self.tiers):
-            raise ConfigError(f"warmup: chunk {key[:4].hex()} has {len(payloads)} payload(s), "
+            raise UsageError(f"warmup: chunk {key[:4].hex()} has {len(payloads)} payload(s), "
                               f"the writer has {len(self.tiers)} rank(s)")
         if self.has(key):
             return True
@@ -177,7 +177,7 @@ def warm_sequence(writer: ChunkWriter, report: WarmupReport, token_ids: Sequence
     upto = missing[-1] + 1
     chunks = produce([int(token) for token in token_ids[: upto * tokens_per_chunk]])
     if len(chunks) != upto:
-        raise ConfigError(f"warmup: the KV producer returned {len(chunks)} chunk payload(s) "
+        raise UsageError(f"warmup: the KV producer returned {len(chunks)} chunk payload(s) "
                           f"for {upto * tokens_per_chunk} tokens ({upto} chunks)")
     for index in missing:
         if not writer.add(keys[index], chunks[index]):
@@ -252,7 +252,7 @@ def gather_chunks(layout: KVLayout, blocks_per_chunk: int,
     exactly what the worker copies into a CPU slot."""
     rows = [[int(block) for block in chunk] for chunk in block_ids]
     if any(len(row) != blocks_per_chunk for row in rows):
-        raise ConfigError(f"warmup: gather_chunks needs {blocks_per_chunk} block ids per chunk, "
+        raise UsageError(f"warmup: gather_chunks needs {blocks_per_chunk} block ids per chunk, "
                           f"got {[len(row) for row in rows]}")
     out = torch.empty((len(rows), layout.chunk_bytes(blocks_per_chunk)), dtype=torch.uint8,
                       device=layout.device)

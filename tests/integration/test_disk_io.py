@@ -20,10 +20,10 @@ from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, SlotId, Spil
 from tierkv.errors import (
     BrokenError,
     ClosedError,
-    ConfigError,
     JobTimeoutError,
     TransferError,
     UnknownJobError,
+    UsageError,
 )
 from tierkv.keys import Namespace
 from tierkv.tiers.cpu import CpuSlab
@@ -244,9 +244,9 @@ def test_a_spill_job_id_is_taken_once(disk_io: TierIO) -> None:
 
 
 def test_bad_specs_raise_at_submit(disk_io: TierIO) -> None:
-    with pytest.raises(ConfigError, match="out of range"):
+    with pytest.raises(UsageError, match="out of range"):
         disk_io.submit_spill(spill(1, [(1, 999)]))
-    with pytest.raises(ConfigError, match="32 bytes"):
+    with pytest.raises(UsageError, match="32 bytes"):
         disk_io.submit_spill(SpillSpec(JobId(2), ((b"short", SlotId(0)),)))
 
 

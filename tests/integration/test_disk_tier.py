@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from tests.profiles import thorough
 from tests.reliability import support
 from tierkv.config import DiskTierConfig
-from tierkv.errors import ClosedError, ConfigError, NamespaceMismatchError
+from tierkv.errors import ClosedError, NamespaceMismatchError, UsageError
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk.tier import SHARDS, DiskTier, ReadStatus, list_namespaces, map_size_for, shard_of
 from tierkv.tiers.disk.format import MAGIC, binding_of, checksum, pack_header
@@ -362,13 +362,13 @@ def test_close_is_idempotent_and_later_calls_raise(tmp_path: Path) -> None:
             call()
 
 
-def test_bad_arguments_raise_config_errors(tmp_path: Path) -> None:
+def test_bad_arguments_raise_usage_errors(tmp_path: Path) -> None:
     with open_tier(tmp_path) as tier:
-        with pytest.raises(ConfigError, match="32 bytes"):
+        with pytest.raises(UsageError, match="32 bytes"):
             tier.put_many([(b"short", payload_of(1))])
-        with pytest.raises(ConfigError, match="stores 8192"):
+        with pytest.raises(UsageError, match="stores 8192"):
             tier.put_many([(key_of(1), b"x" * 10)])
-        with pytest.raises(ConfigError, match="writable"):
+        with pytest.raises(UsageError, match="writable"):
             tier.read_into(key_of(1), memoryview(bytearray(10)))
 
 

@@ -24,7 +24,7 @@ from redis.cluster import RedisCluster as ClusterClient
 from tests.integration.test_remote_tier import RELAXED
 from tests.reliability import support
 from tierkv.config import DiskTierConfig, RemoteTierConfig
-from tierkv.errors import ClosedError, ConfigError
+from tierkv.errors import ClosedError, UsageError
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import LowerTier, ReadStatus
 from tierkv.tiers.disk.tier import DiskTier
@@ -215,10 +215,10 @@ def test_read_into_a_larger_or_shaped_buffer(tier: LowerTier) -> None:
         assert bytes(raw) == payload_of(1), shape
 
 
-def test_wrong_sizes_and_keys_are_config_errors_naming_the_tier(backend: Backend,
+def test_wrong_sizes_and_keys_are_usage_errors_naming_the_tier(backend: Backend,
                                                                 tier: LowerTier) -> None:
     for size in (10, PAYLOAD - 1, PAYLOAD + 1):
-        with pytest.raises(ConfigError, match=f"^{backend.name} .*has {size} bytes, "
+        with pytest.raises(UsageError, match=f"^{backend.name} .*has {size} bytes, "
                                               f"the tier stores {PAYLOAD}"):
             tier.put_many([(key_of(1), payload_of(1)), (key_of(2), bytes(size))])
     assert read(tier, key_of(1))[0] is ReadStatus.MISSING  # a refused batch writes nothing
@@ -226,11 +226,11 @@ def test_wrong_sizes_and_keys_are_config_errors_naming_the_tier(backend: Backend
                  lambda: tier.read_into(b"short", bytearray(PAYLOAD)),
                  lambda: tier.delete_many([b"short"]),
                  lambda: tier.put_many([], deletes=[b"k" * 33])):
-        with pytest.raises(ConfigError, match=f"^{backend.name} .*32 bytes"):
+        with pytest.raises(UsageError, match=f"^{backend.name} .*32 bytes"):
             call()
     tier.put_many([(key_of(1), payload_of(1))])
     for out in (bytearray(PAYLOAD - 1), bytes(PAYLOAD), memoryview(bytes(PAYLOAD))):
-        with pytest.raises(ConfigError, match=f"^{backend.name} .*writable"):
+        with pytest.raises(UsageError, match=f"^{backend.name} .*writable"):
             tier.read_into(key_of(1), out)
     assert read(tier, key_of(1)) == (ReadStatus.OK, payload_of(1))
 

@@ -17,7 +17,8 @@ import pytest
 
 from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId
-from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+from tierkv.integrations.vllm_config import ConnectorSettings
+from tierkv.integrations.vllm_geometry import Geometry
 from tierkv.integrations.vllm_disk import OWNER_FILE, OtherParts
 from tierkv.integrations.vllm_scheduler import SchedulerSide
 from tierkv.keys import Namespace, Part

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.profiles import thorough
-from tierkv.core.policy import policy_names
+from tierkv.core.policies import POLICIES
 from tierkv.engine.store import TierKVStore
 
 from .test_store import BPC, INDEX_FILES, NUM_BLOCKS, PAGE_SHAPE, keys_for, make_kv, open_store
@@ -52,7 +52,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.store is None)
     @rule(cpu=st.sampled_from([2, 3, 5]), disk=st.sampled_from([3, 6, 20]),
-          policy=st.sampled_from(policy_names()))
+          policy=st.sampled_from(sorted(POLICIES)))
     def open(self, cpu: int, disk: int, policy: str) -> None:
         self.cpu_chunks, self.disk_chunks, self.policy = cpu, disk, policy
         self._open()

@@ -33,9 +33,10 @@ from . import vllm_harness as harness_lib
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
+from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.errors import ConfigError
 from tierkv.integrations import vllm as tierkv_vllm
-from tierkv.integrations import vllm_config
+from tierkv.integrations import vllm_config, vllm_versions
 from tierkv.integrations.vllm_keys import chunk_key, chunk_keys_from_block_hashes
 
 HarnessConfig = harness_lib.HarnessConfig
@@ -582,14 +583,14 @@ def test_an_mla_model_hits_every_chunk_of_the_previous_turn(async_scheduling: bo
 
 
 def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    vllm_config.check_vllm_version("0.33.0")
-    vllm_config.check_vllm_version("0.33.7rc1")
-    vllm_config.check_vllm_version("0.32.0")
-    vllm_config.check_vllm_version("0.34.0")
+    vllm_versions.check_vllm_version("0.33.0")
+    vllm_versions.check_vllm_version("0.33.7rc1")
+    vllm_versions.check_vllm_version("0.32.0")
+    vllm_versions.check_vllm_version("0.34.0")
     for version in ("0.31.1", "0.35.0", "1.0.0", "dev"):
-        with pytest.raises(vllm_config.UnsupportedVersionError,
+        with pytest.raises(vllm_versions.UnsupportedVersionError,
                            match=r"targets vLLM 0\.32\.x, 0\.33\.x and 0\.34\.x"):
-            vllm_config.check_vllm_version(version)
+            vllm_versions.check_vllm_version(version)
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.35.0")
@@ -651,11 +652,9 @@ def test_import_is_light() -> None:
 def test_one_capacity_formula_for_the_connector_and_the_library_store(tmp_path: Path) -> None:
     import torch
 
-    from tierkv.config import (DISK_OVERHEAD_BYTES, CpuTierConfig, DiskTierConfig, StoreConfig,
-                               disk_chunk_capacity)
+    from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig, disk_chunk_capacity
     from tierkv.engine.store import TierKVStore
 
-    assert vllm_config.DISK_OVERHEAD_BYTES == DISK_OVERHEAD_BYTES
     kv = [torch.zeros((8, 4, 64), dtype=torch.uint8)]
     disk_bytes = 37 * (2 * 256 + DISK_OVERHEAD_BYTES) + 5
     config = StoreConfig(blocks_per_chunk=2, cpu=CpuTierConfig(max_bytes=4096, pin_memory="never"),
@@ -938,7 +937,8 @@ def test_rebuild_keeps_chunks_every_part_holds(tmp_path: Path) -> None:
 def test_a_job_completes_once_every_tp_rank_reported_it() -> None:
     from types import SimpleNamespace
 
-    from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+    from tierkv.integrations.vllm_config import ConnectorSettings
+    from tierkv.integrations.vllm_geometry import Geometry
     from tierkv.integrations.vllm_scheduler import SchedulerSide
     from tierkv.keys import Namespace
 
@@ -1026,7 +1026,8 @@ def test_a_block_vllm_hands_to_one_group_ahead_of_the_other_is_fenced_at_once() 
     group held)."""
     from types import SimpleNamespace
 
-    from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+    from tierkv.integrations.vllm_config import ConnectorSettings
+    from tierkv.integrations.vllm_geometry import Geometry
     from tierkv.integrations.vllm_geometry import KVGroup
     from tierkv.integrations.vllm_scheduler import SchedulerSide
     from tierkv.keys import Namespace
@@ -1076,7 +1077,8 @@ def test_keys_follow_rewritten_block_hashes() -> None:
     from that block on: keys derived from the old hashes must not be reused."""
     from types import SimpleNamespace
 
-    from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
+    from tierkv.integrations.vllm_config import ConnectorSettings
+    from tierkv.integrations.vllm_geometry import Geometry
     from tierkv.integrations.vllm_scheduler import SchedulerSide
     from tierkv.keys import Namespace
 
@@ -1117,7 +1119,7 @@ def random_settings(rng: Any, tokens_per_chunk: int, chunk_bytes: int, disk_path
                              "write_through": rng.random() < 0.3}
     if rng.random() < 0.6:
         extra["disk_path"] = str(disk_path)
-        extra["disk_bytes"] = rng.randint(4, 40) * (chunk_bytes + vllm_config.DISK_OVERHEAD_BYTES)
+        extra["disk_bytes"] = rng.randint(4, 40) * (chunk_bytes + DISK_OVERHEAD_BYTES)
     return extra
 
 
@@ -1217,7 +1219,7 @@ def test_the_connector_keys_are_the_library_settings_they_translate_to() -> None
     """Each key derived from a library setting takes what that setting takes (its kind,
     bounds, choices) and has its default, unless the connector says otherwise."""
     from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
-    from tierkv.engine.adapter import AdapterConfig
+    from tierkv.engine.adapter_config import AdapterConfig
     from tierkv.settings import declared
 
     classes = {cls.__name__: cls for cls in (CpuTierConfig, DiskTierConfig, StoreConfig,

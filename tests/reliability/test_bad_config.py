@@ -182,14 +182,14 @@ UNSUPPORTED = ["0.31.9", "0.35.0", "1.33.0", "0.3.3", "0.33", "33", "v0.33.0", "
 
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_supported_vllm_versions_pass(version: str) -> None:
-    from tierkv.integrations.vllm_config import check_vllm_version
+    from tierkv.integrations.vllm_versions import check_vllm_version
 
     check_vllm_version(version)
 
 
 @pytest.mark.parametrize("version", UNSUPPORTED)
 def test_unsupported_vllm_version_gives_a_clear_message(version: str) -> None:
-    from tierkv.integrations.vllm_config import UnsupportedVersionError, check_vllm_version
+    from tierkv.integrations.vllm_versions import UnsupportedVersionError, check_vllm_version
 
     if version == "0.33":  # major.minor alone is a valid 0.33 version string
         check_vllm_version(version)
@@ -208,7 +208,7 @@ def test_importing_the_connector_under_another_vllm_fails_with_the_message(
     imported (before it touches vLLM's connector API): a stand-in vllm module reporting
     0.35.0 makes the import fail with UnsupportedVersionError, not an AttributeError or
     ImportError from deep inside vLLM."""
-    from tierkv.integrations.vllm_config import UnsupportedVersionError
+    from tierkv.integrations.vllm_versions import UnsupportedVersionError
 
     fake = types.ModuleType("vllm")
     fake.__version__ = "0.35.0"  # type: ignore[attr-defined]

@@ -129,7 +129,7 @@ def test_bad_keys_are_refused_at_the_call_and_change_nothing(tmp_path: Path, bad
     good = support.request_keys(3)
     for call in (lambda: store.store([good[0], bad], [support.chunk_blocks(0), support.chunk_blocks(1)]),
                  lambda: store.lookup([bad]), lambda: store.load([bad], [support.chunk_blocks(0)])):
-        with pytest.raises(ConfigError, match="32 bytes|sequence"):
+        with pytest.raises(UsageError, match="32 bytes|sequence"):
             call()
     assert store.statistics().index.stores_planned == 0
     for seed in range(4):  # spills happen afterwards without a late error
@@ -149,7 +149,7 @@ def test_block_ids_as_numpy_or_tensors_work_and_floats_are_refused(tmp_path: Pat
         flat = list(range(2 * support.BPC))
         for bad in ([float(b) for b in flat], [True] * len(flat), np.array(flat, dtype=np.float32),
                     torch.tensor(flat, dtype=torch.float32), [[1.5] * support.BPC] * 2, "abcdefgh"):
-            with pytest.raises(ConfigError, match="block id"):
+            with pytest.raises(UsageError, match="block id"):
                 store.store(keys, bad)  # type: ignore[arg-type]
         assert store.statistics().index.stores_planned == 0
         job = store.store(keys, np.array(flat, dtype=np.int64))
@@ -164,7 +164,7 @@ def test_block_ids_as_numpy_or_tensors_work_and_floats_are_refused(tmp_path: Pat
             first = int(np.asarray(blocks).reshape(-1)[0])
             assert support.chunk_matches(kv, keys[0], list(range(first, first + support.BPC)))
         for bad in (["x"], "x", [1.0], [True], [-1]):
-            with pytest.raises(ConfigError, match="job id|list of job ids"):
+            with pytest.raises(UsageError, match="job id|list of job ids"):
                 store.wait(bad)  # type: ignore[arg-type]
 
 
@@ -335,10 +335,10 @@ def test_disk_tier_calls_refuse_bad_buffers_and_batches_with_tierkv_errors(tmp_p
         assert tier.read_into(key, memoryview(grid)).name == "OK"
         assert grid.tobytes() == payload.tobytes()
         for bad in ([0] * 4096, "x" * 4096, np.zeros(8192, dtype=np.uint8)[::2], bytes(4095)):
-            with pytest.raises(ConfigError):
+            with pytest.raises(UsageError):
                 tier.put_many([(key, bad)])  # type: ignore[list-item]
         for bad_out in (bytes(4096), memoryview(bytearray(8192))[::2], bytearray(100), 5):
-            with pytest.raises(ConfigError):
+            with pytest.raises(UsageError):
                 tier.read_into(key, bad_out)  # type: ignore[arg-type]
         for call in (lambda: list(tier.scan("x")), lambda: tier.verify(batch=None),  # type: ignore[arg-type]
                      lambda: list(tier.scan(0))):

@@ -8,7 +8,8 @@ import pytest
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import NO_BLOCK, Completion
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.adapter import EngineAdapter
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.errors import UsageError
 from tierkv.keys import chunk_keys

@@ -6,7 +6,8 @@ import pytest
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobKind
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.adapter import EngineAdapter
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.errors import TierKVError
 from tierkv.keys import chunk_keys

@@ -23,7 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tests.profiles import thorough
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import NO_BLOCK, Completion, JobKind
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.adapter import EngineAdapter
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.keys import chunk_keys
 

@@ -13,7 +13,8 @@ from tests.profiles import thorough
 from tierkv.core.costs import DECLINE_MARGIN, CostModel, CostPriors, DecayedLine
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobKind
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.adapter import EngineAdapter
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.errors import ConfigError, UsageError
 

@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.profiles import thorough
-from tierkv.core.index import CLEAN, DIRTY, BlockIndex
+from tierkv.core.index import BlockIndex
+from tierkv.core.plans import CLEAN, DIRTY
 from tierkv.core.jobs import Completion, JobKind, SlotId
-from tierkv.core.policy import policy_names
+from tierkv.core.policies import POLICIES
 from tierkv.core.state import CpuState, Entry
 
 KEYS = [bytes([i]) * 8 for i in range(16)]
@@ -100,13 +101,13 @@ def snapshot(index: BlockIndex) -> object:
         index.statistics(),
         list(index._slots._free),
         [list(index._cpu.victims(CLEAN)), list(index._cpu.victims(DIRTY)),
-         list(index._disk.victims(0))],
+         list(index._disk._order.victims(0))],
         {name: value for name, value in vars(index._cpu).items() if name != "_at"},
-        index._room_wanted,
+        index._disk._room_wanted,
     )
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @thorough(500)
 @given(num_slots=st.integers(1, 8), disk_capacity=st.sampled_from([0, 3, 20]),
        history=history_ops, runs=runs_strategy)

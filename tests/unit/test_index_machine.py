@@ -30,9 +30,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.profiles import thorough
-from tierkv.core.index import BlockIndex, Lookup
+from tierkv.core.index import BlockIndex
+from tierkv.core.plans import Lookup
 from tierkv.core.jobs import Completion, JobId, JobKind, SpillSpec
-from tierkv.core.policy import policy_names
+from tierkv.core.policies import POLICIES
 from tierkv.core.state import CpuState, DiskState
 
 KEYS = [bytes([i]) * 4 for i in range(12)]
@@ -80,7 +81,7 @@ class IndexMachine(RuleBasedStateMachine):
         disk_capacity=st.sampled_from([0, 2, 5, 20]),
         write_through=st.booleans(),
         spill_ahead=st.sampled_from([0.0, 0.25, 1.0]),
-        policy=st.sampled_from(policy_names()),
+        policy=st.sampled_from(sorted(POLICIES)),
         max_marks=st.sampled_from([2, 5, 64]),
     )
     @precondition(lambda self: self.index is None)

@@ -11,9 +11,12 @@ import pytest
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobKind
+from tierkv.core.plans import CLEAN, DIRTY
+from tierkv.config import CpuTierConfig
+from tierkv.core.policies import POLICIES, make_policy
 from tierkv.core.policies.arc import T1, T2, ARCPolicy
-from tierkv.core.policy import make_policy, policy_names
-from tierkv.errors import ConfigError
+from tierkv.core.policies.lru import LRUPolicy
+from tierkv.errors import ConfigError, UsageError
 
 A, B, C, D, E, F, G = (bytes([i]) * 32 for i in range(1, 8))
 
@@ -99,9 +102,10 @@ def test_write_back_spills_the_policys_next_victim(policy: str, spilled: bytes) 
 def test_arc_a_spilled_chunk_keeps_its_reuse() -> None:
     index = BlockIndex(num_slots=2, disk_capacity=10, eviction_policy="arc")
     stored(index, A)
-    spill = index.take_spills(flush=True)  # A held while its spill is in flight
-    loaded(index, A)  # reused meanwhile: T2, though held
-    assert arc(index).list_of(A) == T2 and arc(index).pool_of(A) is None
+    spill = index.take_spills(flush=True)  # A no victim while its spill is in flight
+    loaded(index, A)  # reused meanwhile: T2, though written
+    assert arc(index).list_of(A) == T2
+    assert A not in [*arc(index).victims(CLEAN), *arc(index).victims(DIRTY)]
     index.complete_spill(done(spill.job_id, JobKind.SPILL))
     assert arc(index).list_of(A) == T2  # clean now, still protected from scans
     index.check()
@@ -118,7 +122,7 @@ def test_arc_a_refresh_is_not_a_reuse() -> None:
     index.check()
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_readers_and_the_requests_own_keys_are_never_victims(policy: str) -> None:
     index = BlockIndex(num_slots=2, eviction_policy=policy)
     stored(index, A, B)
@@ -153,6 +157,9 @@ def test_arc_ghosts_stay_within_the_tiers_capacity() -> None:
 
 
 def test_an_unknown_policy_names_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"'mru' is not one of \['arc', 'lru'\]"):
+    # A program's call made wrongly is a UsageError; the setting's bad value a ConfigError.
+    with pytest.raises(UsageError, match=r"'mru' is not one of \['arc', 'lru'\]"):
         BlockIndex(num_slots=2, eviction_policy="mru")
-    assert make_policy("lru", 4).name == "lru"
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        CpuTierConfig(eviction_policy="mru")
+    assert isinstance(make_policy("lru", 4), LRUPolicy)

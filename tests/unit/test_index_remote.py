@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.core.index import BlockIndex, IndexStats, Lookup
+from tierkv.core.index import BlockIndex
+from tierkv.core.plans import Lookup
+from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import Completion, JobId, JobKind
 from tierkv.core.state import CpuState, DiskState, Entry
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.profiles import thorough
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 from tierkv.transfer.layout import KVLayout, consecutive_runs
 
 KINDS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
@@ -129,7 +129,7 @@ def test_slot_layer_views_follow_the_documented_offsets() -> None:
     for layer, view in enumerate(views):  # offset(l, i) = n * sum(page[:l]) + i * page[l]
         assert view.data_ptr() == slot.data_ptr() + 2 * kv.page * layer
         assert view[1].data_ptr() == view.data_ptr() + kv.page
-    with pytest.raises(ConfigError, match="at least"):
+    with pytest.raises(UsageError, match="at least"):
         layout.slot_layer_views(slot[:10], 2)
 
 
@@ -218,9 +218,9 @@ def test_bad_chunk_sizes_and_buffers() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="blocks_per_chunk"):
             layout.chunk_bytes(bad)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="chunk buffer"):
+    with pytest.raises(UsageError, match="chunk buffer"):
         layout.chunk_views(torch.zeros(2, 10, dtype=torch.uint8), 2)  # rows < 64 bytes
-    with pytest.raises(ConfigError, match="chunk buffer"):
+    with pytest.raises(UsageError, match="chunk buffer"):
         layout.chunk_views(torch.zeros(2, 64), 2)
 
 

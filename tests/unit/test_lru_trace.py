@@ -13,7 +13,7 @@ those two rules put back as they were, this driver gave ce484b3's digest (ec09be
 the new code: they are the only decisions that changed.
 
 Re-recorded a second time, for a bug fix: chunks found on disk at open beyond the disk
-capacity were deleted newest first; the oldest go now (``Spills.add_on_disk``). With the old
+capacity were deleted newest first; the oldest go now (``BlockIndex.add_on_disk``). With the old
 rule put back, this driver gives the previous digest (4564fe3a...).
 """
 
@@ -26,7 +26,9 @@ from dataclasses import fields
 from typing import Any
 
 from tierkv.core.figures import figures
-from tierkv.core.index import BlockIndex, IndexStats, LoadPlan, Lookup
+from tierkv.core.index import BlockIndex
+from tierkv.core.plans import LoadPlan, Lookup
+from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import Completion, JobKind
 
 RECORDED = "11a7832d0ee43a559d16236f11f53ff585eaf2a803c0043e45c7bf34440429d1"  # see above

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tierkv.errors import ConfigError
-from tierkv.integrations.vllm_config import Geometry, build_namespace
+from tierkv.integrations.vllm_config import build_namespace
+from tierkv.integrations.vllm_geometry import Geometry
 from tierkv.keys import Part, as_part, parse_part, part_counts
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.disk.layout import StoreLayout

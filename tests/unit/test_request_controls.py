@@ -10,7 +10,8 @@ from tierkv.core.controls import NO_CONTROLS, RequestControls, request_controls
 from tierkv.core.costs import CostModel
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobKind
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.adapter import EngineAdapter
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.example_load_policy import LocalFirst
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.errors import ConfigError

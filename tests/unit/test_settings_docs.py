@@ -12,7 +12,7 @@ import pytest
 
 from tierkv.config import CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig
 from tierkv.core.costs import CostPriors
-from tierkv.engine.adapter import AdapterConfig
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.integrations.vllm_config import ConnectorSettings
 from tierkv.settings import declared
 from tierkv.units import format_bytes

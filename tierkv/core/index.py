@@ -8,41 +8,36 @@ primitives". Misuse (completing a job that is not in flight, or as another kind 
 runs of keys that do not cover the keys given) raises :class:`~tierkv.errors.UsageError`
 naming the job and changes nothing.
 
-Parts: its records (core/plans.py, re-exported here), remote marks (core/remote_marks.py),
-events (core/events.py), statistics (core/stats.py), and two parts of the class itself,
-which it inherits: write-back and disk capacity (core/spills.py, ``Spills``) and the
-consistency check (core/invariants.py, ``Invariants``), methods over the attributes that
-core/index_state.py declares for all three. Imports run one way: this module imports the
-parts, they never import it. The hot methods (lookup, stores, loads, CPU eviction) stay
-here and read the plain dicts inline.
+It holds its parts, each with its own state: the disk side (core/spills.py,
+:class:`~tierkv.core.spills.WriteBack`: write-back and the disk capacity), the remote marks
+(core/remote_marks.py), events (core/events.py) and counters (core/stats.py); its records
+are core/plans.py's. The hot methods (lookup, stores, loads, CPU eviction) read the plain
+dicts inline.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from tierkv.core.events import MEDIUM_CPU, MEDIUM_DISK, EventLog  # MEDIUM_*: importable here
-from tierkv.core.invariants import Invariants
-# SpillSpec: importable here, as before its methods moved to core/spills.py.
-from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobIds, JobKind, SlotId, SpillSpec,
-                              failed_set)
-# The records and pools of core/plans.py: importable here, as before it was split out.
-from tierkv.core.plans import (CLEAN, DIRTY, Job, LoadPlan, LoadResult, Lookup, Source,
+from tierkv.core.events import EventLog
+from tierkv.core.jobs import Completion, JobId, JobIds, JobKind, SlotId, SpillSpec, failed_set
+from tierkv.core.plans import (CLEAN, DIRTY, WRITING, Job, LoadPlan, LoadResult, Lookup, Source,
                                StoreBatch, StorePlan)
-from tierkv.core.policy import DEFAULT_POLICY, DISK_POLICY, make_policy, require  # noqa: F401
+from tierkv.core.policies import DEFAULT_POLICY, make_policy
+from tierkv.core.policy import require
 from tierkv.core.remote_marks import RemoteMarks
 from tierkv.core.slots import SlotAllocator
-from tierkv.core.spills import Spills
+from tierkv.core.spills import WriteBack
 from tierkv.core.state import CpuState, DiskState, Entry
 from tierkv.core.stats import Counters, IndexStats
-from tierkv.errors import InvariantError, UsageError  # noqa: F401 (importable here)
+from tierkv.errors import InvariantError, UsageError
 
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
+_WRITTEN = (DiskState.ON_DISK, DiskState.EVICTED)  # a READY chunk is clean in these states
 
 
-class BlockIndex(Spills, Invariants):
+class BlockIndex:
     def __init__(
         self,
         num_slots: int,
@@ -60,70 +55,56 @@ class BlockIndex(Spills, Invariants):
         disk_tier: bool | None = None,
     ) -> None:
         self.num_slots = num_slots
-        self.disk_capacity = disk_capacity  # in chunks
-        # A disk tier is there (None: when it holds a chunk); its capacity may reach 0 later
-        # (set_disk_capacity), which is "no room", not "no disk tier".
-        self._has_disk = disk_capacity > 0 if disk_tier is None else disk_tier
-        self.write_through = write_through
-        self._spill_ahead_fraction = spill_ahead_fraction
-        # A reserve larger than the disk would only evict the disk's copies of CPU chunks.
-        self._clean_target = math.ceil(spill_ahead_fraction * min(num_slots, disk_capacity))
-        self._retry_after_full = retry_after_full_seconds
+        # A disk tier (None: when it holds a chunk); a capacity of 0 later is "no room".
+        self.has_disk = disk_capacity > 0 if disk_tier is None else disk_tier
         self._clock = clock
         self._job_ids = job_ids or JobIds()
         self._slots = SlotAllocator(num_slots)
         self._entries: dict[bytes, Entry] = {}
         self.eviction_policy = eviction_policy
-        self._cpu = make_policy(eviction_policy, num_slots, num_pools=2)  # CLEAN, DIRTY
-        self._disk = make_policy(DISK_POLICY, disk_capacity)  # ON_DISK, one pool
-        self._disk_used = 0  # ON_DISK + SPILLING
-        self._num_spilling = 0
+        self._cpu = make_policy(eviction_policy, num_slots, num_pools=3)  # CLEAN, DIRTY, WRITING
         # The transient CPU states, counted as they change (READY chunks are the rest of the
         # used slots), so that statistics() walks nothing.
         self._num_storing = 0
         self._num_promoting = 0
-        self._pending_deletes: list[bytes] = []
-        self._disk_retry_at = -math.inf
-        self._spills_stuck = False  # write-through left dirty chunks for want of disk room
-        self._room_wanted = 0  # slots that found no victim since the last spill plan
         self._jobs: dict[JobId, Job] = {}
         self._counters = Counters()
-        # Events (core/events.py): the log's list of touched keys, held here and appended
-        # inline where a chunk's tiers change (None: no events recorded).
+        # Events: the log's list of keys whose tiers changed, appended inline (None: off).
         self._events = EventLog() if record_events else None
         self._touched = self._events.touched if self._events is not None else None
-        # The remote tier's part of the index (core/remote_marks.py); lookup reads its marks
-        # dict inline.
+        # The remote tier's part (core/remote_marks.py); lookup reads its dict inline.
         self._marks = RemoteMarks(remote_mark_seconds, max_remote_marks, clock)
         self._remote = self._marks.marks
+        self._disk = WriteBack(self._entries, self._cpu, self._counters, self._touched, clock,
+                               num_slots=num_slots, capacity=disk_capacity,
+                               write_through=write_through,
+                               spill_ahead_fraction=spill_ahead_fraction,
+                               retry_after_full=retry_after_full_seconds)
 
     # ------------------------------------------------------------------ queries
-    # has_disk (a property): core/index_state.py, with the helpers every part uses.
+    @property
+    def disk_capacity(self) -> int:
+        """The disk capacity in chunks (set_disk_capacity changes it)."""
+        return self._disk.capacity
+
     @property
     def disk_used(self) -> int:
         """Chunks on disk or being written there (what the disk capacity bounds)."""
-        return self._disk_used
+        return self._disk.used
 
     @property
     def disk_wanted(self) -> int:
-        """Chunks the disk would hold once every chunk not on disk yet is written there:
-        :attr:`disk_used` and the dirty CPU chunks. A disk budget plans again once this
-        fills the capacity: once :attr:`disk_used` does is too late, the spills have evicted
-        chunks on disk for room the cap still had (issue 41)."""
-        return self._disk_used + (self._cpu.count(DIRTY) if self._has_disk else 0)
+        """:attr:`disk_used` and the dirty CPU chunks: what the disk would hold once every
+        chunk is written (a disk budget plans again when this fills the capacity)."""
+        return self._disk.used + self._cpu.count(DIRTY)  # no dirty chunk without a disk
 
     def set_disk_capacity(self, num_chunks: int) -> int:
-        """Make the disk capacity ``num_chunks`` (a budget shared with other stores moved).
-        When the disk holds more, its least recently used chunks are evicted now (their
-        deletes ride in the next spill job), except chunks being promoted, and spills in
-        flight, which are evicted as they land. Returns how many were evicted; raises
-        :class:`UsageError` without a disk tier."""
-        if not self._has_disk:
+        """Make the disk capacity ``num_chunks`` (a shared budget moved): chunks over it are
+        evicted (``WriteBack.resize``), how many is returned; :class:`UsageError` without a
+        disk tier."""
+        if not self.has_disk:
             raise UsageError("block index: set_disk_capacity without a disk tier")
-        self.disk_capacity = max(int(num_chunks), 0)
-        self._clean_target = math.ceil(self._spill_ahead_fraction *
-                                       min(self.num_slots, self.disk_capacity))
-        return self._evict_over()
+        return self._disk.resize(num_chunks)
 
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
         hits = 0
@@ -154,10 +135,8 @@ class BlockIndex(Spills, Invariants):
         return Lookup(hits, False, on_cpu, remote)
 
     def note_remote(self, keys: Iterable[bytes]) -> int:
-        """The remote tier has every rank's value of ``keys`` (docs/design.md, "The index's
-        primitives"); keys the index holds, or whose remote load failed lately, are
-        skipped. Returns how many were noted. With events, a key noted that had no mark is
-        a ``stored`` event of medium ``REMOTE`` (core/events.py)."""
+        """The remote tier has every rank's value of ``keys`` (docs/design.md); returns how
+        many were noted. With events, a new mark is a ``stored`` event of medium REMOTE."""
         events = self._events
         if events is None:
             return self._marks.note(keys, self._entries)
@@ -169,24 +148,21 @@ class BlockIndex(Spills, Invariants):
         return noted
 
     def shortfall(self, keys: Sequence[bytes], *, load: bool = False) -> int:
-        """How many of ``keys`` would find neither a free slot nor a clean chunk to evict,
-        while chunks not on disk yet (dirty, or spilling now) could become clean: the
-        chunks to write back, or wait for, to make room for them. A store needs a slot for
-        each key not present; a load (``load=True``) for each key not in the CPU tier
-        (on disk or remote only), and its keys clean in the CPU tier are not victims."""
-        if not (self._cpu.count(DIRTY) or self._num_spilling):
+        """How many of ``keys`` (new ones; with ``load``, those not in the CPU tier) would
+        find neither a free slot nor a clean victim (a load's own keys are none), while
+        dirty or spilling chunks could become clean: the chunks to write back, or wait for."""
+        if not (self._cpu.count(DIRTY) or self._disk.spilling):
             return 0
         entries = self._entries
         if not load:
             new = sum(1 for key in keys if key not in entries)
             return max(new - self._slots.num_free - self._cpu.count(CLEAN), 0)
         new = held = 0
-        pool_of = self._cpu.pool_of
         for key in keys:
             entry = entries.get(key)
             if entry is None or entry.cpu is None:
                 new += 1
-            elif pool_of(key) == CLEAN:
+            elif entry.cpu is CpuState.READY and entry.disk in _WRITTEN:  # clean
                 held += 1
         return max(new - self._slots.num_free - (self._cpu.count(CLEAN) - held), 0)
 
@@ -202,11 +178,8 @@ class BlockIndex(Spills, Invariants):
 
     def spills_wanted(self) -> bool:
         """Write-through has dirty chunks it can spill now: the engine should plan a step
-        (an idle engine would otherwise leave them on the CPU tier only, lost to a kill).
-        False while the disk waits out a full disk, and after a plan left dirty chunks for
-        want of disk room, until a job completes."""
-        return (self.write_through and self.has_disk and not self._spills_stuck
-                and self._cpu.count(DIRTY) > 0 and self._clock() >= self._disk_retry_at)
+        (an idle engine would leave them on the CPU tier only, lost to a kill)."""
+        return self.has_disk and self._disk.wanted()
 
     def spill_jobs(self) -> list[JobId]:
         """Spill jobs in flight (their chunks become clean, evictable, when they land)."""
@@ -225,9 +198,8 @@ class BlockIndex(Spills, Invariants):
         run's own keys and its request's earlier ones). Runs are decided in order, each
         exactly as one ``prepare_store`` of it (a key an earlier run planned is present),
         so the batch only saves per-job costs."""
-        # The scheduler's hot path (benchmarks/adapter.md): free slots are taken in one
-        # bulk call, and while every key is new and finds a free slot, a key costs its
-        # Entry and nothing else; the general loop takes over at the first exception.
+        # The scheduler's hot path (benchmarks/adapter.md): free slots taken in one call; while
+        # every key is new and finds one, a key costs its Entry; else the general loop.
         entries = self._entries
         count = len(keys)
         if (run_ends[-1] if run_ends else 0) != count:
@@ -344,7 +316,7 @@ class BlockIndex(Spills, Invariants):
             if entry.cpu is CpuState.READY:
                 assert entry.slot is not None
                 entry.readers += 1
-                self._cpu.access(key)
+                self._cpu.touch(key, True)
                 chunks.append((key, entry.slot, Source.CPU))
                 self._counters.loads_cpu += 1
             elif entry.cpu is None and entry.disk is DiskState.ON_DISK:
@@ -355,7 +327,7 @@ class BlockIndex(Spills, Invariants):
                 entry.slot = slot
                 entry.cpu = CpuState.PROMOTING
                 entry.readers = 1
-                self._disk.access(key)
+                self._disk.use(key, True)
                 chunks.append((key, slot, Source.DISK))
                 self._counters.loads_disk += 1
                 self._num_promoting += 1
@@ -364,9 +336,8 @@ class BlockIndex(Spills, Invariants):
         if not chunks:
             return LoadPlan(None, ())
         job_id = self._job_ids.allocate()
-        self._jobs[job_id] = Job(
-            JobKind.LOAD, tuple(k for k, _, _ in chunks), tuple(d for _, _, d in chunks)
-        )
+        self._jobs[job_id] = Job(JobKind.LOAD, tuple(k for k, _, _ in chunks),
+                                 tuple(d for _, _, d in chunks))
         remote = frozenset(k for k, _, source in chunks if source is Source.REMOTE)
         return LoadPlan(job_id, tuple((k, slot, source is Source.DISK)
                                       for k, slot, source in chunks), remote)
@@ -401,12 +372,7 @@ class BlockIndex(Spills, Invariants):
                 continue
             self._release_slot(entry)
             if key in corrupt or key in missing:  # deleted on disk, or not there at all
-                if key in corrupt:
-                    self._counters.corrupt += 1
-                else:
-                    self._counters.disk_missing += 1
-                self._drop_disk(entry, evicted=False)
-                self._remove(key)
+                self._disk.lost(entry, corrupt=key in corrupt)
         return LoadResult(tuple(ok_keys), tuple(failed_keys))
 
     def _landed_remote(self, entry: Entry, landed: bool, corrupt: bool, missing: bool) -> None:
@@ -432,24 +398,44 @@ class BlockIndex(Spills, Invariants):
             counters.remote_failed += 1
         self._marks.failed(key)
 
-    # ------------------------------------------------------------------ spills
-    # take_spills, complete_spill, add_on_disk: inherited from Spills (core/spills.py).
+    # ------------------------------------------------------------------ the disk side
+    def take_spills(self, flush: bool = False, at_least: int = 0) -> SpillSpec | None:
+        """Write-back: a spill job for dirty chunks, and the disk deletes due; None when
+        there is nothing to do."""
+        if not self.has_disk:
+            return None
+        planned = self._disk.plan(self._slots.num_free, flush, at_least)
+        if planned is None:
+            return None
+        writes, deletes, again = planned
+        job_id = self._job_ids.allocate()
+        self._jobs[job_id] = Job(JobKind.SPILL, tuple(k for k, _ in writes), deletes=deletes,
+                                 again=again)
+        return SpillSpec(job_id, tuple(writes), deletes)
+
+    def complete_spill(self, completion: Completion) -> None:
+        job = self._pop_job(completion.job_id, JobKind.SPILL)
+        self._disk.landed(job.keys, job.again, completion)
+
+    def add_on_disk(self, keys: Iterable[bytes]) -> int:
+        """Register chunks found on disk at open, oldest first (over the capacity, the
+        oldest are deleted with the next spill job); returns how many were added."""
+        return self._disk.add(keys)
+
     def touch(self, keys: Iterable[bytes], *, reuse: bool = True) -> None:
-        """Mark chunks as just used (``reuse``: see docs/design.md; a policy may count
-        a reuse, ARC protects reused chunks from scans): READY chunks become the most recent
-        of their CPU pool, chunks on disk the most recent on disk. Keys touched later count
-        as more recent; absent or in-flight keys are skipped. No other effect."""
+        """Mark chunks as just used (``reuse``: a policy may count it; docs/design.md): the
+        most recent of their CPU pool and on disk. Absent or in-flight keys are skipped."""
         entries = self._entries
-        cpu_use = self._cpu.access if reuse else self._cpu.refresh
-        disk_use = self._disk.access if reuse else self._disk.refresh
+        cpu_use = self._cpu.touch
+        disk_use = self._disk.use
         for key in keys:
             entry = entries.get(key)
             if entry is None:
                 continue
             if entry.cpu is CpuState.READY:
-                cpu_use(key)
+                cpu_use(key, reuse)
             if entry.disk is DiskState.ON_DISK:
-                disk_use(key)
+                disk_use(key, reuse)
 
     # ------------------------------------------------------------------ completion
     def complete(self, completion: Completion) -> LoadResult | None:
@@ -464,7 +450,23 @@ class BlockIndex(Spills, Invariants):
         return None
 
     # ------------------------------------------------------------------ internals
-    # _pop_job, _remove: core/index_state.py; _drop_disk: core/spills.py.
+    def _pop_job(self, job_id: JobId, kind: JobKind) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UsageError(f"block index: no {kind.value} job {job_id} in flight (completed "
+                             f"already, or never planned by this index)")
+        if job.kind is not kind:  # the job stays in flight: nothing changed
+            raise UsageError(f"block index: job {job_id} is a {job.kind.value} job, not a "
+                             f"{kind.value} job")
+        del self._jobs[job_id]
+        self._disk.job_done()  # room may have changed
+        return job
+
+    def _remove(self, key: bytes) -> None:
+        del self._entries[key]
+        if self._touched is not None:
+            self._touched.append(key)
+
     def _take_slot(self, guard: set[bytes]) -> SlotId | None:
         slot = self._slots.allocate()
         return slot if slot is not None else self._evict_for(guard)
@@ -481,11 +483,9 @@ class BlockIndex(Spills, Invariants):
             if entry.readers == 0 and key not in guard:
                 victim = entry
                 break
-        # Dirty chunks are dropped without a disk tier, while it backs off after "full", and
-        # while its capacity is 0 (a shared budget gave it all to other stores): nothing
-        # could write them, and they would hold every slot.
-        if victim is None and (not self.has_disk or not self.disk_capacity
-                               or self._clock() < self._disk_retry_at):
+        # Dirty chunks are dropped when nothing could write them (no disk tier, a full one
+        # backing off, a capacity of 0): else they would hold every slot.
+        if victim is None and (not self.has_disk or self._disk.may_drop_dirty()):
             pool = DIRTY
             for key in cpu.victims(DIRTY):
                 entry = entries[key]
@@ -495,9 +495,7 @@ class BlockIndex(Spills, Invariants):
                     break
         if victim is None:
             if cpu.count(DIRTY) and self.has_disk:
-                # Demand-driven write-back: the clean reserve may be made of chunks in use
-                # (readers, the request's own keys); ask the next spill for one more.
-                self._room_wanted += 1
+                self._disk.want_room()  # the clean reserve may be made of chunks in use
             return None
         self._counters.cpu_evictions += 1
         slot = victim.slot
@@ -547,22 +545,55 @@ class BlockIndex(Spills, Invariants):
             cpu_ready=self.num_slots - free - self._num_storing - self._num_promoting,
             storing=self._num_storing,
             promoting=self._num_promoting,
-            spilling=self._num_spilling,
+            spilling=self._disk.spilling,
             on_disk=len(self._disk),
-            disk_capacity=self.disk_capacity,
+            disk_capacity=self._disk.capacity,
             remote_marks=len(self._remote),
         )
 
-    # check(): every invariant, inherited from Invariants (core/invariants.py).
+    def check(self) -> None:
+        """Every invariant of the index, for tests after each step; the error names the
+        broken entry (:class:`~tierkv.errors.InvariantError`, kept by ``python -O``)."""
+        used: set[SlotId] = set()
+        cpu_listed: dict[bytes, int] = {}
+        for key, entry in self._entries.items():
+            entry.check(key)
+            if entry.slot is not None:
+                require(entry.slot not in used, "slot held twice:", entry)
+                used.add(entry.slot)
+            if entry.disk is DiskState.SPILLING:
+                cpu_listed[key] = WRITING
+            elif entry.cpu is CpuState.READY:
+                clean = entry.disk is not None or not self.has_disk  # else dirty
+                cpu_listed[key] = CLEAN if clean else DIRTY
+        self._cpu.check(cpu_listed)
+        self._disk.check()
+        self._marks.check()
+        self._slots.check(used)
+        # The counts statistics() reports (every used slot: STORING, PROMOTING or READY).
+        states = [entry.cpu for entry in self._entries.values()]
+        ready = self.num_slots - self._slots.num_free - self._num_storing - self._num_promoting
+        for state, kept in ((CpuState.STORING, self._num_storing),
+                            (CpuState.PROMOTING, self._num_promoting), (CpuState.READY, ready)):
+            require(states.count(state) == kept,
+                    f"{states.count(state)} chunks {state.value}, counted {kept}")
+        readers: dict[bytes, int] = {}
+        for job_id, job in self._jobs.items():
+            for key, source in zip(job.keys, job.sources or [None] * len(job.keys)):
+                found = self._entries.get(key)
+                if found is None:
+                    raise InvariantError(f"job {job_id} names chunk {key[:4].hex()}, not indexed")
+                if job.kind is JobKind.LOAD:
+                    readers[key] = readers.get(key, 0) + 1
+                    require(source is Source.CPU or (found.cpu is CpuState.PROMOTING and (
+                        found.disk is DiskState.ON_DISK) == (source is Source.DISK)),
+                        "promotion", job_id, "from", source, "for", found)
+                else:
+                    require(found.cpu is CpuState.STORING if job.kind is JobKind.STORE
+                            else found.disk is DiskState.SPILLING, job.kind.value, "job",
+                            job_id, "for", found)
+        for key, entry in self._entries.items():
+            require(entry.readers == readers.get(key, 0), "readers != load jobs:", entry)
 
 
-__all__ = [
-    "BlockIndex",
-    "ChunkCopy",
-    "IndexStats",
-    "LoadPlan",
-    "LoadResult",
-    "Lookup",
-    "StoreBatch",
-    "StorePlan",
-]
+__all__ = ["BlockIndex"]

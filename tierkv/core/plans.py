@@ -1,8 +1,7 @@
 """The block index's plain records: what its primitives answer (:class:`Lookup`,
 :class:`StorePlan`, :class:`StoreBatch`, :class:`LoadPlan`, :class:`LoadResult`), where a
 load reads a chunk from (:class:`Source`), its record of a job in flight (:class:`Job`),
-and the CPU eviction policy's two pools (``CLEAN``, ``DIRTY``). All are importable from
-tierkv.core.index too."""
+and the CPU eviction policy's pools (``CLEAN``, ``DIRTY``, ``WRITING``)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,9 @@ from typing import NamedTuple
 from tierkv.core.jobs import JobId, JobKind, SlotId
 
 # The CPU policy's pools: READY chunks that are safe to evict now (on disk, or no disk
-# tier), and READY chunks not on disk yet (disk tier on, no spill in flight).
-CLEAN, DIRTY = 0, 1
+# tier), READY chunks not on disk yet (disk tier on, no spill in flight), and READY chunks
+# being spilled (no victims: never walked).
+CLEAN, DIRTY, WRITING = 0, 1, 2
 
 
 class Source(Enum):

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from tierkv.core.jobs import SlotId
+from tierkv.errors import InvariantError
 
 
 class SlotAllocator:
@@ -57,3 +58,10 @@ class SlotAllocator:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def check(self, used: set[SlotId]) -> None:
+        """Raise :class:`~tierkv.errors.InvariantError` unless the slots ``used`` (by
+        entries) and the free ones are every slot, each once."""
+        if len(used) + self.num_free != self.num_slots or any(map(self.is_free, used)):
+            raise InvariantError(f"{len(used)} slots used + {self.num_free} free != "
+                                 f"{self.num_slots}, or a used slot is free")

@@ -1,147 +1,191 @@
-"""The block index's disk side: write-back (spill plans and their completions) and the
-disk capacity (LRU disk eviction; the deletes ride in the next spill job), and the chunks
-found on disk at open (``add_on_disk``).
+"""The block index's disk side, :class:`WriteBack`: write-back (which dirty chunks to spill,
+and what their completion changes), the disk capacity (its LRU order, evictions, and the
+deletes that ride in the next spill job) and the chunks found on disk at open.
 
-:class:`Spills` is a part of :class:`~tierkv.core.index.BlockIndex` (which inherits it):
-methods over the index's attributes, declared in core/index_state.py. None is on the
-per-key hot path of lookups, stores or loads: a spill plan is made at most once per engine
-step.
+It owns its state: the capacity, the disk order, the chunks on disk or being written
+(``used``, ``spilling``), the deletes due, the back-off after a full disk and the demand for
+room. :class:`~tierkv.core.index.BlockIndex` holds one and calls it; it is given the
+index's entries (it sets their ``disk`` state, and forgets an entry that is left in no
+tier), the CPU policy (a spill holds a dirty chunk out of the victim order and places it
+back clean), the counters and the touched-keys list of events. It knows nothing of jobs:
+the index files a plan as a spill job and hands its keys back at completion. None of it is
+on the per-key hot path of lookups, stores or loads: a spill plan is made at most once per
+engine step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
-from tierkv.core.index_state import IndexState
-from tierkv.core.jobs import Completion, JobKind, SlotId, SpillSpec, failed_set
-from tierkv.core.plans import CLEAN, DIRTY, Job
+from tierkv.core.jobs import Completion, SlotId, failed_set
+from tierkv.core.plans import CLEAN, DIRTY, WRITING
+from tierkv.core.policies import DISK_POLICY, make_policy
+from tierkv.core.policy import EvictionPolicy, require
 from tierkv.core.state import CpuState, DiskState, Entry
+from tierkv.core.stats import Counters
+
+Writes = list[tuple[bytes, SlotId]]
 
 
-class Spills(IndexState):
-    """Write-back, the disk capacity and the chunks found on disk: BlockIndex's methods."""
+class WriteBack:
+    """Write-back and the disk capacity of one block index (module docstring)."""
 
-    def take_spills(self, flush: bool = False, at_least: int = 0) -> SpillSpec | None:
-        """Write-back: a spill job for dirty chunks, and the disk deletes due; None when
-        there is nothing to do."""
-        if not self.has_disk:
-            return None
-        writes: list[tuple[bytes, SlotId]] = []
+    def __init__(self, entries: dict[bytes, Entry], cpu: EvictionPolicy, counters: Counters,
+                 touched: list[bytes] | None, clock: Callable[[], float], *, num_slots: int,
+                 capacity: int, write_through: bool, spill_ahead_fraction: float,
+                 retry_after_full: float) -> None:
+        self._entries = entries
+        self._cpu = cpu  # pools CLEAN, DIRTY, WRITING
+        self._counters = counters
+        self._touched = touched
+        self._clock = clock
+        self._num_slots = num_slots
+        self._spill_ahead = spill_ahead_fraction
+        self._retry_after_full = retry_after_full
+        self.write_through = write_through
+        self.capacity = capacity  # in chunks; read by the index, set by resize()
+        self.used = 0  # chunks on disk and being written there (what the capacity bounds)
+        self.spilling = 0  # chunks being written there
+        self._order = make_policy(DISK_POLICY, capacity)  # ON_DISK, one pool
+        self._deletes: list[bytes] = []  # disk deletes due, sent with the next spill job
+        self._retry_at = -math.inf  # a full disk: no spill plan before then
+        self._stuck = False  # write-through left dirty chunks for want of disk room
+        self._room_wanted = 0  # slots that found no victim since the last spill plan
+
+    def __len__(self) -> int:
+        """Chunks on disk (not counting those being written)."""
+        return self._order.count(0)
+
+    # ------------------------------------------------------------------ asked by the index
+    def wanted(self) -> bool:
+        """Write-through has dirty chunks it can spill now (``BlockIndex.spills_wanted``)."""
+        return (self.write_through and not self._stuck and self._cpu.count(DIRTY) > 0
+                and self._clock() >= self._retry_at)
+
+    def may_drop_dirty(self) -> bool:
+        """Nothing could write dirty chunks now (no capacity, or backing off after a full
+        disk): the CPU tier may evict them unwritten rather than let them hold every slot."""
+        return not self.capacity or self._clock() < self._retry_at
+
+    def want_room(self) -> None:
+        """A slot found no victim while dirty chunks could become clean: ask the next spill
+        plan for one more (the clean reserve may be made of chunks in use)."""
+        self._room_wanted += 1
+
+    def job_done(self) -> None:
+        """A job of the index completed: room may have changed, write-through may go on."""
+        self._stuck = False
+
+    # ------------------------------------------------------------------ write-back
+    def plan(self, free_slots: int, flush: bool, at_least: int
+             ) -> tuple[Writes, tuple[bytes, ...], tuple[bytes, ...]] | None:
+        """The writes (key, slot) of a spill job, its deletes, and the chunks it writes
+        again (a flush's EVICTED ones); None when there is nothing to do."""
+        writes: Writes = []
         again: tuple[bytes, ...] = ()
-        if flush or self._clock() >= self._disk_retry_at:
+        if flush or self._clock() >= self._retry_at:
             cpu = self._cpu
             if flush or self.write_through:
                 want = cpu.count(DIRTY)
             else:
-                clean_now = self._slots.num_free + cpu.count(CLEAN) + self._num_spilling
-                wanted = max(self._clean_target - clean_now, at_least, self._room_wanted)
-                want = min(cpu.count(DIRTY), wanted)
+                clean_now = free_slots + cpu.count(CLEAN) + self.spilling
+                # A reserve larger than the disk would only evict the disk's copies.
+                target = math.ceil(self._spill_ahead * min(self._num_slots, self.capacity))
+                want = min(cpu.count(DIRTY), max(target - clean_now, at_least,
+                                                 self._room_wanted))
             self._room_wanted = 0
             # Dirty chunks in the policy's victim order: the next to go become clean first.
-            writes = self._start_spills(list(islice(cpu.victims(DIRTY), max(want, 0))), DIRTY)
-            self._spills_stuck = len(writes) < want
+            writes = self._start(list(islice(cpu.victims(DIRTY), max(want, 0))), DIRTY)
+            self._stuck = len(writes) < want
             if flush:  # written before, their disk copy evicted: again, only into free room
                 evicted = [key for key in cpu.victims(CLEAN)
                            if self._entries[key].disk is DiskState.EVICTED]
-                again = tuple(evicted[: max(self.disk_capacity - self._disk_used, 0)])
-                writes += self._start_spills(again, CLEAN)
-        deletes = tuple(self._pending_deletes)
-        self._pending_deletes.clear()
+                again = tuple(evicted[: max(self.capacity - self.used, 0)])
+                writes += self._start(again, CLEAN)
+        deletes = tuple(self._deletes)
+        self._deletes.clear()
         if not writes and not deletes:
             return None
-        job_id = self._job_ids.allocate()
-        self._jobs[job_id] = Job(JobKind.SPILL, tuple(k for k, _ in writes), deletes=deletes,
-                                 again=again)
-        return SpillSpec(job_id, tuple(writes), deletes)
+        return writes, deletes, again
 
-    def _start_spills(self, keys: Sequence[bytes], pool: int) -> list[tuple[bytes, SlotId]]:
+    def _start(self, keys: Sequence[bytes], pool: int) -> Writes:
         """Spill ``keys`` of ``pool``, in order, while the disk has room or makes it (LRU)."""
-        writes: list[tuple[bytes, SlotId]] = []
+        writes: Writes = []
         entries = self._entries
-        hold = self._cpu.hold
+        move = self._cpu.move
         spilling = DiskState.SPILLING
         for key in keys:
-            if self._disk_used >= self.disk_capacity and not self._evict_disk():
+            if self.used >= self.capacity and not self._evict_one():
                 self._counters.disk_no_room += 1
                 break
             entry = entries[key]
             assert entry.slot is not None
-            hold(key, pool)
+            move(key, pool, WRITING)
             entry.disk = spilling
-            self._disk_used += 1
+            self.used += 1
             writes.append((key, entry.slot))
-        self._num_spilling += len(writes)
+        self.spilling += len(writes)
         return writes
 
-    def complete_spill(self, completion: Completion) -> None:
-        job = self._pop_job(completion.job_id, JobKind.SPILL)
+    def landed(self, keys: tuple[bytes, ...], again: tuple[bytes, ...],
+               completion: Completion) -> None:
+        """A spill job of ``keys`` completed: written chunks are on disk and clean, the
+        others as they were (a chunk written once stays EVICTED, clean)."""
         full = set(completion.full_keys)
-        failed = failed_set(completion, job.keys)
+        failed = failed_set(completion, keys)
         if full:
-            self._disk_retry_at = self._clock() + self._retry_after_full
+            self._retry_at = self._clock() + self._retry_after_full
             self._counters.disk_no_room += len(full)
         cpu = self._cpu
+        counters = self._counters
         on_disk: list[bytes] = []
-        for key in job.keys:
+        for key in keys:
             entry = self._entries[key]
             assert entry.disk is DiskState.SPILLING and entry.cpu is CpuState.READY
-            self._num_spilling -= 1
+            self.spilling -= 1
             if key not in failed:
                 entry.disk = DiskState.ON_DISK
                 on_disk.append(key)
                 if self._touched is not None:
                     self._touched.append(key)
-                self._counters.spills_ok += 1
-                cpu.place(key, CLEAN, oldest=True)
-            else:  # not written: as it was (a chunk written once stays EVICTED, clean)
-                again = key in job.again
-                entry.disk = DiskState.EVICTED if again else None
-                self._disk_used -= 1
-                self._counters.spills_failed += 1
-                cpu.place(key, CLEAN if again else DIRTY, oldest=True)
-        self._disk.insert(on_disk, 0)
-        if self._disk_used > self.disk_capacity:  # the capacity shrank meanwhile
+                counters.spills_ok += 1
+                cpu.move(key, WRITING, CLEAN)
+            else:
+                written_before = key in again
+                entry.disk = DiskState.EVICTED if written_before else None
+                self.used -= 1
+                counters.spills_failed += 1
+                cpu.move(key, WRITING, CLEAN if written_before else DIRTY)
+        self._order.insert(on_disk, 0)
+        if self.used > self.capacity:  # the capacity shrank meanwhile
             self._evict_over()
 
-    def _evict_over(self) -> int:
-        """Evict chunks on disk while the disk holds more than its capacity."""
-        evicted = 0
-        while self._disk_used > self.disk_capacity and self._evict_disk():
-            evicted += 1
-        return evicted
+    # ------------------------------------------------------------------ the disk capacity
+    def resize(self, capacity: int) -> int:
+        """Make the capacity ``capacity``; evict the least recently used chunks over it now
+        (not those being promoted; spills in flight as they land). Returns how many."""
+        self.capacity = max(int(capacity), 0)
+        return self._evict_over()
 
-    def _evict_disk(self) -> bool:
-        """Evict the least recently used chunk on disk that is not being promoted."""
-        for key in self._disk.victims(0):
-            entry = self._entries[key]
-            if entry.cpu is CpuState.PROMOTING:
-                continue
-            self._pending_deletes.append(key)
-            self._counters.disk_evictions += 1
-            self._drop_disk(entry, evicted=True)
-            if entry.cpu is None:
-                self._remove(key)
-            else:  # READY: written once in this stay, never again (it stays clean)
-                entry.disk = DiskState.EVICTED
-            return True
-        return False
+    def use(self, key: bytes, reuse: bool) -> None:
+        """A chunk on disk was used (``reuse``: a load of it): the most recent on disk."""
+        self._order.touch(key, reuse)
 
-    def _drop_disk(self, entry: Entry, *, evicted: bool) -> None:
-        """The disk tier no longer holds ``entry``'s chunk (``evicted``: by the capacity)."""
-        if self._touched is not None:
-            self._touched.append(entry.key)
-        if entry.disk is DiskState.ON_DISK:
-            if evicted:
-                self._disk.evict(entry.key, 0)
-            else:
-                self._disk.discard(entry.key, 0)
-            self._disk_used -= 1
-        entry.disk = None
+    def lost(self, entry: Entry, *, corrupt: bool) -> None:
+        """A load found ``entry``'s chunk damaged (``corrupt``: deleted there) or missing on
+        disk; its promotion failed (no CPU slot): the index forgets it."""
+        if corrupt:
+            self._counters.corrupt += 1
+        else:
+            self._counters.disk_missing += 1
+        self._drop(entry)
+        del self._entries[entry.key]
 
-    def add_on_disk(self, keys: Iterable[bytes]) -> int:
-        """Register chunks found on disk at open, oldest first. Where they are more than the
-        disk capacity holds, the oldest are queued for deletion (sent with the next spill
+    def add(self, keys: Iterable[bytes]) -> int:
+        """Register chunks found on disk at open, oldest first. Where they are more than
+        the capacity holds, the oldest are queued for deletion (sent with the next spill
         job) and the newest kept: a restart keeps what was stored last."""
         found: list[bytes] = []
         seen: set[bytes] = set()
@@ -149,16 +193,68 @@ class Spills(IndexState):
             if key not in self._entries and key not in seen:
                 seen.add(key)
                 found.append(key)
-        room = max(0, self.disk_capacity - self._disk_used)
-        over = max(0, len(found) - room)
-        self._pending_deletes.extend(found[:over])
+        over = max(0, len(found) - max(0, self.capacity - self.used))
+        self._deletes.extend(found[:over])
         added = found[over:]
         for key in added:
             self._entries[key] = Entry(key, disk=DiskState.ON_DISK)
-            if self._touched is not None:
-                self._touched.append(key)
-        self._disk_used += len(added)
-        self._disk.insert(added, 0)
+        if self._touched is not None:
+            self._touched.extend(added)
+        self.used += len(added)
+        self._order.insert(added, 0)
         return len(added)
 
-__all__ = ["Spills"]
+    def _evict_over(self) -> int:
+        """Evict chunks on disk while the disk holds more than its capacity."""
+        evicted = 0
+        while self.used > self.capacity and self._evict_one():
+            evicted += 1
+        return evicted
+
+    def _evict_one(self) -> bool:
+        """Evict the least recently used chunk on disk that is not being promoted."""
+        for key in self._order.victims(0):
+            entry = self._entries[key]
+            if entry.cpu is CpuState.PROMOTING:
+                continue
+            self._deletes.append(key)
+            self._counters.disk_evictions += 1
+            self._drop(entry)
+            if entry.cpu is None:  # in no tier now
+                del self._entries[key]
+            else:  # READY: written once in this stay, never again (it stays clean)
+                entry.disk = DiskState.EVICTED
+            return True
+        return False
+
+    def _drop(self, entry: Entry) -> None:
+        if self._touched is not None:
+            self._touched.append(entry.key)
+        if entry.disk is DiskState.ON_DISK:
+            self._order.evict(entry.key, 0)  # LRU keeps no ghosts
+            self.used -= 1
+        entry.disk = None
+
+    # ------------------------------------------------------------------ the check
+    def check(self) -> None:
+        """The disk side's invariants (``BlockIndex.check`` calls it); the error names the
+        broken entry."""
+        listed: dict[bytes, int] = {}
+        spilling = promoting = 0
+        for key, entry in self._entries.items():
+            if entry.disk is DiskState.SPILLING:
+                spilling += 1
+            elif entry.disk is DiskState.ON_DISK:
+                listed[key] = 0
+                promoting += entry.cpu is CpuState.PROMOTING
+        self._order.check(listed)
+        require(spilling == self.spilling, f"{spilling} chunks spilling, counted {self.spilling}")
+        require(self.used == len(self) + spilling,
+                f"disk used {self.used} != {len(self)} on disk + {spilling}")
+        # Over the capacity only by what could not be evicted when it shrank: chunks being
+        # promoted (on disk) or spilled.
+        require(self.used <= max(self.capacity, 0) + spilling + promoting,
+                f"disk used {self.used} > capacity {self.capacity}")
+
+
+__all__ = ["WriteBack"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tierkv.core.jobs import SlotId
+from tierkv.errors import InvariantError
 
 
 class CpuState(Enum):
@@ -43,3 +44,16 @@ class Entry:
     @property
     def on_disk(self) -> bool:
         return self.disk is DiskState.ON_DISK
+
+    def check(self, key: bytes) -> None:
+        """Raise :class:`~tierkv.errors.InvariantError` naming this entry (filed under
+        ``key``) unless its states agree with each other."""
+        cpu, disk = self.cpu, self.disk
+        if not (self.key == key and (self.slot is None) == (cpu is None)
+                and (cpu is not None or disk is DiskState.ON_DISK) and self.readers >= 0
+                and (not self.readers or cpu in (CpuState.READY, CpuState.PROMOTING))
+                # promoted from disk (on disk) or remote (not), for one load
+                and (cpu is not CpuState.PROMOTING
+                     or (self.readers == 1 and disk in (DiskState.ON_DISK, None)))
+                and (disk is not DiskState.SPILLING or cpu is CpuState.READY)):
+            raise InvariantError(f"inconsistent entry {self} filed under {key[:4].hex()}")

@@ -50,7 +50,7 @@ from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import (NO_BLOCK, Completion, CompletionTracker, JobId, JobKind, LoadSpec,
                               StoreSpec)
 from tierkv.core.state import CpuState
-from tierkv.engine.adapter_config import LOAD_POLICIES, REQUEST_LOAD_POLICIES, AdapterConfig
+from tierkv.engine.adapter_config import REQUEST_LOAD_POLICIES, AdapterConfig
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted
 from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group, refuse_reuse
@@ -60,8 +60,7 @@ from tierkv.engine.step_timing import StepTimer
 from tierkv.engine.tier_lookup import RemoteAsker, lookup_tiers
 from tierkv.errors import UsageError
 
-__all__ = ["LOAD_POLICIES", "REQUEST_LOAD_POLICIES", "AdapterConfig", "AdapterStats",
-           "EngineAdapter", "RemoteAsker", "lookup_tiers"]
+__all__ = ["EngineAdapter"]
 
 
 class EngineAdapter:

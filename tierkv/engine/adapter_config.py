@@ -1,7 +1,7 @@
 """AdapterConfig: the engine adapter's settings, checked once (and the load policies).
 
 The settings' meaning is in the comments beside them; docs/engine-adapter.md shows them in
-use. :mod:`tierkv.engine.adapter` re-exports every name here.
+use.
 """
 
 from __future__ import annotations

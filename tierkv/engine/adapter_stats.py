@@ -1,8 +1,6 @@
 """AdapterStats: the engine adapter's counters (plain data; ``EngineAdapter.stats``), each
 declared once as a figure (:mod:`tierkv.core.figures`): its own, and the cost model's
 (:class:`tierkv.core.costs.CostCounts`, which the model counts in this record).
-
-:mod:`tierkv.engine.adapter` re-exports it.
 """
 
 from __future__ import annotations

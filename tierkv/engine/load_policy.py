@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from tierkv.core.costs import TIERS, CostModel
-from tierkv.core.index import BlockIndex, Lookup
+from tierkv.core.index import BlockIndex
+from tierkv.core.plans import Lookup
 from tierkv.core.jobs import Completion
 from tierkv.core.state import CpuState
 from tierkv.engine.adapter_config import AdapterConfig

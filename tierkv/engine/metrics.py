@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from tierkv.core.figures import figures, values
-from tierkv.core.index import IndexStats
+from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import JobKind
 from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.extras import needs

@@ -13,12 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
-from tierkv.core.controls import NO_CONTROLS as NO_CONTROLS  # re-exported: views carry them
-from tierkv.core.controls import RequestControls as RequestControls
-from tierkv.core.controls import request_controls as request_controls
-from tierkv.core.jobs import NO_BLOCK as NO_BLOCK  # re-exported: block lists carry it
-from tierkv.core.jobs import Completion as Completion  # re-exported: reports carry them
-from tierkv.core.jobs import JobId, LoadSpec, SpillSpec, StoreSpec
+from tierkv.core.controls import NO_CONTROLS, RequestControls
+from tierkv.core.jobs import Completion, JobId, LoadSpec, SpillSpec, StoreSpec
 
 # A request's block ids: one list per KV cache group (vLLM's form: a block position's ids
 # at the same index of each), or, with one group, a flat list of ids.

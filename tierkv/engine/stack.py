@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter, RemoteAsker
+from tierkv.engine.adapter import EngineAdapter
+from tierkv.engine.adapter_config import AdapterConfig
+from tierkv.engine.tier_lookup import RemoteAsker
 from tierkv.extras import needs
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace, Part

@@ -33,7 +33,7 @@ never reach the stored chunk; ``"async"`` returns at once and trusts the engine 
 ``fence()`` (or ``wait()``) before it writes them (docs/benchmarks/copy.md, "store()
 modes", has the cost). Loads are always asynchronous.
 
-Inputs are checked before anything changes, with :class:`ConfigError` naming what is
+Inputs are checked before anything changes, with :class:`UsageError` naming what is
 wrong (:mod:`tierkv.engine.store_inputs`; a namespace given:
 :mod:`tierkv.engine.store_namespace`).
 
@@ -60,7 +60,7 @@ import torch
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.config_env import from_environment
 from tierkv.core.figures import values
-from tierkv.core.index import IndexStats
+from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.engine import store_exit
 from tierkv.engine.adapter_stats import AdapterStats
@@ -78,7 +78,7 @@ from tierkv.engine.store_namespace import check_namespace
 from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathCounts, PathStats,
                                        RemoteStats, ShortfallCounts, StoreStats)
 from tierkv.engine.tier_lookup import lookup_tiers
-from tierkv.errors import ClosedError, ConfigError, TierKVError
+from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import Namespace
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.tiers.disk.budget import DiskBudget
@@ -127,13 +127,13 @@ class TierKVStore:
         # No config: the defaults, TIERKV_CONFIG's YAML file and the TIERKV_* variables.
         self.config = config if config is not None else from_environment()
         if not isinstance(self.config, StoreConfig):
-            raise ConfigError(f"store: config must be a StoreConfig, got a "
+            raise UsageError(f"store: config must be a StoreConfig, got a "
                               f"{type(self.config).__name__} (StoreConfig.from_dict reads a dict)")
         cfg = self.config
         self.layout = KVLayout.from_tensors(kv_caches)
         if namespace is None:
             if not model_id or not isinstance(model_id, str):
-                raise ConfigError("store: pass model_id (or a Namespace) so stored KV is tied to its model")
+                raise UsageError("store: pass model_id (or a Namespace) so stored KV is tied to its model")
             namespace = build_namespace(self.layout, model_id, tokens_per_block, cfg)
         else:
             check_namespace(namespace, self.layout, cfg)
@@ -241,7 +241,7 @@ class TierKVStore:
         Never changes what is stored or reserves anything (a ``load()`` of the same keys
         counts what it does not deliver of this answer in ``statistics().load_shortfall``);
         never blocks longer than the remote tier's lookup deadline. Raises
-        :class:`ConfigError` for keys that are not 32-byte ``bytes``, :class:`ClosedError`
+        :class:`UsageError` for keys that are not 32-byte ``bytes``, :class:`ClosedError`
         after ``close()``, :class:`UsageError` from another thread or a forked child."""
         self._check_open()
         check_keys(keys)
@@ -270,7 +270,7 @@ class TierKVStore:
         never evicts data in use, and never raises for lack of room: when the CPU tier is
         full of chunks not on disk yet it writes the oldest back first (a blocking disk
         write), and what still finds no room is counted (``statistics().index
-        .stores_no_room``). Raises :class:`ConfigError` for bad keys or block ids (before
+        .stores_no_room``). Raises :class:`UsageError` for bad keys or block ids (before
         anything changes), :class:`ClosedError` after ``close()``, :class:`UsageError`
         from another thread or a forked child, :class:`BrokenError` when the copy thread
         or the device died."""
@@ -304,7 +304,7 @@ class TierKVStore:
         completion's ``failed_keys`` name the chunks to recompute. What the last
         ``lookup()`` of keys starting with ``keys[0]`` counted and this load does not
         deliver is counted by cause (``statistics().load_shortfall``), never raised.
-        Raises :class:`ConfigError` for bad keys or block ids (before anything changes),
+        Raises :class:`UsageError` for bad keys or block ids (before anything changes),
         :class:`ClosedError` after ``close()``, :class:`UsageError` from another thread or
         a forked child."""
         self._check_open()
@@ -340,7 +340,7 @@ class TierKVStore:
         store is submitted when ``store()`` or ``load()`` returns, so there is nothing left
         to submit first.
 
-        Never waits on jobs of other blocks, spills included. Raises :class:`ConfigError`
+        Never waits on jobs of other blocks, spills included. Raises :class:`UsageError`
         for block ids that are not ints, :class:`ClosedError` after ``close()``,
         :class:`UsageError` from another thread or a forked child, :class:`BrokenError`
         when the copy thread or the device died."""
@@ -369,7 +369,7 @@ class TierKVStore:
         """Block until the jobs ``job_ids`` (what ``store()`` and ``load()`` returned; None
         is skipped) are done; their completions then come from ``poll()``.
 
-        Never waits on other jobs. Raises :class:`ConfigError` for what is not a job id,
+        Never waits on other jobs. Raises :class:`UsageError` for what is not a job id,
         :class:`UnknownJobError` for an id this store never returned, :class:`ClosedError`
         after ``close()``, :class:`UsageError` from another thread or a forked child."""
         self._check_open()

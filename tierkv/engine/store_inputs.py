@@ -1,5 +1,5 @@
 """What :class:`~tierkv.engine.store.TierKVStore` takes from its caller, checked before
-anything changes; every bad input is a :class:`ConfigError` naming what is wrong.
+anything changes; every bad input is a :class:`UsageError` naming what is wrong.
 
 - :func:`check_keys`: a sequence of 32-byte ``bytes`` chunk keys.
 - :func:`split_blocks`: block ids as one sequence per chunk (``blocks_per_chunk`` ids
@@ -21,17 +21,17 @@ import torch
 
 from tierkv.checks import is_int
 from tierkv.core.jobs import JobId
-from tierkv.errors import ConfigError
+from tierkv.errors import UsageError
 from tierkv.keys import KEY_BYTES
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
     if isinstance(keys, (str, bytes, bytearray)) or not isinstance(keys, Sequence):
-        raise ConfigError(f"store: keys must be a sequence of {KEY_BYTES}-byte chunk keys "
+        raise UsageError(f"store: keys must be a sequence of {KEY_BYTES}-byte chunk keys "
                           f"(tierkv.chunk_keys), got {type(keys).__name__}")
     for key in keys:
         if type(key) is not bytes or len(key) != KEY_BYTES:
-            raise ConfigError(
+            raise UsageError(
                 f"store: chunk key {key!r:.48} is not {KEY_BYTES} bytes (use "
                 f"tierkv.chunk_keys, or bytes of a {KEY_BYTES}-byte hash)")
 
@@ -40,14 +40,14 @@ def block_rows(block_ids: Any) -> list[Any]:
     """``block_ids`` (a sequence, numpy array or tensor of ints, or of such rows) as a list."""
     if isinstance(block_ids, torch.Tensor):
         if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
-            raise ConfigError(f"store: block ids must be integers, got a {block_ids.dtype} tensor")
+            raise UsageError(f"store: block ids must be integers, got a {block_ids.dtype} tensor")
         return list(block_ids.tolist()) if block_ids.dim() else [int(block_ids)]
     if isinstance(block_ids, np.ndarray):
         if block_ids.dtype.kind not in "iu":
-            raise ConfigError(f"store: block ids must be integers, got a {block_ids.dtype} array")
+            raise UsageError(f"store: block ids must be integers, got a {block_ids.dtype} array")
         return list(block_ids.tolist()) if block_ids.ndim else [int(block_ids)]
     if isinstance(block_ids, (str, bytes, bytearray, Mapping)) or not isinstance(block_ids, Iterable):
-        raise ConfigError(f"store: block ids must be a sequence of ints (one flat sequence, or one "
+        raise UsageError(f"store: block ids must be a sequence of ints (one flat sequence, or one "
                           f"per chunk), got {block_ids!r:.60}")
     return list(block_ids)
 
@@ -55,11 +55,11 @@ def block_rows(block_ids: Any) -> list[Any]:
 def block_id(block: Any) -> int:
     """One block id as an int: ints and numpy integers (never bools or floats)."""
     if isinstance(block, (bool, np.bool_)) or isinstance(block, (float, np.floating)):
-        raise ConfigError(f"store: block id {block!r} is not an int")
+        raise UsageError(f"store: block id {block!r} is not an int")
     try:
         return operator.index(block)
     except TypeError as exc:
-        raise ConfigError(f"store: block id {block!r:.40} is not an int") from exc
+        raise UsageError(f"store: block id {block!r:.40} is not an int") from exc
 
 
 def _flat_or_rows(block_ids: Any) -> tuple[list[Any], bool]:
@@ -79,14 +79,14 @@ def split_blocks(keys: Sequence[bytes], block_ids: Any, blocks_per_chunk: int,
         flat = [block_id(b) for b in rows]
         per_chunk = [tuple(flat[i : i + bpc]) for i in range(0, len(flat), bpc)]
     if len(per_chunk) < len(keys) or any(len(chunk) != bpc for chunk in per_chunk[: len(keys)]):
-        raise ConfigError(
+        raise UsageError(
             f"store: {len(keys)} chunk key(s) need {len(keys)} x {bpc} block ids "
             f"(blocks_per_chunk={bpc}), got {[len(c) for c in per_chunk]}"
         )
     for chunk in per_chunk[: len(keys)]:
         for block in chunk:
             if not 0 <= block < num_blocks:
-                raise ConfigError(f"store: block id {block} out of range [0, {num_blocks})")
+                raise UsageError(f"store: block id {block} out of range [0, {num_blocks})")
     return per_chunk
 
 
@@ -99,15 +99,15 @@ def block_set(block_ids: Any) -> set[int]:
 
 
 def job_ids(wanted: Iterable[JobId | None]) -> list[JobId]:
-    """The job ids of ``wanted`` (None skipped); anything else is a ConfigError."""
+    """The job ids of ``wanted`` (None skipped); anything else is a UsageError."""
     if isinstance(wanted, (str, bytes)) or not isinstance(wanted, Iterable):
-        raise ConfigError(f"store: wait() takes a list of job ids, got {wanted!r:.60}")
+        raise UsageError(f"store: wait() takes a list of job ids, got {wanted!r:.60}")
     ids: list[JobId] = []
     for job_id in wanted:
         if job_id is None:
             continue
         if not (is_int(job_id) or isinstance(job_id, np.integer)) or job_id < 1:
-            raise ConfigError(f"store: wait() on {job_id!r:.40}, which is not a job id "
+            raise UsageError(f"store: wait() on {job_id!r:.40}, which is not a job id "
                               f"(store() and load() return them)")
         ids.append(JobId(int(job_id)))
     return ids

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tierkv.checks import check_int
 from tierkv.config import StoreConfig
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 from tierkv.keys import Namespace
 from tierkv.model_identity import is_mode, model_fingerprint
 from tierkv.tiers.disk.layout import StoreLayout
@@ -73,7 +73,7 @@ def check_namespace(namespace: Namespace, layout: KVLayout, config: StoreConfig)
     decides the bytes' meaning is not the caller's to choose (model id, TP size, hash
     scheme and extra are)."""
     if not isinstance(namespace, Namespace):
-        raise ConfigError(f"store: namespace must be a Namespace, got {namespace!r}")
+        raise UsageError(f"store: namespace must be a Namespace, got {namespace!r}")
     bpc = config.blocks_per_chunk
     if namespace.tokens_per_chunk % bpc:
         raise ConfigError(f"store: namespace tokens_per_chunk={namespace.tokens_per_chunk} "

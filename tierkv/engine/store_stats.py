@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierkv.core.figures import Snapshot, counter
-from tierkv.core.index import IndexStats
+from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import Completion, JobId, JobKind
 
 if TYPE_CHECKING:

@@ -1,7 +1,6 @@
 """lookup_tiers: one lookup across the local tiers (the index) and the remote tier.
 
-Shared by the engine adapter and :class:`~tierkv.engine.store.TierKVStore`;
-:mod:`tierkv.engine.adapter` re-exports both names.
+Shared by the engine adapter and :class:`~tierkv.engine.store.TierKVStore`.
 """
 
 from __future__ import annotations
@@ -9,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tierkv.core.index import BlockIndex, Lookup
+from tierkv.core.index import BlockIndex
+from tierkv.core.plans import Lookup
 
 __all__ = ["RemoteAsker", "lookup_tiers"]
 

@@ -1,4 +1,4 @@
-"""tierkv as a vLLM KV connector (vLLM 0.32 to 0.34): GPU -> CPU slab -> LMDB disk, and back.
+"""tierkv as a vLLM KV connector (vLLM 0.32 to 0.34): GPU -> CPU slab -> disk -> remote, and back.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierKVConnector",
         "kv_connector_module_path": "tierkv.integrations.vllm", "kv_role": "kv_both",
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import vllm
-from tierkv.integrations.vllm_config import check_vllm_version
+from tierkv.integrations.vllm_versions import check_vllm_version
 
 check_vllm_version(getattr(vllm, "__version__", "unknown"))
 
@@ -49,7 +49,6 @@ from tierkv.engine.store_namespace import content_cache_dir  # noqa: E402
 from tierkv.errors import ConfigError, NamespaceMismatchError, UsageError  # noqa: E402
 from tierkv.integrations.vllm_config import (  # noqa: E402
     ConnectorSettings,
-    UnsupportedVersionError,
     build_geometry,
     build_namespace,
     check_hash_stability,
@@ -65,6 +64,7 @@ from tierkv.integrations.vllm_messages import (  # noqa: E402
     TierKVWorkerMetadata,
 )
 from tierkv.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
+from tierkv.integrations.vllm_versions import UnsupportedVersionError  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

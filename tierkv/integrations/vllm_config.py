@@ -3,7 +3,6 @@
 Primitives (each a pure function of vLLM's config objects; both connector roles call
 them and must get the same answer):
 
-- :func:`check_vllm_version`  refuses every vLLM but those of :mod:`.vllm_versions`'s table.
 - :func:`parse_settings`      ``kv_connector_extra_config`` -> :class:`ConnectorSettings`;
   an unknown key or a bad value raises :class:`ConfigError` naming the key and the value.
 - :func:`build_geometry`      chunk size, slot count and disk capacity from the
@@ -31,15 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from tierkv import model_identity
-from tierkv.config import DISK_OVERHEAD_BYTES as DISK_OVERHEAD_BYTES  # the connector's too
 from tierkv.config import (CpuTierConfig, DiskTierConfig, RemoteTierConfig, StoreConfig,
                            cpu_slot_count, disk_chunk_capacity, has_password, redact)
-from tierkv.engine.adapter import AdapterConfig
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.errors import ConfigError, TierKVError
-from tierkv.integrations.vllm_geometry import Geometry as Geometry
-from tierkv.integrations.vllm_geometry import KVGroup as KVGroup
-from tierkv.integrations.vllm_versions import UnsupportedVersionError as UnsupportedVersionError
-from tierkv.integrations.vllm_versions import check_vllm_version as check_vllm_version
+from tierkv.integrations.vllm_geometry import Geometry, KVGroup
 from tierkv.integrations.vllm_versions import chunks_minor
 from tierkv.keys import FORMAT_VERSION, Namespace
 from tierkv.settings import INVALID, declared, derived, setting

@@ -28,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tierkv.engine.metrics import TIERS, is_gauge
-from tierkv.engine.requests import Completion, StepPlan
+from tierkv.core.jobs import Completion
+from tierkv.engine.requests import StepPlan
 
 
 @dataclass

@@ -23,16 +23,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierkv.config import DISK_OVERHEAD_BYTES
-from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
+from tierkv.core.controls import NO_CONTROLS, RequestControls, request_controls
+from tierkv.core.jobs import NO_BLOCK
+from tierkv.engine.adapter_config import REQUEST_LOAD_POLICIES
 from tierkv.engine.metrics import (remote_figures, remote_usage_figures, since_last,
                                    usage_figures, values)
 from tierkv.engine.request_state import refuse_reuse
-from tierkv.engine.requests import (NO_BLOCK, NO_CONTROLS, RequestControls, RequestView, StepInput,
-                                    WorkerReport, request_controls)
+from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
 from tierkv.engine.store_stats import CompletionCounts
 from tierkv.errors import ConfigError
-from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, adapter_config, store_config
+from tierkv.integrations.vllm_config import ConnectorSettings, adapter_config, store_config
+from tierkv.integrations.vllm_geometry import Geometry
 from tierkv.integrations.vllm_event_blocks import ChunkEvent, EventBlocks
 from tierkv.integrations.vllm_keys import adapter_key, chunk_key, epoch_key
 from tierkv.integrations.vllm_messages import TierKVConnectorStats, TierKVMetadata, TierKVWorkerMetadata

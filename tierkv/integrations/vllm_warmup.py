@@ -28,9 +28,10 @@ from tierkv.config import DiskTierConfig, disk_chunk_capacity
 from tierkv.engine.store_namespace import content_cache_dir
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HASHES, PAGE_ORDER,
-                                             STABLE_HASHES, ConnectorSettings, Geometry,
-                                             build_namespace, check_hash_stability,
-                                             check_vllm_version, store_config)
+                                             STABLE_HASHES, ConnectorSettings, build_namespace,
+                                             check_hash_stability, store_config)
+from tierkv.integrations.vllm_geometry import Geometry
+from tierkv.integrations.vllm_versions import check_vllm_version
 from tierkv.integrations.vllm_keys import chunk_keys_from_block_hashes
 from tierkv.integrations.vllm_versions import target_vllm_version
 from tierkv.keys import Namespace, Part
@@ -214,7 +215,7 @@ class VllmTarget:
         return self.geometry().disk_capacity
 
     def geometry(self) -> Geometry:
-        """The connector's :class:`~tierkv.integrations.vllm_config.Geometry` of this engine."""
+        """The connector's :class:`~tierkv.integrations.vllm_geometry.Geometry` of this engine."""
         blocks = self.chunk_tokens // self.block_size
         page = self.heads_per_rank * self.block_size * self.content_bytes
         return Geometry(

@@ -33,7 +33,8 @@ from tierkv.engine.stack import WorkerStack, build_worker
 from tierkv.engine.start_line import start_line
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
-from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
+from tierkv.integrations.vllm_config import ConnectorSettings, store_config
+from tierkv.integrations.vllm_geometry import Geometry
 from tierkv.integrations.vllm_disk import (OtherParts, open_claimed, open_follower,
                                            release_claimed, write_chunks)
 from tierkv.keys import Namespace, Part

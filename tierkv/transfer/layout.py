@@ -12,7 +12,8 @@ Input contract of ``KVLayout.from_tensors`` (checked; a violation raises
   view over one block-outermost buffer, as vLLM builds for BLNHC / BLHNC).
 - Pages never overlap: not two blocks of one layer, not two layers.
 
-Slot byte layout -- also the disk payload format (format version 1):
+Slot byte layout -- also the payload of a disk or remote value (docs/on-disk-format.md,
+format version :data:`~tierkv.keys.FORMAT_VERSION`):
     A chunk of ``n = blocks_per_chunk`` blocks with ids ``b_0 .. b_{n-1}`` fills the first
     ``chunk_bytes(n) = n * (page_bytes[0] + ... + page_bytes[L-1])`` bytes of its slot,
     **layer-major**: the page of block ``b_i`` of layer ``l`` sits at byte offset
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.checks import check_int
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 
 _WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16,
                                          1: torch.uint8}
@@ -323,7 +324,7 @@ class KVLayout:
         """Per layer a ``[blocks_per_chunk, page_bytes]`` view of a 1-D uint8 slot."""
         need = self.chunk_bytes(blocks_per_chunk)
         if slot.dtype != torch.uint8 or slot.dim() != 1 or slot.numel() < need:
-            raise ConfigError(
+            raise UsageError(
                 f"kv layout: a slot must be a 1-D uint8 tensor of at least {need} bytes "
                 f"(chunk_bytes({blocks_per_chunk})), got {slot.dtype} {tuple(slot.shape)}"
             )
@@ -336,13 +337,13 @@ class KVLayout:
         need = self.chunk_bytes(blocks_per_chunk)
         if (buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape[1] < need
                 or buffer.stride(1) != 1):
-            raise ConfigError(
+            raise UsageError(
                 f"kv layout: a chunk buffer must be a 2-D uint8 tensor with rows of at least "
                 f"{need} bytes and unit column stride, got {buffer.dtype} {tuple(buffer.shape)} "
                 f"strides {buffer.stride()}"
             )
         if buffer.device != self._device:
-            raise ConfigError(f"kv layout: chunk buffer on {buffer.device}, "
+            raise UsageError(f"kv layout: chunk buffer on {buffer.device}, "
                               f"layout on {self._device}")
         plans: list[GroupPlan] = []
         for group in self._groups:

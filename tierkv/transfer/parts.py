@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from tierkv.checks import check_int
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, UsageError
 from tierkv.keys import Part
 from tierkv.tiers.base import ReadStatus
 
@@ -79,7 +79,7 @@ class HeadLayout:
         """``buffer``'s first :meth:`bytes_of` bytes as ``[pieces, outer, heads, head_bytes]``."""
         flat = buffer.reshape(-1)
         if flat.dtype != torch.uint8 or flat.numel() < self.bytes_of(num_heads):
-            raise ConfigError(f"head layout: need a uint8 buffer of {self.bytes_of(num_heads)} "
+            raise UsageError(f"head layout: need a uint8 buffer of {self.bytes_of(num_heads)} "
                               f"bytes, got {flat.dtype} x {flat.numel()}")
         return flat[: self.bytes_of(num_heads)].view(self.pieces, self.outer, num_heads,
                                                       self.head_bytes)

@@ -54,7 +54,7 @@ from typing import Any
 from tierkv.checks import check_int
 from tierkv.core.figures import Snapshot, counter
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
-from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
+from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.base import LowerTier, ReadStatus
@@ -188,9 +188,9 @@ class TierIO:
 
     def _check_chunk(self, key: bytes, slot: int) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-            raise ConfigError(f"{self._io}: a chunk key must be {KEY_BYTES} bytes, got {key!r:.40}")
+            raise UsageError(f"{self._io}: a chunk key must be {KEY_BYTES} bytes, got {key!r:.40}")
         if not 0 <= slot < self.slab.num_slots:
-            raise ConfigError(f"{self._io}: slot {slot} out of range [0, {self.slab.num_slots})")
+            raise UsageError(f"{self._io}: slot {slot} out of range [0, {self.slab.num_slots})")
 
     def submit_spill(self, spec: SpillSpec) -> None:
         """Queue ``spec``'s parts for the writer threads of their lanes; returns at once."""

@@ -13,8 +13,8 @@ leaves the reused chunks in T2 alone, while a workload whose chunks come back ju
 their eviction moves ``p`` up until T1 keeps them: LRU's behaviour, learned.
 
 Differences from the paper, for the index: a refresh (the storing request finishing)
-moves a key within its list without counting a reuse; held keys (spills in flight) keep
-their list and are counted in it; ghost hits are seen when a chunk comes back into the
+moves a key within its list without counting a reuse; a key moved to another pool (a spill
+in flight) keeps its list and is counted in it; ghost hits are seen when a chunk comes back into the
 tier (stored again, promoted from disk), not at the lookup that missed.
 
 Ghost memory is bounded as in the paper: when an eviction adds a ghost, B1 is trimmed
@@ -30,28 +30,23 @@ cost about 350 bytes per chunk).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import chain
 
 from tierkv.core.policy import EvictionPolicy, require
 
 T1, T2 = 0, 1
-HELD = -1  # the pool of a held key
 
 
 class ARCPolicy(EvictionPolicy):
-    name = "arc"
-
     def __init__(self, capacity: int, num_pools: int = 1) -> None:
         super().__init__(capacity, num_pools)
         self._lists: tuple[list[OrderedDict[bytes, None]], ...] = tuple(
             [OrderedDict() for _ in range(num_pools)] for _ in (T1, T2))
-        # Where each resident key is: (list, pool), pool HELD while held. The tuples are
-        # made once and shared.
+        # Where each resident key is: (list, pool). The tuples are made once and shared.
         self._at = tuple(tuple((lst, pool) for pool in range(num_pools)) for lst in (T1, T2))
-        self._held_at = ((T1, HELD), (T2, HELD))
         self._where: dict[bytes, tuple[int, int]] = {}
-        self._sizes = [0, 0]  # resident keys (listed and held) of T1, T2
+        self._sizes = [0, 0]  # resident keys of T1, T2 (every pool)
         self._ghosts: tuple[OrderedDict[bytes, None], OrderedDict[bytes, None]] = (
             OrderedDict(), OrderedDict())
         self.target = 0.0  # p: the size T1 may keep before it gives up its keys
@@ -81,61 +76,37 @@ class ARCPolicy(EvictionPolicy):
             where[key] = t2_at
             sizes[T2] += 1
 
-    def access(self, key: bytes) -> None:
+    def touch(self, key: bytes, reuse: bool) -> None:
         at = self._where.get(key)
         if at is None:
             return
         lst, pool = at
-        if lst == T2:
-            if pool != HELD:
-                self._lists[T2][pool].move_to_end(key)
-            return
-        self._sizes[T1] -= 1
-        self._sizes[T2] += 1
-        if pool == HELD:
-            self._where[key] = self._held_at[T2]
+        if lst == T2 or not reuse:  # a refresh, or a reuse of a reused key
+            self._lists[lst][pool].move_to_end(key)
             return
         del self._lists[T1][pool][key]
         self._lists[T2][pool][key] = None
         self._where[key] = self._at[T2][pool]
+        self._sizes[T1] -= 1
+        self._sizes[T2] += 1
 
-    def refresh(self, key: bytes) -> None:
+    def move(self, key: bytes, source: int, dest: int) -> None:
         at = self._where.get(key)
-        if at is not None and at[1] != HELD:
-            self._lists[at[0]][at[1]].move_to_end(key)
-
-    def hold(self, key: bytes, pool: int) -> None:
-        at = self._where.get(key)
-        if at is None or at[1] == HELD:
+        if at is None:
             return
-        lst, listed = at
-        del self._lists[lst][listed][key]
-        self._where[key] = self._held_at[lst]
-
-    def place(self, key: bytes, pool: int, *, oldest: bool) -> None:
-        at = self._where.get(key)
-        if at is None:  # not resident: a new key of T1 (the contract places held keys)
-            for ghost in self._ghosts:
-                ghost.pop(key, None)
-            lst = T1
-            self._sizes[T1] += 1
-        else:
-            lst, listed = at
-            if listed != HELD:
-                del self._lists[lst][listed][key]
-        order = self._lists[lst][pool]
+        lst, pool = at
+        del self._lists[lst][pool][key]
+        order = self._lists[lst][dest]
         order[key] = None
-        if oldest:
-            order.move_to_end(key, False)
-        self._where[key] = self._at[lst][pool]
+        order.move_to_end(key, False)
+        self._where[key] = self._at[lst][dest]
 
     def evict(self, key: bytes, pool: int) -> None:
         at = self._where.pop(key, None)
         if at is None:
             return
         lst, listed = at
-        if listed != HELD:
-            del self._lists[lst][listed][key]
+        del self._lists[lst][listed][key]
         sizes = self._sizes
         sizes[lst] -= 1
         b1, b2 = self._ghosts
@@ -151,9 +122,6 @@ class ARCPolicy(EvictionPolicy):
             b2.popitem(False)
             over -= 1
 
-    def discard(self, key: bytes, pool: int) -> None:
-        self._remove(key)
-
     def victims(self, pool: int) -> Iterator[bytes]:
         first = T1 if self._sizes[T1] > self.target else T2
         head, tail = self._lists[first][pool], self._lists[1 - first][pool]
@@ -164,13 +132,6 @@ class ARCPolicy(EvictionPolicy):
     def count(self, pool: int) -> int:
         return len(self._lists[T1][pool]) + len(self._lists[T2][pool])
 
-    def pool_of(self, key: bytes) -> int | None:
-        at = self._where.get(key)
-        return None if at is None or at[1] == HELD else at[1]
-
-    def __len__(self) -> int:
-        return sum(len(order) for lists in self._lists for order in lists)
-
     def list_of(self, key: bytes) -> int | None:
         """T1 or T2 for a resident key, None otherwise (tests, inspection)."""
         at = self._where.get(key)
@@ -180,35 +141,19 @@ class ARCPolicy(EvictionPolicy):
         """B1 and B2, oldest first (tests, inspection)."""
         return tuple(self._ghosts[0]), tuple(self._ghosts[1])
 
-    def check(self, listed: Mapping[bytes, int], held: Collection[bytes]) -> None:
+    def check(self, listed: Mapping[bytes, int]) -> None:
         sizes = [0, 0]
         mine: dict[bytes, int] = {}
-        mine_held: set[bytes] = set()
         for key, (lst, pool) in self._where.items():
             sizes[lst] += 1
-            if pool == HELD:
-                mine_held.add(key)
-            else:
-                require(key in self._lists[lst][pool], "arc: a key not in its list:", key)
-                mine[key] = pool
+            require(key in self._lists[lst][pool], "arc: a key not in its list:", key)
+            mine[key] = pool
         require(sum(len(order) for order in self._lists[T1] + self._lists[T2]) == len(mine),
                 "arc: a list holds a key that is not resident")
         require(sizes == self._sizes, f"arc: sizes {self._sizes}, counted {sizes}")
         require(mine == dict(listed), f"arc: lists {len(mine)} key(s), the tier {len(listed)}")
-        require(mine_held == set(held), f"arc: holds {len(mine_held)} key(s), the tier {len(held)}")
         b1, b2 = self._ghosts
         require(not (b1.keys() & b2.keys()), "arc: a key in both ghost lists")
         require(not (self._where.keys() & (b1.keys() | b2.keys())), "arc: a resident ghost")
         require(len(b1) + len(b2) <= 2 * max(self.capacity, 0), f"arc: {len(b1) + len(b2)} ghosts")
         require(0.0 <= self.target <= max(self.capacity, 0), f"arc: target {self.target}")
-
-    # ------------------------------------------------------------------ internals
-    def _remove(self, key: bytes) -> int | None:
-        at = self._where.pop(key, None)
-        if at is None:
-            return None
-        lst, pool = at
-        if pool != HELD:
-            del self._lists[lst][pool][key]
-        self._sizes[lst] -= 1
-        return lst

@@ -145,7 +145,7 @@ class DiskTier(LowerTier):
         check_int("disk tier: payload_bytes", payload_bytes, low=1)
         check_int("disk tier: replica", replica, low=0)
         if not isinstance(namespace, Namespace):
-            raise ConfigError(f"disk tier: namespace must be a Namespace, got {namespace!r}")
+            raise UsageError(f"disk tier: namespace must be a Namespace, got {namespace!r}")
         self.root = Path(root)
         self.namespace = namespace
         self.part = part
@@ -256,27 +256,27 @@ class DiskTier(LowerTier):
 
     def _check_key(self, key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-            raise ConfigError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
+            raise UsageError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
                               f"got {key!r:.40}")
 
     def _bytes_of(self, buffer: Any, what: str, writable: bool = False) -> memoryview:
         """``buffer`` as a flat byte view of exactly ``payload_bytes`` (or, writable, at
-        least that many) bytes; anything else is a :class:`ConfigError`."""
+        least that many) bytes; anything else is a :class:`UsageError`."""
         try:
             view = memoryview(buffer)
         except TypeError as exc:
-            raise ConfigError(f"{self._name}: {what} must be a bytes-like buffer, got "
+            raise UsageError(f"{self._name}: {what} must be a bytes-like buffer, got "
                               f"{type(buffer).__name__}") from exc
         if not view.c_contiguous or (writable and view.readonly):
-            raise ConfigError(f"{self._name}: {what} must be a "
+            raise UsageError(f"{self._name}: {what} must be a "
                               f"{'writable ' if writable else ''}contiguous buffer")
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         if writable and len(view) < self.payload_bytes:
-            raise ConfigError(f"{self._name}: {what} must be writable and hold at least "
+            raise UsageError(f"{self._name}: {what} must be writable and hold at least "
                               f"{self.payload_bytes} bytes, got {len(view)}")
         if not writable and len(view) != self.payload_bytes:
-            raise ConfigError(f"{self._name}: {what} has {len(view)} bytes, the tier stores "
+            raise UsageError(f"{self._name}: {what} has {len(view)} bytes, the tier stores "
                               f"{self.payload_bytes}")
         return view
 

@@ -61,7 +61,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from tierkv.checks import check_int
 from tierkv.config import RemoteTierConfig, safe_url
-from tierkv.errors import BrokenError, ClosedError, ConfigError, short_key
+from tierkv.errors import BrokenError, ClosedError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import (ChunkCheck, ChunkRecord, LowerTier, PutResult, ReadStatus,
                                VerifyReport)
@@ -101,7 +101,7 @@ class RemoteTier(LowerTier):
                  payload_bytes: int, clock: Callable[[], float] = time.monotonic,
                  *, lazy: bool = False, role: str = "") -> None:
         if not isinstance(config, RemoteTierConfig):
-            raise ConfigError(f"remote tier: config must be a RemoteTierConfig, got "
+            raise UsageError(f"remote tier: config must be a RemoteTierConfig, got "
                               f"{type(config).__name__}")
         part = as_part(part)
         check_int("remote tier: payload_bytes", payload_bytes, low=1)
@@ -262,7 +262,7 @@ class RemoteTier(LowerTier):
 
     def _key(self, key: bytes, part: Part | None = None) -> bytes:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-            raise ConfigError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
+            raise UsageError(f"{self._name}: a chunk key must be {KEY_BYTES} bytes, "
                               f"got {key!r:.40}")
         return redis_key(self._prefix, self.fingerprint, part or self.part, bytes(key))
 
@@ -314,7 +314,7 @@ class RemoteTier(LowerTier):
         for key, payload in items:
             size = memoryview(payload).nbytes
             if size != self.payload_bytes:
-                raise ConfigError(f"{self._name}: chunk {short_key(key)} has {size} bytes, "
+                raise UsageError(f"{self._name}: chunk {short_key(key)} has {size} bytes, "
                                   f"the tier stores {self.payload_bytes}")
             names.append(self._key(key))
         drops = [self._key(key) for key in deletes]
@@ -527,7 +527,7 @@ class RemoteTier(LowerTier):
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         if view.readonly or len(view) < self.payload_bytes:
-            raise ConfigError(f"{self._name}: the read buffer for chunk {short_key(key)} must "
+            raise UsageError(f"{self._name}: the read buffer for chunk {short_key(key)} must "
                               f"be writable and hold {self.payload_bytes} bytes")
         return view
 
