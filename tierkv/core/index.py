@@ -36,7 +36,7 @@ from tierkv.core.remote_marks import RemoteMarks
 from tierkv.core.slots import SlotAllocator
 from tierkv.core.spills import Spills
 from tierkv.core.state import CpuState, DiskState, Entry
-from tierkv.core.stats import Counters, IndexStats
+from tierkv.core.stats import IndexStats
 from tierkv.errors import InvariantError, UsageError  # noqa: F401 (importable here)
 
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
@@ -87,7 +87,7 @@ class BlockIndex(Spills, Invariants):
         self._spills_stuck = False  # write-through left dirty chunks for want of disk room
         self._room_wanted = 0  # slots that found no victim since the last spill plan
         self._jobs: dict[JobId, Job] = {}
-        self._counters = Counters()
+        self._counters = IndexStats()
         # Events (core/events.py): the log's list of touched keys, held here and appended
         # inline where a chunk's tiers change (None: no events recorded).
         self._events = EventLog() if record_events else None
@@ -540,8 +540,7 @@ class BlockIndex(Spills, Invariants):
     def statistics(self) -> IndexStats:
         """A snapshot in O(1): every used slot holds a STORING, PROMOTING or READY chunk."""
         free = self._slots.num_free
-        return IndexStats.of(
-            self._counters,
+        return self._counters.snapshot(
             num_slots=self.num_slots,
             free_slots=free,
             cpu_ready=self.num_slots - free - self._num_storing - self._num_promoting,

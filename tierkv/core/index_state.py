@@ -20,7 +20,7 @@ from tierkv.core.policy import EvictionPolicy
 from tierkv.core.remote_marks import RemoteMarks
 from tierkv.core.slots import SlotAllocator
 from tierkv.core.state import Entry
-from tierkv.core.stats import Counters
+from tierkv.core.stats import IndexStats
 from tierkv.errors import UsageError
 
 
@@ -51,7 +51,7 @@ class IndexState:
     _spills_stuck: bool
     _room_wanted: int
     _jobs: dict[JobId, Job]
-    _counters: Counters
+    _counters: IndexStats
     _events: EventLog | None
     _touched: list[bytes] | None
     _marks: RemoteMarks
