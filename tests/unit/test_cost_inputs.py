@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.profiles import thorough
-from tierkv.core.costs import TIERS, CostModel, CostPriors, DecayedLine
+from tierkv.core.costs import CostModel, CostPriors, DecayedLine
+from tierkv.core.stats import TIERS
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobKind
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter

@@ -15,9 +15,8 @@ from tierkv.engine.metrics import (GAUGE_KEYS, HIT_TOKENS, METRICS, PUSH_RESULTS
                                    collect_figures, is_gauge, remote_figures)
 from tierkv.engine.store_stats import LoadShortfall, PathStats, StoreStats
 from tierkv.tiers.disk.env import DiskStatistics
-from tierkv.tiers.remote.lookup import RemoteLookupStatistics
-from tierkv.tiers.remote.pushes import RemoteIOStatistics
-from tierkv.tiers.remote.stats import RemoteStatistics
+from tierkv.tiers.remote.stats import (RemoteIOStatistics, RemoteLookupStatistics,
+                                       RemoteStatistics)
 from tierkv.transfer.tier_io import TierIOStatistics
 
 INDEX_COUNTERS = {
@@ -273,3 +272,17 @@ def test_records_are_few_and_each_snapshot_is_its_own_class() -> None:
         frozen = record().snapshot(**{f.name: 0 for f in figures(record)
                                       if f.kind == "gauge" and f.key is None})
         assert isinstance(frozen, record) and frozen == record()
+
+
+def test_a_snapshot_pickles_as_a_read_only_copy() -> None:
+    import pickle
+
+    stats = StoreStats()
+    stats.path["gpu_to_cpu"].bytes += 7
+    stats.load_shortfall.gone += 1
+    frozen = stats.snapshot(index=snapshot(loads_cpu=2))
+    again = pickle.loads(pickle.dumps(frozen))
+    assert again == frozen and again.path["gpu_to_cpu"].bytes == 7
+    assert again.index.loads_cpu == 2 and again.load_shortfall.gone == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.chunk_bytes = 1

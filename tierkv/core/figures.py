@@ -82,11 +82,16 @@ def figures(record: type) -> tuple[Figure, ...]:
             out.append(Figure(item.name, kind, help, record.__name__, reported, item.name))
         elif _PER in item.metadata:
             keys, sub = item.metadata[_PER]
-            out.extend(Figure(f"{figure.name}_{key}", figure.kind, f"{figure.help} ({key})",
+            out.extend(Figure(_flat(figure.name, key), figure.kind, f"{figure.help} ({key})",
                               record.__name__, figure.reported, figure.name, key)
                        for key in keys for figure in figures(sub))
     known = _DECLARED[record] = tuple(out)
     return known
+
+
+def _flat(figure: str, key: str) -> str:
+    """The flat name of a sub-record's ``figure`` under ``key``: ``declined_tokens_disk``."""
+    return f"{figure}_{key}"
 
 
 def _shape(record: type) -> tuple[frozenset[str], tuple[str, ...], tuple[Figure, ...]]:
@@ -108,7 +113,7 @@ def values(record: object, kind: Kind | None = None) -> dict[str, Any]:
            if figure.reported and (kind is None or figure.kind == kind)}
     for name in subs:
         for key, sub in getattr(record, name).items():
-            out.update((f"{figure}_{key}", value) for figure, value in values(sub, kind).items())
+            out.update((_flat(figure, key), value) for figure, value in values(sub, kind).items())
     return out
 
 
@@ -127,14 +132,30 @@ def _frozen_hash(self: Record) -> int:
                       for value in vars(self).values()))
 
 
+def _frozen_reduce(self: Record) -> tuple[Any, ...]:
+    return _thawed, (_declared(type(self)), {
+        name: dict(value) if isinstance(value, MappingProxyType) else value
+        for name, value in vars(self).items()})
+
+
+def _thawed(record: type, state: dict[str, Any]) -> Record:
+    """A snapshot of ``record`` from its pickled ``state``."""
+    copy: Record = object.__new__(_frozen(record))
+    copy.__dict__.update((name, MappingProxyType(value) if isinstance(value, dict) else value)
+                         for name, value in state.items())
+    return copy
+
+
 def _frozen(record: type) -> type:
     """``record``'s read-only twin: the same class (a subclass only to refuse assignments,
-    as a frozen dataclass does, and to be hashable), made here, never declared."""
+    as a frozen dataclass does, to be hashable and to pickle as a snapshot), made here,
+    never declared."""
     twin = _FROZEN.get(record)
     if twin is None:
         twin = _FROZEN[record] = type(record.__name__, (record,), {
             "__setattr__": _frozen_setattr, "__delattr__": _frozen_delattr,
-            "__hash__": _frozen_hash, "__module__": record.__module__,
+            "__hash__": _frozen_hash, "__reduce__": _frozen_reduce,
+            "__module__": record.__module__,
             "__qualname__": record.__qualname__, "_twin_of": record})
     return twin
 

@@ -41,9 +41,8 @@ from tierkv.core.stats import TIERS, AdapterStats, IndexStats
 from tierkv.engine.store_stats import PATHS, StoreStats
 from tierkv.extras import needs
 from tierkv.tiers.remote.health import CAUSES
-from tierkv.tiers.remote.lookup import RemoteLookupStatistics
-from tierkv.tiers.remote.pushes import RemoteIOStatistics
-from tierkv.tiers.remote.stats import RemoteStatistics
+from tierkv.tiers.remote.stats import (RemoteIOStatistics, RemoteLookupStatistics,
+                                       RemoteStatistics)
 from tierkv.tiers.remote.usage import ServerMemory
 
 PREFIX = "tierkv:"

@@ -36,29 +36,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from tierkv.core.figures import Record, counter
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.keys import KEY_BYTES, Part
 from tierkv.tiers.remote.format import redis_key, value_bytes
+from tierkv.tiers.remote.stats import RemoteLookupStatistics
 from tierkv.tiers.remote.tier import RemoteTier
 from tierkv.tiers.remote.usage import RemoteUsage, ServerMemory
 
 logger = logging.getLogger("tierkv.remote")
-
-
-@dataclass(eq=False)
-class RemoteLookupStatistics(Record):
-    """The lookup's running counts; ``statistics()`` is their snapshot."""
-
-    asks: int = counter("Calls of ask()")
-    not_yet: int = counter("Asks answered None (the deadline passed)")
-    requests: int = counter("Pipelines sent (each at most one round trip per node)")
-    keys_asked: int = counter("Keys asked of the remote tier")
-    keys_found: int = counter("Keys the remote tier had")
-    errors: int = counter("Requests the tier failed (their keys count as absent)")
-    seconds: float = counter("Seconds spent in requests")
 
 
 class RemoteLookup:

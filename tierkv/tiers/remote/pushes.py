@@ -24,32 +24,14 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from tierkv.checks import check_int
-from tierkv.core.figures import Record, counter, gauge
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.tiers.base import LowerTier
+from tierkv.tiers.remote.stats import RemoteIOStatistics
 
 logger = logging.getLogger("tierkv.remote")
-
-
-@dataclass(eq=False, kw_only=True)
-class RemoteIOStatistics(Record):
-    """The pushes' running counts; ``statistics()`` is their snapshot, with the queue's
-    bytes. The reported ones are the pushes by fate (``tierkv:remote_pushes{result=...}``);
-    ``queued`` (their sum, and those still queued) and ``bytes_pushed`` (the tier's
-    ``bytes_written`` counts them) are kept, not reported."""
-
-    queued: int = counter("Pushes accepted", reported=False)
-    pushed: int = counter("Chunks sent (already stored by another engine included)")
-    failed: int = counter("Chunks the tier did not store (a failed or skipped call, a "
-                          "refusal)")
-    dropped: int = counter("Pushes skipped: the queue was full")
-    abandoned: int = counter("Chunks still queued at shutdown, never sent")
-    bytes_pushed: int = counter("Payload bytes of the chunks sent", reported=False)
-    queue_bytes_now: int = gauge("Payload bytes queued now")
 
 
 class RemoteIO:

@@ -1,19 +1,18 @@
-"""What :class:`~tierkv.tiers.remote.tier.RemoteTier` counts, declared once
-(:mod:`tierkv.core.figures`): :class:`RemoteStatistics`, the tier's running counts (its
-calls, values and bytes); ``statistics()`` is its snapshot, with the breakers' state and
-the failures by cause and by value check.
+"""What the remote tier and its users count, declared once (:mod:`tierkv.core.figures`),
+one record per object; each ``statistics()`` is its record's snapshot.
+
+- :class:`RemoteStatistics`        :class:`~tierkv.tiers.remote.tier.RemoteTier`'s calls,
+  values and bytes (its snapshot: with the breakers' state and the failures by cause and
+  by value check; a store's: with the pushes and the lookups over the tier).
+- :class:`RemoteLookupStatistics`  :class:`~tierkv.tiers.remote.lookup.RemoteLookup`'s asks.
+- :class:`RemoteIOStatistics`      :class:`~tierkv.tiers.remote.pushes.RemoteIO`'s pushes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from tierkv.core.figures import Record, counter
-
-if TYPE_CHECKING:
-    from tierkv.tiers.remote.lookup import RemoteLookupStatistics
-    from tierkv.tiers.remote.pushes import RemoteIOStatistics
+from tierkv.core.figures import Record, counter, gauge
 
 
 @dataclass(eq=False, kw_only=True)
@@ -44,4 +43,34 @@ class RemoteStatistics(Record):
     lookups: RemoteLookupStatistics | None = None  # a store's: the lookups asked of it
 
 
-__all__ = ["RemoteStatistics"]
+@dataclass(eq=False)
+class RemoteLookupStatistics(Record):
+    """The lookup's running counts; ``statistics()`` is their snapshot."""
+
+    asks: int = counter("Calls of ask()")
+    not_yet: int = counter("Asks answered None (the deadline passed)")
+    requests: int = counter("Pipelines sent (each at most one round trip per node)")
+    keys_asked: int = counter("Keys asked of the remote tier")
+    keys_found: int = counter("Keys the remote tier had")
+    errors: int = counter("Requests the tier failed (their keys count as absent)")
+    seconds: float = counter("Seconds spent in requests")
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteIOStatistics(Record):
+    """The pushes' running counts; ``statistics()`` is their snapshot, with the queue's
+    bytes. The reported ones are the pushes by fate (``tierkv:remote_pushes{result=...}``);
+    ``queued`` (their sum, and those still queued) and ``bytes_pushed`` (the tier's
+    ``bytes_written`` counts them) are kept, not reported."""
+
+    queued: int = counter("Pushes accepted", reported=False)
+    pushed: int = counter("Chunks sent (already stored by another engine included)")
+    failed: int = counter("Chunks the tier did not store (a failed or skipped call, a "
+                          "refusal)")
+    dropped: int = counter("Pushes skipped: the queue was full")
+    abandoned: int = counter("Chunks still queued at shutdown, never sent")
+    bytes_pushed: int = counter("Payload bytes of the chunks sent", reported=False)
+    queue_bytes_now: int = gauge("Payload bytes queued now")
+
+
+__all__ = ["RemoteIOStatistics", "RemoteLookupStatistics", "RemoteStatistics"]
