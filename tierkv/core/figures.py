@@ -37,7 +37,7 @@ _FIGURE = "tierkv.figure"  # the field metadata key holding a figure's (kind, he
 _PER = "tierkv.per"  # the field metadata key of a field of sub-records: (keys, record type)
 _DECLARED: dict[type, tuple[Figure, ...]] = {}  # figures() by record type, read once
 _FROZEN: dict[type, type] = {}  # a record type's read-only twin, made once (not declared)
-_SHAPES: dict[type, tuple[frozenset[str], tuple[str, ...], tuple[Figure, ...]]] = {}
+_SHAPES: dict[type, _Shape] = {}
 
 
 @dataclass(frozen=True)
@@ -94,24 +94,35 @@ def _flat(figure: str, key: str) -> str:
     return f"{figure}_{key}"
 
 
-def _shape(record: type) -> tuple[frozenset[str], tuple[str, ...], tuple[Figure, ...]]:
-    """(gauge fields, per-key fields, own figures) of ``record``, read once."""
+@dataclass(frozen=True)
+class _Shape:
+    gauges: frozenset[str]  # the gauge fields (a snapshot sets each)
+    subs: tuple[str, ...]  # the per-key fields (dicts of sub-records)
+    nested: tuple[str, ...]  # the fields made as a nested record (default_factory)
+    own: tuple[Figure, ...]  # the record's own figures
+
+
+def _shape(record: type) -> _Shape:
+    """What a snapshot and values() walk of ``record``, read once."""
     shape = _SHAPES.get(record)
     if shape is None:
         own = tuple(figure for figure in figures(record) if figure.key is None)
-        subs = tuple(item.name for item in fields(record) if _PER in item.metadata)
-        shape = _SHAPES[record] = (
-            frozenset(figure.name for figure in own if figure.kind == "gauge"), subs, own)
+        made = {item.name: item.default_factory for item in fields(record)}
+        shape = _SHAPES[record] = _Shape(
+            frozenset(figure.name for figure in own if figure.kind == "gauge"),
+            tuple(item.name for item in fields(record) if _PER in item.metadata),
+            tuple(name for name, factory in made.items()
+                  if isinstance(factory, type) and issubclass(factory, Record)), own)
     return shape
 
 
 def values(record: object, kind: Kind | None = None) -> dict[str, Any]:
     """``record``'s reported figures by name (only those of ``kind`` if given); a
     :func:`per` field's as ``<figure>_<key>``."""
-    _, subs, own = _shape(_declared(type(record)))
-    out = {figure.name: getattr(record, figure.name) for figure in own
+    shape = _shape(_declared(type(record)))
+    out = {figure.name: getattr(record, figure.name) for figure in shape.own
            if figure.reported and (kind is None or figure.kind == kind)}
-    for name in subs:
+    for name in shape.subs:
         for key, sub in getattr(record, name).items():
             out.update((_flat(figure, key), value) for figure, value in values(sub, kind).items())
     return out
@@ -173,20 +184,21 @@ class Record:
     def snapshot(self, **now: Any) -> Self:
         """A read-only copy, with ``now`` set (every gauge it declares, and any other field:
         a nested record's snapshot). Sub-records and nested records are copied read-only."""
-        gauges = _shape(_declared(type(self)))[0]
+        gauges = _shape(_declared(type(self))).gauges
         assert gauges <= now.keys(), sorted(gauges - now.keys())
         return self._copy(now)
 
     def _copy(self, now: dict[str, Any]) -> Self:
         declared = _declared(type(self))
+        shape = _shape(declared)
         state = dict(vars(self))
         state.update(now)
-        for name in _shape(declared)[1]:
+        for name in shape.subs:
             state[name] = MappingProxyType({key: sub._copy({})
                                             for key, sub in state[name].items()})
-        for name, value in state.items():
-            if isinstance(value, Record) and name not in now:
-                state[name] = value._copy({})
+        for name in shape.nested:
+            if name not in now:
+                state[name] = state[name]._copy({})
         copy: Self = object.__new__(_frozen(declared))
         copy.__dict__.update(state)
         return copy
