@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tierkv
 
-from tierkv.core.index import BlockIndex, IndexStats  # noqa: E402
+from tierkv.core.index import BlockIndex  # noqa: E402
+from tierkv.core.stats import IndexStats  # noqa: E402
 from tierkv.core.jobs import Completion, JobKind  # noqa: E402
 from tierkv.core.policy import DEFAULT_POLICY, policy_names  # noqa: E402
 from tierkv.keys import chunk_keys  # noqa: E402

@@ -73,12 +73,12 @@ BREAKER_OPEN = "remote_breaker_open/"  # + node: a dynamic gauge
 CONFIG_INFO = "config_info"
 
 
-def _one(key: str) -> tuple[tuple[str, str], ...]:
-    return (("", key),)
-
-
 def _each(template: str, values: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple((value, template.format(value)) for value in values)
+
+
+def _one(key: str) -> tuple[tuple[str, str], ...]:
+    return (("", key),)
 
 
 # A job path's durations (not a record's figure: a histogram), by path: durations_<path>.

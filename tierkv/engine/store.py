@@ -59,11 +59,10 @@ import torch
 
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.config_env import from_environment
-from tierkv.core.index import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
+from tierkv.core.stats import AdapterStats, IndexStats
 from tierkv.engine import store_exit
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
-from tierkv.core.stats import AdapterStats
 from tierkv.engine.metrics import (DURATION_KEY, Durations, TierUsage, collect_figures,
                                    config_info, remote_usage_figures, tier_usage, usage_figures)
 from tierkv.engine.start_line import short_id, start_line
