@@ -1,28 +1,22 @@
 """tierkv's statistics model: each figure is declared once, as a field of the record that
 holds it, and each object keeps one record (as trio does).
 
-- :func:`counter` / :func:`gauge`  declare a record's field as a figure: its name is the
-  field's, its kind (a counter only grows; a gauge is a value now) and a help text.
+- :func:`counter` / :func:`gauge`  a record's field as a figure: its name is the field's,
+  its kind (a counter only grows; a gauge is a value now) and a help text.
 - :func:`per`                      a field of sub-records keyed by medium or path
-  (``stats.tier["disk"].declined_tokens``, ``stats.path["gpu_to_cpu"].bytes``): each
-  sub-record's figures are the record's figures ``<figure>_<key>`` (``declined_tokens_disk``).
-- :class:`Record`                  the base of a record: ``record.snapshot(**now)`` is a
-  read-only copy of the same class (its sub-records and nested records copied too), with
-  the gauges ``now`` set.
-- :func:`figures`                  the figures a record type declares (:class:`Figure`:
-  name, kind, help, record), in field order, sub-records' keys included.
-- :func:`values`                   a record's figures by name, optionally of one kind.
+  (``stats.tier["disk"].declined_tokens``): their figures are the record's, as
+  ``<figure>_<key>`` (``declined_tokens_disk``).
+- :class:`Record`                  a record's base: ``record.snapshot(**gauges)`` is a
+  read-only copy of the same class (its sub-records and nested records copied too).
+- :func:`figures` / :func:`values`  the figures a record type declares (:class:`Figure`),
+  in field order; a record's reported figures by name, optionally of one kind.
 
-A record is a dataclass: the hot path increments plain attributes
-(``counts.loads_cpu += 1``), never a dict by string. Everything that reports them reads
-the model: ``statistics()`` (snapshots) and the flat figures of ``figures()``, the vLLM
-connector's payloads and log line, and the Prometheus exporters
-(:mod:`tierkv.engine.metrics`, whose metrics that read one figure take their kind and help
-from its declaration). A new figure is one field.
-
-A field declared ``reported=False`` is kept on its record (tests and tools read it) but
-left out of :func:`values`: a sum reported under another name, or one another record's
-figure already counts.
+The hot path increments plain attributes (``counts.loads_cpu += 1``), never a dict by
+string. Everything that reports reads the model: ``statistics()`` (snapshots), the flat
+figures of ``figures()``, the vLLM connector's payloads and log line, the Prometheus
+exporters (:mod:`tierkv.engine.metrics`). A new figure is one field. One declared
+``reported=False`` is kept on its record (tests and tools read it) but left out of
+:func:`values`: a sum reported under another name, or what another record counts.
 """
 
 from __future__ import annotations
@@ -128,46 +122,40 @@ def values(record: object, kind: Kind | None = None) -> dict[str, Any]:
     return out
 
 
-def _frozen_setattr(self: Record, name: str, value: Any) -> None:
-    if name in self.__dict__:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-    object.__setattr__(self, name, value)
+class _ReadOnly:
+    """What a snapshot's class adds to its record's: it refuses a second assignment, as a
+    frozen dataclass does, hashes, and pickles as a snapshot."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__:
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __hash__(self) -> int:
+        return hash(tuple(tuple(value.items()) if isinstance(value, Mapping) else value
+                          for value in vars(self).values()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _thawed, (_declared(type(self)), {
+            name: dict(value) if isinstance(value, Mapping) else value
+            for name, value in vars(self).items()})
 
 
-def _frozen_delattr(self: Record, name: str) -> None:
-    raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-
-def _frozen_hash(self: Record) -> int:
-    return hash(tuple(tuple(value.items()) if isinstance(value, Mapping) else value
-                      for value in vars(self).values()))
-
-
-def _frozen_reduce(self: Record) -> tuple[Any, ...]:
-    return _thawed, (_declared(type(self)), {
-        name: dict(value) if isinstance(value, MappingProxyType) else value
-        for name, value in vars(self).items()})
-
-
-def _thawed(record: type, state: dict[str, Any]) -> Record:
-    """A snapshot of ``record`` from its pickled ``state``."""
-    copy: Record = object.__new__(_frozen(record))
-    copy.__dict__.update((name, MappingProxyType(value) if isinstance(value, dict) else value)
-                         for name, value in state.items())
-    return copy
+def _thawed(record: type[Record], state: dict[str, Any]) -> Record:
+    """The snapshot of ``record`` pickled as ``state``."""
+    return record(**state)._copy({})
 
 
 def _frozen(record: type) -> type:
-    """``record``'s read-only twin: the same class (a subclass only to refuse assignments,
-    as a frozen dataclass does, to be hashable and to pickle as a snapshot), made here,
-    never declared."""
+    """``record``'s read-only twin (:class:`_ReadOnly` over it), made once, never declared."""
     twin = _FROZEN.get(record)
     if twin is None:
-        twin = _FROZEN[record] = type(record.__name__, (record,), {
-            "__setattr__": _frozen_setattr, "__delattr__": _frozen_delattr,
-            "__hash__": _frozen_hash, "__reduce__": _frozen_reduce,
-            "__module__": record.__module__,
-            "__qualname__": record.__qualname__, "_twin_of": record})
+        twin = _FROZEN[record] = type(record.__name__, (_ReadOnly, record), {
+            "__module__": record.__module__, "__qualname__": record.__qualname__,
+            "_twin_of": record})
     return twin
 
 

@@ -60,11 +60,11 @@ import torch
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.config_env import from_environment
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
-from tierkv.core.stats import AdapterStats, IndexStats
+from tierkv.core.stats import AdapterStats
 from tierkv.engine import store_exit
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (DURATION_KEY, Durations, TierUsage, collect_figures,
-                                   config_info, remote_usage_figures, tier_usage, usage_figures)
+                                   config_info, tier_usage)
 from tierkv.engine.start_line import short_id, start_line
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
@@ -435,16 +435,7 @@ class TierKVStore:
         etc.: ``"cpu"``, ``"disk"`` now; ``"remote"`` (once its servers answered) their
         whole memory as last polled (``remote.usage_seconds``; no network call here),
         capacity None if unbounded. Safe from another thread like :meth:`figures`; never raises."""
-        return tier_usage(self._usage_figures(self.index.statistics()))
-
-    def _usage_figures(self, index: IndexStats) -> dict[str, float]:
-        out: dict[str, float] = dict(usage_figures(index, self.chunk_bytes,
-                                                   self.tokens_per_chunk))
-        if self._remote is not None:
-            out.update(remote_usage_figures(self._remote.server_memory(),
-                                            self._remote.stored_chunk_bytes,
-                                            self.tokens_per_chunk))
-        return out
+        return tier_usage(self.figures())
 
     @one_caller
     def take_events(self, max_chunks: int | None = None) -> list[tuple[str, str, bytes]]:
