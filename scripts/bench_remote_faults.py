@@ -198,7 +198,7 @@ def big_value(cluster: RedisCluster, args: argparse.Namespace) -> None:
         took, loaded, failed = timed_load(engine_b, keys)
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
         stats = engine_b.statistics().remote
-        corrupt = stats.tier.corrupt if stats is not None else -1
+        corrupt = stats.corrupt if stats is not None else -1
     gone = not raw.exists(name)
     raw.close()
     print(f"{args.big_mib} MiB value under a chunk's key: load {took:.3f} s, {failed} of "

@@ -105,7 +105,7 @@ def run_engine(args: argparse.Namespace) -> int:
                               "chunk_bytes": chunk_bytes, "cpu_slots": stats.index.num_slots,
                               "no_room": stats.index.stores_no_room, **counts}
     if stats.remote is not None:
-        tier, lookups, pushes = stats.remote.tier, stats.remote.lookups, stats.remote.pushes
+        tier, lookups, pushes = stats.remote, stats.remote.lookups, stats.remote.pushes
         result.update(remote_reads=tier.reads, remote_read_hits=tier.hits,
                       remote_misses=tier.misses, remote_corrupt=tier.corrupt,
                       remote_errors=tier.errors, lookup_asks=lookups.asks,

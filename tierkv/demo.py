@@ -214,10 +214,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"  chunks asked {totals.chunks_asked}: hits from CPU {totals.hits_cpu}, "
           f"hits from disk {totals.hits_disk}, computed {computed}")
     print(f"  verified {format_bytes(totals.verified_bytes, 1)} of loaded KV byte-exact")
-    for name, path in (("GPU->CPU", stats.gpu_to_cpu), ("disk->CPU", stats.disk_to_cpu),
-                       ("CPU->GPU", stats.cpu_to_gpu), ("CPU->disk", stats.cpu_to_disk)):
-        print(f"  {name:28s} {format_bytes(path.num_bytes, 1):>10s}  "
-              f"{format_rate(path.num_bytes, path.seconds):>12s}")
+    for name, path in (("GPU->CPU", stats.path["gpu_to_cpu"]),
+                       ("disk->CPU", stats.path["disk_to_cpu"]),
+                       ("CPU->GPU", stats.path["cpu_to_gpu"]),
+                       ("CPU->disk", stats.path["cpu_to_disk"])):
+        print(f"  {name:28s} {format_bytes(path.bytes, 1):>10s}  "
+              f"{format_rate(path.bytes, path.seconds):>12s}")
     print(f"  evictions {idx.cpu_evictions}, spills {idx.spills_ok}, on disk {idx.on_disk} chunks, "
           f"no room {idx.stores_no_room}, corrupt {idx.corrupt}")
     hit_rate = (totals.hits_cpu + totals.hits_disk) / max(totals.chunks_asked, 1)

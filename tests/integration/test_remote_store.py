@@ -138,12 +138,12 @@ def test_engine_b_in_another_process_loads_every_chunk_engine_a_stored(
                     t[blocks_of(chunk)] = 0  # the next conversation must land for itself
         stats = engine_b.statistics()
         assert stats.index.loads_remote == conversations * chunks
-        assert stats.remote is not None and stats.remote.tier.hits == conversations * chunks
+        assert stats.remote is not None and stats.remote.hits == conversations * chunks
         assert (stats.index.remote_missing, stats.index.remote_corrupt) == (0, 0)
         # Each byte on one path: the remote read, then the copy to the GPU.
         moved = conversations * chunks * engine_b.chunk_bytes
-        assert (stats.remote_to_cpu.num_bytes, stats.cpu_to_gpu.num_bytes) == (moved, moved)
-        assert stats.disk_to_cpu.num_bytes == 0
+        assert (stats.path["remote_to_cpu"].bytes, stats.path["cpu_to_gpu"].bytes) == (moved, moved)
+        assert stats.path["disk_to_cpu"].bytes == 0
         # What B loaded is its own now: served from B's CPU tier, and its disk after close.
         assert engine_b.lookup(chunk_keys(conversation(0, chunks), TPC)) == chunks
     cluster.flushall()  # the remote copies gone: B's disk still has them
@@ -224,7 +224,7 @@ def test_tampered_values_are_misses_counted_and_deleted(cluster: RedisCluster) -
         assert same_blocks(source, blocks_of(0), kv_b, blocks_of(0))
         stats = engine_b.statistics()
         assert stats.index.remote_corrupt == 3 and stats.remote is not None
-        assert stats.remote.tier.corrupt == 3
+        assert stats.remote.corrupt == 3
         assert [raw.exists(name) for name in names] == [1, 0, 0, 0]  # the bad ones deleted
         assert engine_b.lookup(keys) == 1
     raw.close()
@@ -253,7 +253,7 @@ def test_a_node_killed_mid_run_misses_opens_the_breaker_and_recovers(
                 assert key in failed or same_blocks(source, blocks_of(n), kv_b, blocks_of(n))
             time.sleep(0.3)
         push(engine_a)
-        opened = sum(s.remote.tier.breaker_opens for s in (engine_a.statistics(),
+        opened = sum(s.remote.breaker_opens for s in (engine_a.statistics(),
                                                            engine_b.statistics()) if s.remote)
         assert opened >= 1
         own_cluster.start_node(victim)

@@ -184,7 +184,7 @@ def run_writer(args: dict[str, Any]) -> dict[str, Any]:
             "external": engine.external,
             "fingerprint": engine.fingerprint,
             "stores_planned": stats["stores_planned"], "stores_failed": stats["stores_failed"],
-            "hit_chunks_remote": stats["hit_chunks_remote"],
+            "loads_remote": stats["loads_remote"],
             "queued": pushed.queued, "pushed": pushed.pushed, "dropped": pushed.dropped,
             "failed": pushed.failed}
 
@@ -238,7 +238,7 @@ def test_two_engines_share_one_cluster(redis_cluster: RedisCluster, tmp_path: Pa
     expected_chunks = sum((length + MAX_TOKENS - 1) // TPC for length in PROMPT_LENGTHS)
     assert writer["bad_outputs"] == [] and writer["checked_slots"] > 0
     assert writer["finished"] == [f"a{i}" for i in range(len(tokens))]
-    assert writer["external"] == {} and writer["hit_chunks_remote"] == 0  # the cluster was empty
+    assert writer["external"] == {} and writer["loads_remote"] == 0  # the cluster was empty
     assert writer["stores_planned"] == expected_chunks and writer["stores_failed"] == 0
     # Every stored chunk was pushed (the shutdown flushed the queue), none dropped or failed.
     assert writer["queued"] == writer["pushed"] == expected_chunks
@@ -274,9 +274,9 @@ def test_two_engines_share_one_cluster(redis_cluster: RedisCluster, tmp_path: Pa
     stored = sum(on_cluster.values()) // len(ranks)  # chunks = values / ranks
     assert reader.external == {spec.request_id: loadable_tokens(spec) for spec in workload}
     stats = reader.stats()
-    assert stats["hit_chunks_remote"] == stored == expected_chunks
+    assert stats["loads_remote"] == stored == expected_chunks
     assert stats["hit_tokens_remote"] == stored * TPC
-    assert stats["hit_chunks_cpu"] == stats["hit_chunks_disk"] == 0
+    assert stats["loads_cpu"] == stats["loads_disk"] == 0
     assert stats["hit_tokens_cpu"] == stats["hit_tokens_disk"] == 0
     assert stats["remote_missing"] == stats["remote_corrupt"] == stats["remote_failed"] == 0
     assert stats["loads_failed"] == stats["stores_failed"] == 0
@@ -322,7 +322,7 @@ def test_another_model_or_salt_gets_no_remote_hits(redis_cluster: RedisCluster, 
         stats = engine.stats()
         lookups = engine.side.remote.statistics()
         assert engine.external == {}, name  # nothing offered to vLLM
-        assert stats["hit_chunks_remote"] == stats["hit_tokens_remote"] == 0, name
+        assert stats["loads_remote"] == stats["hit_tokens_remote"] == 0, name
         assert stats["remote_missing"] == stats["remote_corrupt"] == 0, name
         # It asked the cluster (so the zero is an answer, not silence) and found nothing.
         assert lookups.keys_asked >= expected_chunks and lookups.keys_found == 0, name
@@ -347,7 +347,7 @@ def test_another_model_or_salt_gets_no_remote_hits(redis_cluster: RedisCluster, 
     assert_served(result, cfg.vocab_size)
     assert again.external == {spec.request_id: loadable_tokens(spec) for spec in workload}
     stats = again.stats()
-    assert stats["hit_chunks_remote"] == expected_chunks and stats["remote_missing"] == 0
+    assert stats["loads_remote"] == expected_chunks and stats["remote_missing"] == 0
     again.shutdown()
 
 
@@ -411,7 +411,7 @@ def test_a_dead_cluster_never_fails_a_request(redis_cluster: RedisCluster, tmp_p
         expected = expected_chat_hits(result, chat["user_turn_len"])
         assert {req: engine.external.get(req, 0) for req in expected} == expected
         assert stats["hit_tokens_cpu"] == sum(expected.values()) > 0
-        assert stats["hit_chunks_remote"] == stats["hit_tokens_remote"] == 0
+        assert stats["loads_remote"] == stats["hit_tokens_remote"] == 0
         assert stats["remote_missing"] == stats["remote_failed"] == stats["loads_failed"] == 0
         # The lookups were tried and failed (absent, counted), never raised into vLLM.
         assert stats["remote_lookup_errors"] > 0

@@ -275,7 +275,7 @@ def test_a_planned_load_tells_its_tokens_by_tier_and_touch_refreshes_the_prefix(
     adapter.update_state_after_alloc(turn, list(range(10, 20)), 3 * TPC - BLOCK, BLOCK)
     assert adapter.take_load_sources("b") == (2 * TPC - BLOCK, TPC, 0)
     assert adapter.take_load_sources("b") == (0, 0, 0)  # taken once
-    assert (adapter.stats.hit_tokens_cpu, adapter.stats.hit_tokens_disk) == (2 * TPC - BLOCK, TPC)
+    assert (adapter.stats.tier["cpu"].hit_tokens, adapter.stats.tier["disk"].hit_tokens) == (2 * TPC - BLOCK, TPC)
     adapter.touch(turn, 2)  # tail first: chunk 0 ends up the most recent
     spill = index.take_spills(flush=True)  # writes back the oldest first
     assert spill is not None and [key for key, _ in spill.writes] == [keys[1], keys[0]]

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.profiles import thorough
-from tierkv.core.costs import TIERS, CostModel, CostPriors, DecayedLine
+from tierkv.core.costs import CostModel, CostPriors, DecayedLine
+from tierkv.core.stats import TIERS
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobKind
 from tierkv.engine.adapter import EngineAdapter
@@ -71,7 +72,7 @@ def test_the_adapter_counts_a_dropped_step_and_keeps_loading_its_hits() -> None:
     tokens = 4 * 256 + 1
     loaded = [adapter.lookup(RequestView(f"r{n}", keys[n:n + 4], tokens, tokens, 0), 0)
               for n in range(0, 32, 4)]
-    assert loaded == [4 * 256] * 8 and adapter.stats.declined_tokens_disk == 0
+    assert loaded == [4 * 256] * 8 and adapter.stats.tier["disk"].declined_tokens == 0
     assert adapter.stats.cost_samples_dropped == 2
 
 
@@ -98,8 +99,8 @@ def test_a_taken_load_whose_time_is_no_sample_is_neither_learned_nor_summed() ->
     assert adapter.stats.sync_loads == 1
     assert adapter.costs.loads["cpu"].line() == CostModel().loads["cpu"].line()
     assert adapter.costs.loads["cpu"].samples == 0
-    assert adapter.stats.load_seconds_measured_cpu == 0.0
-    assert adapter.stats.load_seconds_estimated_cpu == 0.0
+    assert adapter.stats.tier["cpu"].load_seconds_measured == 0.0
+    assert adapter.stats.tier["cpu"].load_seconds_estimated == 0.0
     assert adapter.stats.cost_samples_dropped == 1
 
 

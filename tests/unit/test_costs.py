@@ -153,9 +153,9 @@ def test_the_adapter_declines_the_slow_tail_of_a_hit_and_counts_it() -> None:
     slow_disk = CostPriors(disk_load_seconds=1.0, seconds_per_token=0.0001)
     adapter = adapter_with_chunks("cost", slow_disk, clock)
     assert adapter.lookup(view(), 0) == 4 * 32  # the CPU head only
-    assert adapter.stats.declined_tokens_disk == 4 * 32 and adapter.stats.declined_tokens_cpu == 0
+    assert adapter.stats.tier["disk"].declined_tokens == 4 * 32 and adapter.stats.tier["cpu"].declined_tokens == 0
     always = adapter_with_chunks("always", slow_disk, Clock())
-    assert always.lookup(view(), 0) == 8 * 32 and always.stats.declined_tokens_disk == 0
+    assert always.lookup(view(), 0) == 8 * 32 and always.stats.tier["disk"].declined_tokens == 0
 
 
 def test_measured_loads_and_steps_teach_the_adapter() -> None:
@@ -172,15 +172,15 @@ def test_measured_loads_and_steps_teach_the_adapter() -> None:
     assert load.spec is not None
     clock.now += 5.0  # the disk took 5 s
     adapter.complete(WorkerReport(0, (Completion(load.spec.job_id, JobKind.LOAD, ok=True),)))
-    assert adapter.stats.load_seconds_measured_disk == pytest.approx(5.0)
-    assert 0 < adapter.stats.load_seconds_estimated_disk < 1.0
+    assert adapter.stats.tier["disk"].load_seconds_measured == pytest.approx(5.0)
+    assert 0 < adapter.stats.tier["disk"].load_seconds_estimated < 1.0
     for _ in range(20):  # the engine computes 1000 tokens in 0.1 s a step
         adapter.build_plan(StepInput(num_scheduled_tokens={"other": 1000}))
         clock.now += 0.1
     assert adapter.costs.loads["disk"].samples == 1
     other = RequestView("s", KEYS[:4] + MORE, 8 * 32 + 1, 8 * 32 + 1, 0)
     assert adapter.lookup(other, 0) == 4 * 32  # the CPU chunks; the disk ones are declined
-    assert adapter.stats.declined_tokens_disk == 4 * 32
+    assert adapter.stats.tier["disk"].declined_tokens == 4 * 32
 
 
 def test_a_declined_tier_is_probed_again_after_probe_seconds() -> None:
@@ -293,7 +293,7 @@ def test_a_remote_tier_no_hit_could_pay_for_is_not_asked_until_its_probe() -> No
     assert adapter.costs.never_pays("remote", 32)
     request = RequestView("r", remote_keys, 8 * 32 + 1, 8 * 32 + 1, 0)
     assert adapter.lookup(request, 0) == 0 and asker.asked == 1  # asked, then declined
-    assert adapter.stats.declined_tokens_remote == 8 * 32
+    assert adapter.stats.tier["remote"].declined_tokens == 8 * 32
     clock.now += 10.0
     assert adapter.lookup(request, 0) == 0 and asker.asked == 1  # not asked
     assert adapter.stats.remote_lookups_skipped == 1
@@ -323,11 +323,11 @@ def test_a_request_may_ask_for_its_own_load_policy() -> None:
 
     assert cost.lookup(asking(None), 0) == 4 * 32  # the engine's policy: disk declined
     assert cost.lookup(asking("always"), 0) == 8 * 32
-    assert cost.stats.declined_tokens_disk == 4 * 32  # the "always" request declined nothing
+    assert cost.stats.tier["disk"].declined_tokens == 4 * 32  # the "always" request declined nothing
     always = adapter_with_chunks("always", slow, Clock())
     assert always.lookup(asking(None), 0) == 8 * 32
     assert always.lookup(asking("cost"), 0) == 4 * 32
-    assert always.stats.declined_tokens_disk == 4 * 32
+    assert always.stats.tier["disk"].declined_tokens == 4 * 32
     # An "always" load is estimated, and measured when it completes.
     clock = Clock()
     measured = adapter_with_chunks("cost", slow, clock)
@@ -338,7 +338,7 @@ def test_a_request_may_ask_for_its_own_load_policy() -> None:
     assert load.spec is not None
     clock.now += 2.0
     measured.complete(WorkerReport(0, (Completion(load.spec.job_id, JobKind.LOAD, ok=True),)))
-    assert measured.stats.load_seconds_measured_disk == pytest.approx(2.0)
+    assert measured.stats.tier["disk"].load_seconds_measured == pytest.approx(2.0)
     assert measured.costs.loads["disk"].samples == 1
     # "recompute": no hit, no tier asked, even with every chunk in the CPU tier.
     remote_keys = [bytes([i]) * 32 for i in range(20, 28)]
@@ -376,7 +376,7 @@ def test_a_declined_remote_tier_is_still_asked_for_a_request_that_loads_always()
     assert adapter.stats.remote_lookups_skipped == 1
     # A load was taken from the node: the next cost lookup looks (and declines) again.
     assert adapter.lookup(request, 0) == 0 and adapter.stats.remote_lookups_skipped == 1
-    assert adapter.stats.declined_tokens_remote == 3 * 8 * 32  # every cost lookup declined
+    assert adapter.stats.tier["remote"].declined_tokens == 3 * 8 * 32  # every cost lookup declined
 
 
 def test_a_request_asked_again_counts_once_toward_the_probe() -> None:

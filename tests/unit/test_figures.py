@@ -8,18 +8,16 @@ import dataclasses
 
 import pytest
 
-from tierkv.core.figures import counter, figures, gauge, values
+from tierkv.core.figures import Record, counter, figures, gauge, values
 from tierkv.core.jobs import Completion, JobId, JobKind, TierRead
-from tierkv.core.stats import Counters, IndexStats
-from tierkv.engine.adapter_stats import AdapterStats
-from tierkv.engine.metrics import (GAUGE_KEYS, LOOKUP_FIGURES, METRICS, PUSH_RESULTS, is_gauge,
-                                   remote_figures)
-from tierkv.engine.store_stats import PathCounts
-from tierkv.tiers.disk.tier import DiskCounts, DiskStatistics
-from tierkv.tiers.remote.lookup import LookupCounts, RemoteLookupStatistics
-from tierkv.tiers.remote.pushes import PushCounts, RemoteIOStatistics
-from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
-from tierkv.transfer.tier_io import TierIOCounts, TierIOStatistics
+from tierkv.core.stats import TIERS, AdapterStats, IndexStats, TierStats
+from tierkv.engine.metrics import (GAUGE_KEYS, HIT_TOKENS, METRICS, PUSH_RESULTS,
+                                   collect_figures, is_gauge, remote_figures)
+from tierkv.engine.store_stats import LoadShortfall, PathStats, StoreStats
+from tierkv.tiers.disk.env import DiskStatistics
+from tierkv.tiers.remote.stats import (RemoteIOStatistics, RemoteLookupStatistics,
+                                       RemoteStatistics)
+from tierkv.transfer.tier_io import TierIOStatistics
 
 INDEX_COUNTERS = {
     "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
@@ -30,24 +28,24 @@ INDEX_COUNTERS = {
 INDEX_GAUGES = {"num_slots", "free_slots", "cpu_ready", "storing", "promoting", "spilling",
                 "on_disk", "disk_capacity", "remote_marks"}
 # AdapterStats' figures the vLLM connector reports (its statistics() and log line).
-ADAPTER_REPORTED = {
-    "lookups", "not_yet", "flushes", "waits_on_stores", "hit_tokens_cpu", "hit_tokens_disk",
-    "hit_tokens_remote", "remote_not_yet", "queried_tokens", "stores_without_pages",
-    "sync_loads", "load_probes", "load_lines_restarted", "remote_lookups_skipped",
-    "lookups_recompute", "declined_tokens_cpu", "declined_tokens_disk", "declined_tokens_remote",
-    "cost_samples_dropped",
-    *(f"load_seconds_{what}_{tier}" for what in ("estimated", "measured")
-      for tier in ("cpu", "disk", "remote")),
+ADAPTER_OWN = {
+    "lookups", "not_yet", "flushes", "waits_on_stores", "remote_not_yet", "queried_tokens",
+    "stores_without_pages", "sync_loads", "load_probes", "load_lines_restarted",
+    "remote_lookups_skipped", "lookups_recompute", "cost_samples_dropped", "bytes_completed",
 }
+# Per tier (stats.tier[tier]): reported as <figure>_<tier> (hit_tokens_disk, ...).
+TIER_FIGURES = ("hit_tokens", "declined_tokens", "load_seconds_estimated",
+                "load_seconds_measured")
+ADAPTER_REPORTED = ADAPTER_OWN | {f"{figure}_{tier}" for figure in TIER_FIGURES for tier in TIERS}
+GAUGES_NOW = dict.fromkeys(INDEX_GAUGES, 0)
 
 
 def snapshot(**counts: int) -> IndexStats:
-    return IndexStats(**dict.fromkeys(INDEX_GAUGES, 0), **counts)
+    return IndexStats(**counts).snapshot(**GAUGES_NOW)
 
 
 def test_the_index_figures_are_declared_once_and_keep_their_names() -> None:
-    # Counters declares the counters; IndexStats is them plus the gauges, in one record.
-    assert {f.name for f in figures(Counters)} == INDEX_COUNTERS
+    # IndexStats is the index's one record: its counters and (in a snapshot) its gauges.
     assert {f.name for f in figures(IndexStats) if f.kind == "counter"} == INDEX_COUNTERS
     assert {f.name for f in figures(IndexStats) if f.kind == "gauge"} == INDEX_GAUGES
     assert {f.name for f in dataclasses.fields(IndexStats)} == INDEX_COUNTERS | INDEX_GAUGES
@@ -60,15 +58,36 @@ def test_the_adapter_figures_keep_their_names() -> None:
     left_out = {f.name for f in figures(AdapterStats) if not f.reported}
     assert left_out == {"hit_tokens", "loads_planned", "loads_failed_chunks", "stores_planned",
                         "requests_freed"}
-    assert {f.name for f in dataclasses.fields(AdapterStats)} == ADAPTER_REPORTED | left_out
-    assert set(LOOKUP_FIGURES) <= ADAPTER_REPORTED
+    assert {f.name for f in dataclasses.fields(AdapterStats)} == ADAPTER_OWN | left_out | {"tier"}
+    assert [f.name for f in dataclasses.fields(TierStats)] == list(TIER_FIGURES)
+    assert HIT_TOKENS == tuple((tier, f"hit_tokens_{tier}") for tier in TIERS)
 
 
-def test_an_index_snapshot_is_read_only_and_hashable() -> None:
-    counters = Counters()
+def test_a_per_tier_figure_is_a_sub_record_keyed_by_medium() -> None:
+    stats = AdapterStats()
+    stats.tier["disk"].declined_tokens += 16  # the hot path: a plain attribute
+    stats.tier["remote"].load_seconds_measured += 0.5
+    assert values(stats)["declined_tokens_disk"] == 16
+    assert values(stats)["load_seconds_measured_remote"] == 0.5
+    figure = next(f for f in figures(AdapterStats) if f.name == "declined_tokens_disk")
+    assert (figure.field, figure.key, figure.kind) == ("declined_tokens", "disk", "counter")
+    frozen = stats.snapshot()
+    stats.tier["disk"].declined_tokens += 1  # the snapshot keeps what it saw
+    assert frozen.tier["disk"].declined_tokens == 16 and isinstance(frozen, AdapterStats)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        frozen.tier["disk"].declined_tokens = 0
+    with pytest.raises(TypeError):
+        frozen.tier["disk"] = TierStats()  # type: ignore[index]
+
+
+def test_an_index_snapshot_is_a_read_only_copy_of_the_same_record() -> None:
+    counters = IndexStats()
     counters.loads_cpu += 2  # the hot path: a plain attribute
-    stats = snapshot(**vars(counters))
+    stats = counters.snapshot(**GAUGES_NOW)
+    counters.loads_cpu += 1
+    assert isinstance(stats, IndexStats) and type(stats).__name__ == "IndexStats"
     assert stats.loads_cpu == 2 and stats == snapshot(loads_cpu=2)
+    assert stats == IndexStats(loads_cpu=2) and stats != IndexStats(loads_cpu=3)
     assert hash(stats) == hash(snapshot(loads_cpu=2))
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.loads_cpu = 3  # type: ignore[misc]
@@ -113,22 +132,20 @@ def test_the_index_gauges_are_gauges_to_the_payloads() -> None:
 
 
 def test_the_load_shortfall_is_a_snapshot_of_the_stores_counts() -> None:
-    from tierkv.engine.store_stats import LoadShortfall, ShortfallCounts, StoreStats
-
-    counts = ShortfallCounts()
-    counts.gone += 4
-    shortfall = LoadShortfall.of(counts)
-    counts.gone += 1  # the snapshot keeps what it saw
+    stats = StoreStats()
+    stats.load_shortfall.gone += 4
+    shortfall = stats.snapshot().load_shortfall
+    stats.load_shortfall.gone += 1  # the snapshot keeps what it saw
     assert shortfall == LoadShortfall(gone=4) and shortfall.no_room == shortfall.failed == 0
     assert [f.name for f in figures(LoadShortfall)] == ["gone", "no_room", "failed"]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        shortfall.gone = 0  # type: ignore[misc]
-    assert {StoreStats.__dataclass_fields__["load_shortfall"].default} == {LoadShortfall()}
+        shortfall.gone = 0
+    assert hash(shortfall) == hash(LoadShortfall(gone=4).snapshot())
 
 
 def test_a_snapshot_needs_every_gauge() -> None:
     with pytest.raises(AssertionError):
-        IndexStats.of(Counters(), num_slots=1)
+        IndexStats().snapshot(num_slots=1)
 
 
 def test_a_report_carries_the_counters_that_moved_and_the_gauges_now() -> None:
@@ -151,41 +168,43 @@ def test_every_metric_reads_its_declared_figures_as_their_kind() -> None:
 
 
 def test_the_per_path_figures_keep_their_names_and_count_one_job_each() -> None:
-    # PathCounts is the store's and the worker's one accounting: bytes_<path>, ... flat.
-    paths = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk")
+    # StoreStats.path is the store's and the worker's one accounting: path[<path>].bytes,
+    # reported as bytes_<path>, ...
+    paths = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "remote_to_cpu")
     names = {f"{what}_{path}" for what in ("bytes", "seconds", "failed_jobs") for path in paths}
-    names |= {f"{what}_{tier}_to_cpu" for what in ("bytes", "seconds") for tier in ("disk", "remote")}
-    assert set(values(PathCounts())) == names
-    assert all(figure.kind == "counter" and figure.help for figure in figures(PathCounts))
+    assert set(values(StoreStats())) == names
+    assert all(figure.kind == "counter" and figure.help for figure in figures(StoreStats))
     read = {key for metric in METRICS if metric.label == "path" for _, key in metric.keys}
-    assert names <= read
-    counts = PathCounts()
+    assert names - {"failed_jobs_disk_to_cpu", "failed_jobs_remote_to_cpu"} <= read
+    counts = StoreStats()
     counts.add(Completion(JobId(1), JobKind.STORE, True, num_bytes=4096, seconds=0.5))
     counts.add(Completion(JobId(2), JobKind.STORE, False, num_bytes=0, seconds=0.25))
     counts.add(Completion(JobId(3), JobKind.SPILL, True, num_bytes=1024, seconds=1.0))
     assert {name: value for name, value in values(counts).items() if value} == {
         "bytes_gpu_to_cpu": 4096, "seconds_gpu_to_cpu": 0.75, "failed_jobs_gpu_to_cpu": 1,
         "bytes_cpu_to_disk": 1024, "seconds_cpu_to_disk": 1.0}
-    assert counts.path(JobKind.STORE).num_bytes == 4096
-    assert counts.path(JobKind.LOAD).seconds == 0.0
+    assert counts.path["gpu_to_cpu"].bytes == 4096
+    assert counts.path["cpu_to_gpu"].seconds == 0.0
+    assert counts.snapshot().path["gpu_to_cpu"].gbps == 4096 / 0.75 / 1e9
     # A load's reads count on their own paths; its copy (the job less its slowest read) on
     # cpu_to_gpu: each byte and second once.
-    counts = PathCounts()
+    counts = StoreStats()
     counts.add(Completion(JobId(4), JobKind.LOAD, True, num_bytes=300, seconds=2.5,
                           reads=(TierRead("disk", 100, 2.0), TierRead("remote", 200, 1.0))))
     assert {name: value for name, value in values(counts).items() if value} == {
         "bytes_cpu_to_gpu": 300, "seconds_cpu_to_gpu": 0.5, "bytes_disk_to_cpu": 100,
         "seconds_disk_to_cpu": 2.0, "bytes_remote_to_cpu": 200, "seconds_remote_to_cpu": 1.0}
-    assert counts.read_path("remote").num_bytes == 200
+    assert counts.path["remote_to_cpu"].bytes == 200 and isinstance(counts.path["remote_to_cpu"],
+                                                                     PathStats)
 
 
 def test_the_remote_pushes_and_lookups_are_declared_on_records() -> None:
     # remote_figures lists the pushes' reported counters: tierkv:remote_pushes{result=...}.
     assert PUSH_RESULTS == ("pushed", "failed", "dropped", "abandoned")
-    counts = PushCounts()
+    counts = RemoteIOStatistics()
     counts.pushed += 3
     counts.dropped += 1
-    pushes = RemoteIOStatistics.of(counts, queue_bytes_now=7)
+    pushes = counts.snapshot(queue_bytes_now=7)
     assert remote_figures([], pushes)["remote_pushes_pushed"] == 3
     assert {key for key in remote_figures([], pushes) if key.startswith("remote_pushes_")} == \
         {f"remote_pushes_{result}" for result in PUSH_RESULTS}
@@ -194,18 +213,18 @@ def test_the_remote_pushes_and_lookups_are_declared_on_records() -> None:
         pushes.pushed = 4
     assert [f.name for f in figures(RemoteLookupStatistics)] == [
         "asks", "not_yet", "requests", "keys_asked", "keys_found", "errors", "seconds"]
-    assert RemoteLookupStatistics.of(LookupCounts(asks=2)).asks == 2
+    assert RemoteLookupStatistics(asks=2).snapshot().asks == 2
 
 
 def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
-    assert [f.name for f in figures(TierCounts)] == [
+    assert [f.name for f in figures(RemoteStatistics)] == [
         "puts", "already", "bytes_written", "reads", "hits", "misses", "corrupt", "errors",
-        "skipped", "bytes_read", "calls"]
-    counts = TierCounts()
+        "skipped", "bytes_read", "calls", "breaker_opens"]
+    counts = RemoteStatistics()
     counts.calls += 2
     counts.skipped += 1
-    tier = RemoteStatistics.of(counts, breaker_opens=0, cluster=False, causes=(("timeout", 3),),
-                               bad_values=(), breakers=(("n1", 1),))
+    tier = counts.snapshot(breaker_opens=0, cluster=False, causes=(("timeout", 3),),
+                           bad_values=(), breakers=(("n1", 1),))
     got = remote_figures([tier, tier])
     assert (got["remote_calls_ok"], got["remote_calls_skipped"]) == (4, 2)
     assert (got["remote_calls_timeout"], got["remote_breaker_open/n1"]) == (6, 1)
@@ -214,7 +233,7 @@ def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
 def test_the_disk_io_counters_are_declared_on_a_record() -> None:
     assert [f.name for f in figures(TierIOStatistics)] == [
         "spill_jobs", "write_txns", "read_jobs", "callback_errors"]
-    assert TierIOStatistics.of(TierIOCounts(read_jobs=3)).read_jobs == 3
+    assert TierIOStatistics(read_jobs=3).snapshot().read_jobs == 3
 
 
 def test_the_disk_tiers_counters_are_declared_on_records() -> None:
@@ -224,6 +243,46 @@ def test_the_disk_tiers_counters_are_declared_on_records() -> None:
         "syncs", "write_txns", "rebuilds", "stale_readers", "map_adopted"}
     assert {f.name for f in figures(DiskStatistics) if f.kind == "gauge"} == {"chunks",
                                                                                "map_size"}
-    stats = DiskStatistics.of(DiskCounts(puts=2), chunks=2, map_size=1 << 20, rebuilds=1,
-                              stale_readers=0, map_adopted=0)
+    stats = DiskStatistics(puts=2).snapshot(chunks=2, map_size=1 << 20, rebuilds=1)
     assert (stats.puts, stats.rebuilds, stats.chunks) == (2, 1, 2)
+
+
+def test_both_entry_points_assemble_one_set_of_figures_with_one_name_each() -> None:
+    # collect_figures is the library store's figures() and the vLLM scheduler side's
+    # statistics(): the index's chunk loads are loads_<tier> in both (no hit_chunks_<tier>).
+    index = IndexStats(loads_cpu=3, loads_remote=1).snapshot(**GAUGES_NOW)
+    adapter = AdapterStats(queried_tokens=64)
+    adapter.tier["cpu"].hit_tokens += 48
+    got = collect_figures(index, adapter, chunk_bytes=1, tokens_per_chunk=16)
+    assert (got["loads_cpu"], got["loads_remote"], got["hit_tokens_cpu"]) == (3, 1, 48)
+    assert not any(key.startswith("hit_chunks") for key in got)
+    assert set(values(index)) | set(values(adapter)) <= set(got)
+    with_paths = collect_figures(index, adapter, chunk_bytes=1, tokens_per_chunk=16,
+                                 store=StoreStats())
+    assert set(with_paths) - set(got) == set(values(StoreStats()))
+
+
+def test_records_are_few_and_each_snapshot_is_its_own_class() -> None:
+    # One record per object: no twin class declared for a snapshot.
+    records = {IndexStats, AdapterStats, TierStats, PathStats, LoadShortfall, StoreStats,
+               DiskStatistics, RemoteStatistics, RemoteLookupStatistics, RemoteIOStatistics,
+               TierIOStatistics}
+    assert all(issubclass(record, Record) for record in records)
+    for record in records:
+        frozen = record().snapshot(**{f.name: 0 for f in figures(record)
+                                      if f.kind == "gauge" and f.key is None})
+        assert isinstance(frozen, record) and frozen == record()
+
+
+def test_a_snapshot_pickles_as_a_read_only_copy() -> None:
+    import pickle
+
+    stats = StoreStats()
+    stats.path["gpu_to_cpu"].bytes += 7
+    stats.load_shortfall.gone += 1
+    frozen = stats.snapshot(index=snapshot(loads_cpu=2))
+    again = pickle.loads(pickle.dumps(frozen))
+    assert again == frozen and again.path["gpu_to_cpu"].bytes == 7
+    assert again.index.loads_cpu == 2 and again.load_shortfall.gone == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.chunk_bytes = 1

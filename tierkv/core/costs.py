@@ -20,7 +20,8 @@ docs/configuration.md with the figures that chose them; declared and checked as 
 
 A sample is taken only when it is one (:func:`valid_sample`: a count in [1,
 MAX_SAMPLE_COUNT], seconds in [0, MAX_SAMPLE_SECONDS]); any other (infinite, NaN, negative,
-a count whose square overflows a float) is dropped and counted (:class:`CostCounts`), and
+a count whose square overflows a float) is dropped and counted (``AdapterStats.
+cost_samples_dropped``), and
 a fit that would still come out non-finite keeps the line before it: one bad sample never
 decides a load.
 """
@@ -33,11 +34,10 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
 
-from tierkv.core.figures import counter
+from tierkv.core.stats import TIERS, AdapterStats
 from tierkv.errors import ConfigError
 from tierkv.settings import check_settings, setting
 
-TIERS = ("cpu", "disk", "remote")
 DEFAULT_CHUNK_BYTES = 2 << 20  # for the priors, where the engine's chunk size is not given
 # A load that took more than this many times its tier's estimate teaches the line this
 # many times (from the tier's second load on): one spike moves the line a bounded step,
@@ -72,16 +72,6 @@ def valid_sample(count: object, seconds: object) -> bool:
     except (OverflowError, ValueError):  # a Fraction beyond a float
         return False
     return 1 <= int(count) <= MAX_SAMPLE_COUNT and 0.0 <= value <= MAX_SAMPLE_SECONDS
-
-
-@dataclass
-class CostCounts:
-    """The cost model's counters (:mod:`tierkv.core.figures`); the engine adapter's
-    statistics (``AdapterStats``) are these and its own."""
-
-    cost_samples_dropped: int = counter("Timing samples the cost model dropped: a step's or "
-                                        "a load's time not finite, negative or over an hour, "
-                                        "or a count of tokens or chunks not in [1, 2^32]")
 
 
 class DecayedLine:
@@ -198,8 +188,11 @@ class CostPriors:
 
     def load_prior(self, tier: str, chunk_bytes: int) -> tuple[float, float]:
         """(seconds a load, seconds a chunk) of ``tier``."""
-        return (getattr(self, f"{tier}_load_seconds"),
-                chunk_bytes / getattr(self, f"{tier}_bytes_per_second"))
+        seconds, rate = {"cpu": (self.cpu_load_seconds, self.cpu_bytes_per_second),
+                         "disk": (self.disk_load_seconds, self.disk_bytes_per_second),
+                         "remote": (self.remote_load_seconds, self.remote_bytes_per_second),
+                         }[tier]
+        return seconds, chunk_bytes / rate
 
     def compute_prior(self) -> tuple[float, float]:
         """(seconds a step, seconds a token)."""
@@ -221,14 +214,14 @@ class CostModel:
 
     def __init__(self, priors: CostPriors = CostPriors(), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  decay: float = 0.9, load_bias: float = 1.0,
-                 counts: CostCounts | None = None) -> None:
+                 counts: AdapterStats | None = None) -> None:
         if not 0 < load_bias < math.inf:
             raise ConfigError(f"cost model: load_bias must be > 0 and finite, got "
                               f"{load_bias!r}")
         if chunk_bytes <= 0:
             raise ConfigError(f"cost model: chunk_bytes must be > 0, got {chunk_bytes!r}")
         self.priors = check_priors(priors)
-        self.counts = CostCounts() if counts is None else counts
+        self.counts = AdapterStats() if counts is None else counts
         self.load_bias = load_bias
         self._decay = decay
         self._load_priors = {tier: priors.load_prior(tier, chunk_bytes) for tier in TIERS}
@@ -342,5 +335,5 @@ class CostModel:
 
 
 __all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "MAX_BYTES_PER_SECOND", "MAX_SAMPLE_COUNT",
-           "MAX_SAMPLE_SECONDS", "SPIKE_FACTOR", "TIERS", "CostCounts", "CostModel",
+           "MAX_SAMPLE_SECONDS", "SPIKE_FACTOR", "TIERS", "CostModel",
            "CostPriors", "DecayedLine", "check_priors", "valid_sample"]

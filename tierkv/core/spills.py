@@ -24,7 +24,7 @@ from tierkv.core.plans import CLEAN, DIRTY, WRITING
 from tierkv.core.policies import DISK_POLICY, make_policy
 from tierkv.core.policy import EvictionPolicy, require
 from tierkv.core.state import CpuState, DiskState, Entry
-from tierkv.core.stats import Counters
+from tierkv.core.stats import IndexStats
 
 Writes = list[tuple[bytes, SlotId]]
 
@@ -32,7 +32,7 @@ Writes = list[tuple[bytes, SlotId]]
 class WriteBack:
     """Write-back and the disk capacity of one block index (module docstring)."""
 
-    def __init__(self, entries: dict[bytes, Entry], cpu: EvictionPolicy, counters: Counters,
+    def __init__(self, entries: dict[bytes, Entry], cpu: EvictionPolicy, counters: IndexStats,
                  touched: list[bytes] | None, clock: Callable[[], float], *, num_slots: int,
                  capacity: int, write_through: bool, spill_ahead_fraction: float,
                  retry_after_full: float) -> None:

@@ -37,7 +37,7 @@ It never blocks and never touches tensor bytes. Primitives:
 The store watermarks, the fence and why it is kept per request: docs/engine-adapter.md,
 docs/design.md. The request records: :mod:`.request_state`; cost-aware loads:
 :mod:`.load_policy`; step timing: :mod:`.step_timing`; settings and counters:
-:mod:`.adapter_config`, :mod:`.adapter_stats`.
+:mod:`.adapter_config`, :mod:`tierkv.core.stats`.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import (NO_BLOCK, Completion, CompletionTracker, JobId, JobKind, LoadSpec,
                               StoreSpec)
 from tierkv.core.state import CpuState
+from tierkv.core.stats import AdapterStats
 from tierkv.engine.adapter_config import REQUEST_LOAD_POLICIES, AdapterConfig
-from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted
 from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group, refuse_reuse
 from tierkv.engine.requests import (BlockIds, LoadRequest, RequestView, StepInput, StepPlan,
@@ -276,9 +276,10 @@ class EngineAdapter:
             estimate, state.estimate = state.estimate if decided else None, None
             state.load_started = None if estimate is None else (self._clock(), *estimate, sync)
         state.load_sources = (cpu_tokens, disk_tokens, remote_tokens)
-        self.stats.hit_tokens_cpu += cpu_tokens
-        self.stats.hit_tokens_disk += disk_tokens
-        self.stats.hit_tokens_remote += remote_tokens
+        tier = self.stats.tier
+        tier["cpu"].hit_tokens += cpu_tokens
+        tier["disk"].hit_tokens += disk_tokens
+        tier["remote"].hit_tokens += remote_tokens
         self.stats.loads_failed_chunks += end - start - len(plan.chunks)
         if sync:
             state.sync_chunks = 0

@@ -20,13 +20,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from tierkv.core.costs import TIERS, CostModel
+from tierkv.core.costs import CostModel
 from tierkv.core.index import BlockIndex
 from tierkv.core.plans import Lookup
 from tierkv.core.jobs import Completion
 from tierkv.core.state import CpuState
+from tierkv.core.stats import TIERS, AdapterStats
 from tierkv.engine.adapter_config import AdapterConfig
-from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.errors import ConfigError
 
 log = logging.getLogger("tierkv.load_policy")
@@ -165,8 +165,7 @@ class CostPolicy:
             if keep < size:  # declined: the first chunk may be partly the engine's own hit
                 declined = (size - keep) * tpc - (tpc - first_tokens if position + keep == 0
                                                   else 0)
-                setattr(stats, f"declined_tokens_{tier}",
-                        getattr(stats, f"declined_tokens_{tier}") + declined)
+                stats.tier[tier].declined_tokens += declined
             position += size
         if not take:
             return take, 0, None
@@ -256,7 +255,6 @@ class CostPolicy:
         stats = self._stats
         if restart:
             stats.load_lines_restarted += 1
-        setattr(stats, f"load_seconds_estimated_{tier}",
-                getattr(stats, f"load_seconds_estimated_{tier}") + estimate)
-        setattr(stats, f"load_seconds_measured_{tier}",
-                getattr(stats, f"load_seconds_measured_{tier}") + seconds)
+        figures = stats.tier[tier]
+        figures.load_seconds_estimated += estimate
+        figures.load_seconds_measured += seconds

@@ -17,10 +17,12 @@ the key being its label value (``remote_breaker_open/10.0.0.5:7000``: one per no
 
 The figures of the index, the engine adapter, the paths and the remote tier are declared
 once, as fields of their records (:class:`~tierkv.core.stats.IndexStats`,
-:class:`~tierkv.engine.adapter_stats.AdapterStats`, :class:`~tierkv.engine.store_stats.
-PathCounts`, the remote tier's; :mod:`tierkv.core.figures`): a metric that reads one of
-them takes its kind and help text from that declaration, and :func:`values` (re-exported
-here for the integrations) reads a record's figures by name.
+:class:`~tierkv.core.stats.AdapterStats` with its per-tier ``tier[...]``,
+:class:`~tierkv.engine.store_stats.StoreStats` with its per-path ``path[...]``, the remote
+tier's; :mod:`tierkv.core.figures`): a metric that reads one of them takes its kind and
+help text, or its label values and keys, from that declaration. :func:`collect_figures`
+is the one assembly of the flat figures, for the library store's ``figures()`` and the
+vLLM scheduler side's payloads alike.
 
 Counters are exposed with ``_total`` (``tierkv:hit_tokens_total{tier="disk"}``); byte figures
 are bytes and times are seconds, as Prometheus conventions ask.
@@ -35,26 +37,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from tierkv.core.figures import figures, values
-from tierkv.core.stats import IndexStats
-from tierkv.core.jobs import JobKind
-from tierkv.engine.adapter_stats import AdapterStats
+from tierkv.core.stats import TIERS, AdapterStats, IndexStats
+from tierkv.engine.store_stats import PATHS, StoreStats
 from tierkv.extras import needs
 from tierkv.tiers.remote.health import CAUSES
-from tierkv.tiers.remote.pushes import PushCounts
+from tierkv.tiers.remote.stats import (RemoteIOStatistics, RemoteLookupStatistics,
+                                       RemoteStatistics)
 from tierkv.tiers.remote.usage import ServerMemory
 
 PREFIX = "tierkv:"
 Kind = Literal["counter", "gauge", "histogram"]
-# A job's path by its kind: figure keys bytes_<path>, seconds_<path>, durations_<path>, ...
-PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
-PATHS = tuple(PATH_NAMES.values())
-# Bytes and seconds move on these: the jobs' paths and a load's reads into CPU slots (a
-# byte is counted on one path only).
-TRANSFER_PATHS = (*PATHS, "disk_to_cpu", "remote_to_cpu")
-TIERS = ("cpu", "disk", "remote")
 USAGE_TIERS = TIERS  # the tiers with usage gauges (the remote tier's: its whole servers')
-# What a lookup counts (AdapterStats' figures; TierKVStore.figures() reports these only).
-LOOKUP_FIGURES = ("queried_tokens", *(f"hit_tokens_{tier}" for tier in TIERS))
 # Seconds per job: a 2 MiB chunk copies in ~0.1 ms on a GPU, a disk batch can take seconds.
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -73,7 +66,8 @@ class Metric:
 
 # The remote tier's calls by result, its pushes by fate, its values by the check they failed.
 REMOTE_RESULTS = ("ok", "skipped", *(cause.replace(" ", "_") for cause in CAUSES))
-PUSH_RESULTS = tuple(figure.name for figure in figures(PushCounts) if figure.reported)
+PUSH_RESULTS = tuple(figure.name for figure in figures(RemoteIOStatistics)
+                     if figure.reported and figure.kind == "counter")
 VALUE_CHECKS = ("size", "type", "header", "checksum")
 BREAKER_OPEN = "remote_breaker_open/"  # + node: a dynamic gauge
 CONFIG_INFO = "config_info"
@@ -87,6 +81,24 @@ def _one(key: str) -> tuple[tuple[str, str], ...]:
     return (("", key),)
 
 
+# A job path's durations (not a record's figure: a histogram), by path: durations_<path>.
+DURATION_KEY = dict(_each("durations_{}", PATHS))
+
+
+def _per(record: type, field: str, keys: Sequence[str] | None = None
+         ) -> tuple[tuple[str, str], ...]:
+    """(key, figure) of the sub-records' ``field`` of ``record`` (``stats.tier[...]``,
+    ``stats.path[...]``) as its declaration names them: the label values of a metric by
+    tier or by path (only ``keys`` if given)."""
+    return tuple((figure.key, figure.name) for figure in figures(record)
+                 if figure.field == field and figure.key is not None
+                 and (keys is None or figure.key in keys))
+
+
+# The tokens found, by tier: (tier, figure key); their sum over queried_tokens is the hit rate.
+HIT_TOKENS = _per(AdapterStats, "hit_tokens")
+
+
 def _figure(record: type, key: str, name: str | None = None) -> Metric:
     """The metric of one figure (named ``name``, else as the figure), its kind and help as
     the figure's record declares them (:mod:`tierkv.core.figures`)."""
@@ -97,16 +109,16 @@ def _figure(record: type, key: str, name: str | None = None) -> Metric:
 METRICS: tuple[Metric, ...] = (
     _figure(AdapterStats, "queried_tokens"),
     Metric("hit_tokens", "counter", "Tokens found in tierkv, by the tier that held them",
-           "tier", _each("hit_tokens_{}", TIERS)),
+           "tier", HIT_TOKENS),
     Metric("transfer_bytes", "counter", "Bytes moved by finished jobs, by path (each byte "
            "on one path: a load from disk counts disk_to_cpu, then cpu_to_gpu)", "path",
-           _each("bytes_{}", TRANSFER_PATHS)),
+           _per(StoreStats, "bytes")),
     Metric("transfer_seconds", "counter", "Seconds spent moving bytes, by path", "path",
-           _each("seconds_{}", TRANSFER_PATHS)),
+           _per(StoreStats, "seconds")),
     Metric("transfer_duration_seconds", "histogram", "Seconds per finished job, by path", "path",
-           _each("durations_{}", PATHS)),
+           tuple(DURATION_KEY.items())),
     Metric("failed_jobs", "counter", "Jobs that failed (their chunks are misses), by path",
-           "path", _each("failed_jobs_{}", PATHS)),
+           "path", _per(StoreStats, "failed_jobs", PATHS)),
     _figure(IndexStats, "loads_failed", "failed_loads"),
     _figure(IndexStats, "cpu_evictions"),
     _figure(IndexStats, "dirty_dropped"),
@@ -122,13 +134,13 @@ METRICS: tuple[Metric, ...] = (
            (("disk", "corrupt"), ("remote", "remote_corrupt"))),
     Metric("declined_tokens", "counter", "Hit tokens recomputed instead of loaded because "
            "loading them was estimated slower (load_policy \"cost\"), by the tier that held "
-           "them", "tier", _each("declined_tokens_{}", TIERS)),
+           "them", "tier", _per(AdapterStats, "declined_tokens")),
     Metric("load_seconds_estimated", "counter", "Estimated seconds of the loads taken, by "
            "their slowest tier (next to load_seconds_measured: the cost model's error)",
-           "tier", _each("load_seconds_estimated_{}", TIERS)),
+           "tier", _per(AdapterStats, "load_seconds_estimated")),
     Metric("load_seconds_measured", "counter", "Measured seconds of the loads taken (plan to "
            "completion; a same-step load's copy), by their slowest tier", "tier",
-           _each("load_seconds_measured_{}", TIERS)),
+           _per(AdapterStats, "load_seconds_measured")),
     Metric("usage_bytes", "gauge", "Bytes of KV held, by tier (all ranks; remote: the "
            "servers' used_memory, shared, as last polled)", "tier",
            _each("{}_used_bytes", USAGE_TIERS)),
@@ -272,6 +284,36 @@ def remote_usage_figures(memory: ServerMemory | None, stored_chunk_bytes: int,
     return out
 
 
+def collect_figures(index: IndexStats, adapter: AdapterStats, *, chunk_bytes: int,
+                    tokens_per_chunk: int, store: StoreStats | None = None,
+                    durations: Mapping[str, Durations] | None = None,
+                    remote: Sequence[RemoteStatistics] = (),
+                    pushes: RemoteIOStatistics | None = None,
+                    lookups: RemoteLookupStatistics | None = None, breakers: bool = True,
+                    memory: ServerMemory | None = None, stored_chunk_bytes: int = 0,
+                    ) -> dict[str, Any]:
+    """The figures, by figure key, of both entry points: :meth:`TierKVStore.figures` and
+    the vLLM scheduler side's ``statistics()`` (whose workers report the paths and the
+    durations). The index's (counters and gauges) and the adapter's; the ``store``'s paths
+    and the jobs' ``durations`` (by figure key), if given; the ``remote`` tiers' (their
+    ``pushes``, a node's breaker unless not ``breakers``), the ``lookups``' requests and
+    errors; the usage gauges (``chunk_bytes``: a chunk on all ranks), the remote servers'
+    from their ``memory`` as last polled."""
+    out: dict[str, Any] = values(index)
+    out.update(values(adapter))
+    if store is not None:
+        out.update(values(store))
+    out.update(durations or {})
+    if lookups is not None:
+        out["remote_lookup_requests"] = lookups.requests
+        out["remote_lookup_errors"] = lookups.errors
+    if remote:
+        out.update(remote_figures(remote, pushes, breakers))
+    out.update(usage_figures(index, chunk_bytes, tokens_per_chunk))
+    out.update(remote_usage_figures(memory, stored_chunk_bytes, tokens_per_chunk))
+    return out
+
+
 @dataclass(frozen=True)
 class TierUsage:
     """One tier's capacity and use, in bytes of KV (all ranks) and in tokens. The remote
@@ -401,8 +443,7 @@ def register_store_metrics(store: FigureSource, registry: Any = None,
     return collector
 
 
-__all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "LOOKUP_FIGURES",
-           "METRICS", "Metric", "PATH_NAMES", "PREFIX", "StoreCollector", "config_info",
-           "is_gauge", "metric_keys", "register_store_metrics", "remote_figures",
-           "remote_usage_figures",
-           "since_last", "tier_usage", "TierUsage", "usage_figures", "values"]
+__all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "METRICS", "Metric",
+           "DURATION_KEY", "HIT_TOKENS", "PREFIX", "StoreCollector", "collect_figures", "config_info", "is_gauge",
+           "metric_keys", "register_store_metrics", "remote_figures", "since_last",
+           "tier_usage", "TierUsage"]

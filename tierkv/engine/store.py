@@ -59,15 +59,12 @@ import torch
 
 from tierkv.config import DISK_OVERHEAD_BYTES, StoreConfig, cpu_slot_count, disk_chunk_capacity
 from tierkv.config_env import from_environment
-from tierkv.core.figures import values
-from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
+from tierkv.core.stats import AdapterStats
 from tierkv.engine import store_exit
-from tierkv.engine.adapter_stats import AdapterStats
 from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
-from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, TierUsage,
-                                   config_info, remote_figures, remote_usage_figures,
-                                   tier_usage, usage_figures)
+from tierkv.engine.metrics import (DURATION_KEY, Durations, TierUsage, collect_figures,
+                                   config_info, tier_usage)
 from tierkv.engine.start_line import short_id, start_line
 from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
 from tierkv.engine.store_guard import one_caller
@@ -75,8 +72,8 @@ from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
 from tierkv.engine.store_namespace import build_namespace as build_namespace
 from tierkv.engine.store_namespace import check_namespace
-from tierkv.engine.store_stats import (LoadHandle, LoadShortfall, PathCounts, PathStats,
-                                       RemoteStats, ShortfallCounts, StoreStats)
+from tierkv.engine.store_stats import (PATH_NAMES, LoadHandle, LoadShortfall, PathStats,
+                                       StoreStats)
 from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import Namespace
@@ -85,7 +82,7 @@ from tierkv.tiers.disk.budget import DiskBudget
 from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.transfer.layout import KVLayout
 
-__all__ = ["LoadHandle", "LoadShortfall", "PathStats", "RemoteStats", "StoreStats",
+__all__ = ["LoadHandle", "LoadShortfall", "PathStats", "StoreStats",
            "TierKVStore", "build_namespace"]
 
 log = logging.getLogger(__name__)
@@ -174,14 +171,13 @@ class TierKVStore:
             self._closed = True
             self._close_parts()
             raise
-        self._paths = PathCounts()
+        self._stats = StoreStats()  # the paths and the load shortfall
         self._durations = {kind: Durations() for kind in JobKind}
-        self._lookups = AdapterStats()  # of its figures, queried_tokens and hit_tokens_<tier>
+        self._lookups = AdapterStats()  # of its figures, the lookups' (queried, hit per tier)
         self._ready: list[Completion] = []
         # What the last lookup of keys starting with a key promised (load() counts the
         # shortfall). fence() asks the executor which jobs touch given blocks.
         self._promised: dict[bytes, int] = {}
-        self._shortfall = ShortfallCounts()
         self._closed = False
         store_exit.track(self)  # flushed at interpreter exit if never closed
         log.info("%s", start_line("store", cfg, namespace, num_slots=num_slots,
@@ -247,11 +243,12 @@ class TierKVStore:
         check_keys(keys)
         self._pump()
         found = lookup_tiers(self.index, self._remote, keys)[0]
-        counts, tpc = self._lookups, self.tokens_per_chunk
+        counts, tier, tpc = self._lookups, self._lookups.tier, self.tokens_per_chunk
+        counts.lookups += 1
         counts.queried_tokens += len(keys) * tpc
-        counts.hit_tokens_cpu += found.num_on_cpu * tpc
-        counts.hit_tokens_remote += found.num_remote * tpc
-        counts.hit_tokens_disk += (found.num_hits - found.num_on_cpu - found.num_remote) * tpc
+        tier["cpu"].hit_tokens += found.num_on_cpu * tpc
+        tier["remote"].hit_tokens += found.num_remote * tpc
+        tier["disk"].hit_tokens += (found.num_hits - found.num_on_cpu - found.num_remote) * tpc
         if found.num_hits:
             self._promise(keys[0], found.num_hits)
         return found.num_hits
@@ -318,8 +315,9 @@ class TierKVStore:
             self._make_room(short)
             hits = self.index.lookup(keys[:hits]).num_hits  # a spill may evict on disk
         plan = self.index.prepare_load(keys[:hits])
-        self._shortfall.gone += max(promised - hits, 0)
-        self._shortfall.no_room += max(min(promised, hits) - len(plan.chunks), 0)
+        shortfall = self._stats.load_shortfall
+        shortfall.gone += max(promised - hits, 0)
+        shortfall.no_room += max(min(promised, hits) - len(plan.chunks), 0)
         if plan.job_id is None:
             return LoadHandle(None, 0, 0)
         chunks = tuple(
@@ -400,28 +398,19 @@ class TierKVStore:
     @one_caller
     def statistics(self) -> StoreStats:
         """A snapshot of the counters since the store opened: the index's (hits, evictions,
-        "no room", corrupt chunks), bytes and seconds per path, the remote tier's, and the
-        load shortfall by cause.
+        "no room", corrupt chunks), bytes and seconds per path (``path["gpu_to_cpu"]``...),
+        the remote tier's (with its pushes and lookups), and the load shortfall by cause.
 
         Never blocks on jobs and never changes anything; works after ``close()``. Raises
         :class:`UsageError` from another thread or a forked child."""
         remote = None
         if self._remote is not None and self._stack.remote is not None:
             pusher = self.executor.pusher
-            remote = RemoteStats(self._stack.remote.statistics(),
-                                 pusher.statistics() if pusher is not None else None,
-                                 self._remote.statistics())
-        return StoreStats(
-            index=self.index.statistics(),
-            gpu_to_cpu=self._paths.path(JobKind.STORE),
-            cpu_to_gpu=self._paths.path(JobKind.LOAD),
-            cpu_to_disk=self._paths.path(JobKind.SPILL),
-            chunk_bytes=self.chunk_bytes,
-            remote=remote,
-            load_shortfall=LoadShortfall.of(self._shortfall),
-            disk_to_cpu=self._paths.read_path("disk"),
-            remote_to_cpu=self._paths.read_path("remote"),
-        )
+            remote = self._stack.remote.statistics().snapshot(
+                pushes=pusher.statistics() if pusher is not None else None,
+                lookups=self._remote.statistics())
+        return self._stats.snapshot(index=self.index.statistics(),
+                                    chunk_bytes=self.chunk_bytes, remote=remote)
 
     def figures(self) -> dict[str, float | Durations]:
         """The figures :mod:`tierkv.engine.metrics` exports (counters since the store opened,
@@ -429,36 +418,24 @@ class TierKVStore:
         (a Prometheus scrape): it only reads counters.
 
         Never blocks, never changes anything and never raises (after ``close()`` too)."""
-        index = self.index.statistics()
-        out: dict[str, float | Durations] = values(index)
-        out.update((name, value) for name, value in values(self._lookups).items()
-                   if name in LOOKUP_FIGURES)
-        out.update(values(self._paths))
-        for kind, name in PATH_NAMES.items():
-            out[f"durations_{name}"] = self._durations[kind]
-        out.update(self._usage_figures(index))
-        if self._remote is not None and self._stack.remote is not None:
-            pusher = self.executor.pusher
-            out.update(remote_figures([self._stack.remote.statistics(),
-                                       self._remote.tier.statistics()],
-                                      pusher.statistics() if pusher is not None else None))
-        return out
+        remote, pusher = self._remote, self.executor.pusher
+        tiers = [] if remote is None or self._stack.remote is None else [
+            self._stack.remote.statistics(), remote.tier.statistics()]
+        return collect_figures(
+            self.index.statistics(), self._lookups, store=self._stats,
+            durations={DURATION_KEY[PATH_NAMES[kind]]: taken
+                       for kind, taken in self._durations.items()},
+            chunk_bytes=self.chunk_bytes, tokens_per_chunk=self.tokens_per_chunk,
+            remote=tiers, pushes=pusher.statistics() if tiers and pusher is not None else None,
+            memory=None if remote is None else remote.server_memory(),
+            stored_chunk_bytes=0 if remote is None else remote.stored_chunk_bytes)
 
     def usage(self) -> dict[str, TierUsage]:
         """Each tier's capacity and use in bytes and tokens, as ``tierkv:capacity_tokens``
         etc.: ``"cpu"``, ``"disk"`` now; ``"remote"`` (once its servers answered) their
         whole memory as last polled (``remote.usage_seconds``; no network call here),
         capacity None if unbounded. Safe from another thread like :meth:`figures`; never raises."""
-        return tier_usage(self._usage_figures(self.index.statistics()))
-
-    def _usage_figures(self, index: IndexStats) -> dict[str, float]:
-        out: dict[str, float] = dict(usage_figures(index, self.chunk_bytes,
-                                                   self.tokens_per_chunk))
-        if self._remote is not None:
-            out.update(remote_usage_figures(self._remote.server_memory(),
-                                            self._remote.stored_chunk_bytes,
-                                            self.tokens_per_chunk))
-        return out
+        return tier_usage(self.figures())
 
     @one_caller
     def take_events(self, max_chunks: int | None = None) -> list[tuple[str, str, bytes]]:
@@ -585,8 +562,8 @@ class TierKVStore:
             kind = completion.kind
             self.index.complete(completion)
             if kind is JobKind.LOAD:
-                self._shortfall.failed += len(completion.failed_keys)
-            self._paths.add(completion)
+                self._stats.load_shortfall.failed += len(completion.failed_keys)
+            self._stats.add(completion)
             self._durations[kind].observe(completion.seconds)
             if kind is not JobKind.SPILL:
                 self._ready.append(completion)

@@ -1,29 +1,29 @@
-"""What :class:`~tierkv.engine.store.TierKVStore` reports: plain frozen dataclasses.
+"""What :class:`~tierkv.engine.store.TierKVStore` reports, one record per object
+(:mod:`tierkv.core.figures`).
 
-- :class:`LoadHandle` what ``load()`` started.
-- :class:`PathCounts` bytes, seconds and failed jobs per path (``bytes_gpu_to_cpu``, ...),
-  counted by ``add(completion)``: the store's and the worker's one accounting. A byte moves
-  on one path once: a load from disk counts its read on ``disk_to_cpu`` and its copy on
-  ``cpu_to_gpu``.
-- :class:`CompletionCounts` the vLLM scheduler side's ``bytes_completed``.
-- :class:`StoreStats` ``statistics()``: the index's counters, bytes and seconds per path
-  (:class:`PathStats`), the remote tier's (:class:`RemoteStats`) and the load shortfall
-  by cause (:class:`LoadShortfall`, a snapshot of the store's :class:`ShortfallCounts`).
+- :class:`LoadHandle`    what ``load()`` started.
+- :class:`StoreStats`    the store's record (and the worker's): per path (``path[...]``,
+  :data:`TRANSFER_PATHS`) a :class:`PathStats`, counted by ``add(completion)``: the store's
+  and the worker's one accounting; the load shortfall by cause (:class:`LoadShortfall`).
+  ``statistics()`` is its snapshot, with the index's and the remote tier's snapshots.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from tierkv.core.figures import Snapshot, counter
-from tierkv.core.stats import IndexStats
+from tierkv.core.figures import Record, counter, per
 from tierkv.core.jobs import Completion, JobId, JobKind
+from tierkv.core.stats import IndexStats
+from tierkv.tiers.remote.stats import RemoteStatistics
 
-if TYPE_CHECKING:
-    from tierkv.tiers.remote.stats import RemoteStatistics
-    from tierkv.tiers.remote.pushes import RemoteIOStatistics
-    from tierkv.tiers.remote.lookup import RemoteLookupStatistics
+# A job's path by its kind: figure keys bytes_<path>, seconds_<path>, durations_<path>, ...
+PATH_NAMES = {JobKind.STORE: "gpu_to_cpu", JobKind.LOAD: "cpu_to_gpu", JobKind.SPILL: "cpu_to_disk"}
+PATHS = tuple(PATH_NAMES.values())
+# A load's reads into CPU slots, by the tier read: paths of their own (a byte is counted on
+# one path only).
+READ_PATHS = {"disk": "disk_to_cpu", "remote": "remote_to_cpu"}
+TRANSFER_PATHS = (*PATHS, *READ_PATHS.values())
 
 
 @dataclass(frozen=True)
@@ -37,84 +37,27 @@ class LoadHandle:
     num_from_remote: int = 0
 
 
-@dataclass
-class PathCounts:
-    """Bytes, seconds and failed jobs of finished jobs, per path (a job's kind: a store
-    moves GPU -> CPU, a load CPU -> GPU, a spill CPU -> disk; a load's reads from the disk
-    and remote tiers into CPU slots have paths of their own, disk -> CPU and remote -> CPU):
-    figures ``bytes_<path>``, ``seconds_<path>`` and ``failed_jobs_<path>`` (the jobs'
-    paths), counted once per job by :meth:`add`, each byte on one path."""
+@dataclass(eq=False)
+class PathStats(Record):
+    """Bytes, seconds and failed jobs of the finished jobs on one path (a store moves
+    GPU -> CPU, a load CPU -> GPU, a spill CPU -> disk; a load's reads from the disk and
+    remote tiers into CPU slots have paths of their own, whose failures count with the
+    load's copy on cpu_to_gpu)."""
 
-    bytes_gpu_to_cpu: int = counter("Bytes moved by finished stores (GPU -> CPU)")
-    seconds_gpu_to_cpu: float = counter("Seconds spent in finished stores (GPU -> CPU)")
-    failed_jobs_gpu_to_cpu: int = counter("Stores that failed (GPU -> CPU)")
-    bytes_cpu_to_gpu: int = counter("Bytes moved by finished loads (CPU -> GPU)")
-    seconds_cpu_to_gpu: float = counter("Seconds spent in finished loads' copies (CPU -> GPU)")
-    failed_jobs_cpu_to_gpu: int = counter("Loads that failed (their chunks are misses)")
-    bytes_cpu_to_disk: int = counter("Bytes moved by finished spills (CPU -> disk)")
-    seconds_cpu_to_disk: float = counter("Seconds spent in finished spills (CPU -> disk)")
-    failed_jobs_cpu_to_disk: int = counter("Spills that failed (CPU -> disk)")
-    bytes_disk_to_cpu: int = counter("Bytes finished loads read from disk into CPU slots")
-    seconds_disk_to_cpu: float = counter("Seconds finished loads spent reading from disk")
-    bytes_remote_to_cpu: int = counter("Bytes finished loads read from the remote tier into "
-                                       "CPU slots")
-    seconds_remote_to_cpu: float = counter("Seconds finished loads spent reading from the "
-                                           "remote tier")
+    bytes: int = counter("Bytes moved by finished jobs on the path")
+    seconds: float = counter("Seconds finished jobs spent on the path", default=0.0)
+    failed_jobs: int = counter("Jobs on the path that failed (their chunks are misses)")
 
-    def add(self, completion: Completion) -> None:
-        """Count one finished job on its path."""
-        kind, failed = completion.kind, not completion.ok
-        if kind is JobKind.STORE:
-            self.bytes_gpu_to_cpu += completion.num_bytes
-            self.seconds_gpu_to_cpu += completion.seconds
-            self.failed_jobs_gpu_to_cpu += failed
-        elif kind is JobKind.LOAD:
-            reads = completion.reads  # in parallel, before the copy
-            self.bytes_cpu_to_gpu += completion.num_bytes
-            self.seconds_cpu_to_gpu += max(
-                completion.seconds - max((read.seconds for read in reads), default=0.0), 0.0)
-            self.failed_jobs_cpu_to_gpu += failed
-            for read in reads:
-                if read.tier == "disk":
-                    self.bytes_disk_to_cpu += read.num_bytes
-                    self.seconds_disk_to_cpu += read.seconds
-                else:
-                    self.bytes_remote_to_cpu += read.num_bytes
-                    self.seconds_remote_to_cpu += read.seconds
-        else:
-            self.bytes_cpu_to_disk += completion.num_bytes
-            self.seconds_cpu_to_disk += completion.seconds
-            self.failed_jobs_cpu_to_disk += failed
-
-    def path(self, kind: JobKind) -> PathStats:
-        """The bytes and seconds of ``kind``'s path."""
-        if kind is JobKind.STORE:
-            return PathStats(self.bytes_gpu_to_cpu, self.seconds_gpu_to_cpu)
-        if kind is JobKind.LOAD:
-            return PathStats(self.bytes_cpu_to_gpu, self.seconds_cpu_to_gpu)
-        return PathStats(self.bytes_cpu_to_disk, self.seconds_cpu_to_disk)
-
-    def read_path(self, tier: str) -> PathStats:
-        """The bytes and seconds loads read from ``tier`` (``"disk"``, ``"remote"``)."""
-        if tier == "disk":
-            return PathStats(self.bytes_disk_to_cpu, self.seconds_disk_to_cpu)
-        return PathStats(self.bytes_remote_to_cpu, self.seconds_remote_to_cpu)
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-@dataclass
-class CompletionCounts:
-    """The vLLM scheduler side's own figure (the index's and the adapter's are on their
-    records; the workers count :class:`PathCounts`)."""
-
-    bytes_completed: int = counter("Bytes moved by the jobs the workers reported finished, "
-                                   "every path (a load's reads included)")
-
-
-@dataclass
-class ShortfallCounts:
+@dataclass(eq=False)
+class LoadShortfall(Record):
     """Chunks a ``lookup()`` counted as hits that the ``load()`` of the same keys (the
-    next one starting with the same key) did not deliver, by cause: the store's running
-    counts (:class:`LoadShortfall` is their snapshot)."""
+    next one starting with the same key) did not deliver, by cause
+    (``statistics().load_shortfall``)."""
 
     gone: int = counter("Hits gone when the load came (evicted or deleted meanwhile)")
     no_room: int = counter("Hits not loaded for want of a CPU slot to load them through "
@@ -123,38 +66,33 @@ class ShortfallCounts:
                           "failed copy)")
 
 
-@dataclass(unsafe_hash=True)
-class LoadShortfall(Snapshot, ShortfallCounts):
-    """``statistics().load_shortfall``: a read-only snapshot of :class:`ShortfallCounts`."""
+@dataclass(eq=False, kw_only=True)
+class StoreStats(Record):
+    """The store's record (the worker's too: its paths); ``statistics()`` is a snapshot
+    with ``index``, ``chunk_bytes`` and ``remote`` (None: no remote tier) set."""
+
+    path: dict[str, PathStats] = per(TRANSFER_PATHS, PathStats)
+    load_shortfall: LoadShortfall = field(default_factory=LoadShortfall)
+    index: IndexStats = field(default_factory=IndexStats)
+    chunk_bytes: int = 0
+    remote: RemoteStatistics | None = None
+
+    def add(self, completion: Completion) -> None:
+        """Count one finished job on its path, and a load's reads on theirs."""
+        path = self.path[PATH_NAMES[completion.kind]]
+        path.bytes += completion.num_bytes
+        path.failed_jobs += not completion.ok
+        if completion.kind is JobKind.LOAD:
+            reads = completion.reads  # in parallel, before the copy
+            path.seconds += max(
+                completion.seconds - max((read.seconds for read in reads), default=0.0), 0.0)
+            for read in reads:
+                read_path = self.path[READ_PATHS[read.tier]]
+                read_path.bytes += read.num_bytes
+                read_path.seconds += read.seconds
+        else:
+            path.seconds += completion.seconds
 
 
-@dataclass(frozen=True)
-class PathStats:
-    num_bytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    index: IndexStats
-    gpu_to_cpu: PathStats
-    cpu_to_gpu: PathStats  # the copies only: a load's reads are on disk_to_cpu, remote_to_cpu
-    cpu_to_disk: PathStats
-    chunk_bytes: int
-    remote: RemoteStats | None = None  # None: no remote tier
-    load_shortfall: LoadShortfall = LoadShortfall()
-    disk_to_cpu: PathStats = PathStats(0, 0.0)
-    remote_to_cpu: PathStats = PathStats(0, 0.0)
-
-
-@dataclass(frozen=True)
-class RemoteStats:
-    """The remote tier's figures: its counters, its pushes and the lookups asked of it."""
-
-    tier: RemoteStatistics
-    pushes: RemoteIOStatistics | None  # None: remote.push="read_only"
-    lookups: RemoteLookupStatistics
+__all__ = ["LoadHandle", "LoadShortfall", "PATHS", "PATH_NAMES", "PathStats", "READ_PATHS",
+           "StoreStats", "TRANSFER_PATHS"]

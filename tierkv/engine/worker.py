@@ -29,7 +29,7 @@ finished job's spec comes with its completion from the executor's record).
 worker in another process than the scheduler's index (vLLM's workers) writes them to disk
 at shutdown, so a restart is warm even for chunks the scheduler never got to spill.
 ``statistics()``: bytes, seconds and failed jobs per path (gpu_to_cpu, cpu_to_gpu,
-cpu_to_disk), cumulative.
+cpu_to_disk, and a load's reads: disk_to_cpu, remote_to_cpu), cumulative.
 
 Idle steps yield: ``poll()`` after an idle plan with jobs in flight sleeps
 ``IDLE_YIELD_SECONDS`` first, or an engine loop with nothing to compute starves the copy
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from tierkv.core.figures import values
 from tierkv.core.jobs import (NO_BLOCK, Completion, JobId, JobKind, JobSpec, LoadSpec,
                               SpillSpec, StoreSpec, failed_set)
-from tierkv.engine.metrics import PATH_NAMES, Durations
+from tierkv.engine.metrics import DURATION_KEY, Durations
 from tierkv.engine.requests import StepPlan, WorkerReport
-from tierkv.engine.store_stats import PathCounts
+from tierkv.engine.store_stats import PATH_NAMES, StoreStats
 from tierkv.transfer.executor import JobExecutor
 
 IDLE_YIELD_SECONDS = 0.0005
@@ -135,7 +135,7 @@ class WorkerAdapter:
         self.writes_disk = writes_disk
         self._skipped: list[Completion] = []
         self._residency = SlotResidency() if track_slots else None
-        self._paths = PathCounts()
+        self._paths = StoreStats()  # of it, the paths
         self._durations: dict[str, Durations] = {}
         self._pending: list[StoreSpec] = []  # stores planned but not yet submitted
         self._loads: dict[JobId, _LoadInFlight] = {}
@@ -260,17 +260,17 @@ class WorkerAdapter:
 
     def _account(self, completion: Completion) -> None:
         self._paths.add(completion)
-        name = PATH_NAMES[completion.kind]
-        self._durations.setdefault(name, Durations()).observe(completion.seconds)
+        key = DURATION_KEY[PATH_NAMES[completion.kind]]
+        self._durations.setdefault(key, Durations()).observe(completion.seconds)
 
     def statistics(self) -> dict[str, float]:
-        """Bytes, seconds and failed jobs per path (:class:`PathCounts`), the figures that
+        """Bytes, seconds and failed jobs per path (``StoreStats.path``), the figures that
         moved (a path with no job, no failure: absent)."""
         return {name: value for name, value in values(self._paths).items() if value}
 
     def take_durations(self) -> dict[str, list[float]]:
         """Seconds of each job finished since the last call, by figure key (``durations_<path>``)."""
-        return {f"durations_{name}": taken for name, durations in self._durations.items()
+        return {key: taken for key, durations in self._durations.items()
                 if (taken := durations.take())}
 
     def unspilled_chunks(self) -> list[tuple[bytes, int]]:

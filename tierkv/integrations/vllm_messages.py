@@ -27,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tierkv.engine.metrics import TIERS, is_gauge
 from tierkv.core.jobs import Completion
+from tierkv.engine.metrics import HIT_TOKENS, is_gauge
 from tierkv.engine.requests import StepPlan
 
 
@@ -82,7 +82,7 @@ class TierKVConnectorStats(KVConnectorStats):
                         statistics.median(value) * 1e3, 3)
             elif not is_gauge(name) and value:
                 out[name] = round(value, 3) if isinstance(value, float) else value
-        hits = sum(self.data.get(f"hit_tokens_{tier}", 0) for tier in TIERS)
+        hits = sum(self.data.get(key, 0) for _, key in HIT_TOKENS)
         if hits:
             out["hit_tokens"] = hits
         queried = self.data.get("queried_tokens", 0)

@@ -26,12 +26,10 @@ from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.core.controls import NO_CONTROLS, RequestControls, request_controls
 from tierkv.core.jobs import NO_BLOCK
 from tierkv.engine.adapter_config import REQUEST_LOAD_POLICIES
-from tierkv.engine.metrics import (remote_figures, remote_usage_figures, since_last,
-                                   usage_figures, values)
+from tierkv.engine.metrics import collect_figures, since_last
 from tierkv.engine.request_state import refuse_reuse
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
 from tierkv.engine.stack import build_adapter, build_index, build_remote_lookup
-from tierkv.engine.store_stats import CompletionCounts
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import ConnectorSettings, adapter_config, store_config
 from tierkv.integrations.vllm_geometry import Geometry
@@ -51,8 +49,6 @@ STATS_INTERVAL_SECONDS = 1.0
 MAX_POLICY_WARNINGS = 64  # distinct bad request load policies warned about, at most
 MAX_ADAPTERS = 4096  # LoRA adapters' fingerprints kept (the oldest goes first)
 BUDGET_POLL_SECONDS = 1.0  # how often a step may stat the disk root for budget changes
-# The index's chunk loads by tier are reported as hits (hit_tokens_<tier> beside them).
-_INDEX_RENAMED = {f"loads_{tier}": f"hit_chunks_{tier}" for tier in ("cpu", "disk", "remote")}
 EVENT_BATCH_CHUNKS = 512  # chunks' KV events per step at most (a start's snapshot: batches)
 
 
@@ -161,7 +157,6 @@ class SchedulerSide:
         self._step = 0
         self._epoch = b""  # b"": keys as the warm-up and other servers derive them
         self.resets = 0
-        self._counts = CompletionCounts()
         self._reported: dict[str, float] = {}
         self._last_report = -float("inf")
         self.stats_interval = STATS_INTERVAL_SECONDS
@@ -480,7 +475,7 @@ class SchedulerSide:
             return
         done = self.adapter.complete(WorkerReport(rank=-1, completions=tuple(meta.completions)))
         for completion in done:
-            self._counts.bytes_completed += completion.num_bytes + sum(
+            self.adapter.stats.bytes_completed += completion.num_bytes + sum(
                 read.num_bytes for read in completion.reads)
             if not completion.ok and completion.error:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
@@ -529,25 +524,18 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ stats
     def statistics(self) -> dict[str, float]:
-        """Cumulative counters and the usage gauges, by figure key (tierkv.engine.metrics)."""
-        index, adapter = self.index.statistics(), self.adapter.stats
-        out = {_INDEX_RENAMED.get(name, name): value
-               for name, value in values(index, "counter").items()}
-        out.update(values(adapter))
-        out.update(values(self._counts))
-        if self.remote is not None:
-            lookups = self.remote.statistics()
-            out["remote_lookup_requests"] = lookups.requests
-            out["remote_lookup_errors"] = lookups.errors
-            # The lookups' calls (the workers report their breakers: one view per node)
-            out.update(remote_figures([self.remote.tier.statistics()], breakers=False))
-        out.update(usage_figures(index, self.geometry.chunk_bytes * self.geometry.world_size,
-                                 self.geometry.tokens_per_chunk))
-        if self.remote is not None:  # the servers' memory as the lookups' thread last polled
-            out.update(remote_usage_figures(self.remote.server_memory(),
-                                            self.remote.stored_chunk_bytes,
-                                            self.geometry.tokens_per_chunk))
-        return out
+        """Cumulative counters and the gauges, by figure key (tierkv.engine.metrics): the
+        index's, the adapter's, the remote lookups' (their calls: the workers report their
+        breakers, one view per node) and the usage; the workers report the paths."""
+        remote = self.remote
+        return collect_figures(
+            self.index.statistics(), self.adapter.stats,
+            chunk_bytes=self.geometry.chunk_bytes * self.geometry.world_size,
+            tokens_per_chunk=self.geometry.tokens_per_chunk,
+            remote=[] if remote is None else [remote.tier.statistics()], breakers=False,
+            lookups=None if remote is None else remote.statistics(),
+            memory=None if remote is None else remote.server_memory(),
+            stored_chunk_bytes=0 if remote is None else remote.stored_chunk_bytes)
 
     def stats_since_last(self, force: bool = False) -> TierKVConnectorStats | None:
         """Counters since the last report: at most once per ``stats_interval`` seconds while

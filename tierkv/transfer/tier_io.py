@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.checks import check_int
-from tierkv.core.figures import Snapshot, counter
+from tierkv.core.figures import Record, counter
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES
@@ -88,19 +88,14 @@ class ReadOutcome:
         return not (self.missing_keys or self.corrupt_keys)
 
 
-@dataclass
-class TierIOCounts:
-    """The disk I/O threads' running counts (:class:`TierIOStatistics` is their snapshot)."""
+@dataclass(eq=False)
+class TierIOStatistics(Record):
+    """The disk I/O threads' running counts; ``statistics()`` is their snapshot."""
 
     spill_jobs: int = counter("Spill jobs written")
     write_txns: int = counter("Write transactions committed")
     read_jobs: int = counter("Read jobs done")
     callback_errors: int = counter("Completion callbacks that raised (logged)")
-
-
-@dataclass(unsafe_hash=True)
-class TierIOStatistics(Snapshot, TierIOCounts):
-    """``statistics()``: a read-only snapshot of :class:`TierIOCounts`."""
 
 
 @dataclass(eq=False)
@@ -160,7 +155,7 @@ class TierIO:
         self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
         self._finished: list[Completion] = []
         self._ledger: JobLedger[None] = JobLedger(self._io)  # spill and read jobs
-        self._counts = TierIOCounts()
+        self._counts = TierIOStatistics()
         self._broken: BaseException | None = None
         self._closed = False  # shutdown(): the threads stop once their queues are empty
         self._sync_every = tier.sync_every_seconds
@@ -271,7 +266,7 @@ class TierIO:
 
     def statistics(self) -> TierIOStatistics:
         with self._cond:
-            return TierIOStatistics.of(self._counts)
+            return self._counts.snapshot()
 
     # -- writer threads --------------------------------------------------------------------
     def _take_spills(self, lane: int) -> list[_Part] | None:

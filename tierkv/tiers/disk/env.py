@@ -57,7 +57,7 @@ import msgpack
 from tierkv.errors import (BrokenError, ClosedError, ConfigError, DamagedError,
                            MisplacedError, NamespaceMismatchError, TierKVError, UsageError,
                            short_key)
-from tierkv.core.figures import counter
+from tierkv.core.figures import Record, counter, gauge
 from tierkv.keys import FORMAT_VERSION, Namespace, Part
 from tierkv.tiers.disk.files import (FILE_MODE, OwnerLock, Trust, check_dir, check_file,
                                      list_namespaces, make_private_dir, move_aside,
@@ -91,14 +91,31 @@ def _action(action: str, key: bytes | None) -> str:
     return action if key is None else f"{action} {short_key(key)}"
 
 
-@dataclass
-class EnvCounts:
-    """What an environment counts (:class:`~tierkv.tiers.disk.tier.DiskStatistics` sums
-    them over the shards)."""
+@dataclass(eq=False, kw_only=True)
+class DiskStatistics(Record):
+    """The disk tier's record, declared here because its environments count on it too
+    (each :class:`LmdbEnv` on its own: :data:`ENV_FIGURES`, which the tier sums over its
+    shards). The tier's ``statistics()`` is its snapshot: counters since open, over all
+    shards; ``chunks`` and ``map_size`` (all shards' maps) are current."""
 
+    bytes_written: int = counter("Value bytes written")
+    bytes_read: int = counter("Value bytes read (good ones)")
+    puts: int = counter("Chunks written")
+    reads: int = counter("Chunks asked for")
+    hits: int = counter("Chunks read and found good")
+    misses: int = counter("Chunks asked for and absent (or corrupt)")
+    corrupt: int = counter("Chunks that failed their checks on read")
+    full: int = counter("Chunks not written: the disk was full")
+    syncs: int = counter("Syncs of every shard to the device")
+    write_txns: int = counter("Write transactions committed")
     rebuilds: int = counter("Damaged or misplaced environments moved aside, started empty")
     stale_readers: int = counter("Reader slots of dead processes cleared")
     map_adopted: int = counter("Times a map grown by another process was adopted")
+    chunks: int = gauge("Chunks on disk")
+    map_size: int = gauge("Bytes of all shards' maps")
+
+
+ENV_FIGURES = ("rebuilds", "stale_readers", "map_adopted")  # what an environment counts
 
 
 class FilesDamaged(Exception):
@@ -157,7 +174,7 @@ class LmdbEnv:
         self._data_floor = 0  # data.mdb never shrinks; smaller means truncated under us
         self._size_lock = threading.Lock()
         self._counts_lock = threading.Lock()
-        self._counts = EnvCounts()
+        self._counts = DiskStatistics()
         self._last_reader_check = clock()
         self.closed = False
         if exclusive and read_only:
@@ -537,7 +554,7 @@ class LmdbEnv:
         return BrokenError(f"{self._name}: no environment ({action}): it could not be rebuilt "
                            f"after damage; restart the store")
 
-    def counts(self) -> EnvCounts:
+    def counts(self) -> DiskStatistics:
         """A copy of the environment's counts."""
         with self._counts_lock:
             return replace(self._counts)

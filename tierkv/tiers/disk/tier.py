@@ -54,7 +54,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -63,11 +62,10 @@ import lmdb
 
 from tierkv.checks import check_int
 from tierkv.config import DiskTierConfig
-from tierkv.core.figures import Snapshot, counter, gauge, values
 from tierkv.errors import ConfigError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import ChunkRecord, LowerTier, PutResult, ReadStatus, VerifyReport
-from tierkv.tiers.disk.env import SHARDS, EnvCounts, LmdbEnv, shard_of
+from tierkv.tiers.disk.env import ENV_FIGURES, SHARDS, DiskStatistics, LmdbEnv, shard_of
 from tierkv.tiers.disk.files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk.format import (HEADER_BLOCK, IndexEntry, binding_of, check_slot,
                                       unpack_index)
@@ -81,38 +79,12 @@ from tierkv.tiers.malloc_tuning import tune_malloc
 from tierkv.units import format_bytes
 
 __all__ = [
-    "SHARDS", "ChunkRecord", "DiskStatistics", "DiskTier", "NamespaceInfo", "PutResult",
+    "SHARDS", "ChunkRecord", "DiskTier", "NamespaceInfo", "PutResult",
     "ReadStatus", "VerifyReport", "list_namespaces", "map_size_for", "shard_of", "tune_malloc",
     "written_at",
 ]
 
 logger = logging.getLogger("tierkv.disk")
-
-
-@dataclass
-class DiskCounts:
-    """The disk tier's running counts (:class:`DiskStatistics` is their snapshot)."""
-
-    bytes_written: int = counter("Value bytes written")
-    bytes_read: int = counter("Value bytes read (good ones)")
-    puts: int = counter("Chunks written")
-    reads: int = counter("Chunks asked for")
-    hits: int = counter("Chunks read and found good")
-    misses: int = counter("Chunks asked for and absent (or corrupt)")
-    corrupt: int = counter("Chunks that failed their checks on read")
-    full: int = counter("Chunks not written: the disk was full")
-    syncs: int = counter("Syncs of every shard to the device")
-    write_txns: int = counter("Write transactions committed")
-
-
-@dataclass(kw_only=True, unsafe_hash=True)
-class DiskStatistics(Snapshot, DiskCounts, EnvCounts):
-    """Counters since open, over all shards (the tier's :class:`DiskCounts` and the
-    environments' :class:`~tierkv.tiers.disk.env.EnvCounts`); ``chunks`` and ``map_size``
-    (all shards' maps) are current."""
-
-    chunks: int = gauge("Chunks on disk")
-    map_size: int = gauge("Bytes of all shards' maps")
 
 
 def written_at(seq: int) -> float:
@@ -159,7 +131,7 @@ class DiskTier(LowerTier):
             f", data-parallel engine {replica})" if replica else ")")
         self._binding = binding_of(self.fingerprint, part)
         self._stats_lock = threading.Lock()
-        self._counts = DiskCounts()
+        self._counts = DiskStatistics()
         self._reads = ReadPool(config.read_bytes_in_flight)  # O_DIRECT pieces in flight
         self.read_batch_bytes = config.read_bytes_in_flight
         self._unsynced_bytes = 0
@@ -570,9 +542,9 @@ class DiskTier(LowerTier):
         chunks = sum(lm.run("counting chunks", partial(count, lm)) for lm in self._shards)
         shards = [lm.counts() for lm in self._shards]
         with self._stats_lock:
-            return DiskStatistics.of(self._counts, chunks=chunks, map_size=self.map_size,
-                                     **{name: sum(getattr(counts, name) for counts in shards)
-                                        for name in values(EnvCounts())})
+            return self._counts.snapshot(
+                chunks=chunks, map_size=self.map_size,
+                **{name: sum(getattr(counts, name) for counts in shards) for name in ENV_FIGURES})
 
     def close(self) -> None:
         """Sync and close; idempotent."""

@@ -36,34 +36,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from tierkv.core.figures import Snapshot, counter
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.keys import KEY_BYTES, Part
 from tierkv.tiers.remote.format import redis_key, value_bytes
+from tierkv.tiers.remote.stats import RemoteLookupStatistics
 from tierkv.tiers.remote.tier import RemoteTier
 from tierkv.tiers.remote.usage import RemoteUsage, ServerMemory
 
 logger = logging.getLogger("tierkv.remote")
-
-
-@dataclass
-class LookupCounts:
-    """The lookup's running counts (:class:`RemoteLookupStatistics` is their snapshot)."""
-
-    asks: int = counter("Calls of ask()")
-    not_yet: int = counter("Asks answered None (the deadline passed)")
-    requests: int = counter("Pipelines sent (each at most one round trip per node)")
-    keys_asked: int = counter("Keys asked of the remote tier")
-    keys_found: int = counter("Keys the remote tier had")
-    errors: int = counter("Requests the tier failed (their keys count as absent)")
-    seconds: float = counter("Seconds spent in requests")
-
-
-@dataclass(unsafe_hash=True)
-class RemoteLookupStatistics(Snapshot, LookupCounts):
-    """``statistics()``: a read-only snapshot of :class:`LookupCounts`."""
 
 
 class RemoteLookup:
@@ -87,7 +68,7 @@ class RemoteLookup:
         self._wanted: dict[bytes, None] = {}  # asked, not sent yet
         self._sent: set[bytes] = set()  # in the request in flight
         self._closed = False
-        self._counts = LookupCounts()
+        self._counts = RemoteLookupStatistics()
         self.usage = RemoteUsage(usage_seconds, clock)
         parts = self._part_sets[0]
         self.stored_chunk_bytes = parts[0].count * (value_bytes(tier.payload_bytes) + len(
@@ -210,7 +191,7 @@ class RemoteLookup:
 
     def statistics(self) -> RemoteLookupStatistics:
         with self._cond:
-            return RemoteLookupStatistics.of(self._counts)
+            return self._counts.snapshot()
 
     def shutdown(self) -> None:
         """Stop the thread (a request in flight ends within the tier's timeout) and close

@@ -24,38 +24,14 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from tierkv.checks import check_int
-from tierkv.core.figures import Snapshot, counter, gauge
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.tiers.base import LowerTier
+from tierkv.tiers.remote.stats import RemoteIOStatistics
 
 logger = logging.getLogger("tierkv.remote")
-
-
-@dataclass
-class PushCounts:
-    """The pushes' running counts (:class:`RemoteIOStatistics` is their snapshot). The
-    reported ones are the pushes by fate (``tierkv:remote_pushes{result=...}``); ``queued``
-    (their sum, and those still queued) and ``bytes_pushed`` (the tier's ``bytes_written``
-    counts them) are kept, not reported."""
-
-    queued: int = counter("Pushes accepted", reported=False)
-    pushed: int = counter("Chunks sent (already stored by another engine included)")
-    failed: int = counter("Chunks the tier did not store (a failed or skipped call, a "
-                          "refusal)")
-    dropped: int = counter("Pushes skipped: the queue was full")
-    abandoned: int = counter("Chunks still queued at shutdown, never sent")
-    bytes_pushed: int = counter("Payload bytes of the chunks sent", reported=False)
-
-
-@dataclass(kw_only=True, unsafe_hash=True)
-class RemoteIOStatistics(Snapshot, PushCounts):
-    """``statistics()``: a read-only snapshot of :class:`PushCounts` and the queue's bytes."""
-
-    queue_bytes_now: int = gauge("Payload bytes queued now")
 
 
 class RemoteIO:
@@ -72,7 +48,7 @@ class RemoteIO:
         self._queued_bytes = 0
         self._in_flight = 0
         self._closed = False
-        self._counts = PushCounts()
+        self._counts = RemoteIOStatistics()
         self._thread = threading.Thread(target=self._main, name="tierkv-remote-push",
                                         daemon=True)
         self._thread.start()
@@ -149,4 +125,4 @@ class RemoteIO:
 
     def statistics(self) -> RemoteIOStatistics:
         with self._cond:
-            return RemoteIOStatistics.of(self._counts, queue_bytes_now=self._queued_bytes)
+            return self._counts.snapshot(queue_bytes_now=self._queued_bytes)

@@ -73,7 +73,7 @@ from tierkv.tiers.remote.format import (DELETE_BAD, check_name, check_value, pac
                                         parse_redis_key, redis_key, value_bytes)
 from tierkv.tiers.remote.health import HINTS, TIER, WRITES, NodeHealth, who
 from tierkv.tiers.remote.spread import Spread, by_node, served
-from tierkv.tiers.remote.stats import RemoteStatistics, TierCounts
+from tierkv.tiers.remote.stats import RemoteStatistics
 from tierkv.units import MiB
 
 logger = logging.getLogger("tierkv.remote")
@@ -119,7 +119,7 @@ class RemoteTier(LowerTier):
         self._prefix = config.key_prefix.encode()
         self._value_bytes = value_bytes(payload_bytes)
         self._lock, self._connecting = threading.Lock(), threading.Lock()  # counters; connect
-        self._counts = TierCounts()
+        self._counts = RemoteStatistics()
         self._causes: Counter[str] = Counter()
         self._bad: Counter[str] = Counter()
         self._held_share = HELD_SHARE_START  # decayed share of pushed values found held
@@ -583,8 +583,8 @@ class RemoteTier(LowerTier):
 
     def statistics(self) -> RemoteStatistics:
         with self._lock:
-            return RemoteStatistics.of(
-                self._counts, breaker_opens=self._health.opens, cluster=self.cluster,
+            return self._counts.snapshot(
+                breaker_opens=self._health.opens, cluster=self.cluster,
                 causes=tuple(sorted(self._causes.items())),
                 bad_values=tuple(sorted(self._bad.items())),
                 breakers=tuple(self._health.open_nodes().items()))
