@@ -125,7 +125,16 @@ class BlockIndex(Spills, Invariants):
                                        min(self.num_slots, self.disk_capacity))
         return self._evict_over()
 
-    def lookup(self, keys: Sequence[bytes]) -> Lookup:
+    @property
+    def remote(self) -> RemoteMarks:
+        """What is known of the remote tier's chunks (core/remote_marks.py)."""
+        return self._marks
+
+    def lookup(self, keys: Sequence[bytes],
+               ask: Callable[[Sequence[bytes]], None] | None = None) -> Lookup:
+        """``ask(rest)``: called once, at the first chunk neither held nor marked, with the
+        keys from there on: it asks the remote tier and notes what it has
+        (:func:`tierkv.engine.tier_lookup.lookup_tiers`); the walk goes on from there."""
         hits = 0
         on_cpu = 0
         remote = 0
@@ -136,6 +145,10 @@ class BlockIndex(Spills, Invariants):
             entry = entries.get(key)
             if entry is None:
                 seen = marks.get(key)
+                if (seen is None or seen < oldest) and ask is not None:
+                    ask(keys[hits:])  # hits: this key's position
+                    ask = None
+                    seen = marks.get(key)
                 if seen is None or seen < oldest:
                     break
                 remote += 1
