@@ -256,19 +256,22 @@ def test_a_tier_failing_underneath_surfaces_as_broken(
         disk_io.flush()
 
 
-def test_a_broken_tier_is_named_by_its_section_and_setting(
+def test_a_broken_tier_is_named_by_its_medium_and_setting(
         tier: DiskTier, slab: CpuSlab) -> None:
-    """The message names the tier the threads serve and its setting: the remote tier's
-    reads run on a TierIO of their own, whose failure said "disk tier ... check disk.path"."""
-    io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD, section="remote")
+    """The message names the tier the threads serve and its setting, both the tier's own
+    (the remote tier's reads once said "disk tier ... check disk.path")."""
+    from tierkv.tiers.remote.tier import RemoteTier
+
+    assert (RemoteTier.medium, RemoteTier.setting) == ("remote", "remote.url")
+    io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
     try:
         tier.close()
         io.submit_spill(spill(1, [(1, 0)]))
         io.wait([JobId(1)], timeout=10)
-        with pytest.raises(BrokenError, match="remote io: the remote tier failed underneath") \
+        with pytest.raises(BrokenError, match="disk io: the disk tier failed underneath") \
                 as info:
             io.submit_spill(spill(2, [(2, 0)]))
-        assert "check remote.url" in str(info.value) and "disk.path" not in str(info.value)
+        assert "check disk.path" in str(info.value)
     finally:
         io.shutdown()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +198,46 @@ def test_the_cuda_module_imports_without_touching_cuda() -> None:
 
     assert cuda_module.CudaTransferEngine.__name__ == "CudaTransferEngine"
     assert not torch.cuda.is_initialized()
+
+
+def test_a_chained_load_is_advanced_by_the_executor_not_by_a_reader_thread(
+        kv: KV, tmp_path: Path) -> None:
+    """A load from disk: the reader thread only reads into the slot; the copy to the GPU is
+    submitted by the executor, on its caller's thread (it was a callback the reader ran,
+    under the executor's lock). Its outcome waits until the caller polls."""
+    from tierkv.config import DiskTierConfig
+    from tierkv.keys import Namespace
+    from tierkv.tiers.disk.tier import DiskTier
+    from tierkv.transfer.tier_io import TierIO
+
+    engine = make_engine(kv)
+    submitters: list[str] = []
+    submit_load = engine.submit_load
+
+    def recorded(spec: LoadSpec) -> None:
+        submitters.append(threading.current_thread().name)
+        submit_load(spec)
+
+    engine.submit_load = recorded  # type: ignore[method-assign]
+    size = engine.chunk_bytes
+    namespace = Namespace(model_id="tiny", dtype="bfloat16", kv_layout="NHD",
+                          page_bytes=size // BPC, tokens_per_chunk=16)
+    with DiskTier(tmp_path, namespace, 0, DiskTierConfig(path=tmp_path), size) as tier:
+        executor = JobExecutor(engine, TierIO(tier, engine.slab, 4 * size))
+        try:
+            executor.submit(store(1, chunk(7, 0, (0, 1, 2, 3))))
+            executor.wait([JobId(1)])
+            tier.put_many([(bytes([7]) * 32, engine.slab.memoryview(0)[:size])])
+            executor.poll_finished()
+            spec = LoadSpec(JobId(2), (chunk(7, 1, (4, 5, 6, 7))._replace(from_disk=True),))
+            executor.submit(spec)
+            assert executor.disk_io is not None
+            executor.disk_io.wait([JobId(2)])  # read: its copy is not submitted yet
+            assert submitters == []
+            executor.wait([JobId(2)])
+            (done,) = executor.poll_finished()
+            assert done.ok and [read.tier for read in done.reads] == ["disk"]
+            assert submitters == [threading.current_thread().name]
+            assert torch.equal(kv.chunk((4, 5, 6, 7)), kv.chunk((0, 1, 2, 3)))
+        finally:
+            executor.shutdown()

@@ -1,5 +1,6 @@
-"""Worker-side threads that move chunks between the CPU slab and a lower tier (the disk tier;
-the remote tier's reads run on a TierIO of their own, ``section="remote"``).
+"""Worker-side threads that move chunks between the CPU slab and a lower tier (one TierIO
+per tier; messages and threads are named by the tier's ``medium``, and a failure's message
+sends one to the tier's ``setting``).
 
 It stays in ``transfer/`` (not in a tier's package): it runs job specs and completions
 (``core.jobs``) over the CPU slab with the transfer layer's :class:`JobLedger`, and tiers
@@ -63,8 +64,6 @@ from tierkv.transfer.ledger import JobLedger
 
 logger = logging.getLogger("tierkv.tier_io")
 
-# The setting a broken tier's message sends the operator to, per config section.
-SETTING = {"disk": "disk.path", "remote": "remote.url"}
 PIECE_BYTES = 1 << 20  # a read job's pieces are at least this big: a hand-off costs too
 
 
@@ -128,14 +127,14 @@ class _ReadJob:
 
 
 class TierIO:
-    """The threads over a lower tier (``section``: the config section that names it, in
-    messages and thread names); see the module docstring."""
+    """The threads over a lower tier; see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
-                 reader_threads: int = 4, section: str = "disk") -> None:
-        self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
+                 reader_threads: int = 4) -> None:
+        section = tier.medium
+        self._io = f"{section} io"  # "disk io": in messages and thread names
         self._tier_name = f"{section} tier"
-        self._setting = SETTING.get(section, f"the {section} settings")
+        self._setting = tier.setting
         for name, value in (("write_batch_bytes", write_batch_bytes),
                             ("reader_threads", reader_threads)):
             check_int(f"{self._io}: {section}.{name}", value, low=1)
@@ -339,7 +338,7 @@ class TierIO:
 
     def _mark_broken(self, exc: BaseException) -> None:
         """A tier that failed for good (a disk) refuses every later job; a tier whose
-        failures pass (the remote tier: it reconnects, its breaker warns) is kept."""
+        failures pass (``transient_failures``: it reconnects, its breaker warns) is kept."""
         if isinstance(exc, BrokenError) and self.tier.transient_failures:
             return
         if isinstance(exc, (BrokenError, ClosedError)):

@@ -7,7 +7,7 @@ Primitives and contracts:
   one per part count: this engine's own first, then those of other TP sizes) that has a
   value for every part (0: none), or None: "not yet" (the server did not answer within
   ``remote.lookup_deadline_seconds``; ask again: the answers that come later are handed to
-  that ask). They are asked in one request: one pipeline of one ``EXISTS`` per chunk and
+  the next ask, within 50 ms). They are asked in one request: one pipeline of one ``EXISTS`` per chunk and
   candidate count (a chunk's parts share a hash slot), so one round trip per node, never
   one per chunk. The lookup keeps no answer: the asker does
   (:class:`~tierkv.core.remote_marks.RemoteMarks`, the one record of what the server has).
@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierkv.core.figures import Snapshot, counter
+from tierkv.core.remote_marks import ANSWER_SECONDS
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.keys import KEY_BYTES, Part
 from tierkv.tiers.remote.format import redis_key, value_bytes
@@ -78,7 +79,8 @@ class RemoteLookup:
         self._clock = clock
         self._cond = threading.Condition()
         # Answers come in, not yet handed to an ask (key -> (part count, 0: absent; when)),
-        # oldest first: handed over by the next ask, dropped once older than an ask waits.
+        # oldest first: handed over by the next ask, dropped once ANSWER_SECONDS old (an
+        # absence older than that is not believed anyway).
         self._answers: dict[bytes, tuple[int, float]] = {}
         self._wanted: dict[bytes, None] = {}  # asked, not sent yet
         self._sent: set[bytes] = set()  # in the request in flight
@@ -102,7 +104,7 @@ class RemoteLookup:
                 raise ClosedError("remote lookup: used after shutdown()")
             self._counts.asks += 1
             answers = self._answers
-            since = self._clock() - self.deadline_seconds
+            since = self._clock() - ANSWER_SECONDS
             while answers and next(iter(answers.values()))[1] < since:
                 del answers[next(iter(answers))]
             for key in keys:
