@@ -78,25 +78,20 @@ class RemoteMarks:
         while absent and next(iter(absent.values())) < since:
             del absent[next(iter(absent))]
         for key, count in answers.items():
+            absent.pop(key, None)  # re-inserted: the newest
+            parts.pop(key, None)
             if count:
-                parts.pop(key, None)  # re-inserted: the newest
                 parts[key] = count
-                absent.pop(key, None)
             else:
-                absent.pop(key, None)
                 absent[key] = now
         for table in (parts, absent):
             while len(table) > self.limit:
                 del table[next(iter(table))]
 
-    def unknown(self, key: bytes) -> bool:
-        """Whether to ask the remote tier about ``key``: no fresh mark, no fresh absence."""
-        now = self._clock()
-        seen = self.marks.get(key)
-        if seen is not None and seen >= now - self.seconds:
-            return False
+    def absent_lately(self, key: bytes) -> bool:
+        """Whether the remote tier lacked ``key`` less than ``answer_seconds`` ago."""
         seen = self.absent.get(key)
-        return seen is None or seen < now - self.answer_seconds
+        return seen is not None and seen >= self._clock() - self.answer_seconds
 
     def holds(self, key: bytes) -> bool:
         """Whether ``key`` is noted on the remote tier (and not too long ago)."""

@@ -38,8 +38,8 @@ def lookup_tiers(index: BlockIndex, remote: RemoteAsker | None,
 
     def ask(rest: Sequence[bytes]) -> None:
         nonlocal not_yet
-        if not known.unknown(rest[0]):
-            return  # absent a moment ago: not asked again yet
+        if known.absent_lately(rest[0]):
+            return  # not asked again yet
         answers = remote.ask(rest)
         if answers is None:
             not_yet = True

@@ -57,9 +57,9 @@ class _Waiter(Protocol):
 
 class _Live:
     """The executor's record of a job in flight: its spec, what to wait on (None: its
-    completion is ready, or a chained load's copy is not submitted yet), whether its chunks
-    are pushed once they land, and the GPU blocks it reads or writes (``jobs_touching``:
-    worked out on its first call, then kept)."""
+    completion is ready, or it is a chained load), whether its chunks are pushed once they
+    land, and the GPU blocks it reads or writes (``jobs_touching``: worked out on its first
+    call, then kept)."""
 
     __slots__ = ("spec", "waiter", "push", "blocks")
 
@@ -72,15 +72,15 @@ class _Live:
 
 class _Chain:
     """A load whose chunks are read from lower tiers into their slots first (one read per
-    source medium, the reads in parallel), then copied to the GPU; advanced by the
-    executor (:meth:`JobExecutor._advance`) on the caller's thread."""
+    source medium, in parallel), then copied to the GPU; advanced by the executor
+    (:meth:`JobExecutor._advance`) on its caller's thread."""
 
-    __slots__ = ("spec", "media", "outcomes", "cut", "copying", "failed", "corrupt",
+    __slots__ = ("spec", "pending", "outcomes", "cut", "copying", "failed", "corrupt",
                  "missing", "reads", "read_seconds")
 
-    def __init__(self, spec: LoadSpec, media: tuple[str, ...]) -> None:
+    def __init__(self, spec: LoadSpec, pending: dict[str, tuple[ChunkCopy, ...]]) -> None:
         self.spec = spec
-        self.media = media  # the source media whose reads are not in yet
+        self.pending = pending  # the reads not in yet: source medium -> its chunks
         self.outcomes: list[tuple[str, tuple[ChunkCopy, ...], ReadOutcome]] = []
         self.cut = False  # cut at its deadline (JobExecutor.cut): nothing is copied
         self.copying = False  # its reads are in and its copy to the GPU was submitted
@@ -127,11 +127,6 @@ class _Chain:
             (copy.seconds if copy else 0.0) + self.read_seconds, failed_keys=failed,
             corrupt_keys=self.corrupt, error=error, missing_keys=self.missing,
             reads=self.reads)
-
-
-# A load chunk's source medium: the lower tier it is read from before its CPU -> GPU copy.
-def _source(chunk: ChunkCopy) -> str | None:
-    return "disk" if chunk.from_disk else "remote" if chunk.from_remote else None
 
 
 class JobExecutor:
@@ -183,11 +178,9 @@ class JobExecutor:
                                                failed_keys=keys, full_keys=keys,
                                                error=str(exc)))
                 return None
-        by_medium: dict[str, list[ChunkCopy]] = {}
-        for chunk in spec.chunks:
-            medium = _source(chunk)
-            if medium is not None:
-                by_medium.setdefault(medium, []).append(chunk)
+        by_medium = {medium: chunks for medium, chunks in (
+            ("disk", tuple(c for c in spec.chunks if c.from_disk)),
+            ("remote", tuple(c for c in spec.chunks if c.from_remote))) if chunks}
         if not by_medium:
             self.transfer.submit_load(spec)
             return self.transfer
@@ -195,7 +188,7 @@ class JobExecutor:
             if medium not in self.reads:
                 raise UsageError(f"worker: load from the {medium} tier without one (set "
                                  f"{'disk.path' if medium == 'disk' else 'remote'})")
-        chain = self._chains[spec.job_id] = _Chain(spec, tuple(by_medium))
+        chain = self._chains[spec.job_id] = _Chain(spec, dict(by_medium))
         for medium, chunks in by_medium.items():
             try:
                 self.reads[medium].submit_read(spec.job_id, chunks)
@@ -218,32 +211,21 @@ class JobExecutor:
                     self._read_in(chain, medium, outcome)
 
     def _read_in(self, chain: _Chain, medium: str, outcome: ReadOutcome) -> None:
-        chunks = tuple(c for c in chain.spec.chunks if _source(c) == medium)
-        chain.outcomes.append((medium, chunks, outcome))
-        chain.media = tuple(m for m in chain.media if m != medium)
-        if chain.media:
+        chain.outcomes.append((medium, chain.pending.pop(medium), outcome))
+        if chain.pending:
             return
         landed = chain.decide()
-        job_id = chain.spec.job_id
         if landed:
-            try:
-                self.transfer.submit_load(LoadSpec(job_id, landed))
-                chain.copying = True
-                live = self._ledger.record(job_id)
-                if live is not None:
-                    live.waiter = self.transfer
-                return
-            except TierKVError as exc:
-                log.warning("worker: load job %s: its copy to the GPU was refused: %s",
-                            job_id, exc)
-                chain.failed = tuple(c.key for c in chain.spec.chunks)
-        self._direct.append(chain.merge(None))
+            self.transfer.submit_load(LoadSpec(chain.spec.job_id, landed))
+            chain.copying = True
+        else:
+            self._direct.append(chain.merge(None))
 
     def cut(self, job_id: JobId) -> bool:
         """See the module docstring: whether the load ``job_id`` copies nothing from now on."""
         self._advance()
         chain = self._chains.get(job_id)
-        if chain is None or chain.copying or not chain.media:
+        if chain is None or not chain.pending:
             return False
         chain.cut = True
         return True
@@ -291,13 +273,15 @@ class JobExecutor:
     def wait(self, job_ids: Iterable[JobId]) -> None:
         for job_id, live in self._ledger.pending(job_ids).items():
             chain = self._chains.get(job_id)
-            if chain is not None and chain.media:
+            if chain is not None:
                 if chain.cut:  # it touches no GPU block: a fence need not wait for its reads
                     continue
-                for medium in chain.media:
+                for medium in list(chain.pending):
                     self.reads[medium].wait([job_id])
                 self._advance()
-            if live.waiter is not None:
+                if chain.copying:
+                    self.transfer.wait([job_id])
+            elif live.waiter is not None:
                 live.waiter.wait([job_id])
 
     def in_flight_ids(self) -> list[JobId]:
