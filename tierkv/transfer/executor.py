@@ -75,8 +75,7 @@ class _Chain:
     source medium, in parallel), then copied to the GPU; advanced by the executor
     (:meth:`JobExecutor._advance`) on its caller's thread."""
 
-    __slots__ = ("spec", "pending", "outcomes", "cut", "copying", "failed", "corrupt",
-                 "missing", "reads", "read_seconds")
+    __slots__ = ("spec", "pending", "outcomes", "cut", "copying")
 
     def __init__(self, spec: LoadSpec, pending: dict[str, tuple[ChunkCopy, ...]]) -> None:
         self.spec = spec
@@ -84,49 +83,41 @@ class _Chain:
         self.outcomes: list[tuple[str, tuple[ChunkCopy, ...], ReadOutcome]] = []
         self.cut = False  # cut at its deadline (JobExecutor.cut): nothing is copied
         self.copying = False  # its reads are in and its copy to the GPU was submitted
-        self.failed: tuple[bytes, ...] = ()
-        self.corrupt: tuple[bytes, ...] = ()
-        self.missing: tuple[bytes, ...] = ()  # not on the tier at all (not a tier failure)
-        self.reads: tuple[TierRead, ...] = ()  # what each lower tier read, for its path
-        self.read_seconds = 0.0
 
-    def decide(self) -> tuple[ChunkCopy, ...]:
-        """Its reads are all in: note what failed; the chunks to copy to the GPU."""
+    def _bad(self) -> set[bytes]:
+        """The keys that did not land in their slots."""
         bad: set[bytes] = set()
-        missing: list[bytes] = []
-        corrupt: list[bytes] = []
         for _, part, read in self.outcomes:
             failed = set(read.missing_keys) | set(read.corrupt_keys) | set(read.failed_keys)
-            if read.error is not None and not failed:  # failed as a whole
-                failed = {c.key for c in part}
-            bad |= failed
-            corrupt += read.corrupt_keys
-            tier_failed = set(read.failed_keys)
-            missing += (k for k in read.missing_keys if k not in tier_failed)
-        self.failed = tuple(c.key for c in self.spec.chunks if c.key in bad)
-        self.corrupt = tuple(corrupt)
-        self.missing = tuple(missing)
-        self.reads = tuple(TierRead(medium, read.num_bytes, read.seconds)
-                           for medium, _, read in self.outcomes)
-        self.read_seconds = max(read.seconds for _, _, read in self.outcomes)
-        if self.cut:  # past its deadline: the slots hold the chunks, no copy
-            return ()
-        return tuple(c for c in self.spec.chunks if c.key not in bad)
+            bad |= failed if read.error is None or failed else {c.key for c in part}
+        return bad  # (an error naming no key: the read failed as a whole)
+
+    def landed(self) -> tuple[ChunkCopy, ...]:
+        """Its reads are all in: the chunks to copy to the GPU (none once cut: the slots
+        hold the chunks, nothing is copied)."""
+        bad = self._bad()
+        return () if self.cut else tuple(c for c in self.spec.chunks if c.key not in bad)
 
     def merge(self, copy: Completion | None) -> Completion:
         """The load's completion: its reads' and (``copy``) its copy's."""
-        failed = self.failed
+        bad = self._bad()
+        failed = tuple(c.key for c in self.spec.chunks if c.key in bad)
         if copy is not None:
-            copied = tuple(c.key for c in self.spec.chunks if c.key not in self.failed)
+            copied = tuple(c.key for c in self.spec.chunks if c.key not in bad)
             failed += tuple(failed_set(copy, copied))
+        reads = [read for _, _, read in self.outcomes]
+        corrupt = tuple(key for read in reads for key in read.corrupt_keys)
         error = copy.error if copy else None
-        if self.corrupt and not error:
-            error = f"{len(self.corrupt)} chunk(s) failed their checks where they were read"
+        if corrupt and not error:
+            error = f"{len(corrupt)} chunk(s) failed their checks where they were read"
         return Completion(
             self.spec.job_id, JobKind.LOAD, not failed, copy.num_bytes if copy else 0,
-            (copy.seconds if copy else 0.0) + self.read_seconds, failed_keys=failed,
-            corrupt_keys=self.corrupt, error=error, missing_keys=self.missing,
-            reads=self.reads)
+            (copy.seconds if copy else 0.0) + max(read.seconds for read in reads),
+            failed_keys=failed, corrupt_keys=corrupt, error=error,
+            missing_keys=tuple(key for read in reads for key in read.missing_keys
+                               if key not in read.failed_keys),  # not a tier failure
+            reads=tuple(TierRead(medium, read.num_bytes, read.seconds)
+                        for medium, _, read in self.outcomes))
 
 
 class JobExecutor:
@@ -214,7 +205,7 @@ class JobExecutor:
         chain.outcomes.append((medium, chain.pending.pop(medium), outcome))
         if chain.pending:
             return
-        landed = chain.decide()
+        landed = chain.landed()
         if landed:
             self.transfer.submit_load(LoadSpec(chain.spec.job_id, landed))
             chain.copying = True

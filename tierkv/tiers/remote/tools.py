@@ -104,16 +104,6 @@ class Session:
                     f"node: raise --timeout, now {self.config.timeout_seconds} s)", cause,
                     nodes[0]) from None
 
-    def names(self, pattern: bytes, report_every: int | None) -> list[bytes]:
-        """Every key matching ``pattern`` on every primary (the tier's ``scan_names``), a
-        ``SCAN`` page per deadline."""
-        found = []
-        for name in self.rc.scan_names(self.client, self.cluster, pattern, 1000, run=self.run):
-            found.append(name)
-            if report_every and len(found) % report_every == 0:
-                print(f"  ... {len(found)} keys scanned", file=sys.stderr, flush=True)
-        return found
-
     def pipeline(self, what: str, names: list[bytes],
                  commands: Callable[[Any, bytes], None]) -> list[Any]:
         """``commands(pipe, name)`` for every name, in pipelines of :data:`BATCH` keys (a
@@ -150,7 +140,11 @@ def scan_entries(session: Session, only: str = "", report_every: int | None = PR
     prefix = session.config.key_prefix.encode()
     pattern = prefix + (only.encode() if _HEX.fullmatch(only) else b"") + b"*"
     out = []
-    for name in session.names(pattern, report_every):
+    names = session.rc.scan_names(session.client, session.cluster, pattern, 1000,
+                                  run=session.run)  # a SCAN page per deadline
+    for seen, name in enumerate(names, 1):
+        if report_every and seen % report_every == 0:
+            print(f"  ... {seen} keys scanned", file=sys.stderr, flush=True)
         parsed = parse_redis_key(prefix, name)
         if parsed is not None and parsed[0].startswith(only):
             out.append((name, parsed[0], parsed[1].name, parsed[2]))
