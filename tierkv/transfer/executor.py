@@ -205,12 +205,16 @@ class JobExecutor:
         chain.outcomes.append((medium, chain.pending.pop(medium), outcome))
         if chain.pending:
             return
-        landed = chain.landed()
+        landed, copy = chain.landed(), None
         if landed:
-            self.transfer.submit_load(LoadSpec(chain.spec.job_id, landed))
-            chain.copying = True
-        else:
-            self._direct.append(chain.merge(None))
+            try:
+                self.transfer.submit_load(LoadSpec(chain.spec.job_id, landed))
+                chain.copying = True
+                return
+            except (BrokenError, ClosedError) as exc:  # the copy thread died: a failed copy
+                copy = Completion(chain.spec.job_id, JobKind.LOAD, False, error=str(exc),
+                                  failed_keys=tuple(c.key for c in landed))
+        self._direct.append(chain.merge(copy))
 
     def cut(self, job_id: JobId) -> bool:
         """See the module docstring: whether the load ``job_id`` copies nothing from now on."""
