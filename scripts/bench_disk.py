@@ -810,14 +810,14 @@ class Bench:
         tier = self.tier(self.dir / "tierkv-one")
         disk_io = TierIO(tier, self.dest, self.batch_bytes)
         chunks = [ChunkCopy(self.keys[i], SlotId(i), ()) for i in range(self.num_chunks)]
-        outcomes: list[ReadOutcome] = []
         jobs = [(JobId(i + 1), [chunk]) for i, chunk in enumerate(chunks)] if many else \
             [(JobId(1), chunks)]
         start = time.perf_counter()
         for job_id, job_chunks in jobs:
-            disk_io.submit_read(job_id, job_chunks, outcomes.append)
+            disk_io.submit_read(job_id, job_chunks)
         disk_io.wait([job_id for job_id, _ in jobs])
         seconds = time.perf_counter() - start
+        outcomes: list[ReadOutcome] = disk_io.poll_reads()
         disk_io.shutdown()
         tier.close()
         assert len(outcomes) == len(jobs) and all(o.ok for o in outcomes), \

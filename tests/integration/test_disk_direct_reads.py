@@ -237,12 +237,10 @@ def test_a_read_job_of_many_small_chunks_fills_the_bound_from_one_reader_thread(
     with open_tier(tmp_path, SMALL, read_bytes_in_flight=bound) as tier:
         tier.put_many([(k, value(i, SMALL)) for i, k in enumerate(keys)])
         io = TierIO(tier, slab, write_batch_bytes=8 * SMALL, reader_threads=1)
-        outcomes: list[ReadOutcome] = []
-        io.submit_read(JobId(1), [ChunkCopy(k, SlotId(i), ()) for i, k in enumerate(keys)],
-                       outcomes.append)
+        io.submit_read(JobId(1), [ChunkCopy(k, SlotId(i), ()) for i, k in enumerate(keys)])
         io.wait([JobId(1)], timeout=60)
         io.shutdown()
-        (outcome,) = outcomes
+        (outcome,) = io.poll_reads()
         assert outcome.ok and len(outcome.ok_keys) == count
         assert [bytes(slab.memoryview(i)) for i in range(count)] == \
             [value(i, SMALL) for i in range(count)]
@@ -273,14 +271,14 @@ def test_many_small_read_jobs_queued_are_read_in_one_call_up_to_the_bound(
             return original(items)
 
         tier.read_many_into = read_many_into  # type: ignore[method-assign]
-        outcomes: list[ReadOutcome] = []
-        io.submit_read(JobId(0), [ChunkCopy(key(0), SlotId(0), ())], outcomes.append)
+        io.submit_read(JobId(0), [ChunkCopy(key(0), SlotId(0), ())])
         assert entered.wait(timeout=60)  # the reader is inside its first call
         for i in range(1, count):
-            io.submit_read(JobId(i), [ChunkCopy(key(i), SlotId(i), ())], outcomes.append)
+            io.submit_read(JobId(i), [ChunkCopy(key(i), SlotId(i), ())])
         gate.set()
         io.wait([JobId(i) for i in range(count)], timeout=60)
         io.shutdown()
+        outcomes: list[ReadOutcome] = io.poll_reads()
         assert calls == [1, 8, 8, 4]  # 8 chunks of 128 KiB fill the 1 MiB bound
         assert sorted(o.job_id for o in outcomes) == list(range(count))
         assert all(o.ok and o.num_bytes == SMALL for o in outcomes)

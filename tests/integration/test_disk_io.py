@@ -7,7 +7,6 @@ LMDB lets one writer in at a time, so queued spill jobs pile up behind it.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,26 +155,19 @@ def test_map_full_is_reported_per_job(tmp_path: Path, slab: CpuSlab) -> None:
         io.shutdown()
 
 
-def test_reads_land_in_slots_and_chain_on_done(
+def test_reads_land_in_slots_and_their_outcome_waits_for_a_poll(
         tier: DiskTier, slab: CpuSlab, disk_io: TierIO) -> None:
     data = {i: fill(slab, i, seed=i) for i in range(3)}
     disk_io.submit_spill(spill(1, [(i, i) for i in range(3)]))
     disk_io.wait([JobId(1)])
     for slot in range(10, 13):
         slab.memoryview(slot)[:] = bytes(PAYLOAD)
-    outcomes: list[tuple[ReadOutcome, str]] = []
-    done = threading.Event()
-
-    def on_done(outcome: ReadOutcome) -> None:
-        outcomes.append((outcome, threading.current_thread().name))
-        done.set()
-
     chunks = [ChunkCopy(key_of(i), SlotId(10 + i), (), True) for i in range(3)]
     chunks.append(ChunkCopy(key_of(99), SlotId(13), (), True))
-    disk_io.submit_read(JobId(2), chunks, on_done)
-    assert done.wait(10)
-    (outcome, thread_name), = outcomes
-    assert thread_name == "tierkv-disk-reader"
+    disk_io.submit_read(JobId(2), chunks)
+    disk_io.wait([JobId(2)])
+    (outcome,) = disk_io.poll_reads()
+    assert disk_io.poll_reads() == []  # each outcome once
     assert outcome.ok_keys == tuple(key_of(i) for i in range(3))
     assert outcome.missing_keys == (key_of(99),) and not outcome.ok
     assert outcome.num_bytes == 3 * PAYLOAD
@@ -196,24 +188,11 @@ def test_corrupt_value_is_reported_and_deleted(
         last = slab_file.read(1)[0]
         slab_file.seek(-1, 1)
         slab_file.write(bytes([last ^ 0x01]))
-    outcomes: list[ReadOutcome] = []
-    disk_io.submit_read(JobId(2), [ChunkCopy(key_of(1), SlotId(5), ())], outcomes.append)
+    disk_io.submit_read(JobId(2), [ChunkCopy(key_of(1), SlotId(5), ())])
     disk_io.flush()
+    outcomes = disk_io.poll_reads()
     assert outcomes[0].corrupt_keys == (key_of(1),) and outcomes[0].ok_keys == ()
     assert stored(tier, 1) is None and tier.statistics().corrupt == 1
-
-
-def test_on_done_that_raises_keeps_the_reader_alive(
-        tier: DiskTier, slab: CpuSlab, disk_io: TierIO, caplog: pytest.LogCaptureFixture) -> None:
-    def explode(outcome: ReadOutcome) -> None:
-        raise RuntimeError("boom")
-
-    outcomes: list[ReadOutcome] = []
-    disk_io.submit_read(JobId(1), [ChunkCopy(key_of(1), SlotId(0), ())], explode)
-    disk_io.submit_read(JobId(2), [ChunkCopy(key_of(1), SlotId(0), ())], outcomes.append)
-    disk_io.flush()
-    assert [o.job_id for o in outcomes] == [2]
-    assert disk_io.statistics().callback_errors == 1 and "boom" in caplog.text
 
 
 def test_wait_on_a_job_never_submitted_raises(disk_io: TierIO) -> None:
@@ -277,19 +256,22 @@ def test_a_tier_failing_underneath_surfaces_as_broken(
         disk_io.flush()
 
 
-def test_a_broken_tier_is_named_by_its_section_and_setting(
+def test_a_broken_tier_is_named_by_its_medium_and_setting(
         tier: DiskTier, slab: CpuSlab) -> None:
-    """The message names the tier the threads serve and its setting: the remote tier's
-    reads run on a TierIO of their own, whose failure said "disk tier ... check disk.path"."""
-    io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD, section="remote")
+    """The message names the tier the threads serve and its setting, both the tier's own
+    (the remote tier's reads once said "disk tier ... check disk.path")."""
+    from tierkv.tiers.remote.tier import RemoteTier
+
+    assert (RemoteTier.medium, RemoteTier.setting) == ("remote", "remote.url")
+    io = TierIO(tier, slab, write_batch_bytes=4 * PAYLOAD)
     try:
         tier.close()
         io.submit_spill(spill(1, [(1, 0)]))
         io.wait([JobId(1)], timeout=10)
-        with pytest.raises(BrokenError, match="remote io: the remote tier failed underneath") \
+        with pytest.raises(BrokenError, match="disk io: the disk tier failed underneath") \
                 as info:
             io.submit_spill(spill(2, [(2, 0)]))
-        assert "check remote.url" in str(info.value) and "disk.path" not in str(info.value)
+        assert "check disk.path" in str(info.value)
     finally:
         io.shutdown()
 
@@ -313,12 +295,11 @@ def test_idle_writer_syncs_periodically(tmp_path: Path, slab: CpuSlab) -> None:
 def test_a_read_the_tier_cannot_serve_reports_every_key_as_not_landed(
         tier: DiskTier, disk_io: TierIO) -> None:
     tier.close()
-    outcomes: list[ReadOutcome] = []
     chunks = [ChunkCopy(key_of(i), SlotId(i), ()) for i in range(3)]
-    disk_io.submit_read(JobId(1), chunks, outcomes.append)
+    disk_io.submit_read(JobId(1), chunks)
     with pytest.raises(BrokenError):
-        disk_io.flush()  # waits for the read (and its on_done) first
-    (outcome,) = outcomes
+        disk_io.flush()  # waits for the read first
+    (outcome,) = disk_io.poll_reads()
     keys = tuple(key_of(i) for i in range(3))
     assert outcome.ok_keys == () and outcome.missing_keys == keys == outcome.failed_keys
     assert not outcome.ok and "ClosedError" in (outcome.error or "")

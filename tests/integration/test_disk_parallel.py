@@ -114,12 +114,11 @@ def test_one_read_job_is_split_across_reader_threads(tmp_path: Path) -> None:
                 return original(items)
 
             tier.read_many_into = read_many_into  # type: ignore[method-assign]
-            outcomes: list[ReadOutcome] = []
             chunks = [ChunkCopy(key_of(i), SlotId(20 + i), (), True) for i in range(16)]
             chunks.append(ChunkCopy(key_of(99), SlotId(39), (), True))
-            io.submit_read(JobId(2), chunks, outcomes.append)
+            io.submit_read(JobId(2), chunks)
             io.wait([JobId(2)])
-            (outcome,) = outcomes
+            (outcome,) = io.poll_reads()
             assert not gate.broken
             assert len(readers) == 4
             assert outcome.ok_keys == tuple(key_of(i) for i in range(16))  # in job order
@@ -204,10 +203,10 @@ def test_small_chunks_are_not_split_into_pieces(tmp_path: Path) -> None:
                 return original(items)
 
             tier.read_many_into = read_many_into  # type: ignore[method-assign]
-            outcomes: list[ReadOutcome] = []
             chunks = [ChunkCopy(key_of(i), SlotId(20 + i), (), True) for i in range(16)]
-            io.submit_read(JobId(2), chunks, outcomes.append)
+            io.submit_read(JobId(2), chunks)
             io.wait([JobId(2)])
+            outcomes: list[ReadOutcome] = io.poll_reads()
             assert len(readers) == 1  # one call, on one thread
             assert outcomes[0].ok_keys == tuple(key_of(i) for i in range(16))
             for i in range(16):

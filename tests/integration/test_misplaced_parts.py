@@ -145,9 +145,9 @@ def test_a_part_restored_to_the_wrong_place_is_a_miss_for_the_other_tp_reader(
         try:
             with caplog.at_level(logging.WARNING, logger="tierkv"):
                 for job in (1, 2):
-                    io.submit_read(JobId(job), [ChunkCopy(chunk, SlotId(0), (), parts=2)],
-                                   outcomes.append)
+                    io.submit_read(JobId(job), [ChunkCopy(chunk, SlotId(0), (), parts=2)])
                     io.wait([JobId(job)])
+                    outcomes += io.poll_reads()
         finally:
             io.shutdown()
             other.close()

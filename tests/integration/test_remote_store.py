@@ -389,9 +389,12 @@ def test_push_policies(cluster: RedisCluster, tmp_path: Path) -> None:
 
 
 def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisCluster) -> None:
-    """An "absent" answer is kept 50 ms (``answer_seconds``), not longer: what another
-    engine pushes after B asked is a hit on B's lookups once that passed (it was kept 1 s: B
-    recomputed chunks A had pushed). Time is a fake clock."""
+    """An "absent" answer is kept 50 ms (``answer_seconds``, in the index's one record of
+    the remote tier), not longer: what another engine pushes after B asked is a hit on B's
+    lookups once that passed (it was kept 1 s: B recomputed chunks A had pushed). Time is a
+    fake clock."""
+    from tierkv.core.index import BlockIndex
+    from tierkv.engine.tier_lookup import lookup_tiers
     from tierkv.tiers.remote.tier import RemoteTier
     from tierkv.tiers.remote.lookup import RemoteLookup
 
@@ -401,17 +404,20 @@ def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisClust
         settings = RemoteTierConfig(url=cluster.url, timeout_seconds=5.0)
         lookup = RemoteLookup(RemoteTier(settings, engine_a.namespace, 0, 1024), [[Part(0, 1)]], 5.0,
                               clock=lambda: now[0])
+        index = BlockIndex(4, clock=lambda: now[0])
         try:
-            assert lookup.answer_seconds == 0.05
-            assert lookup.ask(keys) == []  # asked: absent
+            assert index.remote.answer_seconds == 0.05
+            assert lookup_tiers(index, lookup, keys) == ((0, False, 0, 0), False)  # absent
             store_all(engine_a, keys)
             push(engine_a)
             now[0] += 0.049
-            assert lookup.ask(keys) == []  # the answer is still kept: not asked again
             requests = lookup.statistics().requests
+            assert lookup_tiers(index, lookup, keys)[0].num_hits == 0  # kept: not asked
+            assert lookup.statistics().requests == requests
             now[0] += 0.002
-            assert lookup.ask(keys) == keys
+            assert lookup_tiers(index, lookup, keys) == ((3, False, 0, 3), False)
             assert lookup.statistics().requests == requests + 1
+            assert index.remote.count_of(keys[0]) == 1
         finally:
             lookup.shutdown()
 
@@ -438,7 +444,7 @@ def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None
             # Connected already (statistics() would wait for a connect in progress).
             assert (lookup.tier._client is not None) is connected  # noqa: SLF001
             if connected:
-                assert lookup.ask([bytes(32)]) == []  # one round trip: not "not yet"
+                assert lookup.ask([bytes(32)]) == {bytes(32): 0}  # one round trip: not "not yet"
             assert lookup.tier.statistics().cluster is connected
             if not connected:
                 assert took < 0.5 + 0.5

@@ -373,3 +373,20 @@ def test_values_of_tierkv_format_4_are_named_and_refused_never_read(
     assert main(["rm", cluster.url, "--namespace", old_fp, "--yes"]) == 0
     assert not any(raw.exists(name) for name in names)
     raw.close()
+
+
+def test_a_long_scan_reports_its_progress_through_the_tiers_scan(
+        cluster: RedisCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """The tools list keys through the tier's one SCAN loop (``client.scan_names``), every
+    page under the tool's deadline, and a long listing says how far it got."""
+    from tierkv.tiers.remote.tools import Session, scan_entries
+
+    keys = fill(cluster)
+    session = Session(relaxed(cluster.url))
+    try:
+        entries = scan_entries(session, NS.fingerprint()[:6], report_every=10)
+    finally:
+        session.close()
+    assert sorted(key for _, fingerprint, _, key in entries
+                  if fingerprint == NS.fingerprint()) == sorted(keys + keys)
+    assert "  ... 10 keys scanned\n  ... 20 keys scanned\n" in capsys.readouterr().err

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +199,77 @@ def test_the_cuda_module_imports_without_touching_cuda() -> None:
 
     assert cuda_module.CudaTransferEngine.__name__ == "CudaTransferEngine"
     assert not torch.cuda.is_initialized()
+
+
+@contextmanager
+def disk_executor(engine: CpuTransferEngine, tmp_path: Path) -> Iterator[JobExecutor]:
+    """An executor over ``engine`` and a real disk tier that holds chunk 7 (slot 0's bytes
+    after a store of blocks 0-3)."""
+    from tierkv.config import DiskTierConfig
+    from tierkv.keys import Namespace
+    from tierkv.tiers.disk.tier import DiskTier
+    from tierkv.transfer.tier_io import TierIO
+
+    size = engine.chunk_bytes
+    namespace = Namespace(model_id="tiny", dtype="bfloat16", kv_layout="NHD",
+                          page_bytes=size // BPC, tokens_per_chunk=16)
+    with DiskTier(tmp_path, namespace, 0, DiskTierConfig(path=tmp_path), size) as tier:
+        executor = JobExecutor(engine, TierIO(tier, engine.slab, 4 * size))
+        try:
+            executor.submit(store(1, chunk(7, 0, (0, 1, 2, 3))))
+            executor.wait([JobId(1)])
+            tier.put_many([(bytes([7]) * 32, engine.slab.memoryview(0)[:size])])
+            executor.poll_finished()
+            yield executor
+        finally:
+            executor.shutdown()
+
+
+FROM_DISK = LoadSpec(JobId(2), (chunk(7, 1, (4, 5, 6, 7))._replace(from_disk=True),))
+
+
+def test_a_chained_load_is_advanced_by_the_executor_not_by_a_reader_thread(
+        kv: KV, tmp_path: Path) -> None:
+    """A load from disk: the reader thread only reads into the slot; the copy to the GPU is
+    submitted by the executor, on its caller's thread (it was a callback the reader ran,
+    under the executor's lock). Its outcome waits until the caller polls."""
+    engine = make_engine(kv)
+    submitters: list[str] = []
+    submit_load = engine.submit_load
+
+    def recorded(spec: LoadSpec) -> None:
+        submitters.append(threading.current_thread().name)
+        submit_load(spec)
+
+    engine.submit_load = recorded  # type: ignore[method-assign]
+    with disk_executor(engine, tmp_path) as executor:
+        executor.submit(FROM_DISK)
+        assert executor.disk_io is not None
+        executor.disk_io.wait([JobId(2)])  # read: its copy is not submitted yet
+        assert submitters == []
+        executor.wait([JobId(2)])
+        (done,) = executor.poll_finished()
+        assert done.ok and [read.tier for read in done.reads] == ["disk"]
+        assert submitters == [threading.current_thread().name]
+        assert torch.equal(kv.chunk((4, 5, 6, 7)), kv.chunk((0, 1, 2, 3)))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_chained_load_whose_copy_is_refused_completes_failed(
+        kv: KV, tmp_path: Path) -> None:
+    """The copy thread died between the load's read and its copy: the load completes, its
+    chunk failed, with the copy's error (the reader thread raised it, and the load never
+    completed)."""
+    def die(spec: StoreSpec | LoadSpec) -> None:
+        if spec.job_id == 3:
+            raise _Fatal("copy thread killed")
+
+    engine = make_engine(kv, gate=die)  # type: ignore[arg-type]
+    with disk_executor(engine, tmp_path) as executor:
+        executor.submit(store(3, chunk(8, 2, (8, 9, 10, 11))))
+        executor.wait([JobId(3)])
+        executor.submit(FROM_DISK)
+        executor.wait([JobId(2)])
+        done = {c.job_id: c for c in executor.poll_finished()}[JobId(2)]
+        assert not done.ok and done.failed_keys == (bytes([7]) * 32,)
+        assert done.error is not None and "copy thread died" in done.error

@@ -265,15 +265,11 @@ class Asker:
         self.keys = keys
         self.asked = 0
 
-    def ask(self, keys: list[bytes]) -> list[bytes]:
+    def ask(self, keys: list[bytes]) -> dict[bytes, int]:
+        """Each key's part count (1: held, 0: absent)."""
         self.asked += 1
         held = set(self.keys)
-        out = []
-        for key in keys:
-            if key not in held:
-                break
-            out.append(key)
-        return out
+        return {key: int(key in held) for key in keys}
 
 
 def test_a_remote_tier_no_hit_could_pay_for_is_not_asked_until_its_probe() -> None:

@@ -232,7 +232,7 @@ def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
 
 def test_the_disk_io_counters_are_declared_on_a_record() -> None:
     assert [f.name for f in figures(TierIOStatistics)] == [
-        "spill_jobs", "write_txns", "read_jobs", "callback_errors"]
+        "spill_jobs", "write_txns", "read_jobs"]
     assert TierIOStatistics(read_jobs=3).snapshot().read_jobs == 3
 
 

@@ -106,7 +106,16 @@ class BlockIndex:
             raise UsageError("block index: set_disk_capacity without a disk tier")
         return self._disk.resize(num_chunks)
 
-    def lookup(self, keys: Sequence[bytes]) -> Lookup:
+    @property
+    def remote(self) -> RemoteMarks:
+        """What is known of the remote tier's chunks (core/remote_marks.py)."""
+        return self._marks
+
+    def lookup(self, keys: Sequence[bytes],
+               ask: Callable[[Sequence[bytes]], None] | None = None) -> Lookup:
+        """``ask(rest)``: called once, at the first chunk neither held nor marked, with the
+        keys from there on: it asks the remote tier and notes what it has
+        (:func:`tierkv.engine.tier_lookup.lookup_tiers`); the walk goes on from there."""
         hits = 0
         on_cpu = 0
         remote = 0
@@ -117,6 +126,10 @@ class BlockIndex:
             entry = entries.get(key)
             if entry is None:
                 seen = marks.get(key)
+                if (seen is None or seen < oldest) and ask is not None:
+                    ask(keys[hits:])  # hits: this key's position
+                    ask = None
+                    seen = marks.get(key)
                 if seen is None or seen < oldest:
                     break
                 remote += 1

@@ -1,30 +1,47 @@
-"""The remote tier's part of the block index: what it remembers about chunks held remotely.
+"""RemoteMarks: what this scheduler knows of the remote tier's chunks, in one place.
+
+The one record of what the remote server holds (the block index keeps it as an attribute
+of its own, and lives as long; the remote lookup thread keeps nothing: it hands each answer
+here, through :func:`tierkv.engine.tier_lookup.lookup_tiers`):
 
 - ``marks``: chunks the remote tier had (key -> when it answered), oldest first. Until
   ``seconds`` pass a mark counts as a hit; at most ``limit`` are kept (the oldest go first).
-- ``gone``: chunks whose remote load failed (key -> when): not noted again for as long, so
-  a phantom is never a hit twice, and never a loop.
+- ``parts``: the part count each chunk was last found under (key -> count, oldest first,
+  at most ``limit``): a load of another TP size's chunk reads it under that count; kept
+  past the mark's promotion (the load needs it after ``prepare_load``).
+- ``absent``: chunks the remote tier did not have (key -> when), not asked again for
+  ``answer_seconds`` (a request waiting for GPU blocks is not asked about every step; a
+  chunk another engine pushes is found that much later at most).
+- ``gone``: chunks whose remote load failed (key -> when): not noted again for
+  ``seconds``, so a phantom is never a hit twice, and never a loop.
 
-``marks`` is a plain dict on purpose: :class:`~tierkv.core.index.BlockIndex` holds it as an
-attribute of its own and reads it inline in ``lookup`` and ``prepare_load`` (no method call
-per key on the hot path). It is only ever mutated in place, never rebound.
+``marks`` is a plain dict on purpose: :class:`~tierkv.core.index.BlockIndex` reads it
+inline in ``lookup`` and ``prepare_load`` (no method call per key on the hot path). It is
+only ever mutated in place, never rebound.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 
 from tierkv.core.policy import require
 
+ANSWER_SECONDS = 0.05  # how long an "absent" answer is kept (docs/benchmarks/remote.md)
+
 
 class RemoteMarks:
-    __slots__ = ("seconds", "limit", "marks", "gone", "_clock")
+    __slots__ = ("seconds", "limit", "answer_seconds", "marks", "parts", "absent", "gone",
+                 "_clock")
 
-    def __init__(self, seconds: float, limit: int, clock: Callable[[], float]) -> None:
+    def __init__(self, seconds: float, limit: int, clock: Callable[[], float],
+                 answer_seconds: float = ANSWER_SECONDS) -> None:
         self.seconds = seconds
         self.limit = limit
+        self.answer_seconds = answer_seconds
         self._clock = clock
         self.marks: dict[bytes, float] = {}
+        self.parts: dict[bytes, int] = {}
+        self.absent: dict[bytes, float] = {}
         self.gone: dict[bytes, float] = {}
 
     def __len__(self) -> int:
@@ -51,10 +68,39 @@ class RemoteMarks:
             del marks[next(iter(marks))]
         return noted
 
+    def answered(self, answers: Mapping[bytes, int]) -> None:
+        """The remote tier's answers (key -> the part count found under, 0: absent): the
+        part counts kept, the absences kept ``answer_seconds`` (the presences are marked
+        by ``note``, which knows what the index holds)."""
+        now = self._clock()
+        parts, absent = self.parts, self.absent
+        since = now - self.answer_seconds
+        while absent and next(iter(absent.values())) < since:
+            del absent[next(iter(absent))]
+        for key, count in answers.items():
+            absent.pop(key, None)  # re-inserted: the newest
+            parts.pop(key, None)
+            if count:
+                parts[key] = count
+            else:
+                absent[key] = now
+        for table in (parts, absent):
+            while len(table) > self.limit:
+                del table[next(iter(table))]
+
+    def absent_lately(self, key: bytes) -> bool:
+        """Whether the remote tier lacked ``key`` less than ``answer_seconds`` ago."""
+        seen = self.absent.get(key)
+        return seen is not None and seen >= self._clock() - self.answer_seconds
+
     def holds(self, key: bytes) -> bool:
         """Whether ``key`` is noted on the remote tier (and not too long ago)."""
         seen = self.marks.get(key)
         return seen is not None and seen >= self._clock() - self.seconds
+
+    def count_of(self, key: bytes) -> int:
+        """The part count ``key`` was last found under (0: never found)."""
+        return self.parts.get(bytes(key), 0)
 
     def failed(self, key: bytes) -> None:
         """A remote load of ``key`` failed: not noted again for ``seconds``."""
@@ -65,4 +111,4 @@ class RemoteMarks:
         require(len(self.marks) <= self.limit, f"{len(self.marks)} remote marks")
 
 
-__all__ = ["RemoteMarks"]
+__all__ = ["ANSWER_SECONDS", "RemoteMarks"]

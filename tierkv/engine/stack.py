@@ -190,7 +190,7 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
             # later, never a failed start): a node that stalls later fails its own chunks
             # only, the cluster's nodes being known; on first use, a stalled seed failed all.
             remote.warm_up()
-            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
+            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads)
             if settings.push != "read_only":
                 pusher = RemoteIO(remote, settings.queue_bytes)
         executor = JobExecutor(transfer, disk_io, remote_io=remote_io, pusher=pusher,

@@ -172,7 +172,7 @@ class SchedulerSide:
         TP size's (docs/on-disk-format.md, "Parts")."""
         own = self.geometry.num_parts
         if from_remote:
-            count = self.remote.count_of(key) if self.remote is not None else 0
+            count = self.index.remote.count_of(key)
         else:
             count = self._disk_parts.get(key, 0)
         return 0 if count == own else count

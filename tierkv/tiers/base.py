@@ -108,6 +108,8 @@ class LowerTier(ABC):
 
     payload_bytes: int
     read_only: bool
+    medium: str = "lower"  # its name in messages and thread names ("disk io: ...")
+    setting: str = "its settings"  # the setting a message of its failure sends one to
     sync_inline: bool = True
     write_lanes: int = 1
     transient_failures: bool = False

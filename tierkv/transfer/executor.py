@@ -1,11 +1,14 @@
 """JobExecutor: the worker side's transfer handler. It runs job specs, decides nothing.
 
 Primitives:
-- ``submit(spec)``: StoreSpec -> GPU->CPU copy; SpillSpec -> disk writer thread;
-  LoadSpec -> (disk reader threads for ``from_disk`` chunks, remote reader threads for
-  ``from_remote`` ones, then) CPU->GPU copy of the chunks that landed; missing or corrupt
-  ones are failed keys of the same job, so the engine recomputes them and never sees a
-  false hit. Returns at once.
+- ``submit(spec)``: each step of a job runs on the handler of its medium pair (the
+  transfer table ``reads`` and ``transfer``): StoreSpec -> GPU->CPU copy; SpillSpec ->
+  CPU->disk writer threads; LoadSpec -> disk->CPU reads of its ``from_disk`` chunks and
+  remote->CPU reads of its ``from_remote`` ones (in parallel), chained with the CPU->GPU
+  copy of the chunks that landed; missing or corrupt ones are failed keys of the same
+  job, so the engine recomputes them and never sees a false hit. Returns at once.
+  The chain is advanced by the executor on its caller's thread (``poll_finished*``,
+  ``wait``, ``cut``): a reader thread only finishes its read, it calls nothing here.
 - Pushes to the remote tier (``pusher``, a :class:`~tierkv.tiers.remote.pushes.RemoteIO`):
   as a store job's chunks land in their slots (``push_on="on_store"``) or as a spill job's
   land on disk (``"on_evict"``), ``poll_finished`` queues a copy of each slot before it
@@ -28,20 +31,17 @@ Primitives:
   (a fence need not wait: it touches no GPU block). False: its GPU copy is submitted (or
   it has no read): it lands as usual.
 - ``shutdown()``: finish what was submitted, flush the disk tier, stop threads.
-Called from one thread (the worker's); reader threads only run chained loads' steps.
+Called from one thread (the worker's); it holds no lock: no other thread touches its state.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Set
-from functools import partial
 from typing import Protocol
 
-from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobKind, JobSpec, LoadSpec, SpillSpec,
-                              TierRead,
-                              StoreSpec, failed_set)
+from tierkv.core.jobs import (ChunkCopy, Completion, JobId, JobKind, JobSpec, LoadSpec,
+                              SpillSpec, StoreSpec, TierRead, failed_set)
 from tierkv.errors import BrokenError, ClosedError, TierKVError, UsageError
 from tierkv.transfer.base import TransferEngine
 from tierkv.transfer.tier_io import TierIO, ReadOutcome
@@ -57,8 +57,9 @@ class _Waiter(Protocol):
 
 class _Live:
     """The executor's record of a job in flight: its spec, what to wait on (None: its
-    completion is ready), whether its chunks are pushed once they land, and the GPU blocks
-    it reads or writes (``jobs_touching``: worked out on its first call, then kept)."""
+    completion is ready, or it is a chained load), whether its chunks are pushed once they
+    land, and the GPU blocks it reads or writes (``jobs_touching``: worked out on its first
+    call, then kept)."""
 
     __slots__ = ("spec", "waiter", "push", "blocks")
 
@@ -69,28 +70,54 @@ class _Live:
         self.blocks: frozenset[int] | None = None
 
 
-class _ChainedLoad:
-    """A load whose disk part runs first; filled in by a reader thread."""
+class _Chain:
+    """A load whose chunks are read from lower tiers into their slots first (one read per
+    source medium, in parallel), then copied to the GPU; advanced by the executor
+    (:meth:`JobExecutor._advance`) on its caller's thread."""
 
-    def __init__(self, keys: tuple[bytes, ...], transfer: TransferEngine) -> None:
-        self.keys = keys
-        self.transfer = transfer
-        self.read_done = threading.Event()
-        self.submitted_copy = False
-        self.failed: tuple[bytes, ...] = ()
-        self.corrupt: tuple[bytes, ...] = ()
-        self.missing: tuple[bytes, ...] = ()  # not on disk at all (not a tier failure)
-        self.reads: tuple[TierRead, ...] = ()  # what each lower tier read, for its path
-        self.read_seconds = 0.0
-        self.decided = False  # its reads finished and its copy was decided (under the lock)
+    __slots__ = ("spec", "pending", "outcomes", "cut", "copying")
+
+    def __init__(self, spec: LoadSpec, pending: dict[str, tuple[ChunkCopy, ...]]) -> None:
+        self.spec = spec
+        self.pending = pending  # the reads not in yet: source medium -> its chunks
+        self.outcomes: list[tuple[str, tuple[ChunkCopy, ...], ReadOutcome]] = []
         self.cut = False  # cut at its deadline (JobExecutor.cut): nothing is copied
+        self.copying = False  # its reads are in and its copy to the GPU was submitted
 
-    def wait(self, job_ids: Iterable[JobId]) -> None:
-        if self.cut:  # it touches no GPU block: a fence need not wait for its reads
-            return
-        self.read_done.wait()
-        if self.submitted_copy:
-            self.transfer.wait(job_ids)
+    def _bad(self) -> set[bytes]:
+        """The keys that did not land in their slots."""
+        bad: set[bytes] = set()
+        for _, part, read in self.outcomes:
+            failed = set(read.missing_keys) | set(read.corrupt_keys) | set(read.failed_keys)
+            bad |= failed if read.error is None or failed else {c.key for c in part}
+        return bad  # (an error naming no key: the read failed as a whole)
+
+    def landed(self) -> tuple[ChunkCopy, ...]:
+        """Its reads are all in: the chunks to copy to the GPU (none once cut: the slots
+        hold the chunks, nothing is copied)."""
+        bad = self._bad()
+        return () if self.cut else tuple(c for c in self.spec.chunks if c.key not in bad)
+
+    def merge(self, copy: Completion | None) -> Completion:
+        """The load's completion: its reads' and (``copy``) its copy's."""
+        bad = self._bad()
+        failed = tuple(c.key for c in self.spec.chunks if c.key in bad)
+        if copy is not None:
+            copied = tuple(c.key for c in self.spec.chunks if c.key not in bad)
+            failed += tuple(failed_set(copy, copied))
+        reads = [read for _, _, read in self.outcomes]
+        corrupt = tuple(key for read in reads for key in read.corrupt_keys)
+        error = copy.error if copy else None
+        if corrupt and not error:
+            error = f"{len(corrupt)} chunk(s) failed their checks where they were read"
+        return Completion(
+            self.spec.job_id, JobKind.LOAD, not failed, copy.num_bytes if copy else 0,
+            (copy.seconds if copy else 0.0) + max(read.seconds for read in reads),
+            failed_keys=failed, corrupt_keys=corrupt, error=error,
+            missing_keys=tuple(key for read in reads for key in read.missing_keys
+                               if key not in read.failed_keys),  # not a tier failure
+            reads=tuple(TierRead(medium, read.num_bytes, read.seconds)
+                        for medium, _, read in self.outcomes))
 
 
 class JobExecutor:
@@ -101,10 +128,15 @@ class JobExecutor:
         self.disk_io = disk_io
         self.remote_io = remote_io  # reads of the remote tier
         self.pusher = pusher
+        # The transfer table: the handler of each (source, destination) medium pair.
+        # GPU <-> CPU: the transfer engine; CPU -> disk: the disk tier's writers; a lower
+        # tier -> CPU: its readers, chained with CPU -> GPU by the executor.
+        self.reads: dict[str, TierIO] = {medium: io for medium, io in (
+            ("disk", disk_io), ("remote", remote_io)) if io is not None}
         self._push_kind = {"on_store": StoreSpec, "on_evict": SpillSpec}.get(push_on)
         self._ledger: JobLedger[_Live] = JobLedger("worker")
         self._direct: list[Completion] = []  # completions ready at once (see _start)
-        self._lock = threading.Lock()
+        self._chains: dict[JobId, _Chain] = {}  # chained loads not yet polled
         self._closed = False
 
     # ------------------------------------------------------------------ submit
@@ -116,7 +148,8 @@ class JobExecutor:
         self._ledger.add(spec.job_id, _Live(spec, self._start(spec), push))
 
     def _start(self, spec: JobSpec) -> _Waiter | None:
-        """Start ``spec``; what to wait on for it (None: its completion is ready)."""
+        """Start ``spec``; what to wait on for it (None: its completion is ready, or it is
+        a chained load)."""
         if isinstance(spec, StoreSpec):
             self.transfer.submit_store(spec)
             return self.transfer
@@ -132,119 +165,79 @@ class JobExecutor:
                 # tier or are dropped), and the error is logged once per job.
                 keys = tuple(key for key, _ in spec.writes)
                 log.warning("worker: disk tier unusable, spill job %s failed: %s", spec.job_id, exc)
-                with self._lock:
-                    self._direct.append(Completion(spec.job_id, spec.kind, ok=False,
-                                                   failed_keys=keys, full_keys=keys,
-                                                   error=str(exc)))
+                self._direct.append(Completion(spec.job_id, spec.kind, ok=False,
+                                               failed_keys=keys, full_keys=keys,
+                                               error=str(exc)))
                 return None
-        if not any(chunk.from_disk or chunk.from_remote for chunk in spec.chunks):
+        by_medium = {medium: chunks for medium, chunks in (
+            ("disk", tuple(c for c in spec.chunks if c.from_disk)),
+            ("remote", tuple(c for c in spec.chunks if c.from_remote))) if chunks}
+        if not by_medium:
             self.transfer.submit_load(spec)
             return self.transfer
-        return self._submit_chained_load(spec)
-
-    def _submit_chained_load(self, spec: LoadSpec) -> _ChainedLoad:
-        """Read the job's disk and remote chunks into their slots (in parallel), then copy
-        the chunks that landed to the GPU."""
-        reads = [(io, name, chunks) for io, name, chunks in (
-            (self.disk_io, "disk", tuple(c for c in spec.chunks if c.from_disk)),
-            (self.remote_io, "remote", tuple(c for c in spec.chunks if c.from_remote)))
-            if chunks]
-        for io, name, _ in reads:
-            if io is None:
-                raise UsageError(f"worker: load from the {name} tier without one (set "
-                                 f"{'disk.path' if name == 'disk' else 'remote'})")
-        chained = _ChainedLoad(tuple(c.key for c in spec.chunks), self.transfer)
-        outcomes: list[tuple[tuple[ChunkCopy, ...], ReadOutcome]] = []
-        tiers: list[str] = []
-
-        def on_done(name: str, chunks: tuple[ChunkCopy, ...], outcome: ReadOutcome) -> None:
-            with self._lock:
-                outcomes.append((chunks, outcome))
-                tiers.append(name)
-                if len(outcomes) < len(reads):
-                    return
-            bad: set[bytes] = set()
-            missing: list[bytes] = []
-            corrupt: list[bytes] = []
-            for part, read in outcomes:
-                failed = set(read.missing_keys) | set(read.corrupt_keys) | set(read.failed_keys)
-                if read.error is not None and not failed:  # failed as a whole
-                    failed = {c.key for c in part}
-                bad |= failed
-                corrupt += read.corrupt_keys
-                tier_failed = set(read.failed_keys)
-                missing += (k for k in read.missing_keys if k not in tier_failed)
-            landed = tuple(c for c in spec.chunks if c.key not in bad)
-            with self._lock:
-                chained.decided = True
-                if chained.cut:  # past its deadline: the slots hold the chunks, no copy
-                    landed = ()
-                chained.failed = tuple(k for k in chained.keys if k in bad)
-                chained.corrupt = tuple(corrupt)
-                chained.missing = tuple(missing)
-                chained.reads = tuple(TierRead(tier, read.num_bytes, read.seconds)
-                                      for tier, (_, read) in zip(tiers, outcomes))
-                chained.read_seconds = max(read.seconds for _, read in outcomes)
-                chained.submitted_copy = bool(landed)
-                if not landed:
-                    self._direct.append(self._merge(spec.job_id, None, chained))
+        for medium in by_medium:
+            if medium not in self.reads:
+                raise UsageError(f"worker: load from the {medium} tier without one (set "
+                                 f"{'disk.path' if medium == 'disk' else 'remote'})")
+        chain = self._chains[spec.job_id] = _Chain(spec, dict(by_medium))
+        for medium, chunks in by_medium.items():
             try:
-                if landed:
-                    self.transfer.submit_load(LoadSpec(spec.job_id, landed))
-            finally:
-                chained.read_done.set()
-
-        for io, name, chunks in reads:
-            assert io is not None
-            try:
-                io.submit_read(spec.job_id, chunks, partial(on_done, name, chunks))
+                self.reads[medium].submit_read(spec.job_id, chunks)
             except (BrokenError, ClosedError) as exc:  # a broken tier: those chunks miss
                 keys = tuple(c.key for c in chunks)
                 log.warning("worker: %s tier unusable, load job %s reads nothing from it: %s",
-                            name, spec.job_id, exc)
-                on_done(name, chunks, ReadOutcome(spec.job_id, (), keys, (), 0, 0.0,
-                                            failed_keys=keys, error=str(exc)))
-        return chained
+                            medium, spec.job_id, exc)
+                self._read_in(chain, medium, ReadOutcome(spec.job_id, (), keys, (), 0, 0.0,
+                                                         failed_keys=keys, error=str(exc)))
+        return None
 
-    # ------------------------------------------------------------------ completions
-    def _merge(self, job_id: JobId, copy: Completion | None, chained: _ChainedLoad) -> Completion:
-        failed = chained.failed
-        if copy is not None:
-            copied = tuple(k for k in chained.keys if k not in chained.failed)
-            failed += tuple(failed_set(copy, copied))
-        error = copy.error if copy else None
-        if chained.corrupt and not error:
-            error = f"{len(chained.corrupt)} chunk(s) failed their checks where they were read"
-        return Completion(
-            job_id, JobKind.LOAD, not failed, copy.num_bytes if copy else 0,
-            (copy.seconds if copy else 0.0) + chained.read_seconds, failed_keys=failed,
-            corrupt_keys=chained.corrupt, error=error, missing_keys=chained.missing,
-            reads=chained.reads)
+    # ------------------------------------------------------------------ chained loads
+    def _advance(self) -> None:
+        """Take the reads that finished; a chained load whose reads are all in goes on to
+        its copy to the GPU (or completes, nothing to copy)."""
+        for medium, io in self.reads.items():
+            for outcome in io.poll_reads():
+                chain = self._chains.get(outcome.job_id)
+                if chain is not None:
+                    self._read_in(chain, medium, outcome)
+
+    def _read_in(self, chain: _Chain, medium: str, outcome: ReadOutcome) -> None:
+        chain.outcomes.append((medium, chain.pending.pop(medium), outcome))
+        if chain.pending:
+            return
+        landed, copy = chain.landed(), None
+        if landed:
+            try:
+                self.transfer.submit_load(LoadSpec(chain.spec.job_id, landed))
+                chain.copying = True
+                return
+            except (BrokenError, ClosedError) as exc:  # the copy thread died: a failed copy
+                copy = Completion(chain.spec.job_id, JobKind.LOAD, False, error=str(exc),
+                                  failed_keys=tuple(c.key for c in landed))
+        self._direct.append(chain.merge(copy))
 
     def cut(self, job_id: JobId) -> bool:
         """See the module docstring: whether the load ``job_id`` copies nothing from now on."""
-        live = self._ledger.record(job_id)
-        chained = live.waiter if live is not None else None
-        if not isinstance(chained, _ChainedLoad):
+        self._advance()
+        chain = self._chains.get(job_id)
+        if chain is None or not chain.pending:
             return False
-        with self._lock:
-            if chained.decided:
-                return False
-            chained.cut = True
-            return True
+        chain.cut = True
+        return True
 
+    # ------------------------------------------------------------------ completions
     def poll_finished(self) -> list[Completion]:
         return [completion for completion, _ in self.poll_finished_jobs()]
 
     def poll_finished_jobs(self) -> list[tuple[Completion, JobSpec | None]]:
         """``poll_finished()``, each completion with its job's spec."""
-        with self._lock:
-            finished, self._direct = self._direct, []
+        self._advance()
+        finished, self._direct = self._direct, []
         ledger = self._ledger
         for completion in self.transfer.poll_finished():
-            live = ledger.record(completion.job_id)
-            if live is not None and isinstance(live.waiter, _ChainedLoad):
-                completion = self._merge(completion.job_id, completion, live.waiter)
+            chain = self._chains.get(completion.job_id)
+            if chain is not None:
+                completion = chain.merge(completion)
             finished.append(completion)
         if self.disk_io is not None:
             finished.extend(self.disk_io.poll_finished())
@@ -252,6 +245,7 @@ class JobExecutor:
         for completion in finished:
             live = ledger.record(completion.job_id)
             ledger.finish(completion.job_id)
+            self._chains.pop(completion.job_id, None)
             if live is None:
                 jobs.append((completion, None))
                 continue
@@ -273,7 +267,16 @@ class JobExecutor:
 
     def wait(self, job_ids: Iterable[JobId]) -> None:
         for job_id, live in self._ledger.pending(job_ids).items():
-            if live.waiter is not None:
+            chain = self._chains.get(job_id)
+            if chain is not None:
+                if chain.cut:  # it touches no GPU block: a fence need not wait for its reads
+                    continue
+                for medium in list(chain.pending):
+                    self.reads[medium].wait([job_id])
+                self._advance()
+                if chain.copying:
+                    self.transfer.wait([job_id])
+            elif live.waiter is not None:
                 live.waiter.wait([job_id])
 
     def in_flight_ids(self) -> list[JobId]:

@@ -1,5 +1,6 @@
-"""Worker-side threads that move chunks between the CPU slab and a lower tier (the disk tier;
-the remote tier's reads run on a TierIO of their own, ``section="remote"``).
+"""Worker-side threads that move chunks between the CPU slab and a lower tier (one TierIO
+per tier; messages and threads are named by the tier's ``medium``, and a failure's message
+sends one to the tier's ``setting``).
 
 It stays in ``transfer/`` (not in a tier's package): it runs job specs and completions
 (``core.jobs``) over the CPU slab with the transfer layer's :class:`JobLedger`, and tiers
@@ -18,19 +19,20 @@ Primitives and contracts:
   several transactions. A job is reported only after the commit of its last transaction in
   every lane, and jobs are reported in submission order. A key the map could not take is in
   ``full_keys`` and ``failed_keys`` of the job's :class:`Completion` (``ok`` is then False).
-- ``submit_read(job_id, chunks, on_done)`` returns at once. ``reader_threads`` threads run
-  read jobs, taken in submission order, a job's chunks split between the idle threads:
-  each ``chunk.key`` is read into slot ``chunk.slot``, then ``on_done(ReadOutcome)`` runs in
-  the thread that read the job's last piece (chain the CPU -> GPU copy from there). Jobs may
-  finish out of order. An exception from ``on_done`` is logged and the thread goes on.
+- ``submit_read(job_id, chunks)`` returns at once. ``reader_threads`` threads run read
+  jobs, taken in submission order, a job's chunks split between the idle threads: each
+  ``chunk.key`` is read into slot ``chunk.slot``. Jobs may finish out of order; a finished
+  job's :class:`ReadOutcome` waits in ``poll_reads()`` (the executor takes it there and
+  chains the CPU -> GPU copy: a reader thread calls nothing of its caller's).
   A reader hands the tier a part and the small whole jobs queued after it, up to its
   share of ``tier.read_batch_bytes``, in one ``read_many_into`` (the disk tier keeps them
   all in flight); a network tier's chunks are read one by one.
-- ``poll_finished()`` spill completions in FIFO order, non-blocking.
-- ``wait(job_ids, timeout=None)`` blocks until those jobs completed (a read: with its
-  ``on_done``); it does not consume them from ``poll_finished``. Spill and read ids share
+- ``poll_finished()`` spill completions in FIFO order, ``poll_reads()`` read outcomes as
+  they finished; both non-blocking.
+- ``wait(job_ids, timeout=None)`` blocks until those jobs completed; it does not consume
+  them from ``poll_finished`` / ``poll_reads``. Spill and read ids share
   one :class:`~tierkv.transfer.ledger.JobLedger`, and raise as it does.
-- ``flush()`` waits for everything submitted so far (spills, reads and their callbacks), then
+- ``flush()`` waits for everything submitted so far (spills and reads), then
   syncs the tier. ``shutdown()`` flushes and stops the threads, idempotent; the tier stays open.
 - An exception inside a thread never kills it: the job is reported failed with ``error``
   set. A broken or closed tier underneath surfaces as :class:`BrokenError` on the next call.
@@ -62,8 +64,6 @@ from tierkv.transfer.ledger import JobLedger
 
 logger = logging.getLogger("tierkv.tier_io")
 
-# The setting a broken tier's message sends the operator to, per config section.
-SETTING = {"disk": "disk.path", "remote": "remote.url"}
 PIECE_BYTES = 1 << 20  # a read job's pieces are at least this big: a hand-off costs too
 
 
@@ -95,7 +95,6 @@ class TierIOStatistics(Record):
     spill_jobs: int = counter("Spill jobs written")
     write_txns: int = counter("Write transactions committed")
     read_jobs: int = counter("Read jobs done")
-    callback_errors: int = counter("Completion callbacks that raised (logged)")
 
 
 @dataclass(eq=False)
@@ -116,7 +115,6 @@ _Part = tuple[_SpillJob, tuple[tuple[Key, int], ...], tuple[Key, ...]]  # writes
 class _ReadJob:
     job_id: JobId
     chunks: tuple[ChunkCopy, ...]
-    on_done: Callable[[ReadOutcome], None]
     pieces: int  # pieces not yet read
     status: list[ReadStatus | None]  # per chunk; None: not looked up (the tier failed)
     start: float
@@ -124,14 +122,14 @@ class _ReadJob:
 
 
 class TierIO:
-    """The threads over a lower tier (``section``: the config section that names it, in
-    messages and thread names); see the module docstring."""
+    """The threads over a lower tier; see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
-                 reader_threads: int = 4, section: str = "disk") -> None:
-        self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
+                 reader_threads: int = 4) -> None:
+        section = tier.medium
+        self._io = f"{section} io"  # "disk io": in messages and thread names
         self._tier_name = f"{section} tier"
-        self._setting = SETTING.get(section, f"the {section} settings")
+        self._setting = tier.setting
         for name, value in (("write_batch_bytes", write_batch_bytes),
                             ("reader_threads", reader_threads)):
             check_int(f"{self._io}: {section}.{name}", value, low=1)
@@ -154,6 +152,7 @@ class TierIO:
         self._submitted = 0
         self._reads: deque[tuple[_ReadJob, int, int]] = deque()  # (job, first, end) pieces
         self._finished: list[Completion] = []
+        self._read: list[ReadOutcome] = []  # finished reads, not yet polled
         self._ledger: JobLedger[None] = JobLedger(self._io)  # spill and read jobs
         self._counts = TierIOStatistics()
         self._broken: BaseException | None = None
@@ -215,15 +214,14 @@ class TierIO:
                     (job, tuple(writes.get(lane, ())), tuple(deletes.get(lane, ()))))
             self._cond.notify_all()
 
-    def submit_read(self, job_id: JobId, chunks: Sequence[ChunkCopy],
-                    on_done: Callable[[ReadOutcome], None]) -> None:
-        """Queue a read job for the reader threads; ``on_done`` runs in the one that ends it."""
+    def submit_read(self, job_id: JobId, chunks: Sequence[ChunkCopy]) -> None:
+        """Queue a read job for the reader threads; its outcome comes from ``poll_reads``."""
         for chunk in chunks:
             self._check_chunk(chunk.key, chunk.slot)
         chunks = tuple(chunks)
         size = max(1, -(-len(chunks) // self._num_readers), PIECE_BYTES // self._payload)
         firsts = range(0, max(len(chunks), 1), size)
-        job = _ReadJob(job_id, chunks, on_done, len(firsts), [None] * len(chunks),
+        job = _ReadJob(job_id, chunks, len(firsts), [None] * len(chunks),
                        time.perf_counter())
         with self._cond:
             self._check_usable()
@@ -236,6 +234,12 @@ class TierIO:
         with self._cond:
             finished, self._finished = self._finished, []
         return finished
+
+    def poll_reads(self) -> list[ReadOutcome]:
+        """Read outcomes since the last poll, as their jobs finished."""
+        with self._cond:
+            read, self._read = self._read, []
+        return read
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> None:
         """Block until every job in ``job_ids`` completed."""
@@ -329,7 +333,7 @@ class TierIO:
 
     def _mark_broken(self, exc: BaseException) -> None:
         """A tier that failed for good (a disk) refuses every later job; a tier whose
-        failures pass (the remote tier: it reconnects, its breaker warns) is kept."""
+        failures pass (``transient_failures``: it reconnects, its breaker warns) is kept."""
         if isinstance(exc, BrokenError) and self.tier.transient_failures:
             return
         if isinstance(exc, (BrokenError, ClosedError)):
@@ -434,19 +438,12 @@ class TierIO:
                 self._end_read(job)
 
     def _end_read(self, job: _ReadJob) -> None:
-        try:
-            outcome = self._outcome(job)
-            try:
-                job.on_done(outcome)
-            except Exception:
-                logger.exception("%s: on_done of read job %s raised", self._io, job.job_id)
-                with self._cond:
-                    self._counts.callback_errors += 1
-        finally:
-            with self._cond:
-                self._ledger.finish(job.job_id)
-                self._counts.read_jobs += 1
-                self._cond.notify_all()
+        outcome = self._outcome(job)
+        with self._cond:
+            self._read.append(outcome)
+            self._ledger.finish(job.job_id)
+            self._counts.read_jobs += 1
+            self._cond.notify_all()
 
     def _read_parts(self, taken: list[tuple[_ReadJob, int, int]]) -> None:
         """Read ``job.chunks[first:end]`` of each taken part: a disk tier's all in flight

@@ -97,6 +97,9 @@ class DiskTier(LowerTier):
     """Chunk payloads of one namespace and rank in slab files indexed by LMDB. See the
     module docstring."""
 
+    medium = "disk"
+    setting = "disk.path"
+
     def __init__(
         self,
         root: Path,

@@ -41,7 +41,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -444,19 +444,29 @@ def node_name(client: Any, cluster: bool, node: Any) -> str:
 
 
 def scan_names(client: Any, cluster: bool, pattern: bytes, batch: int,
-               page_seconds: float | None = None) -> Iterator[bytes]:
+               page_seconds: float | None = None,
+               run: Callable[[str, Callable[[], Any]], Any] | None = None) -> Iterator[bytes]:
     """Every key matching ``pattern``, from each primary; each ``SCAN`` page is one call
-    under a :func:`deadline` of ``page_seconds`` (None: the caller's)."""
-    for node in primaries(client, cluster):
+    under a :func:`deadline` of ``page_seconds`` (None: the caller's), or run by ``run(what,
+    call)`` (a tool's: its own deadline and failure line), as is the listing of primaries."""
+    def timed(what: str, call: Callable[[], Any]) -> Any:
+        with deadline(page_seconds) if page_seconds is not None else nullcontext():
+            return call()
+
+    run = run or timed
+    for node in run("listing the primaries", lambda: primaries(client, cluster)):
         cursor = 0
         while True:
-            with deadline(page_seconds) if page_seconds is not None else nullcontext():
+            def page(cursor: int = cursor, node: Any = node) -> tuple[int, list[bytes]]:
                 if node is None:
-                    cursor, names = client.scan(cursor, match=pattern, count=batch)
-                else:  # a cluster answers {node name: cursor}
-                    cursors, names = client.scan(cursor, match=pattern, count=batch,
-                                                 target_nodes=node)
-                    cursor = cursors[node.name]
+                    found, names = client.scan(cursor, match=pattern, count=batch)
+                    return int(found), list(names)
+                # a cluster answers {node name: cursor}
+                cursors, names = client.scan(cursor, match=pattern, count=batch,
+                                             target_nodes=node)
+                return int(cursors[node.name]), list(names)
+
+            cursor, names = run(f"scanning {node_name(client, cluster, node)}", page)
             yield from names
             if not cursor:
                 break

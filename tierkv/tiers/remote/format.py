@@ -107,6 +107,19 @@ def pack_value(fingerprint: str, part: Part | int, key: bytes, payload: Any) -> 
     return out
 
 
+def read_header(pipe: Any, name: bytes) -> None:
+    """Queue the read of the value ``name``'s header (:data:`HEADER_BYTES`) on ``pipe``."""
+    pipe.getrange(name, 0, HEADER_BYTES - 1)
+
+
+def header_payload_bytes(header: Any) -> int | None:
+    """The payload length a value's first :data:`HEADER_BYTES` say (None: no header of
+    this format there); the tools read only those bytes of a value."""
+    if not isinstance(header, bytes) or len(header) < HEADER_BYTES or header[:4] != MAGIC:
+        return None
+    return int(_HEADER.unpack_from(header, 0)[7])
+
+
 def check_value(fingerprint: str, part: Part | int, key: bytes, value: Any, payload_bytes: int,
                 out: memoryview) -> str | None:
     """None when ``value`` is a good value of ``key`` (its payload is then in

@@ -2,18 +2,15 @@
 
 Primitives and contracts:
 
-- ``ask(keys) -> list[bytes] | None``: the longest prefix of ``keys`` (at most
-  ``remote.lookup_chunks`` of them) whose chunks have a value for every part of one of
-  the candidate sets of parts (``part_sets``, one per part count: this engine's own
-  first, then those of other TP sizes), or None: "not yet" (the server did not answer within
-  ``remote.lookup_deadline_seconds``; ask again). What is not known yet is asked in one
-  request: one pipeline of one ``EXISTS`` per chunk and candidate count (a chunk's parts
-  share a hash slot), so one round trip per node, never one per chunk.
-  ``count_of(key)``: the part count a found chunk is under (the first candidate with every
-  part), 0 when unknown.
-  Answers are kept ``answer_seconds`` (50 ms: a request waiting for GPU blocks is not asked
-  about again every step, and a chunk another engine pushes is found 50 ms later at most;
-  what the server has is kept longer by the index: ``note_remote``), oldest dropped first.
+- ``ask(keys) -> dict[bytes, int] | None``: for each of the first ``remote.lookup_chunks``
+  of ``keys``, the part count of the first of the candidate sets of parts (``part_sets``,
+  one per part count: this engine's own first, then those of other TP sizes) that has a
+  value for every part (0: none), or None: "not yet" (the server did not answer within
+  ``remote.lookup_deadline_seconds``; ask again: the answers that come later are handed to
+  the next ask, within 50 ms). They are asked in one request: one pipeline of one ``EXISTS`` per chunk and
+  candidate count (a chunk's parts share a hash slot), so one round trip per node, never
+  one per chunk. The lookup keeps no answer: the asker does
+  (:class:`~tierkv.core.remote_marks.RemoteMarks`, the one record of what the server has).
 - The thread connects at once; the constructor waits for that (at most the tier's
   ``timeout_seconds``), so the first lookup pays a round trip, not a cluster discovery.
 - A lookup that fails (a timeout, a node down, the breaker open) answers "absent" for those
@@ -37,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from tierkv.core.remote_marks import ANSWER_SECONDS
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.keys import KEY_BYTES, Part
 from tierkv.tiers.remote.format import redis_key, value_bytes
@@ -51,20 +49,20 @@ class RemoteLookup:
     """See the module docstring."""
 
     def __init__(self, tier: RemoteTier, part_sets: Sequence[Sequence[Part]],
-                 deadline_seconds: float, max_keys: int = 64, answer_seconds: float = 0.05,
-                 max_answers: int = 1 << 16, clock: Callable[[], float] = time.monotonic,
+                 deadline_seconds: float, max_keys: int = 64,
+                 clock: Callable[[], float] = time.monotonic,
                  usage_seconds: float = 0.0) -> None:
         self.tier = tier
         self._part_sets = [list(parts) for parts in part_sets]
         self.counts = tuple(parts[0].count for parts in self._part_sets)
-        self._count_of: dict[bytes, int] = {}  # found keys' part counts, oldest first
         self.deadline_seconds = deadline_seconds
         self.max_keys = max_keys
-        self.answer_seconds = answer_seconds
-        self._max_answers = max_answers
         self._clock = clock
         self._cond = threading.Condition()
-        self._answers: dict[bytes, tuple[bool, float]] = {}  # key -> (exists, when), oldest first
+        # Answers come in, not yet handed to an ask (key -> (part count, 0: absent; when)),
+        # oldest first: handed over by the next ask, dropped once ANSWER_SECONDS old (an
+        # absence older than that is not believed anyway).
+        self._answers: dict[bytes, tuple[int, float]] = {}
         self._wanted: dict[bytes, None] = {}  # asked, not sent yet
         self._sent: set[bytes] = set()  # in the request in flight
         self._closed = False
@@ -80,43 +78,32 @@ class RemoteLookup:
         self._thread.start()
         self._connected.wait(tier.config.timeout_seconds)
 
-    def ask(self, keys: Sequence[bytes]) -> list[bytes] | None:
+    def ask(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
         keys = keys[: self.max_keys]
         with self._cond:
             if self._closed:
                 raise ClosedError("remote lookup: used after shutdown()")
             self._counts.asks += 1
-            found, unknown = self._known(keys)
-            if unknown is None:
-                return found
-            for key in keys[unknown:]:
-                if key not in self._sent:
+            answers = self._answers
+            since = self._clock() - ANSWER_SECONDS
+            while answers and next(iter(answers.values()))[1] < since:
+                del answers[next(iter(answers))]
+            for key in keys:
+                if key not in answers and key not in self._sent:
                     self._wanted[key] = None
             self._cond.notify_all()
             deadline = time.monotonic() + self.deadline_seconds
             while True:
-                found, unknown = self._known(keys)
+                done = all(key in answers for key in keys)
                 left = deadline - time.monotonic()
-                if unknown is None or left <= 0:
+                if done or left <= 0:
                     break
                 self._cond.wait(left)
-            if unknown is None:
-                return found
-            self._counts.not_yet += 1
-            return None
-
-    def _known(self, keys: Sequence[bytes]) -> tuple[list[bytes], int | None]:
-        """The prefix of ``keys`` known to exist, and where the first key with no fresh
-        answer is (None: the prefix ends at a known absence, or covers ``keys``)."""
-        oldest = self._clock() - self.answer_seconds
-        answers = self._answers
-        for position, key in enumerate(keys):
-            answer = answers.get(key)
-            if answer is None or answer[1] < oldest:
-                return list(keys[:position]), position
-            if not answer[0]:
-                return list(keys[:position]), None
-        return list(keys), None
+            if not done:
+                self._counts.not_yet += 1
+                return None
+            self._answers = {}
+            return {key: count for key, (count, _) in answers.items()}
 
     def _main(self) -> None:
         try:
@@ -146,31 +133,24 @@ class RemoteLookup:
             found = self.tier.exists_under(keys, self._part_sets)
             part_counts = [next((count for count, there in zip(self.counts, answer) if there),
                                 0) for answer in found]
-            exists = [count > 0 for count in part_counts]
             failed = False
         except TierKVError as exc:  # counted and logged by the tier (and its breaker)
             logger.debug("remote lookup: %d key(s) failed: %s", len(keys), exc)
-            exists, failed = [False] * len(keys), True
+            failed = True
         except Exception:
             logger.exception("remote lookup: %d key(s) failed", len(keys))
-            exists, failed = [False] * len(keys), True
+            failed = True
         with self._cond:
-            now = self._clock()
-            answers = self._answers
-            for key, there, count in zip(keys, exists, part_counts):
+            answers, now = self._answers, self._clock()
+            for key, count in zip(keys, part_counts):
                 answers.pop(key, None)  # re-inserted: the newest
-                answers[key] = (there, now)
-                if there:
-                    self._count_of.pop(key, None)
-                    self._count_of[key] = count
-            while len(answers) > self._max_answers:
+                answers[key] = (count, now)
+            while len(answers) > self.max_keys * 16:  # asks that gave up: the oldest go
                 del answers[next(iter(answers))]
-            while len(self._count_of) > self._max_answers:
-                del self._count_of[next(iter(self._count_of))]
             counts = self._counts
             counts.requests += 1
             counts.keys_asked += len(keys)
-            counts.keys_found += sum(exists)
+            counts.keys_found += sum(count > 0 for count in part_counts)
             counts.errors += failed
             counts.seconds += time.perf_counter() - started
             self._sent = set()
@@ -183,11 +163,6 @@ class RemoteLookup:
             with self._cond:  # held briefly only, never across a network call
                 self._cond.notify_all()
         return self.usage.last()
-
-    def count_of(self, key: bytes) -> int:
-        """The part count ``key`` was last found under (0: never found)."""
-        with self._cond:
-            return self._count_of.get(bytes(key), 0)
 
     def statistics(self) -> RemoteLookupStatistics:
         with self._cond:

@@ -94,6 +94,8 @@ HELD_SHARE_START = 0.5
 class RemoteTier(LowerTier):
     """One namespace and part on a Redis server or cluster; see the module docstring."""
 
+    medium = "remote"
+    setting = "remote.url"
     write_lanes = 1
     transient_failures = True
 

@@ -33,7 +33,6 @@ or ``rediss://`` and prints (``tierkv ping URL`` is :mod:`tierkv.tiers.remote.pi
 from __future__ import annotations
 
 import re
-import struct
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -45,9 +44,8 @@ from tierkv.errors import ConfigError
 from tierkv.extras import needs
 from tierkv.keys import FORMAT_VERSION, Part, parse_part
 from tierkv.tiers.base import Progress, ReadStatus
-from tierkv.tiers.remote.format import (DELETE_BAD, HEADER_BYTES, MAGIC,
-                                        parse_old_key,
-                                        parse_redis_key, value_bytes)
+from tierkv.tiers.remote.format import (DELETE_BAD, header_payload_bytes, read_header,
+                                        parse_old_key, parse_redis_key, value_bytes)
 
 PROGRESS_EVERY = 10_000
 BATCH = 500  # keys per pipeline
@@ -106,32 +104,6 @@ class Session:
                     f"node: raise --timeout, now {self.config.timeout_seconds} s)", cause,
                     nodes[0]) from None
 
-    def names(self, pattern: bytes, report_every: int | None) -> list[bytes]:
-        """Every key matching ``pattern`` on every primary, a ``SCAN`` page per deadline."""
-        rc, found = self.rc, []
-        for node in self.run("listing the primaries", lambda: rc.primaries(self.client,
-                                                                            self.cluster)):
-            cursor = 0
-            while True:
-                def page(cursor: int = cursor, node: Any = node) -> tuple[int, list[bytes]]:
-                    if node is None:
-                        found_cursor, found_keys = self.client.scan(cursor, match=pattern,
-                                                                    count=1000)
-                        return int(found_cursor), list(found_keys)
-                    cursors, keys = self.client.scan(cursor, match=pattern, count=1000,
-                                                     target_nodes=node)
-                    return cursors[node.name], keys
-
-                where = rc.node_name(self.client, self.cluster, node)
-                cursor, keys = self.run(f"scanning {where}", page)
-                for name in keys:
-                    found.append(name)
-                    if report_every and len(found) % report_every == 0:
-                        print(f"  ... {len(found)} keys scanned", file=sys.stderr, flush=True)
-                if not cursor:
-                    break
-        return found
-
     def pipeline(self, what: str, names: list[bytes],
                  commands: Callable[[Any, bytes], None]) -> list[Any]:
         """``commands(pipe, name)`` for every name, in pipelines of :data:`BATCH` keys (a
@@ -168,7 +140,11 @@ def scan_entries(session: Session, only: str = "", report_every: int | None = PR
     prefix = session.config.key_prefix.encode()
     pattern = prefix + (only.encode() if _HEX.fullmatch(only) else b"") + b"*"
     out = []
-    for name in session.names(pattern, report_every):
+    names = session.rc.scan_names(session.client, session.cluster, pattern, 1000,
+                                  run=session.run)  # a SCAN page per deadline
+    for seen, name in enumerate(names, 1):
+        if report_every and seen % report_every == 0:
+            print(f"  ... {seen} keys scanned", file=sys.stderr, flush=True)
         parsed = parse_redis_key(prefix, name)
         if parsed is not None and parsed[0].startswith(only):
             out.append((name, parsed[0], parsed[1].name, parsed[2]))
@@ -223,16 +199,6 @@ class RemoteVerify:
     deleted: int = 0
 
 
-_SIZE = struct.Struct("<Q")  # the header's payload length, at offset 60
-
-
-def _payload_len(header: Any) -> int | None:
-    """The payload length a value's first :data:`HEADER_BYTES` say (None: no header)."""
-    if not isinstance(header, bytes) or len(header) < HEADER_BYTES or header[:4] != MAGIC:
-        return None
-    return int(_SIZE.unpack_from(header, 60)[0])
-
-
 def _chunk_sizes(entries: list[tuple[bytes, str, str, bytes]], sizes: list[int | None],
                  headers: list[Any]) -> dict[str, int]:
     """Per fingerprint and part count: the payload length most of its values' headers give
@@ -240,7 +206,7 @@ def _chunk_sizes(entries: list[tuple[bytes, str, str, bytes]], sizes: list[int |
     votes: dict[str, Counter[int]] = {}
     for (_, fingerprint, label, _), size, header in zip(entries, sizes, headers):
         fingerprint = f"{fingerprint}/{label.partition('of')[2]}"
-        length = _payload_len(header)
+        length = header_payload_bytes(header)
         if length is not None and size == value_bytes(length):
             votes.setdefault(fingerprint, Counter())[length] += 1
     return {fingerprint: counts.most_common(1)[0][0] for fingerprint, counts in votes.items()}
@@ -258,7 +224,7 @@ def verify_remote(config: RemoteTierConfig, repair: bool = False, only: str | No
         names = [name for name, _, _, _ in entries]
         sizes = _sizes(session, names)
         headers = session.pipeline("reading headers", names,
-                                   lambda pipe, name: pipe.getrange(name, 0, HEADER_BYTES - 1))
+                                   read_header)
         chunk = _chunk_sizes(entries, sizes, headers)
         delete_bad = session.client.register_script(DELETE_BAD) if repair else None
         for (name, fingerprint, label, key), size in zip(entries, sizes):
