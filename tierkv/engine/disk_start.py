@@ -6,6 +6,11 @@
 - :class:`FoundOnDisk` collects what tiers hold from their index records (``scan``, no
   payloads): how many of the scanned tiers (an engine's parts) hold each key, and each key's
   newest write sequence; :meth:`FoundOnDisk.oldest_first` orders keys by it.
+- :class:`DiskShare`: an engine's share of the disk cap, one cap for every namespace under
+  the disk path (:mod:`tierkv.tiers.disk.budget`, docs/operations.md, "One cap per disk
+  path"): one budget per part the engine stores, planned at start (:meth:`DiskShare.start`,
+  with the line naming the other namespaces), again as the index fills or the root changes
+  (:meth:`DiskShare.rebalance`), and released at close.
 - :func:`rebuild_index` registers the keys found, oldest first, in the index under a disk
   capacity: the index keeps the newest it has room for, and the oldest over the capacity
   are deleted (:meth:`BlockIndex.add_on_disk` queues them for the next spill job), with one
@@ -21,9 +26,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import time
+from collections.abc import Callable
+
+from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.core.index import BlockIndex
 from tierkv.keys import Namespace
 from tierkv.tiers.base import LowerTier
+from tierkv.tiers.disk.budget import DiskBudget
 from tierkv.tiers.disk.files import empty_namespace_warning
 
 
@@ -64,4 +74,59 @@ def rebuild_index(index: BlockIndex, keys: Sequence[bytes], capacity: int, *, ro
     return found
 
 
-__all__ = ["FoundOnDisk", "rebuild_index"]
+class DiskShare:
+    """An engine's share of the disk cap under ``root``; see the module docstring. It
+    stores ``part_dirs`` (its part directories: one for a library store, one per rank of a
+    vLLM engine), each part's budget planning the engine's whole chunks of
+    ``chunk_bytes`` (every part's) and publishing its part's share. ``poll_seconds``: the
+    least time between two looks at the root (a ``stat``) while the disk is not full."""
+
+    def __init__(self, root: Path, fingerprint: str, part_dirs: Sequence[str], cap_bytes: int,
+                 chunk_bytes: int, *, check_seconds: float, min_step: int,
+                 poll_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        unit = (chunk_bytes + DISK_OVERHEAD_BYTES) * len(part_dirs)
+        self.budgets = [DiskBudget(root, fingerprint, name, cap_bytes, unit,
+                                   check_seconds=check_seconds, clock=clock,
+                                   parts=len(part_dirs), siblings=tuple(part_dirs),
+                                   min_step=min_step) for name in part_dirs]
+        self.poll_seconds, self._clock = poll_seconds, clock
+        self._polled = -float("inf")
+
+    def start(self, held: int, log: logging.Logger) -> int:
+        """The capacity in chunks (the smallest part's share) for the ``held`` chunks found
+        on disk, and a step of room more; logs the other namespaces under the root (a
+        WARNING when one is no engine's: it is deleted first when room is needed)."""
+        capacity = min(budget.plan(held) for budget in self.budgets)
+        first = self.budgets[0]
+        line = first.start_line()
+        if line:
+            unclaimed = any(holding.deletable for holding in first.others)
+            log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
+        self._polled = self._clock()
+        return capacity
+
+    def rebalance(self, index: BlockIndex) -> None:
+        """Plan the share again when it is due (:meth:`DiskBudget.due`); a smaller share
+        evicts at once, a larger one is room. Never waits on another engine's plan."""
+        # Full once what is on disk and what is to be written fill it: a plan only at
+        # disk_used would come after the spills evicted for room the cap still had.
+        full = index.disk_wanted >= index.disk_capacity
+        now = self._clock()
+        if not full and now - self._polled < self.poll_seconds:
+            return
+        self._polled = now
+        if not any(budget.due(full) for budget in self.budgets):
+            return
+        capacity = min(budget.plan(index.disk_used, wait=False) for budget in self.budgets)
+        if capacity != index.disk_capacity:
+            index.set_disk_capacity(capacity)
+
+    def release(self, held: int) -> None:
+        """The engine closes: its share becomes the ``held`` chunks it leaves on disk."""
+        budgets, self.budgets = self.budgets, []
+        for budget in budgets:
+            budget.release(held)
+
+
+__all__ = ["DiskShare", "FoundOnDisk", "rebuild_index"]

@@ -9,7 +9,8 @@ vLLM connector roles (one each, in their own processes):
 - :func:`build_remote_lookup` the scheduler side's questions to the remote tier
   (``config.remote``; None without one), for every rank of the engine.
 - :func:`build_worker` the worker side: the CPU slab, the transfer engine, the disk tier
-  with its I/O threads, the remote tier with its reader and push threads, and the
+  (:func:`~tierkv.tiers.disk.opener.open_disk`, as the writer or a follower) with its I/O
+  threads and the readers of other part counts, the remote tier with its reader and push threads, and the
   :class:`JobExecutor` over them, as a :class:`WorkerStack`. A failure while building
   releases what was built (threads, slab, disk tier, remote connection).
 
@@ -22,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierkv.config import StoreConfig
 from tierkv.core.index import BlockIndex
@@ -30,6 +31,7 @@ from tierkv.engine.adapter import AdapterConfig, EngineAdapter, RemoteAsker
 from tierkv.extras import needs
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace, Part
+from tierkv.tiers.base import ReadStatus
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
     from tierkv.transfer.executor import JobExecutor
@@ -99,27 +101,30 @@ def build_remote_lookup(config: StoreConfig, namespace: Namespace,
                         usage_seconds=remote.usage_seconds)
 
 
+PartsReader = Callable[[bytes, int, Any], ReadStatus]  # (key, part count, slot) -> status
+
+
 @dataclass
 class WorkerStack:
-    """What one worker moves bytes with; ``close()`` stops the threads, then releases the
-    disk tier (through ``release_disk``) and the remote tier's connection."""
+    """What one worker moves bytes with; ``close()`` stops the threads, then gives back the
+    disk tier (:func:`~tierkv.tiers.disk.opener.close_disk`) and the remote tier's
+    connection."""
 
     slab: CpuSlab
     transfer: TransferEngine
     disk: DiskTier | None
     disk_io: TierIO | None
     executor: JobExecutor
-    release_disk: Callable[[DiskTier], None]
+    writer: bool = True  # the disk tier's writer (else a follower: read-only)
     remote: RemoteTier | None = None
 
     def close(self) -> None:
-        _release(self.executor, (), self.disk, self.release_disk, self.remote)
+        _release(self.executor, (), self.disk, self.writer, self.remote)
 
 
 def _release(executor: JobExecutor | None,
              parts: Sequence[TierIO | TransferEngine | RemoteIO | None],
-             disk: DiskTier | None, release_disk: Callable[[DiskTier], None],
-             remote: RemoteTier | None) -> None:
+             disk: DiskTier | None, writer: bool, remote: RemoteTier | None) -> None:
     """Stop threads (the executor's, or ``parts`` before it owned them), then release the
     tiers; every step runs even if one fails."""
     try:
@@ -137,33 +142,40 @@ def _release(executor: JobExecutor | None,
                 remote.close()
         finally:
             if disk is not None:
-                release_disk(disk)
+                from tierkv.tiers.disk.opener import close_disk
 
-
-def _close_disk(disk: DiskTier) -> None:
-    disk.close()
+                close_disk(disk, writer=writer)
 
 
 def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
-                 open_disk: Callable[[], DiskTier] | None = None,
-                 release_disk: Callable[[DiskTier], None] = _close_disk,
-                 namespace: Namespace | None = None,
-                 remote_part: Part | None = None) -> WorkerStack:
+                 namespace: Namespace | None = None, part: Part | None = None,
+                 replica: int = 0, writer: bool = True, refusal: str | None = None,
+                 other_disk: PartsReader | None = None,
+                 other_remote: PartsReader | None = None) -> WorkerStack:
     """The worker side over ``layout``'s tensors: a slab of ``num_slots`` chunks, the
-    transfer engine for ``config.device``, (``open_disk`` given) the disk tier it opens
-    with its I/O threads, and (``config.remote`` set) the remote tier of ``namespace`` and
-    ``remote_part`` (default: the library's :func:`library_part`), connected on first use, with its reader
-    threads and its push thread (none with ``remote.push="read_only"``). The disk tier is
-    opened first: a store path that is refused costs no slab and no thread."""
+    transfer engine for ``config.device``, (``config.disk.path`` set) the disk tier of
+    ``namespace``'s ``part`` (default: the library's :func:`library_part`) with its I/O
+    threads, opened as its writer (claimed; ``refusal`` words a refusal) or, ``writer``
+    False, as a follower (read-only), and (``config.remote`` set) the remote tier of that
+    part, connected on first use, with its reader threads and its push thread (none with
+    ``remote.push="read_only"``). ``other_disk`` / ``other_remote`` read a chunk another
+    part count wrote (:class:`tierkv.transfer.parts.PartReader`; None: such a chunk is a
+    miss). The disk tier is opened first: a store path that is refused costs no slab and
+    no thread."""
     from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
+    from tierkv.tiers.disk.opener import open_disk
     from tierkv.transfer.tier_io import TierIO
     from tierkv.transfer.factory import make_transfer_engine
 
     chunk_bytes = layout.chunk_bytes(config.blocks_per_chunk)
-    if config.remote is not None and namespace is None:
-        raise ValueError("build_worker: a remote tier needs the namespace of its chunks")
-    disk = open_disk() if open_disk is not None else None
+    if (config.remote is not None or config.disk.path is not None) and namespace is None:
+        raise ValueError("build_worker: a disk or remote tier needs the namespace of its chunks")
+    part = part if part is not None else library_part(config)
+    disk = None
+    if config.disk.path is not None and namespace is not None:
+        disk = open_disk(config.disk, namespace, part, "writer" if writer else "follower",
+                         payload_bytes=chunk_bytes, replica=replica, refusal=refusal)
     slab: CpuSlab | None = None
     transfer: TransferEngine | None = None
     disk_io: TierIO | None = None
@@ -174,26 +186,27 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
         slab = CpuSlab(num_slots, chunk_bytes, config.cpu.pin_memory)
         transfer = make_transfer_engine(config.device, layout, slab, config.blocks_per_chunk)
         if disk is not None:
-            disk_io = TierIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
+            disk_io = TierIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads,
+                             other_parts=other_disk)
         settings = config.remote
         if settings is not None and namespace is not None:
             with needs("remote", "the remote tier (StoreConfig.remote, vLLM's remote_url)"):
                 from tierkv.tiers.remote.tier import RemoteTier
                 from tierkv.tiers.remote.pushes import RemoteIO
 
-            part = remote_part if remote_part is not None else library_part(config)
             remote = RemoteTier(settings, namespace, part, chunk_bytes, lazy=True,
                                 role="loads and pushes")
             # Connected now, within remote.timeout_seconds (a server down now is a miss
             # later, never a failed start): a node that stalls later fails its own chunks
             # only, the cluster's nodes being known; on first use, a stalled seed failed all.
             remote.warm_up()
-            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
+            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads, "remote",
+                               other_parts=other_remote)
             if settings.push != "read_only":
                 pusher = RemoteIO(remote, settings.queue_bytes)
         executor = JobExecutor(transfer, disk_io, remote_io=remote_io, pusher=pusher,
                                push_on=settings.push if settings else "on_store")
     except BaseException:
-        _release(None, (disk_io, remote_io, pusher, transfer), disk, release_disk, remote)
+        _release(None, (disk_io, remote_io, pusher, transfer), disk, writer, remote)
         raise
-    return WorkerStack(slab, transfer, disk, disk_io, executor, release_disk, remote)
+    return WorkerStack(slab, transfer, disk, disk_io, executor, writer, remote)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.engine.adapter import REQUEST_LOAD_POLICIES
 from tierkv.engine.metrics import (remote_figures, remote_usage_figures, since_last,
                                    usage_figures, values)
@@ -40,7 +39,7 @@ from tierkv.model_identity import model_fingerprint
 from tierkv.tiers.disk.layout import StoreLayout
 
 if TYPE_CHECKING:
-    from tierkv.tiers.disk.budget import DiskBudget
+    from tierkv.engine.disk_start import DiskShare
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -165,8 +164,7 @@ class SchedulerSide:
         self.stats_interval = STATS_INTERVAL_SECONDS
         self.found_on_disk = 0
         self.deleted_on_disk = 0
-        self._budgets: list[DiskBudget] = []  # one per stored rank
-        self._budget_polled = -float("inf")
+        self._share: DiskShare | None = None  # this engine's share of the disk cap
         if settings.disk_path is not None:
             self._rebuild_from_disk()
 
@@ -182,7 +180,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ start
     def _rebuild_from_disk(self) -> None:
-        from tierkv.engine.disk_start import rebuild_index
+        from tierkv.engine.disk_start import DiskShare, rebuild_index
         from tierkv.integrations.vllm_disk import rebuild_keys
 
         assert self.settings.disk_path is not None
@@ -190,12 +188,19 @@ class SchedulerSide:
         started = time.perf_counter()
         own = self.geometry.num_parts
         keys, self.deleted_on_disk, self._disk_parts = rebuild_keys(
-            root, self.namespace, own, self.config.disk, self.geometry.chunk_bytes,
+            self.namespace, own, self.config.disk, self.geometry.chunk_bytes,
             self.geometry.disk_capacity, counts=self.source_counts, replica=self.replica,
         )
         self.found_on_disk_elsewhere = len(self._disk_parts)
-        capacity = self._open_budgets(root, [Part(index, own) for index in range(own)],
-                                      len(keys))
+        # This engine's share of disk_bytes, one cap for every namespace under the disk path:
+        # a budget per stored rank, each publishing its rank's share; the smallest plans.
+        self._share = DiskShare(
+            root, self.fingerprint,
+            [StoreLayout.part_dir_name(Part(index, own), self.replica) for index in range(own)],
+            self.settings.disk_bytes, self.geometry.chunk_bytes,
+            check_seconds=self.config.disk.budget_check_seconds,
+            min_step=self.geometry.num_slots, poll_seconds=BUDGET_POLL_SECONDS, clock=self._clock)
+        capacity = self._share.start(len(keys), log)
         self.found_on_disk = rebuild_index(  # over the share: deleted next
             self.index, keys, capacity, root=root, namespace=self.namespace,
             cap=f"disk_bytes={self.settings.disk_bytes}", log=log)
@@ -211,48 +216,6 @@ class SchedulerSide:
                  "them as parts of another TP size)", self.found_on_disk, self.fingerprint[:8],
                  self.settings.disk_path, time.perf_counter() - started,
                  self.found_on_disk_elsewhere)
-
-    def _open_budgets(self, root: Path, parts: Sequence[Part], held: int) -> int:
-        """This engine's share of ``disk_bytes``, one cap for every namespace under the disk
-        path (docs/operations.md, "One cap per disk path"): a share per stored rank, each
-        rank's in its own share file, as library stores publish theirs. Namespaces no engine
-        claims give room first (least recently written first). Returns the capacity in
-        chunks (the smallest rank share)."""
-        from tierkv.tiers.disk.budget import DiskBudget
-
-        # A whole chunk (every part) per unit: each part's budget plans the engine's chunks,
-        # blind to its sibling parts, and publishes its part's share.
-        unit = (self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES) * len(parts)
-        names = tuple(StoreLayout.part_dir_name(part, self.replica) for part in parts)
-        self._budgets = [DiskBudget(root, self.fingerprint, name, self.settings.disk_bytes, unit,
-                                    check_seconds=self.config.disk.budget_check_seconds,
-                                    clock=self._clock, parts=len(parts), siblings=names,
-                                    min_step=self.geometry.num_slots)
-                         for name in names]
-        capacity = min(budget.plan(held) for budget in self._budgets)  # and a step more
-        line = self._budgets[0].start_line()
-        if line:
-            unclaimed = any(holding.deletable for holding in self._budgets[0].others)
-            log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
-        self._budget_polled = self._clock()
-        return capacity
-
-    def _rebalance_disk(self) -> None:
-        """Plan this engine's share again when the disk is full and unclaimed namespaces
-        could give room, when another store came, went or moved its share, or every
-        ``budget_check_seconds`` (a ``stat`` of the disk path: at most once a second unless
-        the disk is full)."""
-        index = self.index
-        full = index.disk_wanted >= index.disk_capacity  # on disk and to be written
-        now = self._clock()
-        if not full and now - self._budget_polled < BUDGET_POLL_SECONDS:
-            return
-        self._budget_polled = now
-        if not any(budget.due(full) for budget in self._budgets):
-            return
-        capacity = min(budget.plan(index.disk_used, wait=False) for budget in self._budgets)
-        if capacity != index.disk_capacity:
-            index.set_disk_capacity(capacity)
 
     # ------------------------------------------------------------------ requests
     def _view(self, tracked: _Tracked) -> RequestView:
@@ -457,8 +420,8 @@ class SchedulerSide:
             preempted=tuple(so.preempted_req_ids or ()),
         )
         prune, self._prune_later = self._prune_later, []
-        if self._budgets:
-            self._rebalance_disk()
+        if self._share is not None:
+            self._share.rebalance(self.index)
         plan = self.adapter.build_plan(step)
         if self._disk_parts:
             for spill in plan.spills:  # written as this engine's own parts from now on
@@ -574,9 +537,8 @@ class SchedulerSide:
             self._event_blocks.close()
         if self.remote is not None:
             self.remote.shutdown()
-        budgets, self._budgets = self._budgets, []
-        for budget in budgets:  # the share becomes what this engine leaves on disk
-            budget.release(self.index.disk_used)
+        if self._share is not None:  # the share becomes what this engine leaves on disk
+            self._share.release(self.index.disk_used)
         if self.adapter.jobs_in_flight():
             log.info("tierkv: scheduler shutting down with %d job(s) in flight; the workers "
                      "finish them and flush unspilled chunks to disk", self.adapter.jobs_in_flight())
