@@ -18,7 +18,7 @@ import pytest
 from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry
-from tierkv.integrations.vllm_disk import OtherParts
+from tierkv.tiers.disk.opener import OtherParts
 from tierkv.tiers.disk.files import OWNER_FILE
 from tierkv.integrations.vllm_scheduler import SchedulerSide
 from tierkv.keys import Namespace, Part

@@ -638,7 +638,7 @@ def test_import_is_light() -> None:
         "import tierkv.integrations.vllm as m\n"
         "assert 'lmdb' not in sys.modules, 'lmdb imported'\n"
         "assert 'tierkv.integrations.vllm_worker' not in sys.modules\n"
-        "assert 'tierkv.integrations.vllm_disk' not in sys.modules\n"
+        "assert 'tierkv.engine.disk_start' not in sys.modules\n"
         "assert 'tierkv.transfer.cuda' not in sys.modules\n"
         "assert not torch.cuda.is_initialized()\n"
         "print(m.TierKVConnector.__name__)\n"
@@ -897,7 +897,7 @@ print(tier.read_only, out == bytes(range(64)))
 
 def test_rebuild_keeps_chunks_every_part_holds(tmp_path: Path) -> None:
     from tierkv.config import DiskTierConfig
-    from tierkv.integrations.vllm_disk import rebuild_keys
+    from tierkv.engine.disk_start import rebuild_keys
     from tierkv.tiers.disk.opener import close_disk, open_disk
     from tierkv.keys import Namespace, Part
     from tierkv.tiers.disk.tier import DiskTier

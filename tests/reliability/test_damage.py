@@ -314,7 +314,7 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
     import fcntl
 
     from tierkv.config import DiskTierConfig
-    from tierkv.integrations import vllm_disk
+    from tierkv.engine.disk_start import rebuild_keys
     from tierkv.tiers.disk import opener
     from tierkv.tiers.disk.files import OWNER_FILE
     from tierkv.tiers.disk.tier import DiskTier
@@ -337,8 +337,7 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
         for fd in fds:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as rank 1's worker holds it
         try:
-            kept, deleted, _ = vllm_disk.rebuild_keys(namespace, 2, config, 4096,
-                                                      capacity=100)
+            kept, deleted, _ = rebuild_keys(namespace, 2, config, 4096, capacity=100)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -14,6 +14,12 @@ vLLM connector roles (one each, in their own processes):
   :class:`JobExecutor` over them, as a :class:`WorkerStack`. A failure while building
   releases what was built (threads, slab, disk tier, remote connection).
 
+- :func:`start_line` the one INFO line a store logs when it opens, the library's and each
+  rank of the vLLM connector alike: its tiers with their sizes in binary units, the disk
+  cap, tokens per chunk and the namespace's :func:`short_id` (the first 8 hex digits of
+  :meth:`Namespace.fingerprint`, as ``tierkv inspect`` and the warm-up show it). A remote
+  URL is shown without its password.
+
 A new tier plugs in here (docs/design.md, "Where a new tier plugs in").
 """
 
@@ -25,13 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tierkv.config import StoreConfig
+from tierkv.config import StoreConfig, safe_url
 from tierkv.core.index import BlockIndex
 from tierkv.engine.adapter import AdapterConfig, EngineAdapter, RemoteAsker
 from tierkv.extras import needs
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.base import ReadStatus
+from tierkv.units import format_bytes
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
     from tierkv.transfer.executor import JobExecutor
@@ -210,3 +217,24 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
         _release(None, (disk_io, remote_io, pusher, transfer), disk, writer, remote)
         raise
     return WorkerStack(slab, transfer, disk, disk_io, executor, writer, remote)
+
+
+def short_id(namespace: Namespace) -> str:
+    """The namespace's short id: the first 8 hex digits of its fingerprint."""
+    return namespace.fingerprint()[:8]
+
+
+def start_line(who: str, config: StoreConfig, namespace: Namespace, *, num_slots: int,
+               chunk_bytes: int) -> str:
+    """``who`` (``"store"``, ``"rank 0"``) opened with ``num_slots`` CPU slots of
+    ``chunk_bytes`` over ``config``'s tiers, for chunks of ``namespace``."""
+    tiers = [f"CPU {format_bytes(num_slots * chunk_bytes)} ({num_slots} chunks)"]
+    disk = config.disk
+    if disk.path is not None:
+        tiers.append(f"disk at {disk.path} capped at {format_bytes(disk.max_bytes)}")
+    else:
+        tiers.append("no disk tier")
+    if config.remote is not None:
+        tiers.append(f"remote {safe_url(config.remote.url)}")
+    return (f"tierkv: {who} open, namespace {short_id(namespace)}: {', '.join(tiers)}; "
+            f"{namespace.tokens_per_chunk} tokens a chunk of {format_bytes(chunk_bytes)}")

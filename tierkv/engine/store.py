@@ -67,8 +67,8 @@ from tierkv.engine.disk_start import DiskShare, FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (LOOKUP_FIGURES, PATH_NAMES, Durations, TierUsage,
                                    config_info, remote_figures, remote_usage_figures,
                                    tier_usage, usage_figures)
-from tierkv.engine.start_line import short_id, start_line
-from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
+from tierkv.engine.stack import (build_index, build_remote_lookup, build_worker, library_part,
+                                 short_id, start_line)
 from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of

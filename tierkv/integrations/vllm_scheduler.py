@@ -8,7 +8,7 @@ One :class:`SchedulerSide` per engine maps each scheduler-role call onto the ada
 table in ``docs/vllm.md`` ("How it works") says: loads are always asynchronous, a lookup
 answers ``None`` while a chunk is promoted from disk or stored, and a finished request's
 blocks go back to vLLM at once (the adapter fences). At start, with a disk tier, the index
-is rebuilt from every rank's environment (:func:`tierkv.integrations.vllm_disk.rebuild_keys`).
+is rebuilt from every rank's environment (:func:`tierkv.engine.disk_start.rebuild_keys`).
 """
 
 from __future__ import annotations
@@ -180,8 +180,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ start
     def _rebuild_from_disk(self) -> None:
-        from tierkv.engine.disk_start import DiskShare, rebuild_index
-        from tierkv.integrations.vllm_disk import rebuild_keys
+        from tierkv.engine.disk_start import DiskShare, rebuild_index, rebuild_keys
 
         assert self.settings.disk_path is not None
         root = Path(self.settings.disk_path)
@@ -189,7 +188,7 @@ class SchedulerSide:
         own = self.geometry.num_parts
         keys, self.deleted_on_disk, self._disk_parts = rebuild_keys(
             self.namespace, own, self.config.disk, self.geometry.chunk_bytes,
-            self.geometry.disk_capacity, counts=self.source_counts, replica=self.replica,
+            self.geometry.disk_capacity, counts=self.source_counts, replica=self.replica, log=log,
         )
         self.found_on_disk_elsewhere = len(self._disk_parts)
         # This engine's share of disk_bytes, one cap for every namespace under the disk path:

@@ -27,14 +27,13 @@ from typing import Any
 import torch
 
 from tierkv.engine.metrics import remote_figures, since_last
-from tierkv.engine.stack import PartsReader, WorkerStack, build_worker
-from tierkv.engine.start_line import start_line
+from tierkv.engine.stack import PartsReader, WorkerStack, build_worker, start_line
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, Geometry, store_config
-from tierkv.integrations.vllm_disk import OtherParts
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.cpu import CpuSlab
+from tierkv.tiers.disk.opener import OtherParts
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.transfer.layout import KVLayout
 from tierkv.transfer.parts import HeadLayout, PartReader

@@ -214,7 +214,8 @@ os.register_at_fork(after_in_child=_forget_claims_in_child)
 
 
 class InUseError(ConfigError):
-    """A writer's claim refused: another writer holds the environment."""
+    """A writer's claim refused: another writer holds the environment (the disk opener
+    raises it as a plain :class:`ConfigError`, worded for its caller)."""
 
 
 def in_use_message(what: str, env_dir: Path, who: str) -> str:

@@ -15,6 +15,9 @@ warm-up, the operator tools and why-miss), by what the opener is to it:
   taken if no one holds it), for the CLI tools, why-miss and the readers of another part
   count; ``shards=`` opens some shards. :func:`tool_config` sizes its maps from the files.
 
+:class:`OtherParts` reads the parts another part count wrote (another TP size), each
+opened as a tool at its first read.
+
 Writers and scans are kept in one process-wide registry (each handle counted):
 :func:`close_disk` gives one back, and closes the tier when it was the last. Any other
 tier is closed by :func:`close_disk` too (or ``tier.close()``).
@@ -22,10 +25,11 @@ tier is closed by :func:`close_disk` too (or ``tier.close()``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -33,12 +37,16 @@ from typing import Literal
 from tierkv.config import DiskTierConfig
 from tierkv.errors import BrokenError, ConfigError, DamagedError
 from tierkv.keys import Namespace, Part, as_part
+from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.disk.files import InUseError, in_use_message
 from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.units import MiB
 
-__all__ = ["FOLLOWER_WAIT_SECONDS", "Role", "close_disk", "open_disk", "tool_config"]
+__all__ = ["FOLLOWER_WAIT_SECONDS", "OtherParts", "Role", "close_disk", "open_disk",
+           "tool_config"]
+
+logger = logging.getLogger("tierkv.disk")
 
 Role = Literal["writer", "scan", "follower", "tool"]
 FOLLOWER_WAIT_SECONDS = 30.0  # for the writing rank to create its environment at start
@@ -94,14 +102,13 @@ def open_disk(config: DiskTierConfig, namespace: Namespace, part: Part | int, ro
             if held is None:
                 held = _Held(new(exclusive=writer), 0, False)
             elif writer and held.writer:
-                raise InUseError(in_use_message(f"disk tier (part {part.name})", path,
-                                                "a writer of this process"))
+                raise InUseError(in_use_message(
+                    f"disk tier (namespace {namespace.fingerprint()[:8]}, part {part.name})",
+                    path, "this process"))
             elif writer:
                 held.tier.claim()
-        except InUseError as exc:
-            if refusal is None:
-                raise
-            raise ConfigError(f"{refusal} ({exc})") from exc
+        except InUseError as exc:  # a ConfigError, and says so by its name too
+            raise ConfigError(str(exc) if refusal is None else f"{refusal} ({exc})") from exc
         held.count += 1
         held.writer = held.writer or writer
         _HELD[path.resolve()] = held
@@ -121,3 +128,66 @@ def close_disk(tier: DiskTier, *, writer: bool = False) -> None:
                 return
             del _HELD[path]
     tier.close()
+
+
+@dataclass
+class OtherPartsCounts:
+    """What a worker's :class:`OtherParts` counts."""
+
+    opened: int = 0  # parts of another part count opened for reading
+    # Parts of another part count not read: damaged, misplaced or untrusted (warned about
+    # once each, never reopened).
+    skipped: int = 0
+
+
+class OtherParts:
+    """The parts of other part counts on disk, as one worker reads them: each part's
+    environment opened read-only and unclaimed at its first read, kept open after (another
+    engine writes it; this one never claims, writes or repairs it). ``read_part_into``
+    answers ``MISSING`` for a part whose environment is not there, and for one that cannot
+    be read (damaged, misplaced: another part's or namespace's directory in its place, or
+    untrusted): that one is warned about once, counted in ``counts().skipped`` and
+    remembered, never reopened by later reads."""
+
+    def __init__(self, namespace: Namespace, config: DiskTierConfig, model_chunk_bytes: int,
+                 replica: int = 0) -> None:
+        self.namespace, self.config = namespace, config
+        self.model_chunk_bytes, self.replica = model_chunk_bytes, replica
+        self._tiers: dict[Part, DiskTier | None] = {}
+        self._counts = OtherPartsCounts()
+        self._lock = threading.Lock()
+
+    def _tier(self, part: Part) -> DiskTier | None:
+        with self._lock:
+            if part in self._tiers:
+                return self._tiers[part]
+            tier: DiskTier | None
+            try:
+                tier = open_disk(self.config, self.namespace, part, "tool",
+                                 payload_bytes=self.model_chunk_bytes // part.count,
+                                 replica=self.replica)
+                self._counts.opened += 1
+            except (ConfigError, DamagedError, BrokenError) as exc:  # MisplacedError too
+                logger.warning("tierkv: part %s on disk cannot be read, its chunks are misses "
+                            "until a restart: %s", part.name, exc)
+                self._counts.skipped += 1
+                tier = None
+            self._tiers[part] = tier
+            return tier
+
+    def counts(self) -> OtherPartsCounts:
+        with self._lock:
+            return replace(self._counts)
+
+    def read_part_into(self, key: bytes, part: Part, out: memoryview) -> ReadStatus:
+        tier = self._tier(part)
+        if tier is None:
+            return ReadStatus.MISSING
+        return tier.read_into(key, out)
+
+    def close(self) -> None:
+        with self._lock:
+            tiers, self._tiers = list(self._tiers.values()), {}
+        for tier in tiers:
+            if tier is not None:
+                tier.close()
