@@ -201,25 +201,19 @@ class WorkerSide:
             read_disk = PartReader(layout, self.part, lambda count: other).read
         if config.remote is not None:
             settings, namespace, tiers = config.remote, self.namespace, self._other_remote
-
-            def remote_source(count: int) -> Any:
-                if count not in tiers:
-                    from tierkv.tiers.remote.tier import RemoteTier
-
-                    tiers[count] = RemoteTier(settings, namespace, Part(0, count),
-                                              model_bytes // count, lazy=True,
-                                              role=f"loads of {count}-part chunks")
-                return tiers[count]
-
-            remote_reader = PartReader(layout, self.part, remote_source)
             lock = threading.Lock()
 
-            def read_remote_part(key: bytes, count: int, out: Any) -> Any:
+            def remote_source(count: int) -> Any:
                 with lock:  # one tier per count, made once
-                    remote_source(count)
-                return remote_reader.read(key, count, out)
+                    if count not in tiers:
+                        from tierkv.tiers.remote.tier import RemoteTier
 
-            read_remote = read_remote_part
+                        tiers[count] = RemoteTier(settings, namespace, Part(0, count),
+                                                  model_bytes // count, lazy=True,
+                                                  role=f"loads of {count}-part chunks")
+                    return tiers[count]
+
+            read_remote = PartReader(layout, self.part, remote_source).read
         return read_disk, read_remote
 
     def adapter(self) -> WorkerAdapter:
