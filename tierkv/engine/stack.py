@@ -10,10 +10,10 @@ vLLM connector roles (one each, in their own processes):
   (``config.remote``; None without one), for every rank of the engine.
 - :func:`build_worker` the worker side: the CPU slab, the transfer engine, the disk tier
   (:func:`~tierkv.tiers.disk.opener.open_disk`, as the writer or a follower) with its I/O
-  threads and the readers of other part counts, the remote tier with its reader and push threads, and the
-  :class:`JobExecutor` over them, as a :class:`WorkerStack`. A failure while building
-  releases what was built (threads, slab, disk tier, remote connection).
-
+  threads, the remote tier with its reader and push threads, each given the reader of
+  another part count's chunks, and the :class:`JobExecutor` over them, as a
+  :class:`WorkerStack`. A failure while building releases what was built (threads, slab,
+  disk tier, remote connection).
 - :func:`start_line` the one INFO line a store logs when it opens, the library's and each
   rank of the vLLM connector alike: its tiers with their sizes in binary units, the disk
   cap, tokens per chunk and the namespace's :func:`short_id` (the first 8 hex digits of
