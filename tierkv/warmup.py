@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from tierkv.config import DiskTierConfig
 from tierkv.errors import ConfigError, UsageError
 from tierkv.keys import ROOT_KEY, Namespace, Part, chunk_keys
+from tierkv.tiers.disk.opener import close_disk, open_disk
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.transfer.layout import KVLayout
 from tierkv.units import format_bytes
@@ -88,15 +89,15 @@ class ChunkWriter:
         self.root = Path(root)
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
-        self.config = disk_config or DiskTierConfig(path=self.root)
+        self.config = replace(disk_config or DiskTierConfig(), path=self.root)
         self.capacity = capacity
         self.tiers: list[DiskTier] = []
         self.num_ranks = len(ranks)
         self._pending: list[tuple[bytes, tuple[memoryview, ...]]] = []
         try:
             for rank in ranks:  # claimed: an engine running over the store is refused
-                self.tiers.append(DiskTier(self.root, namespace, rank, self.config, chunk_bytes,
-                                           exclusive=True))
+                self.tiers.append(open_disk(self.config, namespace, rank, "writer",
+                                            payload_bytes=chunk_bytes))
             held = [{record.key for record in tier.scan()} for tier in self.tiers]
         except BaseException:
             self.close()
@@ -104,7 +105,6 @@ class ChunkWriter:
         self._present: set[bytes] = set.intersection(*held) if held else set()
         self._stored = max((len(keys) for keys in held), default=0)
         self._queued: set[bytes] = set()
-        self._per_txn = max(1, self.config.write_batch_bytes // chunk_bytes)
         self.written = 0
         self.full_message: str | None = None
 
@@ -126,7 +126,7 @@ class ChunkWriter:
         buffers = tuple(as_buffer(p, self.chunk_bytes, f"chunk {key[:4].hex()}") for p in payloads)
         self._pending.append((bytes(key), buffers))
         self._queued.add(bytes(key))
-        if len(self._pending) >= self._per_txn:
+        if len(self._pending) * self.chunk_bytes >= self.config.write_batch_bytes:
             self.flush()
         return self.full_message is None
 
@@ -134,8 +134,13 @@ class ChunkWriter:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        results = [tier.put_many([(key, buffers[position]) for key, buffers in pending])
-                   for position, tier in enumerate(self.tiers)]
+        results = []
+        for position, tier in enumerate(self.tiers):
+            result = tier.put_in_batches([(key, buffers[position]) for key, buffers in pending],
+                                         self.config.write_batch_bytes)
+            if result.error is not None:
+                raise result.error
+            results.append(result)
         landed = set.intersection(*(set(result.written) for result in results))
         full = [result.message for result in results if result.full]
         if full and self.full_message is None:
@@ -153,7 +158,7 @@ class ChunkWriter:
         finally:
             tiers, self.tiers = self.tiers, []
             for tier in tiers:
-                tier.close()
+                close_disk(tier, writer=True)
 
     def __enter__(self) -> ChunkWriter:
         return self

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.checks import is_int
-from tierkv.config import DiskTierConfig, RemoteTierConfig
+from tierkv.config import RemoteTierConfig
 from tierkv.errors import BrokenError, ConfigError, DamagedError, NamespaceMismatchError
 from tierkv.integrations.vllm_config import KNOWN_HASHES, STABLE_HASHES
 from tierkv.integrations.vllm_keys import adapter_key, chunk_keys_from_block_hashes
@@ -50,10 +50,9 @@ from tierkv.keys import FORMAT_VERSION, Namespace, Part, parse_part
 from tierkv.tiers.base import ReadStatus
 from tierkv.tiers.disk.files import NamespaceInfo, describe_differences, list_namespaces
 from tierkv.tiers.disk.layout import StoreLayout
-from tierkv.tiers.disk.tier import DiskTier
+from tierkv.tiers.disk.opener import open_disk, tool_config
 from tierkv.tiers.remote.tools import Session
 from tierkv.tiers.remote.tools import scan_entries as entries
-from tierkv.units import MiB
 
 VERDICTS = ("hit-disk", "hit-remote", "damaged", "partial", "other-dp", "other-key",
             "other-namespace", "not-stored", "refused")
@@ -173,10 +172,9 @@ def scan_namespace(root: Path, info: NamespaceInfo, wanted: AbstractSet[bytes],
         path = StoreLayout(root).part_dir(info.fingerprint, part, replica)
         size = sum(data.stat().st_size for data in StoreLayout.data_files(path))
         payload = namespace.chunk_bytes // part.count or 1
-        config = DiskTierConfig(path=root, max_bytes=max(2 * size, 64 * MiB), sync_mode="close")
         try:
-            with DiskTier(root, namespace, part, config, payload, replica=replica,
-                          read_only=True) as tier:
+            with open_disk(tool_config(root, size), namespace, part, "tool",
+                           payload_bytes=payload, replica=replica) as tier:
                 found.keys = {record.key for record in tier.scan() if record.key in wanted}
                 out = memoryview(bytearray(payload))
                 found.corrupt = {key for key in found.keys & read

@@ -46,8 +46,8 @@ def open_store(root: Path, model_id: str, check_seconds: float | None = None,
 def whole_cap(store: TierKVStore, cap: int = CAP) -> int:
     """The chunks a store alone on the path holds: the cap less its index files and claims
     (measured at its last plan), in units of a chunk and its overhead."""
-    assert store._budget is not None
-    return (cap - store._budget.fixed_bytes) // UNIT
+    assert store._share is not None
+    return (cap - store._share.budgets[0].fixed_bytes) // UNIT
 
 
 def allocated(root: Path) -> int:
@@ -106,12 +106,12 @@ def test_room_is_taken_from_the_least_recently_used_unclaimed_namespace_first(tm
             store_chunks(store, number, 8)
             olds.append(store.disk.namespace_dir)  # type: ignore[union-attr]
     with open_store(tmp_path, "new") as store:
-        fixed = store._budget.fixed_bytes  # type: ignore[union-attr]
+        fixed = store._share.budgets[0].fixed_bytes  # type: ignore[union-attr]
         left = CAP - sum(allocated(old) for old in olds) - fixed
         assert store.index.disk_capacity == left // UNIT < 8  # what they leave
         old_1 = allocated(olds[1])
         store_chunks(store, 10, 12)  # the path fills: one old namespace goes
-        fixed = store._budget.fixed_bytes  # type: ignore[union-attr]
+        fixed = store._share.budgets[0].fixed_bytes  # type: ignore[union-attr]
         assert store.index.disk_capacity == (CAP - old_1 - fixed) // UNIT
     held = held_chunks(tmp_path)
     assert "old-0" not in held and held["old-1"] == 8, held  # one was enough: the oldest
@@ -141,7 +141,7 @@ def test_a_stopped_rank_of_the_same_namespace_keeps_its_chunks_and_leaves_the_re
             rank_1, stopped_with = second.disk.path, second.index.disk_used  # type: ignore[union-attr]
             assert stopped_with >= 7
         first.poll()  # rank 1 stopped with its chunks: rank 0 may use the rest
-        fixed = first._budget.fixed_bytes  # type: ignore[union-attr]
+        fixed = first._share.budgets[0].fixed_bytes  # type: ignore[union-attr]
         rest = (CAP - allocated(rank_1) - fixed) // UNIT
         assert first.index.disk_capacity == rest > 12
         store_chunks(first, 3, 16)
@@ -180,7 +180,7 @@ def test_stores_of_three_namespaces_open_at_once_share_the_cap(tmp_path: Path) -
         for store in stores:
             store.poll()  # each plans its share once more
         assert [store.index.disk_capacity for store in stores] == [
-            (CAP // 3 - store._budget.fixed_bytes) // UNIT  # type: ignore[union-attr]
+            (CAP // 3 - store._share.budgets[0].fixed_bytes) // UNIT  # type: ignore[union-attr]
             for store in stores]
     finally:
         stop.set()
@@ -219,7 +219,7 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
     the engine's capacity fell to nothing. Each part's budget is blind to its siblings,
     plans the engine's whole chunks and publishes its part's share, so another store sees
     the engine's reservation once."""
-    from tierkv.integrations.vllm_disk import acquire_tier, claim_env, release_claimed
+    from tierkv.tiers.disk.opener import close_disk, open_disk
     from tierkv.keys import Namespace, Part
     from tierkv.tiers.disk.budget import DiskBudget, survey
     from tierkv.tiers.disk.layout import StoreLayout
@@ -228,10 +228,10 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
                           tokens_per_chunk=16, chunk_bytes=2 * CHUNK_BYTES)
     parts = (Part(0, 2), Part(1, 2))
     disk = DiskTierConfig(path=tmp_path, max_bytes=CAP)
-    tiers = [acquire_tier(tmp_path, namespace, part, disk, CHUNK_BYTES) for part in parts]
+    # the workers claim their parts first
+    tiers = [open_disk(disk, namespace, part, "writer", payload_bytes=CHUNK_BYTES)
+             for part in parts]
     try:
-        for tier in tiers:  # the workers claim their parts first
-            claim_env(tier)
         names = tuple(StoreLayout.part_dir_name(part) for part in parts)
         unit = 2 * UNIT  # a chunk of both parts
         budgets = [DiskBudget(tmp_path, namespace.fingerprint(), name, CAP, unit,
@@ -248,7 +248,7 @@ def test_an_engines_part_budgets_do_not_count_each_other_as_other_engines(tmp_pa
         assert holding.held(CAP // 2) == max(holding.held(0), CAP // 2 // 2 * 2)
     finally:
         for tier in tiers:
-            release_claimed(tier)
+            close_disk(tier, writer=True)
 
 
 # ------------------------------------------------------------------ issue 41, item 7

@@ -19,7 +19,8 @@ from tierkv.config import DiskTierConfig
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId
 from tierkv.integrations.vllm_config import ConnectorSettings
 from tierkv.integrations.vllm_geometry import Geometry
-from tierkv.integrations.vllm_disk import OWNER_FILE, OtherParts
+from tierkv.tiers.disk.opener import OtherParts
+from tierkv.tiers.disk.files import OWNER_FILE
 from tierkv.integrations.vllm_scheduler import SchedulerSide
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.cpu import CpuSlab
@@ -135,13 +136,13 @@ def test_a_part_restored_to_the_wrong_place_is_a_miss_for_the_other_tp_reader(
     shutil.copytree(ns_dir / "part-0of2", ns_dir / "part-1of2")
     config = DiskTierConfig(path=tmp_path, max_bytes=1 << 24)
     slab = CpuSlab(num_slots=2, slot_bytes=MODEL_CHUNK, pin_memory="never")
-    other = OtherParts(tmp_path, NAMESPACE, config, MODEL_CHUNK)
+    other = OtherParts(NAMESPACE, config, MODEL_CHUNK)
     layout = HeadLayout(pieces=1, outer=1, head_bytes=HALF, model_heads=2)
     reader = PartReader(layout, Part(0, 1), lambda count: other)
     outcomes: list[ReadOutcome] = []
     with DiskTier(tmp_path, NAMESPACE, Part(0, 1), config, MODEL_CHUNK) as own:
-        io = TierIO(own, slab, write_batch_bytes=1 << 20, reader_threads=1)
-        io.other_parts = reader.read
+        io = TierIO(own, slab, write_batch_bytes=1 << 20, reader_threads=1,
+                    other_parts=reader.read)
         try:
             with caplog.at_level(logging.WARNING, logger="tierkv"):
                 for job in (1, 2):

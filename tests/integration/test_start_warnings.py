@@ -46,7 +46,7 @@ def test_chunks_deleted_at_start_are_a_warning(tmp_path: Path,
     fill(tmp_path, chunks=4)
     one_chunk = 2 * 2 * 16 * 2 * 8 * 2 + 8192  # payload + the per-chunk overhead
     with open_store(tmp_path) as store:  # the cap counts the index files too (issue 41)
-        files = store._budget.fixed_bytes  # type: ignore[union-attr]
+        files = store._share.budgets[0].fixed_bytes  # type: ignore[union-attr]
     with caplog.at_level(logging.WARNING, logger="tierkv"):
         open_store(tmp_path, max_bytes=2 * one_chunk + files).close()
     assert any("deleting 2 of the 4 chunk(s) found on disk at start" in r.getMessage()

@@ -153,7 +153,7 @@ def test_full_disk_skips_stores_counts_and_reads_go_on(tmp_path: Path) -> None:
     # The disk holds 3 chunks, the CPU tier 2: most chunks cannot be kept anywhere. The cap
     # counts the store's index files too (issue 41): a store elsewhere measures them.
     with open_store(tmp_path / "probe", kv) as probe:
-        files = probe._budget.fixed_bytes  # type: ignore[union-attr]
+        files = probe._share.budgets[0].fixed_bytes  # type: ignore[union-attr]
     with open_store(tmp_path, kv, cpu_chunks=2, disk_chunks=3, write_through=True,
                     files_bytes=files) as store:
         for i in range(8):

@@ -639,7 +639,7 @@ def test_import_is_light() -> None:
         "import tierkv.integrations.vllm as m\n"
         "assert 'lmdb' not in sys.modules, 'lmdb imported'\n"
         "assert 'tierkv.integrations.vllm_worker' not in sys.modules\n"
-        "assert 'tierkv.integrations.vllm_disk' not in sys.modules\n"
+        "assert 'tierkv.engine.disk_start' not in sys.modules\n"
         "assert 'tierkv.transfer.cuda' not in sys.modules\n"
         "assert not torch.cuda.is_initialized()\n"
         "print(m.TierKVConnector.__name__)\n"
@@ -660,7 +660,7 @@ def test_one_capacity_formula_for_the_connector_and_the_library_store(tmp_path: 
     config = StoreConfig(blocks_per_chunk=2, cpu=CpuTierConfig(max_bytes=4096, pin_memory="never"),
                          disk=DiskTierConfig(path=tmp_path, max_bytes=disk_bytes), device="cpu")
     with TierKVStore(kv, model_id="m", tokens_per_block=4, config=config) as store:
-        budget = store._budget
+        budget = store._share.budgets[0]
         assert budget is not None and budget.unit_bytes == 512 + DISK_OVERHEAD_BYTES
         # all it may take (issue 41: it takes room a step at a time, and the cap counts its
         # index files): the formula over the cap less those files
@@ -850,8 +850,8 @@ def test_a_follower_rank_reads_the_writers_environment_once_it_exists(tmp_path: 
     """MLA under TP: a rank that loads rank 0's copy opens rank 0's environment read-only,
     waits (bounded) for rank 0 to create it, and says which path when it never appears."""
     from tierkv.config import DiskTierConfig, StoreConfig
-    from tierkv.integrations.vllm_disk import open_follower
     from tierkv.keys import SINGLE_PART, Namespace
+    from tierkv.tiers.disk.opener import open_disk
     from tierkv.tiers.disk.tier import DiskTier
 
     namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
@@ -859,7 +859,8 @@ def test_a_follower_rank_reads_the_writers_environment_once_it_exists(tmp_path: 
     config = StoreConfig(disk=DiskTierConfig(path=tmp_path, max_bytes=1 << 20), rank=0)
     with pytest.raises(ConfigError, match=r"part-0of1 \(the environment of part 0of1, which "
                                           r"another rank writes\) could not be read within 0 s"):
-        open_follower(namespace, config, 64, SINGLE_PART, wait_seconds=0.1)
+        open_disk(config.disk, namespace, SINGLE_PART, "follower", payload_bytes=64,
+                  wait_seconds=0.1)
     # The follower is another process (as rank 1 is): it starts first, the writer then
     # creates the environment and stores a chunk, and the follower reads it.
     code = f'''
@@ -867,14 +868,14 @@ import sys
 import time
 from pathlib import Path
 from tierkv.config import DiskTierConfig, StoreConfig
-from tierkv.integrations.vllm_disk import open_follower
+from tierkv.tiers.disk.opener import open_disk
 from tierkv.keys import SINGLE_PART, Namespace
 from tierkv.tiers.base import ReadStatus
 namespace = Namespace(model_id="m", dtype="float16", kv_layout="x", page_bytes=64,
                       tokens_per_chunk=16)
 config = StoreConfig(disk=DiskTierConfig(path=Path({str(tmp_path)!r}), max_bytes=1 << 20), rank=0)
 print("waiting", flush=True)
-tier = open_follower(namespace, config, 64, SINGLE_PART, wait_seconds=60)
+tier = open_disk(config.disk, namespace, SINGLE_PART, "follower", payload_bytes=64, wait_seconds=60)
 out = bytearray(64)
 for _ in range(600):
     if tier.read_into(b"k" * 32, memoryview(out)) is ReadStatus.OK:
@@ -895,7 +896,8 @@ print(tier.read_only, out == bytes(range(64)))
 
 def test_rebuild_keeps_chunks_every_part_holds(tmp_path: Path) -> None:
     from tierkv.config import DiskTierConfig
-    from tierkv.integrations.vllm_disk import acquire_tier, rebuild_keys, release_tier
+    from tierkv.engine.disk_start import rebuild_keys
+    from tierkv.tiers.disk.opener import close_disk, open_disk
     from tierkv.keys import Namespace, Part
     from tierkv.tiers.disk.tier import DiskTier
 
@@ -905,17 +907,17 @@ def test_rebuild_keeps_chunks_every_part_holds(tmp_path: Path) -> None:
     keys = [bytes([i]) * 32 for i in range(6)]
     payload = b"\x01" * 128
     for part, held in ((Part(0, 2), keys), (Part(1, 2), keys[:2] + keys[3:])):  # 1of2 lacks keys[2]
-        tier = acquire_tier(tmp_path, namespace, part, config, len(payload))
+        tier = open_disk(config, namespace, part, "scan", payload_bytes=len(payload))
         for key in held:  # one txn each: keys[0] is the oldest
             tier.put_many([(key, payload)])
-        release_tier(tier)
-    kept, deleted, elsewhere = rebuild_keys(tmp_path, namespace, 2, config, len(payload),
+        close_disk(tier)
+    kept, deleted, elsewhere = rebuild_keys(namespace, 2, config, len(payload),
                                             capacity=4)
     assert kept == keys[1:2] + keys[3:]  # oldest first; keys[0] trimmed (capacity), keys[2] partial
     assert deleted == 2 and elsewhere == {}
-    tier = acquire_tier(tmp_path, namespace, Part(0, 2), config, len(payload))
+    tier = open_disk(config, namespace, Part(0, 2), "scan", payload_bytes=len(payload))
     assert sorted(record.key for record in tier.scan()) == sorted(kept)
-    release_tier(tier)
+    close_disk(tier)
 
     # A TP = 1 engine's part (one value of both halves' bytes) and a TP = 4 engine's that
     # lost a part (a crash between parts): the first is usable, loaded as 1 part; the
@@ -926,7 +928,7 @@ def test_rebuild_keeps_chunks_every_part_holds(tmp_path: Path) -> None:
     for index in range(3):  # part 3of4 never written
         with DiskTier(tmp_path, namespace, Part(index, 4), config, len(payload) // 2) as quarter:
             quarter.put_many([(others[2], payload[:64])])
-    kept, deleted, elsewhere = rebuild_keys(tmp_path, namespace, 2, config, len(payload),
+    kept, deleted, elsewhere = rebuild_keys(namespace, 2, config, len(payload),
                                             capacity=100, counts=(2, 1, 4))
     assert deleted == 0 and elsewhere == {others[0]: 1, others[1]: 1}  # keys[3]: our own
     assert set(kept) == set(keys[1:2] + keys[3:]) | set(others[:2])

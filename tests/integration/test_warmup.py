@@ -453,13 +453,11 @@ def test_a_store_held_by_a_running_worker_is_refused(tiny_model: Path, warm_stor
     import fcntl
     import os
 
-    from tierkv.integrations import vllm_disk
+    from tierkv.tiers.disk.files import OWNER_FILE
 
-    if not hasattr(vllm_disk, "OWNER_FILE"):
-        pytest.skip("this connector build does not lock its environments")
     store = Path(shutil.copytree(warm_store, tmp_path / "store"))
     (namespace,) = list_namespaces(store)
-    fd = os.open(namespace.path / "part-0of1" / "shard-0" / vllm_disk.OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(namespace.path / "part-0of1" / "shard-0" / OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a connector worker holds it
     try:
         prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[2:3])  # one chunk to write

@@ -314,7 +314,9 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
     import fcntl
 
     from tierkv.config import DiskTierConfig
-    from tierkv.integrations import vllm_disk
+    from tierkv.engine.disk_start import rebuild_keys
+    from tierkv.tiers.disk import opener
+    from tierkv.tiers.disk.files import OWNER_FILE
     from tierkv.tiers.disk.tier import DiskTier
 
     namespace = support.namespace_of()
@@ -330,17 +332,16 @@ def test_a_damaged_rank_owned_by_its_worker_does_not_fail_the_scheduler_scan(tmp
         else:
             for data in support.data_files(rank1):
                 os.truncate(data, 4096 * 3)  # shorter than its meta page says
-        fds = [os.open(shard / vllm_disk.OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        fds = [os.open(shard / OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o600)
                for shard in support.shard_dirs(rank1)]
         for fd in fds:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as rank 1's worker holds it
         try:
-            kept, deleted, _ = vllm_disk.rebuild_keys(tmp_path, namespace, 2, config, 4096,
-                                                      capacity=100)
+            kept, deleted, _ = rebuild_keys(namespace, 2, config, 4096, capacity=100)
         finally:
             for fd in fds:
                 os.close(fd)
-        assert kept == [] and vllm_disk._OPEN == {}, (damage, kept)  # nothing left open
+        assert kept == [] and opener._HELD == {}, (damage, kept)  # nothing left open
         assert not _broken_dirs(tmp_path)  # the worker's environment was not moved
 
 

@@ -148,7 +148,7 @@ def test_disk_capacity_deletes_ride_in_spill_jobs() -> None:
 def test_over_capacity_on_open_the_oldest_are_deleted() -> None:
     # Regression: chunks found on disk come oldest first; over the capacity, the newest
     # were deleted, so a restart lost what was stored last (a flaky full-disk test: 0 of
-    # 4 new chunks after a reopen). The oldest go now, as vllm_disk.rebuild_keys does.
+    # 4 new chunks after a reopen). The oldest go now, as disk_start.rebuild_keys does.
     index = BlockIndex(num_slots=1, disk_capacity=2)
     assert index.add_on_disk([A, B, C]) == 2
     spill = index.take_spills()

@@ -9,9 +9,16 @@ vLLM connector roles (one each, in their own processes):
 - :func:`build_remote_lookup` the scheduler side's questions to the remote tier
   (``config.remote``; None without one), for every rank of the engine.
 - :func:`build_worker` the worker side: the CPU slab, the transfer engine, the disk tier
-  with its I/O threads, the remote tier with its reader and push threads, and the
-  :class:`JobExecutor` over them, as a :class:`WorkerStack`. A failure while building
-  releases what was built (threads, slab, disk tier, remote connection).
+  (:func:`~tierkv.tiers.disk.opener.open_disk`, as the writer or a follower) with its I/O
+  threads, the remote tier with its reader and push threads, each given the reader of
+  another part count's chunks, and the :class:`JobExecutor` over them, as a
+  :class:`WorkerStack`. A failure while building releases what was built (threads, slab,
+  disk tier, remote connection).
+- :func:`start_line` the one INFO line a store logs when it opens, the library's and each
+  rank of the vLLM connector alike: its tiers with their sizes in binary units, the disk
+  cap, tokens per chunk and the namespace's :func:`short_id` (the first 8 hex digits of
+  :meth:`Namespace.fingerprint`, as ``tierkv inspect`` and the warm-up show it). A remote
+  URL is shown without its password.
 
 A new tier plugs in here (docs/design.md, "Where a new tier plugs in").
 """
@@ -22,9 +29,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from tierkv.config import StoreConfig
+from tierkv.config import StoreConfig, safe_url
 from tierkv.core.index import BlockIndex
 from tierkv.engine.adapter import EngineAdapter
 from tierkv.engine.adapter_config import AdapterConfig
@@ -32,6 +39,8 @@ from tierkv.engine.tier_lookup import RemoteAsker
 from tierkv.extras import needs
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace, Part
+from tierkv.tiers.base import ReadStatus
+from tierkv.units import format_bytes
 
 if TYPE_CHECKING:  # the worker half loads torch's transfer code and LMDB: only when built
     from tierkv.transfer.executor import JobExecutor
@@ -101,27 +110,30 @@ def build_remote_lookup(config: StoreConfig, namespace: Namespace,
                         usage_seconds=remote.usage_seconds)
 
 
+PartsReader = Callable[[bytes, int, Any], ReadStatus]  # (key, part count, slot) -> status
+
+
 @dataclass
 class WorkerStack:
-    """What one worker moves bytes with; ``close()`` stops the threads, then releases the
-    disk tier (through ``release_disk``) and the remote tier's connection."""
+    """What one worker moves bytes with; ``close()`` stops the threads, then gives back the
+    disk tier (:func:`~tierkv.tiers.disk.opener.close_disk`) and the remote tier's
+    connection."""
 
     slab: CpuSlab
     transfer: TransferEngine
     disk: DiskTier | None
     disk_io: TierIO | None
     executor: JobExecutor
-    release_disk: Callable[[DiskTier], None]
+    writer: bool = True  # the disk tier's writer (else a follower: read-only)
     remote: RemoteTier | None = None
 
     def close(self) -> None:
-        _release(self.executor, (), self.disk, self.release_disk, self.remote)
+        _release(self.executor, (), self.disk, self.writer, self.remote)
 
 
 def _release(executor: JobExecutor | None,
              parts: Sequence[TierIO | TransferEngine | RemoteIO | None],
-             disk: DiskTier | None, release_disk: Callable[[DiskTier], None],
-             remote: RemoteTier | None) -> None:
+             disk: DiskTier | None, writer: bool, remote: RemoteTier | None) -> None:
     """Stop threads (the executor's, or ``parts`` before it owned them), then release the
     tiers; every step runs even if one fails."""
     try:
@@ -139,33 +151,40 @@ def _release(executor: JobExecutor | None,
                 remote.close()
         finally:
             if disk is not None:
-                release_disk(disk)
+                from tierkv.tiers.disk.opener import close_disk
 
-
-def _close_disk(disk: DiskTier) -> None:
-    disk.close()
+                close_disk(disk, writer=writer)
 
 
 def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
-                 open_disk: Callable[[], DiskTier] | None = None,
-                 release_disk: Callable[[DiskTier], None] = _close_disk,
-                 namespace: Namespace | None = None,
-                 remote_part: Part | None = None) -> WorkerStack:
+                 namespace: Namespace | None = None, part: Part | None = None,
+                 replica: int = 0, writer: bool = True, refusal: str | None = None,
+                 other_disk: PartsReader | None = None,
+                 other_remote: PartsReader | None = None) -> WorkerStack:
     """The worker side over ``layout``'s tensors: a slab of ``num_slots`` chunks, the
-    transfer engine for ``config.device``, (``open_disk`` given) the disk tier it opens
-    with its I/O threads, and (``config.remote`` set) the remote tier of ``namespace`` and
-    ``remote_part`` (default: the library's :func:`library_part`), connected on first use, with its reader
-    threads and its push thread (none with ``remote.push="read_only"``). The disk tier is
-    opened first: a store path that is refused costs no slab and no thread."""
+    transfer engine for ``config.device``, (``config.disk.path`` set) the disk tier of
+    ``namespace``'s ``part`` (default: the library's :func:`library_part`) with its I/O
+    threads, opened as its writer (claimed; ``refusal`` words a refusal) or, ``writer``
+    False, as a follower (read-only), and (``config.remote`` set) the remote tier of that
+    part, connected on first use, with its reader threads and its push thread (none with
+    ``remote.push="read_only"``). ``other_disk`` / ``other_remote`` read a chunk another
+    part count wrote (:class:`tierkv.transfer.parts.PartReader`; None: such a chunk is a
+    miss). The disk tier is opened first: a store path that is refused costs no slab and
+    no thread."""
     from tierkv.transfer.executor import JobExecutor
     from tierkv.tiers.cpu import CpuSlab
+    from tierkv.tiers.disk.opener import open_disk
     from tierkv.transfer.tier_io import TierIO
     from tierkv.transfer.factory import make_transfer_engine
 
     chunk_bytes = layout.chunk_bytes(config.blocks_per_chunk)
-    if config.remote is not None and namespace is None:
-        raise ValueError("build_worker: a remote tier needs the namespace of its chunks")
-    disk = open_disk() if open_disk is not None else None
+    if (config.remote is not None or config.disk.path is not None) and namespace is None:
+        raise ValueError("build_worker: a disk or remote tier needs the namespace of its chunks")
+    part = part if part is not None else library_part(config)
+    disk = None
+    if config.disk.path is not None and namespace is not None:
+        disk = open_disk(config.disk, namespace, part, "writer" if writer else "follower",
+                         payload_bytes=chunk_bytes, replica=replica, refusal=refusal)
     slab: CpuSlab | None = None
     transfer: TransferEngine | None = None
     disk_io: TierIO | None = None
@@ -176,26 +195,48 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
         slab = CpuSlab(num_slots, chunk_bytes, config.cpu.pin_memory)
         transfer = make_transfer_engine(config.device, layout, slab, config.blocks_per_chunk)
         if disk is not None:
-            disk_io = TierIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
+            disk_io = TierIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads,
+                             other_parts=other_disk)
         settings = config.remote
         if settings is not None and namespace is not None:
             with needs("remote", "the remote tier (StoreConfig.remote, vLLM's remote_url)"):
                 from tierkv.tiers.remote.tier import RemoteTier
                 from tierkv.tiers.remote.pushes import RemoteIO
 
-            part = remote_part if remote_part is not None else library_part(config)
             remote = RemoteTier(settings, namespace, part, chunk_bytes, lazy=True,
                                 role="loads and pushes")
             # Connected now, within remote.timeout_seconds (a server down now is a miss
             # later, never a failed start): a node that stalls later fails its own chunks
             # only, the cluster's nodes being known; on first use, a stalled seed failed all.
             remote.warm_up()
-            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads)
+            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads,
+                               other_parts=other_remote)
             if settings.push != "read_only":
                 pusher = RemoteIO(remote, settings.queue_bytes)
         executor = JobExecutor(transfer, disk_io, remote_io=remote_io, pusher=pusher,
                                push_on=settings.push if settings else "on_store")
     except BaseException:
-        _release(None, (disk_io, remote_io, pusher, transfer), disk, release_disk, remote)
+        _release(None, (disk_io, remote_io, pusher, transfer), disk, writer, remote)
         raise
-    return WorkerStack(slab, transfer, disk, disk_io, executor, release_disk, remote)
+    return WorkerStack(slab, transfer, disk, disk_io, executor, writer, remote)
+
+
+def short_id(namespace: Namespace) -> str:
+    """The namespace's short id: the first 8 hex digits of its fingerprint."""
+    return namespace.fingerprint()[:8]
+
+
+def start_line(who: str, config: StoreConfig, namespace: Namespace, *, num_slots: int,
+               chunk_bytes: int) -> str:
+    """``who`` (``"store"``, ``"rank 0"``) opened with ``num_slots`` CPU slots of
+    ``chunk_bytes`` over ``config``'s tiers, for chunks of ``namespace``."""
+    tiers = [f"CPU {format_bytes(num_slots * chunk_bytes)} ({num_slots} chunks)"]
+    disk = config.disk
+    if disk.path is not None:
+        tiers.append(f"disk at {disk.path} capped at {format_bytes(disk.max_bytes)}")
+    else:
+        tiers.append("no disk tier")
+    if config.remote is not None:
+        tiers.append(f"remote {safe_url(config.remote.url)}")
+    return (f"tierkv: {who} open, namespace {short_id(namespace)}: {', '.join(tiers)}; "
+            f"{namespace.tokens_per_chunk} tokens a chunk of {format_bytes(chunk_bytes)}")

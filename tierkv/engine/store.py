@@ -47,7 +47,6 @@ completions advance on every call; ``poll()`` in the engine loop keeps them movi
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -62,11 +61,11 @@ from tierkv.config_env import from_environment
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.core.stats import AdapterStats
 from tierkv.engine import store_exit
-from tierkv.engine.disk_start import FoundOnDisk, rebuild_index
+from tierkv.engine.disk_start import DiskShare, FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (DURATION_KEY, Durations, TierUsage, collect_figures,
                                    config_info, tier_usage)
-from tierkv.engine.start_line import short_id, start_line
-from tierkv.engine.stack import build_index, build_remote_lookup, build_worker, library_part
+from tierkv.engine.stack import (build_index, build_remote_lookup, build_worker, library_part,
+                                 short_id, start_line)
 from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
@@ -77,8 +76,6 @@ from tierkv.engine.store_stats import (PATH_NAMES, LoadHandle, LoadShortfall, Pa
 from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import Namespace
-from tierkv.tiers.disk.tier import DiskTier
-from tierkv.tiers.disk.budget import DiskBudget
 from tierkv.tiers.disk.layout import StoreLayout
 from tierkv.transfer.layout import KVLayout
 
@@ -152,21 +149,17 @@ class TierKVStore:
                 f"{least} bytes ({self.chunk_bytes} of KV + {DISK_OVERHEAD_BYTES} of "
                 f"overhead); raise disk.max_bytes to at least {least}, or set "
                 f"disk.path=None for no disk tier")
-        open_disk = None if cfg.disk.path is None else functools.partial(
-            DiskTier, cfg.disk.path, namespace, library_part(cfg), cfg.disk, self.chunk_bytes,
-            exclusive=True)
-        self._stack = build_worker(cfg, self.layout, num_slots, open_disk=open_disk,
-                                   namespace=namespace)
+        self._stack = build_worker(cfg, self.layout, num_slots, namespace=namespace)
         self.slab, self.disk, self.executor = self._stack.slab, self._stack.disk, self._stack.executor
         self._remote = None
-        self._budget: DiskBudget | None = None
+        self._share: DiskShare | None = None
         try:
             self._remote = build_remote_lookup(cfg, namespace, [[library_part(cfg)]],
                                                self.chunk_bytes)
-            if self.disk is None or cfg.disk.path is None:
-                self.index = build_index(cfg, num_slots, 0, record_events=record_events)
-            else:
-                self._open_budget(Path(cfg.disk.path), num_slots, record_events)
+            self.index = build_index(cfg, num_slots, 0, record_events=record_events,
+                                     disk_tier=self.disk is not None)
+            if self.disk is not None:
+                self._open_share(num_slots)
         except BaseException:
             self._closed = True
             self._close_parts()
@@ -183,50 +176,29 @@ class TierKVStore:
         log.info("%s", start_line("store", cfg, namespace, num_slots=num_slots,
                                   chunk_bytes=self.chunk_bytes))
 
-    def _open_budget(self, root: Path, num_slots: int, record_events: bool) -> None:
-        """The index over this store's share of the disk cap, which every namespace under
-        ``root`` shares (:mod:`tierkv.tiers.disk.budget`), warm with the chunks on disk."""
-        assert self.disk is not None
-        cfg, namespace = self.config, self.namespace
+    def _open_share(self, num_slots: int) -> None:
+        """Warm the index with the chunks on disk, over this store's share of the disk cap,
+        which every namespace under ``disk.path`` shares (:class:`DiskShare`)."""
+        assert self.disk is not None and self.config.disk.path is not None
+        cfg, namespace, root = self.config, self.namespace, Path(self.config.disk.path)
         found_on_disk = FoundOnDisk()
         found_on_disk.scan(self.disk)
         keys = found_on_disk.oldest_first()
-        self._budget = DiskBudget(root, namespace.fingerprint(),
-                                  StoreLayout.part_dir_name(library_part(cfg)), cfg.disk.max_bytes,
-                                  self.chunk_bytes + DISK_OVERHEAD_BYTES,
-                                  check_seconds=cfg.disk.budget_check_seconds,
-                                  min_step=num_slots)
-        capacity = self._budget.plan(len(keys))  # its chunks back, and a step of room more
-        files, unit = self._budget.fixed_bytes, self._budget.unit_bytes
+        self._share = DiskShare(root, namespace.fingerprint(),
+                                [StoreLayout.part_dir_name(library_part(cfg))],
+                                cfg.disk.max_bytes, self.chunk_bytes,
+                                check_seconds=cfg.disk.budget_check_seconds, min_step=num_slots)
+        capacity = self._share.start(len(keys), log)  # its chunks back, and a step of room more
+        budget = self._share.budgets[0]
+        files, unit = budget.fixed_bytes, budget.unit_bytes
         if cfg.disk.max_bytes - files < unit:  # the cap counts the index files too
             raise ConfigError(
                 f"disk tier: disk.max_bytes={cfg.disk.max_bytes} holds no chunk beside this "
                 f"store's index files and claims ({files} bytes under {root}); raise "
                 f"disk.max_bytes to at least {files + unit}, or set disk.path=None for no "
                 f"disk tier")
-        self.index = build_index(cfg, num_slots, capacity, disk_tier=True,
-                                 record_events=record_events)
-        line = self._budget.start_line()
-        if line:
-            unclaimed = any(holding.deletable for holding in self._budget.others)
-            log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
         rebuild_index(self.index, keys, capacity, root=root, namespace=namespace,
                       cap=f"disk.max_bytes={cfg.disk.max_bytes}", log=log)
-
-    def _rebalance(self) -> None:
-        """Plan this store's share of the disk cap again when it is due (see
-        :meth:`DiskBudget.due`); a smaller share evicts at once, a larger one is room."""
-        budget, index = self._budget, self.index
-        assert budget is not None
-        # Full once what is on disk and what is to be written fill it: a plan only at
-        # disk_used would come after the spills evicted for room the cap still had.
-        full = index.disk_wanted >= index.disk_capacity
-        if not budget.due(full):
-            return
-        # and a step of room more (DiskBudget.step); never waits on another store's plan
-        capacity = budget.plan(index.disk_used, wait=False)
-        if capacity != index.disk_capacity:
-            index.set_disk_capacity(capacity)
 
     # ------------------------------------------------------------------ API
     @one_caller
@@ -490,9 +462,9 @@ class TierKVStore:
             try:
                 self._stack.close()
             finally:
-                if self._budget is not None:
+                if self._share is not None:
                     index = getattr(self, "index", None)  # None: construction failed
-                    self._budget.release(index.disk_used if index is not None else 0)
+                    self._share.release(index.disk_used if index is not None else 0)
 
     def __del__(self) -> None:
         """A store collected without ``close()`` warns (ResourceWarning and a log line) and
@@ -569,8 +541,8 @@ class TierKVStore:
                 self._ready.append(completion)
             if completion.error and not completion.ok:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
-        if self._budget is not None:
-            self._rebalance()
+        if self._share is not None:
+            self._share.rebalance(self.index)
         spec = self.index.take_spills()
         if spec is not None:
             self.executor.submit(spec)

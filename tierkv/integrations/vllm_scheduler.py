@@ -8,7 +8,7 @@ One :class:`SchedulerSide` per engine maps each scheduler-role call onto the ada
 table in ``docs/vllm.md`` ("How it works") says: loads are always asynchronous, a lookup
 answers ``None`` while a chunk is promoted from disk or stored, and a finished request's
 blocks go back to vLLM at once (the adapter fences). At start, with a disk tier, the index
-is rebuilt from every rank's environment (:func:`tierkv.integrations.vllm_disk.rebuild_keys`).
+is rebuilt from every rank's environment (:func:`tierkv.engine.disk_start.rebuild_keys`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from tierkv.model_identity import model_fingerprint
 from tierkv.tiers.disk.layout import StoreLayout
 
 if TYPE_CHECKING:
-    from tierkv.tiers.disk.budget import DiskBudget
+    from tierkv.engine.disk_start import DiskShare
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -162,8 +162,7 @@ class SchedulerSide:
         self.stats_interval = STATS_INTERVAL_SECONDS
         self.found_on_disk = 0
         self.deleted_on_disk = 0
-        self._budgets: list[DiskBudget] = []  # one per stored rank
-        self._budget_polled = -float("inf")
+        self._share: DiskShare | None = None  # this engine's share of the disk cap
         if settings.disk_path is not None:
             self._rebuild_from_disk()
 
@@ -179,20 +178,26 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ start
     def _rebuild_from_disk(self) -> None:
-        from tierkv.engine.disk_start import rebuild_index
-        from tierkv.integrations.vllm_disk import rebuild_keys
+        from tierkv.engine.disk_start import DiskShare, rebuild_index, rebuild_keys
 
         assert self.settings.disk_path is not None
         root = Path(self.settings.disk_path)
         started = time.perf_counter()
         own = self.geometry.num_parts
         keys, self.deleted_on_disk, self._disk_parts = rebuild_keys(
-            root, self.namespace, own, self.config.disk, self.geometry.chunk_bytes,
-            self.geometry.disk_capacity, counts=self.source_counts, replica=self.replica,
+            self.namespace, own, self.config.disk, self.geometry.chunk_bytes,
+            self.geometry.disk_capacity, counts=self.source_counts, replica=self.replica, log=log,
         )
         self.found_on_disk_elsewhere = len(self._disk_parts)
-        capacity = self._open_budgets(root, [Part(index, own) for index in range(own)],
-                                      len(keys))
+        # This engine's share of disk_bytes, one cap for every namespace under the disk path:
+        # a budget per stored rank, each publishing its rank's share; the smallest plans.
+        self._share = DiskShare(
+            root, self.fingerprint,
+            [StoreLayout.part_dir_name(Part(index, own), self.replica) for index in range(own)],
+            self.settings.disk_bytes, self.geometry.chunk_bytes,
+            check_seconds=self.config.disk.budget_check_seconds,
+            min_step=self.geometry.num_slots, poll_seconds=BUDGET_POLL_SECONDS, clock=self._clock)
+        capacity = self._share.start(len(keys), log)
         self.found_on_disk = rebuild_index(  # over the share: deleted next
             self.index, keys, capacity, root=root, namespace=self.namespace,
             cap=f"disk_bytes={self.settings.disk_bytes}", log=log)
@@ -208,48 +213,6 @@ class SchedulerSide:
                  "them as parts of another TP size)", self.found_on_disk, self.fingerprint[:8],
                  self.settings.disk_path, time.perf_counter() - started,
                  self.found_on_disk_elsewhere)
-
-    def _open_budgets(self, root: Path, parts: Sequence[Part], held: int) -> int:
-        """This engine's share of ``disk_bytes``, one cap for every namespace under the disk
-        path (docs/operations.md, "One cap per disk path"): a share per stored rank, each
-        rank's in its own share file, as library stores publish theirs. Namespaces no engine
-        claims give room first (least recently written first). Returns the capacity in
-        chunks (the smallest rank share)."""
-        from tierkv.tiers.disk.budget import DiskBudget
-
-        # A whole chunk (every part) per unit: each part's budget plans the engine's chunks,
-        # blind to its sibling parts, and publishes its part's share.
-        unit = (self.geometry.chunk_bytes + DISK_OVERHEAD_BYTES) * len(parts)
-        names = tuple(StoreLayout.part_dir_name(part, self.replica) for part in parts)
-        self._budgets = [DiskBudget(root, self.fingerprint, name, self.settings.disk_bytes, unit,
-                                    check_seconds=self.config.disk.budget_check_seconds,
-                                    clock=self._clock, parts=len(parts), siblings=names,
-                                    min_step=self.geometry.num_slots)
-                         for name in names]
-        capacity = min(budget.plan(held) for budget in self._budgets)  # and a step more
-        line = self._budgets[0].start_line()
-        if line:
-            unclaimed = any(holding.deletable for holding in self._budgets[0].others)
-            log.log(logging.WARNING if unclaimed else logging.INFO, "tierkv: %s", line)
-        self._budget_polled = self._clock()
-        return capacity
-
-    def _rebalance_disk(self) -> None:
-        """Plan this engine's share again when the disk is full and unclaimed namespaces
-        could give room, when another store came, went or moved its share, or every
-        ``budget_check_seconds`` (a ``stat`` of the disk path: at most once a second unless
-        the disk is full)."""
-        index = self.index
-        full = index.disk_wanted >= index.disk_capacity  # on disk and to be written
-        now = self._clock()
-        if not full and now - self._budget_polled < BUDGET_POLL_SECONDS:
-            return
-        self._budget_polled = now
-        if not any(budget.due(full) for budget in self._budgets):
-            return
-        capacity = min(budget.plan(index.disk_used, wait=False) for budget in self._budgets)
-        if capacity != index.disk_capacity:
-            index.set_disk_capacity(capacity)
 
     # ------------------------------------------------------------------ requests
     def _view(self, tracked: _Tracked) -> RequestView:
@@ -453,8 +416,8 @@ class SchedulerSide:
             preempted=tuple(so.preempted_req_ids or ()),
         )
         prune, self._prune_later = self._prune_later, []
-        if self._budgets:
-            self._rebalance_disk()
+        if self._share is not None:
+            self._share.rebalance(self.index)
         plan = self.adapter.build_plan(step)
         if self._disk_parts:
             for spill in plan.spills:  # written as this engine's own parts from now on
@@ -562,9 +525,8 @@ class SchedulerSide:
             self._event_blocks.close()
         if self.remote is not None:
             self.remote.shutdown()
-        budgets, self._budgets = self._budgets, []
-        for budget in budgets:  # the share becomes what this engine leaves on disk
-            budget.release(self.index.disk_used)
+        if self._share is not None:  # the share becomes what this engine leaves on disk
+            self._share.release(self.index.disk_used)
         if self.adapter.jobs_in_flight():
             log.info("tierkv: scheduler shutting down with %d job(s) in flight; the workers "
                      "finish them and flush unspilled chunks to disk", self.adapter.jobs_in_flight())

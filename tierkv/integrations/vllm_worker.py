@@ -22,23 +22,19 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import replace
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tierkv.engine.metrics import remote_figures, since_last
-from tierkv.engine.stack import WorkerStack, build_worker
-from tierkv.engine.start_line import start_line
+from tierkv.engine.stack import PartsReader, WorkerStack, build_worker, start_line
 from tierkv.engine.worker import WorkerAdapter
 from tierkv.errors import ConfigError, UsageError
 from tierkv.integrations.vllm_config import ConnectorSettings, store_config
 from tierkv.integrations.vllm_geometry import Geometry
-from tierkv.integrations.vllm_disk import (OtherParts, open_claimed, open_follower,
-                                           release_claimed, write_chunks)
 from tierkv.keys import Namespace, Part
 from tierkv.tiers.cpu import CpuSlab
+from tierkv.tiers.disk.opener import OtherParts
 from tierkv.tiers.disk.tier import DiskTier
 from tierkv.transfer.layout import KVLayout
 from tierkv.transfer.parts import HeadLayout, PartReader
@@ -173,17 +169,16 @@ class WorkerSide:
         config = self.config
         if not writer and config.remote is not None:
             config = replace(config, remote=replace(config.remote, push="read_only"))
-        opener = open_claimed if writer else open_follower
-        open_disk = (partial(opener, self.namespace, config, chunk_bytes, self.part,
-                             self.replica)
-                     if config.disk.path is not None else None)
         # The remote tier is shared by engines: its part is the one this rank holds (the
         # disk's directory is per data-parallel engine too).
-        self._stack = build_worker(config, layout, geometry.num_slots, open_disk=open_disk,
-                                   release_disk=release_claimed if writer else DiskTier.close,
-                                   namespace=self.namespace, remote_part=self.part)
+        other_disk, other_remote = self._other_parts(config)
+        self._stack = build_worker(
+            config, layout, geometry.num_slots, namespace=self.namespace, part=self.part,
+            replica=self.replica, writer=writer, other_disk=other_disk, other_remote=other_remote,
+            refusal=f"tierkv vLLM connector: the disk tier at {config.disk.path} is in use by "
+                    f"another tierkv worker (another vLLM server with the same model and "
+                    f"disk_path?); give each server its own disk_path")
         self.slab, self.disk = self._stack.slab, self._stack.disk
-        self._wire_other_parts(config)
         self.worker = WorkerAdapter(self._stack.executor, self.rank,
                                     track_slots=self.disk is not None and writer,
                                     writes_disk=writer)
@@ -191,44 +186,36 @@ class WorkerSide:
         log.info("%s", start_line(f"rank {self.rank}", config, self.namespace,
                                   num_slots=geometry.num_slots, chunk_bytes=chunk_bytes))
 
-    def _wire_other_parts(self, config: Any) -> None:
-        """Let the disk and remote readers load chunks another part count wrote (another
-        TP size): each needed part read whole, verified, and its heads copied into the
-        slot (:class:`tierkv.transfer.parts.PartReader`)."""
-        geometry, stack = self.geometry, self._stack
-        assert stack is not None
+    def _other_parts(self, config: Any) -> tuple[PartsReader | None, PartsReader | None]:
+        """The disk and remote readers of chunks another part count wrote (another TP
+        size): each needed part read whole, verified, and its heads copied into the slot
+        (:class:`tierkv.transfer.parts.PartReader`); None where there is no such tier."""
+        geometry = self.geometry
         if len(geometry.source_counts()) < 2:
-            return  # MLA, or a model of one KV head: one part count only
+            return None, None  # MLA, or a model of one KV head: one part count only
         layout = head_layout(geometry)
         model_bytes = geometry.model_chunk_bytes
-        if stack.disk_io is not None and config.disk.path is not None:
-            self._other_disk = OtherParts(Path(config.disk.path), self.namespace, config.disk,
-                                          model_bytes, self.replica)
-            other = self._other_disk
-            reader = PartReader(layout, self.part, lambda count: other)
-            stack.disk_io.other_parts = reader.read
-        remote_io = stack.executor.remote_io
-        if remote_io is not None and config.remote is not None:
+        read_disk = read_remote = None
+        if config.disk.path is not None:
+            other = self._other_disk = OtherParts(self.namespace, config.disk, model_bytes,
+                                                  self.replica)
+            read_disk = PartReader(layout, self.part, lambda count: other).read
+        if config.remote is not None:
             settings, namespace, tiers = config.remote, self.namespace, self._other_remote
-
-            def remote_source(count: int) -> Any:
-                if count not in tiers:
-                    from tierkv.tiers.remote.tier import RemoteTier
-
-                    tiers[count] = RemoteTier(settings, namespace, Part(0, count),
-                                              model_bytes // count, lazy=True,
-                                              role=f"loads of {count}-part chunks")
-                return tiers[count]
-
-            remote_reader = PartReader(layout, self.part, remote_source)
             lock = threading.Lock()
 
-            def read_remote(key: bytes, count: int, out: Any) -> Any:
+            def remote_source(count: int) -> Any:
                 with lock:  # one tier per count, made once
-                    remote_source(count)
-                return remote_reader.read(key, count, out)
+                    if count not in tiers:
+                        from tierkv.tiers.remote.tier import RemoteTier
 
-            remote_io.other_parts = read_remote
+                        tiers[count] = RemoteTier(settings, namespace, Part(0, count),
+                                                  model_bytes // count, lazy=True,
+                                                  role=f"loads of {count}-part chunks")
+                    return tiers[count]
+
+            read_remote = PartReader(layout, self.part, remote_source).read
+        return read_disk, read_remote
 
     def adapter(self) -> WorkerAdapter:
         """The rank's :class:`WorkerAdapter`, which runs each step's plan."""
@@ -279,8 +266,12 @@ class WorkerSide:
         chunks = self.unspilled_chunks()
         if not chunks:
             return 0
-        written = write_chunks(self.disk, self.slab, chunks, self.geometry.chunk_bytes,
-                               self.config.disk.write_batch_bytes)
+        items = [(key, self.slab.memoryview(slot)[: self.geometry.chunk_bytes])
+                 for key, slot in chunks]
+        done = self.disk.put_in_batches(items, self.config.disk.write_batch_bytes,
+                                        stop_when_full=True)
+        if done.error is not None:  # the engine is shutting down: logged, never raised
+            log.warning("tierkv: flush at shutdown failed: %s", done.error)
         log.info("tierkv: rank %d wrote %d of %d unspilled chunk(s) to disk at shutdown",
-                 self.rank, written, len(chunks))
-        return written
+                 self.rank, len(done.written), len(chunks))
+        return len(done.written)

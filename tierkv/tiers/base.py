@@ -11,6 +11,10 @@ Primitives and their contracts (every implementation):
   exactly ``payload_bytes``); the payloads are copied before it returns, so slots may be
   reused. No room is a value (``PutResult.full``, with a message naming the setting), never
   an exception; a tier that fails underneath raises :class:`BrokenError`.
+- ``put_in_batches(items, batch_bytes)``: ``put_many`` in transactions of at most
+  ``batch_bytes`` (one item at least), what they wrote together (:class:`Batches`); an
+  exception stops it and is returned with what landed before (the one write-batch loop:
+  spills, the shutdown flush, the warm-up).
 - ``delete_many(keys)``: absent keys are ignored; returns how many existed.
 - ``read_into(key, out)``: ``OK`` only for verified bytes of this namespace, part and key,
   copied into ``out[:payload_bytes]``; ``MISSING``; or ``CORRUPT`` (the value failed its
@@ -43,7 +47,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 _Tier = TypeVar("_Tier", bound="LowerTier")
@@ -79,6 +83,19 @@ class PutResult:
     deleted: int = 0
     num_bytes: int = 0
     message: str | None = None
+
+
+@dataclass
+class Batches:
+    """What ``put_in_batches`` did: the keys written and those that found no room (over
+    every transaction), the first no-room message, the transactions committed, and the
+    exception that stopped it (the later items not written)."""
+
+    written: list[bytes] = field(default_factory=list)
+    full: list[bytes] = field(default_factory=list)
+    message: str | None = None
+    txns: int = 0
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +139,26 @@ class LowerTier(ABC):
     @abstractmethod
     def put_many(self, items: Sequence[tuple[bytes, Any]],
                  deletes: Sequence[bytes] = ()) -> PutResult: ...
+
+    def put_in_batches(self, items: Sequence[tuple[bytes, Any]], batch_bytes: int, *,
+                       stop_when_full: bool = False) -> Batches:
+        """``put_many`` of ``items`` in transactions of at most ``batch_bytes``;
+        ``stop_when_full``: none after one that found no room. See the module docstring."""
+        per_txn = max(1, batch_bytes // self.payload_bytes)
+        done = Batches()
+        for start in range(0, len(items), per_txn):
+            try:
+                result = self.put_many(items[start : start + per_txn])
+            except Exception as exc:  # noqa: BLE001 - the caller says what it stopped
+                done.error = exc
+                break
+            done.txns += 1
+            done.written += result.written
+            done.full += result.full
+            done.message = done.message or result.message
+            if result.full and stop_when_full:
+                break
+        return done
 
     @abstractmethod
     def delete_many(self, keys: Sequence[bytes]) -> int: ...

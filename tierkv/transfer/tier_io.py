@@ -125,9 +125,10 @@ class TierIO:
     """The threads over a lower tier; see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
-                 reader_threads: int = 4) -> None:
+                 reader_threads: int = 4, *,
+                 other_parts: Callable[[bytes, int, Any], ReadStatus] | None = None) -> None:
         section = tier.medium
-        self._io = f"{section} io"  # "disk io": in messages and thread names
+        self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
         self._tier_name = f"{section} tier"
         self._setting = tier.setting
         for name, value in (("write_batch_bytes", write_batch_bytes),
@@ -140,7 +141,7 @@ class TierIO:
         self.slab = slab
         # Reads a chunk of another part count (ChunkCopy.parts): (key, count, slot) -> status
         # (tierkv.transfer.parts.PartReader.read); None: such a chunk is MISSING.
-        self.other_parts: Callable[[bytes, int, Any], ReadStatus] | None = None
+        self.other_parts = other_parts
         self.write_batch_bytes = write_batch_bytes
         self._payload = tier.payload_bytes
         self._cond = threading.Condition()
@@ -345,36 +346,21 @@ class TierIO:
 
     def _run_parts(self, batch: list[_Part]) -> tuple[set[Key], set[Key], BaseException | None]:
         """Write one lane's batch: (keys landed, keys the tier had no room for, the error
-        that stopped it)."""
-        if len(batch) == 1 and len(batch[0][1]) * self._payload > self.write_batch_bytes:
-            per_txn = max(1, self.write_batch_bytes // self._payload)
-            _, writes, deletes = batch[0]
-            plans = [(writes[i : i + per_txn], deletes if i == 0 else ())
-                     for i in range(0, len(writes), per_txn)]
-        else:
-            plans = [(tuple(w for _, part, _ in batch for w in part),
-                      tuple(d for _, _, part in batch for d in part))]
-        landed: set[Key] = set()
-        full: set[Key] = set()
+        that stopped it). The batch is one transaction (:meth:`_take_spills` keeps it
+        within ``write_batch_bytes``) unless it is one part bigger than that."""
         error = self._run_deletes(max(job.number for job, _, _ in batch))
         if error is not None:
-            return landed, full, error
-        for writes, _ in plans:
-            if not writes:
-                continue
-            items = [(key, self.slab.memoryview(slot)[: self._payload]) for key, slot in writes]
-            try:
-                result = self.tier.put_many(items)
-            except Exception as exc:  # this and later transactions of the batch did not land
-                logger.error("%s: spill job(s) %s failed: %s", self._io,
-                             [job.spec.job_id for job, _, _ in batch], exc)
-                self._mark_broken(exc)
-                return landed, full, exc
-            with self._cond:
-                self._counts.write_txns += 1
-            landed.update(result.written)
-            full.update(result.full)
-        return landed, full, None
+            return set(), set(), error
+        items = [(key, self.slab.memoryview(slot)[: self._payload])
+                 for _, part, _ in batch for key, slot in part]
+        done = self.tier.put_in_batches(items, self.write_batch_bytes)
+        with self._cond:
+            self._counts.write_txns += done.txns
+        if done.error is not None:  # this and later transactions of the batch did not land
+            logger.error("%s: spill job(s) %s failed: %s", self._io,
+                         [job.spec.job_id for job, _, _ in batch], done.error)
+            self._mark_broken(done.error)
+        return set(done.written), set(done.full), done.error
 
     def _run_deletes(self, number: int) -> BaseException | None:
         """Commit the deletes of every job up to submission ``number`` not yet run, in order

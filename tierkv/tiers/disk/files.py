@@ -213,6 +213,17 @@ def _forget_claims_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_claims_in_child)
 
 
+class InUseError(ConfigError):
+    """A writer's claim refused: another writer holds the environment (the disk opener
+    raises it as a plain :class:`ConfigError`, worded for its caller)."""
+
+
+def in_use_message(what: str, env_dir: Path, who: str) -> str:
+    return (f"{what}: the environment {env_dir} is in use by {who}; one process writes an "
+            f"environment at a time (two would evict each other's chunks). Give each engine "
+            f"its own disk.path (or rank), or close the other store first")
+
+
 class OwnerLock:
     """The exclusive claim of one environment directory by one writing process."""
 
@@ -235,10 +246,7 @@ class OwnerLock:
             os.close(fd)
             who = "this process" if holder == str(os.getpid()) else (
                 f"process {holder}" if holder else "another process")
-            raise ConfigError(
-                f"{what}: the environment {env_dir} is in use by {who}; one process writes an "
-                f"environment at a time (two would evict each other's chunks). Give each engine "
-                f"its own disk.path (or rank), or close the other store first") from exc
+            raise InUseError(in_use_message(what, env_dir, who)) from exc
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd

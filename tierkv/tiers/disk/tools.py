@@ -37,7 +37,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tierkv.config import DiskTierConfig
 from tierkv.errors import (BrokenError, ConfigError, DamagedError, NamespaceMismatchError,
                            short_key)
 from tierkv.keys import FORMAT_VERSION, SINGLE_PART, Namespace, Part
@@ -47,8 +46,8 @@ from tierkv.tiers.disk.budget import (claim_namespace, claimant, delete_tree, en
 from tierkv.tiers.disk.files import (MAX_NAMESPACE_JSON_BYTES, OwnerLock, Trust, check_dir,
                                      check_file, read_private_file)
 from tierkv.tiers.disk.layout import StoreLayout
+from tierkv.tiers.disk.opener import open_disk, tool_config
 from tierkv.tiers.disk.tier import SHARDS, DiskTier
-from tierkv.units import MiB
 
 
 @dataclass
@@ -128,9 +127,8 @@ def _namespace_of(report: NamespaceReport) -> Namespace:
 
 def _open_tier(root: Path, namespace: Namespace, rank: RankReport, **how: Any) -> DiskTier:
     payload = namespace.chunk_bytes // rank.part.count or rank.payload_len or 1
-    config = DiskTierConfig(path=root, max_bytes=max(2 * rank.file_bytes, 64 * MiB),
-                            sync_mode="close")
-    return DiskTier(root, namespace, rank.part, config, payload, replica=rank.replica, **how)
+    return open_disk(tool_config(root, rank.file_bytes), namespace, rank.part, "tool",
+                     payload_bytes=payload, replica=rank.replica, **how)
 
 
 def utc(seconds: float) -> str:
@@ -154,7 +152,7 @@ def peek_rank(root: Path, namespace: Namespace, part: Part, path: Path,
     lengths: collections.Counter[int] = collections.Counter()
     for shard in range(SHARDS):
         try:
-            with _open_tier(root, namespace, report, read_only=True, shards=[shard]) as tier:
+            with _open_tier(root, namespace, report, shards=[shard]) as tier:
                 records = list(tier.scan())
         except (DamagedError, NamespaceMismatchError, BrokenError) as exc:
             report.damaged_shards[shard] = str(exc)
@@ -277,7 +275,7 @@ def _verify_rank(root: Path, namespace: Any, rank: RankReport, repair: bool,
         return
     before = StoreLayout.moved_aside(rank.path)
     try:
-        with _open_tier(root, namespace, rank, repair=repair, read_only=not repair,
+        with _open_tier(root, namespace, rank, repair=repair,
                         shards=None if repair else good) as tier:
             result = tier.verify(repair=repair, progress=progress)
             rebuilt = tier.statistics().rebuilds > 0
