@@ -17,7 +17,6 @@ from tierkv.engine.store_stats import LoadShortfall, PathStats, StoreStats
 from tierkv.tiers.disk.env import DiskStatistics
 from tierkv.tiers.remote.stats import (RemoteIOStatistics, RemoteLookupStatistics,
                                        RemoteStatistics)
-from tierkv.transfer.tier_io import TierIOStatistics
 
 INDEX_COUNTERS = {
     "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
@@ -230,12 +229,6 @@ def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
     assert (got["remote_calls_timeout"], got["remote_breaker_open/n1"]) == (6, 1)
 
 
-def test_the_disk_io_counters_are_declared_on_a_record() -> None:
-    assert [f.name for f in figures(TierIOStatistics)] == [
-        "spill_jobs", "write_txns", "read_jobs"]
-    assert TierIOStatistics(read_jobs=3).snapshot().read_jobs == 3
-
-
 def test_the_disk_tiers_counters_are_declared_on_records() -> None:
     # DiskStatistics: the tier's counts, its environments' (summed over shards) and gauges.
     assert {f.name for f in figures(DiskStatistics) if f.kind == "counter"} == {
@@ -265,8 +258,7 @@ def test_both_entry_points_assemble_one_set_of_figures_with_one_name_each() -> N
 def test_records_are_few_and_each_snapshot_is_its_own_class() -> None:
     # One record per object: no twin class declared for a snapshot.
     records = {IndexStats, AdapterStats, TierStats, PathStats, LoadShortfall, StoreStats,
-               DiskStatistics, RemoteStatistics, RemoteLookupStatistics, RemoteIOStatistics,
-               TierIOStatistics}
+               DiskStatistics, RemoteStatistics, RemoteLookupStatistics, RemoteIOStatistics}
     assert all(issubclass(record, Record) for record in records)
     for record in records:
         frozen = record().snapshot(**{f.name: 0 for f in figures(record)

@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.checks import check_int
-from tierkv.core.figures import Record, counter
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, Key, SpillSpec
 from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import KEY_BYTES
@@ -86,15 +85,6 @@ class ReadOutcome:
     @property
     def ok(self) -> bool:
         return not (self.missing_keys or self.corrupt_keys)
-
-
-@dataclass(eq=False)
-class TierIOStatistics(Record):
-    """The disk I/O threads' running counts; ``statistics()`` is their snapshot."""
-
-    spill_jobs: int = counter("Spill jobs written")
-    write_txns: int = counter("Write transactions committed")
-    read_jobs: int = counter("Read jobs done")
 
 
 @dataclass(eq=False)
@@ -155,7 +145,6 @@ class TierIO:
         self._finished: list[Completion] = []
         self._read: list[ReadOutcome] = []  # finished reads, not yet polled
         self._ledger: JobLedger[None] = JobLedger(self._io)  # spill and read jobs
-        self._counts = TierIOStatistics()
         self._broken: BaseException | None = None
         self._closed = False  # shutdown(): the threads stop once their queues are empty
         self._sync_every = tier.sync_every_seconds
@@ -269,10 +258,6 @@ class TierIO:
             for thread in self._threads:
                 thread.join()
 
-    def statistics(self) -> TierIOStatistics:
-        with self._cond:
-            return self._counts.snapshot()
-
     # -- writer threads --------------------------------------------------------------------
     def _take_spills(self, lane: int) -> list[_Part] | None:
         """The next batch of ``lane``'s parts, or None to stop."""
@@ -315,7 +300,6 @@ class TierIO:
                     completion = self._completion(self._order.popleft())
                     self._finished.append(completion)
                     self._ledger.finish(completion.job_id)
-                    self._counts.spill_jobs += 1
                 self._committed = True
                 self._cond.notify_all()
 
@@ -354,8 +338,6 @@ class TierIO:
         items = [(key, self.slab.memoryview(slot)[: self._payload])
                  for _, part, _ in batch for key, slot in part]
         done = self.tier.put_in_batches(items, self.write_batch_bytes)
-        with self._cond:
-            self._counts.write_txns += done.txns
         if done.error is not None:  # this and later transactions of the batch did not land
             logger.error("%s: spill job(s) %s failed: %s", self._io,
                          [job.spec.job_id for job, _, _ in batch], done.error)
@@ -428,7 +410,6 @@ class TierIO:
         with self._cond:
             self._read.append(outcome)
             self._ledger.finish(job.job_id)
-            self._counts.read_jobs += 1
             self._cond.notify_all()
 
     def _read_parts(self, taken: list[tuple[_ReadJob, int, int]]) -> None:
