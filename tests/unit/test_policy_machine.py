@@ -48,10 +48,11 @@ class ReferenceLRU:
             order.remove(key)
             order.append(key)
 
-    def move(self, key: bytes, source: int, dest: int) -> None:
-        if key in self.orders[source]:
-            self.orders[source].remove(key)
-            self.orders[dest].insert(0, key)
+    def move(self, keys: list[bytes], source: int, dest: int) -> None:
+        for key in keys:
+            if key in self.orders[source]:
+                self.orders[source].remove(key)
+                self.orders[dest].insert(0, key)
 
     def evict(self, key: bytes, pool: int) -> None:
         if key in self.orders[pool]:
@@ -109,11 +110,12 @@ class ReferenceARC:
             self.lists[at].remove(key)
             self.lists[(2, at[1]) if reuse else at].append(key)
 
-    def move(self, key: bytes, source: int, dest: int) -> None:
-        at = self._find(key)
-        if at is not None:
-            self.lists[at].remove(key)
-            self.lists[(at[0], dest)].insert(0, key)
+    def move(self, keys: list[bytes], source: int, dest: int) -> None:
+        for key in keys:
+            at = self._find(key)
+            if at is not None:
+                self.lists[at].remove(key)
+                self.lists[(at[0], dest)].insert(0, key)
 
     def evict(self, key: bytes, pool: int) -> None:
         at = self._find(key)
@@ -167,11 +169,15 @@ def machine_for(name: str) -> type[RuleBasedStateMachine]:
             self._both("touch", key, reuse)
 
         @precondition(lambda self: bool(self.listed))
-        @rule(data=st.data(), dest=st.integers(0, POOLS - 1))
-        def move(self, data: st.DataObject, dest: int) -> None:
-            key = data.draw(st.sampled_from(sorted(self.listed)))
-            self._both("move", key, self.listed[key], dest)
-            self.listed[key] = dest
+        @rule(data=st.data(), source=st.integers(0, POOLS - 1), dest=st.integers(0, POOLS - 1))
+        def move(self, data: st.DataObject, source: int, dest: int) -> None:
+            keys = [key for key in sorted(self.listed) if self.listed[key] == source]
+            if not keys:
+                return
+            moved = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3,
+                                       unique=True))
+            self._both("move", moved, source, dest)
+            self.listed.update(dict.fromkeys(moved, dest))
 
         @precondition(lambda self: bool(self.listed))
         @rule(data=st.data())
@@ -189,7 +195,7 @@ def machine_for(name: str) -> type[RuleBasedStateMachine]:
             before = [list(self.policy.victims(p)) for p in range(POOLS)]
             self.policy.touch(key, True)
             self.policy.touch(key, False)
-            self.policy.move(key, pool, dest)
+            self.policy.move([key], pool, dest)
             self.policy.evict(key, pool)
             assert [list(self.policy.victims(p)) for p in range(POOLS)] == before
 

@@ -472,7 +472,7 @@ class BlockIndex:
             raise UsageError(f"block index: job {job_id} is a {job.kind.value} job, not a "
                              f"{kind.value} job")
         del self._jobs[job_id]
-        self._disk.job_done()  # room may have changed
+        self._disk.stuck = False  # room may have changed
         return job
 
     def _remove(self, key: bytes) -> None:

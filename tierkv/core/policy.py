@@ -17,9 +17,10 @@ key the policy does not list changes nothing:
 - ``touch(key, reuse)``: the chunk was used again: the most recent of its kind in its pool.
   ``reuse``: a request reused it (a load, a hit in the engine's own cache), which a policy
   may count; else only a refresh (its own request finished).
-- ``move(key, source, dest)``: the key leaves pool ``source`` for pool ``dest``, as the
-  least recent key of its kind there (with LRU, the pool's next victim): a spill moves a
-  dirty chunk to the pool of chunks being written, and back to clean (or dirty) as it lands.
+- ``move(keys, source, dest)``: each key in turn leaves pool ``source`` for pool ``dest``,
+  as the least recent key of its kind there (with LRU, the pool's next victim): a spill
+  moves dirty chunks to the pool of chunks being written, and back to clean (or dirty) as
+  they land.
 - ``evict(key, pool)``: the index dropped the key (a policy may keep a ghost of it).
 - ``victims(pool)``: the pool's keys, the next victim first; the index takes the first it
   may evict, and writes dirty chunks back in this order. Do not change the policy while
@@ -52,7 +53,7 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, key: bytes, reuse: bool) -> None: ...
     @abstractmethod
-    def move(self, key: bytes, source: int, dest: int) -> None: ...
+    def move(self, keys: Iterable[bytes], source: int, dest: int) -> None: ...
     @abstractmethod
     def evict(self, key: bytes, pool: int) -> None: ...
     @abstractmethod

@@ -43,6 +43,7 @@ class WriteBack:
         self._clock = clock
         self._num_slots = num_slots
         self._spill_ahead = spill_ahead_fraction
+        self._clean_target = 0  # the clean reserve write-back keeps (set by resize)
         self._retry_after_full = retry_after_full
         self.write_through = write_through
         self.capacity = capacity  # in chunks; read by the index, set by resize()
@@ -51,8 +52,11 @@ class WriteBack:
         self._order = make_policy(DISK_POLICY, capacity)  # ON_DISK, one pool
         self._deletes: list[bytes] = []  # disk deletes due, sent with the next spill job
         self._retry_at = -math.inf  # a full disk: no spill plan before then
-        self._stuck = False  # write-through left dirty chunks for want of disk room
+        # Write-through left dirty chunks for want of disk room; the index clears it when any
+        # of its jobs completes (room may have changed).
+        self.stuck = False
         self._room_wanted = 0  # slots that found no victim since the last spill plan
+        self.resize(capacity)
 
     def __len__(self) -> int:
         """Chunks on disk (not counting those being written)."""
@@ -61,7 +65,7 @@ class WriteBack:
     # ------------------------------------------------------------------ asked by the index
     def wanted(self) -> bool:
         """Write-through has dirty chunks it can spill now (``BlockIndex.spills_wanted``)."""
-        return (self.write_through and not self._stuck and self._cpu.count(DIRTY) > 0
+        return (self.write_through and not self.stuck and self._cpu.count(DIRTY) > 0
                 and self._clock() >= self._retry_at)
 
     def may_drop_dirty(self) -> bool:
@@ -73,10 +77,6 @@ class WriteBack:
         """A slot found no victim while dirty chunks could become clean: ask the next spill
         plan for one more (the clean reserve may be made of chunks in use)."""
         self._room_wanted += 1
-
-    def job_done(self) -> None:
-        """A job of the index completed: room may have changed, write-through may go on."""
-        self._stuck = False
 
     # ------------------------------------------------------------------ write-back
     def plan(self, free_slots: int, flush: bool, at_least: int
@@ -91,14 +91,12 @@ class WriteBack:
                 want = cpu.count(DIRTY)
             else:
                 clean_now = free_slots + cpu.count(CLEAN) + self.spilling
-                # A reserve larger than the disk would only evict the disk's copies.
-                target = math.ceil(self._spill_ahead * min(self._num_slots, self.capacity))
-                want = min(cpu.count(DIRTY), max(target - clean_now, at_least,
+                want = min(cpu.count(DIRTY), max(self._clean_target - clean_now, at_least,
                                                  self._room_wanted))
             self._room_wanted = 0
             # Dirty chunks in the policy's victim order: the next to go become clean first.
             writes = self._start(list(islice(cpu.victims(DIRTY), max(want, 0))), DIRTY)
-            self._stuck = len(writes) < want
+            self.stuck = len(writes) < want
             if flush:  # written before, their disk copy evicted: again, only into free room
                 evicted = [key for key in cpu.victims(CLEAN)
                            if self._entries[key].disk is DiskState.EVICTED]
@@ -114,7 +112,6 @@ class WriteBack:
         """Spill ``keys`` of ``pool``, in order, while the disk has room or makes it (LRU)."""
         writes: Writes = []
         entries = self._entries
-        move = self._cpu.move
         spilling = DiskState.SPILLING
         for key in keys:
             if self.used >= self.capacity and not self._evict_one():
@@ -122,11 +119,11 @@ class WriteBack:
                 break
             entry = entries[key]
             assert entry.slot is not None
-            move(key, pool, WRITING)
             entry.disk = spilling
             self.used += 1
             writes.append((key, entry.slot))
         self.spilling += len(writes)
+        self._cpu.move([key for key, _ in writes], pool, WRITING)
         return writes
 
     def landed(self, keys: tuple[bytes, ...], again: tuple[bytes, ...],
@@ -138,9 +135,9 @@ class WriteBack:
         if full:
             self._retry_at = self._clock() + self._retry_after_full
             self._counters.disk_no_room += len(full)
-        cpu = self._cpu
         counters = self._counters
         on_disk: list[bytes] = []
+        dirty: list[bytes] = []  # not written: dirty again (the others stay clean)
         for key in keys:
             entry = self._entries[key]
             assert entry.disk is DiskState.SPILLING and entry.cpu is CpuState.READY
@@ -151,13 +148,20 @@ class WriteBack:
                 if self._touched is not None:
                     self._touched.append(key)
                 counters.spills_ok += 1
-                cpu.move(key, WRITING, CLEAN)
             else:
                 written_before = key in again
                 entry.disk = DiskState.EVICTED if written_before else None
                 self.used -= 1
                 counters.spills_failed += 1
-                cpu.move(key, WRITING, CLEAN if written_before else DIRTY)
+                if not written_before:
+                    dirty.append(key)
+        # Each the least recent of its pool, in the job's order.
+        if dirty:
+            again_dirty = set(dirty)
+            self._cpu.move([key for key in keys if key not in again_dirty], WRITING, CLEAN)
+            self._cpu.move(dirty, WRITING, DIRTY)
+        else:
+            self._cpu.move(keys, WRITING, CLEAN)
         self._order.insert(on_disk, 0)
         if self.used > self.capacity:  # the capacity shrank meanwhile
             self._evict_over()
@@ -167,6 +171,8 @@ class WriteBack:
         """Make the capacity ``capacity``; evict the least recently used chunks over it now
         (not those being promoted; spills in flight as they land). Returns how many."""
         self.capacity = max(int(capacity), 0)
+        # A reserve larger than the disk would only evict the disk's copies.
+        self._clean_target = math.ceil(self._spill_ahead * min(self._num_slots, self.capacity))
         return self._evict_over()
 
     def use(self, key: bytes, reuse: bool) -> None:

@@ -90,16 +90,19 @@ class ARCPolicy(EvictionPolicy):
         self._sizes[T1] -= 1
         self._sizes[T2] += 1
 
-    def move(self, key: bytes, source: int, dest: int) -> None:
-        at = self._where.get(key)
-        if at is None:
-            return
-        lst, pool = at
-        del self._lists[lst][pool][key]
-        order = self._lists[lst][dest]
-        order[key] = None
-        order.move_to_end(key, False)
-        self._where[key] = self._at[lst][dest]
+    def move(self, keys: Iterable[bytes], source: int, dest: int) -> None:
+        where = self._where
+        lists, ats = self._lists, self._at
+        for key in keys:
+            at = where.get(key)
+            if at is None:
+                continue
+            lst, pool = at
+            del lists[lst][pool][key]
+            order = lists[lst][dest]
+            order[key] = None
+            order.move_to_end(key, False)
+            where[key] = ats[lst][dest]
 
     def evict(self, key: bytes, pool: int) -> None:
         at = self._where.pop(key, None)

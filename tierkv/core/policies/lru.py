@@ -28,13 +28,13 @@ class LRUPolicy(EvictionPolicy):
                 order.move_to_end(key)
                 return
 
-    def move(self, key: bytes, source: int, dest: int) -> None:
-        left = self._orders[source]
-        if key in left:
-            del left[key]
-            order = self._orders[dest]
-            order[key] = None
-            order.move_to_end(key, False)  # positional: faster
+    def move(self, keys: Iterable[bytes], source: int, dest: int) -> None:
+        left, order = self._orders[source], self._orders[dest]
+        for key in keys:
+            if key in left:
+                del left[key]
+                order[key] = None
+                order.move_to_end(key, False)  # positional: faster
 
     def evict(self, key: bytes, pool: int) -> None:
         self._orders[pool].pop(key, None)
