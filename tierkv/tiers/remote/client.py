@@ -60,7 +60,7 @@ from redis.retry import Retry
 
 from tierkv.config import RemoteTierConfig
 from tierkv.errors import BrokenError
-from tierkv.tiers.remote.health import HINTS as HINTS  # the tools' messages use it
+from tierkv.tiers.remote.health import HINTS
 
 _local = threading.local()
 

@@ -30,6 +30,7 @@ from typing import Any
 from tierkv.config import RemoteTierConfig, safe_url
 from tierkv.errors import TierKVError
 from tierkv.tiers.remote.format import parse_redis_key
+from tierkv.tiers.remote.health import HINTS
 from tierkv.tiers.remote.tools import Session
 
 SLOTS = 16384
@@ -106,7 +107,7 @@ def _ping_node(session: Session, name: str, role: str, target: Any) -> NodePing:
         ping.used_memory, ping.maxmemory, ping.policy = \
             memory.used, memory.maximum, memory.policy
     except session.rc.RemoteError as exc:
-        ping.problem = f"{exc.cause}: {session.rc.HINTS[exc.cause]}"
+        ping.problem = f"{exc.cause}: {HINTS[exc.cause]}"
     return ping
 
 

@@ -46,6 +46,7 @@ from tierkv.keys import FORMAT_VERSION, Part, parse_part
 from tierkv.tiers.base import Progress, ReadStatus
 from tierkv.tiers.remote.format import (DELETE_BAD, header_payload_bytes, read_header,
                                         parse_old_key, parse_redis_key, value_bytes)
+from tierkv.tiers.remote.health import HINTS
 
 PROGRESS_EVERY = 10_000
 BATCH = 500  # keys per pipeline
@@ -99,7 +100,7 @@ class Session:
                 who = f"node {', '.join(nodes)}" if nodes != [None] else "the server"
                 raise rc.RemoteError(
                     f"{self.where}: {what}: {who} failed: {cause} ({type(exc).__name__}: "
-                    f"{rc.scrub(self.config, exc)}); {rc.HINTS[cause]}; {self.changes}; rerun "
+                    f"{rc.scrub(self.config, exc)}); {HINTS[cause]}; {self.changes}; rerun "
                     f"once every node answers (tierkv ping {self.where} shows them; a slow "
                     f"node: raise --timeout, now {self.config.timeout_seconds} s)", cause,
                     nodes[0]) from None
