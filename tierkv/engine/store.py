@@ -69,7 +69,7 @@ from tierkv.engine.stack import (build_index, build_remote_lookup, build_worker,
 from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
-from tierkv.engine.store_namespace import build_namespace as build_namespace
+from tierkv.engine.store_namespace import build_namespace
 from tierkv.engine.store_namespace import check_namespace
 from tierkv.engine.store_stats import (PATH_NAMES, LoadHandle, LoadShortfall, PathStats,
                                        StoreStats)
