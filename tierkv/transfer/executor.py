@@ -7,8 +7,10 @@ Primitives:
   remote->CPU reads of its ``from_remote`` ones (in parallel), chained with the CPU->GPU
   copy of the chunks that landed; missing or corrupt ones are failed keys of the same
   job, so the engine recomputes them and never sees a false hit. Returns at once.
-  The chain is advanced by the executor on its caller's thread (``poll_finished*``,
-  ``wait``, ``cut``): a reader thread only finishes its read, it calls nothing here.
+  The chain is advanced by the executor on its caller's thread (``advance()``, and in
+  ``poll_finished*``, ``wait``, ``cut``): a reader thread only finishes its read, it calls
+  nothing here. A copy so starts at the caller's next call, not the moment the read ends
+  (the worker advances before its idle yield, so an idle step still sees it land).
 - Pushes to the remote tier (``pusher``, a :class:`~tierkv.tiers.remote.pushes.RemoteIO`):
   as a store job's chunks land in their slots (``push_on="on_store"``) or as a spill job's
   land on disk (``"on_evict"``), ``poll_finished`` queues a copy of each slot before it
@@ -73,7 +75,7 @@ class _Live:
 class _Chain:
     """A load whose chunks are read from lower tiers into their slots first (one read per
     source medium, in parallel), then copied to the GPU; advanced by the executor
-    (:meth:`JobExecutor._advance`) on its caller's thread."""
+    (:meth:`JobExecutor.advance`) on its caller's thread."""
 
     __slots__ = ("spec", "pending", "outcomes", "cut", "copying")
 
@@ -192,7 +194,7 @@ class JobExecutor:
         return None
 
     # ------------------------------------------------------------------ chained loads
-    def _advance(self) -> None:
+    def advance(self) -> None:
         """Take the reads that finished; a chained load whose reads are all in goes on to
         its copy to the GPU (or completes, nothing to copy)."""
         for medium, io in self.reads.items():
@@ -218,7 +220,7 @@ class JobExecutor:
 
     def cut(self, job_id: JobId) -> bool:
         """See the module docstring: whether the load ``job_id`` copies nothing from now on."""
-        self._advance()
+        self.advance()
         chain = self._chains.get(job_id)
         if chain is None or not chain.pending:
             return False
@@ -231,7 +233,7 @@ class JobExecutor:
 
     def poll_finished_jobs(self) -> list[tuple[Completion, JobSpec | None]]:
         """``poll_finished()``, each completion with its job's spec."""
-        self._advance()
+        self.advance()
         finished, self._direct = self._direct, []
         ledger = self._ledger
         for completion in self.transfer.poll_finished():
@@ -273,7 +275,7 @@ class JobExecutor:
                     continue
                 for medium in list(chain.pending):
                     self.reads[medium].wait([job_id])
-                self._advance()
+                self.advance()
                 if chain.copying:
                     self.transfer.wait([job_id])
             elif live.waiter is not None:
