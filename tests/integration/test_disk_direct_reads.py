@@ -12,6 +12,7 @@ import mmap
 import os
 import random
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -367,48 +368,54 @@ def test_a_later_shard_that_fails_raises_its_own_error_and_leaves_no_read_runnin
 def test_cross_shard_windows_stay_live_beside_writers_and_exclusive_sections(
         tmp_path: Path) -> None:
     """Readers whose calls hold several shards' sections at once, writers of other keys, and
-    a thread taking each shard's exclusive section (what a repair or a map adoption does) in
-    descending order, all at once: every call finishes (the lock order of
+    a thread per shard taking its exclusive section over and over (what a repair or a map
+    adoption does), all at once: every call finishes (the lock order of
     tierkv.tiers.disk.many) and every chunk read is exact."""
     count, rounds = 16, 8
-    with open_tier(tmp_path, SMALL, read_bytes_in_flight=1 << 20) as tier:
-        tier.put_many([(spread_key(i), value(i, SMALL)) for i in range(count)])
-        errors: list[BaseException] = []
-        stop = threading.Event()
+    tier = open_tier(tmp_path, SMALL, read_bytes_in_flight=1 << 20)
+    tier.put_many([(spread_key(i), value(i, SMALL)) for i in range(count)])
+    errors: list[BaseException] = []
+    stop = threading.Event()
 
-        def reader(seed: int) -> None:
-            order = list(range(count))
-            outs = [aligned(SMALL) for _ in order]
-            try:
-                for _ in range(rounds):
-                    random.Random(seed).shuffle(order)
-                    seed += 1
-                    assert tier.read_many_into([(spread_key(i), outs[n]) for n, i in
-                                                enumerate(order)]) == [ReadStatus.OK] * count
-                    assert all(bytes(outs[n]) == value(i, SMALL) for n, i in enumerate(order))
-            except BaseException as exc:
-                errors.append(exc)
+    def reader(seed: int) -> None:
+        order = list(range(count))
+        outs = [aligned(SMALL) for _ in order]
+        try:
+            for _ in range(rounds):
+                random.Random(seed).shuffle(order)
+                seed += 1
+                assert tier.read_many_into([(spread_key(i), outs[n]) for n, i in
+                                            enumerate(order)]) == [ReadStatus.OK] * count
+                assert all(bytes(outs[n]) == value(i, SMALL) for n, i in enumerate(order))
+        except BaseException as exc:
+            errors.append(exc)
 
-        def writer() -> None:
-            i = count
-            while not stop.is_set():
-                tier.put_many([(spread_key(i + j), value(j, SMALL)) for j in range(4)])
-                i += 4
+    def writer() -> None:
+        i = count
+        while not stop.is_set():
+            tier.put_many([(spread_key(i + j), value(j, SMALL)) for j in range(4)])
+            i += 4
 
-        def exclusive() -> None:
-            while not stop.is_set():
-                for lm in reversed(tier._shards):
-                    with lm._guard.exclusive():
-                        pass
+    def exclusive(shard: int) -> None:
+        guard = tier._shards[shard]._guard
+        while not stop.is_set():
+            with guard.exclusive():
+                pass
 
-        readers = [threading.Thread(target=reader, args=(seed * 1000,)) for seed in range(3)]
-        others = [threading.Thread(target=writer), threading.Thread(target=exclusive)]
-        for thread in readers + others:
-            thread.start()
-        for thread in readers:
-            thread.join(timeout=300)  # a hang detector, not a speed bound
-        stop.set()
-        for thread in others:
-            thread.join(timeout=300)
-        assert not any(thread.is_alive() for thread in readers + others), "deadlocked"
-        assert not errors, errors
+    # daemons, and the tier left open if they hang: a deadlock fails the test, not the run
+    readers = [threading.Thread(target=reader, args=(seed * 1000,), daemon=True)
+               for seed in range(3)]
+    others = [threading.Thread(target=writer, daemon=True)] + \
+        [threading.Thread(target=exclusive, args=(shard,), daemon=True)
+         for shard in range(4)]
+    for thread in readers + others:
+        thread.start()
+    deadline = time.monotonic() + 120  # a hang detector, not a speed bound
+    for thread in readers:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    stop.set()
+    for thread in others:
+        thread.join(timeout=max(1.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in readers + others), "deadlocked"
+    tier.close()
+    assert not errors, errors
