@@ -12,6 +12,7 @@ import mmap
 import os
 import random
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from tierkv.config import DiskTierConfig
+from tierkv.errors import ClosedError
 from tierkv.core.jobs import ChunkCopy, JobId, SlotId
 from tierkv.keys import Namespace
 from tierkv.tiers.base import ReadStatus
@@ -284,3 +286,134 @@ def test_many_small_read_jobs_queued_are_read_in_one_call_up_to_the_bound(
         assert all(o.ok and o.num_bytes == SMALL for o in outcomes)
         assert [bytes(slab.memoryview(i)) for i in range(count)] == \
             [value(i, SMALL) for i in range(count)]
+
+
+def slot_at(tier: DiskTier, k: bytes) -> tuple[Path, int]:
+    """(the slab file, the offset of the slot) that ``k``'s index entry names."""
+    lm = tier._shard(k)
+    raw = lm.run("test", lambda env: env.begin(db=lm.index).get(k))
+    entry = tier._entry_of(lm, k, raw)
+    assert not isinstance(entry, str) and lm.slab is not None
+    return lm.slab.path, entry.slot * lm.slab.slot_bytes
+
+
+def test_one_window_of_reads_spans_the_shards_and_checks_every_slot(tmp_path: Path) -> None:
+    """A call whose chunks lie in every shard keeps them all in flight at once (a window
+    that drained at each shard's end held one shard's three), and still checks each slot:
+    a slot in a middle shard carrying another write's valid header and a slot whose payload
+    lost a byte are each CORRUPT, counted and deleted; every other chunk is served exact."""
+    bound = 4 << 20
+    wanted = list(range(12))  # three chunks in each of the four shards, interleaved
+
+    def key(i: int) -> bytes:  # its first byte picks the shard
+        return bytes([i]) + bytes([0x5A]) * 31
+
+    chosen = {shard: [i for i in wanted if shard_of(key(i)) == shard] for shard in range(4)}
+    assert all(len(ids) == 3 for ids in chosen.values())
+    stale, flipped = chosen[1][1], chosen[2][0]
+    with open_tier(tmp_path, SMALL, read_bytes_in_flight=bound) as tier:
+        tier.put_many([(key(i), value(i, SMALL)) for i in wanted])
+        (slab_1, stale_at), (_, donor_at) = slot_at(tier, key(stale)), \
+            slot_at(tier, key(chosen[1][0]))
+        slab_2, flipped_at = slot_at(tier, key(flipped))
+    with open(slab_1, "r+b") as handle:  # a valid header, of another write
+        handle.seek(donor_at)
+        header = handle.read(4096)
+        handle.seek(stale_at)
+        handle.write(header)
+    with open(slab_2, "r+b") as handle:
+        handle.seek(flipped_at + 4096 + 5000)
+        byte = handle.read(1)
+        handle.seek(flipped_at + 4096 + 5000)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    with open_tier(tmp_path, SMALL, read_bytes_in_flight=bound) as tier:
+        outs = [aligned(SMALL) for _ in wanted]
+        statuses = tier.read_many_into([(key(i), out) for i, out in zip(wanted, outs)])
+        per_chunk = SMALL + 4096
+        assert tier._reads.deepest == len(wanted) * per_chunk  # all four shards' at once
+        for i, status, out in zip(wanted, statuses, outs):
+            if i in (stale, flipped):
+                assert status is ReadStatus.CORRUPT
+            else:
+                assert status is ReadStatus.OK and bytes(out) == value(i, SMALL)
+        stats = tier.statistics()
+        assert (stats.corrupt, stats.hits, stats.misses) == (2, len(wanted) - 2, 2)
+        assert tier.read_many_into([(key(stale), outs[0]), (key(flipped), outs[1])]) == \
+            [ReadStatus.MISSING, ReadStatus.MISSING]  # deleted
+
+
+def spread_key(i: int) -> bytes:
+    """A key in shard ``i % 4`` (its first byte picks the shard)."""
+    return bytes([i % 256]) + bytes([0xA5]) + i.to_bytes(30, "big")
+
+
+def test_a_later_shard_that_fails_raises_its_own_error_and_leaves_no_read_running(
+        tmp_path: Path) -> None:
+    """The window spans shards, each shard's call inside the one before: an error of a later
+    shard reaches the caller as itself (naming that shard), not as the earlier shards'
+    problem, and no read started for any shard is still running when it does."""
+    with open_tier(tmp_path, SMALL) as tier:
+        tier.put_many([(spread_key(i), value(i, SMALL)) for i in range(8)])
+        tier._shards[2].close(sync=False)
+        outs = [aligned(SMALL) for _ in range(8)]
+        with pytest.raises(ClosedError, match="shard 2|shard-2"):
+            tier.read_many_into([(spread_key(i), outs[i]) for i in range(8)])
+        assert tier._reads._in_flight == 0
+        assert tier.read_many_into([(spread_key(i), outs[i]) for i in (0, 1, 3)]) == \
+            [ReadStatus.OK] * 3
+
+
+def test_cross_shard_windows_stay_live_beside_writers_and_exclusive_sections(
+        tmp_path: Path) -> None:
+    """Readers whose calls hold several shards' sections at once, writers of other keys, and
+    a thread per shard taking its exclusive section over and over (what a repair or a map
+    adoption does), all at once: every call finishes (the lock order of
+    tierkv.tiers.disk.many) and every chunk read is exact."""
+    count, rounds = 16, 8
+    tier = open_tier(tmp_path, SMALL, read_bytes_in_flight=1 << 20)
+    tier.put_many([(spread_key(i), value(i, SMALL)) for i in range(count)])
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader(seed: int) -> None:
+        order = list(range(count))
+        outs = [aligned(SMALL) for _ in order]
+        try:
+            for _ in range(rounds):
+                random.Random(seed).shuffle(order)
+                seed += 1
+                assert tier.read_many_into([(spread_key(i), outs[n]) for n, i in
+                                            enumerate(order)]) == [ReadStatus.OK] * count
+                assert all(bytes(outs[n]) == value(i, SMALL) for n, i in enumerate(order))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def writer() -> None:
+        i = count
+        while not stop.is_set():
+            tier.put_many([(spread_key(i + j), value(j, SMALL)) for j in range(4)])
+            i += 4
+
+    def exclusive(shard: int) -> None:
+        guard = tier._shards[shard]._guard
+        while not stop.is_set():
+            with guard.exclusive():
+                pass
+
+    # daemons, and the tier left open if they hang: a deadlock fails the test, not the run
+    readers = [threading.Thread(target=reader, args=(seed * 1000,), daemon=True)
+               for seed in range(3)]
+    others = [threading.Thread(target=writer, daemon=True)] + \
+        [threading.Thread(target=exclusive, args=(shard,), daemon=True)
+         for shard in range(4)]
+    for thread in readers + others:
+        thread.start()
+    deadline = time.monotonic() + 120  # a hang detector, not a speed bound
+    for thread in readers:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    stop.set()
+    for thread in others:
+        thread.join(timeout=max(1.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in readers + others), "deadlocked"
+    tier.close()
+    assert not errors, errors

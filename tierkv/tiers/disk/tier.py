@@ -24,8 +24,8 @@ LMDB serializes write transactions, reads run concurrently):
   and checksum and the payload match the checksum bound to key, namespace and part. A bad
   slot whose entry is still the one read is deleted and counted (an entry changed meanwhile
   is read again). ``read_many_into(items)`` does the same for many chunks, all in flight:
-  per shard one read txn, every slot read started before the first is checked
-  (:mod:`tierkv.tiers.disk.many`).
+  per shard one read txn, every slot read started before the first is checked, one window
+  of reads across the shards (:mod:`tierkv.tiers.disk.many`, which says the lock order).
 - ``sync()``: every slab's ``fdatasync``, then the index's (payloads before the index
   that names them). ``trace`` (tests): called with each ordering event.
 - ``scan(batch)`` reads the index sub-db in short txns of ``batch`` keys (restart warm
@@ -69,7 +69,7 @@ from tierkv.tiers.disk.env import ENV_FIGURES, SHARDS, DiskStatistics, LmdbEnv, 
 from tierkv.tiers.disk.files import NamespaceInfo, list_namespaces
 from tierkv.tiers.disk.format import (HEADER_BLOCK, IndexEntry, binding_of, check_slot,
                                       unpack_index)
-from tierkv.tiers.disk.many import read_shard_batch
+from tierkv.tiers.disk.many import read_shards
 from tierkv.tiers.disk.reads import ReadPool
 from tierkv.tiers.disk.walk import scan_shard, verify_shard
 from tierkv.tiers.disk.write import ShardWrites
@@ -412,8 +412,9 @@ class DiskTier(LowerTier):
         return self._bytes_of(out, f"the read buffer for chunk {short_key(key)}", writable=True)
 
     def read_many_into(self, items: Sequence[tuple[bytes, Any]]) -> list[ReadStatus]:
-        """:meth:`read_into` of each ``(key, out)``, all in flight (:mod:`tierkv.tiers.disk.
-        many`); a chunk that fails a check goes through :meth:`read_into` (again, deleted)."""
+        """:meth:`read_into` of each ``(key, out)``, all in flight across shards (:mod:`tierkv.
+        tiers.disk.many`); a chunk that fails a check goes through :meth:`read_into` (again,
+        deleted)."""
         views = [(key, self._out_of(key, out)) for key, out in items]
         statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(views)
         again: list[int] = []
@@ -421,12 +422,11 @@ class DiskTier(LowerTier):
         shards: dict[int, list[int]] = {}
         for position, (key, _) in enumerate(views):
             shards.setdefault(shard_of(key), []).append(position)
-        for shard, positions in shards.items():
-            lm, batch = self._shards[shard], [views[position] for position in positions]
-            found = lm.run("reading chunks", partial(
-                read_shard_batch, lm, batch, self._reads, self._entry_of, self._judge),
-                batch[0][0])
-            for position, (raw, problem) in zip(positions, found):
+        order = sorted(shards)  # the lock order read_shards relies on
+        found = read_shards([(self._shards[shard], [views[p] for p in shards[shard]])
+                             for shard in order], self._reads, self._entry_of, self._judge)
+        for shard, results in zip(order, found):
+            for position, (raw, problem) in zip(shards[shard], results):
                 if problem is not None:
                     again.append(position)
                 elif raw is not None:
