@@ -164,3 +164,27 @@ def test_the_setting_is_declared_and_checked() -> None:
     assert StoreConfig(background_nice=19).background_nice == 19
     with pytest.raises(Exception, match="background_nice"):
         StoreConfig(background_nice=20)
+
+
+def test_a_store_runs_its_disk_writers_at_its_background_nice(tmp_path: Path,
+                                                              base: int) -> None:
+    """StoreConfig.background_nice reaches the threads the store starts (build_worker)."""
+    import torch
+
+    from tierkv.engine.store import TierKVStore
+
+    kv = [torch.zeros(8, 2, 16, 2, 8, dtype=torch.float16)]
+    config = StoreConfig(blocks_per_chunk=2, device="cpu", background_nice=NICE,
+                         disk=DiskTierConfig(path=tmp_path, sync_mode="always"))
+    with TierKVStore(kv, model_id="nice", config=config) as store:
+        assert store.disk is not None
+        writers = [thread for thread in threading.enumerate()
+                   if thread.name.startswith("tierkv-disk-writer")]
+        assert writers
+        for thread in writers:  # each lowers its own priority first thing: let it run
+            for _ in range(10_000):
+                if nice_of(thread.native_id or 0) != base:
+                    break
+                os.sched_yield()
+            assert nice_of(thread.native_id or 0) == base + NICE
+        assert set(nices("tierkv-disk-reader").values()) <= {base}
