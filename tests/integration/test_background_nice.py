@@ -10,6 +10,7 @@ import random
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -79,17 +80,22 @@ def spill_every_lane(io: TierIO, slab: CpuSlab, tier: DiskTier) -> dict[bytes, b
     return written
 
 
-def disk_io_over(tmp_path: Path, nice: int) -> tuple[DiskTier, CpuSlab, TierIO]:
+@contextmanager
+def disk_io_over(tmp_path: Path, nice: int) -> Iterator[tuple[DiskTier, CpuSlab, TierIO]]:
     payload = 3 * PIECE_BYTES  # three pieces a chunk: the slab writer threads write them
     config = DiskTierConfig(path=tmp_path, write_batch_bytes=4 * payload)
     tier = DiskTier(tmp_path, NS, 0, config, payload)
     slab = CpuSlab(num_slots=8, slot_bytes=payload, pin_memory="never")
-    return tier, slab, TierIO(tier, slab, write_batch_bytes=4 * payload, nice=nice)
+    io = TierIO(tier, slab, write_batch_bytes=4 * payload, nice=nice)
+    try:
+        yield tier, slab, io
+    finally:
+        io.shutdown()  # a flush first: it completes whatever the threads' nice value
+        tier.close()
 
 
 def test_the_disk_writers_run_niced_and_the_readers_do_not(tmp_path: Path, base: int) -> None:
-    tier, slab, io = disk_io_over(tmp_path, NICE)
-    try:
+    with disk_io_over(tmp_path, NICE) as (tier, slab, io):
         written = spill_every_lane(io, slab, tier)
         assert set(nices("tierkv-disk-writer").values()) == {base + NICE}
         assert len(nices("tierkv-disk-writer")) == tier.write_lanes
@@ -103,33 +109,22 @@ def test_the_disk_writers_run_niced_and_the_readers_do_not(tmp_path: Path, base:
         assert done.is_set()
         assert set(nices("tierkv-disk-reader").values()) == {base}
         assert nice_of(threading.get_native_id()) == base  # the caller is left alone
-    finally:
-        io.shutdown()
-        tier.close()
 
 
 def test_a_nice_of_0_leaves_the_threads_alone(tmp_path: Path, base: int) -> None:
-    tier, slab, io = disk_io_over(tmp_path, 0)
-    try:
+    with disk_io_over(tmp_path, 0) as (tier, slab, io):
         spill_every_lane(io, slab, tier)
         assert set(nices("tierkv-disk-writer").values()) == {base}
         assert set(nices("tierkv-slab-writer").values()) == {base}
-    finally:
-        io.shutdown()
-        tier.close()
 
 
 def test_a_flush_and_a_close_complete_at_nice_19(tmp_path: Path, base: int) -> None:
-    tier, slab, io = disk_io_over(tmp_path, 19)
-    try:
+    with disk_io_over(tmp_path, 19) as (tier, slab, io):
         written = spill_every_lane(io, slab, tier)  # flush() returned: every write landed
         assert set(nices("tierkv-disk-writer").values()) == {19}
         out = memoryview(bytearray(tier.payload_bytes))
         for key, data in written.items():
             assert tier.read_into(key, out) is ReadStatus.OK and bytes(out) == data
-    finally:
-        io.shutdown()
-        tier.close()
     assert nices("tierkv-disk-writer") == {}  # shutdown() stopped them
 
 
