@@ -205,11 +205,6 @@ class StoreConfig:
     # TierKVStore.store(): "copied" returns once the source blocks are copied (rewriting
     # them afterwards is safe); "async" returns at once and the engine must fence() the
     # blocks before it writes them. The vLLM connector fences by itself: not read there.
-    # tierkv's writes, syncs and pushes run behind the engine (docs/benchmarks/ttft.md, the
-    # miss): their threads at the process's nice value plus this (Linux; never the readers,
-    # loads and lookups, which serve hits).
-    background_nice: int = setting(0, low=0, high=19,
-                                   help="nice increment of the write, sync and push threads")
     store_mode: str = setting("copied", choices=STORE_MODES,
                               help="when TierKVStore.store() returns")
     # The weights that computed the KV: their fingerprint is part of the namespace, so KV of

@@ -174,8 +174,7 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
         slab = CpuSlab(num_slots, chunk_bytes, config.cpu.pin_memory)
         transfer = make_transfer_engine(config.device, layout, slab, config.blocks_per_chunk)
         if disk is not None:
-            disk_io = TierIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads,
-                             nice=config.background_nice)
+            disk_io = TierIO(disk, slab, config.disk.write_batch_bytes, config.disk.reader_threads)
         settings = config.remote
         if settings is not None and namespace is not None:
             with needs("remote", "the remote tier (StoreConfig.remote, vLLM's remote_url)"):
@@ -189,10 +188,9 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
             # later, never a failed start): a node that stalls later fails its own chunks
             # only, the cluster's nodes being known; on first use, a stalled seed failed all.
             remote.warm_up()
-            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads, "remote",
-                               nice=config.background_nice)
+            remote_io = TierIO(remote, slab, chunk_bytes, settings.reader_threads, "remote")
             if settings.push != "read_only":
-                pusher = RemoteIO(remote, settings.queue_bytes, nice=config.background_nice)
+                pusher = RemoteIO(remote, settings.queue_bytes)
         executor = JobExecutor(transfer, disk_io, remote_io=remote_io, pusher=pusher,
                                push_on=settings.push if settings else "on_store")
     except BaseException:

@@ -87,7 +87,6 @@ class ConnectorSettings:
     load_bias: float = derived(AdapterConfig, "load_bias")
     load_deadline_ms: float | None = derived(AdapterConfig, "load_deadline_ms")
     device: str = derived(StoreConfig, "device")
-    background_nice: int = derived(StoreConfig, "background_nice")
     pin_memory: str = derived(CpuTierConfig, "pin_memory")
     flush_on_shutdown: bool = setting(True, help="write unspilled CPU chunks to disk at "
                                                  "shutdown")
@@ -522,7 +521,6 @@ def store_config(settings: ConnectorSettings, geometry: Geometry, rank: int = 0)
                             write_through=settings.write_through,
                             sync_mode=settings.disk_sync_mode),
         device=settings.device,
-        background_nice=settings.background_nice,
         rank=rank,
         remote=settings.remote,
     )

@@ -38,9 +38,6 @@ Primitives and contracts:
   sync mode) a sync thread calls ``tier.sync_if_due()`` after each commit and every
   ``disk.sync_every_seconds``, so the writer never waits on an fsync and committed data is
   synced even when writes stop (the tier's own inline sync is turned off).
-- The writer and sync threads run ``nice`` above the process's nice value
-  (``StoreConfig.background_nice``; the disk tier's slab writer threads, which a writer
-  starts, inherit it); the readers never do: they serve hits.
 """
 
 from __future__ import annotations
@@ -61,7 +58,6 @@ from tierkv.errors import BrokenError, ClosedError, ConfigError, TierKVError
 from tierkv.keys import KEY_BYTES
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.tiers.base import LowerTier, ReadStatus
-from tierkv.tiers.malloc_tuning import niced
 from tierkv.transfer.ledger import JobLedger
 
 logger = logging.getLogger("tierkv.tier_io")
@@ -137,7 +133,7 @@ class TierIO:
     messages and thread names); see the module docstring."""
 
     def __init__(self, tier: LowerTier, slab: CpuSlab, write_batch_bytes: int,
-                 reader_threads: int = 4, section: str = "disk", nice: int = 0) -> None:
+                 reader_threads: int = 4, section: str = "disk") -> None:
         self._io = f"{section} io"  # "disk io", "remote io": messages and thread names
         self._tier_name = f"{section} tier"
         self._setting = SETTING.get(section, f"the {section} settings")
@@ -170,11 +166,11 @@ class TierIO:
         self._sync_every = tier.sync_every_seconds
         self._committed = False  # a commit since the sync thread last looked
         threads: list[tuple[Callable[[], None], str]] = [
-            (niced(nice, partial(self._writer_main, lane)), "writer") for lane in range(self._lanes)]
+            (partial(self._writer_main, lane), "writer") for lane in range(self._lanes)]
         threads += [(self._reader_main, "reader")] * reader_threads
         if self._sync_every is not None:
             tier.sync_inline = False
-            threads.append((niced(nice, self._syncer_main), "sync"))
+            threads.append((self._syncer_main, "sync"))
         self._threads = [threading.Thread(target=target, name=f"tierkv-{section}-{name}", daemon=True)
                          for target, name in threads]
         self._num_readers = reader_threads

@@ -10,9 +10,7 @@ Primitives and contracts:
   ``put_many``: one pipeline of ``SET NX`` per node, the nodes at once). The chunks of a
   batch the tier did not store (their node failed or stalled, a breaker skipped it, the
   server refused them for want of memory) are counted as ``failed`` and dropped: the
-  remote tier is a cache; the other nodes' chunks are stored. The thread runs ``nice``
-  above the process's nice value (``StoreConfig.background_nice``;
-  :func:`~tierkv.tiers.malloc_tuning.lower_priority`).
+  remote tier is a cache; the other nodes' chunks are stored.
 - ``flush(timeout=None)`` waits until everything pushed so far was sent or dropped
   (True) or the timeout passed (False). ``shutdown(timeout)`` returns within ``timeout``
   seconds: it flushes while a batch in flight can still end in time (a batch's call ends
@@ -33,7 +31,6 @@ from tierkv.checks import check_int
 from tierkv.core.figures import Snapshot, counter, gauge
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.tiers.base import LowerTier
-from tierkv.tiers.malloc_tuning import niced
 
 logger = logging.getLogger("tierkv.remote")
 
@@ -64,8 +61,7 @@ class RemoteIOStatistics(Snapshot, PushCounts):
 class RemoteIO:
     """The write-behind thread over a remote tier; see the module docstring."""
 
-    def __init__(self, tier: LowerTier, queue_bytes: int, batch: int = 16,
-                 nice: int = 0) -> None:
+    def __init__(self, tier: LowerTier, queue_bytes: int, batch: int = 16) -> None:
         for name, value in (("queue_bytes", queue_bytes), ("batch", batch)):
             check_int(f"remote io: {name}", value, low=1)
         self.tier = tier
@@ -77,8 +73,8 @@ class RemoteIO:
         self._in_flight = 0
         self._closed = False
         self._counts = PushCounts()
-        self._thread = threading.Thread(target=niced(nice, self._main),  # at nice + ``nice``
-                                        name="tierkv-remote-push", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="tierkv-remote-push",
+                                        daemon=True)
         self._thread.start()
 
     def push(self, key: bytes, payload: Any) -> bool:

@@ -12,10 +12,7 @@ Primitives and contracts:
   the others at the same time on threads of the spread's own (named ``name``, made on
   first need, at most :data:`THREADS`), each under the calling thread's
   :func:`~tierkv.tiers.remote.client.deadline` (the same end: a part never outlives the
-  call). One part runs inline, with no thread hand-off. The threads run at the calling
-  thread's priority: one pool per nice value, started by a caller of that value (a niced
-  push thread's parts never run on the threads that serve lookups and loads, nor are those
-  started niced: :mod:`~tierkv.tiers.malloc_tuning`). ``close()`` stops the threads
+  call). One part runs inline, with no thread hand-off. ``close()`` stops the threads
   (a part in flight ends by its deadline).
 
 Why (docs/remote.md, "Deadlines"): one pipeline over every node (redis-py's cluster
@@ -32,7 +29,6 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from tierkv.tiers.malloc_tuning import thread_nice
 from tierkv.tiers.remote.client import Call, RemoteError, current
 
 _N = TypeVar("_N", bound=Hashable)
@@ -71,19 +67,16 @@ class Spread:
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._pools: dict[int, ThreadPoolExecutor] = {}  # by the nice value of its threads
+        self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
     def _threads(self) -> ThreadPoolExecutor:
-        nice = thread_nice()  # its threads are started by this thread: they inherit it
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: used after close()")
-            pool = self._pools.get(nice)
-            if pool is None:
-                pool = self._pools[nice] = ThreadPoolExecutor(THREADS, thread_name_prefix=(
-                    self.name if not self._pools else f"{self.name}-nice{nice}"))
-            return pool
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix=self.name)
+            return self._pool
 
     @staticmethod
     def _within(until: float | None, part: Callable[[], _T]) -> _T | BaseException:
@@ -110,6 +103,6 @@ class Spread:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
+            pool, self._pool = self._pool, None
+        if pool is not None:
             pool.shutdown(wait=True)  # idle threads end at once, a busy one by its deadline
