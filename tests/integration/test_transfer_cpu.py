@@ -10,7 +10,7 @@ deciding the outcome.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -251,6 +251,30 @@ def test_a_chained_load_is_advanced_by_the_executor_not_by_a_reader_thread(
         (done,) = executor.poll_finished()
         assert done.ok and [read.tier for read in done.reads] == ["disk"]
         assert submitters == [threading.current_thread().name]
+        assert torch.equal(kv.chunk((4, 5, 6, 7)), kv.chunk((0, 1, 2, 3)))
+
+
+def test_a_load_whose_read_ended_is_reported_at_the_next_poll_not_one_later(
+        kv: KV, tmp_path: Path) -> None:
+    """The read ended before the poll: the poll starts the copy and waits for it, so the load
+    is reported by this poll, as when the reader started the copy at once (before, the copy
+    started in the poll that then looked past it: the load came a step late). The copy is
+    held until someone waits on it, so without that wait this poll reports nothing."""
+    gate = Gate(hold={2})
+    engine = make_engine(kv, gate)
+    wait = engine.wait
+
+    def release_then_wait(job_ids: Iterable[JobId], timeout: float | None = None) -> None:
+        gate.release.set()
+        wait(job_ids, timeout)
+
+    engine.wait = release_then_wait  # type: ignore[method-assign]
+    with disk_executor(engine, tmp_path) as executor:
+        executor.submit(FROM_DISK)
+        assert executor.disk_io is not None
+        executor.disk_io.wait([JobId(2)])  # the read ended; its copy is not submitted yet
+        (done,) = executor.poll_finished()
+        assert done.job_id == 2 and done.ok and [read.tier for read in done.reads] == ["disk"]
         assert torch.equal(kv.chunk((4, 5, 6, 7)), kv.chunk((0, 1, 2, 3)))
 
 

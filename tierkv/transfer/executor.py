@@ -9,8 +9,10 @@ Primitives:
   job, so the engine recomputes them and never sees a false hit. Returns at once.
   The chain is advanced by the executor on its caller's thread (``advance()``, and in
   ``poll_finished*``, ``wait``, ``cut``): a reader thread only finishes its read, it calls
-  nothing here. A copy so starts at the caller's next call, not the moment the read ends
-  (the worker advances before its idle yield, so an idle step still sees it land).
+  nothing here. A copy so starts at the caller's next call, not the moment the read ends;
+  ``poll_finished*`` waits for the copies started since the last poll (a copy of the
+  chunks just read: short), so a load whose reads ended during a step is reported at that
+  step's poll, as it would be had its copy started at once, not one step later.
 - Pushes to the remote tier (``pusher``, a :class:`~tierkv.tiers.remote.pushes.RemoteIO`):
   as a store job's chunks land in their slots (``push_on="on_store"``) or as a spill job's
   land on disk (``"on_evict"``), ``poll_finished`` queues a copy of each slot before it
@@ -138,6 +140,7 @@ class JobExecutor:
         self._push_kind = {"on_store": StoreSpec, "on_evict": SpillSpec}.get(push_on)
         self._ledger: JobLedger[_Live] = JobLedger("worker")
         self._direct: list[Completion] = []  # completions ready at once (see _start)
+        self._copying: list[JobId] = []  # chained loads' copies started since the last poll
         self._chains: dict[JobId, _Chain] = {}  # chained loads not yet polled
         self._closed = False
 
@@ -212,6 +215,7 @@ class JobExecutor:
             try:
                 self.transfer.submit_load(LoadSpec(chain.spec.job_id, landed))
                 chain.copying = True
+                self._copying.append(chain.spec.job_id)
                 return
             except (BrokenError, ClosedError) as exc:  # the copy thread died: a failed copy
                 copy = Completion(chain.spec.job_id, JobKind.LOAD, False, error=str(exc),
@@ -234,6 +238,9 @@ class JobExecutor:
     def poll_finished_jobs(self) -> list[tuple[Completion, JobSpec | None]]:
         """``poll_finished()``, each completion with its job's spec."""
         self.advance()
+        if self._copying:  # the copies advance() started: reported now, not a poll later
+            copying, self._copying = self._copying, []
+            self.transfer.wait(copying)
         finished, self._direct = self._direct, []
         ledger = self._ledger
         for completion in self.transfer.poll_finished():
