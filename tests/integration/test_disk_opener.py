@@ -62,7 +62,7 @@ def test_put_in_batches_writes_transactions_of_batch_bytes_and_stops_at_an_error
         assert sorted(done.written) == sorted(key for key, _ in items) and done.full == []
         bad = [(_key(10), bytes(PAYLOAD)), (_key(11), bytes(PAYLOAD)), (b"short", b"x")]
         done = tier.put_in_batches(bad, 2 * PAYLOAD)  # the second transaction is refused
-        assert done.txns == 1 and isinstance(done.error, ConfigError)
+        assert done.txns == 1 and isinstance(done.error, UsageError)  # a 5-byte key
         assert sorted(done.written) == [_key(10), _key(11)]
     finally:
         close_disk(tier, writer=True)

@@ -459,11 +459,11 @@ def test_opening_the_tier_tunes_malloc_unless_told_not_to(cluster: RedisCluster,
     """remote.tune_malloc (docs/benchmarks/remote.md: 2 MiB puts 0.72x -> 1.17x, reads
     0.60x -> 0.80x of redis-benchmark); a fresh process, since the tuning is per process."""
     code = ("import sys; from tierkv.config import RemoteTierConfig; from tierkv.keys import "
-            "Namespace; from tierkv.tiers import malloc_tuning; from tierkv.tiers.remote.tier "
+            "Namespace; from tierkv.tiers import tuning; from tierkv.tiers.remote.tier "
             "import RemoteTier; ns = Namespace(model_id='t', dtype='f', kv_layout='NHD', "
             "page_bytes=1, tokens_per_chunk=1); "
             f"RemoteTier(RemoteTierConfig(url=sys.argv[1], tune_malloc={tune}), ns, 0, 1 << 20)"
-            ".close(); print('tuned', malloc_tuning._malloc_tuned)")
+            ".close(); print('tuned', tuning._malloc_tuned)")
     done = subprocess.run([sys.executable, "-c", code, cluster.url], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "TIERKV_MALLOPT": "1"})
     assert done.returncode == 0, done.stderr[-1000:]

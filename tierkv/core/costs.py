@@ -3,6 +3,9 @@
 - :class:`DecayedLine` a decayed least-squares fit of ``y = intercept + slope * x``, pulled
   toward a prior line that fades as samples come: time against chunks for a tier's loads,
   time against tokens for the engine's steps. Each older sample weighs ``decay`` less.
+- :class:`StepTimer` the engine's compute line from its steps: an engine that reports its
+  steps' ends (``step_finished``) is timed by them; else the time from one plan to the
+  next is the previous step's. Each sample teaches :meth:`CostModel.observe_compute`.
 - :class:`CostModel` one line per tier (``cpu``, ``disk``, ``remote``) for the time from
   planning a load to its completion, and one for the engine's prefill (seconds a step
   takes for its scheduled tokens). :meth:`CostModel.best_prefix` picks how many chunks of a
@@ -16,7 +19,8 @@ Times are the engine's: a load's time runs from the step that planned it to the 
 saw it complete, so it includes the scheduler steps an asynchronous load costs; a same-step
 CPU load costs its copy. Before enough has been measured the priors decide (documented in
 docs/configuration.md with the figures that chose them; declared and checked as settings,
-``cost_priors.<name>``). No clock, no threads: the adapter feeds samples and asks.
+``cost_priors.<name>``). No threads, and no clock but the one StepTimer is given: the
+adapter feeds samples and asks.
 
 A sample is taken only when it is one (:func:`valid_sample`: a count in [1,
 MAX_SAMPLE_COUNT], seconds in [0, MAX_SAMPLE_SECONDS]); any other (infinite, NaN, negative,
@@ -29,7 +33,8 @@ decides a load.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
@@ -334,6 +339,55 @@ class CostModel:
         return best, best_cost, load_seconds
 
 
-__all__ = ["DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "MAX_BYTES_PER_SECOND", "MAX_SAMPLE_COUNT",
+MAX_STEP_SAMPLE_SECONDS = 2.0  # a longer gap between plans is an idle engine, not compute
+MAX_UNFINISHED_STEPS = 8  # plans awaiting step_finished (asynchronous scheduling: 2)
+
+
+class StepTimer:
+    """Times the engine's steps from its plans (and, once reported, their ends)."""
+
+    def __init__(self, costs: CostModel, clock: Callable[[], float]) -> None:
+        self._costs = costs
+        self._clock = clock
+        self._last_plan: tuple[float, int] | None = None  # the last plan's (time, tokens)
+        # Plans whose steps the engine has not reported finished (step_finished), oldest
+        # first; once it reports, its steps are timed by it, not by the gaps between plans.
+        self._unfinished: deque[tuple[float, int]] = deque(maxlen=MAX_UNFINISHED_STEPS)
+        self._step_ends = False
+        self._last_end = -float("inf")  # when the last reported step ended
+
+    def planned(self, tokens: int) -> None:
+        """A plan for a step of ``tokens`` scheduled tokens. Without reported step ends, the
+        time since the previous plan is the previous step's (it also counts the engine's
+        idle time before this plan): a gap over MAX_STEP_SAMPLE_SECONDS is an idle engine,
+        not compute."""
+        now = self._clock()
+        self._unfinished.append((now, tokens))
+        if self._step_ends:
+            return
+        last = self._last_plan
+        if last is not None and last[1] > 0 and now - last[0] <= MAX_STEP_SAMPLE_SECONDS:
+            self._costs.observe_compute(last[1], now - last[0])
+        self._last_plan = (now, tokens)
+
+    def step_finished(self) -> None:
+        """The engine finished the step of its oldest plan not yet reported. That step's
+        tokens took the time since its plan (or since the step before it ended): the
+        compute line learns that, not the gaps between plans, which count the time an idle
+        engine waited for its next request."""
+        self._step_ends = True
+        if not self._unfinished:
+            return
+        planned, tokens = self._unfinished.popleft()
+        now = self._clock()
+        # A step planned while the previous one ran (asynchronous scheduling) starts when
+        # that one ends.
+        seconds = now - max(planned, self._last_end)
+        self._last_end = now
+        if tokens > 0 and seconds <= MAX_STEP_SAMPLE_SECONDS:
+            self._costs.observe_compute(tokens, seconds)
+
+
+__all__ = ["MAX_STEP_SAMPLE_SECONDS", "MAX_UNFINISHED_STEPS", "StepTimer", "DECLINE_MARGIN", "DEFAULT_CHUNK_BYTES", "MAX_BYTES_PER_SECOND", "MAX_SAMPLE_COUNT",
            "MAX_SAMPLE_SECONDS", "SPIKE_FACTOR", "TIERS", "CostModel",
            "CostPriors", "DecayedLine", "check_priors", "valid_sample"]

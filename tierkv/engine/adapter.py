@@ -36,7 +36,7 @@ It never blocks and never touches tensor bytes. Primitives:
 
 The store watermarks, the fence and why it is kept per request: docs/engine-adapter.md,
 docs/design.md. The request records: :mod:`.request_state`; cost-aware loads:
-:mod:`.load_policy`; step timing: :mod:`.step_timing`; settings and counters:
+:mod:`.load_policy`; step timing: :class:`~tierkv.core.costs.StepTimer`; settings and counters:
 :mod:`.adapter_config`, :mod:`tierkv.core.stats`.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 
-from tierkv.core.costs import CostModel
+from tierkv.core.costs import CostModel, StepTimer
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import (NO_BLOCK, Completion, CompletionTracker, JobId, JobKind, LoadSpec,
                               StoreSpec)
@@ -56,7 +56,6 @@ from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted
 from tierkv.engine.request_state import GroupLists, RequestState, StoreBatch, per_group, refuse_reuse
 from tierkv.engine.requests import (BlockIds, LoadRequest, RequestView, StepInput, StepPlan,
                                     WorkerReport)
-from tierkv.engine.step_timing import StepTimer
 from tierkv.engine.tier_lookup import RemoteAsker, lookup_tiers
 from tierkv.errors import UsageError
 

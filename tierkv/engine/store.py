@@ -39,7 +39,7 @@ wrong (:mod:`tierkv.engine.store_inputs`; a namespace given:
 
 Not thread-safe, and not for a forked child: a call that overlaps another one, or any call
 from a child, raises :class:`UsageError` and changes nothing
-(:mod:`tierkv.engine.store_guard`). Opening claims the disk environment (a second store on
+(:mod:`tierkv.engine.store_exit`). Opening claims the disk environment (a second store on
 it is refused); a failed construction releases all it took.
 Why: docs/operations.md ("Fork", "Threads", "One writer per environment"). Spills and
 completions advance on every call; ``poll()`` in the engine loop keeps them moving.
@@ -61,12 +61,12 @@ from tierkv.config_env import from_environment
 from tierkv.core.jobs import ChunkCopy, Completion, JobId, JobKind, LoadSpec, StoreSpec
 from tierkv.core.stats import AdapterStats
 from tierkv.engine import store_exit
+from tierkv.engine.store_exit import one_caller
 from tierkv.engine.disk_start import DiskShare, FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (DURATION_KEY, Durations, TierUsage, collect_figures,
                                    config_info, tier_usage)
 from tierkv.engine.stack import (build_index, build_remote_lookup, build_worker, library_part,
                                  short_id, start_line)
-from tierkv.engine.store_guard import one_caller
 from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
 from tierkv.engine.store_inputs import job_ids as job_ids_of
 from tierkv.engine.store_namespace import build_namespace

@@ -1,4 +1,10 @@
-"""What becomes of a :class:`~tierkv.engine.store.TierKVStore` that is never closed.
+"""A :class:`~tierkv.engine.store.TierKVStore`'s lifetime: who may call it, and what becomes
+of one that is never closed.
+
+:func:`one_caller` wraps a method so that a call from a forked child of the process that
+created the store, or a call that overlaps another one (two threads), raises
+:class:`UsageError` before it changes anything: misuse fails loudly, it never serves wrong
+KV. Why: docs/operations.md ("Fork", "Threads").
 
 A store writes its CPU tier to disk on eviction and on ``close()``; one that a program
 forgets to close (a plain ``sys.exit``, an exception past the ``with``-less code) used to
@@ -20,6 +26,7 @@ the parent's). Why the lifetime is so: docs/engine-adapter.md ("A store's lifeti
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -27,9 +34,12 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
-__all__ = ["EXIT_FLUSH_SECONDS", "close_at_exit", "collected_unclosed", "track"]
+from tierkv.errors import UsageError
+
+__all__ = ["EXIT_FLUSH_SECONDS", "Guarded", "close_at_exit", "collected_unclosed", "one_caller",
+           "track"]
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +133,41 @@ def collected_unclosed(store: Closable) -> None:
         store.close()
     except Exception as exc:  # noqa: BLE001 - a finalizer never raises
         log.error("tierkv: closing the collected %s failed: %s", name, exc)
+
+
+class Guarded(Protocol):
+    """What :func:`one_caller` reads of the store: the pid that created it and the lock a
+    call holds."""
+
+    _pid: int
+    _busy: threading.Lock
+
+
+_S = TypeVar("_S", bound=Guarded)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def one_caller(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """Refuse a call from a forked child, or one that overlaps another call (two threads):
+    misuse fails loudly before it changes anything, it never serves wrong KV."""
+
+    @functools.wraps(method)
+    def guarded(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if os.getpid() != self._pid:
+            raise UsageError(
+                f"store: {method.__name__}() in a forked child (pid {os.getpid()}) of the "
+                f"process that created the store (pid {self._pid}); its threads, LMDB "
+                f"environment and CUDA streams do not survive fork(): create the store in "
+                f"the child, or use the spawn start method")
+        if not self._busy.acquire(blocking=False):
+            raise UsageError(
+                f"store: {method.__name__}() while another call is running (thread "
+                f"{threading.current_thread().name}); the store is not thread-safe: call it "
+                f"from one thread at a time, or give each thread its own store")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return guarded

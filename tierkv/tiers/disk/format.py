@@ -27,8 +27,7 @@ Primitives and contracts:
   slot must hold; a restart rebuilds from it without reading payloads.
 
 The environment's layout and sizing are :mod:`tierkv.tiers.disk.env` and
-:mod:`tierkv.tiers.lmdb_tuning` (malloc: :mod:`tierkv.tiers.malloc_tuning`); files and
-directories :mod:`tierkv.tiers.disk.files`.
+:mod:`tierkv.tiers.tuning`; files and directories :mod:`tierkv.tiers.disk.files`.
 """
 
 from __future__ import annotations

@@ -73,9 +73,8 @@ from tierkv.tiers.disk.many import read_shards
 from tierkv.tiers.disk.reads import ReadPool
 from tierkv.tiers.disk.walk import scan_shard, verify_shard
 from tierkv.tiers.disk.write import ShardWrites
-from tierkv.tiers.lmdb_tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
-                                      slab_slots_for)
-from tierkv.tiers.malloc_tuning import tune_malloc
+from tierkv.tiers.tuning import (MAP_LIMIT_BYTES, largest_cap, map_size_for, shard_cap,
+                                 slab_slots_for, tune_malloc)
 from tierkv.units import format_bytes
 
 __all__ = [

@@ -65,7 +65,7 @@ from tierkv.errors import BrokenError, ClosedError, UsageError, short_key
 from tierkv.keys import KEY_BYTES, Namespace, Part, as_part
 from tierkv.tiers.base import (ChunkCheck, ChunkRecord, LowerTier, PutResult, ReadStatus,
                                VerifyReport)
-from tierkv.tiers.malloc_tuning import tune_malloc
+from tierkv.tiers.tuning import tune_malloc
 from tierkv.tiers.remote.client import (DeadlinePassed, RemoteError, cause_of, connect,
                                         deadline, is_wrong_type, node_client, node_name,
                                         primaries, scan_names, scrub, seed_node, seed_urls)
