@@ -52,7 +52,7 @@ def test_each_control_of_a_request(models: dict[str, Path], reference: Reference
         run(None, 0, "after skip_store: nothing was stored")
         run({"tierkv": {"skip_load": True}}, 0, "skip_load")
         run({"kv_load_tiers": [{"medium": "storage"}]}, 0, "kv_load_tiers: storage only")
-        heard = Heard()  # tierkv's logger does not propagate under vLLM (vllm_logging)
+        heard = Heard()  # tierkv's logger does not propagate under vLLM (follow_vllm_logging)
         logging.getLogger("tierkv.vllm").addHandler(heard)
         try:
             run({"kv_load_tiers": ["nvme"]}, 0, "kv_load_tiers not understood")

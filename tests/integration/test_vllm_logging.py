@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.integrations.vllm_logging import follow_vllm_logging
+from tierkv.integrations.vllm import follow_vllm_logging
 
 ROOT = Path(__file__).resolve().parents[2]
 

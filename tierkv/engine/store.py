@@ -34,8 +34,7 @@ never reach the stored chunk; ``"async"`` returns at once and trusts the engine 
 modes", has the cost). Loads are always asynchronous.
 
 Inputs are checked before anything changes, with :class:`UsageError` naming what is
-wrong (:mod:`tierkv.engine.store_inputs`; a namespace given:
-:mod:`tierkv.engine.store_namespace`).
+wrong (:mod:`tierkv.engine.store_inputs`, a namespace given too).
 
 Not thread-safe, and not for a forked child: a call that overlaps another one, or any call
 from a child, raises :class:`UsageError` and changes nothing
@@ -67,10 +66,9 @@ from tierkv.engine.metrics import (DURATION_KEY, Durations, TierUsage, collect_f
                                    config_info, tier_usage)
 from tierkv.engine.stack import (build_index, build_remote_lookup, build_worker, library_part,
                                  short_id, start_line)
-from tierkv.engine.store_inputs import block_set, check_keys, split_blocks
+from tierkv.engine.store_inputs import (block_set, build_namespace, check_keys, check_namespace,
+                                        split_blocks)
 from tierkv.engine.store_inputs import job_ids as job_ids_of
-from tierkv.engine.store_namespace import build_namespace
-from tierkv.engine.store_namespace import check_namespace
 from tierkv.engine.store_stats import (PATH_NAMES, LoadHandle, LoadShortfall, PathStats,
                                        StoreStats)
 from tierkv.engine.tier_lookup import lookup_tiers

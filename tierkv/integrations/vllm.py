@@ -14,6 +14,15 @@ goes between the roles, and in which of vLLM's fields, is :mod:`.vllm_messages`.
 Importing this module is light (vLLM imports it while it builds ``VllmConfig``): no LMDB,
 no CUDA, no threads; the worker role imports its transfer and disk code when it is built.
 ``docs/vllm.md`` has the settings, the key derivation, the guarantees and the limits.
+
+tierkv's log lines under vLLM's logging setup: vLLM configures the ``vllm`` logger only (a
+stream handler with time, process name and pid; ``VLLM_LOGGING_LEVEL``,
+``--logging-config``), so ``tierkv.*`` had no handler: its INFO lines were dropped and its
+warnings printed bare. :func:`follow_vllm_logging` hands tierkv's records to the handlers
+the ``vllm`` logger has at the time of each record, at vLLM's level; it changes nothing
+when the ``tierkv`` logger has handlers or a level of its own (an operator's logging
+config that names it wins) or when vLLM configures no logging
+(``VLLM_CONFIGURE_LOGGING=0``).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from tierkv.engine.store_namespace import content_cache_dir  # noqa: E402
+from tierkv.engine.store_inputs import content_cache_dir  # noqa: E402
 from tierkv.errors import ConfigError, NamespaceMismatchError, UsageError  # noqa: E402
 from tierkv.integrations.vllm_config import (  # noqa: E402
     ConnectorSettings,
@@ -57,7 +66,6 @@ from tierkv.integrations.vllm_config import (  # noqa: E402
     engine_model_fingerprint,
     parse_settings,
 )
-from tierkv.integrations.vllm_logging import follow_vllm_logging  # noqa: E402
 from tierkv.integrations.vllm_messages import (  # noqa: E402
     TierKVConnectorStats,
     TierKVMetadata,
@@ -81,7 +89,37 @@ __all__ = [
     "TierKVMetadata",
     "TierKVWorkerMetadata",
     "UnsupportedVersionError",
+    "follow_vllm_logging",
 ]
+
+TIERKV = "tierkv"
+VLLM = "vllm"
+
+
+class _ToVllmHandlers(logging.Handler):
+    """Emits each record through the ``vllm`` logger's handlers (each applies its level)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers = logging.getLogger(VLLM).handlers
+        if not handlers and record.levelno >= logging.WARNING and logging.lastResort is not None:
+            logging.lastResort.handle(record)  # what Python prints with no handler at all
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def follow_vllm_logging() -> bool:
+    """Route ``tierkv.*`` records to vLLM's handlers; True when it did (now or before)."""
+    ours, theirs = logging.getLogger(TIERKV), logging.getLogger(VLLM)
+    if any(isinstance(handler, _ToVllmHandlers) for handler in ours.handlers):
+        return True
+    if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers:
+        return False
+    ours.addHandler(_ToVllmHandlers())
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False  # as vLLM's own logger: no second copy through the root logger
+    return True
+
 
 # KV events: the index's tiers as vLLM names media and localities (vllm.distributed.kv_events,
 # vllm.v1.kv_offload.base.Locality): (medium, locality).

@@ -25,7 +25,7 @@ import torch
 from tierkv import model_identity
 from tierkv.checks import check_int
 from tierkv.config import DiskTierConfig, disk_chunk_capacity
-from tierkv.engine.store_namespace import content_cache_dir
+from tierkv.engine.store_inputs import content_cache_dir
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_config import (DEFAULT_TOKENS_PER_CHUNK, KNOWN_HASHES, PAGE_ORDER,
                                              STABLE_HASHES, ConnectorSettings, build_namespace,
