@@ -31,7 +31,7 @@ from tierkv.core.slots import SlotAllocator
 from tierkv.core.spills import WriteBack
 from tierkv.core.state import CpuState, DiskState, Entry
 from tierkv.core.stats import IndexStats
-from tierkv.errors import InvariantError, UsageError
+from tierkv.errors import UsageError
 
 _ON_DISK = DiskState.ON_DISK  # for every eviction: an Enum member lookup costs 50 ns on 3.11
 _WRITTEN = (DiskState.ON_DISK, DiskState.EVICTED)  # a READY chunk is clean in these states
@@ -591,19 +591,7 @@ class BlockIndex:
                     f"{states.count(state)} chunks {state.value}, counted {kept}")
         readers: dict[bytes, int] = {}
         for job_id, job in self._jobs.items():
-            for key, source in zip(job.keys, job.sources or [None] * len(job.keys)):
-                found = self._entries.get(key)
-                if found is None:
-                    raise InvariantError(f"job {job_id} names chunk {key[:4].hex()}, not indexed")
-                if job.kind is JobKind.LOAD:
-                    readers[key] = readers.get(key, 0) + 1
-                    require(source is Source.CPU or (found.cpu is CpuState.PROMOTING and (
-                        found.disk is DiskState.ON_DISK) == (source is Source.DISK)),
-                        "promotion", job_id, "from", source, "for", found)
-                else:
-                    require(found.cpu is CpuState.STORING if job.kind is JobKind.STORE
-                            else found.disk is DiskState.SPILLING, job.kind.value, "job",
-                            job_id, "for", found)
+            job.check(job_id, self._entries, readers)
         for key, entry in self._entries.items():
             require(entry.readers == readers.get(key, 0), "readers != load jobs:", entry)
 

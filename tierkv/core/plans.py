@@ -10,6 +10,8 @@ from enum import Enum
 from typing import NamedTuple
 
 from tierkv.core.jobs import JobId, JobKind, SlotId
+from tierkv.core.policy import require
+from tierkv.core.state import CpuState, DiskState, Entry
 
 # The CPU policy's pools: READY chunks that are safe to evict now (on disk, or no disk
 # tier), READY chunks not on disk yet (disk tier on, no spill in flight), and READY chunks
@@ -68,3 +70,21 @@ class Job:
     sources: tuple[Source, ...] = ()  # loads
     deletes: tuple[bytes, ...] = ()
     again: tuple[bytes, ...] = ()  # a flush's EVICTED chunks (EVICTED again if they fail)
+
+    def check(self, job_id: JobId, entries: dict[bytes, Entry], readers: dict[bytes, int]) -> None:
+        """Each chunk it names is indexed in the state the job holds it in (a load's
+        promotion from its source, a store's STORING, a spill's SPILLING); a load's chunks
+        are counted into ``readers``."""
+        for key, source in zip(self.keys, self.sources or [None] * len(self.keys)):
+            found = entries.get(key)
+            require(found is not None, "job", job_id, "names chunk", key[:4].hex(), "not indexed")
+            assert found is not None
+            if self.kind is JobKind.LOAD:
+                readers[key] = readers.get(key, 0) + 1
+                require(source is Source.CPU or (found.cpu is CpuState.PROMOTING and (
+                    found.disk is DiskState.ON_DISK) == (source is Source.DISK)),
+                    "promotion", job_id, "from", source, "for", found)
+            else:
+                require(found.cpu is CpuState.STORING if self.kind is JobKind.STORE
+                        else found.disk is DiskState.SPILLING, self.kind.value, "job",
+                        job_id, "for", found)
