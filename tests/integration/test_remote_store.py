@@ -422,6 +422,49 @@ def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisClust
             lookup.shutdown()
 
 
+def test_a_chunk_found_after_its_ask_gave_up_is_handed_to_the_next_ask_however_late(
+        cluster: RedisCluster) -> None:
+    """An ask that said "not yet" gets the chunks found at its next try, even when that try
+    comes long after (an engine's slow steps on a loaded machine): before, a found answer
+    was dropped after 50 ms like an absence, and the keys were asked again (a second
+    request, each key found twice)."""
+    from tierkv.tiers.remote.lookup import RemoteLookup
+    from tierkv.tiers.remote.tier import RemoteTier
+
+    class Answered(RemoteLookup):
+        answered = threading.Event()
+
+        def _look_up(self, keys: list[bytes]) -> None:
+            super()._look_up(keys)
+            self.answered.set()
+
+    keys = chunk_keys(conversation(7, 3), TPC)
+    with TierKVStore(caches(1), model_id="m", config=config(cluster.url)) as store:
+        store_all(store, keys)
+        push(store)
+        namespace = store.namespace
+    now = [100.0]
+    settings = RemoteTierConfig(url=cluster.url, timeout_seconds=30.0)
+    lookup = Answered(RemoteTier(settings, namespace, 0, 1024, lazy=True), [[Part(0, 1)]],
+                      0.0, clock=lambda: now[0])
+    try:
+        assert lookup.ask(keys) is None  # no time to wait: "not yet"
+        assert lookup.answered.wait(30)
+        now[0] += 1.0  # the next try, a second later (20 times ANSWER_SECONDS)
+        assert lookup.ask(keys) == dict.fromkeys(keys, 1)
+        stats = lookup.statistics()
+        assert (stats.requests, stats.keys_asked, stats.keys_found) == (1, 3, 3)
+        lookup.answered.clear()
+        assert lookup.ask(keys) is None  # asked again (handed over: nothing kept), "not yet"
+        assert lookup.answered.wait(30)
+        now[0] += settings.mark_seconds + 1.0  # older than a mark is believed: asked again
+        lookup.deadline_seconds = 30.0
+        assert lookup.ask(keys) == dict.fromkeys(keys, 1)
+        assert lookup.statistics().requests == 3
+    finally:
+        lookup.shutdown()
+
+
 def test_the_lookup_is_connected_when_it_is_built(cluster: RedisCluster) -> None:
     """The lookup thread connects (cluster discovery: tens of ms) before the constructor
     returns, so the first lookup pays one round trip and fits the 10 ms default deadline;

@@ -7,7 +7,8 @@ Primitives and contracts:
   one per part count: this engine's own first, then those of other TP sizes) that has a
   value for every part (0: none), or None: "not yet" (the server did not answer within
   ``remote.lookup_deadline_seconds``; ask again: the answers that come later are handed to
-  the next ask, within 50 ms). They are asked in one request: one pipeline of one ``EXISTS`` per chunk and
+  the next ask: an absence within 50 ms, a chunk found within ``remote.mark_seconds``,
+  however slow the engine's next step). They are asked in one request: one pipeline of one ``EXISTS`` per chunk and
   candidate count (a chunk's parts share a hash slot), so one round trip per node, never
   one per chunk. The lookup keeps no answer: the asker does
   (:class:`~tierkv.core.remote_marks.RemoteMarks`, the one record of what the server has).
@@ -60,8 +61,10 @@ class RemoteLookup:
         self._clock = clock
         self._cond = threading.Condition()
         # Answers come in, not yet handed to an ask (key -> (part count, 0: absent; when)),
-        # oldest first: handed over by the next ask, dropped once ANSWER_SECONDS old (an
-        # absence older than that is not believed anyway).
+        # oldest first: handed over by the next ask. An absence is dropped once
+        # ANSWER_SECONDS old (not believed longer anyway); a chunk found is kept as long as
+        # the index believes a mark (remote.mark_seconds): an ask that gave up ("not yet")
+        # gets it at its next try however slow the engine's steps, never asks again.
         self._answers: dict[bytes, tuple[int, float]] = {}
         self._wanted: dict[bytes, None] = {}  # asked, not sent yet
         self._sent: set[bytes] = set()  # in the request in flight
@@ -84,10 +87,12 @@ class RemoteLookup:
             if self._closed:
                 raise ClosedError("remote lookup: used after shutdown()")
             self._counts.asks += 1
-            answers = self._answers
-            since = self._clock() - ANSWER_SECONDS
-            while answers and next(iter(answers.values()))[1] < since:
-                del answers[next(iter(answers))]
+            answers, now = self._answers, self._clock()
+            if answers and next(iter(answers.values()))[1] < now - ANSWER_SECONDS:
+                absent, found = now - ANSWER_SECONDS, now - self.tier.config.mark_seconds
+                self._answers = answers = {key: (count, when) for key, (count, when)
+                                           in answers.items()
+                                           if when >= (found if count else absent)}
             for key in keys:
                 if key not in answers and key not in self._sent:
                     self._wanted[key] = None
