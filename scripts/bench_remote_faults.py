@@ -165,15 +165,18 @@ def close_while_stalled(cluster: RedisCluster, args: argparse.Namespace) -> None
     cluster.wait_ok()
 
 
-def open_finding(url: str, timeout: float, keys: list[bytes], tries: int = 4
+def open_finding(cluster: RedisCluster, timeout: float, keys: list[bytes], tries: int = 4
                  ) -> tuple[TierKVStore, float]:
     """A store whose lookup finds ``keys``' first chunk on the remote tier, and its
     ``remote.timeout_seconds``. A node that answers its first connect late (a loaded
     machine, a master just resumed) has its breaker opened by that store: a store opened
     again connects afresh, with twice the timeout (make test runs this beside real vLLM
-    engines on 2 cores, where 0.5 s was not always enough)."""
+    engines on 2 cores, where 0.5 s was not always enough). Each try first waits for the
+    cluster to say it is up: a master stalled by an earlier measurement can be marked
+    failed late, and the cluster then answers "cluster down" for a while."""
     for attempt in range(tries):
-        engine = TierKVStore(caches(5), model_id="m", config=config(url, timeout))
+        cluster.wait_ok()
+        engine = TierKVStore(caches(5), model_id="m", config=config(cluster.url, timeout))
         if engine.lookup(keys) == 1:
             return engine, timeout
         engine.close()
@@ -192,7 +195,7 @@ def big_value(cluster: RedisCluster, args: argparse.Namespace) -> None:
     raw = ClusterClient.from_url(cluster.url)
     raw.delete(name)
     raw.setrange(name, (args.big_mib << 20) - 1, b"\0")  # built by the server: no copy here
-    engine_b, timeout = open_finding(cluster.url, args.timeout, keys)
+    engine_b, timeout = open_finding(cluster, args.timeout, keys)
     with engine_b:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         took, loaded, failed = timed_load(engine_b, keys)
