@@ -314,6 +314,39 @@ def test_restart_serves_hits_from_disk(tmp_path: Path) -> None:
     second.shutdown()
 
 
+def test_shutdown_flush_never_writes_back_what_the_disk_cap_evicted(tmp_path: Path) -> None:
+    # A disk of 6 chunks under a chat that stores more: the disk's LRU evicts the oldest,
+    # which stay in the CPU tier. The workers' shutdown flush used to write those back (past
+    # the cap, with the newest write sequence), so the next start kept the coldest chunks
+    # and deleted the hottest: a restart served what the cap had evicted and missed what a
+    # router was told the disk held. Now the disk after shutdown is what it held before.
+    from tierkv.core.state import DiskState
+
+    small = 2 * 2 * 1024  # 2 blocks x 2 layers x 1 KiB pages: a 32-token chunk's bytes
+    cap = 6 * (small + DISK_OVERHEAD_BYTES) + (256 << 10)  # + the index files (issue 41)
+    cfg = HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48, max_num_batched_tokens=64,
+                        kv_transfer_config=tierkv_config(disk_path=str(tmp_path), disk_bytes=cap))
+    first = Run(cfg)
+    first.run(MultiTurnWorkload(**CHAT))
+    keys = {key for request in first.engine.requests.values()
+            for key in chunk_keys_from_block_hashes(request.block_hashes, TPC // 16)}
+
+    def held(run: Run, state: DiskState) -> set[bytes]:
+        return {key for key in keys
+                if (entry := run.side.index.entry(key)) is not None and entry.disk is state}
+
+    on_disk, evicted = held(first, DiskState.ON_DISK), held(first, DiskState.EVICTED)
+    assert len(on_disk) == first.side.index.disk_capacity and evicted
+    first.shutdown()
+
+    bigger = tierkv_config(disk_path=str(tmp_path), disk_bytes=64 << 20)
+    second = Run(HarnessConfig(enable_prefix_caching=False, num_gpu_blocks=48,
+                               max_num_batched_tokens=64, kv_transfer_config=bigger))
+    assert held(second, DiskState.ON_DISK) == on_disk
+    assert second.side.found_on_disk == len(on_disk)
+    second.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_small_cpu_tier_spills_and_promotes_through_disk(tmp_path: Path, async_scheduling: bool) -> None:
     chunk_bytes = 2 * 2 * 1024 * 2  # 2 blocks x 2 layers x 1 KiB pages

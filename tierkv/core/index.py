@@ -529,11 +529,12 @@ class BlockIndex:
         events = self._events
         return events.take(self._entries, max_chunks) if events is not None else []
 
-    def cpu_only_keys(self) -> list[bytes]:
-        """Chunks READY in the CPU tier and not on disk: what a shutdown flush writes."""
+    def unwritten_keys(self) -> list[bytes]:
+        """Chunks READY in the CPU tier and never written to disk (or being written): what
+        a shutdown flush writes. A chunk the disk evicted is not written back."""
         ready = CpuState.READY
         return [key for key, entry in self._entries.items()
-                if entry.cpu is ready and entry.disk is not _ON_DISK]
+                if entry.cpu is ready and entry.disk not in _WRITTEN]
 
     def events_pending(self) -> bool:
         """Whether ``take_events`` may have events to give."""

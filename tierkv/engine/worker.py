@@ -22,12 +22,13 @@ Per step, in the engine's order (why: docs/design.md, "Worker order and when sto
    usual. A load whose copy to the GPU has started is waited for (a memory copy).
 
 What the worker's slots hold (``track_slots=True``, with a disk tier): the worker keeps,
-per CPU slot, the key whose bytes the slot holds and whether that chunk is on disk
-(spilled, or promoted from disk, and not deleted since), from the jobs it ran (each
-finished job's spec comes with its completion from the executor's record).
-``unspilled_chunks()`` lists the slots holding valid bytes not known to be on disk: a
-worker in another process than the scheduler's index (vLLM's workers) writes them to disk
-at shutdown, so a restart is warm even for chunks the scheduler never got to spill.
+per CPU slot, the key whose bytes the slot holds and whether that chunk is still to be
+written to disk (stored, and neither spilled nor promoted from disk since), from the jobs
+it ran (each finished job's spec comes with its completion from the executor's record).
+``unspilled_chunks()`` lists the slots holding valid bytes never written to disk: a worker
+in another process than the scheduler's index (vLLM's workers) writes them to disk at
+shutdown, so a restart is warm even for chunks the scheduler never got to spill. A chunk
+the disk deleted (its cap evicted it as the coldest) is not written back.
 ``statistics()``: bytes, seconds and failed jobs per path (gpu_to_cpu, cpu_to_gpu,
 cpu_to_disk, and a load's reads: disk_to_cpu, remote_to_cpu), cumulative.
 
@@ -54,7 +55,8 @@ IDLE_YIELD_SECONDS = 0.0005
 
 
 class SlotResidency:
-    """Which key's valid bytes each CPU slot holds, and which of them are not on disk."""
+    """Which key's valid bytes each CPU slot holds, and which of them were never written
+    to disk."""
 
     def __init__(self) -> None:
         self._holding: dict[int, bytes] = {}  # slot -> key
@@ -65,9 +67,11 @@ class SlotResidency:
         """What a job the executor ran did to the slots (``spec``: the executor's record
         of it; a spill the worker skipped never ran, and changed nothing)."""
         if isinstance(spec, SpillSpec):
+            # A chunk the disk deleted (its cap's LRU, a smaller share, a trim at start)
+            # was written once and is not written back: a shutdown flush of it would push
+            # out hotter chunks at the next start (they are older on disk).
             for key in spec.deletes:  # deletes run before the job's writes
-                if key in self._held:
-                    self._unspilled.add(key)
+                self._unspilled.discard(key)
             failed = failed_set(completion, tuple(key for key, _ in spec.writes))
             for key, slot in spec.writes:
                 if key not in failed and self._holding.get(slot) == key:

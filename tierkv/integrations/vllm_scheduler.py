@@ -517,10 +517,10 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         if self._event_blocks is not None:
-            # The workers' shutdown flush writes what the CPU tier holds and the disk does
-            # not: record those too (a record of a chunk that did not land goes at start).
+            # The workers' shutdown flush writes what the CPU tier holds and the disk never
+            # had: record those too (a record of a chunk that did not land goes at start).
             meta = self._event_meta
-            self._event_blocks.update(((key, meta[key]) for key in self.index.cpu_only_keys()
+            self._event_blocks.update(((key, meta[key]) for key in self.index.unwritten_keys()
                                        if key in meta), ())
             self._event_blocks.close()
         if self.remote is not None:
