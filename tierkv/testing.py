@@ -347,7 +347,7 @@ class LayoutKV:
         CUDA) whose slots are ``pad`` bytes longer than a chunk; ``staging_chunks`` sizes
         the CUDA engine's staging in chunks; ``options`` go to the engine."""
         from tierkv.tiers.cpu import CpuSlab
-        from tierkv.transfer.factory import make_transfer_engine
+        from tierkv.engine.stack import make_transfer_engine
         from tierkv.transfer.layout import KVLayout
 
         layout = KVLayout.from_tensors(self.tensors)

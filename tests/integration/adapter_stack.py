@@ -12,7 +12,7 @@ import torch
 from tierkv.config import DiskTierConfig
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import LoadSpec, StoreSpec
-from tierkv.core.state import CpuState
+from tierkv.core.plans import CpuState
 from tierkv.engine.adapter import EngineAdapter
 from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.worker import WorkerAdapter

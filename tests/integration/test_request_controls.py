@@ -13,7 +13,7 @@ from typing import Any
 from tests.integration.adapter_stack import TPC_DEFAULT as TPC
 from tests.integration.adapter_stack import build_stack
 from tierkv.core.controls import RequestControls
-from tierkv.core.state import CpuState
+from tierkv.core.plans import CpuState
 from tierkv.keys import chunk_keys
 from tierkv.tiers.disk.tier import DiskTier, ReadStatus
 

@@ -22,7 +22,7 @@ from tests.integration.test_store import (BPC, INDEX_FILES, TOKENS_PER_BLOCK, ch
 from tests.redis_cluster import RedisCluster
 from tierkv import chunk_keys
 from tierkv.config import CpuTierConfig, DiskTierConfig, StoreConfig
-from tierkv.core.state import CpuState, DiskState
+from tierkv.core.plans import CpuState, DiskState
 from tierkv.engine.metrics import TierUsage, register_store_metrics
 from tierkv.engine.store import TierKVStore
 from tierkv.tiers.remote.format import redis_key

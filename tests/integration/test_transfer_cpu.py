@@ -22,7 +22,7 @@ from tierkv.errors import BrokenError, ConfigError
 from tierkv.tiers.cpu import CpuSlab
 from tierkv.transfer.cpu import CpuTransferEngine
 from tierkv.transfer.executor import JobExecutor
-from tierkv.transfer.factory import make_transfer_engine
+from tierkv.engine.stack import make_transfer_engine
 from tests.integration.test_transfer_contract import chunk, drain, load, store
 from tierkv.testing import LayoutKV
 from tierkv.transfer.layout import KVLayout

@@ -320,7 +320,7 @@ def test_shutdown_flush_never_writes_back_what_the_disk_cap_evicted(tmp_path: Pa
     # the cap, with the newest write sequence), so the next start kept the coldest chunks
     # and deleted the hottest: a restart served what the cap had evicted and missed what a
     # router was told the disk held. Now the disk after shutdown is what it held before.
-    from tierkv.core.state import DiskState
+    from tierkv.core.plans import DiskState
 
     small = 2 * 2 * 1024  # 2 blocks x 2 layers x 1 KiB pages: a 32-token chunk's bytes
     cap = 6 * (small + DISK_OVERHEAD_BYTES) + (256 << 10)  # + the index files (issue 41)

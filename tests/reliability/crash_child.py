@@ -109,7 +109,7 @@ def _diskio(root: Path, report: Report, rng: random.Random) -> None:
 
 
 def _store(root: Path, report: Report, rng: random.Random) -> None:
-    from tierkv.core.state import DiskState
+    from tierkv.core.plans import DiskState
 
     kv = support.make_kv()
     store = support.open_store(root, kv, write_through=True,

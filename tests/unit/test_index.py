@@ -10,7 +10,7 @@ import pytest
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion, JobId, JobKind
-from tierkv.core.state import CpuState, DiskState
+from tierkv.core.plans import CpuState, DiskState
 from tierkv.errors import InvariantError, UsageError
 
 A, B, C, D = (bytes([i]) * 32 for i in range(1, 5))

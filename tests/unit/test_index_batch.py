@@ -16,10 +16,9 @@ from hypothesis import strategies as st
 
 from tests.profiles import thorough
 from tierkv.core.index import BlockIndex
-from tierkv.core.plans import CLEAN, DIRTY
+from tierkv.core.plans import CLEAN, DIRTY, CpuState, Entry
 from tierkv.core.jobs import Completion, JobKind, SlotId
 from tierkv.core.policies import POLICIES
-from tierkv.core.state import CpuState, Entry
 
 KEYS = [bytes([i]) * 8 for i in range(16)]
 

@@ -31,10 +31,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tests.profiles import thorough
 from tierkv.core.index import BlockIndex
-from tierkv.core.plans import Lookup
 from tierkv.core.jobs import Completion, JobId, JobKind, SpillSpec
 from tierkv.core.policies import POLICIES
-from tierkv.core.state import CpuState, DiskState
+from tierkv.core.plans import CpuState, DiskState, Lookup
 
 KEYS = [bytes([i]) * 4 for i in range(12)]
 MARK_SECONDS = 3.0  # a few of the machine's ticks (0.5 s, 2 s); "age" ticks past it

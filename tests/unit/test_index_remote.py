@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tierkv.core.index import BlockIndex
-from tierkv.core.plans import Lookup
 from tierkv.core.stats import IndexStats
 from tierkv.core.jobs import Completion, JobId, JobKind
-from tierkv.core.state import CpuState, DiskState, Entry
+from tierkv.core.plans import CpuState, DiskState, Entry, Lookup
 
 A, B, C, D, E = (bytes([i]) * 32 for i in range(1, 6))
 SECONDS = 10.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tierkv.core.state import CpuState, DiskState, Entry
+from tierkv.core.plans import CpuState, DiskState, Entry
 
 # The tiers a chunk's events name: bits of the media it was last reported in.
 MEDIUM_CPU, MEDIUM_DISK = 1, 2

@@ -22,14 +22,13 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from tierkv.core.events import EventLog
 from tierkv.core.jobs import Completion, JobId, JobIds, JobKind, SlotId, SpillSpec, failed_set
-from tierkv.core.plans import (CLEAN, DIRTY, WRITING, Job, LoadPlan, LoadResult, Lookup, Source,
-                               StoreBatch, StorePlan)
+from tierkv.core.plans import (CLEAN, DIRTY, WRITING, CpuState, DiskState, Entry, Job, LoadPlan,
+                               LoadResult, Lookup, Source, StoreBatch, StorePlan)
 from tierkv.core.policies import DEFAULT_POLICY, make_policy
 from tierkv.core.policy import require
 from tierkv.core.remote_marks import RemoteMarks
 from tierkv.core.slots import SlotAllocator
 from tierkv.core.spills import WriteBack
-from tierkv.core.state import CpuState, DiskState, Entry
 from tierkv.core.stats import IndexStats
 from tierkv.errors import UsageError
 

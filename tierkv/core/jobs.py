@@ -24,7 +24,6 @@ from typing import NamedTuple, NewType
 
 JobId = NewType("JobId", int)
 SlotId = NewType("SlotId", int)
-GpuBlockId = NewType("GpuBlockId", int)
 Key = bytes
 # A load's block id for a page the engine does not hold there (a sliding-window group's
 # block before the window, a page of the engine's own prefix hit): left untouched.

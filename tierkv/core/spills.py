@@ -20,10 +20,9 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 from tierkv.core.jobs import Completion, SlotId, failed_set
-from tierkv.core.plans import CLEAN, DIRTY, WRITING
+from tierkv.core.plans import CLEAN, DIRTY, WRITING, CpuState, DiskState, Entry
 from tierkv.core.policies import DISK_POLICY, make_policy
 from tierkv.core.policy import EvictionPolicy, require
-from tierkv.core.state import CpuState, DiskState, Entry
 from tierkv.core.stats import IndexStats
 
 Writes = list[tuple[bytes, SlotId]]

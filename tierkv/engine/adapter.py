@@ -49,7 +49,7 @@ from tierkv.core.costs import CostModel, StepTimer
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import (NO_BLOCK, Completion, CompletionTracker, JobId, JobKind, LoadSpec,
                               StoreSpec)
-from tierkv.core.state import CpuState
+from tierkv.core.plans import CpuState
 from tierkv.core.stats import AdapterStats
 from tierkv.engine.adapter_config import REQUEST_LOAD_POLICIES, AdapterConfig
 from tierkv.engine.load_policy import CostPolicy, Estimate, LoadStarted

@@ -22,9 +22,8 @@ from typing import Protocol, runtime_checkable
 
 from tierkv.core.costs import CostModel
 from tierkv.core.index import BlockIndex
-from tierkv.core.plans import Lookup
 from tierkv.core.jobs import Completion
-from tierkv.core.state import CpuState
+from tierkv.core.plans import CpuState, Lookup
 from tierkv.core.stats import TIERS, AdapterStats
 from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.errors import ConfigError

@@ -252,8 +252,6 @@ def config_info(settings: Any, **extra: str) -> dict[str, str]:
     walk(settings, "")
     out.update(extra)
     return out
-DURATION_KEYS = frozenset(key for metric in METRICS if metric.kind == "histogram"
-                          for _, key in metric.keys)
 
 
 def usage_figures(index: IndexStats, chunk_bytes: int, tokens_per_chunk: int) -> dict[str, int]:

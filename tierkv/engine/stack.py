@@ -14,6 +14,11 @@ vLLM connector roles (one each, in their own processes):
   another part count's chunks, and the :class:`JobExecutor` over them, as a
   :class:`WorkerStack`. A failure while building releases what was built (threads, slab,
   disk tier, remote connection).
+- :func:`make_transfer_engine` the GPU <-> CPU transfer engine for a registered layout:
+  ``device="auto"`` the CUDA one for tensors on a CUDA device, else the CPU one;
+  ``"cuda"`` / ``"cpu"`` that engine, which raises :class:`ConfigError` for tensors
+  elsewhere (or no CUDA). Its module is imported only when chosen, so a CPU-only process
+  never loads the CUDA one.
 - :func:`start_line` the one INFO line a store logs when it opens, the library's and each
   rank of the vLLM connector alike: its tiers with their sizes in binary units, the disk
   cap, tokens per chunk and the namespace's :func:`short_id` (the first 8 hex digits of
@@ -156,6 +161,24 @@ def _release(executor: JobExecutor | None,
                 close_disk(disk, writer=writer)
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def make_transfer_engine(device: str, layout: KVLayout, slab: CpuSlab, blocks_per_chunk: int,
+                         **engine_options: Any) -> TransferEngine:
+    """The transfer engine for ``layout``'s device (``engine_options``: its constructor's);
+    see the module docstring."""
+    if device not in DEVICES:
+        raise ConfigError(f"transfer: device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda" or device == "auto" and layout.device.type == "cuda":
+        from tierkv.transfer.cuda import CudaTransferEngine
+
+        return CudaTransferEngine(layout, slab, blocks_per_chunk, **engine_options)
+    from tierkv.transfer.cpu import CpuTransferEngine
+
+    return CpuTransferEngine(layout, slab, blocks_per_chunk, **engine_options)
+
+
 def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
                  namespace: Namespace | None = None, part: Part | None = None,
                  replica: int = 0, writer: bool = True, refusal: str | None = None,
@@ -175,7 +198,6 @@ def build_worker(config: StoreConfig, layout: KVLayout, num_slots: int, *,
     from tierkv.tiers.cpu import CpuSlab
     from tierkv.tiers.disk.opener import open_disk
     from tierkv.transfer.tier_io import TierIO
-    from tierkv.transfer.factory import make_transfer_engine
 
     chunk_bytes = layout.chunk_bytes(config.blocks_per_chunk)
     if (config.remote is not None or config.disk.path is not None) and namespace is None:

@@ -101,11 +101,6 @@ class Geometry:
         slot bytes, so a part's value is ``chunk_bytes`` long."""
         return min(self.world_size, self.model_heads)
 
-    @property
-    def stored_ranks(self) -> int:
-        """How many ranks write a part (the first rank of each part)."""
-        return self.num_parts
-
     def part_of(self, rank: int) -> Part:
         """The part ``rank`` holds: ranks that hold the same heads (heads < ranks, MLA)
         hold one part."""

@@ -196,11 +196,6 @@ class VllmTarget:
     def heads_per_rank(self) -> int:
         return max(self.num_kv_heads // self.tensor_parallel_size, 1)
 
-    def rank_heads(self, rank: int) -> slice:
-        """KV heads of ``rank``: contiguous runs, replicated when heads < ranks (as vLLM)."""
-        first = rank * self.num_kv_heads // self.tensor_parallel_size
-        return slice(first, first + self.heads_per_rank)
-
     @property
     def content_bytes(self) -> int:
         element = _DTYPES[self.dtype].itemsize
