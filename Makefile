@@ -100,9 +100,9 @@ test: $(STAMP) $(ENGINE_STAMP) $(V034_STAMP)
 	# so they run beside integration, reliability and gpu (vLLM 0.33, .venv), and so do the
 	# vLLM connector tests under vLLM 0.34 (.venv-034); their output is printed after.
 	mkdir -p build
-	$(ENGINE_BIN)/python -m pytest -q tests/engine > build/engine-tests.log 2>&1 & engine=$$!; \
+	$(ENGINE_BIN)/python -m pytest -q --durations=10 tests/engine > build/engine-tests.log 2>&1 & engine=$$!; \
 	$(V034_BIN)/python -m pytest -q $(V034_TESTS) > build/vllm-034-tests.log 2>&1 & v034=$$!; \
-	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests --ignore=tests/unit; rest=$$?; \
+	$(BIN)/python -m pytest -q --durations=10 --hypothesis-profile=ci tests --ignore=tests/unit; rest=$$?; \
 	wait $$engine; engine_rc=$$?; echo "== tests/engine (real vLLM engines), exit $$engine_rc =="; \
 	cat build/engine-tests.log; \
 	wait $$v034; v034_rc=$$?; echo "== vLLM connector tests under vLLM 0.34, exit $$v034_rc =="; \
