@@ -83,8 +83,8 @@ class ConnectorSettings:
     load_deadline_ms: float | None = derived(AdapterConfig, "load_deadline_ms")
     device: str = derived(StoreConfig, "device")
     pin_memory: str = derived(CpuTierConfig, "pin_memory")
-    flush_on_shutdown: bool = setting(True, help="write CPU chunks never written to disk "
-                                                 "yet to disk at shutdown")
+    flush_on_shutdown: bool = setting(True, help="at shutdown, write the CPU chunks that "
+                                                 "were never on disk")
     eviction_policy: str = derived(CpuTierConfig, "eviction_policy")
     # The weights' fingerprint in the namespace (tierkv.model_identity): of vLLM's model.
     model_fingerprint: str = derived(StoreConfig, "model_fingerprint")
