@@ -113,7 +113,7 @@ class ReferenceARC:
     def move(self, keys: list[bytes], source: int, dest: int) -> None:
         for key in keys:
             at = self._find(key)
-            if at is not None:
+            if at is not None and at[1] == source:
                 self.lists[at].remove(key)
                 self.lists[(at[0], dest)].insert(0, key)
 
@@ -178,6 +178,20 @@ def machine_for(name: str) -> type[RuleBasedStateMachine]:
                                        unique=True))
             self._both("move", moved, source, dest)
             self.listed.update(dict.fromkeys(moved, dest))
+
+        @precondition(lambda self: bool(self.listed))
+        @rule(data=st.data(), source=st.integers(0, POOLS - 1), dest=st.integers(0, POOLS - 1))
+        def move_from_another_pool_changes_nothing(self, data: st.DataObject, source: int,
+                                                   dest: int) -> None:
+            # The contract: a key leaves pool ``source`` only; one listed in another pool stays.
+            assert self.policy is not None
+            keys = [key for key in sorted(self.listed) if self.listed[key] != source]
+            if not keys:
+                return
+            key = data.draw(st.sampled_from(keys))
+            before = [list(self.policy.victims(p)) for p in range(POOLS)]
+            self._both("move", [key], source, dest)
+            assert [list(self.policy.victims(p)) for p in range(POOLS)] == before
 
         @precondition(lambda self: bool(self.listed))
         @rule(data=st.data())

@@ -95,10 +95,10 @@ class ARCPolicy(EvictionPolicy):
         lists, ats = self._lists, self._at
         for key in keys:
             at = where.get(key)
-            if at is None:
+            if at is None or at[1] != source:  # not listed, or not in ``source``
                 continue
-            lst, pool = at
-            del lists[lst][pool][key]
+            lst = at[0]
+            del lists[lst][source][key]
             order = lists[lst][dest]
             order[key] = None
             order.move_to_end(key, False)
