@@ -468,3 +468,26 @@ def test_a_store_held_by_a_running_worker_is_refused(tiny_model: Path, warm_stor
         os.close(fd)
     assert main(warmup_args(tiny_model, prompts, store)) == 0  # released: it writes
     assert _chunks(store) == {namespace.fingerprint: 4}
+
+
+def test_the_writer_fills_each_write_transaction(tmp_path: Path) -> None:
+    # 3 chunks of 12 KiB per 32 KiB batch (not a multiple): the writer once queued until the
+    # bytes reached the batch (3 chunks) and then wrote them as 2 + 1, so 6 chunks took
+    # 4 transactions; put_in_batches' own split (2 per txn) gives 3.
+    from tierkv.keys import Namespace
+    from tierkv.warmup import ChunkWriter
+
+    chunk = 12 << 10
+    namespace = Namespace(model_id="txns", dtype="float16", kv_layout="NHD", page_bytes=chunk,
+                          tokens_per_chunk=16)
+    config = DiskTierConfig(write_batch_bytes=32 << 10)
+    with ChunkWriter(tmp_path / "kv", namespace, chunk, disk_config=config) as writer:
+        [tier] = writer.tiers
+        batches: list[int] = []
+        put_many = tier.put_many
+        tier.put_many = lambda items, deletes=(): (  # type: ignore[method-assign]
+            batches.append(len(items)) or put_many(items, deletes))
+        for index in range(6):
+            assert writer.add(bytes([index + 1]) * 32, [bytes([index]) * chunk])
+        writer.flush()
+        assert batches == [2, 2, 2] and tier.statistics().puts == 6
