@@ -208,10 +208,10 @@ class WorkerAdapter:
 
     # ------------------------------------------------------------------ reports
     def poll(self) -> WorkerReport:
-        self.executor.advance()  # a load whose reads are in starts its copy now
         if self._idle and self.executor.in_flight_ids():
-            time.sleep(IDLE_YIELD_SECONDS)  # let the copy and disk threads run (see above)
-        jobs = self.executor.poll_finished_jobs()
+            self.executor.advance()  # a load whose reads are in starts its copy before ...
+            time.sleep(IDLE_YIELD_SECONDS)  # ... the copy and disk threads run (see above)
+        jobs = self.executor.poll_finished_jobs()  # advances too
         completions = [completion for completion, _ in jobs]
         residency = self._residency
         for completion, spec in jobs:
