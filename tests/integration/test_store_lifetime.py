@@ -127,6 +127,10 @@ def test_a_lookup_s_hits_load_after_a_burst_of_stores(tmp_path: Path) -> None:
             for position, block in enumerate(targets):
                 assert torch.equal(layer[block], torch.full_like(layer[block], float(position)))
         assert store.statistics().load_shortfall.no_room == 0
+        # bytes_completed is every finished job's bytes on every path (it was 0 here: only
+        # the vLLM scheduler side counted it)
+        stats, figures = store.statistics(), store.figures()
+        assert figures["bytes_completed"] == sum(path.bytes for path in stats.path.values()) > 0
 
 
 def test_what_a_load_does_not_deliver_of_a_lookup_is_counted_with_its_cause(tmp_path: Path) -> None:

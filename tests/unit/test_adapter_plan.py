@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv.core.index import BlockIndex
-from tierkv.core.jobs import Completion, JobKind
+from tierkv.core.jobs import Completion, JobKind, TierRead
 from tierkv.engine.adapter import EngineAdapter
 from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.requests import RequestView, StepInput, WorkerReport
@@ -137,6 +137,19 @@ def test_a_job_completes_only_when_every_worker_reported_it() -> None:
     assert adapter.index.lookup([key]).num_hits == 0  # rank 1 still copying
     assert len(adapter.complete(report(plan, rank=1))) == 1
     assert adapter.index.lookup([key]).num_hits == 1
+
+
+def test_the_adapter_counts_the_bytes_of_every_job_it_completes() -> None:
+    # Counted by the adapter (any engine on it, not only the vLLM connector's scheduler):
+    # a job's bytes and those of the reads before its copy.
+    adapter = make()
+    tokens = list(range(8))
+    plan = adapter.build_plan(StepInput({"r": view("r", tokens, 8, 0)}, {"r": 8}, {"r": [0, 1]}, frozenset({"r"})))
+    [store] = plan.stores
+    read = TierRead("disk", 1000, 0.1)
+    adapter.complete(WorkerReport(0, (Completion(store.job_id, store.kind, True, 4096,
+                                                 reads=(read,)),)))
+    assert adapter.stats.bytes_completed == 5096
 
 
 def test_a_load_is_in_flight_until_every_worker_reported_it() -> None:

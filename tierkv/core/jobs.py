@@ -136,6 +136,11 @@ class Completion(NamedTuple):
     missing_keys: tuple[Key, ...] = ()
     reads: tuple[TierRead, ...] = ()
 
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the job moved on every path: its own and its reads'."""
+        return self.num_bytes + sum(read.num_bytes for read in self.reads)
+
 
 def failed_set(completion: Completion, keys: tuple[Key, ...]) -> set[Key]:
     """The keys of a job that did not land (failed, corrupt, full or missing). A completion

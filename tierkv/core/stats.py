@@ -4,7 +4,7 @@
 - :class:`IndexStats`    the block index's counts (it increments them) and gauges;
   ``BlockIndex.statistics()`` is its snapshot.
 - :class:`AdapterStats`  the engine adapter's counts (``EngineAdapter.stats``): its own,
-  the cost model's dropped samples, the vLLM scheduler side's ``bytes_completed``, and per
+  the cost model's dropped samples, the bytes of the jobs it completed, and per
   tier (``stats.tier["disk"]``) a :class:`TierStats`.
 """
 
@@ -104,8 +104,7 @@ class AdapterStats(Record):
                                         "a load's time not finite, negative or over an hour, "
                                         "or a count of tokens or chunks not in [1, 2^32]")
     bytes_completed: int = counter("Bytes moved by the jobs the workers reported finished, "
-                                   "every path (a load's reads included; the vLLM scheduler "
-                                   "side counts them)")
+                                   "every path (a load's reads included)")
     tier: dict[str, TierStats] = per(TIERS, TierStats)
 
 

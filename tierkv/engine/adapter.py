@@ -522,6 +522,7 @@ class EngineAdapter:
                         self.policy.measured_load(merged, started)
             self.index.complete(merged)
             self._untrack(merged.job_id)
+            self.stats.bytes_completed += merged.bytes_moved
             done.append(merged)
         return done
 

@@ -165,6 +165,7 @@ class TierKVStore:
         self._stats = StoreStats()  # the paths and the load shortfall
         self._durations = {kind: Durations() for kind in JobKind}
         self._lookups = AdapterStats()  # of its figures, the lookups' (queried, hit per tier)
+        # and the jobs' bytes_completed
         self._ready: list[Completion] = []
         # What the last lookup of keys starting with a key promised (load() counts the
         # shortfall). fence() asks the executor which jobs touch given blocks.
@@ -534,6 +535,7 @@ class TierKVStore:
             if kind is JobKind.LOAD:
                 self._stats.load_shortfall.failed += len(completion.failed_keys)
             self._stats.add(completion)
+            self._lookups.bytes_completed += completion.bytes_moved
             self._durations[kind].observe(completion.seconds)
             if kind is not JobKind.SPILL:
                 self._ready.append(completion)

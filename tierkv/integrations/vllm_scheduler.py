@@ -438,8 +438,6 @@ class SchedulerSide:
             return
         done = self.adapter.complete(WorkerReport(rank=-1, completions=tuple(meta.completions)))
         for completion in done:
-            self.adapter.stats.bytes_completed += completion.num_bytes + sum(
-                read.num_bytes for read in completion.reads)
             if not completion.ok and completion.error:
                 log.warning("tierkv: job %s failed: %s", completion.job_id, completion.error)
 
