@@ -102,8 +102,8 @@ test: $(STAMP) $(ENGINE_STAMP) $(V034_STAMP)
 	# strict, on tierkv/ (settings in pyproject.toml).
 	mkdir -p build
 	$(ENGINE_BIN)/python -m pytest -q --durations=10 tests/engine > build/engine-tests.log 2>&1 & engine=$$!; \
-	$(V034_BIN)/python -m pytest -q $(V034_TESTS) > build/vllm-034-tests.log 2>&1 & v034=$$!; \
-	$(BIN)/python -m pytest -q --hypothesis-profile=ci tests/unit --cov --cov-report=term; unit=$$?; \
+	$(V034_BIN)/python -m pytest -q --durations=10 $(V034_TESTS) > build/vllm-034-tests.log 2>&1 & v034=$$!; \
+	$(BIN)/python -m pytest -q --durations=10 --hypothesis-profile=ci tests/unit --cov --cov-report=term; unit=$$?; \
 	$(BIN)/python -m pytest -q --durations=10 --hypothesis-profile=ci tests --ignore=tests/unit; rest=$$?; \
 	$(BIN)/mypy; typed=$$?; \
 	wait $$engine; engine_rc=$$?; echo "== tests/engine (real vLLM engines), exit $$engine_rc =="; \

@@ -694,7 +694,7 @@ def test_one_capacity_formula_for_the_connector_and_the_library_store(tmp_path: 
                          disk=DiskTierConfig(path=tmp_path, max_bytes=disk_bytes), device="cpu")
     with TierKVStore(kv, model_id="m", tokens_per_block=4, config=config) as store:
         budget = store._share.budgets[0]
-        assert budget is not None and budget.unit_bytes == 512 + DISK_OVERHEAD_BYTES
+        assert budget.unit_bytes == 512 + DISK_OVERHEAD_BYTES
         # all it may take (issue 41: it takes room a step at a time, and the cap counts its
         # index files): the formula over the cap less those files
         whole = budget.plan(0, 10**6)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tierkv.core.index import BlockIndex
 from tierkv.core.jobs import Completion
-from tierkv.engine.adapter import AdapterConfig, EngineAdapter
+from tierkv.engine.adapter import EngineAdapter
+from tierkv.engine.adapter_config import AdapterConfig
 from tierkv.engine.requests import RequestView, StepInput, StepPlan, WorkerReport
 from tierkv.keys import chunk_keys
 
@@ -91,9 +92,9 @@ def test_a_request_only_looked_up_keeps_its_waits_on_its_record_and_is_released(
     assert adapter.records["b"].store_wait_since == 0.0
     adapter.request_finished(turn, aborted=True)  # it left before it was allocated
     assert not adapter.has_request("b")
-    assert adapter.lookup(turn, 0) is None  # the id may come back at once: a new wait
     clock[0] = 0.5
-    assert adapter.records["b"].store_wait_since == 0.0 and adapter.lookup(turn, 0) is None
+    assert adapter.lookup(turn, 0) is None  # the id may come back at once: a new wait
+    assert adapter.records["b"].store_wait_since == 0.5 and adapter.lookup(turn, 0) is None
     adapter.complete(report([plan]))
     assert adapter.lookup(turn, 0) == 2 * TPC and adapter.records["b"].store_wait_since is None
     adapter.request_finished(turn)

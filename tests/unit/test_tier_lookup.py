@@ -51,14 +51,14 @@ def test_a_lookup_with_remote_hits_walks_the_index_once() -> None:
     remote = Remote({KEYS[0]: 1, KEYS[1]: 1, KEYS[2]: 2})  # KEYS[2]: under 2 parts
     found, not_yet = lookup_tiers(index, remote, KEYS)
     assert (found.num_hits, found.num_remote, not_yet) == (3, 3, False)
-    assert calls == [len(KEYS)]  # it ran twice around the remote tier's answer
+    assert calls == [len(KEYS)]  # once (it used to run twice, around the remote answer)
     assert remote.asked == [len(KEYS)]
     assert index.remote.count_of(KEYS[2]) == 2 and index.remote.count_of(KEYS[3]) == 0
 
 
 def test_what_the_remote_tier_has_is_kept_in_the_index_alone() -> None:
-    """A mark is a hit for mark_seconds, an absence is not asked again for 50 ms: both in
-    the index's record, none in the asker."""
+    """A mark is a hit for mark_seconds, an absence is not asked again for 50 ms: both kept
+    in the index's record (lookup_tiers builds a new asker each call)."""
     clock = Clock()
     index = BlockIndex(8, clock=clock, remote_mark_seconds=10.0)
     remote = Remote({KEYS[0]: 1})

@@ -1,8 +1,8 @@
 """RemoteMarks: what this scheduler knows of the remote tier's chunks, in one place.
 
 The one record of what the remote server holds (the block index keeps it as an attribute
-of its own, and lives as long; the remote lookup thread keeps nothing: it hands each answer
-here, through :func:`tierkv.engine.tier_lookup.lookup_tiers`):
+of its own, and lives as long; the remote lookup keeps only answers no ask has taken yet,
+and hands each one here, through :func:`tierkv.engine.tier_lookup.lookup_tiers`):
 
 - ``marks``: chunks the remote tier had (key -> when it answered), oldest first. Until
   ``seconds`` pass a mark counts as a hit; at most ``limit`` are kept (the oldest go first).

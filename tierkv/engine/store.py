@@ -33,8 +33,9 @@ never reach the stored chunk; ``"async"`` returns at once and trusts the engine 
 ``fence()`` (or ``wait()``) before it writes them (docs/benchmarks/copy.md, "store()
 modes", has the cost). Loads are always asynchronous.
 
-Inputs are checked before anything changes, with :class:`UsageError` naming what is
-wrong (:mod:`tierkv.engine.store_inputs`, a namespace given too).
+Inputs are checked before anything changes (:mod:`tierkv.engine.store_inputs`):
+:class:`UsageError` naming a bad argument, :class:`ConfigError` a namespace given that does
+not describe these tensors and this config.
 
 Not thread-safe, and not for a forked child: a call that overlaps another one, or any call
 from a child, raises :class:`UsageError` and changes nothing

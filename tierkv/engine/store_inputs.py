@@ -1,5 +1,6 @@
 """What :class:`~tierkv.engine.store.TierKVStore` takes from its caller, checked before
-anything changes; every bad input is a :class:`UsageError` naming what is wrong.
+anything changes; a bad argument is a :class:`UsageError` naming what is wrong, a namespace
+or ``model_path`` that does not fit the config a :class:`ConfigError`.
 
 - :func:`check_keys`: a sequence of 32-byte ``bytes`` chunk keys.
 - :func:`split_blocks`: block ids as one sequence per chunk (``blocks_per_chunk`` ids

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierkv.config import DISK_OVERHEAD_BYTES
 from tierkv.core.controls import NO_CONTROLS, RequestControls, request_controls
 from tierkv.core.jobs import NO_BLOCK
 from tierkv.engine.adapter_config import REQUEST_LOAD_POLICIES

@@ -10,8 +10,9 @@ Primitives and contracts:
   the next ask: an absence within 50 ms, a chunk found within ``remote.mark_seconds``,
   however slow the engine's next step). They are asked in one request: one pipeline of one ``EXISTS`` per chunk and
   candidate count (a chunk's parts share a hash slot), so one round trip per node, never
-  one per chunk. The lookup keeps no answer: the asker does
-  (:class:`~tierkv.core.remote_marks.RemoteMarks`, the one record of what the server has).
+  one per chunk. The lookup keeps only answers that came after an ask gave up, until the
+  next ask takes them; what the server has is known by the asker
+  (:class:`~tierkv.core.remote_marks.RemoteMarks`, the one record of it).
 - The thread connects at once; the constructor waits for that (at most the tier's
   ``timeout_seconds``), so the first lookup pays a round trip, not a cluster discovery.
 - A lookup that fails (a timeout, a node down, the breaker open) answers "absent" for those
