@@ -49,6 +49,9 @@ class WriteBack:
         self.used = 0  # chunks on disk and being written there (what the capacity bounds)
         self.spilling = 0  # chunks being written there
         self._order = make_policy(DISK_POLICY, capacity)  # ON_DISK, one pool
+        # A chunk on disk was used (``reuse``: a load of it): the most recent on disk. The
+        # policy's own method, bound once: the index calls it per key of loads and touches.
+        self.use = self._order.touch
         self._deletes: list[bytes] = []  # disk deletes due, sent with the next spill job
         self._retry_at = -math.inf  # a full disk: no spill plan before then
         # Write-through left dirty chunks for want of disk room; the index clears it when any
@@ -173,10 +176,6 @@ class WriteBack:
         # A reserve larger than the disk would only evict the disk's copies.
         self._clean_target = math.ceil(self._spill_ahead * min(self._num_slots, self.capacity))
         return self._evict_over()
-
-    def use(self, key: bytes, reuse: bool) -> None:
-        """A chunk on disk was used (``reuse``: a load of it): the most recent on disk."""
-        self._order.touch(key, reuse)
 
     def lost(self, entry: Entry, *, corrupt: bool) -> None:
         """A load found ``entry``'s chunk damaged (``corrupt``: deleted there) or missing on
