@@ -336,7 +336,7 @@ def remote_asks(cluster: RedisCluster, ranks: int, chunks: int, samples: int,
             order = methods[round_number % 3:] + methods[: round_number % 3]
             for name in order:
                 before = _reads_per_node(nodes)
-                asked_before = lookup.statistics().requests
+                asked_before = lookup.statistics().lookup_requests
                 for i in range(samples):
                     keys = sets[name][round_number * samples + i]
                     start = time.perf_counter()
@@ -349,7 +349,8 @@ def remote_asks(cluster: RedisCluster, ranks: int, chunks: int, samples: int,
                         (after[port] - before[port] - overhead[port]) / samples
                         for port in nodes))
                     if name == methods[0]:
-                        requests.append((lookup.statistics().requests - asked_before) / samples)
+                        sent = lookup.statistics().lookup_requests - asked_before
+                        requests.append(sent / samples)
         nodes_touched = statistics.mean(
             len({client.get_node_from_key(names[key][0]).name for key in keys})
             for keys in sets[methods[0]])

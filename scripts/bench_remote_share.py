@@ -61,7 +61,7 @@ class ShareEngine:
 
     def not_yet(self) -> int:
         remote = self.store.statistics().remote
-        return remote.lookups.not_yet if remote is not None else 0
+        return remote.lookup_not_yet if remote is not None else 0
 
     def close(self) -> None:
         self.store.close()

@@ -105,15 +105,17 @@ def run_engine(args: argparse.Namespace) -> int:
                               "chunk_bytes": chunk_bytes, "cpu_slots": stats.index.num_slots,
                               "no_room": stats.index.stores_no_room, **counts}
     if stats.remote is not None:
-        tier, lookups, pushes = stats.remote, stats.remote.lookups, stats.remote.pushes
-        result.update(remote_reads=tier.reads, remote_read_hits=tier.hits,
-                      remote_misses=tier.misses, remote_corrupt=tier.corrupt,
-                      remote_errors=tier.errors, lookup_asks=lookups.asks,
-                      lookup_not_yet=lookups.not_yet, lookup_requests=lookups.requests,
-                      lookup_keys_found=lookups.keys_found)
-        if pushes is not None:
-            result.update(pushed=pushes.pushed, push_dropped=pushes.dropped,
-                          push_failed=pushes.failed, mib_pushed=pushes.bytes_pushed / (1 << 20))
+        remote = stats.remote  # the tiers', the lookup's and the pushes' counts, summed
+        result.update(remote_reads=remote.reads, remote_read_hits=remote.hits,
+                      remote_misses=remote.misses, remote_corrupt=remote.corrupt,
+                      remote_errors=remote.errors, lookup_asks=remote.lookup_asks,
+                      lookup_not_yet=remote.lookup_not_yet,
+                      lookup_requests=remote.lookup_requests,
+                      lookup_keys_found=remote.lookup_keys_found)
+        if remote.pushes_queued or remote.pushes_dropped:  # none: remote.push="read_only"
+            result.update(pushed=remote.pushes_pushed, push_dropped=remote.pushes_dropped,
+                          push_failed=remote.pushes_failed,
+                          mib_pushed=remote.pushes_bytes / (1 << 20))
     args.result.write_text(json.dumps(result))
     return 0
 

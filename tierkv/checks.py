@@ -5,7 +5,7 @@ tierkv that must be an int, a number or a flag is checked here.
   a count to tierkv), within the bounds given (each inclusive).
 - ``is_number(value, low, high, above)``: an int or float, not a bool and not NaN, within
   ``[low, high]`` and, with ``above``, greater than it.
-- ``check_int``, ``check_number``, ``check_flag``: the same, returning the value, or raising
+- ``check_int``, ``check_flag``: the same, returning the value, or raising
   ``error(f"{what} must be {need}, got {value!r}")`` (a :class:`ConfigError` unless told).
 - ``int_need``, ``number_need``, ``FLAG_NEED``: the ``need`` of those messages.
 """
@@ -74,15 +74,6 @@ def check_int(what: str, value: object, low: int | None = None, high: int | None
     """``value`` if :func:`is_int` takes it; else ``error`` naming ``what`` and the value."""
     if not is_int(value, low, high):
         _raise(error, what, int_need(low, high), value)
-    return value
-
-
-def check_number(what: str, value: object, low: float | None = None,
-                 high: float | None = None, above: float | None = None,
-                 error: Callable[[str], Exception] = ConfigError) -> float:
-    """``value`` if :func:`is_number` takes it; else ``error`` naming ``what`` and the value."""
-    if not is_number(value, low, high, above):
-        _raise(error, what, number_need(low, high, above), value)
     return value
 
 

@@ -50,8 +50,9 @@ def test_pushes_land_in_batches_and_the_slot_may_be_reused_at_once(
         slot[:] = bytes(PAYLOAD)  # the slot is reused: the queued copies are unaffected
         assert io.flush(timeout=10)
         stats = io.statistics()
-        assert (stats.queued, stats.pushed, stats.dropped, stats.failed) == (40, 40, 0, 0)
-        assert stats.bytes_pushed == 40 * PAYLOAD and stats.queue_bytes_now == 0
+        assert (stats.pushes_queued, stats.pushes_pushed, stats.pushes_dropped,
+                stats.pushes_failed) == (40, 40, 0, 0)
+        assert stats.pushes_bytes == 40 * PAYLOAD and stats.pushes_queue_bytes == 0
         out = memoryview(bytearray(PAYLOAD))
         for key in keys:
             assert tier.read_into(key, out) is ReadStatus.OK and bytes(out) == payload_of(key)
@@ -72,10 +73,10 @@ def test_a_paused_server_fills_the_queue_and_pushes_are_skipped_not_waited_for(
         accepted = [io.push(key_of(i), payload_of(key_of(i))) for i in range(20)]
         assert time.monotonic() - started < 0.5  # never waited on the paused server
         assert 2 <= sum(accepted) <= 6 and not all(accepted)  # the queue holds 4 (+ 2 sent)
-        assert io.statistics().dropped == 20 - sum(accepted)
+        assert io.statistics().pushes_dropped == 20 - sum(accepted)
         assert io.flush(timeout=20)
         stats = io.statistics()
-        assert stats.pushed == sum(accepted) and stats.failed == 0
+        assert stats.pushes_pushed == sum(accepted) and stats.pushes_failed == 0
         io.shutdown()
 
 
@@ -92,6 +93,6 @@ def test_a_dead_server_fails_batches_quietly_and_the_engine_goes_on(tmp_path: Pa
             assert time.monotonic() - started < 0.5
             assert io.flush(timeout=20)
             stats = io.statistics()
-            assert stats.failed == 32 and stats.pushed == 0
+            assert stats.pushes_failed == 32 and stats.pushes_pushed == 0
             assert tier.statistics().skipped >= 6  # the breaker spared most batches the wait
             io.shutdown()

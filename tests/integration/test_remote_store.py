@@ -411,12 +411,12 @@ def test_a_chunk_pushed_after_an_absent_answer_is_found_soon(cluster: RedisClust
             store_all(engine_a, keys)
             push(engine_a)
             now[0] += 0.049
-            requests = lookup.statistics().requests
+            requests = lookup.statistics().lookup_requests
             assert lookup_tiers(index, lookup, keys)[0].num_hits == 0  # kept: not asked
-            assert lookup.statistics().requests == requests
+            assert lookup.statistics().lookup_requests == requests
             now[0] += 0.002
             assert lookup_tiers(index, lookup, keys) == ((3, False, 0, 3), False)
-            assert lookup.statistics().requests == requests + 1
+            assert lookup.statistics().lookup_requests == requests + 1
             assert index.remote.count_of(keys[0]) == 1
         finally:
             lookup.shutdown()
@@ -453,14 +453,15 @@ def test_a_chunk_found_after_its_ask_gave_up_is_handed_to_the_next_ask_however_l
         now[0] += 1.0  # the next try, a second later (20 times ANSWER_SECONDS)
         assert lookup.ask(keys) == dict.fromkeys(keys, 1)
         stats = lookup.statistics()
-        assert (stats.requests, stats.keys_asked, stats.keys_found) == (1, 3, 3)
+        assert (stats.lookup_requests, stats.lookup_keys_asked, stats.lookup_keys_found) == \
+            (1, 3, 3)
         lookup.answered.clear()
         assert lookup.ask(keys) is None  # asked again (handed over: nothing kept), "not yet"
         assert lookup.answered.wait(30)
         now[0] += settings.mark_seconds + 1.0  # older than a mark is believed: asked again
         lookup.deadline_seconds = 30.0
         assert lookup.ask(keys) == dict.fromkeys(keys, 1)
-        assert lookup.statistics().requests == 3
+        assert lookup.statistics().lookup_requests == 3
     finally:
         lookup.shutdown()
 

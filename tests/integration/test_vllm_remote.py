@@ -185,8 +185,8 @@ def run_writer(args: dict[str, Any]) -> dict[str, Any]:
             "fingerprint": engine.fingerprint,
             "stores_planned": stats["stores_planned"], "stores_failed": stats["stores_failed"],
             "loads_remote": stats["loads_remote"],
-            "queued": pushed.queued, "pushed": pushed.pushed, "dropped": pushed.dropped,
-            "failed": pushed.failed}
+            "queued": pushed.pushes_queued, "pushed": pushed.pushes_pushed,
+            "dropped": pushed.pushes_dropped, "failed": pushed.pushes_failed}
 
 
 _CHILD = ("import json, sys, torch\n"
@@ -284,12 +284,12 @@ def test_two_engines_share_one_cluster(redis_cluster: RedisCluster, tmp_path: Pa
     # vLLM heard "not yet" while the lookup was in flight, a bounded number of times.
     assert stats["remote_not_yet"] < 200
     lookups = reader.side.remote.statistics()
-    assert lookups.keys_found == expected_chunks and lookups.errors == 0
+    assert lookups.lookup_keys_found == expected_chunks and lookups.lookup_errors == 0
     pusher = reader.pusher()
     reader.shutdown()
     # B loaded everything and computed no new full chunk: it pushed nothing, and the
     # cluster holds exactly A's values still.
-    assert pusher.statistics().queued == 0
+    assert pusher.statistics().pushes_queued == 0
     assert cluster_chunks(redis_cluster.url) == on_cluster
 
 
@@ -325,11 +325,12 @@ def test_another_model_or_salt_gets_no_remote_hits(redis_cluster: RedisCluster, 
         assert stats["loads_remote"] == stats["hit_tokens_remote"] == 0, name
         assert stats["remote_missing"] == stats["remote_corrupt"] == 0, name
         # It asked the cluster (so the zero is an answer, not silence) and found nothing.
-        assert lookups.keys_asked >= expected_chunks and lookups.keys_found == 0, name
-        assert lookups.errors == 0, name
+        assert lookups.lookup_keys_asked >= expected_chunks and lookups.lookup_keys_found == 0, \
+            name
+        assert lookups.lookup_errors == 0, name
         pusher = engine.pusher()
         engine.shutdown()
-        assert pusher.statistics().pushed == expected_chunks, name  # its own chunks
+        assert pusher.statistics().pushes_pushed == expected_chunks, name  # its own chunks
         fingerprints[name] = engine.fingerprint
 
     # The tenant shares A's namespace (its keys differ); the others each have their own.
@@ -431,9 +432,10 @@ def test_a_dead_cluster_never_fails_a_request(redis_cluster: RedisCluster, tmp_p
         shutdown_seconds = time.perf_counter() - started
         pushes = pusher.statistics()
         # Every stored chunk was offered to the push queue and failed quietly.
-        assert pushes.queued == stats["stores_planned"] - stats["stores_failed"] > 0
-        assert pushes.pushed == 0
-        assert pushes.failed + pushes.dropped + pushes.abandoned == pushes.queued
+        assert pushes.pushes_queued == stats["stores_planned"] - stats["stores_failed"] > 0
+        assert pushes.pushes_pushed == 0
+        assert pushes.pushes_failed + pushes.pushes_dropped + pushes.pushes_abandoned == \
+            pushes.pushes_queued
         assert shutdown_seconds < 10.0, shutdown_seconds
     errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
     assert errors == [], [record.getMessage() for record in errors]

@@ -15,8 +15,7 @@ from tierkv.engine.metrics import (GAUGE_KEYS, HIT_TOKENS, METRICS, PUSH_RESULTS
                                    collect_figures, is_gauge, remote_figures)
 from tierkv.engine.store_stats import LoadShortfall, PathStats, StoreStats
 from tierkv.tiers.disk.env import DiskStatistics
-from tierkv.tiers.remote.stats import (RemoteIOStatistics, RemoteLookupStatistics,
-                                       RemoteStatistics)
+from tierkv.tiers.remote.stats import RemoteStatistics, combined
 
 INDEX_COUNTERS = {
     "stores_planned", "stores_present", "stores_no_room", "stores_failed", "loads_cpu",
@@ -197,26 +196,8 @@ def test_the_per_path_figures_keep_their_names_and_count_one_job_each() -> None:
                                                                      PathStats)
 
 
-def test_the_remote_pushes_and_lookups_are_declared_on_records() -> None:
-    # remote_figures lists the pushes' reported counters: tierkv:remote_pushes{result=...}.
-    assert PUSH_RESULTS == ("pushed", "failed", "dropped", "abandoned")
-    counts = RemoteIOStatistics()
-    counts.pushed += 3
-    counts.dropped += 1
-    pushes = counts.snapshot(queue_bytes_now=7)
-    assert remote_figures([], pushes)["remote_pushes_pushed"] == 3
-    assert {key for key in remote_figures([], pushes) if key.startswith("remote_pushes_")} == \
-        {f"remote_pushes_{result}" for result in PUSH_RESULTS}
-    assert {f.name for f in figures(RemoteIOStatistics) if f.kind == "gauge"} == {"queue_bytes_now"}
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        pushes.pushed = 4
-    assert [f.name for f in figures(RemoteLookupStatistics)] == [
-        "asks", "not_yet", "requests", "keys_asked", "keys_found", "errors", "seconds"]
-    assert RemoteLookupStatistics(asks=2).snapshot().asks == 2
-
-
 def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
-    assert [f.name for f in figures(RemoteStatistics)] == [
+    assert [f.name for f in figures(RemoteStatistics)][:12] == [
         "puts", "already", "bytes_written", "reads", "hits", "misses", "corrupt", "errors",
         "skipped", "bytes_read", "calls", "breaker_opens"]
     counts = RemoteStatistics()
@@ -227,6 +208,31 @@ def test_the_remote_tiers_counters_are_declared_on_a_record() -> None:
     got = remote_figures([tier, tier])
     assert (got["remote_calls_ok"], got["remote_calls_skipped"]) == (4, 2)
     assert (got["remote_calls_timeout"], got["remote_breaker_open/n1"]) == (6, 1)
+    closed = counts.snapshot(breakers=(("n1", 0), ("n2", 0)), causes=(("refused", 1),))
+    both = combined([tier, closed])
+    assert both.breakers == (("n1", 1), ("n2", 0)) and both.calls == 4
+    assert both.causes == (("refused", 1), ("timeout", 3))
+
+
+def test_the_remote_pushes_and_lookups_count_on_the_remote_record() -> None:
+    # A lookup and a pusher keep a RemoteStatistics each (lookup_*, pushes_*); a field's
+    # figure is remote_<field>, and remote_figures lists the pushes' reported ones:
+    # tierkv:remote_pushes{result=...}.
+    assert PUSH_RESULTS == ("pushed", "failed", "dropped", "abandoned")
+    counts = RemoteStatistics()
+    counts.pushes_pushed += 3
+    counts.pushes_dropped += 1
+    pushes = counts.snapshot(pushes_queue_bytes=7)
+    lookups = RemoteStatistics(lookup_requests=2, lookup_asks=5).snapshot()
+    got = remote_figures([pushes, lookups])
+    assert (got["remote_pushes_pushed"], got["remote_lookup_requests"]) == (3, 2)
+    assert {key for key in got if key.startswith("remote_pushes_")} == \
+        {f"remote_pushes_{result}" for result in PUSH_RESULTS}
+    assert "remote_lookup_asks" not in got and "remote_pushes_queued" not in got  # kept only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pushes.pushes_pushed = 4
+    both = combined([pushes, lookups, pushes])
+    assert (both.pushes_pushed, both.pushes_queue_bytes, both.lookup_asks) == (6, 14, 5)
 
 
 def test_the_disk_tiers_counters_are_declared_on_records() -> None:
@@ -256,10 +262,20 @@ def test_both_entry_points_assemble_one_set_of_figures_with_one_name_each() -> N
 
 
 def test_records_are_few_and_each_snapshot_is_its_own_class() -> None:
-    # One record per object: no twin class declared for a snapshot.
+    # One record per object, at most 8 record classes (the remote tier's users count on its
+    # record), and no twin class declared for a snapshot.
+    import ast
+    from pathlib import Path
+
+    import tierkv
+
     records = {IndexStats, AdapterStats, TierStats, PathStats, LoadShortfall, StoreStats,
-               DiskStatistics, RemoteStatistics, RemoteLookupStatistics, RemoteIOStatistics}
-    assert all(issubclass(record, Record) for record in records)
+               DiskStatistics, RemoteStatistics}
+    declared = {node.name for path in Path(tierkv.__file__).parent.rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ClassDef)
+                and any(getattr(base, "id", None) == "Record" for base in node.bases)}
+    assert declared == {record.__name__ for record in records} and len(records) <= 8
     for record in records:
         frozen = record().snapshot(**{f.name: 0 for f in figures(record)
                                       if f.kind == "gauge" and f.key is None})

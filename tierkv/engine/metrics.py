@@ -41,8 +41,7 @@ from tierkv.core.stats import TIERS, AdapterStats, IndexStats
 from tierkv.engine.store_stats import PATHS, StoreStats
 from tierkv.extras import needs
 from tierkv.tiers.remote.health import CAUSES
-from tierkv.tiers.remote.stats import (RemoteIOStatistics, RemoteLookupStatistics,
-                                       RemoteStatistics)
+from tierkv.tiers.remote.stats import RemoteStatistics, combined
 from tierkv.tiers.remote.usage import ServerMemory
 
 PREFIX = "tierkv:"
@@ -66,8 +65,12 @@ class Metric:
 
 # The remote tier's calls by result, its pushes by fate, its values by the check they failed.
 REMOTE_RESULTS = ("ok", "skipped", *(cause.replace(" ", "_") for cause in CAUSES))
-PUSH_RESULTS = tuple(figure.name for figure in figures(RemoteIOStatistics)
-                     if figure.reported and figure.kind == "counter")
+# The remote record's figures of its users (a lookup's, the pushes'), reported as
+# remote_<field>: remote_lookup_requests, remote_pushes_pushed, ...
+USER_FIGURES = tuple(figure.name for figure in figures(RemoteStatistics) if figure.reported
+                     and figure.name.startswith(("lookup_", "pushes_")))
+PUSH_RESULTS = tuple(name.removeprefix("pushes_") for name in USER_FIGURES
+                     if name.startswith("pushes_"))
 VALUE_CHECKS = ("size", "type", "header", "checksum")
 BREAKER_OPEN = "remote_breaker_open/"  # + node: a dynamic gauge
 CONFIG_INFO = "config_info"
@@ -199,32 +202,25 @@ def metric_keys(metric: Metric, figures: Mapping[str, Any]) -> tuple[tuple[str, 
                  if key.startswith(metric.dynamic))
 
 
-def remote_figures(tiers: Sequence[Any], pushes: Any = None,
+def remote_figures(records: Sequence[RemoteStatistics],
                    breakers: bool = True) -> dict[str, float]:
-    """The remote tier's figures from the statistics of its tiers
-    (:class:`~tierkv.tiers.remote.stats.RemoteStatistics`: an engine's lookups and its loads and
-    pushes have a tier each) and its pushes (:class:`~tierkv.tiers.remote.pushes.
-    RemoteIOStatistics`): counters summed, a node's breaker open if any tier's is
-    (``breakers=False``: none of those gauges)."""
+    """The remote tier's figures from the statistics of the objects that use it (an
+    engine's lookups and its loads and pushes have a tier each; a lookup and a pusher count
+    their own, :func:`~tierkv.tiers.remote.stats.combined` sums them): a node's breaker
+    open if any tier's is (``breakers=False``: none of those gauges)."""
+    total = combined(records)
     out: dict[str, float] = dict.fromkeys(
         [f"remote_calls_{result}" for result in REMOTE_RESULTS]
-        + [f"remote_bad_values_{check}" for check in VALUE_CHECKS]
-        + ["remote_bytes_read", "remote_bytes_written"], 0)
-    for tier in tiers:
-        out["remote_calls_ok"] += tier.calls
-        out["remote_calls_skipped"] += tier.skipped
-        out["remote_bytes_read"] += tier.bytes_read
-        out["remote_bytes_written"] += tier.bytes_written
-        for cause, count in tier.causes:
-            out[f"remote_calls_{cause.replace(' ', '_')}"] += count
-        for check, count in tier.bad_values:
-            out[f"remote_bad_values_{check}"] += count
-        for node, state in tier.breakers if breakers else ():
-            key = BREAKER_OPEN + node
-            out[key] = max(out.get(key, 0), state)
-    if pushes is not None:
-        out.update((f"remote_pushes_{result}", count)
-                   for result, count in values(pushes, "counter").items())
+        + [f"remote_bad_values_{check}" for check in VALUE_CHECKS], 0)
+    out.update(remote_calls_ok=total.calls, remote_calls_skipped=total.skipped,
+               remote_bytes_read=total.bytes_read, remote_bytes_written=total.bytes_written)
+    for cause, count in total.causes:
+        out[f"remote_calls_{cause.replace(' ', '_')}"] += count
+    for check, count in total.bad_values:
+        out[f"remote_bad_values_{check}"] += count
+    for node, state in total.breakers if breakers else ():
+        out[BREAKER_OPEN + node] = state
+    out.update((f"remote_{name}", getattr(total, name)) for name in USER_FIGURES)
     return out
 
 
@@ -285,28 +281,23 @@ def remote_usage_figures(memory: ServerMemory | None, stored_chunk_bytes: int,
 def collect_figures(index: IndexStats, adapter: AdapterStats, *, chunk_bytes: int,
                     tokens_per_chunk: int, store: StoreStats | None = None,
                     durations: Mapping[str, Durations] | None = None,
-                    remote: Sequence[RemoteStatistics] = (),
-                    pushes: RemoteIOStatistics | None = None,
-                    lookups: RemoteLookupStatistics | None = None, breakers: bool = True,
+                    remote: Sequence[RemoteStatistics] = (), breakers: bool = True,
                     memory: ServerMemory | None = None, stored_chunk_bytes: int = 0,
                     ) -> dict[str, Any]:
     """The figures, by figure key, of both entry points: :meth:`TierKVStore.figures` and
     the vLLM scheduler side's ``statistics()`` (whose workers report the paths and the
     durations). The index's (counters and gauges) and the adapter's; the ``store``'s paths
-    and the jobs' ``durations`` (by figure key), if given; the ``remote`` tiers' (their
-    ``pushes``, a node's breaker unless not ``breakers``), the ``lookups``' requests and
-    errors; the usage gauges (``chunk_bytes``: a chunk on all ranks), the remote servers'
-    from their ``memory`` as last polled."""
+    and the jobs' ``durations`` (by figure key), if given; the ``remote`` records' (the
+    tiers', the lookup's, the pushes': :func:`remote_figures`; a node's breaker unless not
+    ``breakers``); the usage gauges (``chunk_bytes``: a chunk on all ranks), the remote
+    servers' from their ``memory`` as last polled."""
     out: dict[str, Any] = values(index)
     out.update(values(adapter))
     if store is not None:
         out.update(values(store))
     out.update(durations or {})
-    if lookups is not None:
-        out["remote_lookup_requests"] = lookups.requests
-        out["remote_lookup_errors"] = lookups.errors
     if remote:
-        out.update(remote_figures(remote, pushes, breakers))
+        out.update(remote_figures(remote, breakers))
     out.update(usage_figures(index, chunk_bytes, tokens_per_chunk))
     out.update(remote_usage_figures(memory, stored_chunk_bytes, tokens_per_chunk))
     return out

@@ -76,6 +76,7 @@ from tierkv.engine.tier_lookup import lookup_tiers
 from tierkv.errors import ClosedError, ConfigError, TierKVError, UsageError
 from tierkv.keys import Namespace
 from tierkv.tiers.disk.layout import StoreLayout
+from tierkv.tiers.remote.stats import RemoteStatistics, combined
 from tierkv.transfer.layout import KVLayout
 
 __all__ = ["LoadHandle", "LoadShortfall", "PathStats", "StoreStats",
@@ -371,18 +372,22 @@ class TierKVStore:
     def statistics(self) -> StoreStats:
         """A snapshot of the counters since the store opened: the index's (hits, evictions,
         "no room", corrupt chunks), bytes and seconds per path (``path["gpu_to_cpu"]``...),
-        the remote tier's (with its pushes and lookups), and the load shortfall by cause.
+        the remote tier's (``remote``: its calls, the lookups' and the pushes', summed over
+        the objects that use it, as the figures count them), and the load shortfall by cause.
 
         Never blocks on jobs and never changes anything; works after ``close()``. Raises
         :class:`UsageError` from another thread or a forked child."""
-        remote = None
-        if self._remote is not None and self._stack.remote is not None:
-            pusher = self.executor.pusher
-            remote = self._stack.remote.statistics().snapshot(
-                pushes=pusher.statistics() if pusher is not None else None,
-                lookups=self._remote.statistics())
-        return self._stats.snapshot(index=self.index.statistics(),
-                                    chunk_bytes=self.chunk_bytes, remote=remote)
+        records = self._remote_records()
+        return self._stats.snapshot(index=self.index.statistics(), chunk_bytes=self.chunk_bytes,
+                                    remote=combined(records) if records else None)
+
+    def _remote_records(self) -> list[RemoteStatistics]:
+        """The records of the loads' tier, the lookup's tier, the lookup and the pushes."""
+        remote, pusher = self._remote, self.executor.pusher
+        if remote is None or self._stack.remote is None:
+            return []
+        return [self._stack.remote.statistics(), remote.tier.statistics(), remote.statistics(),
+                *([] if pusher is None else [pusher.statistics()])]
 
     def figures(self) -> dict[str, float | Durations]:
         """The figures :mod:`tierkv.engine.metrics` exports (counters since the store opened,
@@ -390,15 +395,13 @@ class TierKVStore:
         (a Prometheus scrape): it only reads counters.
 
         Never blocks, never changes anything and never raises (after ``close()`` too)."""
-        remote, pusher = self._remote, self.executor.pusher
-        tiers = [] if remote is None or self._stack.remote is None else [
-            self._stack.remote.statistics(), remote.tier.statistics()]
+        remote = self._remote
         return collect_figures(
             self.index.statistics(), self._lookups, store=self._stats,
             durations={DURATION_KEY[PATH_NAMES[kind]]: taken
                        for kind, taken in self._durations.items()},
             chunk_bytes=self.chunk_bytes, tokens_per_chunk=self.tokens_per_chunk,
-            remote=tiers, pushes=pusher.statistics() if tiers and pusher is not None else None,
+            remote=self._remote_records(),
             memory=None if remote is None else remote.server_memory(),
             stored_chunk_bytes=0 if remote is None else remote.stored_chunk_bytes)
 

@@ -492,8 +492,8 @@ class SchedulerSide:
             self.index.statistics(), self.adapter.stats,
             chunk_bytes=self.geometry.chunk_bytes * self.geometry.world_size,
             tokens_per_chunk=self.geometry.tokens_per_chunk,
-            remote=[] if remote is None else [remote.tier.statistics()], breakers=False,
-            lookups=None if remote is None else remote.statistics(),
+            remote=[] if remote is None else [remote.tier.statistics(), remote.statistics()],
+            breakers=False,
             memory=None if remote is None else remote.server_memory(),
             stored_chunk_bytes=0 if remote is None else remote.stored_chunk_bytes)
 

@@ -230,8 +230,8 @@ class WorkerSide:
         counts = self.worker.statistics()
         if self._stack is not None and self._stack.remote is not None:  # tierkv:remote_*
             pusher = self._stack.executor.pusher
-            counts.update(remote_figures([self._stack.remote.statistics()],
-                                         pusher.statistics() if pusher is not None else None))
+            counts.update(remote_figures([self._stack.remote.statistics(),
+                                          *([] if pusher is None else [pusher.statistics()])]))
         out = since_last(counts, self._reported)
         self._reported = counts
         out.update(self.worker.take_durations())

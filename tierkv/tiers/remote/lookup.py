@@ -40,7 +40,7 @@ from tierkv.core.remote_marks import ANSWER_SECONDS
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.keys import KEY_BYTES, Part
 from tierkv.tiers.remote.format import redis_key, value_bytes
-from tierkv.tiers.remote.stats import RemoteLookupStatistics
+from tierkv.tiers.remote.stats import RemoteStatistics
 from tierkv.tiers.remote.tier import RemoteTier
 from tierkv.tiers.remote.usage import RemoteUsage, ServerMemory
 
@@ -70,7 +70,7 @@ class RemoteLookup:
         self._wanted: dict[bytes, None] = {}  # asked, not sent yet
         self._sent: set[bytes] = set()  # in the request in flight
         self._closed = False
-        self._counts = RemoteLookupStatistics()
+        self._counts = RemoteStatistics()  # lookup_* only (the tier counts its calls)
         self.usage = RemoteUsage(usage_seconds, clock)
         parts = self._part_sets[0]
         self.stored_chunk_bytes = parts[0].count * (value_bytes(tier.payload_bytes) + len(
@@ -87,7 +87,7 @@ class RemoteLookup:
         with self._cond:
             if self._closed:
                 raise ClosedError("remote lookup: used after shutdown()")
-            self._counts.asks += 1
+            self._counts.lookup_asks += 1
             answers, now = self._answers, self._clock()
             if answers and next(iter(answers.values()))[1] < now - ANSWER_SECONDS:
                 absent, found = now - ANSWER_SECONDS, now - self.tier.config.mark_seconds
@@ -106,7 +106,7 @@ class RemoteLookup:
                     break
                 self._cond.wait(left)
             if not done:
-                self._counts.not_yet += 1
+                self._counts.lookup_not_yet += 1
                 return None
             self._answers = {}
             return {key: count for key, (count, _) in answers.items()}
@@ -154,11 +154,11 @@ class RemoteLookup:
             while len(answers) > self.max_keys * 16:  # asks that gave up: the oldest go
                 del answers[next(iter(answers))]
             counts = self._counts
-            counts.requests += 1
-            counts.keys_asked += len(keys)
-            counts.keys_found += sum(count > 0 for count in part_counts)
-            counts.errors += failed
-            counts.seconds += time.perf_counter() - started
+            counts.lookup_requests += 1
+            counts.lookup_keys_asked += len(keys)
+            counts.lookup_keys_found += sum(count > 0 for count in part_counts)
+            counts.lookup_errors += failed
+            counts.lookup_seconds += time.perf_counter() - started
             self._sent = set()
             self._cond.notify_all()
 
@@ -170,7 +170,7 @@ class RemoteLookup:
                 self._cond.notify_all()
         return self.usage.last()
 
-    def statistics(self) -> RemoteLookupStatistics:
+    def statistics(self) -> RemoteStatistics:
         with self._cond:
             return self._counts.snapshot()
 

@@ -4,18 +4,19 @@ Primitives and contracts:
 
 - ``push(key, payload)`` copies ``payload`` into a queue bounded by ``queue_bytes`` and
   returns at once: True when queued, False when the queue had no room (the push is skipped
-  and counted as ``dropped``). It never waits on the network, whatever the server does. The
-  copy is what lets the caller reuse the slot at once.
+  and counted in ``pushes_dropped``). It never waits on the network, whatever the server
+  does. The copy is what lets the caller reuse the slot at once.
 - One thread sends what is queued in batches of up to ``batch`` chunks (one
   ``put_many``: one pipeline of ``SET NX`` per node, the nodes at once). The chunks of a
   batch the tier did not store (their node failed or stalled, a breaker skipped it, the
-  server refused them for want of memory) are counted as ``failed`` and dropped: the
-  remote tier is a cache; the other nodes' chunks are stored.
+  server refused them for want of memory) are counted in ``pushes_failed`` and dropped:
+  the remote tier is a cache; the other nodes' chunks are stored.
 - ``flush(timeout=None)`` waits until everything pushed so far was sent or dropped
   (True) or the timeout passed (False). ``shutdown(timeout)`` returns within ``timeout``
   seconds: it flushes while a batch in flight can still end in time (a batch's call ends
-  within ``tier.call_seconds(its bytes)``), then drops what is left (``abandoned``) and
-  stops the thread; idempotent. ``statistics()``.
+  within ``tier.call_seconds(its bytes)``), then drops what is left
+  (``pushes_abandoned``) and stops the thread; idempotent. ``statistics()``: the
+  ``pushes_*`` of a :class:`~tierkv.tiers.remote.stats.RemoteStatistics`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from tierkv.checks import check_int
 from tierkv.errors import ClosedError, TierKVError
 from tierkv.tiers.base import LowerTier
-from tierkv.tiers.remote.stats import RemoteIOStatistics
+from tierkv.tiers.remote.stats import RemoteStatistics
 
 logger = logging.getLogger("tierkv.remote")
 
@@ -48,7 +49,7 @@ class RemoteIO:
         self._queued_bytes = 0
         self._in_flight = 0
         self._closed = False
-        self._counts = RemoteIOStatistics()
+        self._counts = RemoteStatistics()  # pushes_* only (the tier counts its calls)
         self._thread = threading.Thread(target=self._main, name="tierkv-remote-push",
                                         daemon=True)
         self._thread.start()
@@ -60,11 +61,11 @@ class RemoteIO:
             if self._closed:
                 raise ClosedError("remote io: used after shutdown(); create a new RemoteIO")
             if self._queued_bytes + size > self.queue_bytes:
-                self._counts.dropped += 1
+                self._counts.pushes_dropped += 1
                 return False
             self._queue.append((bytes(key), bytes(memoryview(payload).cast("B"))))
             self._queued_bytes += size
-            self._counts.queued += 1
+            self._counts.pushes_queued += 1
             self._cond.notify_all()
         return True
 
@@ -86,9 +87,9 @@ class RemoteIO:
                 logger.exception("remote io: a batch of %d push(es) failed", len(items))
             with self._cond:
                 counts = self._counts
-                counts.pushed += written
-                counts.failed += len(items) - written
-                counts.bytes_pushed += written * self.tier.payload_bytes
+                counts.pushes_pushed += written
+                counts.pushes_failed += len(items) - written
+                counts.pushes_bytes += written * self.tier.payload_bytes
                 self._queued_bytes -= size
                 self._in_flight = 0
                 self._cond.notify_all()
@@ -117,12 +118,12 @@ class RemoteIO:
                            "seconds %.1f s per batch); dropped", len(self._queue), call)
         with self._cond:
             self._closed = True
-            self._counts.abandoned += len(self._queue)
+            self._counts.pushes_abandoned += len(self._queue)
             self._queued_bytes -= sum(len(payload) for _, payload in self._queue)
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(None if ends is None else max(ends - time.monotonic(), 0.0))
 
-    def statistics(self) -> RemoteIOStatistics:
+    def statistics(self) -> RemoteStatistics:
         with self._cond:
-            return self._counts.snapshot(queue_bytes_now=self._queued_bytes)
+            return self._counts.snapshot(pushes_queue_bytes=self._queued_bytes)

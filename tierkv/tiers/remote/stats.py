@@ -1,26 +1,30 @@
-"""What the remote tier and its users count, declared once (:mod:`tierkv.core.figures`),
-one record per object; each ``statistics()`` is its record's snapshot.
+"""What the remote tier and its users count, declared once (:mod:`tierkv.core.figures`):
+one record class, one record per object, each ``statistics()`` its record's snapshot.
 
-- :class:`RemoteStatistics`        :class:`~tierkv.tiers.remote.tier.RemoteTier`'s calls,
-  values and bytes (its snapshot: with the breakers' state and the failures by cause and
-  by value check; a store's: with the pushes and the lookups over the tier).
-- :class:`RemoteLookupStatistics`  :class:`~tierkv.tiers.remote.lookup.RemoteLookup`'s asks.
-- :class:`RemoteIOStatistics`      :class:`~tierkv.tiers.remote.pushes.RemoteIO`'s pushes.
+- :class:`RemoteStatistics` what :class:`~tierkv.tiers.remote.tier.RemoteTier` counts (its
+  calls, values and bytes; its snapshot: with the breakers' state and the failures by cause
+  and by value check), :class:`~tierkv.tiers.remote.lookup.RemoteLookup` (``lookup_*``, its
+  asks) and :class:`~tierkv.tiers.remote.pushes.RemoteIO` (``pushes_*``, its pushes). A
+  field's name is its figure's without ``remote_`` (``pushes_dropped`` is
+  ``remote_pushes_dropped``).
+- :func:`combined` the sum of several objects' records: a store's
+  ``statistics().remote``, and what the figures count.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierkv.core.figures import Record, counter, gauge
+from tierkv.core.figures import Record, counter, figures
 
 
 @dataclass(eq=False, kw_only=True)
 class RemoteStatistics(Record):
     """The counters since open and, in a snapshot, the fields below them. The labelled
     ones are not figures: ``remote_figures`` makes one figure per cause, check and node of
-    them (``remote_calls_<cause>``, ...). A store's ``statistics().remote`` also carries
-    the pushes and the lookups over the tier."""
+    them (``remote_calls_<cause>``, ...)."""
 
     puts: int = counter("Values stored")
     already: int = counter("Values another engine had stored (SET NX left them)")
@@ -35,42 +39,53 @@ class RemoteStatistics(Record):
     calls: int = counter("Calls that succeeded")
     breaker_opens: int = counter("Times a circuit breaker opened (the tier's NodeHealth "
                                  "counts them)")
+    # a lookup's (the scheduler side's questions)
+    lookup_asks: int = counter("Calls of the lookup's ask()", reported=False)
+    lookup_not_yet: int = counter("Asks answered None (the deadline passed)", reported=False)
+    lookup_requests: int = counter("Lookup pipelines sent (each at most one round trip per "
+                                   "node)")
+    lookup_keys_asked: int = counter("Keys the lookups asked of the remote tier",
+                                     reported=False)
+    lookup_keys_found: int = counter("Keys the remote tier had", reported=False)
+    lookup_errors: int = counter("Lookup requests the tier failed (their keys count as "
+                                 "absent)")
+    lookup_seconds: float = counter("Seconds spent in lookup requests", reported=False)
+    # the pushes' (by fate: tierkv:remote_pushes{result=...}; queued is their sum and those
+    # still queued, pushes_bytes what the tier's bytes_written counts)
+    pushes_queued: int = counter("Pushes accepted", reported=False)
+    pushes_pushed: int = counter("Chunks sent (already stored by another engine included)")
+    pushes_failed: int = counter("Chunks the tier did not store (a failed or skipped call, "
+                                 "a refusal)")
+    pushes_dropped: int = counter("Pushes skipped: the queue was full")
+    pushes_abandoned: int = counter("Chunks still queued at shutdown, never sent")
+    pushes_bytes: int = counter("Payload bytes of the chunks sent", reported=False)
+    pushes_queue_bytes: int = 0  # a snapshot's: payload bytes queued now
     cluster: bool = False  # the server is a Redis Cluster
     causes: tuple[tuple[str, int], ...] = ()  # failed calls by cause
     bad_values: tuple[tuple[str, int], ...] = ()  # value checks failed, by check
     breakers: tuple[tuple[str, int], ...] = ()  # per node: 1 open (or probing), 0 closed
-    pushes: RemoteIOStatistics | None = None  # a store's: None when remote.push="read_only"
-    lookups: RemoteLookupStatistics | None = None  # a store's: the lookups asked of it
 
 
-@dataclass(eq=False)
-class RemoteLookupStatistics(Record):
-    """The lookup's running counts; ``statistics()`` is their snapshot."""
-
-    asks: int = counter("Calls of ask()")
-    not_yet: int = counter("Asks answered None (the deadline passed)")
-    requests: int = counter("Pipelines sent (each at most one round trip per node)")
-    keys_asked: int = counter("Keys asked of the remote tier")
-    keys_found: int = counter("Keys the remote tier had")
-    errors: int = counter("Requests the tier failed (their keys count as absent)")
-    seconds: float = counter("Seconds spent in requests")
-
-
-@dataclass(eq=False, kw_only=True)
-class RemoteIOStatistics(Record):
-    """The pushes' running counts; ``statistics()`` is their snapshot, with the queue's
-    bytes. The reported ones are the pushes by fate (``tierkv:remote_pushes{result=...}``);
-    ``queued`` (their sum, and those still queued) and ``bytes_pushed`` (the tier's
-    ``bytes_written`` counts them) are kept, not reported."""
-
-    queued: int = counter("Pushes accepted", reported=False)
-    pushed: int = counter("Chunks sent (already stored by another engine included)")
-    failed: int = counter("Chunks the tier did not store (a failed or skipped call, a "
-                          "refusal)")
-    dropped: int = counter("Pushes skipped: the queue was full")
-    abandoned: int = counter("Chunks still queued at shutdown, never sent")
-    bytes_pushed: int = counter("Payload bytes of the chunks sent", reported=False)
-    queue_bytes_now: int = gauge("Payload bytes queued now")
+def combined(records: Sequence[RemoteStatistics]) -> RemoteStatistics:
+    """The sum of ``records`` (a tier's, a lookup's, a pusher's...), as a snapshot: the
+    counters and the queued bytes summed, the failures by cause and by check summed per
+    label, a node's breaker open if any record's is, a cluster if any record's is."""
+    out = RemoteStatistics()
+    causes: Counter[str] = Counter()
+    bad: Counter[str] = Counter()
+    breakers: dict[str, int] = {}
+    for record in records:
+        for figure in figures(RemoteStatistics):
+            setattr(out, figure.name, getattr(out, figure.name) + getattr(record, figure.name))
+        out.pushes_queue_bytes += record.pushes_queue_bytes
+        out.cluster = out.cluster or record.cluster
+        causes.update(dict(record.causes))
+        bad.update(dict(record.bad_values))
+        for node, state in record.breakers:
+            breakers[node] = max(breakers.get(node, 0), state)
+    return out.snapshot(causes=tuple(sorted(causes.items())),
+                        bad_values=tuple(sorted(bad.items())),
+                        breakers=tuple(sorted(breakers.items())))
 
 
-__all__ = ["RemoteIOStatistics", "RemoteLookupStatistics", "RemoteStatistics"]
+__all__ = ["RemoteStatistics", "combined"]
