@@ -17,8 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.test_remote_store import caches, config
 from tests.redis_cluster import HOST, RedisCluster, RedisServer
 from tierkv.config import RemoteTierConfig
-from tierkv.engine.metrics import (TierUsage, register_store_metrics, remote_usage_figures,
-                                   tier_usage)
+from tierkv.engine.metrics import TierUsage, register_store_metrics, remote_usage, usage_figures
 from tierkv.engine.store import TierKVStore
 from tierkv.keys import KEY_BYTES, Part
 from tierkv.tiers.remote.format import HEADER_BYTES, redis_key
@@ -88,11 +87,13 @@ def test_polls_follow_the_interval_and_an_unbounded_server_has_no_capacity(
         # Two parts of 4096 bytes, each with its 80-byte header and its key's name.
         key_bytes = len(redis_key(b"tierkv:", "ab" * 16, Part(0, 2), bytes(KEY_BYTES)))
         assert lookup.stored_chunk_bytes == 2 * (HEADER_BYTES + payload + key_bytes)
-        figures = remote_usage_figures(memory, lookup.stored_chunk_bytes, 32)
+        usage = remote_usage(memory, lookup.stored_chunk_bytes, 32)
+        assert usage == {"remote": TierUsage(
+            None, memory.used_bytes, None, memory.used_bytes // lookup.stored_chunk_bytes * 32)}
+        figures = usage_figures(usage)
         assert math.isnan(figures["remote_capacity_bytes"])
         assert math.isnan(figures["remote_capacity_tokens"])
-        assert tier_usage(figures) == {"remote": TierUsage(
-            None, memory.used_bytes, None, memory.used_bytes // lookup.stored_chunk_bytes * 32)}
+        assert figures["remote_used_bytes"] == memory.used_bytes
 
         measure[0].config_set("maxmemory", 64 * MiB)
         clock.now += 29.0  # not due yet: reading wakes nothing

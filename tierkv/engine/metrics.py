@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from tierkv.core.figures import figures, values
@@ -250,31 +250,54 @@ def config_info(settings: Any, **extra: str) -> dict[str, str]:
     return out
 
 
-def usage_figures(index: IndexStats, chunk_bytes: int, tokens_per_chunk: int) -> dict[str, int]:
-    """The usage gauges from the index's counts, in bytes and in tokens: each local tier's
-    capacity and what it holds (``chunk_bytes`` is one chunk on all ranks). The CPU tier
-    holds its used slots (chunks being stored or promoted included), the disk its chunks
-    on disk (spills in flight not yet)."""
-    chunks = {"cpu_used": index.num_slots - index.free_slots, "cpu_capacity": index.num_slots,
-              "disk_used": index.on_disk, "disk_capacity": index.disk_capacity}
-    out = {f"{name}_bytes": count * chunk_bytes for name, count in chunks.items()}
-    out.update((f"{name}_tokens", count * tokens_per_chunk) for name, count in chunks.items())
-    return out
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier's capacity and use, in bytes of KV (all ranks) and in tokens. The remote
+    tier's are its servers' as last polled, shared with other engines; its capacity is
+    None when unbounded (a primary without ``maxmemory``). Its figures (the usage gauges)
+    are ``<tier>_<field>``: ``cpu_used_bytes``, ``remote_capacity_tokens`` (NaN: None)."""
+
+    capacity_bytes: int | None
+    used_bytes: int
+    capacity_tokens: int | None
+    used_tokens: int
 
 
-def remote_usage_figures(memory: ServerMemory | None, stored_chunk_bytes: int,
-                         tokens_per_chunk: int) -> dict[str, float]:
-    """The remote tier's usage gauges from its servers' memory as last polled (none before
-    the first answer): bytes as the servers count them (every namespace's and other
-    data's), tokens as the whole chunks of ``stored_chunk_bytes`` (all parts, keys and
-    headers) they would hold; the capacity NaN when a primary has no ``maxmemory``."""
+def local_usage(index: IndexStats, chunk_bytes: int,
+                tokens_per_chunk: int) -> dict[str, TierUsage]:
+    """The CPU and disk tiers' usage from the index's counts (``chunk_bytes`` is one chunk
+    on all ranks). The CPU tier holds its used slots (chunks being stored or promoted
+    included), the disk its chunks on disk (spills in flight not yet)."""
+    return {tier: TierUsage(capacity * chunk_bytes, used * chunk_bytes,
+                            capacity * tokens_per_chunk, used * tokens_per_chunk)
+            for tier, used, capacity in (
+                ("cpu", index.num_slots - index.free_slots, index.num_slots),
+                ("disk", index.on_disk, index.disk_capacity))}
+
+
+def remote_usage(memory: ServerMemory | None, stored_chunk_bytes: int,
+                 tokens_per_chunk: int) -> dict[str, TierUsage]:
+    """The remote tier's usage from its servers' memory as last polled (none before the
+    first answer): bytes as the servers count them (every namespace's and other data's),
+    tokens as the whole chunks of ``stored_chunk_bytes`` (all parts, keys and headers)
+    they would hold."""
     if memory is None:
         return {}
+    def tokens(size: int) -> int:
+        return size // stored_chunk_bytes * tokens_per_chunk
+
+    most = memory.max_bytes
+    return {"remote": TierUsage(most, memory.used_bytes, None if most is None else tokens(most),
+                                tokens(memory.used_bytes))}
+
+
+def usage_figures(usage: Mapping[str, TierUsage]) -> dict[str, float]:
+    """The usage gauges of ``usage``: ``<tier>_<field>`` (NaN where a capacity is None)."""
     out: dict[str, float] = {}
-    for name, size in (("used", memory.used_bytes), ("capacity", memory.max_bytes)):
-        out[f"remote_{name}_bytes"] = math.nan if size is None else size
-        out[f"remote_{name}_tokens"] = math.nan if size is None else \
-            size // stored_chunk_bytes * tokens_per_chunk
+    for tier, each in usage.items():
+        for item in fields(TierUsage):
+            value = getattr(each, item.name)
+            out[f"{tier}_{item.name}"] = math.nan if value is None else value
     return out
 
 
@@ -298,33 +321,9 @@ def collect_figures(index: IndexStats, adapter: AdapterStats, *, chunk_bytes: in
     out.update(durations or {})
     if remote:
         out.update(remote_figures(remote, breakers))
-    out.update(usage_figures(index, chunk_bytes, tokens_per_chunk))
-    out.update(remote_usage_figures(memory, stored_chunk_bytes, tokens_per_chunk))
+    out.update(usage_figures({**local_usage(index, chunk_bytes, tokens_per_chunk),
+                              **remote_usage(memory, stored_chunk_bytes, tokens_per_chunk)}))
     return out
-
-
-@dataclass(frozen=True)
-class TierUsage:
-    """One tier's capacity and use, in bytes of KV (all ranks) and in tokens. The remote
-    tier's are its servers' as last polled, shared with other engines; its capacity is
-    None when unbounded (a primary without ``maxmemory``)."""
-
-    capacity_bytes: int | None
-    used_bytes: int
-    capacity_tokens: int | None
-    used_tokens: int
-
-
-def tier_usage(figures: Mapping[str, Any]) -> dict[str, TierUsage]:
-    """``{"cpu": ..., "disk": ..., "remote": ...}`` from the usage gauges of
-    :func:`usage_figures` and :func:`remote_usage_figures` (the tiers that have them)."""
-    def number(key: str) -> int | None:
-        value = figures[key]
-        return None if math.isnan(value) else int(value)
-
-    return {tier: TierUsage(number(f"{tier}_capacity_bytes"), int(figures[f"{tier}_used_bytes"]),
-                            number(f"{tier}_capacity_tokens"), int(figures[f"{tier}_used_tokens"]))
-            for tier in USAGE_TIERS if f"{tier}_used_bytes" in figures}
 
 
 @dataclass
@@ -435,4 +434,4 @@ def register_store_metrics(store: FigureSource, registry: Any = None,
 __all__ = ["CONFIG_INFO", "DURATION_BUCKETS", "Durations", "FigureSource", "METRICS", "Metric",
            "DURATION_KEY", "HIT_TOKENS", "PREFIX", "StoreCollector", "collect_figures", "config_info", "is_gauge",
            "metric_keys", "register_store_metrics", "remote_figures", "since_last",
-           "tier_usage", "TierUsage"]
+           "local_usage", "remote_usage", "TierUsage", "usage_figures"]

@@ -64,7 +64,7 @@ from tierkv.engine import store_exit
 from tierkv.engine.store_exit import one_caller
 from tierkv.engine.disk_start import DiskShare, FoundOnDisk, rebuild_index
 from tierkv.engine.metrics import (DURATION_KEY, Durations, TierUsage, collect_figures,
-                                   config_info, tier_usage)
+                                   config_info, local_usage, remote_usage)
 from tierkv.engine.stack import (build_index, build_remote_lookup, build_worker, library_part,
                                  short_id, start_line)
 from tierkv.engine.store_inputs import (block_set, build_namespace, check_keys, check_namespace,
@@ -410,7 +410,10 @@ class TierKVStore:
         etc.: ``"cpu"``, ``"disk"`` now; ``"remote"`` (once its servers answered) their
         whole memory as last polled (``remote.usage_seconds``; no network call here),
         capacity None if unbounded. Safe from another thread like :meth:`figures`; never raises."""
-        return tier_usage(self.figures())
+        remote = self._remote
+        return {**local_usage(self.index.statistics(), self.chunk_bytes, self.tokens_per_chunk),
+                **({} if remote is None else remote_usage(
+                    remote.server_memory(), remote.stored_chunk_bytes, self.tokens_per_chunk))}
 
     @one_caller
     def take_events(self, max_chunks: int | None = None) -> list[tuple[str, str, bytes]]:
