@@ -112,10 +112,8 @@ def run_engine(args: argparse.Namespace) -> int:
                       lookup_not_yet=remote.lookup_not_yet,
                       lookup_requests=remote.lookup_requests,
                       lookup_keys_found=remote.lookup_keys_found)
-        if remote.pushes_queued or remote.pushes_dropped:  # none: remote.push="read_only"
-            result.update(pushed=remote.pushes_pushed, push_dropped=remote.pushes_dropped,
-                          push_failed=remote.pushes_failed,
-                          mib_pushed=remote.pushes_bytes / (1 << 20))
+        result.update(pushed=remote.pushes_pushed, push_dropped=remote.pushes_dropped,
+                      push_failed=remote.pushes_failed, mib_pushed=remote.pushes_bytes / (1 << 20))
     args.result.write_text(json.dumps(result))
     return 0
 

@@ -292,7 +292,9 @@ def test_the_engine_with_a_stalled_master(cluster: RedisCluster, which: int) -> 
     assert slowest < TIMEOUT + SLACK, slowest  # 3-6 s a load before
     assert took < TIMEOUT + 2 * SLACK, took  # one deadline for all six loads
     assert max(steps) < TIMEOUT, steps
-    assert stats.remote is not None and stats.remote.breaker_opens == 1
+    # One opening per tier that met the stalled node, not one per load: the loads' tier
+    # and (its request took a deadline too) the lookup's.
+    assert stats.remote is not None and 1 <= stats.remote.breaker_opens <= 2
 
 
 def test_close_with_a_master_stalled_keeps_its_bound(cluster: RedisCluster) -> None:

@@ -229,6 +229,10 @@ def test_the_remote_pushes_and_lookups_count_on_the_remote_record() -> None:
     assert {key for key in got if key.startswith("remote_pushes_")} == \
         {f"remote_pushes_{result}" for result in PUSH_RESULTS}
     assert "remote_lookup_asks" not in got and "remote_pushes_queued" not in got  # kept only
+    # The vLLM scheduler side does no I/O: its workers report the pushes (and breakers).
+    scheduler = remote_figures([lookups], own_io=False)
+    assert scheduler["remote_lookup_requests"] == 2
+    assert not any(key.startswith("remote_pushes_") for key in scheduler)
     with pytest.raises(dataclasses.FrozenInstanceError):
         pushes.pushes_pushed = 4
     both = combined([pushes, lookups, pushes])

@@ -203,11 +203,12 @@ def metric_keys(metric: Metric, figures: Mapping[str, Any]) -> tuple[tuple[str, 
 
 
 def remote_figures(records: Sequence[RemoteStatistics],
-                   breakers: bool = True) -> dict[str, float]:
+                   own_io: bool = True) -> dict[str, float]:
     """The remote tier's figures from the statistics of the objects that use it (an
     engine's lookups and its loads and pushes have a tier each; a lookup and a pusher count
     their own, :func:`~tierkv.tiers.remote.stats.combined` sums them): a node's breaker
-    open if any tier's is (``breakers=False``: none of those gauges)."""
+    open if any tier's is. ``own_io=False`` (the vLLM scheduler side, whose workers load
+    and push and report those): no breaker gauges and no pushes."""
     total = combined(records)
     out: dict[str, float] = dict.fromkeys(
         [f"remote_calls_{result}" for result in REMOTE_RESULTS]
@@ -218,9 +219,10 @@ def remote_figures(records: Sequence[RemoteStatistics],
         out[f"remote_calls_{cause.replace(' ', '_')}"] += count
     for check, count in total.bad_values:
         out[f"remote_bad_values_{check}"] += count
-    for node, state in total.breakers if breakers else ():
+    for node, state in total.breakers if own_io else ():
         out[BREAKER_OPEN + node] = state
-    out.update((f"remote_{name}", getattr(total, name)) for name in USER_FIGURES)
+    out.update((f"remote_{name}", getattr(total, name)) for name in USER_FIGURES
+               if own_io or not name.startswith("pushes_"))
     return out
 
 
@@ -304,15 +306,14 @@ def usage_figures(usage: Mapping[str, TierUsage]) -> dict[str, float]:
 def collect_figures(index: IndexStats, adapter: AdapterStats, *, chunk_bytes: int,
                     tokens_per_chunk: int, store: StoreStats | None = None,
                     durations: Mapping[str, Durations] | None = None,
-                    remote: Sequence[RemoteStatistics] = (), breakers: bool = True,
+                    remote: Sequence[RemoteStatistics] = (), own_io: bool = True,
                     memory: ServerMemory | None = None, stored_chunk_bytes: int = 0,
                     ) -> dict[str, Any]:
     """The figures, by figure key, of both entry points: :meth:`TierKVStore.figures` and
     the vLLM scheduler side's ``statistics()`` (whose workers report the paths and the
     durations). The index's (counters and gauges) and the adapter's; the ``store``'s paths
     and the jobs' ``durations`` (by figure key), if given; the ``remote`` records' (the
-    tiers', the lookup's, the pushes': :func:`remote_figures`; a node's breaker unless not
-    ``breakers``); the usage gauges (``chunk_bytes``: a chunk on all ranks), the remote
+    tiers', the lookup's, the pushes': :func:`remote_figures`, ``own_io`` as there); the usage gauges (``chunk_bytes``: a chunk on all ranks), the remote
     servers' from their ``memory`` as last polled."""
     out: dict[str, Any] = values(index)
     out.update(values(adapter))
@@ -320,7 +321,7 @@ def collect_figures(index: IndexStats, adapter: AdapterStats, *, chunk_bytes: in
         out.update(values(store))
     out.update(durations or {})
     if remote:
-        out.update(remote_figures(remote, breakers))
+        out.update(remote_figures(remote, own_io))
     out.update(usage_figures({**local_usage(index, chunk_bytes, tokens_per_chunk),
                               **remote_usage(memory, stored_chunk_bytes, tokens_per_chunk)}))
     return out

@@ -493,7 +493,7 @@ class SchedulerSide:
             chunk_bytes=self.geometry.chunk_bytes * self.geometry.world_size,
             tokens_per_chunk=self.geometry.tokens_per_chunk,
             remote=[] if remote is None else [remote.tier.statistics(), remote.statistics()],
-            breakers=False,
+            own_io=False,
             memory=None if remote is None else remote.server_memory(),
             stored_chunk_bytes=0 if remote is None else remote.stored_chunk_bytes)
 

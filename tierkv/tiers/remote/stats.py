@@ -5,8 +5,8 @@ one record class, one record per object, each ``statistics()`` its record's snap
   calls, values and bytes; its snapshot: with the breakers' state and the failures by cause
   and by value check), :class:`~tierkv.tiers.remote.lookup.RemoteLookup` (``lookup_*``, its
   asks) and :class:`~tierkv.tiers.remote.pushes.RemoteIO` (``pushes_*``, its pushes). A
-  field's name is its figure's without ``remote_`` (``pushes_dropped`` is
-  ``remote_pushes_dropped``).
+  reported ``lookup_*`` or ``pushes_*`` field is the figure ``remote_<field>``
+  (``remote_pushes_dropped``); the tier's are named by ``remote_figures``.
 - :func:`combined` the sum of several objects' records: a store's
   ``statistics().remote``, and what the figures count.
 """
@@ -71,9 +71,7 @@ def combined(records: Sequence[RemoteStatistics]) -> RemoteStatistics:
     counters and the queued bytes summed, the failures by cause and by check summed per
     label, a node's breaker open if any record's is, a cluster if any record's is."""
     out = RemoteStatistics()
-    causes: Counter[str] = Counter()
-    bad: Counter[str] = Counter()
-    breakers: dict[str, int] = {}
+    causes, bad, breakers = Counter[str](), Counter[str](), dict[str, int]()
     for record in records:
         for figure in figures(RemoteStatistics):
             setattr(out, figure.name, getattr(out, figure.name) + getattr(record, figure.name))
