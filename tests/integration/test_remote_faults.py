@@ -113,7 +113,7 @@ def test_a_stalled_master_costs_one_deadline_then_its_chunks_fail_at_once(
         ["skipped"] * (len(stalled) - 1) + ["timeout"]
     assert slowest < TIMEOUT + SLACK, slowest  # one read: its deadline (4-6 s before)
     assert took < TIMEOUT + 2 * SLACK, took  # all 30: one deadline, not one per chunk
-    assert (stats.errors, stats.skipped, dict(stats.causes)) == \
+    assert (stats.errors, stats.calls_skipped, dict(stats.causes)) == \
         (1, len(stalled) - 1, {"timeout": 1})
     assert dict(stats.breakers)[f"{HOST}:{port}"] == 1
 
@@ -371,7 +371,7 @@ def test_a_key_of_another_type_is_a_corrupt_value_never_a_breaker_failure(
     tier = stats.remote
     check = "size" if kind == "empty string" else "type"
     assert (tier.corrupt, dict(tier.bad_values)) == (1, {check: 1})
-    assert (tier.errors, tier.skipped, tier.breaker_opens) == (0, 0, 0)
+    assert (tier.errors, tier.calls_skipped, tier.breaker_opens) == (0, 0, 0)
     assert stats.index.remote_corrupt == 1
     raw.close()
 

@@ -326,7 +326,7 @@ def test_the_breaker_skips_a_dead_server_fast_warns_once_and_probes_again(
             assert caplog.text.count("fails: connection refused") == 1
             assert "check that the node runs" in caplog.text
             stats = tier.statistics()
-            assert (stats.errors, stats.skipped, stats.breaker_opens) == (1, 5, 1)
+            assert (stats.errors, stats.calls_skipped, stats.breaker_opens) == (1, 5, 1)
             assert dict(stats.causes) == {"connection refused": 1}
             assert dict(stats.breakers)[f"127.0.0.1:{server.port}"] == 1
             server.start()  # same port; its data is gone (no persistence)
@@ -362,7 +362,7 @@ def test_other_failures_open_the_breaker_after_breaker_failures_in_a_row(
                 assert not info.value.skipped
             with pytest.raises(RemoteError, match="circuit breaker is open"):
                 tier.exists_many([key_of(1)])
-            assert (tier.statistics().errors, tier.statistics().skipped) == (3, 1)
+            assert (tier.statistics().errors, tier.statistics().calls_skipped) == (3, 1)
         # once as it starts failing, once as its breaker opens; not once per call
         assert caplog.text.count("fails: no permission") == 2
         assert "1 of remote.breaker_failures (3) failed calls in a row" in caplog.text

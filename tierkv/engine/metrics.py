@@ -65,11 +65,10 @@ class Metric:
 
 # The remote tier's calls by result, its pushes by fate, its values by the check they failed.
 REMOTE_RESULTS = ("ok", "skipped", *(cause.replace(" ", "_") for cause in CAUSES))
-# The remote record's figures of its users (a lookup's, the pushes'), reported as
-# remote_<field>: remote_lookup_requests, remote_pushes_pushed, ...
-USER_FIGURES = tuple(figure.name for figure in figures(RemoteStatistics) if figure.reported
-                     and figure.name.startswith(("lookup_", "pushes_")))
-PUSH_RESULTS = tuple(name.removeprefix("pushes_") for name in USER_FIGURES
+# The remote record's reported fields, each the figure remote_<field>: remote_calls_ok,
+# remote_lookup_requests, remote_pushes_pushed, ...
+REMOTE_FIGURES = tuple(figure.name for figure in figures(RemoteStatistics) if figure.reported)
+PUSH_RESULTS = tuple(name.removeprefix("pushes_") for name in REMOTE_FIGURES
                      if name.startswith("pushes_"))
 VALUE_CHECKS = ("size", "type", "header", "checksum")
 BREAKER_OPEN = "remote_breaker_open/"  # + node: a dynamic gauge
@@ -213,16 +212,14 @@ def remote_figures(records: Sequence[RemoteStatistics],
     out: dict[str, float] = dict.fromkeys(
         [f"remote_calls_{result}" for result in REMOTE_RESULTS]
         + [f"remote_bad_values_{check}" for check in VALUE_CHECKS], 0)
-    out.update(remote_calls_ok=total.calls, remote_calls_skipped=total.skipped,
-               remote_bytes_read=total.bytes_read, remote_bytes_written=total.bytes_written)
+    out.update((f"remote_{name}", getattr(total, name)) for name in REMOTE_FIGURES
+               if own_io or not name.startswith("pushes_"))
     for cause, count in total.causes:
         out[f"remote_calls_{cause.replace(' ', '_')}"] += count
     for check, count in total.bad_values:
         out[f"remote_bad_values_{check}"] += count
     for node, state in total.breakers if own_io else ():
         out[BREAKER_OPEN + node] = state
-    out.update((f"remote_{name}", getattr(total, name)) for name in USER_FIGURES
-               if own_io or not name.startswith("pushes_"))
     return out
 
 

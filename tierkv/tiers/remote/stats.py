@@ -5,8 +5,8 @@ one record class, one record per object, each ``statistics()`` its record's snap
   calls, values and bytes; its snapshot: with the breakers' state and the failures by cause
   and by value check), :class:`~tierkv.tiers.remote.lookup.RemoteLookup` (``lookup_*``, its
   asks) and :class:`~tierkv.tiers.remote.pushes.RemoteIO` (``pushes_*``, its pushes). A
-  reported ``lookup_*`` or ``pushes_*`` field is the figure ``remote_<field>``
-  (``remote_pushes_dropped``); the tier's are named by ``remote_figures``.
+  reported field is the figure ``remote_<field>`` (``calls_ok`` is ``remote_calls_ok``,
+  ``pushes_dropped`` is ``remote_pushes_dropped``).
 - :func:`combined` the sum of several objects' records: a store's
   ``statistics().remote``, and what the figures count.
 """
@@ -22,23 +22,26 @@ from tierkv.core.figures import Record, counter, figures
 
 @dataclass(eq=False, kw_only=True)
 class RemoteStatistics(Record):
-    """The counters since open and, in a snapshot, the fields below them. The labelled
-    ones are not figures: ``remote_figures`` makes one figure per cause, check and node of
-    them (``remote_calls_<cause>``, ...)."""
+    """The counters since open and, in a snapshot, the fields below them. A reported
+    counter is the figure ``remote_<field>``; the others are kept, not reported. The
+    labelled ones are not figures: ``remote_figures`` makes one figure per cause, check and
+    node of them (``remote_calls_<cause>``, ...)."""
 
-    puts: int = counter("Values stored")
-    already: int = counter("Values another engine had stored (SET NX left them)")
+    calls_ok: int = counter("Calls that succeeded")
+    calls_skipped: int = counter("Calls refused at once by an open circuit breaker")
     bytes_written: int = counter("Value bytes written to the remote tier")
-    reads: int = counter("Values asked for")
-    hits: int = counter("Values read and found good")
-    misses: int = counter("Values asked for and absent (or failed a check)")
-    corrupt: int = counter("Values that failed a check when read")
-    errors: int = counter("Calls that failed")
-    skipped: int = counter("Calls refused at once by an open circuit breaker")
     bytes_read: int = counter("Value bytes read from the remote tier (good or bad)")
-    calls: int = counter("Calls that succeeded")
+    puts: int = counter("Values stored", reported=False)
+    already: int = counter("Values another engine had stored (SET NX left them)",
+                           reported=False)
+    reads: int = counter("Values asked for", reported=False)
+    hits: int = counter("Values read and found good", reported=False)
+    misses: int = counter("Values asked for and absent (or failed a check)", reported=False)
+    corrupt: int = counter("Values that failed a check when read (reported by check)",
+                           reported=False)
+    errors: int = counter("Calls that failed (reported by cause)", reported=False)
     breaker_opens: int = counter("Times a circuit breaker opened (the tier's NodeHealth "
-                                 "counts them)")
+                                 "counts them)", reported=False)
     # a lookup's (the scheduler side's questions)
     lookup_asks: int = counter("Calls of the lookup's ask()", reported=False)
     lookup_not_yet: int = counter("Asks answered None (the deadline passed)", reported=False)

@@ -190,7 +190,7 @@ class RemoteTier(LowerTier):
     def _skip(self, what: str, node: str, kind: str, chunks: int) -> RemoteError:
         self._health.skipped(node, kind, chunks)
         with self._lock:
-            self._counts.skipped += 1
+            self._counts.calls_skipped += 1
         where, cause = self._health.blocked_cause(node)
         return RemoteError(f"{self._name}: {what} skipped: {who(where)} failed ({cause}) and its "
                            f"circuit breaker is open; it is probed again after "
@@ -239,7 +239,7 @@ class RemoteTier(LowerTier):
         if call is not None:
             self._health.answered(call.answered, whole=True)
         with self._lock:
-            self._counts.calls += 1
+            self._counts.calls_ok += 1
         return answer
 
     def _failed(self, cause: str, call: Any, late: bool = False) -> str | None:
