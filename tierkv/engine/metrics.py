@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from tierkv.core.figures import figures, values
@@ -282,6 +282,7 @@ def remote_usage(memory: ServerMemory | None, stored_chunk_bytes: int,
     they would hold."""
     if memory is None:
         return {}
+
     def tokens(size: int) -> int:
         return size // stored_chunk_bytes * tokens_per_chunk
 
@@ -292,12 +293,8 @@ def remote_usage(memory: ServerMemory | None, stored_chunk_bytes: int,
 
 def usage_figures(usage: Mapping[str, TierUsage]) -> dict[str, float]:
     """The usage gauges of ``usage``: ``<tier>_<field>`` (NaN where a capacity is None)."""
-    out: dict[str, float] = {}
-    for tier, each in usage.items():
-        for item in fields(TierUsage):
-            value = getattr(each, item.name)
-            out[f"{tier}_{item.name}"] = math.nan if value is None else value
-    return out
+    return {f"{tier}_{name}": math.nan if value is None else value
+            for tier, each in usage.items() for name, value in vars(each).items()}
 
 
 def collect_figures(index: IndexStats, adapter: AdapterStats, *, chunk_bytes: int,
@@ -310,8 +307,9 @@ def collect_figures(index: IndexStats, adapter: AdapterStats, *, chunk_bytes: in
     the vLLM scheduler side's ``statistics()`` (whose workers report the paths and the
     durations). The index's (counters and gauges) and the adapter's; the ``store``'s paths
     and the jobs' ``durations`` (by figure key), if given; the ``remote`` records' (the
-    tiers', the lookup's, the pushes': :func:`remote_figures`, ``own_io`` as there); the usage gauges (``chunk_bytes``: a chunk on all ranks), the remote
-    servers' from their ``memory`` as last polled."""
+    tiers', the lookup's, the pushes': :func:`remote_figures`, ``own_io`` as there); the
+    usage gauges (``chunk_bytes``: a chunk on all ranks), the remote servers' from their
+    ``memory`` as last polled."""
     out: dict[str, Any] = values(index)
     out.update(values(adapter))
     if store is not None:
