@@ -126,8 +126,8 @@ class ChunkWriter:
         buffers = tuple(as_buffer(p, self.chunk_bytes, f"chunk {key[:4].hex()}") for p in payloads)
         self._pending.append((bytes(key), buffers))
         self._queued.add(bytes(key))
-        if len(self._pending) >= max(1, self.config.write_batch_bytes // self.chunk_bytes):
-            self.flush()  # one whole write transaction (put_in_batches splits the same way)
+        if len(self._pending) >= self.tiers[0].per_txn(self.config.write_batch_bytes):
+            self.flush()  # whole write transactions only
         return self.full_message is None
 
     def flush(self) -> None:

@@ -7,10 +7,10 @@ It owns its state: the capacity, the disk order, the chunks on disk or being wri
 room. :class:`~tierkv.core.index.BlockIndex` holds one and calls it; it is given the
 index's entries (it sets their ``disk`` state, and forgets an entry that is left in no
 tier), the CPU policy (a spill moves a dirty chunk to the WRITING pool, out of the victim
-order, and back to CLEAN once written, or to DIRTY if not), the counters and the touched-keys list of events. It knows nothing of jobs:
-the index files a plan as a spill job and hands its keys back at completion. None of it is
-on the per-key hot path of lookups, stores or loads: a spill plan is made at most once per
-engine step.
+order, and back to CLEAN once written, or to DIRTY if not), the counters and the
+touched-keys list of events. It knows nothing of jobs: the index files a plan as a spill
+job and hands its keys back at completion. None of it is on the per-key hot path of
+lookups, stores or loads: a spill plan is made at most once per engine step.
 """
 
 from __future__ import annotations

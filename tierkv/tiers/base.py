@@ -140,11 +140,15 @@ class LowerTier(ABC):
     def put_many(self, items: Sequence[tuple[bytes, Any]],
                  deletes: Sequence[bytes] = ()) -> PutResult: ...
 
+    def per_txn(self, batch_bytes: int) -> int:
+        """Values per transaction of at most ``batch_bytes`` (:meth:`put_in_batches`)."""
+        return max(1, batch_bytes // self.payload_bytes)
+
     def put_in_batches(self, items: Sequence[tuple[bytes, Any]], batch_bytes: int, *,
                        stop_when_full: bool = False) -> Batches:
         """``put_many`` of ``items`` in transactions of at most ``batch_bytes``;
         ``stop_when_full``: none after one that found no room. See the module docstring."""
-        per_txn = max(1, batch_bytes // self.payload_bytes)
+        per_txn = self.per_txn(batch_bytes)
         done = Batches()
         for start in range(0, len(items), per_txn):
             try:
